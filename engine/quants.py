@@ -1,0 +1,307 @@
+"""Convert one GGUF tensor (``gguf.GGUFReader``'s ``ReaderTensor``) to MLX arrays.
+
+Block-quantized GGUF types whose blocks map onto MLX affine quantization with
+``group_size=32`` are repacked losslessly (no float round trip):
+
+============  ======================  =========================================
+GGUF type     GGUF formula            MLX affine triple (w = scale*q + bias)
+============  ======================  =========================================
+Q8_0          d*q, q int8             8-bit, q+128, scale d, bias -128d
+Q4_0          d*(q-8)                 4-bit, scale d, bias -8d
+Q4_1          d*q + m                 4-bit, scale d, bias m
+Q5_0          d*(q-16)                5-bit, scale d, bias -16d
+Q5_1          d*q + m                 5-bit, scale d, bias m
+Q4_K / Q5_K   d*sc*q - dmin*m         4/5-bit, scale d*sc, bias -dmin*m
+============  ======================  =========================================
+
+Q6_K, Q3_K and Q2_K use 16-element sub-blocks (MLX has no group size 16), so
+they are decoded with gguf-py's block decoders (``gguf.quants.Q6_K`` etc., the
+code behind ``gguf.quants.dequantize``) and requantized to 8-bit
+affine g32 with ``mx.quantize``.
+
+MLX packs quantized values as one little-endian bit stream per row: value i
+occupies bits [i*bits, (i+1)*bits) of the row, counting from bit 0 of word 0
+upwards.  For 5 bits that means values straddle uint32 words (8 values per
+40 bits = 5 bytes); this was established by dequantizing single-bit words and
+is checked again by the tests.
+
+Shapes follow MLX: a GGUF tensor of GGUF shape [ne0, ne1] (ne0 contiguous,
+= input width) becomes (ne1, ne0) = (out, in).  Quantized weights are
+(out, in*bits/32) uint32 with scales/biases (out, in/32).  1-D tensors stay 1-D
+(a 1-D block-quantized tensor, which real files do not contain, is dequantized
+to dense).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+__all__ = ["MlxTensor", "UnsupportedTensorType", "convert_tensor", "summarize"]
+
+GROUP_SIZE = 32
+QK_K = 256
+
+T = GGMLQuantizationType
+
+
+@dataclass
+class MlxTensor:
+    weight: mx.array  # dense (dtype = requested dtype) or packed uint32 when quantized
+    scales: mx.array | None  # (out, in/32), requested dtype
+    biases: mx.array | None
+    bits: int | None  # 4, 5, 8 when quantized
+    group_size: int | None  # 32
+    note: str  # e.g. "Q4_K -> 4-bit affine g32 (exact)"
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+
+class UnsupportedTensorType(ValueError):
+    """Raised for a GGUF tensor type Strata cannot convert."""
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(n, 2) uint8 (possibly a strided view) -> (n,) float32."""
+    return np.ascontiguousarray(b).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _pack_4bit_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF stores 32 4-bit values of a group as 16 bytes: low nibbles are values
+    0..15, high nibbles values 16..31.  MLX wants byte k = v[2k] | v[2k+1] << 4.
+    ``a``/``b`` are the even/odd source bytes; returns the MLX bytes for values
+    0..15 (from the low nibbles) and 16..31 (from the high nibbles)."""
+    lo = (a & 0x0F) | (b << 4)
+    hi = (a >> 4) | (b & 0xF0)
+    return lo, hi
+
+
+def _pack_5bit(q: np.ndarray) -> np.ndarray:
+    """q: uint8 values < 32, size divisible by 8 -> uint8 bytes (-1, 5), 5 bytes per
+    8 values, LSB-first bit stream (MLX's 5-bit layout)."""
+    v = q.reshape(-1, 8)
+    v0, v1, v2, v3, v4, v5, v6, v7 = (v[:, i] for i in range(8))
+    out = np.empty((len(v), 5), np.uint8)
+    # uint8 shifts drop the bits that move into the next byte, as intended
+    out[:, 0] = v0 | (v1 << 5)
+    out[:, 1] = (v1 >> 3) | (v2 << 2) | (v3 << 7)
+    out[:, 2] = (v3 >> 1) | (v4 << 4)
+    out[:, 3] = (v4 >> 4) | (v5 << 1) | (v6 << 6)
+    out[:, 4] = (v6 >> 2) | (v7 << 3)
+    return out
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 12-byte 6-bit scales/mins of Q4_K/Q5_K -> (n, 8), (n, 8) uint8."""
+    s = np.ascontiguousarray(scales).reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+# Each repacker takes blocks (n_blocks, type_size) uint8 and returns
+# (packed bytes (n_blocks, block_size*bits/8) uint8 in MLX order,
+#  scales float32 (n_blocks * block_size/32,), biases float32 (same)).
+
+
+def _repack_q8_0(blk):
+    d = _f16(blk[:, 0:2])
+    q = blk[:, 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128 as uint8
+    return q, d, -128.0 * d
+
+
+def _repack_q4_0(blk):
+    d = _f16(blk[:, 0:2])
+    qs = blk[:, 2:18]
+    lo, hi = _pack_4bit_pairs(qs[:, 0::2], qs[:, 1::2])
+    return np.concatenate([lo, hi], axis=1), d, -8.0 * d
+
+
+def _repack_q4_1(blk):
+    d = _f16(blk[:, 0:2])
+    m = _f16(blk[:, 2:4])
+    qs = blk[:, 4:20]
+    lo, hi = _pack_4bit_pairs(qs[:, 0::2], qs[:, 1::2])
+    return np.concatenate([lo, hi], axis=1), d, m
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: qh (n, 4) bytes = little-endian uint32 of high bits, qs (n, 16)."""
+    high = np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")  # (n, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    return low | (high << 4)
+
+
+def _repack_q5_0(blk):
+    d = _f16(blk[:, 0:2])
+    q = _q5_values(blk[:, 2:6], blk[:, 6:22])
+    return _pack_5bit(q).reshape(len(blk), 20), d, -16.0 * d
+
+
+def _repack_q5_1(blk):
+    d = _f16(blk[:, 0:2])
+    m = _f16(blk[:, 2:4])
+    q = _q5_values(blk[:, 4:8], blk[:, 8:24])
+    return _pack_5bit(q).reshape(len(blk), 20), d, m
+
+
+def _k_scales(blk):
+    d = _f16(blk[:, 0:2])[:, None]
+    dmin = _f16(blk[:, 2:4])[:, None]
+    sc, mn = _k_scale_min(blk[:, 4:16])
+    return (d * sc.astype(np.float32)).ravel(), (-(dmin * mn.astype(np.float32))).ravel()
+
+
+def _repack_q4_k(blk):
+    n = len(blk)
+    scales, biases = _k_scales(blk)
+    qs = blk[:, 16:144].reshape(n, 4, 32)  # chunk i: low nibbles = sub-block 2i, high = 2i+1
+    lo, hi = _pack_4bit_pairs(qs[:, :, 0::2], qs[:, :, 1::2])  # (n, 4, 16) each
+    packed = np.stack([lo, hi], axis=2).reshape(n, 128)
+    return packed, scales, biases
+
+
+def _repack_q5_k(blk):
+    n = len(blk)
+    scales, biases = _k_scales(blk)
+    qh = blk[:, 16:48]  # bit j of qh[k] = high bit of element 32*j + k
+    qs = blk[:, 48:176].reshape(n, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    q = low | (high << 4)
+    return _pack_5bit(q).reshape(n, 160), scales, biases
+
+
+_EXACT = {
+    T.Q8_0: (8, _repack_q8_0),
+    T.Q4_0: (4, _repack_q4_0),
+    T.Q4_1: (4, _repack_q4_1),
+    T.Q5_0: (5, _repack_q5_0),
+    T.Q5_1: (5, _repack_q5_1),
+    T.Q4_K: (4, _repack_q4_k),
+    T.Q5_K: (5, _repack_q5_k),
+}
+
+_REQUANT = {T.Q6_K, T.Q3_K, T.Q2_K}
+_REQUANT_BITS = 8
+_REQUANT_CHUNK = 1 << 20  # values decoded per step
+
+_DENSE = {T.F32, T.F16, T.BF16}
+
+
+# ---------------------------------------------------------------------------
+# public API
+
+
+def _type_name(t) -> str:
+    try:
+        return GGMLQuantizationType(int(t.tensor_type)).name
+    except ValueError:
+        return f"type {int(t.tensor_type)}"
+
+
+def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
+    """Convert a ``gguf.ReaderTensor`` to MLX arrays (see module docstring)."""
+    name = t.name
+    try:
+        qtype = GGMLQuantizationType(int(t.tensor_type))
+    except ValueError:
+        qtype = None
+    if qtype is None or (qtype not in _DENSE and qtype not in _EXACT and qtype not in _REQUANT):
+        raise UnsupportedTensorType(
+            f"tensor '{name}' has type {_type_name(t)}, which Strata cannot read"
+        )
+
+    shape = tuple(int(x) for x in reversed(list(t.shape)))  # MLX order
+    data = np.asarray(t.data)
+    dname = _dtype_name(dtype)
+
+    if qtype in _DENSE:
+        if qtype == T.BF16:
+            raw = np.ascontiguousarray(data).view(np.uint16).reshape(shape)
+            arr = mx.array(raw).view(mx.bfloat16)
+        else:
+            arr = mx.array(data.reshape(shape))
+        if arr.dtype != dtype:
+            arr = arr.astype(dtype)
+        same = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}[qtype] == dtype
+        note = qtype.name if same else f"{qtype.name} -> {dname}"
+        return MlxTensor(arr, None, None, None, None, note)
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    in_features = shape[-1]
+    if in_features % block_size:
+        raise ValueError(f"tensor '{name}': row width {in_features} is not a multiple of {block_size}")
+    blocks = data.reshape(-1, type_size)
+
+    if len(shape) < 2:
+        # No real model has these; keep 1-D tensors 1-D by dequantizing.
+        dense = gguf_quants.dequantize(blocks, qtype).reshape(shape)
+        return MlxTensor(mx.array(dense).astype(dtype), None, None, None, None,
+                         f"{qtype.name} -> {dname} (dequantized 1-D)")
+
+    lead = shape[:-1]
+    n_groups_row = in_features // GROUP_SIZE
+
+    if qtype in _EXACT:
+        bits, repack = _EXACT[qtype]
+        packed, scales, biases = repack(blocks)
+        words = np.ascontiguousarray(packed).reshape(-1, in_features * bits // 8).view(np.uint32)
+        weight = mx.array(words.reshape(*lead, in_features * bits // 32))
+        s = scales.astype(np.float32, copy=False).reshape(*lead, n_groups_row)
+        b = biases.astype(np.float32, copy=False).reshape(*lead, n_groups_row)
+        exact = "exact"
+        if dtype != mx.float32:
+            ms, mb = mx.array(s).astype(dtype), mx.array(b).astype(dtype)
+            if not (np.array_equal(np.array(ms.astype(mx.float32)), s)
+                    and np.array_equal(np.array(mb.astype(mx.float32)), b)):
+                exact = f"scales rounded to {dname}"
+        else:
+            ms, mb = mx.array(s), mx.array(b)
+        return MlxTensor(weight, ms, mb, bits, GROUP_SIZE,
+                         f"{qtype.name} -> {bits}-bit affine g{GROUP_SIZE} ({exact})")
+
+    # Q6_K / Q3_K / Q2_K: 16-element sub-blocks -> decode, requantize to 8-bit g32.
+    # gguf's block decoder is vectorised; calling it on row chunks of ~1M values is
+    # ~3x faster than gguf.quants.dequantize (16 rows per call) and bounds the
+    # float32 temporaries.  Identical results (checked by the tests).
+    decode = getattr(gguf_quants, qtype.name).dequantize_blocks  # gguf.quants.Q6_K etc.
+    rows = blocks.reshape(-1, in_features // block_size * type_size)
+    step = max(1, _REQUANT_CHUNK // in_features)
+    ws, ss, bs = [], [], []
+    for r0 in range(0, len(rows), step):
+        chunk = rows[r0:r0 + step]
+        dense = decode(chunk.reshape(-1, type_size)).reshape(len(chunk), in_features)
+        w, s, b = mx.quantize(mx.array(dense), group_size=GROUP_SIZE, bits=_REQUANT_BITS)
+        mx.eval(w, s, b)
+        ws.append(w), ss.append(s), bs.append(b)
+    w, s, b = (x[0] if len(x) == 1 else mx.concatenate(x, axis=0) for x in (ws, ss, bs))
+    w = w.reshape(*lead, in_features * _REQUANT_BITS // 32)
+    s, b = s.reshape(*lead, n_groups_row), b.reshape(*lead, n_groups_row)
+    if dtype != mx.float32:
+        s, b = s.astype(dtype), b.astype(dtype)
+    return MlxTensor(w, s, b, _REQUANT_BITS, GROUP_SIZE,
+                     f"{qtype.name} -> {_REQUANT_BITS}-bit affine g{GROUP_SIZE} (requantized)")
+
+
+def summarize(notes: Iterable[str]) -> str:
+    """One log line with counts per conversion, most frequent first."""
+    counts = Counter(notes)
+    return ", ".join(f"{n} x {note}" for note, n in counts.most_common())
