@@ -1,0 +1,227 @@
+"""Steering the residual stream: one dispatch function and the block wrapper.
+
+``steer(h, vec, scale, mode)`` is the only entry point for the operation; it picks
+* the Metal kernel (shaders/cvec.metal via ``mx.fast.metal_kernel``) when ``mx.metal.is_available()``;
+* otherwise the portable path: plain MLX ops under ``mx.compile`` (the reference; it runs on CPU,
+  and on MLX's CUDA backend these same ops run on the GPU, so no CUDA twin is written).
+Callers never learn which ran; ``active_backend()`` exists for the log and the bench only.
+
+    add:     h + s d
+    project: h - s (h.v) v      (v a unit vector; s = 1 removes the component, s = 2 reflects it)
+
+``h`` is (B, L, D) or (L, D) (any leading shape), float32, float16 or bfloat16; the dot product
+and the update are computed in float32 and the result is cast back to ``h.dtype``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.paths import bundle_root
+
+SHADER_NAME = "cvec.metal"
+KERNEL_NAME = "strata_cvec"
+INPUT_NAMES = ("h", "vec", "scale")
+OUTPUT_NAMES = ("out",)
+
+
+def shaders_dir() -> Path:
+    """The repo's shaders/ (or PyInstaller's unpack dir's shaders/ when frozen: engine.paths.bundle_root)."""
+    return bundle_root() / "shaders"
+
+
+def _read_shader() -> str | None:
+    try:
+        return (shaders_dir() / SHADER_NAME).read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+CVEC_METAL_SOURCE: str | None = _read_shader()  # read at import
+
+
+# --------------------------------------------------------------------------------------------
+# Portable path: the reference.
+# --------------------------------------------------------------------------------------------
+def _add_ref(h: mx.array, d: mx.array, s: mx.array) -> mx.array:
+    hf = h.astype(mx.float32)
+    return (hf + s * d).astype(h.dtype)
+
+
+def _project_ref(h: mx.array, v: mx.array, s: mx.array) -> mx.array:
+    hf = h.astype(mx.float32)
+    dot = mx.sum(hf * v, axis=-1, keepdims=True)
+    return (hf - (s * dot) * v).astype(h.dtype)
+
+
+_add_compiled = mx.compile(_add_ref)
+_project_compiled = mx.compile(_project_ref)
+
+
+def _steer_portable(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
+    s = mx.array(scale, dtype=mx.float32)
+    v = vec.astype(mx.float32)
+    return _add_compiled(h, v, s) if mode == "add" else _project_compiled(h, v, s)
+
+
+# --------------------------------------------------------------------------------------------
+# Metal kernel. Construction (metal_kernel_spec) and call arguments (metal_call_args) are plain
+# data so they can be inspected on a machine without Metal; only the call itself needs a GPU.
+# --------------------------------------------------------------------------------------------
+def metal_kernel_spec() -> dict:
+    """Keyword arguments for ``mx.fast.metal_kernel`` (documented names)."""
+    if CVEC_METAL_SOURCE is None:
+        raise RuntimeError(f"{SHADER_NAME} not found in {shaders_dir()}")
+    return dict(
+        name=KERNEL_NAME,
+        input_names=list(INPUT_NAMES),
+        output_names=list(OUTPUT_NAMES),
+        source=CVEC_METAL_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+
+def threads_per_row(d: int) -> int:
+    """Threads per threadgroup (= per row): a multiple of 32 (the simd width), at most 256."""
+    return max(32, min(256, (d + 31) // 32 * 32))
+
+
+def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str) -> dict:
+    """Keyword arguments for calling the kernel object (documented names: inputs, template,
+    grid, threadgroup, output_shapes, output_dtypes). ``grid`` counts threads (dispatchThreads)."""
+    d = int(h.shape[-1])
+    rows = h.size // d if d else 0
+    tg = threads_per_row(d)
+    return dict(
+        inputs=[h, vec.astype(mx.float32), mx.array([scale], dtype=mx.float32)],
+        template=[("T", h.dtype), ("D", d), ("TG", tg), ("PROJECT", mode == "project")],
+        grid=(rows * tg, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[tuple(h.shape)],
+        output_dtypes=[h.dtype],
+    )
+
+
+_metal_kernel = None
+
+
+def _get_metal_kernel():
+    global _metal_kernel
+    if _metal_kernel is None:
+        _metal_kernel = mx.fast.metal_kernel(**metal_kernel_spec())
+    return _metal_kernel
+
+
+def _steer_metal(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
+    return _get_metal_kernel()(**metal_call_args(h, vec, scale, mode))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch.
+# --------------------------------------------------------------------------------------------
+def _metal_usable() -> bool:
+    try:
+        return bool(mx.metal.is_available()) and CVEC_METAL_SOURCE is not None
+    except Exception:
+        return False
+
+
+def active_backend() -> str:
+    """'metal' or 'portable' (for the log and the bench only)."""
+    return "metal" if _metal_usable() else "portable"
+
+
+def steer(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
+    if mode not in ("add", "project"):
+        raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
+    if h.ndim < 1 or h.shape[-1] != vec.shape[-1] or vec.ndim != 1:
+        raise ValueError(f"steering: h {tuple(h.shape)} and vec {tuple(vec.shape)} widths differ")
+    if h.size == 0:
+        return h
+    if _metal_usable():
+        return _steer_metal(h, vec, scale, mode)
+    return _steer_portable(h, vec, scale, mode)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-request switch and the block wrapper.
+# --------------------------------------------------------------------------------------------
+class SteeringState:
+    """Shared by every SteeredLayer of a model: flip ``enabled`` per request.
+
+    Off (or no vector): the wrappers return the block output untouched, no extra op."""
+
+    __slots__ = ("enabled", "vector")
+
+    def __init__(self, vector=None, enabled: bool = False):
+        self.vector = vector
+        self.enabled = enabled
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.vector is not None
+
+    def fingerprint(self) -> str:
+        """Cache identity: '' when off, the vector's fingerprint when on (K/V computed with the
+        vector on must never be reused with it off, nor the other way round)."""
+        return self.vector.fingerprint() if self.active else ""
+
+
+class SteeredLayer(nn.Module):
+    """Wraps ``model.model.layers[i]``: calls it, then steers its output when the state says so.
+
+    The block stays a child module (its parameters appear under ``block.``), so install after
+    the weights are loaded. Attribute reads the wrapper does not know (``use_sliding``, ...) go
+    to the block. The switch is read at call time: do not ``mx.compile`` a forward that
+    contains wrappers unless the state is fixed for that compiled function."""
+
+    def __init__(self, block: nn.Module, index: int, state: SteeringState):
+        super().__init__()
+        self.block = block
+        self.layer_index = int(index)
+        self.steering_state = state
+
+    def __getattr__(self, key):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if key != "block" and "block" in self:
+                return getattr(self["block"], key)
+            raise
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.block(x, *args, **kwargs)
+        st = self.steering_state
+        if not st.enabled or st.vector is None:
+            return out
+        return st.vector.apply(out, self.layer_index)
+
+
+def _layers_owner(model: nn.Module):
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list):
+        return inner
+    if isinstance(getattr(model, "layers", None), list):
+        return model
+    raise TypeError("install: the model keeps no list of blocks at model.model.layers or model.layers")
+
+
+def install(model: nn.Module, state: SteeringState) -> None:
+    """Wrap every block in place (idempotent: an installed model gets the new state)."""
+    owner = _layers_owner(model)
+    layers = owner.layers
+    for i, block in enumerate(layers):
+        if isinstance(block, SteeredLayer):
+            block.steering_state = state
+        else:
+            layers[i] = SteeredLayer(block, i, state)
+
+
+def uninstall(model: nn.Module) -> None:
+    owner = _layers_owner(model)
+    layers = owner.layers
+    for i, block in enumerate(layers):
+        if isinstance(block, SteeredLayer):
+            layers[i] = block.block
