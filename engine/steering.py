@@ -14,12 +14,11 @@ and the update are computed in float32 and the result is cast back to ``h.dtype`
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from engine.paths import bundle_root
 
 SHADER_NAME = "cvec.metal"
 KERNEL_NAME = "strata_cvec"
@@ -28,8 +27,11 @@ OUTPUT_NAMES = ("out",)
 
 
 def shaders_dir() -> Path:
-    """The repo's shaders/ (or PyInstaller's unpack dir's shaders/ when frozen: engine.paths.bundle_root)."""
-    return bundle_root() / "shaders"
+    """shaders/ at the repo root, or in PyInstaller's unpack dir (sys._MEIPASS) when frozen
+    (the same rule as engine.paths.bundle_root)."""
+    frozen = getattr(sys, "_MEIPASS", None)
+    root = Path(frozen) if frozen else Path(__file__).resolve().parent.parent
+    return root / "shaders"
 
 
 def _read_shader() -> str | None:
