@@ -1,0 +1,191 @@
+"""`strata` command line: generate, replay, serve, models, cvec. Bad input exits 2 with one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import StrataError
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="GGUF path or a name in the models folder")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 8192)")
+    p.add_argument("--conversation-cache-mib", type=int, default=1024,
+                   help="RAM for parked conversations' K/V (0 = off)")
+    p.add_argument("--conversation-cache-slots", type=int, default=4)
+    p.add_argument("--control-vector", action="append", default=[], metavar="FILE")
+    p.add_argument("--control-vector-scaled", action="append", default=[], metavar="FILE:SCALE")
+    p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))
+    p.add_argument("--cvec-mode", choices=("add", "project"), default="add")
+    p.add_argument("--cvec-dir", default="per-layer", help="per-layer | single:L")
+    p.add_argument("--speed-projection", choices=("on", "off"), default="on",
+                   help="apply the loaded control vector to requests (default on)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
+
+
+def engine_options(args):
+    from .control_vector import SteeringConfig
+    from .engine import EngineOptions
+    from .models import default_model_path
+    files = [(f, 1.0) for f in args.control_vector]
+    files += [SteeringConfig.parse_scaled(s) for s in args.control_vector_scaled]
+    steering = None
+    if files:
+        steering = SteeringConfig(files=tuple(files), mode=args.cvec_mode, direction=args.cvec_dir,
+                                  layer_range=tuple(args.control_vector_layer_range)
+                                  if args.control_vector_layer_range else None)
+    return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
+                         cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
+                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype)
+
+
+def start_engine(args):
+    """An engine with the model loaded, or StrataError with the load's own message."""
+    from .engine import Engine, Status
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    engine = Engine(engine_options(args)).start()
+    status = engine.call(Status())
+    if status["model"] is None:
+        # The initial load failed: load again through a request to get its message.
+        from .engine import LoadModel
+        engine.call(LoadModel(engine.options.model, engine.options.steering))
+    return engine
+
+
+def cmd_generate(args) -> int:
+    from .engine import GenerateRequest, RestoreSession, SaveSession
+    from .events import Done, Failed, Token
+    from .sampling import SamplingParams
+    engine = start_engine(args)
+    out: dict = {}
+    if args.restore_session:
+        r = engine.call(RestoreSession(args.restore_session))
+        out["restore_ms"] = r["restore_ms"]
+    messages = None
+    if not args.raw:
+        messages = []
+        if args.restore_session:
+            messages = list(engine.live.messages)   # the restored conversation continues
+        if args.system:
+            messages = [m for m in messages if m["role"] != "system"]
+            messages.insert(0, {"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": args.prompt})
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                        stop=args.stop)
+    speed = None if args.speed_projection is None else args.speed_projection == "on"
+    handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
+                                           sampling=sp, speed_projection=speed))
+    for ev in handle.events():
+        if isinstance(ev, Token) and not args.json:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Failed):
+            raise StrataError(ev.message)
+        elif isinstance(ev, Done):
+            res = ev.result
+    if args.save_session:
+        s = engine.call(SaveSession(args.save_session))
+        out.update(session_bytes=s["session_bytes"], save_ms=s["save_ms"])
+    if args.json:
+        keys = ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms", "prefill_tps", "decode_tps",
+                "generated_tokens", "finish_reason")
+        print(json.dumps({**{k: res[k] for k in keys}, **out}))
+    else:
+        sys.stdout.write("\n")
+        print(f"prompt {res['prompt_tokens']} tokens (cached {res['cached_tokens']}), "
+              f"{res['generated_tokens']} generated, ttft {res['ttft_ms']:.0f} ms, "
+              f"prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s", file=sys.stderr)
+    engine.stop()
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import default_model_path, fetch_default, list_models
+    if args.action == "fetch-default":
+        if args.if_missing and default_model_path().exists():
+            return 0
+        last = [None]
+
+        def progress(stage, done, total):
+            if stage != last[0] or done == total:
+                print(f"{stage}: {done * 100 // max(1, total)}%", file=sys.stderr)
+                last[0] = stage
+        path = fetch_default(progress)
+        print(path)
+    elif args.action == "list":
+        for p in list_models():
+            print(p)
+    elif args.action == "path":
+        print(default_model_path().parent)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: local LLMs from GGUF files on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_engine_flags(g)
+    g.add_argument("--prompt", "-p", required=True)
+    g.add_argument("--system", default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template: feed the text as is")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", "--temp", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--save-session", metavar="FILE")
+    g.add_argument("--restore-session", metavar="FILE")
+    g.set_defaults(fn=cmd_generate)
+
+    m = sub.add_parser("models", help="the models folder")
+    m.add_argument("action", choices=("fetch-default", "list", "path"))
+    m.add_argument("--if-missing", action="store_true")
+    m.set_defaults(fn=cmd_models)
+
+    r = sub.add_parser("replay", help="run a JSONL script of chat requests on one engine")
+    add_engine_flags(r)
+    r.add_argument("script")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=lambda a: __import__("engine.replay", fromlist=["x"]).cmd_replay(a))
+
+    s = sub.add_parser("serve", help="OpenAI-compatible local server")
+    add_engine_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8484)
+    s.add_argument("--api-key", default=None)
+    s.set_defaults(fn=lambda a: __import__("engine.server", fromlist=["x"]).cmd_serve(a))
+
+    c = sub.add_parser("cvec", help="control vectors")
+    csub = c.add_subparsers(dest="cvec_command", required=True)
+    t = csub.add_parser("train", help="train a control vector from contrastive prompts")
+    t.add_argument("--model", "-m", default=None)
+    t.add_argument("--positive", required=True)
+    t.add_argument("--negative", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--method", choices=("mean", "pca"), default="mean")
+    t.add_argument("-v", "--verbose", action="store_true")
+    t.set_defaults(fn=lambda a: __import__("engine.cvec_train", fromlist=["x"]).cmd_train(a))
+
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except StrataError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Errors the engine reports to people: one line each, no traceback."""
+
+
+class StrataError(Exception):
+    """A problem with the user's input (a file, a flag, a request) that the engine refuses cleanly."""
+
+
+class ModelFileError(StrataError):
+    """A model file that cannot be used: missing, not a GGUF, truncated, unsupported."""
+
+
+class SessionFileError(StrataError):
+    """A session file that is refused; the live conversation stays untouched."""
+
+
+class RequestError(StrataError):
+    """A malformed request (prompt too long, bad parameter)."""
+
+
+class Cancelled(StrataError):
+    """The caller cancelled the request."""

@@ -1,0 +1,116 @@
+"""Open a GGUF file with gguf-py (memory-mapped) and turn every failure into one clear line."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from .errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    reader: GGUFReader
+
+    @property
+    def architecture(self) -> str:
+        return str(self.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 \
+                and field.types[-1] != GGUFValueType.STRING:
+            # Numeric arrays: one numpy view instead of a Python list of 49k scalars.
+            return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.array([])
+        return field.contents()
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.get(f"{self.architecture}.{suffix}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelFileError(f"{self.path.name}: missing metadata '{key}'")
+        return value
+
+    def tensors(self) -> dict:
+        return {t.name: t for t in self.reader.tensors}
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p}")
+    if p.is_dir():
+        raise ModelFileError(f"{p} is a folder, not a GGUF file")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelFileError(f"cannot read {p}: {e.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{p.name} is not a GGUF file (bad magic {magic!r})")
+    try:
+        reader = GGUFReader(p, "r")
+    except Exception as e:  # gguf-py raises ValueError/IndexError/OverflowError on short files
+        raise ModelFileError(f"{p.name} is truncated or corrupt ({type(e).__name__}: {str(e)[:120]})") from None
+    size = p.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelFileError(f"{p.name} is truncated: tensor '{t.name}' ends at byte {end}, file has {size}")
+    return GGUFFile(p, reader)
+
+
+_hash_cache: dict[tuple[str, int, int], str] = {}
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """xxh3-128 of the whole file, cached per (path, size, mtime) so a 5 GB model is hashed once."""
+    import xxhash
+
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    cache_file = _hash_cache_file()
+    if key not in _hash_cache and cache_file.exists():
+        try:
+            disk = json.loads(cache_file.read_text())
+            if disk.get("|".join(map(str, key))):
+                _hash_cache[key] = disk["|".join(map(str, key))]
+        except (OSError, ValueError):
+            pass
+    if key not in _hash_cache:
+        h = xxhash.xxh3_128()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        _hash_cache[key] = h.hexdigest()
+        try:
+            disk = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+            disk["|".join(map(str, key))] = _hash_cache[key]
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(disk))
+        except (OSError, ValueError):
+            pass
+    return _hash_cache[key]
+
+
+def _hash_cache_file() -> Path:
+    from .paths import data_dir
+    return data_dir() / "model-hashes.json"
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,137 @@
+"""Build an mlx-lm model from a GGUF file: metadata -> ModelArgs, GGUF tensor names -> mlx-lm names."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ModelFileError
+from .gguf_file import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def mlx_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{kind}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    return None  # e.g. rope_freqs: not a weight of the mlx-lm module
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    context_length: int
+    file_type: str
+    n_params: int
+    load_note: str
+
+
+def model_args(g: GGUFFile):
+    arch = g.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(f"{g.path.name}: architecture '{arch or '(none)'}' is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    key = lambda s, d=None: g.arch_key(s, d)  # noqa: E731
+    try:
+        n_embd = int(key("embedding_length"))
+        n_head = int(key("attention.head_count"))
+        common = dict(
+            model_type=arch, hidden_size=n_embd, num_hidden_layers=int(key("block_count")),
+            intermediate_size=int(key("feed_forward_length")), num_attention_heads=n_head,
+            num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            vocab_size=int(key("vocab_size", 0) or len(g.require("tokenizer.ggml.tokens"))),
+            max_position_embeddings=int(key("context_length", 4096)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in g.tensors(),
+        )
+    except (TypeError, ValueError):
+        raise ModelFileError(f"{g.path.name}: missing or bad '{arch}.*' hyperparameters") from None
+    head_dim = int(key("attention.key_length", n_embd // n_head))
+    if arch == "llama":
+        from mlx_lm.models.llama import Model, ModelArgs
+        # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
+        # exactly MLX's "traditional" RoPE, so the rows need no un-permuting.
+        return Model, ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
+    if arch == "qwen2":
+        from mlx_lm.models.qwen2 import Model, ModelArgs
+        return Model, ModelArgs(**common)
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+    return Model, ModelArgs(**common, head_dim=head_dim)
+
+
+def load_model(g: GGUFFile, *, dtype=mx.float32,
+               progress: Callable[[int, int], None] | None = None) -> tuple[nn.Module, ModelInfo]:
+    from . import quants
+    model_cls, args = model_args(g)
+    t0 = time.perf_counter()
+    weights: dict[str, mx.array] = {}
+    qparams: dict[str, dict] = {}
+    notes = []
+    tensors = g.reader.tensors
+    n_params = 0
+    for i, t in enumerate(tensors):
+        name = mlx_name(t.name)
+        if name is None:
+            continue
+        try:
+            mt = quants.convert_tensor(t, dtype=dtype)
+        except quants.UnsupportedTensorType as e:
+            raise ModelFileError(f"{g.path.name}: {e}") from None
+        notes.append(mt.note)
+        n_params += int(t.n_elements)
+        weights[name] = mt.weight
+        if mt.quantized:
+            prefix = name.rsplit(".", 1)[0]
+            weights[f"{prefix}.scales"] = mt.scales
+            weights[f"{prefix}.biases"] = mt.biases
+            qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits}
+        if progress:
+            progress(i + 1, len(tensors))
+    model = model_cls(args)
+    if qparams:
+        nn.quantize(model, class_predicate=lambda path, module: qparams.get(path, False))
+    weights = model.sanitize(weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelFileError(f"{g.path.name}: tensors do not match a {args.model_type} model ({str(e)[:160]})") from None
+    model.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
+    mx.eval(model.parameters())
+    note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
+    import gguf as gguf_py
+    ft = g.get("general.file_type")
+    try:
+        file_type = gguf_py.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "?"
+    except ValueError:
+        file_type = str(ft)
+    info = ModelInfo(args.model_type, str(g.get("general.name", g.path.stem)), args.num_hidden_layers,
+                     args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                     getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,
+                     args.intermediate_size, args.vocab_size, args.max_position_embeddings,
+                     file_type, n_params, note)
+    return model, info

@@ -1,0 +1,125 @@
+"""The tokenizer a GGUF describes, built with the `tokenizers` library via transformers' GGUF conversion."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer, pre_tokenizers
+
+from .errors import ModelFileError
+from .gguf_file import GGUFFile, text_hash
+
+
+def _smollm_pre_tokenizer():
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: single digits first, then GPT-2's split.
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+
+
+# Pre-tokenizers llama.cpp knows by name that transformers' table does not cover.
+_EXTRA_PRE = {"smollm": _smollm_pre_tokenizer}
+
+
+@dataclass
+class GGUFTokenizer:
+    backend: Tokenizer
+    bos_id: int | None
+    eos_ids: set[int]
+    add_bos: bool
+    vocab_size: int
+    special_ids: set[int] = field(default_factory=set)
+    fingerprint: str = ""
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or ""
+
+
+def _tokenizer_dict(gguf: GGUFFile) -> dict:
+    # The dict transformers' GGUF converter takes (its own reader needs torch, so we read the keys here).
+    keys = {"model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
+            "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
+            "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
+            "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space"}
+    out = {}
+    for key, name in keys.items():
+        value = gguf.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            out[name] = value.tolist() if hasattr(value, "tolist") else value
+    return out
+
+
+def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    if gguf.get("tokenizer.ggml.tokens") is None:
+        raise ModelFileError(f"{gguf.path.name}: missing tokenizer metadata 'tokenizer.ggml.tokens'")
+    model_type = gguf.get("tokenizer.ggml.model")
+    if model_type not in ("gpt2", "llama"):
+        raise ModelFileError(f"{gguf.path.name}: tokenizer type {model_type!r} is not supported "
+                             "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
+    try:
+        backend, _ = convert_gguf_tokenizer(gguf.architecture, _tokenizer_dict(gguf))
+    except Exception as e:
+        raise ModelFileError(f"{gguf.path.name}: cannot build its tokenizer ({str(e)[:160]})") from None
+    pre = gguf.get("tokenizer.ggml.pre")
+    if pre in _EXTRA_PRE:
+        backend.pre_tokenizer = _EXTRA_PRE[pre]()
+    # Post-processors from the HF classes may add BOS/EOS; Strata adds BOS itself, as the GGUF says.
+    backend.post_processor = None
+
+    token_types = gguf.get("tokenizer.ggml.token_type")
+    special = {i for i, t in enumerate(token_types) if t == 3} if token_types is not None else set()
+    bos = gguf.get("tokenizer.ggml.bos_token_id")
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    eos_ids = {int(eos)} if eos is not None else set()
+    eot = gguf.get("tokenizer.ggml.eot_token_id")
+    if eot is not None:
+        eos_ids.add(int(eot))
+    # Chat models end a turn with their template's end marker even when the GGUF's EOS is another token.
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = backend.token_to_id(marker)
+        if tid is not None and tid in special:
+            eos_ids.add(tid)
+    add_bos = gguf.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = model_type == "llama"
+    n_vocab = len(gguf.get("tokenizer.ggml.tokens"))
+    fp = text_hash(f"{model_type}|{pre}|{n_vocab}|{bos}|{eos}|" + "".join(gguf.get("tokenizer.ggml.tokens")[:4096]))
+    return GGUFTokenizer(backend, int(bos) if bos is not None else None, eos_ids, bool(add_bos),
+                         n_vocab, special, fp)
+
+
+class StreamDecoder:
+    """Turns a growing token list into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer: GGUFTokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0   # tokens already turned into text, kept for context (leading spaces)
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            delta = full[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text):]
