@@ -197,6 +197,7 @@ class Engine:
         # Everything validated: swap in the new model (a failed load above leaves the old one serving).
         self.options.steering = steer_cfg
         self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path
+        self.dtype = dtype
         self.template = g.get("tokenizer.chat_template")
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
@@ -226,17 +227,37 @@ class Engine:
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
+        tok = self.tokenizer
         if req.prompt is not None:
-            return self.tokenizer.encode(req.prompt)
+            return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
-        tok = self.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         text = render(self.template, req.messages, bos_token=bos,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return tok.encode(text, add_bos=add_bos)
+        return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
+
+    def _continue_tokens(self, text: str, add_bos: bool) -> list[int] | None:
+        """Tokens for `text` that keep a held conversation's own tokens when `text` extends it.
+
+        Re-tokenizing a reply does not always give back the ids the model generated; keeping
+        them is what lets a follow-up reuse the whole history instead of stopping at the reply."""
+        tok = self.tokenizer
+        key = self.cache_key()
+        held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
+        best = None
+        for e in held:
+            if e.key != key or not e.tokens or (best is not None and len(e.tokens) <= len(best)):
+                continue
+            ids = e.tokens[1:] if add_bos and e.tokens[0] == tok.bos_id else e.tokens
+            if add_bos and ids is e.tokens:
+                continue
+            prefix = tok.decode(ids, skip_special=False)
+            if prefix and text.startswith(prefix):
+                best = e.tokens + tok.encode(text[len(prefix):], add_bos=False)
+        return best
 
     # ---- generation --------------------------------------------------------------------------
     def _take_kv(self, tokens: list[int]):
@@ -390,7 +411,7 @@ class Engine:
         if reason:
             raise RequestError(f"session restore refused: {reason}")
         entry, result = sessions.load(req.path, self.session_fingerprint(), self.make_cache,
-                                      key=self.cache_key(),
+                                      key=self.cache_key(), dtype=self.dtype,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self._log)
         # Validated and read: only now does the live conversation step aside.

@@ -42,9 +42,8 @@ def copy_prefix(cache: list, n: int, make_cache: Callable[[], list]) -> list:
     fresh = make_cache()
     for src, dst in zip(cache, fresh):
         if n > 0:
-            k, v = src.state
-            dst.state = (mx.array(k[..., :n, :]), mx.array(v[..., :n, :]))
-    mx.eval([c.state for c in fresh if c.keys is not None])
+            dst.state = (mx.array(src.keys[..., :n, :]), mx.array(src.values[..., :n, :]), n)
+    mx.eval([(c.keys, c.values) for c in fresh if c.keys is not None])
     return fresh
 
 

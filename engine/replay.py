@@ -1,0 +1,93 @@
+"""`strata replay SCRIPT.jsonl`: chat requests in order on one engine, one JSON object a line.
+
+Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system",
+"temperature", "seed", "speed_projection", "save_session", "restore_session". Each conversation keeps
+its own history (replies included) exactly as the app does, so a script reproduces what a person did.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .errors import RequestError, StrataError
+
+
+def load_script(path: str) -> list[dict]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise StrataError(f"cannot read script {path}: {e.strerror}") from None
+    steps = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            step = json.loads(line)
+        except ValueError as e:
+            raise RequestError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(step, dict) or not isinstance(step.get("conversation", "default"), str):
+            raise RequestError(f"{path}:{n}: each line must be an object with a 'conversation' name")
+        if "user" not in step and not ({"save_session", "restore_session"} & step.keys()):
+            raise RequestError(f"{path}:{n}: needs 'user' (or a save_session/restore_session)")
+        steps.append(step)
+    return steps
+
+
+def run_script(engine, steps: list[dict]):
+    """Yield one result dict per step."""
+    from .engine import GenerateRequest, RestoreSession, SaveSession
+    from .events import Log
+    from .sampling import SamplingParams
+    histories: dict[str, list[dict]] = {}
+    for step in steps:
+        name = step.get("conversation", "default")
+        out: dict = {"conversation": name, "events": []}
+        if step.get("restore_session"):
+            h = engine.submit(RestoreSession(step["restore_session"]))
+            r = h.result()
+            out["events"] += [e.line for e in _drain(h) if isinstance(e, Log)]
+            histories[name] = list(r.get("messages") or [])
+            out["restore_ms"] = r["restore_ms"]
+            out["restored_tokens"] = r["restored_tokens"]
+        if "user" in step:
+            history = histories.setdefault(name, [])
+            if step.get("system") and not history:
+                history.append({"role": "system", "content": step["system"]})
+            history.append({"role": "user", "content": step["user"]})
+            sp = SamplingParams(max_tokens=int(step.get("max_tokens", 64)),
+                                temperature=float(step.get("temperature", 0.0)), seed=step.get("seed"))
+            h = engine.submit(GenerateRequest(messages=list(history), sampling=sp, conversation=name,
+                                              speed_projection=step.get("speed_projection")))
+            r = h.result()
+            history.append({"role": "assistant", "content": r["text"]})
+            out["events"] += [e.line for e in _drain(h) if isinstance(e, Log)]
+            out.update({k: r[k] for k in ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms",
+                                          "decode_tps")})
+        if step.get("save_session"):
+            h = engine.submit(SaveSession(step["save_session"]))
+            r = h.result()
+            out.update(session_bytes=r["session_bytes"], save_ms=r["save_ms"])
+        yield out
+
+
+def _drain(handle):
+    events = []
+    while not handle._q.empty():
+        events.append(handle._q.get_nowait())
+    return events
+
+
+def cmd_replay(args) -> int:
+    from .cli import start_engine
+    steps = load_script(args.script)
+    engine = start_engine(args)
+    for out in run_script(engine, steps):
+        if args.json:
+            print(json.dumps(out), flush=True)
+        else:
+            print(f"[{out['conversation']}] {out.get('text', '')}")
+            print(f"  prompt {out.get('prompt_tokens')} (cached {out.get('cached_tokens')}), "
+                  f"ttft {out.get('ttft_ms')} ms; " + "; ".join(out["events"]), file=sys.stderr)
+    engine.stop()
+    return 0

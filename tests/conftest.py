@@ -1,0 +1,75 @@
+"""Shared fixtures: an isolated STRATA_HOME, tiny generated GGUF models, the real default model."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+sys.path.insert(0, str(Path(__file__).parent))
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_dir) -> Path:
+    """A 2-layer llama-architecture GGUF (width 64, real BPE vocab, ChatML template), F32."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tiny_dir / "tiny-llama.gguf", arch="llama", n_layer=2, n_embd=64,
+                           n_head=4, n_head_kv=2, n_ff=128, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_other(tiny_dir) -> Path:
+    """Same geometry as tiny_gguf, other weights: 'another model'."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tiny_dir / "tiny-llama-other.gguf", arch="llama", n_layer=2, n_embd=64,
+                           n_head=4, n_head_kv=2, n_ff=128, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_wide(tiny_dir) -> Path:
+    """Another K/V geometry (head_dim 32, 3 layers)."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tiny_dir / "tiny-llama-wide.gguf", arch="llama", n_layer=3, n_embd=64,
+                           n_head=2, n_head_kv=2, n_ff=128, seed=2)
+
+
+@pytest.fixture(autouse=True)
+def strata_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "strata-home"
+    home.mkdir()
+    monkeypatch.setenv("STRATA_HOME", str(home))
+    return home
+
+
+def real_model_path() -> Path | None:
+    """The default model as `make test` fetched it (models folder of the user's STRATA_HOME/XDG)."""
+    candidates = []
+    if os.environ.get("STRATA_TEST_MODEL"):
+        candidates.append(Path(os.environ["STRATA_TEST_MODEL"]))
+    home = os.environ.get("STRATA_HOME")
+    from engine.models import DEFAULT_NAME
+    if home:
+        candidates.append(Path(home) / "models" / DEFAULT_NAME)
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    candidates += [Path(xdg) / "strata" / "models" / DEFAULT_NAME,
+                   Path.home() / "Library" / "Application Support" / "Strata" / "models" / DEFAULT_NAME]
+    return next((p for p in candidates if p.exists()), None)
+
+
+_REAL = real_model_path()   # resolved before the autouse fixture points STRATA_HOME elsewhere
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    if _REAL is None:
+        pytest.skip("the default model is not fetched (run `make test`, which fetches it first)")
+    return _REAL
