@@ -1,0 +1,609 @@
+"""OpenAI-compatible local server: one Engine behind Starlette + uvicorn.
+
+    strata serve [--host 127.0.0.1] [--port 8484] [--api-key KEY] [engine flags]
+
+Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions, POST /v1/completions
+(streaming with SSE and not), POST /v1/sessions/save and /v1/sessions/restore {"name": ...}.
+
+The engine serves one request at a time from its queue, so concurrent HTTP requests simply queue.
+Engine events reach the event loop through the handle's callback (`call_soon_threadsafe`), never by
+blocking the loop. A client that goes away - while queued, during prefill or mid-stream - cancels its
+request (`Handle.cancel()`), so the engine moves on to the next one.
+
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the matching status.
+
+`create_app(engine, api_key=None)` returns the Starlette app; `ServerThread(app).start()` runs it on
+a background thread (tests, the bench, the Qt app's settings toggle); `cmd_serve(args)` is the CLI.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .errors import StrataError
+from .engine import GenerateRequest, RestoreSession, SaveSession
+from .events import Done, Failed, Progress, Token
+from .sampling import SamplingParams
+
+SESSION_SUFFIX = ".stratasession"
+SESSION_NAME_MAX = 64
+_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_STOP = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy completions endpoint
+
+
+# ---- errors ------------------------------------------------------------------------------------
+class APIError(Exception):
+    """Answered as OpenAI's error object with `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def engine_error(message: str, param: str | None = None) -> APIError:
+    """An engine Failed(message) as an API error. The engine reports a message only, so the kind is
+    recognised from the message (see the report: a structured error code would be sturdier)."""
+    if message.startswith("the prompt is") and "the context holds" in message:
+        return APIError(400, message, param=param, code="context_length_exceeded")
+    if message == "no model is loaded":
+        return APIError(503, message, type="server_error", code="model_not_loaded")
+    if message.startswith("internal error"):
+        return APIError(500, message, type="server_error")
+    if message == "cancelled":
+        return APIError(499, "the request was cancelled", code="cancelled")
+    return APIError(400, message)
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
+                            "Send a JSON object with Content-Type: application/json.") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False, lo_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise APIError(400, f"'{name}' must be {kind}", param=name, code="invalid_type")
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        bounds = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise APIError(400, f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _bool(body: dict, name: str, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be true or false", param=name, code="invalid_type")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP:
+        raise APIError(400, f"'stop' takes at most {MAX_STOP} strings", param="stop", code="invalid_value")
+    return [s for s in stop if s]
+
+
+def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
+    n = _number(body, "n", 1, integer=True)
+    if n != 1:
+        raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
+    if body.get("logprobs") not in (None, False, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    max_tokens = body.get("max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        name = "max_tokens"
+    max_tokens = _number(body, name, default_max_tokens, lo=1, integer=True)
+    return SamplingParams(
+        temperature=float(_number(body, "temperature", 1.0, lo=0, hi=2)),
+        top_p=float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
+        # llama.cpp-style extras many local clients send
+        top_k=_number(body, "top_k", 0, lo=0, integer=True),
+        min_p=float(_number(body, "min_p", 0.0, lo=0, hi=0.999999)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True)),
+        seed=_number(body, "seed", None, integer=True),
+        max_tokens=max_tokens,
+        stop=_stop(body),
+    )
+
+
+def _content_text(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(400, f"messages[{i}]: content parts of type '{kind}' are not supported "
+                                    "(text only)", param=f"messages[{i}].content", code="unsupported_content")
+        return "".join(parts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content", code="invalid_type")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages",
+                       code="missing_required_parameter" if messages is None else "invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+        role = m["role"]
+        if role == "developer":     # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}]: unknown role '{m['role']}'", param=f"messages[{i}].role",
+                           code="invalid_value")
+        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def _unsupported(body: dict) -> None:
+    if body.get("tools"):
+        raise APIError(400, "tool calling is not supported by this server", param="tools",
+                       code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format",
+                       code="unsupported_parameter")
+
+
+# ---- engine bridge -----------------------------------------------------------------------------
+class _Bridge:
+    """One submitted engine request whose events arrive on the event loop's asyncio queue."""
+
+    def __init__(self, engine, request):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handle = engine.submit(request, callback=self._on_event)
+
+    def _on_event(self, ev) -> None:                 # engine thread: must never raise
+        if not isinstance(ev, (Token, Done, Failed, Progress)):
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:                          # the loop is closed: nobody is listening
+            self.handle.cancel()
+
+    async def get(self):
+        return await self.queue.get()
+
+    def drain_tokens(self, first: Token) -> tuple[str, Any]:
+        """`first`'s text plus every token already queued; returns (text, next non-token event or None)."""
+        text = first.text
+        while not self.queue.empty():
+            ev = self.queue.get_nowait()
+            if isinstance(ev, Token):
+                text += ev.text
+            elif not isinstance(ev, Progress):
+                return text, ev
+        return text, None
+
+    async def outcome(self):
+        while True:
+            ev = await self.queue.get()
+            if isinstance(ev, (Done, Failed)):
+                return ev
+
+
+async def _watch_disconnect(request: Request, handle) -> None:
+    """Cancel `handle` when the client goes away (the body has been read: only a disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+async def _await_watching(request: Request, handle, awaitable):
+    """Await `awaitable` while watching for the client's disconnect (which cancels the request)."""
+    watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+    try:
+        return await awaitable
+    finally:
+        watcher.cancel()
+        try:
+            await watcher
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+class _EngineStream(StreamingResponse):
+    """SSE stream of one engine request; however the response ends (done, client gone, server
+    shutting down), the engine request is cancelled so the engine is freed."""
+
+    def __init__(self, content, handle):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()      # no-op when the request already finished
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ---- the app -----------------------------------------------------------------------------------
+def _models(engine) -> list[dict]:
+    path = engine.model_path
+    if path is None:
+        return []
+    try:
+        created = int(Path(path).stat().st_mtime)
+    except OSError:
+        created = 0
+    return [{"id": Path(path).stem, "object": "model", "created": created, "owned_by": "strata"}]
+
+
+def _check_model(engine, body: dict) -> str:
+    """The served model's id when `model` names it (its id, file name, general.name or "default")."""
+    path = engine.model_path
+    if path is None:
+        raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
+    model_id = Path(path).stem
+    asked = body.get("model")
+    if asked is None:
+        return model_id
+    if not isinstance(asked, str):
+        raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
+    names = {model_id, Path(path).name, "default"}
+    if engine.info is not None and getattr(engine.info, "name", None):
+        names.add(engine.info.name)
+    if asked.lower() not in {n.lower() for n in names}:
+        raise APIError(404, f"The model '{asked}' does not exist; this server serves '{model_id}'",
+                       param="model", code="model_not_found")
+    return model_id
+
+
+def _usage(result: dict) -> dict:
+    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["generated_tokens"],
+            "total_tokens": result["prompt_tokens"] + result["generated_tokens"],
+            "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]}}
+
+
+def _timings(result: dict) -> dict:
+    return {k: result.get(k) for k in ("ttft_ms", "prefill_tps", "decode_tps", "speed_projection")}
+
+
+def _finish(result: dict) -> str:
+    return "length" if result.get("finish_reason") == "length" else "stop"
+
+
+def _plain(result: dict) -> dict:
+    return {k: v for k, v in result.items() if isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def create_app(engine, api_key: str | None = None) -> Starlette:
+    """The OpenAI-compatible app over a started Engine. With `api_key`, every request needs
+    `Authorization: Bearer <api_key>`."""
+
+    def fingerprint() -> str:
+        return f"strata-{(engine.model_hash or 'none')[:12]}"
+
+    async def list_models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": _models(engine)})
+
+    async def get_model(request: Request) -> Response:
+        _check_model(engine, {"model": request.path_params["model"]})
+        return JSONResponse(_models(engine)[0])
+
+    async def generate(request: Request, chat: bool) -> Response:
+        body = await _json_body(request)
+        model_id = _check_model(engine, body)
+        if chat:
+            _unsupported(body)
+            messages, prompt, param = _messages(body), None, "messages"
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise APIError(400, "'prompt' must be a string (token arrays and batches are not supported)",
+                               param="prompt", code="invalid_type" if prompt is not None else
+                               "missing_required_parameter")
+            if body.get("echo") or body.get("suffix"):
+                raise APIError(400, "'echo' and 'suffix' are not supported", param="echo",
+                               code="unsupported_parameter")
+            messages, param = None, "prompt"
+        sampling = _sampling(body, (engine.n_ctx or 8192) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+        stream = _bool(body, "stream", False)
+        opts = body.get("stream_options")
+        include_usage = bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
+        speed = _bool(body, "experimental_speed_projection", None)
+        try:
+            sampling.validate()                  # the engine's own checks, answered here as 400
+        except StrataError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        bridge = _Bridge(engine, GenerateRequest(messages=messages, prompt=prompt, sampling=sampling,
+                                                 speed_projection=speed, conversation=f"http {rid}"))
+        handle = bridge.handle
+
+        if not stream:
+            outcome = await _await_watching(request, handle, bridge.outcome())
+            if isinstance(outcome, Failed):
+                raise engine_error(outcome.message, param)
+            res = outcome.result
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": res["text"]},
+                          "logprobs": None, "finish_reason": _finish(res)}
+            else:
+                choice = {"index": 0, "text": res["text"], "logprobs": None, "finish_reason": _finish(res)}
+            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                 "created": created, "model": model_id, "system_fingerprint": fingerprint(),
+                                 "choices": [choice], "usage": _usage(res), "strata": _timings(res)})
+
+        # Streaming: wait for the engine to take the request (its first event) before answering, so
+        # a refused request (prompt too long) still gets its status code and JSON error.
+        first = await _await_watching(request, handle, bridge.get())
+        if isinstance(first, Failed):
+            raise engine_error(first.message, param)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                if role:
+                    delta = {"role": "assistant", "content": ""}
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": model_id,
+                    "system_fingerprint": fingerprint(), "choices": [c]}
+
+        async def events():
+            if chat:
+                yield _sse(chunk(None, role=True))
+            ev = first
+            while True:
+                if isinstance(ev, Token):
+                    text, ev = bridge.drain_tokens(ev)
+                    if text:
+                        yield _sse(chunk(text))
+                    if ev is None:
+                        ev = await bridge.get()
+                    continue
+                if isinstance(ev, Done):
+                    res = ev.result
+                    last = chunk(None, _finish(res))
+                    last["strata"] = _timings(res)
+                    yield _sse(last)
+                    if include_usage:
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
+                                    "system_fingerprint": fingerprint(), "choices": [], "usage": _usage(res)})
+                    yield "data: [DONE]\n\n"
+                    return
+                if isinstance(ev, Failed):
+                    yield _sse(engine_error(ev.message, param).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                ev = await bridge.get()               # Progress
+
+        return _EngineStream(events(), handle)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    def session_path(body: dict) -> tuple[str, Path]:
+        from .paths import sessions_dir
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "'name' must be a non-empty string", param="name", code="invalid_session_name")
+        if (len(name) > SESSION_NAME_MAX or not _SESSION_NAME.fullmatch(name) or ".." in name):
+            raise APIError(400, f"invalid session name {name[:80]!r}: use 1-{SESSION_NAME_MAX} letters, digits, "
+                                "'.', '_' or '-', starting with a letter or digit, without '..'",
+                           param="name", code="invalid_session_name")
+        return name, sessions_dir() / f"{name}{SESSION_SUFFIX}"
+
+    async def save_session(request: Request) -> Response:
+        name, path = session_path(await _json_body(request))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise APIError(500, f"cannot create the sessions folder: {e.strerror}", type="server_error") from None
+        outcome = await _Bridge(engine, SaveSession(str(path))).outcome()
+        if isinstance(outcome, Failed):
+            raise APIError(400, outcome.message, param="name", code="session_refused")
+        return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result)})
+
+    async def restore_session(request: Request) -> Response:
+        name, path = session_path(await _json_body(request))
+        if not path.is_file():
+            raise APIError(404, f"no session named '{name}'", param="name", code="session_not_found")
+        outcome = await _Bridge(engine, RestoreSession(str(path))).outcome()
+        if isinstance(outcome, Failed):
+            raise APIError(400, outcome.message, param="name", code="session_refused")
+        # The restored conversation's messages: send them back (plus a new turn) to continue it.
+        return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result),
+                             "messages": outcome.result.get("messages", [])})
+
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return APIError(exc.status_code, message, code=code).response()
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/sessions/save", save_session, methods=["POST"]),
+        Route("/v1/sessions/restore", restore_session, methods=["POST"]),
+    ]
+    middleware = [Middleware(_BearerAuth, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+    app.state.engine = engine
+    return app
+
+
+class _BearerAuth:
+    """Pure ASGI (streams pass straight through): 401 unless `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            value = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                resp = err.response()
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- running it --------------------------------------------------------------------------------
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (port 0: a free one), or StrataError in one line."""
+    from .errors import StrataError
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET                   # a host name such as "localhost"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn on a background thread (tests, bench, the app's settings toggle).
+
+        srv = ServerThread(create_app(engine), port=0).start();  srv.base_url  ...  srv.stop()
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+        self.sock = bind_socket(host, port)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                                    timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="strata-server", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout: float = 15.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .cli import start_engine
+    from .errors import StrataError
+    if not (0 <= args.port <= 65535):
+        raise StrataError(f"--port must be in 0..65535, got {args.port}")
+    sock = bind_socket(args.host, args.port)      # fail before loading the model
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback and not args.api_key:
+        print(f"strata: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the model", file=sys.stderr)
+    engine = start_engine(args)
+    app = create_app(engine, api_key=args.api_key)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"strata: serving {_models(engine)[0]['id']} at http://{host}:{sock.getsockname()[1]}/v1"
+          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        engine.stop()
+    return 0
