@@ -1,0 +1,141 @@
+"""The engine on tiny generated GGUFs: generation, streaming, stops, cancellation, cache reuse."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel, Status
+from engine.errors import StrataError
+from engine.events import Done, Log, Progress, Token
+from engine.sampling import SamplingParams
+
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Tell me a short story about a cat who learns to fly."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="llama")
+    eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
+    assert eng.call(Status())["model"] == str(path)
+    yield eng
+    eng.stop()
+
+
+def sample(n=16, **kw):
+    return SamplingParams(max_tokens=n, **{"temperature": 0.8, "seed": 7, **kw})
+
+
+def test_streamed_tokens_make_the_reply(engine):
+    h = engine.submit(GenerateRequest(messages=CHAT, sampling=sample(24)))
+    events = list(h.events())
+    done = events[-1]
+    assert isinstance(done, Done)
+    streamed = "".join(e.text for e in events if isinstance(e, Token))
+    assert streamed == done.result["text"]
+    r = done.result
+    assert r["generated_tokens"] == len(r["tokens"]) == 24
+    assert r["prompt_tokens"] > 20 and r["ttft_ms"] > 0 and r["decode_tps"] > 0
+
+
+def test_seed_makes_sampling_repeatable_and_greedy_is_deterministic(engine):
+    a = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=1)))
+    b = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=1)))
+    c = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=2)))
+    assert a["tokens"] == b["tokens"]
+    assert a["tokens"] != c["tokens"]
+    g1 = engine.call(GenerateRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=8)))
+    g2 = engine.call(GenerateRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=8)))
+    assert g1["tokens"] == g2["tokens"]
+
+
+def test_follow_up_turn_reuses_the_whole_history(engine):
+    first = engine.call(GenerateRequest(messages=CHAT, sampling=sample(10)))
+    history = CHAT + [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "More."}]
+    second = engine.call(GenerateRequest(messages=history, sampling=sample(10)))
+    # Everything the engine fed stays: the prompt and every generated token but the last one
+    # (max_tokens ended the reply before it was fed).
+    assert second["cached_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
+    assert second["prompt_tokens"] > second["cached_tokens"]
+
+
+def test_identical_prompt_re_evaluates_only_the_last_token(engine):
+    engine.call(GenerateRequest(prompt="The river flows past the old mill", sampling=SamplingParams(max_tokens=2)))
+    r = engine.call(GenerateRequest(prompt="The river flows past the old mill", sampling=SamplingParams(max_tokens=2)))
+    assert r["cached_tokens"] == r["prompt_tokens"] - 1
+
+
+def test_stop_string_ends_the_reply_and_is_not_emitted(engine):
+    free = engine.call(GenerateRequest(messages=CHAT, sampling=sample(30)))
+    text = free["text"]
+    assert len(text) > 6, "the tiny model should produce some text"
+    stop = text[3:6]
+    r = engine.call(GenerateRequest(messages=CHAT, sampling=sample(30, stop=[stop])))
+    assert r["finish_reason"] == "stop"
+    assert stop not in r["text"]
+    assert r["text"] == text[:text.index(stop)]
+
+
+def test_cancel_between_tokens(engine):
+    seen = threading.Event()
+
+    def on_event(ev):
+        if isinstance(ev, Token):
+            seen.set()
+    h = engine.submit(GenerateRequest(messages=CHAT, sampling=sample(2000)), callback=on_event)
+    assert seen.wait(30)
+    h.cancel()
+    r = h.result(30)
+    assert r["finish_reason"] == "cancelled"
+    assert r["generated_tokens"] < 2000
+    # The engine keeps serving.
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(3)))["generated_tokens"] == 3
+
+
+def test_prefill_reports_progress_for_long_prompts(engine):
+    long_prompt = " ".join(["alpha beta gamma delta"] * 80)   # ~1,200 tokens of the tiny vocab
+    h = engine.submit(GenerateRequest(prompt=long_prompt, sampling=SamplingParams(max_tokens=1)))
+    progress = [e for e in h.events() if isinstance(e, Progress) and e.stage == "prefill"]
+    assert progress and progress[-1].done == progress[-1].total > 512
+
+
+def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
+    huge = "word " * 5000
+    with pytest.raises(StrataError, match="context holds"):
+        engine.call(GenerateRequest(prompt=huge, sampling=SamplingParams(max_tokens=1)))
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_parameters_are_refused(engine, bad, message):
+    with pytest.raises(StrataError, match=message):
+        engine.call(GenerateRequest(messages=CHAT, sampling=SamplingParams(**bad)))
+
+
+def test_failed_load_keeps_the_current_model(engine, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    h = engine.submit(LoadModel(str(bad)))
+    with pytest.raises(StrataError, match="truncated or corrupt"):
+        h.result(30)
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_architectures_generate(tmp_path, arch):
+    from gguf_factory import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+    eng = Engine(EngineOptions(model=str(path))).start()
+    try:
+        h = eng.submit(GenerateRequest(messages=CHAT, sampling=sample(5)))
+        logs = [e.line for e in h.events() if isinstance(e, Log)]
+        assert h.result()["generated_tokens"] == 5
+        info = eng.call(Status())["info"]
+        assert info["architecture"] == arch
+    finally:
+        eng.stop()
+    assert logs  # the request's own log line
