@@ -89,6 +89,7 @@ class Engine:
         self.options = options or EngineOptions()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.stopped = threading.Event()
         self._handle: Handle | None = None        # the request being served (for its log lines)
         self.guard = MemoryGuard()
         self.model = None
@@ -119,8 +120,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(_Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.stopped.wait(timeout)
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
@@ -132,6 +132,13 @@ class Engine:
         while True:
             item = self._queue.get()
             if isinstance(item, _Stop):
+                self.stopped.set()
+                if threading.current_thread() is self._thread:
+                    # mlx 0.32.4 aborts the process at exit ("terminate called without an active
+                    # exception") once a thread that ran compiled functions or random sampling has
+                    # ended; a daemon engine thread that never ends avoids it. Callers running
+                    # run_forever() on their own thread (the Qt app) handle exit themselves.
+                    threading.Event().wait()
                 return
             self._serve(item)
 

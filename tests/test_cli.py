@@ -119,3 +119,12 @@ def test_real_process_exit_code_and_no_traceback(tmp_path, tiny_gguf):
     assert p.returncode == 2
     err_lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "PyTorch was not found" not in ln]
     assert len(err_lines) == 1 and message in err_lines[0], p.stderr
+
+
+def test_successful_run_exits_0(tiny_gguf):
+    # Guards against mlx's abort at exit after sampling on a thread that ended (see Engine.run_forever).
+    p = subprocess.run([*STRATA, "generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "3",
+                        "--temperature", "0.9", "--seed", "1", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["tokens"]) == 3
