@@ -537,6 +537,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
@@ -606,4 +607,12 @@ def cmd_serve(args) -> int:
     finally:
         sock.close()
         engine.stop()
-    return 0
+    # MLX 0.32 (CPU) may abort in its C++ teardown at interpreter exit once a thread other than the
+    # main one has used it ("terminate called without an active exception", exit 134; `strata
+    # generate` shows it too). Everything is shut down by now: leave without that teardown.
+    import logging
+    import os
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
