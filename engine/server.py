@@ -291,11 +291,17 @@ def _models(engine) -> list[dict]:
     return [{"id": Path(path).stem, "object": "model", "created": created, "owned_by": "strata"}]
 
 
+def _model_id(engine) -> str:
+    return Path(engine.model_path).stem if engine.model_path is not None else ""
+
+
 def _check_model(engine, body: dict) -> str:
     """The served model's id when `model` names it (its id, file name, general.name or "default")."""
     path = engine.model_path
     if path is None:
-        raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
+        # Still loading (or the load failed): the request queues behind the load and the engine
+        # answers "no model is loaded" (503) if there is none by then.
+        return ""
     model_id = Path(path).stem
     asked = body.get("model")
     if asked is None:
@@ -341,7 +347,10 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
 
     async def get_model(request: Request) -> Response:
         _check_model(engine, {"model": request.path_params["model"]})
-        return JSONResponse(_models(engine)[0])
+        models = _models(engine)
+        if not models:
+            raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
+        return JSONResponse(models[0])
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await _json_body(request)
@@ -381,6 +390,7 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
             outcome = await _await_watching(request, handle, bridge.outcome())
             if isinstance(outcome, Failed):
                 raise engine_error(outcome.message, param)
+            model_id = model_id or _model_id(engine)
             res = outcome.result
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": res["text"]},
@@ -396,6 +406,7 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
         first = await _await_watching(request, handle, bridge.get())
         if isinstance(first, Failed):
             raise engine_error(first.message, param)
+        model_id = model_id or _model_id(engine)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
@@ -607,12 +618,4 @@ def cmd_serve(args) -> int:
     finally:
         sock.close()
         engine.stop()
-    # MLX 0.32 (CPU) may abort in its C++ teardown at interpreter exit once a thread other than the
-    # main one has used it ("terminate called without an active exception", exit 134; `strata
-    # generate` shows it too). Everything is shut down by now: leave without that teardown.
-    import logging
-    import os
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from engine.engine import Configure, Engine, EngineOptions, GenerateRequest
+from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, Status
 from engine.sampling import SamplingParams
 from engine.server import ServerThread, create_app
 
@@ -33,6 +33,7 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_path):
     eng = Engine(EngineOptions(model=str(model_path))).start()
+    assert eng.call(Status())["model"] == str(model_path)
     yield eng
     eng.stop()
 
@@ -487,6 +488,24 @@ def test_session_restore_refuses_another_models_file(server, client, tiny_gguf, 
     err = _error(r, 400)
     assert err["code"] == "session_refused" and "another model" in err["message"]
     assert_serving(client)
+
+
+def test_no_model_yet_is_503_then_requests_wait_for_the_load(model_path):
+    from engine.engine import LoadModel
+    eng = Engine(EngineOptions()).start()                    # no model
+    srv = ServerThread(create_app(eng)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        assert c.models.list().data == []
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(c, "hi")
+        assert e.value.status_code == 503 and e.value.code == "model_not_loaded"
+        eng.submit(LoadModel(str(model_path)))               # a request sent now queues behind the load
+        r = chat(c, "hi", max_tokens=3)
+        assert r.model == model_path.stem and r.usage.completion_tokens == 3
+    finally:
+        srv.stop()
+        eng.stop()
 
 
 def test_saving_with_nothing_to_save_returns_the_reason(tmp_path, model_path):
