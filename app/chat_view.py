@@ -1,0 +1,322 @@
+"""One chat tab: the transcript (Markdown, highlighted code, copy links), the prompt box and the
+Stop / Regenerate / Edit-and-resend / Copy actions. Replies stream in from the engine thread."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import html
+import re
+
+from PySide6.QtCore import QTimer, QUrl, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
+from PySide6.QtWidgets import (QApplication, QCheckBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
+                               QTextBrowser, QVBoxLayout, QWidget)
+
+from .markdown_render import insert_message_body
+from .store import Chat
+
+DEFAULT_TITLE = "New chat"
+RENDER_INTERVAL_MS = 60
+
+
+class PromptEdit(QPlainTextEdit):
+    """Enter sends, Shift+Enter is a newline, Escape cancels an edit."""
+    submitted = Signal()
+    escaped = Signal()
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
+        if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            if e.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+                self.insertPlainText("\n")
+            else:
+                emit(self.submitted)
+            return
+        if e.key() == Qt.Key.Key_Escape:
+            emit(self.escaped)
+            return
+        super().keyPressEvent(e)
+
+
+class ChatView(QWidget):
+    changed = Signal()                 # messages or title changed: persist
+    title_changed = Signal(str)
+    stats = Signal(object)               # a generate result
+    message = Signal(str)              # a line for the status bar
+    progress = Signal(str, object, object)
+
+    def __init__(self, chat: Chat, client, options, parent: QWidget | None = None):
+        """`options()` returns (sampling dict, system prompt) for the next request."""
+        super().__init__(parent)
+        self.chat = chat
+        self.client = client
+        self.options = options
+        self.request = None            # the generate request in flight
+        self.title_request = None
+        self.streaming: str | None = None
+        self.edit_index: int | None = None
+        self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
+        self._code: list[str] = []
+        self._tail = 0
+        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(self._render_tail)
+
+        self.transcript = QTextBrowser(openLinks=False, openExternalLinks=False)
+        self.transcript.anchorClicked.connect(self._on_anchor)
+        self.input = PromptEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
+        self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 4 + 12)
+        self.input.submitted.connect(self.send_input)
+        self.input.escaped.connect(self.cancel_edit)
+        self.edit_banner = QLabel(visible=False)
+        self.send_btn = QPushButton("Send", clicked=self.send_input)
+        self.stop_btn = QPushButton("Stop", clicked=self.stop, enabled=False)
+        self.regen_btn = QPushButton("Regenerate", clicked=self.regenerate)
+        self.copy_btn = QPushButton("Copy reply", clicked=self.copy_last)
+        self.projection = QCheckBox("Speed projection", toolTip="Apply the control vector to this chat")
+        self.projection.setChecked(bool(chat.config.get("speed_projection", True)))
+        self.projection.toggled.connect(self._on_projection)
+
+        buttons = QHBoxLayout()
+        for w in (self.projection,):
+            buttons.addWidget(w)
+        buttons.addStretch(1)
+        for w in (self.copy_btn, self.regen_btn, self.stop_btn, self.send_btn):
+            buttons.addWidget(w)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 6, 6)
+        lay.addWidget(self.transcript, 1)
+        lay.addWidget(self.edit_banner)
+        lay.addWidget(self.input)
+        lay.addLayout(buttons)
+        self.render_all()
+        self._update_buttons()
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+    def _update_buttons(self) -> None:
+        has_reply = any(m["role"] == "assistant" for m in self.chat.messages)
+        self.stop_btn.setEnabled(self.busy)
+        self.send_btn.setEnabled(not self.busy)
+        self.regen_btn.setEnabled(not self.busy and has_reply)
+        self.copy_btn.setEnabled(has_reply)
+
+    def _on_projection(self, on: bool) -> None:
+        self.chat.config["speed_projection"] = on
+        emit(self.changed)
+
+    # ---- rendering ---------------------------------------------------------------------------
+    def render_all(self) -> None:
+        doc = self.transcript.document()
+        doc.clear()
+        self._code = []
+        cursor = QTextCursor(doc)
+        for i, m in enumerate(self.chat.messages):
+            self._insert_header(cursor, i, m["role"])
+            insert_message_body(cursor, m["content"], self._code)
+        for note in self.notes:
+            self._insert_note(cursor, note)
+        if self.streaming is not None:
+            self._insert_header(cursor, len(self.chat.messages), "assistant", streaming=True)
+            self._tail = cursor.position()
+            insert_message_body(cursor, self.streaming, self._code)
+        self._scroll_to_end()
+
+    def _insert_header(self, cursor: QTextCursor, i: int, role: str, streaming: bool = False) -> None:
+        pal = QApplication.palette()
+        muted = pal.color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
+        actions = ""
+        if not streaming:
+            actions = f' &nbsp; <a href="copy:{i}">Copy</a>'
+            if role == "user":
+                actions += f' &nbsp; <a href="edit:{i}">Edit</a>'
+        if not cursor.atStart():
+            cursor.insertBlock()
+        cursor.insertHtml(f'<p style="margin-top:10px"><b>{html.escape(who)}</b>'
+                          f'<span style="color:{muted}; font-size:small">{actions}</span></p>')
+        cursor.insertBlock()
+
+    def _insert_note(self, cursor: QTextCursor, text: str) -> None:
+        muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
+        cursor.insertBlock()
+        cursor.insertHtml(f'<p><i style="color:{muted}">{html.escape(text)}</i></p>')
+
+    def _render_tail(self) -> None:
+        if self.streaming is None:
+            return
+        cursor = QTextCursor(self.transcript.document())
+        cursor.setPosition(self._tail)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        insert_message_body(cursor, self.streaming, self._code)
+        self._scroll_to_end()
+
+    def _scroll_to_end(self) -> None:
+        bar = self.transcript.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def transcript_text(self) -> str:
+        return self.transcript.toPlainText()
+
+    def add_note(self, text: str) -> None:
+        self.notes.append(text)
+        self.render_all()
+
+    # ---- actions -----------------------------------------------------------------------------
+    def send_input(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self.busy:
+            return
+        self.input.clear()
+        self.send(text)
+
+    def send(self, text: str) -> None:
+        if self.busy:
+            return
+        if self.edit_index is not None:
+            del self.chat.messages[self.edit_index:]
+            self.cancel_edit()
+        self.chat.messages.append({"role": "user", "content": text})
+        emit(self.changed)
+        self._generate()
+
+    def regenerate(self) -> None:
+        if self.busy:
+            return
+        while self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
+            self.chat.messages.pop()
+        if not self.chat.messages:
+            return
+        emit(self.changed)
+        self._generate()
+
+    def edit(self, index: int) -> None:
+        if self.busy or not (0 <= index < len(self.chat.messages)):
+            return
+        self.edit_index = index
+        self.input.setPlainText(self.chat.messages[index]["content"])
+        self.edit_banner.setText("Editing an earlier message: sending replaces it and everything after it "
+                                 "(Esc cancels).")
+        self.edit_banner.show()
+        self.input.setFocus()
+
+    def cancel_edit(self) -> None:
+        if self.edit_index is not None:
+            self.edit_index = None
+            self.edit_banner.hide()
+
+    def stop(self) -> None:
+        if self.request is not None:
+            self.request.cancel()
+
+    def copy_last(self) -> None:
+        for m in reversed(self.chat.messages):
+            if m["role"] == "assistant":
+                QGuiApplication.clipboard().setText(m["content"])
+                emit(self.message, "Copied the reply")
+                return
+
+    def _on_anchor(self, url: QUrl) -> None:
+        kind, _, arg = url.toString().partition(":")
+        try:
+            n = int(arg)
+        except ValueError:
+            return
+        if kind == "copycode" and 0 <= n < len(self._code):
+            QGuiApplication.clipboard().setText(self._code[n])
+            emit(self.message, "Copied the code block")
+        elif kind == "copy" and 0 <= n < len(self.chat.messages):
+            QGuiApplication.clipboard().setText(self.chat.messages[n]["content"])
+            emit(self.message, "Copied the message")
+        elif kind == "edit":
+            self.edit(n)
+
+    # ---- generation --------------------------------------------------------------------------
+    def request_messages(self) -> list[dict]:
+        _, system = self.options()
+        msgs = [dict(m) for m in self.chat.messages]
+        if system and not (msgs and msgs[0]["role"] == "system"):
+            msgs.insert(0, {"role": "system", "content": system})
+        return msgs
+
+    def _generate(self) -> None:
+        sampling, _ = self.options()
+        self.streaming = ""
+        req = self.client.generate(self.request_messages(), sampling, conversation=f"chat-{self.chat.id}",
+                                   speed_projection=self.projection.isChecked())
+        self.request = req
+        req.token.connect(self._on_token)
+        req.progress.connect(self.progress)
+        req.done.connect(self._on_done)
+        req.failed.connect(self._on_failed)
+        self.render_all()
+        self._update_buttons()
+
+    def _on_token(self, text: str) -> None:
+        if self.streaming is None:
+            return
+        self.streaming += text
+        if not self._render_timer.isActive():
+            self._render_timer.start()
+
+    def _finish(self) -> None:
+        self._render_timer.stop()
+        self.streaming = None
+        self.request = None
+        self.render_all()
+        self._update_buttons()
+
+    def _on_done(self, result: dict) -> None:
+        text = result.get("text", self.streaming or "")
+        self.chat.messages.append({"role": "assistant", "content": text})
+        self._finish()
+        emit(self.changed)
+        emit(self.stats, result)
+        if result.get("finish_reason") == "cancelled":
+            emit(self.message, "Stopped")
+        if self.chat.title == DEFAULT_TITLE and sum(m["role"] == "assistant" for m in self.chat.messages) == 1:
+            self.request_title()
+
+    def _on_failed(self, message: str) -> None:
+        partial = self.streaming
+        self._finish()
+        if partial:
+            self.chat.messages.append({"role": "assistant", "content": partial})
+            emit(self.changed)
+        emit(self.message, f"Generation failed: {message}")
+
+    # ---- title -------------------------------------------------------------------------------
+    def request_title(self) -> None:
+        first_user = next((m["content"] for m in self.chat.messages if m["role"] == "user"), "")
+        reply = next((m["content"] for m in self.chat.messages if m["role"] == "assistant"), "")
+        prompt = ("Write a short title (3 to 6 words) for this conversation. Answer with the title only.\n\n"
+                  f"User: {first_user[:400]}\nAssistant: {reply[:400]}")
+        sampling = {"temperature": 0.0, "max_tokens": 12}
+        req = self.client.generate([{"role": "user", "content": prompt}], sampling,
+                                   conversation=f"title-{self.chat.id}")
+        self.title_request = req
+        req.done.connect(lambda r: self._on_title(r.get("text", ""), first_user))
+        req.failed.connect(lambda _m: self._on_title("", first_user))
+
+    def _on_title(self, text: str, fallback: str) -> None:
+        self.title_request = None
+        self.set_title(clean_title(text) or clean_title(fallback) or DEFAULT_TITLE)
+
+    def set_title(self, title: str) -> None:
+        if title != self.chat.title:
+            self.chat.title = title
+            emit(self.title_changed, title)
+            emit(self.changed)
+
+
+def clean_title(text: str) -> str:
+    """First non-empty line, without quotes/markup/"Title:", at most 6 words and 48 characters."""
+    for line in text.splitlines():
+        line = re.sub(r"^(title\s*:\s*)", "", line.strip(), flags=re.I)
+        line = re.sub(r"[*_`#\"]", "", line).strip(" \t'.:")
+        if re.search(r"\w", line):
+            words = line.split()[:6]
+            return " ".join(words)[:48]
+    return ""

@@ -1,0 +1,224 @@
+"""The engine's QThread and the signal bridge: the only module in app/ that imports engine.engine.
+
+`EngineThread.run()` imports the engine and serves requests forever on that thread (every MLX call
+happens there). `EngineClient` is what the UI holds: each call returns a `Request` QObject whose
+signals (token, progress, log, done, failed) are emitted on the engine thread and delivered queued
+on the GUI thread. Requests made before the engine is up are held and sent when it is ready.
+"""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import logging
+
+from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal
+
+log = logging.getLogger("strata.app")
+
+
+class Request(QObject):
+    """One submitted request, as Qt signals, always emitted on the GUI thread (the engine thread only
+    emits the private `_event` signal, delivered queued to this object). `finished` follows done/failed."""
+    token = Signal(str)
+    progress = Signal(str, object, object)
+    log = Signal(str)
+    done = Signal(object)
+    failed = Signal(str)
+    finished = Signal()
+    _event = Signal(object)
+
+    def __init__(self, kind: str, parent: QObject | None = None):
+        super().__init__(parent)
+        self.kind = kind
+        self.handle = None           # engine.events.Handle once submitted
+        self._cancel = False
+        self.result: dict | None = None
+        self.error: str | None = None
+        self._event.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
+
+    def cancel(self) -> None:
+        self._cancel = True
+        if self.handle is not None:
+            self.handle.cancel()
+
+    def _callback(self, event) -> None:
+        """Called on the engine thread for each event: hand it to the GUI thread, nothing else."""
+        emit(self._event, event)
+
+    def _deliver(self, event) -> None:
+        from engine.events import Done, Failed, Log, Progress, Token
+        if isinstance(event, Token):
+            emit(self.token, event.text)
+        elif isinstance(event, Progress):
+            emit(self.progress, event.stage, event.done, event.total)
+        elif isinstance(event, Log):
+            emit(self.log, event.line)
+        elif isinstance(event, Done):
+            self.result = dict(event.result)
+            emit(self.done, self.result)
+            emit(self.finished)
+        elif isinstance(event, Failed):
+            self.fail(event.message)
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        emit(self.failed, message)
+        emit(self.finished)
+
+
+class EngineThread(QThread):
+    ready = Signal()
+    crashed = Signal(str)
+
+    def __init__(self, cache_mib: int = 1024, cache_slots: int = 4, steering=None,
+                 speed_projection: bool = True, parent: QObject | None = None):
+        super().__init__(parent)
+        self.setObjectName("strata-engine")
+        self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
+        self._steering = steering
+        self.engine = None
+
+    def run(self) -> None:
+        try:
+            from engine.engine import Engine, EngineOptions
+            self.engine = Engine(EngineOptions(model=None, steering=_steering_config(self._steering),
+                                               **self._opts))
+        except Exception as e:  # noqa: BLE001 - shown in the window, not a traceback
+            log.exception("engine start failed")
+            emit(self.crashed, f"the engine could not start: {type(e).__name__}: {e}")
+            return
+        emit(self.ready)
+        self.engine.run_forever()
+
+    def stop(self, timeout_ms: int = 10000) -> None:
+        if self.engine is not None:
+            self.engine._queue.put(_stop_marker())
+        self.wait(timeout_ms)
+
+
+def _stop_marker():
+    from engine.engine import _Stop
+    return _Stop()
+
+
+def _steering_config(spec):
+    """settings.Steering (or None) -> engine.control_vector.SteeringConfig (or None when no files)."""
+    if spec is None or not getattr(spec, "files", None):
+        return None
+    from engine.control_vector import SteeringConfig
+    layer_range = (spec.layer_from, spec.layer_to) if spec.layer_from or spec.layer_to else None
+    return SteeringConfig(files=tuple((p, float(s)) for p, s in spec.files), layer_range=layer_range,
+                          mode=spec.mode, direction=spec.direction)
+
+
+class EngineClient(QObject):
+    """The UI's handle on the engine thread."""
+    ready = Signal()
+
+    def __init__(self, thread: EngineThread, parent: QObject | None = None):
+        super().__init__(parent)
+        self.thread = thread
+        self._pending: list[tuple[Request, object]] = []
+        self._ready = False
+        thread.ready.connect(self._on_ready)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def _on_ready(self) -> None:
+        self._ready = True
+        pending, self._pending = self._pending, []
+        for req, make in pending:
+            self._send(req, make)
+        emit(self.ready)
+
+    def _submit(self, kind: str, make) -> Request:
+        req = Request(kind, self)
+        req.finished.connect(req.deleteLater)
+        if self._ready:
+            self._send(req, make)
+        else:
+            self._pending.append((req, make))
+        return req
+
+    def _send(self, req: Request, make) -> None:
+        try:
+            request = make()
+        except Exception as e:  # noqa: BLE001 - a bad setting becomes a failed request, not a crash
+            QTimer.singleShot(0, req, lambda: req.fail(str(e)))
+            return
+        if req._cancel:
+            QTimer.singleShot(0, req, lambda: req.fail("cancelled"))
+            return
+        req.handle = self.thread.engine.submit(request, callback=req._callback)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
+                 speed_projection: bool | None = None) -> Request:
+        def make():
+            from engine.engine import GenerateRequest
+            from engine.sampling import SamplingParams
+            return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
+                                   speed_projection=speed_projection, conversation=conversation)
+        return self._submit("generate", make)
+
+    def load_model(self, path: str, steering="keep") -> Request:
+        def make():
+            from engine.engine import LoadModel
+            return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering))
+        return self._submit("load", make)
+
+    def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,
+                  speed_projection: bool | None = None) -> Request:
+        def make():
+            from engine.engine import Configure
+            return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
+        return self._submit("configure", make)
+
+    def status(self) -> Request:
+        def make():
+            from engine.engine import Status
+            return Status()
+        return self._submit("status", make)
+
+    def save_session(self, path: str, messages: list[dict] | None = None) -> Request:
+        """Save a conversation; with `messages`, that conversation is made the live one first."""
+        def make():
+            from engine.engine import Call, SaveSession
+            if messages is None:
+                return SaveSession(path)
+            return Call(lambda eng: _save_conversation(eng, path, messages))
+        return self._submit("save", make)
+
+    def restore_session(self, path: str) -> Request:
+        def make():
+            from engine.engine import RestoreSession
+            return RestoreSession(path)
+        return self._submit("restore", make)
+
+
+def _save_conversation(eng, path: str, messages: list[dict]) -> dict:
+    """On the engine thread: bring the conversation whose K/V matches `messages` live, then save it.
+
+    The engine's SaveSession saves the live conversation; a title call or another tab may have
+    parked this one. Rendering its messages and taking the K/V sharing the longest prefix (from the
+    live entry or parking) makes it live again without computing anything.
+    """
+    from engine.engine import GenerateRequest, SaveSession
+    from engine.events import Handle
+    tokens = eng.prompt_tokens(GenerateRequest(messages=messages))
+    live = eng.live
+    from engine.parking import common_prefix
+    if live is None or common_prefix(live.tokens, tokens) < len(live.tokens) - 2:
+        entry, n = eng._take_kv(tokens)
+        if n == 0:
+            from engine.errors import RequestError
+            raise RequestError("this conversation's cache is gone (evicted); send a message in it first")
+        for c in entry.cache:
+            if c.offset > n:
+                c.trim(c.offset - n)
+        entry.tokens = entry.tokens[:n]
+        eng.live = entry
+    eng.live.messages = list(messages)
+    return eng._save(SaveSession(path), eng._handle or Handle(None))

@@ -1,0 +1,85 @@
+"""Entry point of the desktop app (`strata-app`, and the PyInstaller bundle).
+
+    strata-app                       the window
+    strata-app FILE.stratasession    open a session file (as Finder does)
+    strata-app --self-test [--model PATH]   load a model, generate, save + restore a session, exit 0/1
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from PySide6.QtCore import QEvent
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import QApplication
+
+
+class Application(QApplication):
+    """Turns macOS QFileOpenEvents (Finder, the Dock) into window.open_file, queued until a window exists."""
+
+    def __init__(self, argv):
+        super().__init__(argv)
+        self.window = None
+        self.pending_files: list[str] = []
+
+    def event(self, e) -> bool:  # noqa: N802
+        if e.type() == QEvent.Type.FileOpen:
+            path = e.file() or e.url().toLocalFile()
+            if path:
+                self.open_file(path)
+            return True
+        return super().event(e)
+
+    def open_file(self, path: str) -> None:
+        if self.window is None:
+            self.pending_files.append(path)
+        else:
+            self.window.open_file(path)
+
+    def set_window(self, window) -> None:
+        self.window = window
+        pending, self.pending_files = self.pending_files, []
+        if pending:
+            # After the engine is up and a model is loading: requests queue behind the load.
+            for p in pending:
+                window.open_file(p)
+
+
+def make_app(argv=None) -> Application:
+    app = QApplication.instance() or Application(list(argv or sys.argv[:1]))
+    app.setApplicationName("Strata")
+    app.setOrganizationName("Strata")
+    app.setApplicationDisplayName("Strata")
+    from .paths import export_home
+    from engine.paths import resources_dir
+    icon = resources_dir() / "icon.png"
+    if icon.exists():
+        app.setWindowIcon(QIcon(str(icon)))
+    export_home()
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata-app", description="Strata: local LLM chat")
+    parser.add_argument("--self-test", action="store_true", help="load a model, generate, save+restore, exit")
+    parser.add_argument("--model", help="model file for --self-test (default: the default model)")
+    parser.add_argument("files", nargs="*", help="session files or models to open")
+    args, qt_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.self_test:
+        from .self_test import run_self_test
+        return run_self_test(args.model)
+    app = make_app([sys.argv[0], *qt_args])
+    for f in args.files:
+        app.open_file(f) if isinstance(app, Application) else None
+    from .window import MainWindow
+    window = MainWindow()
+    window.show()
+    if isinstance(app, Application):
+        app.set_window(window)
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The left pane: models found in the models folder and the user's folders, with their metadata."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QFont
+from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout,
+                               QWidget)
+
+from .gguf_meta import ModelMeta, read_meta
+
+COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context")
+
+
+def find_models(folders: list[Path]) -> list[Path]:
+    seen, out = set(), []
+    for d in folders:
+        if d.is_dir():
+            for p in sorted(d.glob("*.gguf")):
+                r = p.resolve()
+                if r not in seen:
+                    seen.add(r)
+                    out.append(p)
+    return out
+
+
+class ModelList(QWidget):
+    load_requested = Signal(str)
+    _scanned = Signal(list)
+
+    def __init__(self, folders, parent: QWidget | None = None):
+        """`folders()` returns the folders to scan (models folder first)."""
+        super().__init__(parent)
+        self.folders = folders
+        self.current: str = ""
+        self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
+        self.tree.setHeaderLabels(COLUMNS)
+        self.tree.itemDoubleClicked.connect(lambda it, _c: emit(self.load_requested, it.data(0, Qt.ItemDataRole.UserRole)))
+        self.load_btn = QPushButton("Load", clicked=self._load_selected)
+        self.refresh_btn = QPushButton("Refresh", clicked=self.refresh)
+        self.empty = QLabel("No models yet. Drop a .gguf file here, add a folder in Settings, "
+                            "or fetch the default model.", wordWrap=True)
+        title = QLabel("<b>Models</b>")
+        row = QHBoxLayout()
+        row.addWidget(title)
+        row.addStretch(1)
+        row.addWidget(self.refresh_btn)
+        row.addWidget(self.load_btn)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 0, 6)
+        lay.addLayout(row)
+        lay.addWidget(self.tree, 1)
+        lay.addWidget(self.empty)
+        self._scanned.connect(self._fill)
+
+    def refresh(self) -> None:
+        folders = [Path(f) for f in self.folders()]
+        threading.Thread(target=lambda: emit(self._scanned, [read_meta(p) for p in find_models(folders)]),
+                         name="strata-model-scan", daemon=True).start()
+
+    def _fill(self, metas: list[ModelMeta]) -> None:
+        self.tree.clear()
+        for m in metas:
+            it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
+                                  str(m.context_length or "?")])
+            it.setData(0, Qt.ItemDataRole.UserRole, m.path)
+            it.setToolTip(0, m.path + (f"\n{m.error}" if m.error else ""))
+            self.tree.addTopLevelItem(it)
+        for c in range(len(COLUMNS)):
+            self.tree.resizeColumnToContents(c)
+        self.empty.setVisible(not metas)
+        self.mark_current(self.current)
+
+    def paths(self) -> list[str]:
+        return [self.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) for i in range(self.tree.topLevelItemCount())]
+
+    def mark_current(self, path: str) -> None:
+        self.current = path
+        for i in range(self.tree.topLevelItemCount()):
+            it = self.tree.topLevelItem(i)
+            f = QFont(it.font(0))
+            on = bool(path) and Path(it.data(0, Qt.ItemDataRole.UserRole)).resolve() == Path(path).resolve()
+            f.setBold(on)
+            for c in range(len(COLUMNS)):
+                it.setFont(c, f)
+
+    def _load_selected(self) -> None:
+        it = self.tree.currentItem()
+        if it is not None:
+            emit(self.load_requested, it.data(0, Qt.ItemDataRole.UserRole))

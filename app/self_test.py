@@ -1,0 +1,80 @@
+"""`strata-app --self-test`: the bundle's smoke test. Loads a model through the app's engine thread,
+generates a few tokens, saves and restores a session in a temp folder, prints what happened and
+returns 0 (all good) or 1. Works offscreen (QT_QPA_PLATFORM=offscreen)."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QCoreApplication, QEventLoop, QTimer
+
+    from .engine_thread import EngineClient, EngineThread
+    from .paths import export_home
+
+    app = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
+    export_home()
+    if model is None:
+        from engine.models import default_model_path
+        model = str(default_model_path())
+    if not Path(model).exists():
+        print(f"self-test: FAIL: no model at {model} (pass --model PATH or fetch the default model)")
+        return 1
+
+    thread = EngineThread(cache_mib=256, cache_slots=2)
+    client = EngineClient(thread)
+    thread.start()
+
+    def wait(req, what):
+        loop = QEventLoop()
+        req.finished.connect(loop.quit)
+        timer = QTimer(singleShot=True, interval=int(timeout_s * 1000))
+        timer.timeout.connect(loop.quit)
+        timer.start()
+        if req.result is None and req.error is None:
+            loop.exec()
+        if req.error is not None:
+            raise RuntimeError(f"{what}: {req.error}")
+        if req.result is None:
+            raise RuntimeError(f"{what}: no answer in {timeout_s:.0f} s")
+        return req.result
+
+    ok = True
+    try:
+        t0 = time.perf_counter()
+        r = wait(client.load_model(model), "load")
+        info = r.get("info") or {}
+        print(f"self-test: loaded {Path(model).name} ({info.get('architecture')}, "
+              f"{info.get('n_layer')} layers) in {time.perf_counter() - t0:.1f} s")
+        streamed = []
+        msgs = [{"role": "user", "content": "Say hello."}]
+        req = client.generate(msgs, {"max_tokens": 8, "temperature": 0.0}, conversation="self-test")
+        req.token.connect(streamed.append)
+        r = wait(req, "generate")
+        print(f"self-test: generated {r['generated_tokens']} tokens ({r['decode_tps']:.1f} tok/s): {r['text']!r}")
+        if r["generated_tokens"] < 1:
+            raise RuntimeError("generate: no tokens")
+        with tempfile.TemporaryDirectory(prefix="strata-selftest-") as tmp:
+            path = str(Path(tmp) / "self-test.stratasession")
+            saved = wait(client.save_session(path, messages=msgs + [{"role": "assistant", "content": r["text"]}]),
+                         "save session")
+            saved = saved.get("value", saved)
+            print(f"self-test: saved session {saved.get('session_bytes', 0)} bytes in {saved.get('save_ms', 0):.0f} ms")
+            restored = wait(client.restore_session(path), "restore session")
+            print(f"self-test: restored {restored.get('restored_tokens')} tokens in "
+                  f"{restored.get('restore_ms', 0):.0f} ms")
+            if not restored.get("restored_tokens"):
+                raise RuntimeError("restore session: no tokens restored")
+    except Exception as e:  # noqa: BLE001 - the verdict line, not a traceback
+        print(f"self-test: FAIL: {e}")
+        ok = False
+    finally:
+        thread.stop()
+    print("self-test: OK" if ok else "self-test: FAILED")
+    del app
+    return 0 if ok else 1

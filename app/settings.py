@@ -1,0 +1,97 @@
+"""The app's settings, persisted with QSettings (an INI file in the data folder, so STRATA_HOME isolates tests)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from PySide6.QtCore import QSettings
+
+from . import paths
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repetition_penalty: float = 1.1
+    max_tokens: int = 512
+    system_prompt: str = "You are a helpful assistant."
+
+
+@dataclass
+class Steering:
+    files: list[tuple[str, float]] = field(default_factory=list)   # (path, scale)
+    layer_from: int = 0          # 0 = all layers
+    layer_to: int = 0
+    mode: str = "add"            # add | project
+    direction: str = "per-layer"  # per-layer | single:L
+    on_by_default: bool = True
+
+
+@dataclass
+class Settings:
+    cache_mib: int = 1024
+    cache_slots: int = 4
+    model: str = ""
+    model_folders: list[str] = field(default_factory=list)
+    sampling: Sampling = field(default_factory=Sampling)
+    steering: Steering = field(default_factory=Steering)
+
+
+def _qsettings() -> QSettings:
+    return QSettings(str(paths.settings_path()), QSettings.Format.IniFormat)
+
+
+def _coerce(value, default):
+    if value is None:
+        return default
+    try:
+        if isinstance(default, bool):
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, list):
+            return list(value) if isinstance(value, (list, tuple)) else ([value] if value else [])
+        return str(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def load() -> Settings:
+    q = _qsettings()
+    s = Settings()
+    for f in fields(Settings):
+        if f.name in ("sampling", "steering"):
+            continue
+        setattr(s, f.name, _coerce(q.value(f"general/{f.name}"), getattr(s, f.name)))
+    for f in fields(Sampling):
+        setattr(s.sampling, f.name, _coerce(q.value(f"sampling/{f.name}"), getattr(s.sampling, f.name)))
+    for f in fields(Steering):
+        if f.name == "files":
+            continue
+        setattr(s.steering, f.name, _coerce(q.value(f"steering/{f.name}"), getattr(s.steering, f.name)))
+    files = _coerce(q.value("steering/files"), [])
+    s.steering.files = []
+    for item in files:
+        path, _, scale = str(item).rpartition("|")
+        if path:
+            s.steering.files.append((path, _coerce(scale, 1.0)))
+    return s
+
+
+def save(s: Settings) -> None:
+    q = _qsettings()
+    for k, v in asdict(s).items():
+        if k in ("sampling", "steering"):
+            continue
+        q.setValue(f"general/{k}", v)
+    for k, v in asdict(s.sampling).items():
+        q.setValue(f"sampling/{k}", v)
+    for k, v in asdict(s.steering).items():
+        if k != "files":
+            q.setValue(f"steering/{k}", v)
+    q.setValue("steering/files", [f"{p}|{scale}" for p, scale in s.steering.files])
+    q.sync()

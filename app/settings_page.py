@@ -1,0 +1,199 @@
+"""The settings page: conversation cache (checked by the engine's memory guard), control vectors,
+sampling defaults, model folders. Saved with QSettings once the engine accepted the cache values."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import copy
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
+                               QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+
+from . import settings as settings_mod
+from .settings import Settings
+
+
+def _spin(lo, hi, value, step=1, decimals=None, suffix=""):
+    if decimals is None:
+        w = QSpinBox(minimum=lo, maximum=hi, singleStep=step, suffix=suffix)
+    else:
+        w = QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=decimals, suffix=suffix)
+    w.setValue(value)
+    return w
+
+
+class SettingsPage(QDialog):
+    saved = Signal(object, object)       # (new Settings, old Settings)
+
+    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Strata Settings")
+        self.client = client
+        self.old = current
+        s = copy.deepcopy(current)
+        self.error = QLabel(wordWrap=True, visible=False, objectName="settingsError")
+
+        # Conversation cache
+        self.cache_mib = _spin(0, 1 << 22, s.cache_mib, 256, suffix=" MiB")
+        self.cache_slots = _spin(1, 64, s.cache_slots)
+        self.guard = QLabel(self._guard_text(status), wordWrap=True)
+        cache = QGroupBox("Conversation cache")
+        f = QFormLayout(cache)
+        f.addRow("Cap (0 = off)", self.cache_mib)
+        f.addRow("Slots", self.cache_slots)
+        f.addRow("Memory guard", self.guard)
+
+        # Control vectors
+        st = s.steering
+        self.cv_list = QListWidget(maximumHeight=80)
+        for path, scale in st.files:
+            self._add_cv(path, scale)
+        self.cv_scale = _spin(-10.0, 10.0, 1.0, 0.1, decimals=2)
+        add_cv = QPushButton("Add file…", clicked=self._pick_cv)
+        rm_cv = QPushButton("Remove", clicked=lambda: self.cv_list.takeItem(self.cv_list.currentRow()))
+        cv_row = QHBoxLayout()
+        cv_row.addWidget(QLabel("scale"))
+        cv_row.addWidget(self.cv_scale)
+        cv_row.addWidget(add_cv)
+        cv_row.addWidget(rm_cv)
+        self.layer_from = _spin(0, 999, st.layer_from)
+        self.layer_to = _spin(0, 999, st.layer_to)
+        layers = QHBoxLayout()
+        layers.addWidget(self.layer_from)
+        layers.addWidget(QLabel("to"))
+        layers.addWidget(self.layer_to)
+        layers.addWidget(QLabel("(0 to 0 = all layers)"))
+        self.mode = QComboBox()
+        self.mode.addItems(["add", "project"])
+        self.mode.setCurrentText(st.mode)
+        self.direction = QLineEdit(st.direction, placeholderText="per-layer or single:L")
+        self.cv_on = QCheckBox("On by default in new chats", checked=st.on_by_default)
+        steer = QGroupBox("Speed projection (control vectors)")
+        f = QFormLayout(steer)
+        f.addRow("Files", self.cv_list)
+        f.addRow("", cv_row)
+        f.addRow("Layers", layers)
+        f.addRow("Mode", self.mode)
+        f.addRow("Direction", self.direction)
+        f.addRow("", self.cv_on)
+
+        # Sampling defaults
+        sp = s.sampling
+        self.system_prompt = QPlainTextEdit(sp.system_prompt, maximumHeight=60)
+        self.temperature = _spin(0.0, 5.0, sp.temperature, 0.05, decimals=2)
+        self.top_p = _spin(0.01, 1.0, sp.top_p, 0.05, decimals=2)
+        self.top_k = _spin(0, 1000, sp.top_k)
+        self.min_p = _spin(0.0, 0.99, sp.min_p, 0.01, decimals=2)
+        self.rep = _spin(0.5, 3.0, sp.repetition_penalty, 0.05, decimals=2)
+        self.max_tokens = _spin(1, 32768, sp.max_tokens, 64)
+        samp = QGroupBox("Sampling defaults")
+        f = QFormLayout(samp)
+        f.addRow("System prompt", self.system_prompt)
+        f.addRow("Temperature", self.temperature)
+        f.addRow("Top-p", self.top_p)
+        f.addRow("Top-k", self.top_k)
+        f.addRow("Min-p", self.min_p)
+        f.addRow("Repetition penalty", self.rep)
+        f.addRow("Max tokens", self.max_tokens)
+
+        # Model folders
+        self.folders = QListWidget(maximumHeight=70)
+        self.folders.addItems(s.model_folders)
+        add_f = QPushButton("Add folder…", clicked=self._pick_folder)
+        rm_f = QPushButton("Remove", clicked=lambda: self.folders.takeItem(self.folders.currentRow()))
+        fold = QGroupBox("Model folders")
+        fl = QVBoxLayout(fold)
+        fl.addWidget(self.folders)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(add_f)
+        row.addWidget(rm_f)
+        fl.addLayout(row)
+
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.submit)
+        self.buttons.rejected.connect(self.reject)
+        left, right = QVBoxLayout(), QVBoxLayout()
+        left.addWidget(cache)
+        left.addWidget(samp)
+        right.addWidget(steer)
+        right.addWidget(fold)
+        right.addStretch(1)
+        cols = QHBoxLayout()
+        cols.addLayout(left)
+        cols.addLayout(right)
+        lay = QVBoxLayout(self)
+        lay.addLayout(cols)
+        lay.addWidget(self.error)
+        lay.addWidget(self.buttons)
+
+    @staticmethod
+    def _guard_text(status: dict | None) -> str:
+        if not status:
+            return "no reading yet (the engine is starting)"
+        if status.get("memory_unavailable"):
+            return f"refusing work: {status['memory_unavailable']}"
+        m = status.get("memory")
+        if not m:
+            return "no reading on this machine"
+        p = status.get("parking") or {}
+        return (f"{m['available_bytes'] / (1 << 30):.1f} GiB available of {m['total_bytes'] / (1 << 30):.1f} GiB "
+                f"({m['source']}); the cap may be at most {m['total_bytes'] // 2 >> 20} MiB. "
+                f"Parked now: {p.get('entries', 0)} conversations, {p.get('bytes', 0) / (1 << 20):.1f} MiB.")
+
+    def _add_cv(self, path: str, scale: float) -> None:
+        it = QListWidgetItem(f"{path}  × {scale:g}")
+        it.setData(256, (path, float(scale)))
+        self.cv_list.addItem(it)
+
+    def _pick_cv(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Control vector", "", "Control vectors (*.gguf)")
+        if path:
+            self._add_cv(path, self.cv_scale.value())
+
+    def _pick_folder(self) -> None:
+        d = QFileDialog.getExistingDirectory(self, "Model folder")
+        if d:
+            self.folders.addItem(d)
+
+    def values(self) -> Settings:
+        s = copy.deepcopy(self.old)
+        s.cache_mib, s.cache_slots = self.cache_mib.value(), self.cache_slots.value()
+        s.steering.files = [tuple(self.cv_list.item(i).data(256)) for i in range(self.cv_list.count())]
+        s.steering.layer_from, s.steering.layer_to = self.layer_from.value(), self.layer_to.value()
+        s.steering.mode = self.mode.currentText()
+        s.steering.direction = self.direction.text().strip() or "per-layer"
+        s.steering.on_by_default = self.cv_on.isChecked()
+        sp = s.sampling
+        sp.system_prompt = self.system_prompt.toPlainText()
+        sp.temperature, sp.top_p, sp.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
+        sp.min_p, sp.repetition_penalty, sp.max_tokens = self.min_p.value(), self.rep.value(), self.max_tokens.value()
+        s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
+        return s
+
+    def show_error(self, text: str) -> None:
+        self.error.setText(f"Not saved: {text}")
+        self.error.show()
+        self.buttons.setEnabled(True)
+
+    def submit(self) -> None:
+        """Ask the engine to accept the cache values; save everything only if it does."""
+        new = self.values()
+        if not (new.steering.direction == "per-layer" or new.steering.direction.startswith("single:")):
+            self.show_error(f"direction {new.steering.direction!r} is not 'per-layer' or 'single:L'")
+            return
+        self.error.hide()
+        if (new.cache_mib, new.cache_slots) == (self.old.cache_mib, self.old.cache_slots) or self.client is None:
+            self._commit(new)
+            return
+        self.buttons.setEnabled(False)
+        req = self.client.configure(cache_mib=new.cache_mib, cache_slots=new.cache_slots)
+        req.done.connect(lambda status: (self.guard.setText(self._guard_text(status)), self._commit(new)))
+        req.failed.connect(self.show_error)
+
+    def _commit(self, new: Settings) -> None:
+        settings_mod.save(new)
+        emit(self.saved, new, self.old)
+        self.accept()

