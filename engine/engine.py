@@ -279,9 +279,15 @@ class Engine:
             if not self.parking.enabled and n >= min(MIN_PREFIX_REUSE, len(live.tokens)):
                 return live, n          # no parking: reuse the shared prefix, as llama.cpp does
         self.live = None
+        entry, n = None, 0
+        n_live = common_prefix(live.tokens, tokens) if live is not None and live.key == key else 0
+        if any(e.key == key and common_prefix(e.tokens, tokens) > n_live for e in self.parking.entries):
+            # Take before parking the live conversation: parking it may evict the very entry wanted.
+            entry, n = self.parking.take(tokens, key, self.make_cache)
         if live is not None and self.parking.enabled:
             self.parking.park(live)
-        entry, n = self.parking.take(tokens, key, self.make_cache)
+        if entry is None:
+            entry, n = self.parking.take(tokens, key, self.make_cache)
         if entry is not None:
             return entry, n
         return KVEntry([], self.make_cache(), key), 0
