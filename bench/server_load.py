@@ -3,9 +3,11 @@ server (uvicorn on a free loopback port, the official openai client), on the def
 
     python bench/server_load.py [-n 8] [-m 4] [--max-tokens 16] [--model PATH] [--stream]
 
-Prints a Markdown table: requests, wall time, throughput (requests/s, generated tokens/s) and
+Prints a Markdown table: requests, wall time, throughput (requests/s, generated tokens/s),
 client-side latency p50/p95 (the concurrent requests' latency includes their wait in the engine's
-queue: one engine serves one request at a time).
+queue: one engine serves one request at a time), the engine's mean time to first token, and the
+mean time the engine itself spent per request (ttft + decode, from the response's `strata` timings;
+client latency minus this is the HTTP/queue share; non-streaming only).
 """
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ def one_request(client, i: int, max_tokens: int, stream: bool) -> dict:
                 tokens = ch.usage.completion_tokens
         return {"latency": time.perf_counter() - t0, "tokens": tokens, "ttft": ttft}
     r = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens, temperature=0)
-    return {"latency": time.perf_counter() - t0, "tokens": r.usage.completion_tokens,
-            "ttft": r.model_extra["strata"]["ttft_ms"] / 1e3}
+    st, n = r.model_extra["strata"], r.usage.completion_tokens
+    engine_s = (st["ttft_ms"] + (1e3 * (n - 1) / st["decode_tps"] if n > 1 and st["decode_tps"] else 0)) / 1e3
+    return {"latency": time.perf_counter() - t0, "tokens": n, "ttft": st["ttft_ms"] / 1e3, "engine": engine_s}
 
 
 def run_sequential(client, n: int, max_tokens: int, stream: bool) -> tuple[list[dict], float]:
@@ -85,9 +88,10 @@ def row(mode: str, results: list[dict], wall: float) -> str:
     lat = [r["latency"] * 1e3 for r in results]
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] * 1e3 for r in results if r["ttft"] is not None]
+    eng = [r["engine"] * 1e3 for r in results if r.get("engine") is not None]
+    mean = lambda v: f"{sum(v) / len(v):.0f}" if v else "-"  # noqa: E731
     return (f"| {mode} | {len(results)} | {wall:.2f} | {len(results) / wall:.2f} | {tokens / wall:.1f} | "
-            f"{percentile(lat, 50):.0f} | {percentile(lat, 95):.0f} | "
-            f"{(sum(ttft) / len(ttft)) if ttft else float('nan'):.0f} |")
+            f"{percentile(lat, 50):.0f} | {percentile(lat, 95):.0f} | {mean(ttft)} | {mean(eng)} |")
 
 
 def main(argv=None) -> int:
@@ -130,8 +134,8 @@ def main(argv=None) -> int:
           f"({mx.default_device()}), max_tokens {args.max_tokens}, temperature 0, "
           f"{'streaming' if args.stream else 'non-streaming'}, warm-up {warm:.1f} s")
     print()
-    print("| mode | requests | wall s | req/s | gen tok/s | p50 ms | p95 ms | mean ttft ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | requests | wall s | req/s | gen tok/s | p50 ms | p95 ms | mean ttft ms | mean engine ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print(row("sequential", seq, seq_wall))
     print(row(f"concurrent ({args.m} clients)", conc, conc_wall))
     return 0
