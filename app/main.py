@@ -10,44 +10,46 @@ import argparse
 import logging
 import sys
 
-from PySide6.QtCore import QEvent
+from PySide6.QtCore import QEvent, QObject
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 
-class Application(QApplication):
-    """Turns macOS QFileOpenEvents (Finder, the Dock) into window.open_file, queued until a window exists."""
+class FileOpenQueue(QObject):
+    """Turns QFileOpenEvents (macOS Finder, the Dock) into window.open_file; installed as an event
+    filter on the QApplication. Files that arrive before the window exists are queued."""
 
-    def __init__(self, argv):
-        super().__init__(argv)
+    def __init__(self, parent=None):
+        super().__init__(parent)
         self.window = None
-        self.pending_files: list[str] = []
+        self.pending: list[str] = []
 
-    def event(self, e) -> bool:  # noqa: N802
+    def eventFilter(self, obj, e) -> bool:  # noqa: N802
         if e.type() == QEvent.Type.FileOpen:
             path = e.file() or e.url().toLocalFile()
             if path:
                 self.open_file(path)
             return True
-        return super().event(e)
+        return False
 
     def open_file(self, path: str) -> None:
         if self.window is None:
-            self.pending_files.append(path)
+            self.pending.append(path)
         else:
             self.window.open_file(path)
 
     def set_window(self, window) -> None:
         self.window = window
-        pending, self.pending_files = self.pending_files, []
-        if pending:
-            # After the engine is up and a model is loading: requests queue behind the load.
-            for p in pending:
-                window.open_file(p)
+        pending, self.pending = self.pending, []
+        for p in pending:        # requests queue behind the model load on the engine thread
+            window.open_file(p)
 
 
-def make_app(argv=None) -> Application:
-    app = QApplication.instance() or Application(list(argv or sys.argv[:1]))
+def make_app(argv=None) -> QApplication:
+    app = QApplication.instance() or QApplication(list(argv or sys.argv[:1]))
+    if getattr(app, "_strata_files", None) is None:
+        app._strata_files = FileOpenQueue(app)
+        app.installEventFilter(app._strata_files)
     app.setApplicationName("Strata")
     app.setOrganizationName("Strata")
     app.setApplicationDisplayName("Strata")
@@ -71,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         from .self_test import run_self_test
         return run_self_test(args.model)
     app = make_app([sys.argv[0], *qt_args])
+    files = app._strata_files
     for f in args.files:
-        app.open_file(f) if isinstance(app, Application) else None
+        files.open_file(f)
+    app.processEvents()          # a Finder open at launch arrives now, before the window exists
     from .window import MainWindow
     window = MainWindow()
     window.show()
-    if isinstance(app, Application):
-        app.set_window(window)
+    files.set_window(window)
     return app.exec()
 
 

@@ -139,8 +139,8 @@ class MainWindow(QMainWindow):
             menu.addAction(a)
             return a
         f = self.menuBar().addMenu("&File")
-        act(f, "New Chat", lambda: self.new_tab(), QKeySequence.StandardKey.AddTab)
-        act(f, "Close Chat", lambda: self.close_tab(self.tabs.currentIndex()), QKeySequence.StandardKey.Close)
+        act(f, "New Chat", lambda: self.new_tab(), "Ctrl+T")
+        act(f, "Close Chat", lambda: self.close_tab(self.tabs.currentIndex()), "Ctrl+W")
         f.addSeparator()
         act(f, "Save Session…", self.save_session_dialog, QKeySequence.StandardKey.Save)
         act(f, "Restore Session…", self.restore_session_dialog, QKeySequence.StandardKey.Open)
@@ -300,7 +300,7 @@ class MainWindow(QMainWindow):
 
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
         view = ChatView(chat, self.client, self.sampling_options)
-        view.changed.connect(lambda v=view: self.store.save_chat(v.chat, self.tabs.indexOf(v)))
+        view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
         view.stats.connect(self._on_stats)
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -314,6 +314,10 @@ class MainWindow(QMainWindow):
             self.store.save_chat(chat, index)
         view.input.setFocus()
         return view
+
+    def _persist(self, view: ChatView) -> None:
+        if not self._closed:
+            self.store.save_chat(view.chat, self.tabs.indexOf(view))
 
     def _set_tab_title(self, view: ChatView, title: str) -> None:
         i = self.tabs.indexOf(view)
@@ -342,7 +346,8 @@ class MainWindow(QMainWindow):
             view.set_title(title.strip())
 
     def _save_order(self) -> None:
-        self.store.set_order([v.chat.id for v in self.views()])
+        if not self._closed:
+            self.store.set_order([v.chat.id for v in self.views()])
 
     def _on_tab_changed(self, _index: int) -> None:
         view = self.current_view()

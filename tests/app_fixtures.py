@@ -1,0 +1,77 @@
+"""Shared fixtures of the app tests (import them: `from app_fixtures import *`).
+
+Every test gets its own STRATA_HOME holding a tiny random-weight GGUF in models/ and settings that
+keep replies short; `window` is a real MainWindow driving the real engine thread with that model.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+from gguf_factory import write_tiny_gguf  # noqa: E402
+
+LOAD_TIMEOUT_MS = 60_000
+REPLY_TIMEOUT_MS = 60_000
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", arch="llama", n_layer=2, n_embd=64)
+
+
+@pytest.fixture
+def app_home(tmp_path, monkeypatch, tiny_model):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    shutil.copyfile(tiny_model, home / "models" / tiny_model.name)
+    monkeypatch.setenv("STRATA_HOME", str(home))
+    from app import settings
+    s = settings.Settings()
+    s.sampling.max_tokens = 12
+    s.sampling.temperature = 0.8
+    s.sampling.system_prompt = "You are a helpful assistant."
+    settings.save(s)
+    return home
+
+
+def open_window(qtbot, **kw):
+    from app.main import make_app
+    make_app()
+    from app.window import MainWindow
+    w = MainWindow(offer_fetch=False, **kw)
+    qtbot.addWidget(w)
+    return w
+
+
+@pytest.fixture
+def window(qtbot, app_home):
+    from app.window import MainWindow  # noqa: F401
+    w = open_window(qtbot)
+    with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS):
+        w.show()
+    yield w
+    w.close()
+
+
+def send_and_wait(qtbot, view, text: str) -> dict:
+    with qtbot.waitSignal(view.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
+        view.input.setPlainText(text)
+        view.send_input()
+    return blocker.args[0]
+
+
+@pytest.fixture(autouse=True)
+def _bool_refcounts():
+    """PySide6 6.12 drops a reference to True/False in emit() and disconnect() (see app/qt_compat.py);
+    pytest-qt's waitSignal calls both. Give back what a test lost so the interpreter survives."""
+    import ctypes
+    import sys
+    before = {b: sys.getrefcount(b) for b in (True, False)}
+    yield
+    for b, n in before.items():
+        for _ in range(max(0, n - sys.getrefcount(b))):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(b))
