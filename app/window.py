@@ -45,7 +45,7 @@ class MessageBar(QWidget):
         self.show()
 
     def text(self) -> str:
-        return self.label.text() if self.isVisible() else ""
+        return "" if self.isHidden() else self.label.text()
 
 
 def local_files(mime) -> list[Path]:

@@ -76,7 +76,7 @@ def test_app_drop_corrupt_session_is_refused(qtbot, window, tmp_path):
     reason = blocker.args[0]
     assert reason and "Traceback" not in reason
     assert window.tabs.count() == n
-    assert window.message_bar.isVisible()
+    assert not window.message_bar.isHidden()
     assert "broken.stratasession was not restored" in window.message_bar.text() and reason in window.message_bar.text()
 
 
