@@ -10,6 +10,7 @@ How the comparison works, and why it has tolerances at all:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -29,11 +30,13 @@ pytestmark = pytest.mark.oracle
 
 N_GEN = 32
 TIE_MARGIN = 0.6
-# (median, max) |logit difference| allowed per file type; measured values are printed by the test
-# (run with -s) and recorded in bench/README.md. Q4_1/Q4_K_M: the 8-bit activation floor
-# dominates; F16 is close to exact.
-LOGIT_TOL = {"Q4_1": (0.5, 2.5), "F16": (0.1, 0.6), "Q8_0": (0.3, 1.5), "Q4_K_M": (0.5, 2.5),
-             "Q6_K": (0.4, 2.0)}
+# (median, max) |logit difference| allowed per file type. Measured here over the prompts below
+# (2026-11-29): Q4_1 0.14-0.20 / 1.63, F16 0.006 / 0.046, Q8_0 0.21 / 1.69, Q4_K_M 0.29-0.44 / 3.04,
+# Q6_K 0.26 / 2.39. F16 shows the model itself maps exactly; for the quantized files the spread is
+# llama.cpp's 8-bit activation quantization (Q8_0 weights are bit-exact in MLX, yet differ by 1.7),
+# plus Strata's 8-bit requantization of Q6_K. Tolerances are those maxima with ~30% headroom.
+LOGIT_TOL = {"Q4_1": (0.3, 2.2), "F16": (0.02, 0.1), "Q8_0": (0.3, 2.2), "Q4_K_M": (0.6, 4.0),
+             "Q6_K": (0.4, 3.2)}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -63,29 +66,37 @@ def smol_files(real_model) -> dict[str, Path]:
     return files
 
 
+@functools.lru_cache(maxsize=1)
+def _llama(path: Path):
+    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
+                           n_threads=2)
+
+
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                          n_threads=2)
+    llm = _llama(path)
+    llm.reset()
     llm.eval(ids)
-    out = np.array(llm.scores[: len(ids)], dtype=np.float32)
-    llm.close()
-    return out
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
 
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, verbose=False, n_threads=2)
     out = []
-    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+    for tok in _llama(path).generate(ids, temp=0.0, top_k=1, reset=True):
         out.append(int(tok))
         if len(out) == n:
             break
-    llm.close()
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _strata_model(path: Path):
+    return load_model(open_gguf(path))[0]
+
+
 def strata_logits(path: Path, ids: list[int]) -> np.ndarray:
-    model, _ = load_model(open_gguf(path))
-    return np.array(model(mx.array(ids)[None])[0].astype(mx.float32))
+    from mlx_lm.models.cache import make_prompt_cache
+    model = _strata_model(path)
+    return np.array(model(mx.array(ids)[None], cache=make_prompt_cache(model))[0].astype(mx.float32))
 
 
 def compare(ref: np.ndarray, ours: np.ndarray, start: int) -> dict:
