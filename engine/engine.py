@@ -54,6 +54,7 @@ class LoadModel:
 @dataclass
 class SaveSession:
     path: str
+    messages: list[dict] | None = None        # which conversation (live or parked); None: the live one
 
 
 @dataclass
@@ -409,12 +410,19 @@ class Engine:
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions
         self._require_model()
-        if self.live is None or not self.live.tokens:
+        entry = self.live
+        if req.messages is not None:
+            held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
+            entry = next((e for e in held if e.messages == req.messages and e.key == self.cache_key()), None)
+            if entry is None:
+                raise RequestError("that conversation's K/V is no longer held by the engine "
+                                   "(send a message in it first, then save)")
+        if entry is None or not entry.tokens:
             raise RequestError("there is no conversation to save")
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session save refused: {reason}")
-        return sessions.save(req.path, self.live, self.session_fingerprint(),
+        return sessions.save(req.path, entry, self.session_fingerprint(),
                              progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
 
     def _restore(self, req: RestoreSession, handle: Handle) -> dict:

@@ -139,3 +139,19 @@ def test_other_architectures_generate(tmp_path, arch):
     finally:
         eng.stop()
     assert logs  # the request's own log line
+
+
+def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_path):
+    from engine.engine import RestoreSession, SaveSession
+    a_msgs = [{"role": "system", "content": "Conversation A about boats and the sea."},
+              {"role": "user", "content": "Tell me about sailing."}]
+    a = engine.call(GenerateRequest(messages=a_msgs, sampling=sample(6), conversation="A"))
+    a_msgs = a_msgs + [{"role": "assistant", "content": a["text"]}]
+    b = engine.call(GenerateRequest(messages=[{"role": "user", "content": "Title please"}], sampling=sample(4)))
+    assert b["generated_tokens"] == 4     # B holds the engine now; A is parked
+    saved = engine.call(SaveSession(str(tmp_path / "a.stratasession"), messages=a_msgs))
+    assert saved["tokens"] == a["prompt_tokens"] + a["generated_tokens"] - 1
+    restored = engine.call(RestoreSession(str(tmp_path / "a.stratasession")))
+    assert restored["messages"] == a_msgs
+    with pytest.raises(StrataError, match="no longer held"):
+        engine.call(SaveSession(str(tmp_path / "x.stratasession"), messages=[{"role": "user", "content": "?"}]))
