@@ -314,6 +314,8 @@ class ChatView(QWidget):
 def clean_title(text: str) -> str:
     """First non-empty line, without quotes/markup/"Title:", at most 6 words and 48 characters."""
     for line in text.splitlines():
+        if line.strip().startswith("```"):
+            continue
         line = re.sub(r"^(title\s*:\s*)", "", line.strip(), flags=re.I)
         line = re.sub(r"[*_`#\"]", "", line).strip(" \t'.:")
         if re.search(r"\w", line):

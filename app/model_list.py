@@ -72,6 +72,7 @@ class ModelList(QWidget):
             self.tree.addTopLevelItem(it)
         for c in range(len(COLUMNS)):
             self.tree.resizeColumnToContents(c)
+        self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 170))
         self.empty.setVisible(not metas)
         self.mark_current(self.current)
 

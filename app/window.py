@@ -12,7 +12,7 @@ from pathlib import Path
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow, QMessageBox,
-                               QProgressDialog, QPushButton, QSplitter, QTabWidget, QVBoxLayout, QWidget)
+                               QProgressDialog, QPushButton, QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
 from . import paths
 from . import settings as settings_mod
@@ -91,7 +91,8 @@ class MainWindow(QMainWindow):
         self.tabs.tabBarDoubleClicked.connect(self.rename_tab)
         self.tabs.tabBar().tabMoved.connect(lambda *_: self._save_order())
         self.tabs.currentChanged.connect(self._on_tab_changed)
-        self.new_tab_btn = QPushButton("+", toolTip="New chat (Ctrl+T)", clicked=lambda: self.new_tab())
+        self.new_tab_btn = QToolButton(text="+", toolTip="New chat (Ctrl+T)", autoRaise=True)
+        self.new_tab_btn.clicked.connect(lambda: self.new_tab())
         self.tabs.setCornerWidget(self.new_tab_btn, Qt.Corner.TopRightCorner)
         self.message_bar = MessageBar()
         centre = QWidget()
@@ -104,7 +105,7 @@ class MainWindow(QMainWindow):
         split.addWidget(self.models)
         split.addWidget(centre)
         split.setStretchFactor(1, 1)
-        split.setSizes([330, 850])
+        split.setSizes([430, 850])
         self.setCentralWidget(split)
         self.status = StatusBar()
         self.setStatusBar(self.status)

@@ -1,0 +1,69 @@
+"""Screenshots of the real app: `python -m app.screenshot OUTDIR [--model PATH] [--message TEXT]`.
+
+Opens the window, loads the model, sends one message, waits for the reply (and its title), then
+writes OUTDIR/main-window.png and OUTDIR/settings.png. Run it under Xvfb (xvfb-run) or offscreen.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m app.screenshot")
+    ap.add_argument("outdir")
+    ap.add_argument("--model")
+    ap.add_argument("--message", default="Write a Python function that checks if a number is prime.")
+    ap.add_argument("--max-tokens", type=int, default=120)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args(argv)
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from PySide6.QtCore import QTimer
+
+    from .main import make_app
+    app = make_app(sys.argv[:1])
+    from .window import MainWindow
+    w = MainWindow(offer_fetch=False)
+    w.settings.sampling.max_tokens = args.max_tokens
+    w.settings.sampling.temperature = 0.2
+    if args.model:
+        w.settings.model = args.model
+    w.resize(1280, 800)
+    w.show()
+    rc = [1]
+
+    def grab_settings():
+        page = w.open_settings()
+        page.resize(980, 640)
+        QTimer.singleShot(600, lambda: (page.grab().save(str(out / "settings.png")), print("wrote", out / "settings.png"),
+                                        page.reject(), finish()))
+
+    def finish():
+        rc[0] = 0
+        w.close()
+        app.quit()
+
+    def after_reply(_r):
+        QTimer.singleShot(800, lambda: (w.grab().save(str(out / "main-window.png")),
+                                        print("wrote", out / "main-window.png"), grab_settings()))
+
+    def on_loaded(_p):
+        view = w.current_view()
+        if view.chat.messages:
+            view = w.new_tab()
+        view.title_changed.connect(after_reply)
+        view.input.setPlainText(args.message)
+        view.send_input()
+
+    w.model_loaded.connect(on_loaded)
+    QTimer.singleShot(int(args.timeout * 1000), lambda: (print("timed out"), app.quit()))
+    app.exec()
+    w.shutdown()
+    return rc[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
