@@ -183,12 +183,10 @@ class EngineClient(QObject):
         return self._submit("status", make)
 
     def save_session(self, path: str, messages: list[dict] | None = None) -> Request:
-        """Save a conversation; with `messages`, that conversation is made the live one first."""
+        """Save a conversation: the one whose messages these are (live or parked), or the live one."""
         def make():
-            from engine.engine import Call, SaveSession
-            if messages is None:
-                return SaveSession(path)
-            return Call(lambda eng: _save_conversation(eng, path, messages))
+            from engine.engine import SaveSession
+            return SaveSession(path, messages=list(messages) if messages is not None else None)
         return self._submit("save", make)
 
     def restore_session(self, path: str) -> Request:
@@ -197,28 +195,3 @@ class EngineClient(QObject):
             return RestoreSession(path)
         return self._submit("restore", make)
 
-
-def _save_conversation(eng, path: str, messages: list[dict]) -> dict:
-    """On the engine thread: bring the conversation whose K/V matches `messages` live, then save it.
-
-    The engine's SaveSession saves the live conversation; a title call or another tab may have
-    parked this one. Rendering its messages and taking the K/V sharing the longest prefix (from the
-    live entry or parking) makes it live again without computing anything.
-    """
-    from engine.engine import GenerateRequest, SaveSession
-    from engine.events import Handle
-    tokens = eng.prompt_tokens(GenerateRequest(messages=messages))
-    live = eng.live
-    from engine.parking import common_prefix
-    if live is None or common_prefix(live.tokens, tokens) < len(live.tokens) - 2:
-        entry, n = eng._take_kv(tokens)
-        if n == 0:
-            from engine.errors import RequestError
-            raise RequestError("this conversation's cache is gone (evicted); send a message in it first")
-        for c in entry.cache:
-            if c.offset > n:
-                c.trim(c.offset - n)
-        entry.tokens = entry.tokens[:n]
-        eng.live = entry
-    eng.live.messages = list(messages)
-    return eng._save(SaveSession(path), eng._handle or Handle(None))

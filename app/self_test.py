@@ -63,7 +63,6 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
             path = str(Path(tmp) / "self-test.stratasession")
             saved = wait(client.save_session(path, messages=msgs + [{"role": "assistant", "content": r["text"]}]),
                          "save session")
-            saved = saved.get("value", saved)
             print(f"self-test: saved session {saved.get('session_bytes', 0)} bytes in {saved.get('save_ms', 0):.0f} ms")
             restored = wait(client.restore_session(path), "restore session")
             print(f"self-test: restored {restored.get('restored_tokens')} tokens in "

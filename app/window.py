@@ -412,7 +412,6 @@ class MainWindow(QMainWindow):
         req.progress.connect(self.status.show_progress)
 
         def done(r):
-            r = r.get("value", r)
             self.status.hide_progress()
             self.status.showMessage(f"Saved {Path(path).name}: {r.get('session_bytes', 0) / (1 << 20):.1f} MiB "
                                     f"in {r.get('save_ms', 0):.0f} ms", 8000)
