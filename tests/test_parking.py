@@ -57,7 +57,7 @@ def ask(engine: Engine, messages: list[dict], conversation: str, *, n: int = 16,
 
 def held(result: dict, max_tokens: int) -> int:
     """Tokens the K/V holds after a turn (see the module docstring)."""
-    return result["prompt_tokens"] + min(result["generated_tokens"], max_tokens - 1)
+    return result["prompt_tokens"] + min(len(result["tokens"]), max_tokens - 1)
 
 
 def configure(engine: Engine, **kw) -> tuple[dict, list[str]]:
