@@ -92,13 +92,8 @@ class EngineThread(QThread):
 
     def stop(self, timeout_ms: int = 10000) -> None:
         if self.engine is not None:
-            self.engine._queue.put(_stop_marker())
+            self.engine.stop()          # queues the stop marker; run_forever returns after the current request
         self.wait(timeout_ms)
-
-
-def _stop_marker():
-    from engine.engine import _Stop
-    return _Stop()
 
 
 def _steering_config(spec):
