@@ -1,0 +1,290 @@
+"""Control-vector benchmarks on the default model (SmolLM2-135M-Instruct Q4_1).
+
+Cost (default): what the vector costs when on, against the same engine with it off.
+
+    python bench/cvec.py [--model PATH] [--vector FILE] [--mode project] [--scale 2] [--range A B]
+                         [--repeat 3] [--prompt-tokens 128] [--decode-tokens 32]
+
+  One engine, the vector loaded; requests alternate speed_projection off/on (an off request runs the
+  stock forward: the wrappers return the block output untouched). Each request starts from an empty
+  K/V (parking off, the live entry dropped) so every prefill is a full one. Prefill: a raw prompt of
+  --prompt-tokens tokens, max_tokens 1 (the engine's ttft = prefill + first token). Decode: ms per
+  generated token after the first (the engine's decode_tps), --decode-tokens tokens. Medians over
+  --repeat alternating pairs, after one warm-up pair; ratio on/off.
+  Kernel: ``steer()`` alone (the dispatch the engine uses, on the active backend) for every steered
+  layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
+
+Effect (--effect): the shipped vector's effect on reply length and wall time.
+
+    python bench/cvec.py --effect [--settings off project:1:4-20 ...] [--max-tokens 96]
+
+  The prompts of resources/prompts/cvec-effect.txt as single user messages, greedy, max_tokens 96;
+  every setting runs each prompt (settings interleaved per prompt so machine-load drift hits them
+  alike). A setting is ``off`` or ``MODE:SCALE:A-B`` (the vector file loaded with that mode, scale and
+  inclusive layer range, swapped in on the engine thread). Reports mean reply tokens, how many
+  replies ended by themselves (EOS) before the cap, and mean wall time per request.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+DEFAULT_VECTOR = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
+EFFECT_PROMPTS = REPO / "resources" / "prompts" / "cvec-effect.txt"
+# The setting the shipped vector is meant to be used with (see bench/README.md).
+SHIPPED = {"mode": "project", "scale": 2.0, "range": (1, 29)}
+PREFILL_TEXT = ("The history of the city is long and full of change. It began as a small fishing village "
+                "on the banks of a wide river, where families built wooden houses and traded salt, fish and "
+                "grain with the farmers of the valley. Over the centuries the village grew into a market "
+                "town, then into a city with stone walls, a cathedral, a university and a busy harbour. ")
+
+
+def machine() -> str:
+    import mlx.core as mx
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{platform.system()} {platform.release()}, {cpu}, {os.cpu_count()} vCPU, "
+            f"mlx {mx.__version__} ({mx.default_device()}), load avg {os.getloadavg()[0]:.1f}")
+
+
+def default_model() -> str:
+    env = os.environ.get("STRATA_TEST_MODEL")
+    if env:
+        return env
+    from engine.models import default_model_path
+    p = default_model_path()
+    if p.exists():
+        return str(p)
+    alt = Path("/tmp/sh/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(alt if alt.exists() else p)
+
+
+def start_engine(model: str, vector: str, mode: str, scale: float, rng: tuple[int, int] | None):
+    from engine.control_vector import SteeringConfig
+    from engine.engine import Engine, EngineOptions, Status
+    cfg = SteeringConfig(files=((vector, scale),), mode=mode, layer_range=rng)
+    eng = Engine(EngineOptions(model=model, steering=cfg, cache_mib=0)).start()
+    st = eng.call(Status())
+    if st["model"] is None:
+        raise SystemExit("the model did not load")
+    return eng, st
+
+
+def fresh(eng) -> None:
+    """Drop the live K/V so the next request prefills everything."""
+    from engine.engine import Call
+
+    def drop(e):
+        e.live = None
+    eng.call(Call(drop))
+
+
+def gen(eng, *, prompt=None, messages=None, max_tokens=32, on=True) -> tuple[dict, float]:
+    from engine.engine import GenerateRequest
+    from engine.sampling import SamplingParams
+    fresh(eng)
+    t0 = time.perf_counter()
+    r = eng.call(GenerateRequest(prompt=prompt, messages=messages, speed_projection=on,
+                                 sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+    return r, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ cost
+def kernel_time(eng, rows: int, iters: int) -> dict:
+    """steer() alone for every steered layer, on the engine thread (its device and stream)."""
+    from engine.engine import Call
+
+    def run(e):
+        import mlx.core as mx
+
+        from engine.steering import active_backend, steer
+        vec = e.steering.vector
+        layers = vec.steered_layers()
+        h = mx.random.normal((1, rows, e.info.n_embd)).astype(e.dtype)
+        mx.eval(h)
+        dirs = [vec.directions[il] for il in layers]
+        for _ in range(10):
+            mx.eval([steer(h, d, vec.scale, vec.mode) for d in dirs])
+        per_all, per_one = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            mx.eval([steer(h, d, vec.scale, vec.mode) for d in dirs])     # one token: all layers
+            per_all.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            mx.eval(steer(h, dirs[0], vec.scale, vec.mode))               # one layer
+            per_one.append(time.perf_counter() - t0)
+        return {"backend": active_backend(), "layers": len(layers), "rows": rows,
+                "all_layers_ms": statistics.median(per_all) * 1e3,
+                "one_layer_ms": statistics.median(per_one) * 1e3}
+    return eng.call(Call(run))["value"]
+
+
+def cost(args) -> dict:
+    eng, st = start_engine(args.model, args.vector, args.mode, args.scale, tuple(args.range) if args.range else None)
+    desc = st["steering"]
+    from engine.engine import Call
+    n_tok = args.prompt_tokens
+    text = eng.call(Call(lambda e: e.tokenizer.decode(
+        (e.tokenizer.encode(PREFILL_TEXT * 8, add_bos=False))[:n_tok - 1])))["value"]
+    decode_prompt = "Once upon a time, in a small village by the sea,"
+    rows = {"prefill_ms": {True: [], False: []}, "decode_ms_per_tok": {True: [], False: []}}
+    print(f"cost: {desc}; {args.repeat} alternating pairs after a warm-up pair", file=sys.stderr)
+    for rep in range(args.repeat + 1):
+        for on in ((False, True) if rep % 2 == 0 else (True, False)):
+            r, _ = gen(eng, prompt=text, max_tokens=1, on=on)
+            prefill_ms = r["ttft_ms"]
+            d, _ = gen(eng, prompt=decode_prompt, max_tokens=args.decode_tokens, on=on)
+            dec = 1e3 / d["decode_tps"] if d["decode_tps"] else float("nan")
+            print(f"  {'warm-up ' if rep == 0 else ''}{'on ' if on else 'off'}: prefill {r['prompt_tokens']} tok "
+                  f"{prefill_ms:.0f} ms, decode {d['generated_tokens']} tok {dec:.1f} ms/tok", file=sys.stderr)
+            if rep:
+                rows["prefill_ms"][on].append(prefill_ms)
+                rows["decode_ms_per_tok"][on].append(dec)
+    k1 = kernel_time(eng, 1, args.kernel_iters)
+    kp = kernel_time(eng, n_tok, max(10, args.kernel_iters // 10))
+    eng.stop()
+    out = {"steering": desc, "prompt_tokens": r["prompt_tokens"], "decode_tokens": args.decode_tokens,
+           "repeat": args.repeat, "kernel_token": k1, "kernel_chunk": kp}
+    for k, v in rows.items():
+        off, on = statistics.median(v[False]), statistics.median(v[True])
+        out[k] = {"off": off, "on": on, "ratio": on / off, "off_all": v[False], "on_all": v[True]}
+    return out
+
+
+def print_cost(res: dict) -> None:
+    p, d, k1, kp = res["prefill_ms"], res["decode_ms_per_tok"], res["kernel_token"], res["kernel_chunk"]
+    print(f"\n{res['steering']}; medians of {res['repeat']} alternating on/off pairs\n")
+    print("| measure | off | on | on/off |")
+    print("|---|---:|---:|---:|")
+    print(f"| prefill, {res['prompt_tokens']}-token prompt (ms) | {p['off']:.0f} | {p['on']:.0f} | {p['ratio']:.3f} |")
+    print(f"| decode (ms/token, {res['decode_tokens']} tokens) | {d['off']:.1f} | {d['on']:.1f} | {d['ratio']:.3f} |")
+    share = k1["all_layers_ms"] / d["off"] * 100
+    print(f"\nsteer() alone ({k1['backend']} path), {k1['layers']} steered layers: "
+          f"{k1['all_layers_ms']:.3f} ms per token (all layers, one eval; {k1['one_layer_ms']:.3f} ms for one layer) "
+          f"= {share:.1f}% of the off decode time per token; "
+          f"{kp['all_layers_ms']:.1f} ms for a {kp['rows']}-row prefill chunk "
+          f"(= {kp['all_layers_ms'] / p['off'] * 100:.1f}% of the off prefill).")
+    print(f"raw: prefill off {[round(x) for x in p['off_all']]} on {[round(x) for x in p['on_all']]}; "
+          f"decode off {[round(x, 1) for x in d['off_all']]} on {[round(x, 1) for x in d['on_all']]}")
+
+
+# ------------------------------------------------------------------------------------------ effect
+def parse_setting(s: str):
+    if s == "off":
+        return None
+    try:
+        mode, scale, rng = s.split(":")
+        a, b = rng.split("-")
+        return mode, float(scale), (int(a), int(b))
+    except ValueError:
+        raise SystemExit(f"setting {s!r} is not 'off' or MODE:SCALE:A-B") from None
+
+
+def effect(args) -> dict:
+    from engine.control_vector import ControlVector, SteeringConfig
+    from engine.engine import Call
+    prompts = [ln.strip() for ln in EFFECT_PROMPTS.read_text().splitlines() if ln.strip()]
+    if args.limit:
+        prompts = prompts[:args.limit]
+    settings = args.settings
+    eng, st = start_engine(args.model, args.vector, "project", 1.0, None)
+    vectors = {}
+
+    def build(e):
+        for s in settings:
+            p = parse_setting(s)
+            if p is not None:
+                mode, scale, rng = p
+                vectors[s] = ControlVector.load(SteeringConfig(files=((args.vector, scale),), mode=mode,
+                                                               layer_range=rng), e.info.n_layer, e.info.n_embd)
+    eng.call(Call(build))
+
+    def use(s):
+        def f(e):
+            if s in vectors:
+                e.steering.vector = vectors[s]
+        eng.call(Call(f))
+
+    res = {s: [] for s in settings}
+    for i, prompt in enumerate(prompts):
+        for s in settings:
+            use(s)
+            r, wall = gen(eng, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                          on=s != "off")
+            res[s].append({"prompt": prompt, "tokens": r["generated_tokens"], "finish": r["finish_reason"],
+                           "wall_s": wall, "text": r["text"]})
+            print(f"  [{i + 1}/{len(prompts)}] {s:>18}: {r['generated_tokens']:3d} tok, {wall:5.1f} s, "
+                  f"{r['finish_reason']:6} | {r['text'][:70]!r}", file=sys.stderr, flush=True)
+    eng.stop()
+    summary = {}
+    for s, rows in res.items():
+        summary[s] = {"mean_tokens": statistics.mean(r["tokens"] for r in rows),
+                      "eos": sum(r["finish"] == "stop" for r in rows), "n": len(rows),
+                      "mean_wall_s": statistics.mean(r["wall_s"] for r in rows),
+                      "rows": rows}
+    return {"max_tokens": args.max_tokens, "prompts": prompts, "summary": summary}
+
+
+def print_effect(res: dict) -> None:
+    base = res["summary"].get("off")
+    print(f"\n{len(res['prompts'])} prompts, greedy, max_tokens {res['max_tokens']}\n")
+    print("| setting | mean reply (tokens) | ended by EOS | mean wall (s) | tokens vs off | wall vs off |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for s, v in res["summary"].items():
+        rel_t = f"{v['mean_tokens'] / base['mean_tokens']:.2f}x" if base else "-"
+        rel_w = f"{v['mean_wall_s'] / base['mean_wall_s']:.2f}x" if base else "-"
+        print(f"| {s} | {v['mean_tokens']:.1f} | {v['eos']}/{v['n']} | {v['mean_wall_s']:.1f} | {rel_t} | {rel_w} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--vector", default=str(DEFAULT_VECTOR))
+    ap.add_argument("--mode", default=SHIPPED["mode"])
+    ap.add_argument("--scale", type=float, default=SHIPPED["scale"])
+    ap.add_argument("--range", nargs=2, type=int, default=list(SHIPPED["range"]))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--kernel-iters", type=int, default=200)
+    ap.add_argument("--effect", action="store_true")
+    ap.add_argument("--settings", nargs="+", default=None)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--limit", type=int, default=0, help="--effect: only the first N prompts (exploration)")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    args = ap.parse_args()
+    args.model = args.model or default_model()
+    if args.settings is None:
+        a, b = SHIPPED["range"]
+        args.settings = ["off", f"project:1:{a}-{b}", f"project:2:{a}-{b}"]
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} | {machine()}", file=sys.stderr)
+    print(f"command: python bench/cvec.py {' '.join(sys.argv[1:])}", file=sys.stderr)
+    if args.effect:
+        res = effect(args)
+        print_effect(res)
+    else:
+        res = cost(args)
+        print_cost(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    sys.stdout.flush()
+    os._exit(0)   # the engine thread never ends (mlx at-exit abort, see engine.run_forever)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
