@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # llama-cpp-python (the test oracle) builds from source once (~8 min); pip caches the wheel.
+# PyInstaller is installed too: a test builds the bundle and runs its --self-test.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e ".[test,oracle]"
+	$(PY) -m pip install -e ".[test,oracle,app]"
 	touch $(STAMP)
 
 model: setup
