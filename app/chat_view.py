@@ -9,8 +9,8 @@ import re
 
 from PySide6.QtCore import QTimer, QUrl, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
-from PySide6.QtWidgets import (QApplication, QCheckBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton,
-                               QTextBrowser, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
+                               QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
 from .markdown_render import insert_message_body
 from .store import Chat
@@ -44,12 +44,13 @@ class ChatView(QWidget):
     message = Signal(str)              # a line for the status bar
     progress = Signal(str, object, object)
 
-    def __init__(self, chat: Chat, client, options, parent: QWidget | None = None):
-        """`options()` returns (sampling dict, system prompt) for the next request."""
+    def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None):
+        """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
+        prompt, sampling and context length of its requests."""
         super().__init__(parent)
         self.chat = chat
         self.client = client
-        self.options = options
+        self.presets = presets
         self.request = None            # the generate request in flight
         self.title_request = None
         self.streaming: str | None = None
@@ -74,9 +75,15 @@ class ChatView(QWidget):
         self.projection = QCheckBox("Speed projection", toolTip="Apply the control vector to this chat")
         self.projection.setChecked(bool(chat.config.get("speed_projection", True)))
         self.projection.toggled.connect(self._on_projection)
+        self.preset_box = QComboBox(toolTip="The config (system prompt, sampling, context) this chat uses")
+        self.preset_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self._fill_presets()
+        self.preset_box.activated.connect(lambda i: self.set_preset(self.preset_box.itemData(i)))
+        presets.changed.connect(self._fill_presets)
 
         buttons = QHBoxLayout()
-        for w in (self.projection,):
+        buttons.addWidget(QLabel("Config"))
+        for w in (self.preset_box, self.projection):
             buttons.addWidget(w)
         buttons.addStretch(1)
         for w in (self.copy_btn, self.regen_btn, self.stop_btn, self.send_btn):
@@ -101,6 +108,31 @@ class ChatView(QWidget):
         self.send_btn.setEnabled(not self.busy)
         self.regen_btn.setEnabled(not self.busy and has_reply)
         self.copy_btn.setEnabled(has_reply)
+
+    # ---- config (preset) ----------------------------------------------------------------------
+    @property
+    def preset(self):
+        return self.presets.get(self.chat.config.get("preset"))
+
+    def _fill_presets(self) -> None:
+        current = self.preset
+        if self.chat.config.get("preset") not in (None, current.id):
+            self.chat.config["preset"] = current.id      # its config was deleted: Default now
+            emit(self.changed)
+        self.preset_box.blockSignals(True)
+        self.preset_box.clear()
+        for p in self.presets.all():
+            self.preset_box.addItem(p.name, p.id)
+        self.preset_box.setCurrentIndex(max(0, self.preset_box.findData(current.id)))
+        self.preset_box.blockSignals(False)
+
+    def set_preset(self, pid: str) -> None:
+        """Switch this chat to config `pid`: its system prompt and sampling apply from the next request."""
+        p = self.presets.get(pid)
+        self.chat.config["preset"] = p.id
+        self.preset_box.setCurrentIndex(max(0, self.preset_box.findData(p.id)))
+        self.projection.setChecked(p.speed_projection)      # the config's default; the toggle still rules
+        emit(self.changed)
 
     def _on_projection(self, on: bool) -> None:
         self.chat.config["speed_projection"] = on
@@ -235,16 +267,43 @@ class ChatView(QWidget):
 
     # ---- generation --------------------------------------------------------------------------
     def request_messages(self) -> list[dict]:
-        _, system = self.options()
+        system = self.preset.system_prompt
         msgs = [dict(m) for m in self.chat.messages]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
 
     def _generate(self) -> None:
-        sampling, _ = self.options()
+        preset = self.preset
+        sampling = preset.sampling()
+        messages = self.request_messages()
         self.streaming = ""
-        req = self.client.generate(self.request_messages(), sampling, conversation=f"chat-{self.chat.id}",
+        if preset.context_length > 0:
+            # The config's context: count the prompt first (the engine's tokenizer and template), then
+            # refuse a prompt that does not fit or cap the reply to what is left.
+            count = self.client.count_prompt_tokens(messages)
+            self.request = count
+            count.done.connect(lambda r: self._after_count(r, messages, sampling, preset.context_length))
+            count.failed.connect(self._on_failed)
+            self.render_all()
+            self._update_buttons()
+            return
+        self._submit(messages, sampling)
+
+    def _after_count(self, r: dict, messages: list[dict], sampling: dict, n_ctx: int) -> None:
+        if self.request is None or self.request._cancel:
+            self._on_failed("cancelled")
+            return
+        n = int(r.get("value", 0))
+        if n >= n_ctx:
+            reason = f"the prompt is {n} tokens; this chat's config holds {n_ctx}"
+            self.notes.append(f"Not sent: {reason}")
+            self._on_failed(reason)
+            return
+        self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
+
+    def _submit(self, messages: list[dict], sampling: dict) -> None:
+        req = self.client.generate(messages, sampling, conversation=f"chat-{self.chat.id}",
                                    speed_projection=self.projection.isChecked())
         self.request = req
         req.token.connect(self._on_token)

@@ -96,6 +96,13 @@ class EngineThread(QThread):
         self.wait(timeout_ms)
 
 
+def start_server(engine, host: str, port: int, api_key: str = ""):
+    """The OpenAI-compatible server (engine.server) on the app's engine: a started ServerThread, or
+    StrataError (one line, e.g. the port in use). Blocks until it listens: call it off the GUI thread."""
+    from engine.server import ServerThread, create_app
+    return ServerThread(create_app(engine, api_key=api_key or None), host=host, port=port).start()
+
+
 def _steering_config(spec):
     """settings.Steering (or None) -> engine.control_vector.SteeringConfig (or None when no files)."""
     if spec is None or not getattr(spec, "files", None):
@@ -170,6 +177,19 @@ class EngineClient(QObject):
             from engine.engine import Configure
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
         return self._submit("configure", make)
+
+    def count_prompt_tokens(self, messages: list[dict]) -> Request:
+        """How many tokens these messages make as a prompt (the model's template): result["value"]."""
+        def make():
+            from engine.engine import Call, GenerateRequest
+            from engine.errors import RequestError
+
+            def count(engine):
+                if engine.model is None:
+                    raise RequestError("no model is loaded")
+                return len(engine.prompt_tokens(GenerateRequest(messages=list(messages))))
+            return Call(count)
+        return self._submit("count", make)
 
     def status(self) -> Request:
         def make():

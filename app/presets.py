@@ -1,0 +1,359 @@
+"""Configs (presets): a system prompt, sampling settings, a context length and the speed projection
+default, under a name. A chat tab uses one (`chat.config["preset"]`).
+
+"Default" always exists: it is the settings page's sampling defaults (QSettings), so it cannot be
+renamed or deleted. Every other config is a row of the `presets` table in the chat database.
+"""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
+                               QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+
+DEFAULT_ID = "default"
+DEFAULT_NAME = "Default"
+NAME_MAX = 60
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+@dataclass
+class Preset:
+    id: str = DEFAULT_ID
+    name: str = DEFAULT_NAME
+    system_prompt: str = "You are a helpful assistant."
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repetition_penalty: float = 1.1
+    max_tokens: int = 512
+    context_length: int = 0          # 0 = the model's own
+    speed_projection: bool = True
+
+    @property
+    def is_default(self) -> bool:
+        return self.id == DEFAULT_ID
+
+    def sampling(self) -> dict:
+        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+
+    def data(self) -> dict:
+        d = asdict(self)
+        del d["id"], d["name"]
+        return d
+
+    @classmethod
+    def from_data(cls, pid: str, name: str, data: dict) -> "Preset":
+        p = cls(id=pid, name=name)
+        for f in fields(cls):
+            if f.name in ("id", "name") or f.name not in data:
+                continue
+            default = getattr(p, f.name)
+            try:
+                value = data[f.name]
+                setattr(p, f.name, value if isinstance(default, bool) and isinstance(value, bool)
+                        else type(default)(value))
+            except (TypeError, ValueError):
+                pass
+        return p
+
+
+class PresetManager(QObject):
+    """All configs: Default (from the settings) first, then the stored ones in creation order."""
+    changed = Signal()
+
+    def __init__(self, store, settings_getter, save_settings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.store = store
+        self.settings = settings_getter          # () -> Settings
+        self.save_settings = save_settings       # (Settings) -> None
+
+    def default(self) -> Preset:
+        s = self.settings()
+        sp = s.sampling
+        return Preset(DEFAULT_ID, DEFAULT_NAME, sp.system_prompt, sp.temperature, sp.top_p, sp.top_k, sp.min_p,
+                      sp.repetition_penalty, sp.max_tokens, sp.context_length, s.steering.on_by_default)
+
+    def all(self) -> list[Preset]:
+        return [self.default()] + [Preset.from_data(pid, name, d) for pid, name, d in self.store.presets()]
+
+    def find(self, pid: str | None) -> Preset | None:
+        return next((p for p in self.all() if p.id == pid), None)
+
+    def get(self, pid: str | None) -> Preset:
+        """The config with this id, or Default (a deleted or unknown id falls back to it)."""
+        return self.find(pid) or self.default()
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.all()]
+
+    def check_name(self, name: str, pid: str | None = None) -> str:
+        """'' when `name` is usable for config `pid`, else the reason."""
+        name = name.strip()
+        if not name:
+            return "a config needs a name"
+        if len(name) > NAME_MAX:
+            return f"a config name has at most {NAME_MAX} characters"
+        if any(p.name.lower() == name.lower() and p.id != pid for p in self.all()):
+            return f"there is already a config named {name!r}"
+        return ""
+
+    def _unique(self, base: str) -> str:
+        names = {n.lower() for n in self.names()}
+        if base.lower() not in names:
+            return base
+        n = 2
+        while f"{base} {n}".lower() in names:
+            n += 1
+        return f"{base} {n}"
+
+    def create(self, name: str = "", base: Preset | None = None, **values) -> Preset:
+        src = base or self.default()
+        p = Preset.from_data(uuid.uuid4().hex[:12], "", src.data())
+        p.name = name.strip() or self._unique("Config")
+        reason = self.check_name(p.name)
+        if reason:
+            raise ValueError(reason)
+        for k, v in values.items():
+            if k in ("id", "name") or not hasattr(p, k):
+                raise ValueError(f"unknown config field {k!r}")
+            setattr(p, k, v)
+        self.store.save_preset(p.id, p.name, p.data())
+        emit(self.changed)
+        return p
+
+    def duplicate(self, pid: str) -> Preset:
+        src = self.get(pid)
+        return self.create(self._unique(f"{src.name} copy"), base=src)
+
+    def rename(self, pid: str, name: str) -> None:
+        p = self.find(pid)
+        if p is None:
+            raise ValueError("no such config")
+        if p.is_default:
+            raise ValueError("the Default config cannot be renamed")
+        reason = self.check_name(name, pid)
+        if reason:
+            raise ValueError(reason)
+        self.store.save_preset(pid, name.strip(), p.data())
+        emit(self.changed)
+
+    def delete(self, pid: str) -> None:
+        if pid == DEFAULT_ID:
+            raise ValueError("the Default config cannot be deleted")
+        self.store.delete_preset(pid)
+        emit(self.changed)
+
+    def update(self, p: Preset) -> None:
+        """Store a config's values (Default's go to the settings' sampling defaults)."""
+        if p.is_default:
+            s = self.settings()
+            sp = s.sampling
+            sp.system_prompt, sp.temperature, sp.top_p, sp.top_k = p.system_prompt, p.temperature, p.top_p, p.top_k
+            sp.min_p, sp.repetition_penalty, sp.max_tokens = p.min_p, p.repetition_penalty, p.max_tokens
+            sp.context_length = p.context_length
+            s.steering.on_by_default = p.speed_projection
+            self.save_settings(s)
+        else:
+            reason = self.check_name(p.name, p.id)
+            if reason:
+                raise ValueError(reason)
+            self.store.save_preset(p.id, p.name, p.data())
+        emit(self.changed)
+
+
+def _spin(lo, hi, value, step=1, decimals=None):
+    w = QSpinBox(minimum=lo, maximum=hi, singleStep=step) if decimals is None else \
+        QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=decimals)
+    w.setValue(value)
+    return w
+
+
+class PresetDialog(QDialog):
+    """Edit one config."""
+
+    def __init__(self, manager: PresetManager, preset: Preset, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.manager, self.preset = manager, preset
+        self.setWindowTitle(f"Config: {preset.name}")
+        self.name = QLineEdit(preset.name, maxLength=NAME_MAX, enabled=not preset.is_default)
+        self.system_prompt = QPlainTextEdit(preset.system_prompt)
+        self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 5 + 12)
+        self.temperature = _spin(0.0, 5.0, preset.temperature, 0.05, 2)
+        self.top_p = _spin(0.01, 1.0, preset.top_p, 0.05, 2)
+        self.top_k = _spin(0, 1000, preset.top_k)
+        self.min_p = _spin(0.0, 0.99, preset.min_p, 0.01, 2)
+        self.rep = _spin(0.5, 3.0, preset.repetition_penalty, 0.05, 2)
+        self.max_tokens = _spin(1, 32768, preset.max_tokens, 64)
+        self.context_length = _spin(0, 1 << 20, preset.context_length, 512)
+        self.context_length.setSpecialValueText("model's own")
+        self.speed = QCheckBox("Speed projection on in chats using this config", checked=preset.speed_projection)
+        self.error = QLabel(wordWrap=True, visible=False)
+        form = QFormLayout()
+        form.addRow("Name", self.name)
+        form.addRow("System prompt", self.system_prompt)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Repetition penalty", self.rep)
+        form.addRow("Max tokens", self.max_tokens)
+        form.addRow("Context length", self.context_length)
+        form.addRow("", self.speed)
+        if preset.is_default:
+            form.addRow("", QLabel("Default is also the settings page's sampling defaults.", wordWrap=True))
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.submit)
+        self.buttons.rejected.connect(self.reject)
+        lay = QVBoxLayout(self)
+        lay.addLayout(form)
+        lay.addWidget(self.error)
+        lay.addWidget(self.buttons)
+
+    def values(self) -> Preset:
+        p = Preset.from_data(self.preset.id, self.name.text().strip(), self.preset.data())
+        p.system_prompt = self.system_prompt.toPlainText()
+        p.temperature, p.top_p, p.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
+        p.min_p, p.repetition_penalty = self.min_p.value(), self.rep.value()
+        p.max_tokens, p.context_length = self.max_tokens.value(), self.context_length.value()
+        p.speed_projection = self.speed.isChecked()
+        return p
+
+    def submit(self) -> None:
+        try:
+            self.manager.update(self.values())
+        except ValueError as e:
+            self.error.setText(f"Not saved: {e}")
+            self.error.show()
+            return
+        self.accept()
+
+
+class PresetPane(QWidget):
+    """The "Configs" list under the model list: new, duplicate, rename, delete, edit, new chat with it."""
+    new_chat_requested = Signal(str)        # preset id
+
+    def __init__(self, manager: PresetManager, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.manager = manager
+        self.list = QListWidget()
+        self.list.itemDoubleClicked.connect(lambda _it: self.edit_selected())
+        self.list.currentRowChanged.connect(lambda _r: self._update_buttons())
+        self.error = QLabel(wordWrap=True, visible=False)
+        self.new_btn = QPushButton("New", clicked=self.new_preset, toolTip="A new config (a copy of Default)")
+        self.dup_btn = QPushButton("Duplicate", clicked=self.duplicate_selected)
+        self.rename_btn = QPushButton("Rename", clicked=self.rename_selected)
+        self.delete_btn = QPushButton("Delete", clicked=self.delete_selected)
+        self.edit_btn = QPushButton("Edit…", clicked=self.edit_selected)
+        self.chat_btn = QPushButton("New chat", clicked=self._new_chat, toolTip="Open a chat tab using this config")
+        head = QHBoxLayout()
+        head.addWidget(QLabel("<b>Configs</b>"))
+        head.addStretch(1)
+        head.addWidget(self.chat_btn)
+        row = QHBoxLayout()
+        for b in (self.new_btn, self.dup_btn, self.rename_btn, self.delete_btn, self.edit_btn):
+            row.addWidget(b)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 0, 6)
+        lay.addLayout(head)
+        lay.addWidget(self.list, 1)
+        lay.addWidget(self.error)
+        lay.addLayout(row)
+        manager.changed.connect(self.refresh)
+        self.refresh()
+
+    def refresh(self) -> None:
+        keep = self.current_id()
+        self.list.blockSignals(True)
+        self.list.clear()
+        for p in self.manager.all():
+            it = QListWidgetItem(p.name)
+            it.setData(Qt.ItemDataRole.UserRole, p.id)
+            it.setToolTip(_summary(p))
+            self.list.addItem(it)
+        self.list.blockSignals(False)
+        self.select(keep or DEFAULT_ID)
+
+    def select(self, pid: str) -> None:
+        for i in range(self.list.count()):
+            if self.list.item(i).data(Qt.ItemDataRole.UserRole) == pid:
+                self.list.setCurrentRow(i)
+                break
+        else:
+            self.list.setCurrentRow(0)
+        self._update_buttons()
+
+    def current_id(self) -> str:
+        it = self.list.currentItem()
+        return it.data(Qt.ItemDataRole.UserRole) if it is not None else ""
+
+    def _update_buttons(self) -> None:
+        custom = bool(self.current_id()) and self.current_id() != DEFAULT_ID
+        self.rename_btn.setEnabled(custom)
+        self.delete_btn.setEnabled(custom)
+
+    def show_error(self, text: str) -> None:
+        self.error.setText(text)
+        self.error.setVisible(bool(text))
+
+    def _new_chat(self) -> None:
+        emit(self.new_chat_requested, self.current_id() or DEFAULT_ID)
+
+    def new_preset(self) -> Preset:
+        p = self.manager.create()
+        self.select(p.id)
+        self.show_error("")
+        return p
+
+    def duplicate_selected(self) -> Preset:
+        p = self.manager.duplicate(self.current_id() or DEFAULT_ID)
+        self.select(p.id)
+        self.show_error("")
+        return p
+
+    def rename_selected(self, name: str | None = None) -> None:
+        pid = self.current_id()
+        p = self.manager.find(pid)
+        if p is None or p.is_default:
+            return
+        if name is None:
+            name, ok = QInputDialog.getText(self, "Rename config", "Name:", text=p.name)
+            if not ok:
+                return
+        try:
+            self.manager.rename(pid, name)
+            self.show_error("")
+        except ValueError as e:
+            self.show_error(f"Not renamed: {e}")
+
+    def delete_selected(self, confirm: bool = True) -> None:
+        p = self.manager.find(self.current_id())
+        if p is None or p.is_default:
+            return
+        if confirm and QMessageBox.question(
+                self, "Delete config", f"Delete the config {p.name!r}? Chats using it switch to Default.") \
+                != QMessageBox.StandardButton.Yes:
+            return
+        self.manager.delete(p.id)
+        self.show_error("")
+
+    def edit_selected(self) -> PresetDialog:
+        dlg = PresetDialog(self.manager, self.manager.get(self.current_id()), self)
+        dlg.setModal(False)
+        dlg.show()
+        return dlg
+
+
+def _summary(p: Preset) -> str:
+    ctx = p.context_length or "model's own"
+    prompt = p.system_prompt.strip().replace("\n", " ")
+    return (f"temperature {p.temperature:g}, top-p {p.top_p:g}, top-k {p.top_k}, min-p {p.min_p:g}, "
+            f"repetition {p.repetition_penalty:g}, max {p.max_tokens} tokens, context {ctx}, "
+            f"speed projection {'on' if p.speed_projection else 'off'}\n"
+            f"System: {prompt[:120] + ('…' if len(prompt) > 120 else '') if prompt else '(none)'}")

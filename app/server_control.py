@@ -1,0 +1,116 @@
+"""The settings page's server toggle: the OpenAI-compatible server (engine.server) on the app's own
+engine, started and stopped off the GUI thread.
+
+`apply(config)` says what is wanted: (host, port, api_key) or None for off. Starts and stops run one at a
+time on a helper thread; the latest wish wins. `state` is emitted after each change:
+{"running": bool, "host", "port", "error": "" or the one-line reason it is off}.
+"""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import logging
+import threading
+
+from PySide6.QtCore import QObject, Qt, Signal
+
+log = logging.getLogger("strata.app")
+
+
+class ServerControl(QObject):
+    state = Signal(object)
+    _started = Signal(object, object, str)     # (config, ServerThread or None, error)
+    _stopped = Signal()
+
+    def __init__(self, engine_getter, parent: QObject | None = None):
+        super().__init__(parent)
+        self.engine = engine_getter              # () -> engine.engine.Engine or None
+        self.wanted: tuple | None = None
+        self.config: tuple | None = None         # what the running server serves
+        self.server = None
+        self.busy = False
+        self.error = ""
+        self.closed = False
+        self._started.connect(self._on_started, Qt.ConnectionType.QueuedConnection)
+        self._stopped.connect(self._on_stopped, Qt.ConnectionType.QueuedConnection)
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None
+
+    @property
+    def port(self) -> int:
+        return self.server.port if self.server is not None else 0
+
+    def apply(self, config: tuple | None) -> None:
+        """config: (host, port, api_key) to serve, None to stop."""
+        self.wanted = tuple(config) if config is not None else None
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        if self.busy:
+            return
+        if self.server is not None and self.config != self.wanted:
+            self.busy = True
+            server, self.server, self.config = self.server, None, None
+            threading.Thread(target=self._stop_worker, args=(server,), name="strata-server-stop",
+                             daemon=True).start()
+        elif self.server is None and self.wanted is not None:
+            engine = self.engine()
+            if engine is None:
+                return                           # started again once the engine is ready
+            self.busy = True
+            threading.Thread(target=self._start_worker, args=(engine, self.wanted), name="strata-server-start",
+                             daemon=True).start()
+
+    def _start_worker(self, engine, config) -> None:
+        from .engine_thread import start_server
+        host, port, key = config
+        try:
+            server = start_server(engine, host, int(port), key)
+        except Exception as e:  # noqa: BLE001 - StrataError's one line ("cannot listen on ..."), or the like
+            emit(self._started, config, None, str(e) or type(e).__name__)
+            return
+        emit(self._started, config, server, "")
+
+    def _stop_worker(self, server) -> None:
+        try:
+            server.stop()
+        except Exception:  # noqa: BLE001
+            log.exception("server stop failed")
+        emit(self._stopped)
+
+    def _on_started(self, config, server, error: str) -> None:
+        self.busy = False
+        if self.closed:
+            if server is not None:
+                server.stop()
+            return
+        if server is None:
+            self.error = error
+            if self.wanted == config:
+                self.wanted = None               # a failed start leaves it off
+        else:
+            self.error = ""
+            self.server, self.config = server, config
+            log.info("server on %s", server.base_url)
+        self._report()
+        self._reconcile()
+
+    def _on_stopped(self) -> None:
+        self.busy = False
+        self._report()
+        self._reconcile()
+
+    def _report(self) -> None:
+        host, port = (self.config[0], self.server.port) if self.server is not None else ("", 0)
+        emit(self.state, {"running": self.server is not None, "host": host, "port": port, "error": self.error,
+                          "busy": self.busy})
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop now, on this thread (the window is closing)."""
+        self.wanted = None
+        self.closed = True
+        if self.server is not None:
+            server, self.server, self.config = self.server, None, None
+            server.stop(timeout)
