@@ -71,7 +71,10 @@ def load() -> Settings:
     for f in fields(Settings):
         if f.name in ("sampling", "steering"):
             continue
-        setattr(s, f.name, _coerce(q.value(f"general/{f.name}"), getattr(s, f.name)))
+        # "general/" was the group once: Qt's INI format writes it as [%General] and reads it back as
+        # "General/", so those values never came back in a new process. Read them as a fallback.
+        key = f"app/{f.name}" if q.contains(f"app/{f.name}") else f"General/{f.name}"
+        setattr(s, f.name, _coerce(q.value(key), getattr(s, f.name)))
     for f in fields(Sampling):
         setattr(s.sampling, f.name, _coerce(q.value(f"sampling/{f.name}"), getattr(s.sampling, f.name)))
     for f in fields(Steering):
@@ -92,7 +95,7 @@ def save(s: Settings) -> None:
     for k, v in asdict(s).items():
         if k in ("sampling", "steering"):
             continue
-        q.setValue(f"general/{k}", v)
+        q.setValue(f"app/{k}", v)
     for k, v in asdict(s.sampling).items():
         q.setValue(f"sampling/{k}", v)
     for k, v in asdict(s.steering).items():

@@ -116,3 +116,17 @@ def test_app_server_on_at_start_and_closed_with_the_window(qtbot, app_home):
     finally:
         w.close()
     assert refused(port)
+
+
+def test_app_server_settings_survive_a_new_process(app_home):
+    """QSettings' INI format: the server settings (and the other top-level ones) read back in a new process."""
+    import subprocess
+    import sys
+    from app import settings
+    s = settings.load()
+    s.server_enabled, s.server_port, s.server_api_key, s.cache_mib = True, 9123, "k", 512
+    settings.save(s)
+    out = subprocess.run([sys.executable, "-c", "from app import settings; s = settings.load(); "
+                          "print(s.server_enabled, s.server_host, s.server_port, s.server_api_key, s.cache_mib)"],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.split() == ["True", "127.0.0.1", "9123", "k", "512"], out.stderr
