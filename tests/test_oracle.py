@@ -32,11 +32,11 @@ N_GEN = 32
 TIE_MARGIN = 0.6
 # (median, max) |logit difference| allowed per file type. Measured here over the prompts below
 # (2026-11-29): Q4_1 0.14-0.20 / 1.63, F16 0.006 / 0.046, Q8_0 0.21 / 1.69, Q4_K_M 0.29-0.44 / 3.04,
-# Q6_K 0.26 / 2.39. F16 shows the model itself maps exactly; for the quantized files the spread is
+# Q6_K 0.18-0.26 / 3.08. F16 shows the model itself maps exactly; for the quantized files the spread is
 # llama.cpp's 8-bit activation quantization (Q8_0 weights are bit-exact in MLX, yet differ by 1.7),
 # plus Strata's 8-bit requantization of Q6_K. Tolerances are those maxima with ~30% headroom.
 LOGIT_TOL = {"Q4_1": (0.3, 2.2), "F16": (0.02, 0.1), "Q8_0": (0.3, 2.2), "Q4_K_M": (0.6, 4.0),
-             "Q6_K": (0.4, 3.2)}
+             "Q6_K": (0.4, 4.0)}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
