@@ -10,7 +10,11 @@ Cost (default): what the vector costs when on, against the same engine with it o
   K/V (parking off, the live entry dropped) so every prefill is a full one. Prefill: a raw prompt of
   --prompt-tokens tokens, max_tokens 1 (the engine's ttft = prefill + first token). Decode: ms per
   generated token after the first (the engine's decode_tps), --decode-tokens tokens. Medians over
-  --repeat alternating pairs, after one warm-up pair; ratio on/off.
+  --repeat alternating pairs, after one warm-up pair; ratio on/off, both of the medians and the
+  median of the per-pair ratios (robust to load drifting between pairs on a shared machine).
+  Forward alone: the model's forward with the switch flipped at every step (decode steps and
+  prefill chunks on a fixed-length K/V), median of the adjacent-pair ratios: the cleanest number on a
+  shared machine.
   Kernel: ``steer()`` alone (the dispatch the engine uses, on the active backend) for every steered
   layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
 
@@ -41,7 +45,7 @@ sys.path.insert(0, str(REPO))
 DEFAULT_VECTOR = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
 EFFECT_PROMPTS = REPO / "resources" / "prompts" / "cvec-effect.txt"
 # The setting the shipped vector is meant to be used with (see bench/README.md).
-SHIPPED = {"mode": "project", "scale": 2.0, "range": (1, 29)}
+SHIPPED = {"mode": "project", "scale": 2.0, "range": (4, 20)}
 PREFILL_TEXT = ("The history of the city is long and full of change. It began as a small fishing village "
                 "on the banks of a wide river, where families built wooden houses and traded salt, fish and "
                 "grain with the farmers of the valley. Over the centuries the village grew into a market "
@@ -134,6 +138,59 @@ def kernel_time(eng, rows: int, iters: int) -> dict:
     return eng.call(Call(run))["value"]
 
 
+def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
+    """The model's forward alone, the switch flipped at every step (on the engine thread).
+
+    Decode: one token at a time on a K/V holding a prompt; after each step the cache is trimmed
+    back, so every step sees the same length. Prefill: chunks of `chunk` tokens, trimmed back the
+    same way. Adjacent on/off steps run ~0.2 s apart, so load drift on a shared machine cancels in
+    the per-pair ratios far better than between whole requests."""
+    from engine.engine import Call
+
+    def run(e):
+        import mlx.core as mx
+        st = e.steering
+        ids = e.tokenizer.encode(PREFILL_TEXT, add_bos=False)
+        cache = e.make_cache()
+        e.model(mx.array(ids[:48])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        tok = mx.array([[ids[48]]])
+        block = mx.array([(ids * 4)[:chunk]])
+        res = {"decode": {True: [], False: []}, "prefill": {True: [], False: []}}
+        was = st.enabled
+
+        def one(x, on, key):
+            st.enabled = on
+            t0 = time.perf_counter()
+            y = e.model(x, cache=cache)
+            mx.eval(y)
+            res[key][on].append(time.perf_counter() - t0)
+            for c in cache:
+                c.trim(x.shape[1])
+        try:
+            for i in range(4):                       # warm-up
+                one(tok, bool(i % 2), "decode")
+            res["decode"] = {True: [], False: []}
+            for i in range(steps):
+                order = (False, True) if i % 2 == 0 else (True, False)
+                for on in order:
+                    one(tok, on, "decode")
+            for i in range(chunks):
+                order = (False, True) if i % 2 == 0 else (True, False)
+                for on in order:
+                    one(block, on, "prefill")
+        finally:
+            st.enabled = was
+        out = {}
+        for k, v in res.items():
+            pairs = [a / b for a, b in zip(v[True], v[False])]
+            out[k] = {"off_ms": statistics.median(v[False]) * 1e3, "on_ms": statistics.median(v[True]) * 1e3,
+                      "paired_ratio": statistics.median(pairs), "n": len(pairs),
+                      "rows": 1 if k == "decode" else chunk}
+        return out
+    return eng.call(Call(run))["value"]
+
+
 def cost(args) -> dict:
     eng, st = start_engine(args.model, args.vector, args.mode, args.scale, tuple(args.range) if args.range else None)
     desc = st["steering"]
@@ -155,24 +212,38 @@ def cost(args) -> dict:
             if rep:
                 rows["prefill_ms"][on].append(prefill_ms)
                 rows["decode_ms_per_tok"][on].append(dec)
+    print(f"  step timing: {args.steps} decode pairs, {args.chunks} prefill pairs of {args.chunk} tokens",
+          file=sys.stderr)
+    steps = step_time(eng, args.steps, args.chunk, args.chunks)
     k1 = kernel_time(eng, 1, args.kernel_iters)
     kp = kernel_time(eng, n_tok, max(10, args.kernel_iters // 10))
     eng.stop()
     out = {"steering": desc, "prompt_tokens": r["prompt_tokens"], "decode_tokens": args.decode_tokens,
-           "repeat": args.repeat, "kernel_token": k1, "kernel_chunk": kp}
+           "repeat": args.repeat, "kernel_token": k1, "kernel_chunk": kp, "steps": steps}
     for k, v in rows.items():
         off, on = statistics.median(v[False]), statistics.median(v[True])
-        out[k] = {"off": off, "on": on, "ratio": on / off, "off_all": v[False], "on_all": v[True]}
+        # Each repetition is an adjacent on/off pair: the median of the per-pair ratios is less
+        # sensitive to the machine's load drifting between pairs than the ratio of the medians.
+        paired = statistics.median(a / b for a, b in zip(v[True], v[False]))
+        out[k] = {"off": off, "on": on, "ratio": on / off, "paired_ratio": paired,
+                  "off_all": v[False], "on_all": v[True]}
     return out
 
 
 def print_cost(res: dict) -> None:
     p, d, k1, kp = res["prefill_ms"], res["decode_ms_per_tok"], res["kernel_token"], res["kernel_chunk"]
     print(f"\n{res['steering']}; medians of {res['repeat']} alternating on/off pairs\n")
-    print("| measure | off | on | on/off |")
-    print("|---|---:|---:|---:|")
-    print(f"| prefill, {res['prompt_tokens']}-token prompt (ms) | {p['off']:.0f} | {p['on']:.0f} | {p['ratio']:.3f} |")
-    print(f"| decode (ms/token, {res['decode_tokens']} tokens) | {d['off']:.1f} | {d['on']:.1f} | {d['ratio']:.3f} |")
+    print("| measure | off (median) | on (median) | on/off (medians) | on/off (median of pairs) |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| prefill, {res['prompt_tokens']}-token prompt (ms) | {p['off']:.0f} | {p['on']:.0f} | {p['ratio']:.3f} "
+          f"| {p['paired_ratio']:.3f} |")
+    print(f"| decode (ms/token, {res['decode_tokens']} tokens) | {d['off']:.1f} | {d['on']:.1f} | {d['ratio']:.3f} "
+          f"| {d['paired_ratio']:.3f} |")
+    sd, sp = res["steps"]["decode"], res["steps"]["prefill"]
+    print(f"| forward alone, decode step (ms; {sd['n']} interleaved pairs) | {sd['off_ms']:.1f} | {sd['on_ms']:.1f} "
+          f"| {sd['on_ms'] / sd['off_ms']:.3f} | {sd['paired_ratio']:.3f} |")
+    print(f"| forward alone, {sp['rows']}-token prefill chunk (ms; {sp['n']} interleaved pairs) | {sp['off_ms']:.0f} "
+          f"| {sp['on_ms']:.0f} | {sp['on_ms'] / sp['off_ms']:.3f} | {sp['paired_ratio']:.3f} |")
     share = k1["all_layers_ms"] / d["off"] * 100
     print(f"\nsteer() alone ({k1['backend']} path), {k1['layers']} steered layers: "
           f"{k1['all_layers_ms']:.3f} ms per token (all layers, one eval; {k1['one_layer_ms']:.3f} ms for one layer) "
@@ -262,6 +333,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--kernel-iters", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=40, help="interleaved decode-step pairs")
+    ap.add_argument("--chunk", type=int, default=32, help="prefill chunk (tokens) of the step timing")
+    ap.add_argument("--chunks", type=int, default=8, help="interleaved prefill-chunk pairs")
     ap.add_argument("--effect", action="store_true")
     ap.add_argument("--settings", nargs="+", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)

@@ -109,7 +109,7 @@ def test_off_is_stock_on_the_real_model(real_model):
         ref = eng.call(GenerateRequest(messages=msgs, sampling=greedy(8)))
     finally:
         eng.stop()
-    eng = start(real_model, SteeringConfig(files=((str(SHIPPED), 2.0),), mode="project", layer_range=(4, 12)),
+    eng = start(real_model, SteeringConfig(files=((str(SHIPPED), 2.0),), mode="project", layer_range=(4, 20)),
                 cache_mib=0)
     try:
         off = eng.call(GenerateRequest(messages=msgs, sampling=greedy(8), speed_projection=False))
