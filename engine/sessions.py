@@ -71,6 +71,7 @@ def save(path: str, entry, fingerprint: dict, *, progress: Callable[[int, int], 
                 "checksum": _CHECKSUM_PLACEHOLDER, **{f"fp.{k}": v for k, v in fingerprint.items()}}
     plan = _tensor_plan(entry, int(fingerprint["n_layer"]))
     header = _header(plan, metadata)
+    _remove_stale_parts(final, log)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent)
     try:
         digest = xxhash.xxh3_64()
@@ -106,6 +107,19 @@ def save(path: str, entry, fingerprint: dict, *, progress: Callable[[int, int], 
     ms = (time.perf_counter() - t0) * 1e3
     log(f"saved {len(entry.tokens)} tokens to {final.name}: {size} B in {ms:.1f} ms")
     return {"path": str(final), "session_bytes": size, "save_ms": round(ms, 2), "tokens": len(entry.tokens)}
+
+
+def _remove_stale_parts(final: Path, log: Callable[[str], None]) -> None:
+    """A save killed mid-write leaves its hidden temporary file; the next save of that name removes it.
+    Only files older than a minute: a save in progress in another process keeps its own."""
+    now = time.time()
+    for part in final.parent.glob(f".{final.name}.*.part"):
+        try:
+            if now - part.stat().st_mtime > 60:
+                part.unlink()
+                log(f"removed {part.name}, left by an interrupted save")
+        except OSError:
+            pass
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:

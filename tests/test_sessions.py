@@ -425,3 +425,27 @@ def test_real_model_round_trip_in_a_fresh_process(real_session, real_model):
     assert out["cached_tokens"] == real_session["held"]
     assert out["prompt_tokens"] == real_session["ref"]["prompt_tokens"]
     assert out["tokens"] == real_session["ref"]["tokens"]
+
+
+def test_next_save_removes_a_stale_part_file_of_an_interrupted_save(tmp_path):
+    import os
+    import time
+
+    from engine.parking import KVEntry
+    from engine.sessions import save
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    final = tmp_path / "conv.stratasession"
+    stale = tmp_path / f".{final.name}.abc123.part"
+    stale.write_bytes(b"half a file")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    cache = [KVCache()]
+    cache[0].update_and_fetch(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)))
+    entry = KVEntry([1, 2, 3, 4], cache, "k")
+    fp = dict(model_hash="m", architecture="llama", n_layer=1, n_kv_heads=2, head_dim=8, tokenizer="t",
+              chat_template="c", steering="none")
+    lines = []
+    save(str(final), entry, fp, log=lines.append)
+    assert final.exists() and not stale.exists()
+    assert any("interrupted save" in ln for ln in lines)
