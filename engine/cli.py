@@ -54,6 +54,10 @@ def start_engine(args):
         # The initial load failed: load again through a request to get its message.
         from .engine import LoadModel
         engine.call(LoadModel(engine.options.model, engine.options.steering))
+        status = engine.call(Status())
+    if status["steering_error"]:
+        # On the command line the vector was asked for explicitly: refuse rather than run without it.
+        raise StrataError(status["steering_error"])
     return engine
 
 

@@ -100,6 +100,7 @@ class Engine:
         self.model_hash = ""
         self.template: str | None = None
         self.steering = None                      # steering.SteeringState
+        self.steering_error: str | None = None    # why the configured control vector was refused
         self.live = None                          # parking.KVEntry of the conversation holding the engine
         self.parking = None
         self.n_ctx = 0
@@ -198,14 +199,19 @@ class Engine:
             self.options.dtype or "", mx.float32 if mx.default_device() == mx.cpu else mx.float16)
         model, info = load_model(g, dtype=dtype, progress=lambda d, t: handle.emit(Progress("load", d, t)))
         steer_cfg = self.options.steering if req.steering == "keep" else req.steering
-        vector = None
+        vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
-            from .control_vector import ControlVector
-            vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
+            from .control_vector import ControlVector, ControlVectorError
+            try:
+                vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
+            except ControlVectorError as e:
+                # A vector made for another model must not cost the user the model: serve without it.
+                steering_error = str(e)
         # Everything validated: swap in the new model (a failed load above leaves the old one serving).
         self.options.steering = steer_cfg
         self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path
         self.dtype = dtype
+        self.steering_error = steering_error
         self.template = g.get("tokenizer.chat_template")
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
@@ -219,7 +225,9 @@ class Engine:
         self._log(f"weights: {info.load_note}")
         if vector is not None:
             self._log(vector.describe())
-        return {"model": str(path), "info": info.__dict__}
+        if steering_error:
+            self._log(f"control vector refused: {steering_error}; serving without it")
+        return {"model": str(path), "info": info.__dict__, "steering_error": steering_error}
 
     def _require_model(self) -> None:
         if self.model is None:
@@ -395,6 +403,7 @@ class Engine:
                 "source": reading.source},
             "memory_unavailable": self.guard.unavailable_reason(),
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
+            "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
         }
 

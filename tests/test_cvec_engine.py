@@ -509,3 +509,23 @@ def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_
     finally:
         eng.stop()
         stock.stop()
+
+
+def test_a_refused_vector_leaves_the_model_serving_without_it(tiny4, tmp_path):
+    """A vector for another model (wrong width) must not cost the user the model: the engine loads,
+    says why the vector was refused, and answers exactly as stock."""
+    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.engine import Engine, EngineOptions, GenerateRequest, Status
+    from engine.sampling import SamplingParams
+    wrong = tmp_path / "other-model.gguf"
+    write_control_vector(wrong, {1: np.ones(N_EMBD * 2, np.float32)})
+    eng = Engine(EngineOptions(model=str(tiny4), steering=SteeringConfig(files=((str(wrong), 1.0),)))).start()
+    try:
+        status = eng.call(Status())
+        assert status["model"] == str(tiny4)
+        assert "width" in status["steering_error"]
+        r = eng.call(GenerateRequest(prompt="Hello there", sampling=SamplingParams(max_tokens=6),
+                                     speed_projection=True))
+        assert r["speed_projection"] is False and r["generated_tokens"] == 6
+    finally:
+        eng.stop()
