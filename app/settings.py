@@ -1,7 +1,9 @@
 """The app's settings, persisted with QSettings (an INI file in the data folder, so STRATA_HOME isolates tests)."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
@@ -65,9 +67,34 @@ def _coerce(value, default):
         return default
 
 
+def defaults() -> Settings:
+    """The code's defaults overlaid with resources/default-settings.json (shipped with the app).
+
+    It ships the default model's speed projection configured but off: a chat turns it on with its
+    toggle (it halves reply length on SmolLM2 but worsens answers; see bench/README.md). Relative
+    control-vector paths are inside resources/."""
+    from engine.paths import resources_dir
+    s = Settings()
+    try:
+        data = json.loads((resources_dir() / "default-settings.json").read_text())
+    except (OSError, ValueError):
+        return s
+    for section, target in (("sampling", s.sampling), ("steering", s.steering)):
+        for key, value in (data.pop(section, None) or {}).items():
+            if key == "files":
+                value = [(str(resources_dir() / p) if not Path(p).is_absolute() else p, float(sc))
+                         for p, sc in value]
+            if hasattr(target, key):
+                setattr(target, key, value)
+    for key, value in data.items():
+        if hasattr(s, key):
+            setattr(s, key, value)
+    return s
+
+
 def load() -> Settings:
     q = _qsettings()
-    s = Settings()
+    s = defaults()
     for f in fields(Settings):
         if f.name in ("sampling", "steering"):
             continue
@@ -81,6 +108,8 @@ def load() -> Settings:
         if f.name == "files":
             continue
         setattr(s.steering, f.name, _coerce(q.value(f"steering/{f.name}"), getattr(s.steering, f.name)))
+    if not q.contains("steering/files"):
+        return s            # never saved: keep the shipped default vector
     files = _coerce(q.value("steering/files"), [])
     s.steering.files = []
     for item in files:
