@@ -468,12 +468,16 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
         return name, sessions_dir() / f"{name}{SESSION_SUFFIX}"
 
     async def save_session(request: Request) -> Response:
-        name, path = session_path(await _json_body(request))
+        body = await _json_body(request)
+        name, path = session_path(body)
+        # With several clients, "the last conversation served" may be someone else's: a client names
+        # its conversation by sending its messages (as it would to continue it, replies included).
+        messages = _messages(body) if body.get("messages") is not None else None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise APIError(500, f"cannot create the sessions folder: {e.strerror}", type="server_error") from None
-        outcome = await _Bridge(engine, SaveSession(str(path))).outcome()
+        outcome = await _Bridge(engine, SaveSession(str(path), messages=messages)).outcome()
         if isinstance(outcome, Failed):
             raise APIError(400, outcome.message, param="name", code="session_refused")
         return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result)})

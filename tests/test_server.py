@@ -475,6 +475,24 @@ def test_session_save_and_restore(server, client, engine, strata_home):
     assert_serving(client)
 
 
+def test_session_save_names_its_conversation_by_messages(server, client, strata_home):
+    """With several clients the engine's last conversation may be someone else's: saving by messages
+    picks the right one even while it is parked."""
+    url = server.base_url
+    mine = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Name three rivers."}]
+    reply = client.chat.completions.create(model="default", messages=mine, temperature=0, max_tokens=8)
+    mine.append({"role": "assistant", "content": reply.choices[0].message.content})
+    chat(client, "Someone else's question", max_tokens=3)          # mine is parked now
+    r = httpx.post(f"{url}/sessions/save", json={"name": "rivers", "messages": mine})
+    assert r.status_code == 200, r.text
+    restored = httpx.post(f"{url}/sessions/restore", json={"name": "rivers"}).json()
+    assert restored["messages"] == mine
+    err = _error(httpx.post(f"{url}/sessions/save", json={"name": "gone", "messages": [
+        {"role": "user", "content": "a conversation the engine never saw"}]}), 400)
+    assert "no longer held" in err["message"]
+    assert_serving(client)
+
+
 def test_session_restore_refuses_another_models_file(server, client, tiny_gguf, strata_home):
     other = Engine(EngineOptions(model=str(tiny_gguf))).start()
     try:
