@@ -33,6 +33,32 @@ def mlx_name(gguf_name: str) -> str | None:
     return None  # e.g. rope_freqs: not a weight of the mlx-lm module
 
 
+class FactorRoPE(nn.Module):
+    """RoPE with llama.cpp's per-pair frequency factors (`rope_freqs.weight`, written for Llama 3.1+
+    "llama3" scaling): theta_i = pos * base^(-2i/d) / factor_i. mx.fast.rope takes the periods."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, factors: mx.array):
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        self._freqs = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors.astype(mx.float32)
+
+    def __call__(self, x, offset: int = 0):
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                            offset=offset, freqs=self._freqs)
+
+
+def _apply_rope_factors(model, g: GGUFFile, args) -> bool:
+    t = g.tensors().get("rope_freqs.weight")
+    if t is None:
+        return False
+    import numpy as np
+    factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1))
+    for layer in model.model.layers:
+        rope = layer.self_attn.rope
+        layer.self_attn.rope = FactorRoPE(rope.dims, args.rope_theta, rope.traditional, factors)
+    return True
+
+
 @dataclass
 class ModelInfo:
     architecture: str
@@ -123,6 +149,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     model.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
     mx.eval(model.parameters())
     note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
+    if _apply_rope_factors(model, g, args):
+        note += "; RoPE frequency factors from rope_freqs.weight"
     import gguf as gguf_py
     ft = g.get("general.file_type")
     try:

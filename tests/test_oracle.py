@@ -202,3 +202,40 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_rope_frequency_factors_match_llama_cpp(tmp_path):
+    """Llama 3.1+ GGUFs carry `rope_freqs.weight` (llama3 RoPE scaling folded into per-pair factors);
+    llama.cpp divides each pair's angle by its factor, and so must Strata."""
+    import gguf
+
+    from gguf_factory import write_tiny_gguf
+    src = write_tiny_gguf(tmp_path / "plain.gguf", arch="llama", n_layer=2, n_embd=64, n_head=4,
+                          n_head_kv=2, n_ff=128, seed=5)
+    r = gguf.GGUFReader(src)
+    dst = tmp_path / "rope-factors.gguf"
+    w = gguf.GGUFWriter(str(dst), "llama")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    head_dim = 64 // 4
+    w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32))
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    llm = llama_cpp.Llama(model_path=str(dst), n_ctx=64, verbose=False, vocab_only=True)
+    ids = llm.tokenize(b"Positions far apart make the rotary factors matter: one two three four five six.",
+                       add_bos=False, special=True)
+    ref = llama_logits(dst, ids)
+    ours = strata_logits(dst, ids)
+    plain = strata_logits(src, ids)
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(ref - ours).max()) < 2e-3 * scale + 1e-3
+    assert float(np.abs(ref - plain).max()) > 20 * (2e-3 * scale + 1e-3), "the factors must matter here"
