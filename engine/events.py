@@ -48,10 +48,13 @@ class Handle:
         self._callback = callback
         self.finished = threading.Event()
         self.outcome: Done | Failed | None = None
+        self.log_lines: list[str] = []     # the engine's log lines for this request (park/restore...)
 
     def emit(self, event: Event) -> None:
         if isinstance(event, (Done, Failed)):
             self.outcome = event
+        elif isinstance(event, Log):
+            self.log_lines.append(event.line)
         if self._callback is not None:
             self._callback(event)
         self._q.put(event)

@@ -37,7 +37,6 @@ def load_script(path: str) -> list[dict]:
 def run_script(engine, steps: list[dict]):
     """Yield one result dict per step."""
     from .engine import GenerateRequest, RestoreSession, SaveSession
-    from .events import Log
     from .sampling import SamplingParams
     histories: dict[str, list[dict]] = {}
     for step in steps:
@@ -46,7 +45,7 @@ def run_script(engine, steps: list[dict]):
         if step.get("restore_session"):
             h = engine.submit(RestoreSession(step["restore_session"]))
             r = h.result()
-            out["events"] += [e.line for e in _drain(h) if isinstance(e, Log)]
+            out["events"] += h.log_lines
             histories[name] = list(r.get("messages") or [])
             out["restore_ms"] = r["restore_ms"]
             out["restored_tokens"] = r["restored_tokens"]
@@ -61,7 +60,7 @@ def run_script(engine, steps: list[dict]):
                                               speed_projection=step.get("speed_projection")))
             r = h.result()
             history.append({"role": "assistant", "content": r["text"]})
-            out["events"] += [e.line for e in _drain(h) if isinstance(e, Log)]
+            out["events"] += h.log_lines
             out.update({k: r[k] for k in ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms",
                                           "decode_tps")})
         if step.get("save_session"):
@@ -69,13 +68,6 @@ def run_script(engine, steps: list[dict]):
             r = h.result()
             out.update(session_bytes=r["session_bytes"], save_ms=r["save_ms"])
         yield out
-
-
-def _drain(handle):
-    events = []
-    while not handle._q.empty():
-        events.append(handle._q.get_nowait())
-    return events
 
 
 def cmd_replay(args) -> int:

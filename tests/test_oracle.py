@@ -11,7 +11,6 @@ How the comparison works, and why it has tolerances at all:
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from pathlib import Path
 
@@ -198,10 +197,6 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     bad = rewrite_gguf(src, tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(ModelFileError, match="architecture 'falcon' is not supported"):
         model_args(open_gguf(bad))
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_rope_frequency_factors_match_llama_cpp(tmp_path):
