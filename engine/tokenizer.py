@@ -59,8 +59,25 @@ def _tokenizer_dict(gguf: GGUFFile) -> dict:
     return out
 
 
+def _gguf_converter():
+    """transformers' GGUF -> `tokenizers` converter. It is a private module that has moved between
+    releases, so pyproject pins transformers to the tested version; the older location is a fallback
+    and anything else is one clear line rather than an ImportError deep in a load."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+        except ImportError:
+            import transformers
+            raise ModelFileError(f"transformers {transformers.__version__} has no GGUF tokenizer converter where "
+                                 "Strata looks for it; install the version pyproject.toml pins "
+                                 "(make setup)") from None
+    return convert_gguf_tokenizer
+
+
 def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    convert_gguf_tokenizer = _gguf_converter()
     if gguf.get("tokenizer.ggml.tokens") is None:
         raise ModelFileError(f"{gguf.path.name}: missing tokenizer metadata 'tokenizer.ggml.tokens'")
     model_type = gguf.get("tokenizer.ggml.model")

@@ -408,7 +408,20 @@ def _require_llama_cpp():
     return llama_cpp
 
 
-def quantize_with_llama(src, dst, ftype: str, *, verbose: bool = False) -> Path:
+def quantize_with_llama(src, dst, ftype: str) -> Path:
+    """Quantize ``src`` to ``dst`` with llama.cpp, in the oracle's worker process (tests/llama_oracle.py),
+    so a native crash in llama.cpp fails the caller's test instead of killing pytest."""
+    if ftype not in QUANT_FTYPES:
+        raise ValueError(f"ftype {ftype!r} not in {QUANT_FTYPES}")
+    import llama_oracle
+    if not llama_oracle.available():
+        raise ImportError("llama-cpp-python is not installed (the llama.cpp oracle; pip install 'strata[oracle]')")
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    llama_oracle.quantize(src, dst, ftype)
+    return Path(dst)
+
+
+def quantize_with_llama_in_process(src, dst, ftype: str, *, verbose: bool = False) -> Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's llama_model_quantize (allow_requantize on).
 
     Raises ImportError (message suitable for pytest.skip) without llama-cpp-python,

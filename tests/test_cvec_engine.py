@@ -122,10 +122,11 @@ def test_off_is_stock_on_the_real_model(real_model):
 
 # ------------------------------------------------------------------ (c) llama.cpp add mode, whole engine
 def _llama_cpp():
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama.cpp oracle) is not installed")
-    if getattr(llama_cpp, "llama_set_adapter_cvec", None) is None:
+    import llama_oracle       # llama.cpp in a worker process: a native crash fails one test, not the run
+    llama_oracle.require()
+    if not llama_oracle.has_cvec():
         pytest.skip("this llama-cpp-python exposes no llama_set_adapter_cvec")
-    return llama_cpp
+    return llama_oracle
 
 
 def flat_buffer(path, n_embd, scale=1.0) -> np.ndarray:
@@ -142,36 +143,26 @@ def flat_buffer(path, n_embd, scale=1.0) -> np.ndarray:
 
 
 class LlamaCvec:
-    """llama.cpp (llama-cpp-python) with a control vector applied as llama.cpp's loader does."""
+    """llama.cpp (llama-cpp-python, in the oracle's worker process) with a control vector applied as
+    llama.cpp's loader does."""
 
     def __init__(self, model, n_embd):
-        self.llama_cpp = _llama_cpp()
-        self.llm = self.llama_cpp.Llama(model_path=str(model), n_ctx=256, n_batch=256, logits_all=True,
-                                        verbose=False, n_threads=2)
+        self.oracle = _llama_cpp()
+        self.llm = self.oracle.Llama(model_path=str(model), n_ctx=256, n_batch=256, logits_all=True,
+                                     verbose=False, n_threads=2)
         self.n_embd = n_embd
-        self._buf = None
 
     def set(self, path=None, scale=1.0, layer_range=(1, -1)) -> int:
-        lc = self.llama_cpp
         if path is None:
-            return lc.llama_set_adapter_cvec(self.llm.ctx, None, 0, self.n_embd, -1, -1)
-        self._buf = flat_buffer(path, self.n_embd, scale)
-        ptr = self._buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        return lc.llama_set_adapter_cvec(self.llm.ctx, ptr, self._buf.size, self.n_embd, *layer_range)
+            return self.oracle.set_cvec(self.llm, None, self.n_embd)
+        return self.oracle.set_cvec(self.llm, flat_buffer(path, self.n_embd, scale), self.n_embd, *layer_range)
 
     def greedy(self, ids, n) -> list[int]:
-        self.llm.reset()                 # never reuse K/V computed under another vector
-        out = []
-        for tok in self.llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            out.append(int(tok))
-            if len(out) == n or tok == self.llm.token_eos():
-                break
-        return out
+        # The worker resets first: never reuse K/V computed under another vector.
+        return self.oracle.greedy(self.llm, ids, n, stop_at_eos=True)
 
     def logits(self, ids) -> np.ndarray:
-        self.llm.reset()
-        self.llm.eval(ids)
-        return np.array(self.llm.scores[: len(ids)], dtype=np.float64)
+        return self.oracle.logits(self.llm, ids).astype(np.float64)
 
     def close(self):
         self.llm.close()

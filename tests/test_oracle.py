@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama.cpp oracle) is not installed")
+import llama_oracle as llama_cpp  # noqa: E402  llama.cpp in a worker process: a crash fails one test
+
+if not llama_cpp.available():
+    pytest.skip("llama-cpp-python (the llama.cpp oracle) is not installed", allow_module_level=True)
 
 import mlx.core as mx  # noqa: E402
 
@@ -65,26 +68,26 @@ def smol_files(real_model) -> dict[str, Path]:
     return files
 
 
-@functools.lru_cache(maxsize=1)
+_LLAMA: dict[Path, object] = {}
+
+
 def _llama(path: Path):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                           n_threads=2)
+    """One llama.cpp model at a time in the worker (the previous one is closed there)."""
+    if path not in _LLAMA or not llama_cpp.is_live(_LLAMA[path]):
+        for old in _LLAMA.values():
+            old.close()
+        _LLAMA.clear()
+        _LLAMA[path] = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True,
+                                       verbose=False, n_threads=2)
+    return _LLAMA[path]
 
 
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llm = _llama(path)
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    return llama_cpp.logits(_llama(path), ids)
 
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
-    out = []
-    for tok in _llama(path).generate(ids, temp=0.0, top_k=1, reset=True):
-        out.append(int(tok))
-        if len(out) == n:
-            break
-    return out
+    return llama_cpp.greedy(_llama(path), ids, n)
 
 
 @functools.lru_cache(maxsize=1)
