@@ -114,12 +114,14 @@ def cmd_models(args) -> int:
     if args.action == "fetch-default":
         if args.if_missing and default_model_path().exists():
             return 0
-        last = [None]
+        shown: dict[str, int] = {}
 
-        def progress(stage, done, total):
-            if stage != last[0] or done == total:
-                print(f"{stage}: {done * 100 // max(1, total)}%", file=sys.stderr)
-                last[0] = stage
+        def progress(stage, done, total):          # a line per stage and per 10 % of its bytes
+            step = done * 10 // total if total else 0
+            if shown.get(stage, -1) < step:
+                shown[stage] = step
+                print(f"{stage}: {done * 100 // total}% of {total / 1e6:.1f} MB" if total else stage,
+                      file=sys.stderr)
         path = fetch_default(progress)
         print(path)
     elif args.action == "list":
