@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import select
 import shutil
+import socket
+import socketserver
 import ssl
 import subprocess
 import threading
@@ -39,13 +42,13 @@ class TestCA:
     """A throwaway certificate authority and a server certificate for 127.0.0.1 (the openssl CLI)."""
     __test__ = False
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, san: str = "IP:127.0.0.1"):
         openssl = shutil.which("openssl")
         if openssl is None:
             raise RuntimeError("the openssl command is not installed")
         self.ca, self.cert, self.key = folder / "ca.pem", folder / "server.pem", folder / "server.key"
         ca_key, csr, ext = folder / "ca.key", folder / "server.csr", folder / "server.ext"
-        ext.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+        ext.write_text(f"subjectAltName={san}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
                        "extendedKeyUsage=serverAuth\n")
 
         def run(*args):
@@ -144,4 +147,56 @@ class LocalIndex:
         self.release.set()
         if self.thread.is_alive():           # shutdown() waits for a serve_forever that never started
             self.server.shutdown()
+        self.server.server_close()
+
+
+class ConnectProxy:
+    """An HTTP proxy that only tunnels (CONNECT host:port), sending every host to 127.0.0.1: a name
+    that resolves nowhere else reaches the local index only through it."""
+
+    def __init__(self):
+        self.tunnels: list[str] = []
+        proxy = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = self.request.recv(4096)
+                    if not data:
+                        return
+                    head += data
+                method, target, _ = head.split(b"\r\n", 1)[0].decode().split(" ", 2)
+                if method != "CONNECT":
+                    self.request.sendall(b"HTTP/1.1 405 Method Not Allowed\r\nContent-Length: 0\r\n\r\n")
+                    return
+                proxy.tunnels.append(target)
+                upstream = socket.create_connection(("127.0.0.1", int(target.rsplit(":", 1)[1])))
+                self.request.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                with upstream:
+                    pair = {self.request: upstream, upstream: self.request}
+                    while True:
+                        readable, _, _ = select.select(list(pair), [], [], 30)
+                        if not readable:
+                            return
+                        for sock in readable:
+                            data = sock.recv(65536)
+                            if not data:
+                                return
+                            pair[sock].sendall(data)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "ConnectProxy":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
         self.server.server_close()

