@@ -31,7 +31,7 @@ def check_engine_flags(args) -> None:
     """Flags with a valid range (engine.limits), checked before anything is loaded: StrataError, one line."""
     from .limits import check_cache_mib, check_cache_slots
     check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
-    check_cache_slots(args.conversation_cache_slots, what="--conversation-cache")
+    check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
 
 
 def engine_options(args):

@@ -63,15 +63,15 @@ def check_cache_mib(mib: object, limits: CacheRange | None = None, what: str = "
     return value
 
 
-def check_cache_slots(slots: object, what: str = "the conversation cache") -> int:
+def check_cache_slots(slots: object, what: str = "the conversation cache slots") -> int:
     try:
         value = int(slots)                                 # type: ignore[arg-type]
         if value != slots and not isinstance(slots, str):
             raise ValueError
     except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} slots must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}") from None
+        raise CacheLimitError(f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}") from None
     if not 1 <= value <= SLOTS_MAX:
-        raise CacheLimitError(f"{what} slots must be 1 to {SLOTS_MAX}; got {value}")
+        raise CacheLimitError(f"{what} must be 1 to {SLOTS_MAX}; got {value}")
     return value
 
 

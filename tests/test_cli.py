@@ -133,7 +133,7 @@ def test_successful_run_exits_0(tiny_gguf):
 @pytest.mark.parametrize("flags, why", [
     (["--conversation-cache-mib", "-5"], "got -5 MiB"),
     (["--conversation-cache-mib", "999999999"], "got 999999999 MiB"),
-    (["--conversation-cache-slots", "0"], "slots must be 1 to 64; got 0"),
+    (["--conversation-cache-slots", "0"], "--conversation-cache-slots must be 1 to 64; got 0"),
 ])
 def test_bad_cache_size_exits_2_with_one_line(flags, why, tiny_gguf, capsys):
     """One rule (engine.limits): 0 to half of this machine's RAM, checked before the model is loaded."""
