@@ -3,6 +3,9 @@
     strata-app                       the window
     strata-app FILE.stratasession    open a session file (as Finder does)
     strata-app --self-test [--model PATH]   load a model, generate, save + restore a session, exit 0/1
+                                            (with no --model and no default model: fetch it first)
+    strata-app --fetch-default-model        fetch the default model into the app's models folder (no
+                                            window, no pip): exit 0 when the verified model is in place
 """
 from __future__ import annotations
 
@@ -45,13 +48,18 @@ class FileOpenQueue(QObject):
             window.open_file(p)
 
 
+def set_identity(app) -> None:
+    """The names QStandardPaths builds the data folder from: the same for the window and headless runs."""
+    app.setApplicationName("Strata")
+    app.setOrganizationName("Strata")
+
+
 def make_app(argv=None) -> QApplication:
     app = QApplication.instance() or QApplication(list(argv or sys.argv[:1]))
     if getattr(app, "_strata_files", None) is None:
         app._strata_files = FileOpenQueue(app)
         app.installEventFilter(app._strata_files)
-    app.setApplicationName("Strata")
-    app.setOrganizationName("Strata")
+    set_identity(app)
     app.setApplicationDisplayName("Strata")
     from .paths import export_home
     from engine.paths import resources_dir
@@ -66,9 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata-app", description="Strata: local LLM chat")
     parser.add_argument("--self-test", action="store_true", help="load a model, generate, save+restore, exit")
     parser.add_argument("--model", help="model file for --self-test (default: the default model)")
+    parser.add_argument("--fetch-default-model", action="store_true",
+                        help="fetch the default model (no window); exit 0 when the verified model is in place")
     parser.add_argument("files", nargs="*", help="session files or models to open")
     args, qt_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.fetch_default_model:
+        from PySide6.QtCore import QCoreApplication
+
+        from .model_fetch import fetch_headless
+        from .paths import export_home
+        core = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
+        set_identity(core)
+        export_home()                # the models folder the window uses
+        return fetch_headless()
     if args.self_test:
         from .self_test import run_self_test
         return run_self_test(args.model)

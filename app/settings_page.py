@@ -31,12 +31,17 @@ class SettingsPage(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Strata Settings")
         self.client = client
+        self.status = status or {}
+        self._drop_confirmed: tuple[int, int] | None = None
         self.old = current
         s = copy.deepcopy(current)
         self.error = QLabel(wordWrap=True, visible=False, objectName="settingsError")
 
-        # Conversation cache
-        self.cache_mib = _spin(0, 1 << 22, s.cache_mib, 256, suffix=" MiB")
+        # Conversation cache: the field holds only what the engine takes (engine.limits: 0..half of RAM)
+        self.cache_range = self._cache_range(status)
+        self.cache_mib = _spin(0, self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22,
+                               min(max(s.cache_mib, 0), self.cache_range.max_mib or 1 << 22), 256, suffix=" MiB")
+        self.cache_mib.setToolTip(f"Conversation cache cap: {self.cache_range.describe()}; 0 turns it off")
         self.cache_slots = _spin(1, 64, s.cache_slots)
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
         cache = QGroupBox("Conversation cache")
@@ -154,7 +159,14 @@ class SettingsPage(QDialog):
         lay.addWidget(self.buttons)
 
     @staticmethod
-    def _guard_text(status: dict | None) -> str:
+    def _cache_range(status: dict | None):
+        """The engine's range when it has told us, else this machine's (the same rule, engine.limits)."""
+        from engine.limits import cache_range, machine_cache_range
+        m = (status or {}).get("memory")
+        return cache_range(m["total_bytes"]) if m else machine_cache_range()
+
+    @classmethod
+    def _guard_text(cls, status: dict | None) -> str:
         if not status:
             return "no reading yet (the engine is starting)"
         if status.get("memory_unavailable"):
@@ -164,7 +176,7 @@ class SettingsPage(QDialog):
             return "no reading on this machine"
         p = status.get("parking") or {}
         return (f"{m['available_bytes'] / (1 << 30):.1f} GiB available of {m['total_bytes'] / (1 << 30):.1f} GiB "
-                f"({m['source']}); the cap may be at most {m['total_bytes'] // 2 >> 20} MiB. "
+                f"({m['source']}); the cap may be {cls._cache_range(status).describe()}. "
                 f"Parked now: {p.get('entries', 0)} conversations, {p.get('bytes', 0) / (1 << 20):.1f} MiB.")
 
     def _update_server_url(self) -> None:
@@ -212,13 +224,24 @@ class SettingsPage(QDialog):
         self.error.show()
         self.buttons.setEnabled(True)
 
+    def clear_error(self) -> None:
+        self.error.clear()
+        self.error.hide()
+
     def submit(self) -> None:
         """Ask the engine to accept the cache values; save everything only if it does."""
         new = self.values()
         if not (new.steering.direction == "per-layer" or new.steering.direction.startswith("single:")):
             self.show_error(f"direction {new.steering.direction!r} is not 'per-layer' or 'single:L'")
             return
-        self.error.hide()
+        self.clear_error()
+        drops = self._drops(new)
+        if drops and self._drop_confirmed != (new.cache_mib, new.cache_slots):
+            # A lower cap evicts parked conversations at once: say so, and save on the second press.
+            self._drop_confirmed = (new.cache_mib, new.cache_slots)
+            self.error.setText(f"{drops} Press Save again to go ahead.")
+            self.error.show()
+            return
         if (new.cache_mib, new.cache_slots) == (self.old.cache_mib, self.old.cache_slots) or self.client is None:
             self._commit(new)
             return
@@ -227,7 +250,23 @@ class SettingsPage(QDialog):
         req.done.connect(lambda status: (self.guard.setText(self._guard_text(status)), self._commit(new)))
         req.failed.connect(self.show_error)
 
+    def _drops(self, new: Settings) -> str:
+        """What the new limits would evict from the parked conversations (per the last status), or ""."""
+        p = self.status.get("parking") or {}
+        entries, nbytes = int(p.get("entries") or 0), int(p.get("bytes") or 0)
+        if not entries:
+            return ""
+        if new.cache_mib == 0:
+            return f"Turning the cache off drops the {entries} parked conversation(s) ({nbytes / (1 << 20):.1f} MiB)."
+        if nbytes > new.cache_mib << 20:
+            return (f"{nbytes / (1 << 20):.1f} MiB of conversations are parked: a {new.cache_mib} MiB cap "
+                    "drops some of them.")
+        if entries > new.cache_slots:
+            return f"{entries} conversations are parked: {new.cache_slots} slot(s) drop {entries - new.cache_slots}."
+        return ""
+
     def _commit(self, new: Settings) -> None:
+        self.clear_error()
         settings_mod.save(new)
         emit(self.saved, new, self.old)
         self.accept()

@@ -14,8 +14,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF path or a name in the models folder")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 8192)")
     p.add_argument("--conversation-cache-mib", type=int, default=1024,
-                   help="RAM for parked conversations' K/V (0 = off)")
-    p.add_argument("--conversation-cache-slots", type=int, default=4)
+                   help="RAM for parked conversations' K/V, 0 (off) to half of this machine's RAM")
+    p.add_argument("--conversation-cache-slots", type=int, default=4, help="parked conversations, 1 to 64")
     p.add_argument("--control-vector", action="append", default=[], metavar="FILE")
     p.add_argument("--control-vector-scaled", action="append", default=[], metavar="FILE:SCALE")
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))
@@ -27,10 +27,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
 
 
+def check_engine_flags(args) -> None:
+    """Flags with a valid range (engine.limits), checked before anything is loaded: StrataError, one line."""
+    from .limits import check_cache_mib, check_cache_slots
+    check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
+    check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
+
+
 def engine_options(args):
     from .control_vector import SteeringConfig
     from .engine import EngineOptions
     from .models import default_model_path
+    check_engine_flags(args)
     files = [(f, 1.0) for f in args.control_vector]
     files += [SteeringConfig.parse_scaled(s) for s in args.control_vector_scaled]
     steering = None
@@ -114,12 +122,14 @@ def cmd_models(args) -> int:
     if args.action == "fetch-default":
         if args.if_missing and default_model_path().exists():
             return 0
-        last = [None]
+        shown: dict[str, int] = {}
 
-        def progress(stage, done, total):
-            if stage != last[0] or done == total:
-                print(f"{stage}: {done * 100 // max(1, total)}%", file=sys.stderr)
-                last[0] = stage
+        def progress(stage, done, total):          # a line per stage and per 10 % of its bytes
+            step = done * 10 // total if total else 0
+            if shown.get(stage, -1) < step:
+                shown[stage] = step
+                print(f"{stage}: {done * 100 // total}% of {total / 1e6:.1f} MB" if total else stage,
+                      file=sys.stderr)
         path = fetch_default(progress)
         print(path)
     elif args.action == "list":

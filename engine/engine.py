@@ -126,9 +126,16 @@ class Engine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
+        from .limits import within_range
         from .parking import Parking
-        self.parking = Parking(self.options.cache_mib, self.options.cache_slots, self.guard, self._log)
         self._log(self.guard.startup_line())
+        # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
+        # bigger machine) is brought into range with a log line rather than refused at start.
+        cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self._cache_range())
+        if note:
+            self._log(f"conversation cache: {note}")
+        self.options.cache_mib, self.options.cache_slots = cap, slots
+        self.parking = Parking(cap, slots, self.guard, self._log)
         if self.options.model:
             self._serve(Handle(LoadModel(self.options.model, self.options.steering)))
         while True:
@@ -375,14 +382,10 @@ class Engine:
     # ---- settings, status --------------------------------------------------------------------
     def _configure(self, req: Configure) -> dict:
         if req.cache_mib is not None or req.cache_slots is not None:
-            cap = self.parking.cap_bytes >> 20 if req.cache_mib is None else int(req.cache_mib)
-            slots = self.parking.slots if req.cache_slots is None else int(req.cache_slots)
-            if cap < 0 or slots < 1:
-                raise RequestError("the conversation cache needs a cap >= 0 MiB and at least 1 slot")
-            reading = self.guard.reading()
-            if cap > 0 and reading is not None and (cap << 20) > reading.total_bytes // 2:
-                raise RequestError(f"a {cap} MiB conversation cache is more than half of this machine's "
-                                   f"{reading.total_bytes / (1 << 30):.1f} GiB")
+            from .limits import check_cache_mib, check_cache_slots
+            cap = self.parking.cap_bytes >> 20 if req.cache_mib is None else check_cache_mib(req.cache_mib,
+                                                                                             self._cache_range())
+            slots = self.parking.slots if req.cache_slots is None else check_cache_slots(req.cache_slots)
             self.parking.set_limits(cap, slots)
             self.options.cache_mib, self.options.cache_slots = cap, slots
             self._log(f"conversation cache: {cap} MiB, {slots} slots")
@@ -390,9 +393,16 @@ class Engine:
             self.options.speed_projection = bool(req.speed_projection)
         return self.status()
 
+    def _cache_range(self):
+        from .limits import cache_range
+        reading = self.guard.reading()
+        return cache_range(reading.total_bytes if reading is not None else None)
+
     def status(self) -> dict:
+        from .limits import cache_range
         reading = self.guard.reading()
         return {
+            "cache_mib_max": cache_range(reading.total_bytes if reading is not None else None).max_mib,
             "model": str(self.model_path) if self.model_path else None,
             "info": self.info.__dict__ if self.info else None,
             "context_length": self.n_ctx,

@@ -598,10 +598,11 @@ class ServerThread:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .cli import start_engine
+    from .cli import check_engine_flags, start_engine
     from .errors import StrataError
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
+    check_engine_flags(args)                     # before the port is taken
     sock = bind_socket(args.host, args.port)      # fail before loading the model
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback

@@ -8,7 +8,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 from app_fixtures import *  # noqa: E402,F401,F403
-from app_fixtures import REPLY_TIMEOUT_MS, open_window  # noqa: E402
+from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
 
@@ -47,16 +47,87 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     assert blocker.args[0]["parking"]["cap_bytes"] == 512 << 20 and blocker.args[0]["parking"]["slots"] == 3
 
 
-def test_app_settings_refuses_cache_beyond_guard(qtbot, window):
-    from app import settings
+def test_app_settings_cache_field_holds_only_the_valid_range(qtbot, window):
+    """engine.limits' range (0..half of RAM) is the field's range: no negative, nothing past the guard."""
+    from PySide6.QtCore import Qt
+    from engine.limits import machine_cache_range
+    with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
+        window.refresh_status()
+    top = machine_cache_range().max_mib
+    assert blocker.args[0]["cache_mib_max"] == top
     page = window.open_settings()
-    page.cache_mib.setValue(4_000_000)         # ~4 TB: more than the guard allows anywhere
+    field = page.cache_mib
+    assert (field.minimum(), field.maximum()) == (0, top)
+    assert f"0 to {top} MiB" in page.guard.text() and f"0 to {top} MiB" in field.toolTip()
+    field.setFocus()
+    field.lineEdit().selectAll()
+    qtbot.keyClicks(field.lineEdit(), "-5")
+    qtbot.keyClick(field.lineEdit(), Qt.Key.Key_Tab)
+    assert "-" not in field.text() and field.value() == 5        # the minus sign is not taken
+    field.setValue(4_000_000)                                    # ~4 TB: held at the limit
+    assert field.value() == top
+    field.lineEdit().selectAll()
+    qtbot.keyClicks(field.lineEdit(), str(top * 10))
+    assert field.value() <= top
+    page.reject()
+
+
+def test_app_settings_engine_refusal_then_next_save_clears_it(qtbot, window):
+    """The engine applies the same rule: a page that believes in more RAM is refused in one line (not
+    saved), and the next successful save clears the message."""
+    from app import settings
+    from app.settings_page import SettingsPage
+    from engine.limits import machine_cache_range
+    top = machine_cache_range().max_mib
+    with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
+        window.refresh_status()
+    status = dict(blocker.args[0])
+    status["memory"] = dict(status["memory"], total_bytes=status["memory"]["total_bytes"] * 4)
+    page = SettingsPage(window.settings, window.client, status, window)
+    qtbot.addWidget(page)
+    page.show()
+    assert page.cache_mib.maximum() > top
+    page.cache_mib.setValue(top + 1)
     page.submit()
     qtbot.waitUntil(page.error.isVisible, timeout=REPLY_TIMEOUT_MS)
-    assert "Not saved" in page.error.text() and "MiB" in page.error.text()
-    assert page.isVisible()
-    assert settings.load().cache_mib != 4_000_000
-    page.reject()
+    assert page.error.text() == f"Not saved: the conversation cache must be {machine_cache_range().describe()}; " \
+                                f"got {top + 1} MiB"
+    assert settings.load().cache_mib != top + 1 and page.buttons.isEnabled()
+    page.direction.setText("sideways")                           # refused on the page itself
+    page.submit()
+    assert page.error.isVisible() and "sideways" in page.error.text()
+    page.direction.setText("per-layer")
+    page.cache_mib.setValue(300)
+    with qtbot.waitSignal(page.saved, timeout=REPLY_TIMEOUT_MS):
+        page.submit()
+    assert page.error.text() == "" and not page.error.isVisible()
+    assert settings.load().cache_mib == 300
+
+
+def test_app_settings_says_what_a_lower_cap_drops(qtbot, window):
+    """Parked conversations that a lower cap evicts are named before saving; the second Save goes ahead."""
+    from app import settings
+    first = window.current_view()
+    send_and_wait(qtbot, first, "Tell me about the sea")
+    second = window.new_tab()
+    send_and_wait(qtbot, second, "Something else entirely")
+    with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
+        window.refresh_status()
+    parked = blocker.args[0]["parking"]
+    assert parked["entries"] >= 1
+    page = window.open_settings()
+    page.cache_mib.setValue(0)
+    page.submit()
+    assert page.isVisible() and page.error.isVisible()
+    assert page.error.text().startswith(f"Turning the cache off drops the {parked['entries']} parked conversation")
+    assert page.error.text().endswith("Press Save again to go ahead.")
+    assert settings.load().cache_mib != 0
+    with qtbot.waitSignal(page.saved, timeout=REPLY_TIMEOUT_MS):
+        page.submit()
+    assert settings.load().cache_mib == 0 and page.error.text() == ""
+    with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
+        window.refresh_status()
+    assert blocker.args[0]["parking"]["entries"] == 0
 
 
 def test_app_corrupt_database_is_moved_aside(qtbot, app_home):

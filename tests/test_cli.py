@@ -128,3 +128,43 @@ def test_successful_run_exits_0(tiny_gguf):
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["tokens"]) == 3
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--conversation-cache-mib", "-5"], "got -5 MiB"),
+    (["--conversation-cache-mib", "999999999"], "got 999999999 MiB"),
+    (["--conversation-cache-slots", "0"], "--conversation-cache-slots must be 1 to 64; got 0"),
+])
+def test_bad_cache_size_exits_2_with_one_line(flags, why, tiny_gguf, capsys):
+    """One rule (engine.limits): 0 to half of this machine's RAM, checked before the model is loaded."""
+    from engine.limits import machine_cache_range
+    code, out, err = run_main(capsys, "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "1", *flags)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("strata: --conversation-cache") and why in lines[0]
+    if "mib" in flags[0]:
+        assert f"must be {machine_cache_range().describe()}" in lines[0]
+
+
+def test_cache_size_at_the_limit_is_taken(tiny_gguf, capsys):
+    from engine.limits import machine_cache_range
+    top = machine_cache_range().max_mib
+    code, out, err = run_main(capsys, "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "1", "--json",
+                              "--conversation-cache-mib", str(top))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "1",
+                            "--conversation-cache-mib", str(top + 1))
+    assert code == 2 and f"got {top + 1} MiB" in err
+
+
+def test_serve_refuses_bad_cache_size_before_taking_the_port(tiny_gguf, capsys):
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = main(["serve", "--model", str(tiny_gguf), "--port", str(port), "--conversation-cache-mib", "-5"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("strata: --conversation-cache-mib must be 0 to ")
+    with socket.socket() as again:                      # the port was never taken
+        again.bind(("127.0.0.1", port))

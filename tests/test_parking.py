@@ -301,10 +301,11 @@ def test_configure_changes_the_cap_and_slots_at_run_time(mib_gguf):
         assert evicted_lines(logs) == [helds[2]] and "conversation cache: 8 MiB, 1 slots" in logs
         assert status["parking"]["tokens"] == [helds[3]]
         # Bad settings are refused and change nothing.
-        for kw in ({"cache_slots": 0}, {"cache_mib": -1}):
-            with pytest.raises(StrataError, match="needs a cap >= 0 MiB and at least 1 slot"):
+        for kw, why in (({"cache_slots": 0}, "slots must be 1 to 64; got 0"),
+                        ({"cache_mib": -1}, r"must be 0 to \d+ MiB \(half of this machine's .*\); got -1 MiB")):
+            with pytest.raises(StrataError, match=why):
                 engine.call(Configure(**kw))
-        with pytest.raises(StrataError, match="more than half of this machine's"):
+        with pytest.raises(StrataError, match="half of this machine's"):
             engine.call(Configure(cache_mib=1 << 30))
         assert engine.call(Status())["parking"] == status["parking"]
         # Off: everything parked goes, nothing is parked any more, switching back reads from scratch.

@@ -1,0 +1,92 @@
+"""The valid range of the conversation cache settings: one rule, used by the engine, the CLI and server
+flags, and the app's settings page (plain Python: no mlx, no Qt).
+
+The cap on parked K/V may be 0 (off) up to half of this machine's RAM: parking more than that would
+push the model, the live conversation and everything else into swap before the memory guard (which
+looks at *available* RAM at each park) could help. When the RAM cannot be read there is no upper bound
+to give; the guard then refuses every park anyway, so any cap >= 0 is harmless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RequestError
+
+MIB = 1 << 20
+GIB = 1 << 30
+SLOTS_MAX = 64
+
+
+class CacheLimitError(RequestError):
+    """A cache size or slot count outside its range; the message is one line."""
+
+
+@dataclass(frozen=True)
+class CacheRange:
+    """0..max_mib MiB; max_mib None when the machine's RAM could not be read."""
+    max_mib: int | None
+    total_bytes: int | None
+
+    def describe(self) -> str:
+        if self.max_mib is None:
+            return "at least 0 MiB (this machine's RAM could not be read)"
+        return f"0 to {self.max_mib} MiB (half of this machine's {self.total_bytes / GIB:.1f} GiB)"
+
+
+def cache_range(total_bytes: int | None) -> CacheRange:
+    """The range for a machine with `total_bytes` of RAM (None: unknown)."""
+    if total_bytes is None or total_bytes <= 0:
+        return CacheRange(None, None)
+    return CacheRange((int(total_bytes) // 2) // MIB, int(total_bytes))
+
+
+def machine_cache_range() -> CacheRange:
+    """The range on this machine, read now (the memory guard's reader)."""
+    from .memory_guard import MemoryUnavailable, read_memory
+    try:
+        return cache_range(read_memory().total_bytes)
+    except MemoryUnavailable:
+        return cache_range(None)
+
+
+def check_cache_mib(mib: object, limits: CacheRange | None = None, what: str = "the conversation cache") -> int:
+    """`mib` as an int if it is in range, else CacheLimitError naming the range."""
+    limits = limits or machine_cache_range()
+    try:
+        value = int(mib)                                   # type: ignore[arg-type]
+        if value != mib and not isinstance(mib, str):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise CacheLimitError(f"{what} must be a whole number of MiB, {limits.describe()}; got {mib!r}") from None
+    if value < 0 or (limits.max_mib is not None and value > limits.max_mib):
+        raise CacheLimitError(f"{what} must be {limits.describe()}; got {value} MiB")
+    return value
+
+
+def check_cache_slots(slots: object, what: str = "the conversation cache slots") -> int:
+    try:
+        value = int(slots)                                 # type: ignore[arg-type]
+        if value != slots and not isinstance(slots, str):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise CacheLimitError(f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}") from None
+    if not 1 <= value <= SLOTS_MAX:
+        raise CacheLimitError(f"{what} must be 1 to {SLOTS_MAX}; got {value}")
+    return value
+
+
+def within_range(mib: object, slots: object, limits: CacheRange) -> tuple[int, int, str | None]:
+    """(cap, slots) brought into range, and what was changed (None when both were valid)."""
+    notes = []
+    try:
+        cap = check_cache_mib(mib, limits)
+    except CacheLimitError as e:
+        cap = mib if isinstance(mib, int) else 0
+        cap = max(cap, 0) if limits.max_mib is None else min(max(cap, 0), limits.max_mib)
+        notes.append(f"{e}: using {cap} MiB")
+    try:
+        n = check_cache_slots(slots)
+    except CacheLimitError as e:
+        n = min(max(slots if isinstance(slots, int) else 1, 1), SLOTS_MAX)
+        notes.append(f"{e}: using {n}")
+    return cap, n, "; ".join(notes) or None

@@ -1,0 +1,70 @@
+"""engine.limits: the one range rule for the conversation cache (0..half of RAM), and the engine keeping to
+it at start and on Configure (the real engine on the tiny GGUF)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.limits import (GIB, CacheLimitError, cache_range, check_cache_mib, check_cache_slots,
+                           machine_cache_range, within_range)
+
+
+def test_range_is_half_of_ram():
+    r = cache_range(16 * GIB)
+    assert r.max_mib == 8192 and r.describe() == "0 to 8192 MiB (half of this machine's 16.0 GiB)"
+    assert cache_range(None).max_mib is None and cache_range(0).max_mib is None
+    assert cache_range(3 * GIB + 1).max_mib == 1536
+
+
+@pytest.mark.parametrize("value, ok", [(0, 0), (8192, 8192), ("512", 512), (-5, None), (8193, None),
+                                       (2.5, None), ("lots", None), (None, None)])
+def test_check_cache_mib(value, ok):
+    r = cache_range(16 * GIB)
+    if ok is not None:
+        assert check_cache_mib(value, r) == ok
+    else:
+        with pytest.raises(CacheLimitError) as e:
+            check_cache_mib(value, r)
+        assert "0 to 8192 MiB" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_ram_has_no_upper_bound_but_no_negatives():
+    r = cache_range(None)
+    assert check_cache_mib(10 ** 7, r) == 10 ** 7
+    with pytest.raises(CacheLimitError, match="could not be read"):
+        check_cache_mib(-1, r)
+
+
+def test_slots():
+    assert check_cache_slots(1) == 1 and check_cache_slots(64) == 64
+    for bad in (0, 65, -3, "x"):
+        with pytest.raises(CacheLimitError, match="1 to 64"):
+            check_cache_slots(bad)
+
+
+def test_within_range():
+    r = cache_range(16 * GIB)
+    assert within_range(1024, 4, r) == (1024, 4, None)
+    cap, slots, note = within_range(999_999, 0, r)
+    assert (cap, slots) == (8192, 1) and "using 8192 MiB" in note and "using 1" in note
+    assert within_range(-5, 4, r)[:2] == (0, 4)
+
+
+def test_machine_range_matches_the_guard():
+    from engine.memory_guard import read_memory
+    assert machine_cache_range().max_mib == read_memory().total_bytes // 2 >> 20
+
+
+def test_engine_keeps_to_the_range(tiny_gguf):
+    """A start value out of range is brought into range with a log line; Configure refuses; status gives the max."""
+    from engine.engine import Configure, Engine, EngineOptions, Status
+    from engine.errors import StrataError
+    top = machine_cache_range().max_mib
+    engine = Engine(EngineOptions(model=str(tiny_gguf), cache_mib=top + 100, cache_slots=4)).start()
+    try:
+        status = engine.call(Status(), timeout=60)
+        assert status["cache_mib_max"] == top and status["parking"]["cap_bytes"] == top << 20
+        with pytest.raises(StrataError, match=f"0 to {top} MiB"):
+            engine.call(Configure(cache_mib=-5))
+        assert engine.call(Configure(cache_mib=top))["parking"]["cap_bytes"] == top << 20
+    finally:
+        engine.stop()
