@@ -106,7 +106,7 @@ class _Cursor:
         self.pos, self.size = 0, len(buf)
 
     def fail(self, what: str) -> ModelFileError:
-        return ModelFileError(f"{self.name}: corrupt GGUF header: {what}")
+        return ModelFileError(f"{self.name} is truncated or corrupt: {what}")
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or n > self.size - self.pos:
@@ -151,7 +151,7 @@ def scan_header(path: Path) -> HeaderScan:
         with open(path, "rb") as f:
             size = path.stat().st_size
             if size < 24:
-                raise ModelFileError(f"{name} is truncated: {size} bytes, a GGUF header needs at least 24")
+                raise ModelFileError(f"{name} is truncated or corrupt: {size} bytes, a GGUF header needs at least 24")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 return _scan(mm, name, size)
     except OSError as e:
