@@ -250,7 +250,8 @@ class Engine:
             raise RequestError("a request needs messages or a prompt")
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         text = render(self.template, req.messages, bos_token=bos,
-                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
+                      name=f"the chat template of {self.model_path.name}" if self.template else "")
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
