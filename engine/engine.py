@@ -22,6 +22,7 @@ from .events import Done, Failed, Handle, Log, Progress, Token
 from .sampling import SamplingParams
 
 log = logging.getLogger("strata")
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -244,6 +245,13 @@ class Engine:
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
         tok = self.tokenizer
+        # A huge body must not cost a tokenization (or a template render) to be refused: no real
+        # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
+        chars = len(req.prompt) if req.prompt is not None else sum(
+            len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
+        if chars > self.n_ctx * MAX_CHARS_PER_TOKEN:
+            raise RequestError(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
+                               f"the context holds {self.n_ctx}")
         if req.prompt is not None:
             return tok.encode(req.prompt)
         if not req.messages:
@@ -336,7 +344,7 @@ class Engine:
         finish = "length"
         held = ""   # text held back while it could still be the start of a stop string
         for token in decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
-                            sampler=sp.sampler(), processors=sp.processors(), max_tokens=max_tokens,
+                            sampler=sp.sampler(self.info.n_vocab), processors=sp.processors(), max_tokens=max_tokens,
                             stats=stats, seed=sp.seed, cancelled=cancelled):
             out_ids.append(token)
             if token in self.tokenizer.eos_ids:
