@@ -155,6 +155,12 @@ class Engine:
             handle.emit(Failed(str(e)))
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
+            if self.live is not None:
+                # Its K/V may be half-updated or what failed: the next request recomputes instead
+                # of failing on it again.
+                self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after "
+                          f"an internal error")
+                self.live = None
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
@@ -279,10 +285,22 @@ class Engine:
             ids = e.tokens[1:] if add_bos and e.tokens[0] == tok.bos_id else e.tokens
             if add_bos and ids is e.tokens:
                 continue
-            prefix = tok.decode(ids, skip_special=False)
+            try:
+                prefix = tok.decode(ids, skip_special=False)
+            except Exception as err:  # noqa: BLE001 - e.g. a token id outside the vocabulary
+                self._drop_held(e, f"its tokens cannot be decoded ({type(err).__name__}: {str(err)[:120]})")
+                continue
             if prefix and text.startswith(prefix):
                 best = e.tokens + tok.encode(text[len(prefix):], add_bos=False)
         return best
+
+    def _drop_held(self, entry, why: str) -> None:
+        """Forget a held K/V (live or parked) that fails when used, so it cannot fail later requests."""
+        if entry is self.live:
+            self.live = None
+            self._log(f"dropped the live conversation of {len(entry.tokens)} tokens: {why}")
+        else:
+            self.parking.drop(entry, why)
 
     # ---- generation --------------------------------------------------------------------------
     def _take_kv(self, tokens: list[int]):
