@@ -29,7 +29,7 @@ import sys
 import time
 from functools import lru_cache
 
-from jinja2 import TemplateError
+from jinja2 import DictLoader, TemplateError, TemplateNotFound
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import RequestError
@@ -126,7 +126,9 @@ def _raise(message):
 
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    # An empty loader: `{% include %}`/`{% import %}`/`{% extends %}` name nothing that exists.
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                         loader=DictLoader({}))
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = _raise
@@ -187,6 +189,9 @@ def render(source: str | None, messages: list[dict], *, bos_token: str = "", eos
         raise RequestError(f"{label} failed: recursion too deep") from None
     except MemoryError:
         raise RequestError(f"{label} failed: out of memory") from None
+    except TemplateNotFound as e:
+        raise RequestError(f"{label} failed: it includes '{_one_line(e)}', and a chat template cannot "
+                           "include other templates") from None
     except TemplateError as e:
         raise RequestError(f"{label} failed: {_one_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - an untrusted template must never surface a traceback
