@@ -43,7 +43,7 @@ class Tally:
 
     def line(self, name: str) -> str:
         return (f"{name}: {self.tried} tried, {self.refused} refused, {self.accepted} accepted, "
-                f"{len(self.crashes)} crashes, worker peak RSS {self.peak_rss >> 20} MiB")
+                f"{len(self.crashes)} crashes, peak RSS {self.peak_rss >> 20} MiB")
 
 
 class Worker:
