@@ -16,6 +16,7 @@ from .errors import ModelFileError
 MAX_WIDTH = 1 << 17            # embedding / feed-forward width: 8x the largest current models
 MAX_LAYERS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
+MAX_HEADS = 1 << 12
 MAX_CONTEXT = 1 << 24          # 16M positions; current models stop at 1-10M
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
@@ -68,7 +69,7 @@ def check_hyperparameters(g) -> Hyperparameters:
         return ModelFileError(f"{name}: {what}")
 
     n_embd = _int(g, "embedding_length", hi=MAX_WIDTH)
-    n_head = _int(g, "attention.head_count", hi=n_embd)
+    n_head = _int(g, "attention.head_count", hi=MAX_HEADS)   # > width is fine with an explicit head size
     n_head_kv = _int(g, "attention.head_count_kv", n_head, hi=n_head)
     if n_head % n_head_kv:
         raise bad(f"{n_head_kv} K/V heads do not divide {n_head} attention heads")
