@@ -18,6 +18,7 @@ MAX_LAYERS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
 MAX_HEADS = 1 << 12
 MAX_CONTEXT = 1 << 24          # 16M positions; current models stop at 1-10M
+MAX_VOCAB = 1 << 24
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -91,7 +92,7 @@ def check_hyperparameters(g) -> Hyperparameters:
         raise bad("missing tokenizer metadata 'tokenizer.ggml.tokens'")
     n_vocab = n_tokens
     if g.arch_key("vocab_size") is not None:
-        n_vocab = _int(g, "vocab_size", hi=MAX_ARRAY_VOCAB)
+        n_vocab = _int(g, "vocab_size", hi=MAX_VOCAB)
     for key in ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id", "padding_token_id"):
         tid = g.get(f"tokenizer.ggml.{key}")
         if tid is not None and not 0 <= int(tid) < n_tokens:
@@ -130,9 +131,7 @@ def check_hyperparameters(g) -> Hyperparameters:
     return Hyperparameters(n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, context, eps, theta)
 
 
-MAX_ARRAY_VOCAB = 1 << 24
-
-
 @dataclass(frozen=True)
 class _Shape:
+    """A tensor's shape when the GGUFFile was made without a header scan (gguf-py's own view)."""
     shape: tuple[int, ...]
