@@ -73,6 +73,10 @@ def cmd_generate(args) -> int:
     from .engine import GenerateRequest, RestoreSession, SaveSession
     from .events import Done, Failed, Token
     from .sampling import SamplingParams
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                        stop=args.stop)
+    sp.validate()                     # bad flags: one line, exit 2, before the model loads
     engine = start_engine(args)
     out: dict = {}
     if args.restore_session:
@@ -87,9 +91,6 @@ def cmd_generate(args) -> int:
             messages = [m for m in messages if m["role"] != "system"]
             messages.insert(0, {"role": "system", "content": args.system})
         messages.append({"role": "user", "content": args.prompt})
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                        repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                        stop=args.stop)
     speed = None if args.speed_projection is None else args.speed_projection == "on"
     handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
                                            sampling=sp, speed_projection=speed))
@@ -178,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8484)
     s.add_argument("--api-key", default=None)
+    s.add_argument("--max-body-mib", type=float, default=8.0,
+                   help="largest request body accepted, in MiB (default 8; larger ones get 413)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. https://chat.example) whose pages may call the server; "
+                        "loopback origins are always allowed, others get 403")
     s.set_defaults(fn=lambda a: __import__("engine.server", fromlist=["x"]).cmd_serve(a))
 
     c = sub.add_parser("cvec", help="control vectors")

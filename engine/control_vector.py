@@ -107,6 +107,12 @@ def _read_file(path: str, n_embd: int) -> tuple[dict[int, np.ndarray], str]:
         raise ControlVectorError(f"control vector file is not a GGUF file: {path}")
     import gguf  # deferred: only needed when a vector is loaded
 
+    from .errors import ModelFileError
+    from .gguf_header import scan_header
+    try:
+        scan_header(Path(path))      # counts and lengths checked before gguf-py allocates for them
+    except ModelFileError as e:
+        raise ControlVectorError(f"control vector file is not a readable GGUF: {e}") from None
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # truncated or corrupt container

@@ -22,6 +22,7 @@ from .events import Done, Failed, Handle, Log, Progress, Token
 from .sampling import SamplingParams
 
 log = logging.getLogger("strata")
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -161,6 +162,12 @@ class Engine:
             handle.emit(Failed(str(e)))
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
+            if self.live is not None:
+                # Its K/V may be half-updated or what failed: the next request recomputes instead
+                # of failing on it again.
+                self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after "
+                          f"an internal error")
+                self.live = None
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
@@ -251,13 +258,21 @@ class Engine:
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
         tok = self.tokenizer
+        # A huge body must not cost a tokenization (or a template render) to be refused: no real
+        # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
+        chars = len(req.prompt) if req.prompt is not None else sum(
+            len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
+        if chars > self.n_ctx * MAX_CHARS_PER_TOKEN:
+            raise RequestError(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
+                               f"the context holds {self.n_ctx}")
         if req.prompt is not None:
             return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         text = render(self.template, req.messages, bos_token=bos,
-                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
+                      name=f"the chat template of {self.model_path.name}" if self.template else "")
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
@@ -277,10 +292,22 @@ class Engine:
             ids = e.tokens[1:] if add_bos and e.tokens[0] == tok.bos_id else e.tokens
             if add_bos and ids is e.tokens:
                 continue
-            prefix = tok.decode(ids, skip_special=False)
+            try:
+                prefix = tok.decode(ids, skip_special=False)
+            except Exception as err:  # noqa: BLE001 - e.g. a token id outside the vocabulary
+                self._drop_held(e, f"its tokens cannot be decoded ({type(err).__name__}: {str(err)[:120]})")
+                continue
             if prefix and text.startswith(prefix):
                 best = e.tokens + tok.encode(text[len(prefix):], add_bos=False)
         return best
+
+    def _drop_held(self, entry, why: str) -> None:
+        """Forget a held K/V (live or parked) that fails when used, so it cannot fail later requests."""
+        if entry is self.live:
+            self.live = None
+            self._log(f"dropped the live conversation of {len(entry.tokens)} tokens: {why}")
+        else:
+            self.parking.drop(entry, why)
 
     # ---- generation --------------------------------------------------------------------------
     def _take_kv(self, tokens: list[int]):
@@ -342,7 +369,7 @@ class Engine:
         finish = "length"
         held = ""   # text held back while it could still be the start of a stop string
         for token in decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
-                            sampler=sp.sampler(), processors=sp.processors(), max_tokens=max_tokens,
+                            sampler=sp.sampler(self.info.n_vocab), processors=sp.processors(), max_tokens=max_tokens,
                             stats=stats, seed=sp.seed, cancelled=cancelled):
             out_ids.append(token)
             if token in self.tokenizer.eos_ids:

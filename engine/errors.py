@@ -4,6 +4,12 @@
 class StrataError(Exception):
     """A problem with the user's input (a file, a flag, a request) that the engine refuses cleanly."""
 
+    def __init__(self, *args):
+        # One line, always: messages often quote a library's own (multi-line) error text.
+        if len(args) == 1 and isinstance(args[0], str) and ("\n" in args[0] or "\r" in args[0]):
+            args = (" ".join(args[0].split()),)
+        super().__init__(*args)
+
 
 class ModelFileError(StrataError):
     """A model file that cannot be used: missing, not a GGUF, truncated, unsupported."""

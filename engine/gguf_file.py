@@ -20,6 +20,7 @@ GGUF_MAGIC = b"GGUF"
 class GGUFFile:
     path: Path
     reader: GGUFReader
+    header: Any = None            # gguf_header.HeaderScan: the validated header (types, tensor shapes)
 
     @property
     def architecture(self) -> str:
@@ -61,6 +62,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelFileError(f"cannot read {p}: {e.strerror}") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{p.name} is not a GGUF file (bad magic {magic!r})")
+    from .gguf_header import scan_header
+    header = scan_header(p)          # counts, lengths, UTF-8, key types: checked before gguf-py allocates
     try:
         reader = GGUFReader(p, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/OverflowError on short files
@@ -70,7 +73,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ModelFileError(f"{p.name} is truncated: tensor '{t.name}' ends at byte {end}, file has {size}")
-    return GGUFFile(p, reader)
+    return GGUFFile(p, reader, header)
 
 
 _hash_cache: dict[tuple[str, int, int], str] = {}

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import ModelFileError
+from .gguf_checks import check_hyperparameters
 from .gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -81,6 +82,7 @@ def model_args(g: GGUFFile):
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{g.path.name}: architecture '{arch or '(none)'}' is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    check_hyperparameters(g)   # before anything is sized from them: one line for a bad value
     key = lambda s, d=None: g.arch_key(s, d)  # noqa: E731
     try:
         n_embd = int(key("embedding_length"))

@@ -123,10 +123,21 @@ class Parking:
             self.log(f"restored {best_n} tokens (moved) in {(time.perf_counter() - t0) * 1e3:.1f} ms")
             return best, best_n
         best.last_used = time.monotonic()
-        entry = KVEntry(best.tokens[:best_n], copy_prefix(best.cache, best_n, make_cache), key)
+        try:
+            cache = copy_prefix(best.cache, best_n, make_cache)
+        except Exception as e:  # noqa: BLE001 - a broken entry must not fail every later request
+            self.drop(best, f"its K/V could not be copied ({type(e).__name__}: {str(e)[:120]})")
+            return None, 0
+        entry = KVEntry(best.tokens[:best_n], cache, key)
         self.log(f"restored {best_n} of {len(best.tokens)} tokens (prefix copy) in "
                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
         return entry, best_n
+
+    def drop(self, entry: KVEntry, why: str) -> None:
+        """Remove a parked entry that failed when used; the request that wanted it recomputes."""
+        if entry in self.entries:
+            self.entries.remove(entry)
+        self.log(f"dropped a parked conversation of {len(entry.tokens)} tokens: {why}")
 
     def _evict_one(self, why: str) -> None:
         victim = min(self.entries, key=lambda e: e.last_used)

@@ -40,12 +40,13 @@ from starlette.routing import Route
 from .errors import StrataError
 from .engine import GenerateRequest, RestoreSession, SaveSession
 from .events import Done, Failed, Progress, Token
-from .sampling import SamplingParams
+from .sampling import SamplingError, SamplingParams
 
 SESSION_SUFFIX = ".stratasession"
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_STOP = 16
+DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy completions endpoint
 
 
@@ -87,6 +88,8 @@ async def _json_body(request: Request) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
                             "Send a JSON object with Content-Type: application/json.") from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -335,9 +338,11 @@ def _plain(result: dict) -> dict:
     return {k: v for k, v in result.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def create_app(engine, api_key: str | None = None) -> Starlette:
+def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
+               max_body_bytes: int = DEFAULT_MAX_BODY, allowed_origins: tuple[str, ...] = ()) -> Starlette:
     """The OpenAI-compatible app over a started Engine. With `api_key`, every request needs
-    `Authorization: Bearer <api_key>`."""
+    `Authorization: Bearer <api_key>`. `host` is the address the server listens on (the Host and
+    Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413."""
 
     def fingerprint() -> str:
         return f"strata-{(engine.model_hash or 'none')[:12]}"
@@ -376,7 +381,9 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
         include_usage = bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
         speed = _bool(body, "experimental_speed_projection", None)
         try:
-            sampling.validate()                  # the engine's own checks, answered here as 400
+            sampling.validate()                  # the engine's own checks (engine/sampling.py), as 400
+        except SamplingError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
         except StrataError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
@@ -513,11 +520,121 @@ def create_app(engine, api_key: str | None = None) -> Starlette:
         Route("/v1/sessions/save", save_session, methods=["POST"]),
         Route("/v1/sessions/restore", restore_session, methods=["POST"]),
     ]
-    middleware = [Middleware(_BearerAuth, api_key=api_key)] if api_key else []
+    middleware = [Middleware(_RequestGuard, host=host, max_body_bytes=max_body_bytes,
+                             allowed_origins=tuple(allowed_origins))]
+    if api_key:
+        middleware.append(Middleware(_BearerAuth, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_error})
     app.state.engine = engine
     return app
+
+
+def _hostname(value: str) -> str | None:
+    """The host name of a Host header value or an Origin URL ("h:port", "[::1]:port", "http://h:port")."""
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(value if "//" in value else "//" + value)
+        parts.port                       # noqa: B018 - raises on a malformed port
+        return (parts.hostname or "").rstrip(".").lower() or None
+    except ValueError:
+        return None
+
+
+def _is_loopback(name: str) -> bool:
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+class _RequestGuard:
+    """Pure ASGI, outermost: what a web page in a browser could otherwise do to a local server.
+
+    - `Host` must name loopback or the configured host: a DNS-rebinding page reaches 127.0.0.1 under
+      its own domain name, which this refuses (403). Bound to a wildcard address, any IP literal is
+      accepted too (rebinding needs a name).
+    - `Origin`, when sent, must be loopback, the configured host or one given with --allow-origin: a
+      cross-site page's fetch/form gets 403 (browsers send Origin on every cross-site POST).
+    - POST bodies must be `application/json` (415): text/plain and form posts need no CORS preflight.
+    - Bodies over `max_body_bytes` get 413: at once from Content-Length, and by counting the bytes
+      as they arrive (chunked uploads), before the whole body is read.
+    """
+
+    def __init__(self, app, host: str, max_body_bytes: int, allowed_origins: tuple[str, ...]):
+        self.app, self.max_body = app, int(max_body_bytes)
+        self.host = (_hostname(host) or host).lower()
+        self.wildcard = _is_wildcard(self.host)
+        self.origins = {o.rstrip("/").lower() for o in allowed_origins}
+
+    def _host_ok(self, name: str | None) -> bool:
+        if name is None:
+            return False
+        if _is_loopback(name) or (name == self.host and not self.wildcard):
+            return True
+        if self.wildcard:
+            try:
+                ipaddress.ip_address(name)
+                return True
+            except ValueError:
+                return False
+        return False
+
+    def _origin_ok(self, origin: str) -> bool:
+        if origin.rstrip("/").lower() in self.origins:
+            return True
+        name = _hostname(origin)
+        return name is not None and (_is_loopback(name) or (name == self.host and not self.wildcard))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {}
+        for k, v in scope.get("headers") or []:
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        error = None
+        host = headers.get("host")
+        if host is not None and not self._host_ok(_hostname(host)):
+            error = APIError(403, f"Host '{host[:80]}' is not this server's (use localhost or "
+                                  f"{self.host})", type="permission_error", code="host_not_allowed")
+        elif "origin" in headers and not self._origin_ok(headers["origin"]):
+            error = APIError(403, f"requests from origin '{headers['origin'][:80]}' are not allowed",
+                             type="permission_error", code="origin_not_allowed")
+        elif scope["method"] == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            length = headers.get("content-length")
+            if ctype != "application/json":
+                error = APIError(415, f"Content-Type must be application/json, got '{ctype[:80] or 'none'}'",
+                                 code="unsupported_media_type")
+            elif length is not None and (not length.strip().isdigit() or int(length) > self.max_body):
+                error = APIError(413 if length.strip().isdigit() else 400,
+                                 f"the request body is {length[:20]} bytes; the limit is {self.max_body}",
+                                 code="request_too_large")
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise APIError(413, f"the request body passed the limit of {self.max_body} bytes",
+                                   code="request_too_large")
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 class _BearerAuth:
@@ -603,6 +720,8 @@ def cmd_serve(args) -> int:
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
     check_engine_flags(args)                     # before the port is taken
+    if not (0 < args.max_body_mib <= 4096):
+        raise StrataError(f"--max-body-mib must be in (0, 4096], got {args.max_body_mib}")
     sock = bind_socket(args.host, args.port)      # fail before loading the model
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -612,7 +731,8 @@ def cmd_serve(args) -> int:
         print(f"strata: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)
     engine = start_engine(args)
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(engine, api_key=args.api_key, host=args.host,
+                     max_body_bytes=int(args.max_body_mib * (1 << 20)), allowed_origins=tuple(args.allow_origin))
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"strata: serving {_models(engine)[0]['id']} at http://{host}:{sock.getsockname()[1]}/v1"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)

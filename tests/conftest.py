@@ -73,3 +73,13 @@ def real_model() -> Path:
     if _REAL is None:
         pytest.skip("the default model is not fetched (run `make test`, which fetches it first)")
     return _REAL
+
+
+def pytest_collection_modifyitems(config, items):
+    # The long fuzz campaign runs only when asked for by name: `pytest -m fuzz_long`.
+    if "fuzz_long" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="long fuzz run: select it with -m fuzz_long")
+    for item in items:
+        if "fuzz_long" in item.keywords:
+            item.add_marker(skip)

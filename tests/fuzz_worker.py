@@ -1,0 +1,64 @@
+"""The child side of the fuzz suite: loads hostile inputs under an address-space cap and reports each.
+
+Run as `python tests/fuzz_worker.py MEMORY_CAP_BYTES`; reads one JSON job a line on stdin, answers one
+JSON line on stdout:
+    {"kind": "gguf", "path": P}             open + tokenizer + model + one forward pass, as Engine._load
+    {"kind": "template", "source": S, "messages": [...]}   engine.chat_template.render
+Answer: {"outcome": "accepted" | "refused" | "crash", "detail": str}. "refused" is a StrataError with
+a one-line message; anything else raised is a "crash" with its traceback. A hang or a death (the cap
+hit in C, a signal) is seen by the parent (tests/fuzz_harness.py), which kills and restarts this.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _gguf(job: dict) -> str:
+    import mlx.core as mx
+
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.tokenizer import load_tokenizer
+    g = open_gguf(job["path"])
+    tok = load_tokenizer(g)
+    model, info = load_model(g)
+    ids = tok.encode("Hello there", add_bos=True)[:4] or [0]
+    mx.eval(model(mx.array([ids])))
+    return f"{info.n_layer} layers, width {info.n_embd}"
+
+
+def _template(job: dict) -> str:
+    from engine.chat_template import render
+    text = render(job["source"], job.get("messages") or [{"role": "user", "content": "hi"}],
+                  bos_token="<s>", eos_token="</s>", name="fuzzed template")
+    return f"{len(text)} characters"
+
+
+def main() -> None:
+    cap = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    from engine import chat_template
+    from engine.errors import StrataError
+    chat_template.TIME_BUDGET_S = float(os.environ.get("STRATA_FUZZ_TEMPLATE_BUDGET_S", "1.0"))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        try:
+            detail = (_gguf if job["kind"] == "gguf" else _template)(job)
+            out = {"outcome": "accepted", "detail": detail}
+        except StrataError as e:
+            msg = str(e)
+            out = {"outcome": "refused" if msg and "\n" not in msg else "crash", "detail": msg}
+        except BaseException:  # noqa: BLE001 - this is what the fuzz suite is looking for
+            out = {"outcome": "crash", "detail": traceback.format_exc()[-2000:]}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
