@@ -55,6 +55,9 @@ class LoadModel:
 class SaveSession:
     path: str
     messages: list[dict] | None = None        # which conversation (live or parked); None: the live one
+    force: bool = False                       # replace a file holding a longer conversation (else refused
+                                              # with Failed.code "session_overwrite": ask, then resend)
+    sync: bool = True                         # fsync before the rename (False: benchmarks only)
 
 
 @dataclass
@@ -129,6 +132,7 @@ class Engine:
         from .parking import Parking
         self.parking = Parking(self.options.cache_mib, self.options.cache_slots, self.guard, self._log)
         self._log(self.guard.startup_line())
+        self._clean_session_folder()
         if self.options.model:
             self._serve(Handle(LoadModel(self.options.model, self.options.steering)))
         while True:
@@ -151,9 +155,13 @@ class Engine:
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
-            handle.emit(Failed(str(e)))
+            handle.emit(Failed(str(e), getattr(e, "code", "")))
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
+            if isinstance(handle.request, GenerateRequest) and self.live is not None:
+                # The K/V it was extending may be half-updated: never park or reuse it.
+                self._log(f"dropped the conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
+                self.live = None
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
@@ -431,8 +439,16 @@ class Engine:
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session save refused: {reason}")
-        return sessions.save(req.path, entry, self.session_fingerprint(),
+        return sessions.save(req.path, entry, self.session_fingerprint(), sync=req.sync, force=req.force,
                              progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+
+    def _clean_session_folder(self) -> None:
+        """Temporary files of saves killed in an earlier run (only those no live save holds)."""
+        from . import sessions
+        from .paths import sessions_dir
+        folder = sessions_dir()
+        if folder.is_dir():
+            sessions.remove_stale_parts(folder, self._log)
 
     def _restore(self, req: RestoreSession, handle: Handle) -> dict:
         from . import sessions
@@ -440,8 +456,11 @@ class Engine:
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session restore refused: {reason}")
+        # Validated (every field, the checksum over every byte, token ids, the memory guard) before
+        # it is kept: a refused file never becomes the live or a parked entry.
         entry, result = sessions.load(req.path, self.session_fingerprint(), self.make_cache,
-                                      key=self.cache_key(), dtype=self.dtype,
+                                      key=self.cache_key(), dtype=self.dtype, n_vocab=self.info.n_vocab,
+                                      n_ctx=self.n_ctx, admit=self.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self._log)
         # Validated and read: only now does the live conversation step aside.
