@@ -158,13 +158,28 @@ class Engine:
             handle.emit(Failed(str(e), getattr(e, "code", "")))
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
-            if isinstance(handle.request, GenerateRequest) and self.live is not None:
-                # The K/V it was extending may be half-updated: never park or reuse it.
-                self._log(f"dropped the conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
-                self.live = None
+            if isinstance(handle.request, GenerateRequest):
+                self._drop_suspect_entries()
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
+
+    def _drop_suspect_entries(self) -> None:
+        """After an unexpected error in a request: the live K/V may be half-updated, and a parked entry
+        with token ids outside the vocabulary would fail every later request. Drop them, with a log line."""
+        if self.live is not None:
+            self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
+            self.live = None
+        n_vocab = self.info.n_vocab if self.info else 0
+        def sound(e) -> bool:
+            try:
+                return all(0 <= int(t) < n_vocab for t in e.tokens)
+            except (TypeError, ValueError, OverflowError):
+                return False
+        for e in list(self.parking.entries if self.parking else []):
+            if not sound(e):
+                self.parking.entries.remove(e)
+                self._log(f"dropped a parked conversation ({len(e.tokens)} tokens) holding invalid token ids")
 
     def _log(self, line: str) -> None:
         log.info(line)
