@@ -210,6 +210,20 @@ def _write_all(fd: int, data, prof: SaveProfile) -> None:
     prof.writes += 1
 
 
+def _writev_all(fd: int, pieces: list, prof: SaveProfile) -> None:
+    t = time.perf_counter()
+    views = [memoryview(p).cast("B") for p in pieces]
+    while views:
+        k = os.writev(fd, views[:512])          # IOV_MAX is 1024 on Linux and macOS
+        prof.writes += 1
+        while views and k >= len(views[0]):
+            k -= len(views[0])
+            views.pop(0)
+        if views and k:
+            views[0] = views[0][k:]
+    prof.write_ms += (time.perf_counter() - t) * 1e3
+
+
 def existing_tokens(path: Path) -> int | None:
     """Tokens held by the session file at path (any format version), or None when it is not one."""
     try:
@@ -294,17 +308,23 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         _write_all(fd, prefix + header, prof)
         digest.update(tokens)
         _write_all(fd, tokens, prof)
+        # A float32 cache (the CPU) is cast block by block into one small staging buffer; a float16
+        # cache (a GPU) is written straight from its own memory (no copy at all), a batch of blocks
+        # per writev. Either way each write is up to STAGING_BYTES, in file order.
         staging = np.empty(min(STAGING_BYTES // 2, max(g.head_dim, specs[-1].end // 2)), np.float16)
-        fill = 0
+        pending: list[np.ndarray] = []
+        fill = pending_bytes = 0
 
         def flush():
-            nonlocal fill
-            if fill:
+            nonlocal fill, pending_bytes
+            if pending:
                 t = time.perf_counter()
-                digest.update(staging[:fill])
+                for piece in pending:
+                    digest.update(piece)
                 prof.checksum_ms += (time.perf_counter() - t) * 1e3
-                _write_all(fd, staging[:fill], prof)
-                fill = 0
+                _writev_all(fd, pending, prof)
+            pending.clear()
+            fill = pending_bytes = 0
 
         total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
         for i, c in enumerate(cache):
@@ -313,12 +333,18 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
                 src = _np_view(arr)
                 prof.cast_ms += (time.perf_counter() - t) * 1e3
                 for block in _blocks(src, n, staging.size):
-                    if fill + block.size > staging.size:
+                    if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > staging.size:
                         flush()
-                    t = time.perf_counter()
-                    np.copyto(staging[fill:fill + block.size].reshape(block.shape), block, casting="unsafe")
-                    prof.cast_ms += (time.perf_counter() - t) * 1e3
-                    fill += block.size
+                    if src.dtype == np.float16 and block.flags.c_contiguous:
+                        pending.append(block)
+                    else:
+                        t = time.perf_counter()
+                        dst = staging[fill:fill + block.size]
+                        np.copyto(dst.reshape(block.shape), block, casting="unsafe")
+                        prof.cast_ms += (time.perf_counter() - t) * 1e3
+                        pending.append(dst)
+                        fill += block.size
+                    pending_bytes += 2 * block.size
                 k = 2 * i + j + 1
                 if progress and (k % step == 0 or k == total):
                     progress(k, total)
@@ -607,7 +633,8 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     g = Geometry.of(expected, n_vocab, n_ctx)
     dtype = dtype or _compute_dtype()
     np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end
-    prof.cast = f"float16 -> {np.dtype(np_dtype).name}" + ("" if dtype in _NP_OF else f" -> {dtype}")
+    prof.cast = "none (float16 file, float16 cache)" if np_dtype == np.float16 else (
+        f"float16 -> {np.dtype(np_dtype).name}" + ("" if dtype in _NP_OF else f" -> {dtype}"))
     fd = _open_regular(p)
     try:
         size = os.fstat(fd).st_size
@@ -631,26 +658,36 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         prof.header_ms = (time.perf_counter() - t0) * 1e3
         tokens = np.empty(n, np.int32)
         shape = (1, g.n_kv_heads, n, g.head_dim)
-        file16 = np.empty(shape, np.float16)                      # one tensor as in the file
+        file16 = np.empty(shape if np_dtype != np.float16 else (0,), np.float16)   # one tensor as in the file
         padded = np.zeros((1, g.n_kv_heads, cells, g.head_dim), np_dtype)   # the cache's layout
         arrays = []
         total, step = len(hdr.specs), max(1, len(hdr.specs) // 20)
+        direct = np_dtype == np.float16       # no cast: read each head straight into its padded place
         for k, spec in enumerate(hdr.specs):
-            buf = tokens if spec.name == "tokens" else file16
-            t = time.perf_counter()
-            got = _readinto_exact(fd, buf, hdr.data_start + spec.start)
-            prof.read_ms += (time.perf_counter() - t) * 1e3
-            prof.reads += 1
-            if got != spec.end - spec.start:
-                raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-            t = time.perf_counter()
-            digest.update(buf)
-            prof.checksum_ms += (time.perf_counter() - t) * 1e3
+            if spec.name == "tokens":
+                bufs = [tokens]
+            elif direct:
+                bufs = [padded[0, h, :n, :] for h in range(g.n_kv_heads)]
+            else:
+                bufs = [file16]
+            off = hdr.data_start + spec.start
+            for buf in bufs:
+                t = time.perf_counter()
+                got = _readinto_exact(fd, buf, off)
+                prof.read_ms += (time.perf_counter() - t) * 1e3
+                prof.reads += 1
+                if got != buf.nbytes:
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                off += got
+                t = time.perf_counter()
+                digest.update(buf)
+                prof.checksum_ms += (time.perf_counter() - t) * 1e3
             if spec.name == "tokens":
                 continue
-            t = time.perf_counter()
-            np.copyto(padded[:, :, :n, :], file16, casting="unsafe")   # the one cast (or copy)
-            prof.cast_ms += (time.perf_counter() - t) * 1e3
+            if not direct:
+                t = time.perf_counter()
+                np.copyto(padded[:, :, :n, :], file16, casting="unsafe")   # the one cast
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
             arrays.append(mx.array(padded))                            # the array the cache keeps
             prof.build_ms += (time.perf_counter() - t) * 1e3
