@@ -34,12 +34,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import math
 import os
 import re
 import stat
 import struct
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -279,9 +277,10 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
             c.keys is None or tuple(c.keys.shape[:2]) != (1, g.n_kv_heads) or c.keys.shape[3] != g.head_dim
             or c.keys.shape[2] < n or c.values.shape != c.keys.shape for c in cache):
         raise SessionFileError("cannot save the session: the conversation's K/V does not match the model")
+    why = validate_messages(entry.messages)     # a file this Strata would refuse is never written
+    if why is not None:
+        raise SessionFileError(f"cannot save the session: {why}")
     messages = json.dumps(entry.messages, ensure_ascii=False)
-    if validate_messages(entry.messages) is not None:
-        raise SessionFileError(f"cannot save the session: {validate_messages(entry.messages)}")
     check_overwrite(final, n, force)
     specs = layout(n, g)
     metadata = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n), "kv_dtype": KV_DTYPE,
