@@ -403,3 +403,64 @@ def test_save_without_sync_writes_the_same_bytes(conv, tmp_path):
     b = engine.call(SaveSession(str(tmp_path / "b.stratasession"), sync=False))
     assert a["synced"] and not b["synced"] and b["sync_ms"] == 0
     assert (tmp_path / "a.stratasession").read_bytes() == (tmp_path / "b.stratasession").read_bytes() == conv["raw"]
+
+
+# ------------------------------------------------------------------------------------- seeded fuzzing
+
+def _mutants(raw: bytes, count: int, seed: int) -> list[bytes]:
+    """Seeded mutations of a good file: byte runs overwritten, bytes inserted or deleted (in the header,
+    the data or the length), truncations, header splices. Each differs from the original."""
+    rng = np.random.default_rng(seed)
+    (n,) = struct.unpack("<Q", raw[:8])
+    out = []
+    while len(out) < count:
+        b = bytearray(raw)
+        kind = rng.integers(6)
+        in_header = rng.random() < 0.8
+        lo, hi = (0, 8 + n) if in_header else (8 + n, len(raw))
+        i = int(rng.integers(lo, hi))
+        k = int(rng.integers(1, 9))
+        if kind == 0:                                    # overwrite a run of bytes
+            b[i:i + k] = rng.integers(0, 256, min(k, len(b) - i), dtype=np.uint8).tobytes()
+        elif kind == 1:                                  # insert bytes
+            b[i:i] = rng.integers(0, 256, k, dtype=np.uint8).tobytes()
+        elif kind == 2:                                  # delete bytes
+            del b[i:i + k]
+        elif kind == 3:                                  # truncate
+            del b[i:]
+        elif kind == 4:                                  # a JSON-ish token swapped in
+            tok = [b'"', b"{", b"}", b"[", b"]", b":", b",", b"0", b"-1", b"1e999", b"null", b"\\u0000", b"\xff"]
+            t = tok[int(rng.integers(len(tok)))]
+            b[i:i + len(t)] = t
+        else:                                            # the length prefix
+            b[:8] = struct.pack("<Q", int(rng.integers(0, 2 * (8 + n) + 64)))
+        if bytes(b) != raw:
+            out.append(bytes(b))
+    return out
+
+
+@pytest.mark.slow
+def test_seeded_mutations_are_refused_without_crash_hang_or_growth(conv):
+    """STRATA_FUZZ_SESSIONS mutants (default 1,500, a few seconds; raise it for a longer run): every one a
+    one-line refusal, none accepted, none slower than 2 s, the process's peak RSS grows < 64 MiB."""
+    count = int(os.environ.get("STRATA_FUZZ_SESSIONS", "1500"))
+    blobs = _mutants(conv["raw"], count, seed=12)
+
+    def hwm() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+    before = hwm()
+    t0 = time.monotonic()
+    outcomes = restore_all(conv["engine"], conv["dir"] / "fuzz.stratasession", blobs)
+    per_input = (time.monotonic() - t0) / len(blobs)
+    crashes = [o for o in outcomes if o.startswith("CRASH")]
+    accepted = outcomes.count("OK")
+    print(f"{len(blobs)} mutants: {len(blobs) - accepted - len(crashes)} refused, {accepted} accepted, "
+          f"{len(crashes)} crashes; {per_input * 1e3:.2f} ms each; peak RSS +{(hwm() - before) >> 20} MiB")
+    assert not crashes, crashes[:5]
+    assert accepted == 0
+    assert all("\n" not in o and o for o in outcomes)
+    assert per_input < 2.0
+    assert hwm() - before < 64 << 20
