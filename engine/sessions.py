@@ -225,22 +225,25 @@ def _writev_all(fd: int, pieces: list, prof: SaveProfile) -> None:
 def existing_tokens(path: Path) -> int | None:
     """Tokens held by the session file at path (any format version), or None when it is not one."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
+        fd = _open_regular(path)
+    except SessionFileError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread_exact(fd, 8, 0)
+        if len(head) < 8:
             return None
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return None
-            (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > min(MAX_HEADER, st.st_size - 8):
-                return None
-            meta = json.loads(f.read(n)).get("__metadata__")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > min(MAX_HEADER, size - 8):
+            return None
+        meta = json.loads(_pread_exact(fd, n, 8)).get("__metadata__")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             return None
         return int(meta["n_tokens"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
+    finally:
+        os.close(fd)
 
 
 def check_overwrite(final: Path, n_tokens: int, force: bool) -> None:
