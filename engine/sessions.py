@@ -278,7 +278,7 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
     cache = list(entry.cache[:g.n_layer])
     if n == 0 or len(cache) != g.n_layer or any(
             c.keys is None or tuple(c.keys.shape[:2]) != (1, g.n_kv_heads) or c.keys.shape[3] != g.head_dim
-            or c.keys.shape[2] < n or c.values.shape != c.keys.shape for c in cache):
+            or min(c.keys.shape[2], c.offset) < n or c.values.shape != c.keys.shape for c in cache):
         raise SessionFileError("cannot save the session: the conversation's K/V does not match the model")
     why = validate_messages(entry.messages)     # a file this Strata would refuse is never written
     if why is not None:
