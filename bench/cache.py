@@ -1,17 +1,28 @@
-"""Conversation parking and session files on the real default model, against llama.cpp's seq state files.
+"""Conversation parking and session files, against llama.cpp's seq state files.
 
     .venv/bin/python bench/cache.py [--model PATH] [--history 2000] [--repeats 3] [--session-tokens 2048]
+    .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
 
-1. A/B/A: conversation A with --history tokens, then a short chat-title request B (other system
-   prompt), then A's next turn. Time to first token of A's turn with parking (cache 1024 MiB) vs
-   without (cache 0, so A is read again). Two engines, alternated each repeat; both get A's turns with
-   the same messages (the parking engine's replies), so the prompts are the same tokens. Park and
-   restore ms are the engine's own log lines. Target: ratio >= 50x at 2,000 tokens of history.
-2. Session files for --session-tokens of A's history: Strata's SaveSession/RestoreSession (safetensors,
-   fp16 K/V, xxh3 checksum, fsync + rename) vs llama.cpp's llama_state_seq_save_file /
-   llama_state_seq_load_file (llama-cpp-python low-level API, same GGUF, same token ids, its default
-   f16 K/V, no fsync), alternated, repeated. Targets: within 2x of llama.cpp's time, bytes per token no
-   larger. The llama.cpp column is skipped, with the reason, when llama_cpp is not importable.
+1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
+   request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
+   (cache 1024 MiB) vs without (cache 0, so A is read again). Two engines, alternated each repeat; both
+   get A's turns with the same messages (the parking engine's replies), so the prompts are the same
+   tokens. Park and restore ms are the engine's own log lines. Target: ratio >= 50x at 2,000 tokens.
+2. Session files for --session-tokens tokens: Strata's SaveSession (without and with fsync) and
+   RestoreSession vs llama.cpp's llama_state_seq_save_file / llama_state_seq_load_file (llama-cpp-python
+   low-level API, same GGUF, same token ids, its default f16 K/V, no fsync), alternated, repeated, page
+   cache warm for both. The K/V saved is A's history (full mode) or, with --session-only, the same
+   token ids read by the model (--fill prefill) or random values of the model's K/V shape written
+   straight into the engine's cache (--fill random, the default: the bytes moved are the same, and a CPU
+   prefill of 2,048 tokens takes minutes). llama.cpp always reads the ids itself. Also printed: the
+   engine's own breakdown of each save and restore (cast, checksum, write, fsync, read, build).
+   Targets: save (without fsync) and restore within 2x of llama.cpp's time; bytes per token no larger.
+   The llama.cpp column is skipped, with the reason, when llama_cpp is not importable.
+
+--random-shape makes a random-weight Q8_0 GGUF of a named shape with tests/gguf_factory.write_tiny_gguf
+(its small BPE vocabulary; nothing downloaded): llama1b = Llama-3.2-1B's 16 layers x 2048, 32/8 heads
+(head_dim 64), ff 8192; smollm2 = SmolLM2-135M's 30 x 576, 9/3 heads (head_dim 64), ff 1536. Its EOS is
+meaningless, so use it with --session-only (the K/V shape is what a session moves).
 
 Medians over the repeats. The slow part is the prefill of A without parking (MLX on a CPU reads
 SmolLM2-135M at ~12 tok/s on a 2-vCPU VM, so 2,000 tokens take minutes): lower --history to shorten.
@@ -50,6 +61,9 @@ B_MESSAGES = [{"role": "system", "content": "Write a title for the chat. Five wo
               {"role": "user", "content": "The printing press and its first fifty years"}]
 PARKED = re.compile(r"^parked (\d+) tokens in ([\d.]+) ms")
 RESTORED = re.compile(r"^restored (\d+) tokens \(moved\) in ([\d.]+) ms")
+# Random-weight shapes (tests/gguf_factory.write_tiny_gguf, Q8_0): the K/V geometry of the named model.
+SHAPES = {"llama1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192),
+          "smollm2": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536)}
 
 
 def history_text(tokenizer, n_tokens: int) -> str:
@@ -91,44 +105,263 @@ def llama_cpp_or_reason():
         return None, f"llama_cpp is not importable ({type(e).__name__}: {e}); install the 'oracle' extra"
 
 
+def random_shape_model(shape: str, n_tokens: int, folder: Path) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from gguf_factory import write_tiny_gguf
+    path = folder / f"random-{shape}-q8_0.gguf"
+    print(f"writing a random-weight {shape}-shaped Q8_0 model to {path} ...", file=sys.stderr, flush=True)
+    return write_tiny_gguf(path, arch="llama", tensor_type="Q8_0", context_length=max(4096, n_tokens + 1024),
+                           seed=0, name=f"random {shape}", **SHAPES[shape])
+
+
+def session_ids(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(history_text(tokenizer, n))
+    return ids[:n]
+
+
+def fill_live(engine, ids: list[int], how: str) -> None:
+    """Make `ids` the engine's live conversation: read by the model (prefill) or random K/V of its shape."""
+    import mlx.core as mx
+
+    from engine.engine import Call
+    from engine.generate import prefill
+    from engine.parking import KVEntry
+
+    def fill(e):
+        cache = e.make_cache()
+        if how == "prefill":
+            fed: list[int] = []
+            prefill(e.model, cache, ids, fed, chunk=e.options.prefill_chunk)
+        else:
+            shape = (1, e.info.n_head_kv, len(ids), e.info.head_dim)
+            for i, c in enumerate(cache):
+                k = mx.random.normal(shape, key=mx.random.key(2 * i)).astype(e.dtype)
+                v = mx.random.normal(shape, key=mx.random.key(2 * i + 1)).astype(e.dtype)
+                c.update_and_fetch(k, v)
+            mx.eval([c.state for c in cache])
+        e.live = KVEntry(list(ids), cache, e.cache_key(), messages=[{"role": "user", "content": "(benchmark)"}])
+        return len(ids)
+    engine.call(Call(fill))
+
+
+def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: int, folder: Path) -> dict:
+    """Strata's save (no sync, sync) and restore vs llama.cpp's save and load, alternated."""
+    from engine.engine import RestoreSession, SaveSession
+    n = len(ids)
+    s_path, l_path = folder / "a.stratasession", folder / "a.llamastate"
+    llama_cpp, why_not = llama_cpp_or_reason()
+    llm = None
+    if llama_cpp is not None:
+        llm = llama_cpp.Llama(model_path=str(model), n_ctx=max(n + 64, 512), n_batch=512, n_threads=threads,
+                              verbose=False)
+        print(f"llama.cpp: prefill of the same {n} tokens ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        print(f"  {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        ctx = llm._ctx.ctx
+        tok_arr = (llama_cpp.llama_token * n)(*ids)
+    out = {k: [] for k in ("save", "save_sync", "load", "l_save", "l_load", "save_prof", "load_prof")}
+
+    def strata():
+        t0 = time.perf_counter()
+        r = engine.call(SaveSession(str(s_path), sync=False))
+        out["save"].append((time.perf_counter() - t0) * 1e3)
+        out["bytes"] = r["session_bytes"]
+        t0 = time.perf_counter()
+        r = engine.call(SaveSession(str(s_path), sync=True))
+        out["save_sync"].append((time.perf_counter() - t0) * 1e3)
+        out["save_prof"].append(r["profile"])
+        t0 = time.perf_counter()
+        r = engine.call(RestoreSession(str(s_path)))
+        out["load"].append((time.perf_counter() - t0) * 1e3)
+        out["load_prof"].append(r["profile"])
+        assert r["restored_tokens"] == n
+
+    def llama():
+        t0 = time.perf_counter()
+        written = llama_cpp.llama_state_seq_save_file(ctx, str(l_path).encode(), 0, tok_arr, n)
+        out["l_save"].append((time.perf_counter() - t0) * 1e3)
+        assert written > 0, "llama_state_seq_save_file failed"
+        out["l_bytes"] = l_path.stat().st_size
+        buf = (llama_cpp.llama_token * (n + 16))()
+        n_out = ctypes.c_size_t(0)
+        t0 = time.perf_counter()
+        read = llama_cpp.llama_state_seq_load_file(ctx, str(l_path).encode(), 0, buf, n + 16, ctypes.byref(n_out))
+        out["l_load"].append((time.perf_counter() - t0) * 1e3)
+        assert read > 0 and n_out.value == n and list(buf[:n]) == ids, "llama_state_seq_load_file failed"
+
+    for k in range(repeats):
+        order = (strata, llama) if k % 2 == 0 else (llama, strata)
+        for fn in order:
+            if fn is llama and llm is None:
+                continue
+            fn()
+        print(f"  round {k + 1}: save {out['save'][-1]:.1f} (sync {out['save_sync'][-1]:.1f}) restore "
+              f"{out['load'][-1]:.1f} ms" + (f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms"
+                                             if llm is not None else ""), file=sys.stderr, flush=True)
+    out["why_not"] = why_not
+    for p in (s_path, l_path):
+        p.unlink(missing_ok=True)
+    return out
+
+
+def session_rows(n: int, res: dict) -> list[tuple]:
+    save, sync, load = med(res["save"]), med(res["save_sync"]), med(res["load"])
+    b = res["bytes"]
+    rows = []
+    if res["l_save"]:
+        ls, ll, lb = med(res["l_save"]), med(res["l_load"]), res["l_bytes"]
+        rows += [
+            (f"session save, {n} tokens, no fsync (ms)", fmt(save), fmt(ls), f"{save / ls:.2f}x",
+             "<= 2x " + ("MET" if save / ls <= 2 else "MISSED")),
+            (f"session save with fsync (ms)", fmt(sync), "(no fsync)", f"{sync / ls:.2f}x", ""),
+            (f"session restore, {n} tokens (ms)", fmt(load), fmt(ll), f"{load / ll:.2f}x",
+             "<= 2x " + ("MET" if load / ll <= 2 else "MISSED")),
+            ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}",
+             f"{lb / ls / 1e6:.2f} / {lb / ll / 1e6:.2f}", "", ""),
+            ("session file bytes", f"{b:,}", f"{lb:,}", f"{b / lb:.3f}x", ""),
+            ("session file bytes per token", f"{b / n:,.1f}", f"{lb / n:,.1f}", f"{b / lb:.3f}x",
+             "<= 1x " + ("MET" if b <= lb else "MISSED")),
+        ]
+    else:
+        rows += [
+            (f"session save, {n} tokens, no fsync (ms)", fmt(save), "skipped", "", ""),
+            (f"session save with fsync (ms)", fmt(sync), "skipped", "", ""),
+            (f"session restore, {n} tokens (ms)", fmt(load), "skipped", "", ""),
+            ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}", "skipped", "", ""),
+            ("session file bytes per token", f"{b / n:,.1f}", "skipped", "", ""),
+        ]
+    return rows
+
+
+def profile_lines(res: dict) -> list[str]:
+    def medians(profs):
+        keys = [k for k, v in profs[0].items() if isinstance(v, (int, float))]
+        return {k: med([p[k] for p in profs]) for k in keys}
+    sp, rp = medians(res["save_prof"]), medians(res["load_prof"])
+    cast = res["load_prof"][0].get("cast", "")
+    return [
+        "save breakdown (ms, medians, the fsynced saves): " + ", ".join(
+            f"{k.removesuffix('_ms')} {v:.1f}" for k, v in sp.items() if k.endswith("_ms")) + f"; {sp['writes']:.0f} writes",
+        f"restore breakdown (ms, medians; cast {cast}): " + ", ".join(
+            f"{k.removesuffix('_ms')} {v:.1f}" for k, v in rp.items() if k.endswith("_ms")) + f"; {rp['reads']:.0f} reads",
+    ]
+
+
+def print_table(rows, head=("metric", "Strata (MLX)", "llama.cpp", "ratio", "target")) -> None:
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def main() -> int:
-    from engine.engine import Call, Engine, EngineOptions, RestoreSession, SaveSession, Status
+    from engine.engine import Call, Engine, EngineOptions, Status
     from engine.models import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
+    ap.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
+                    help="a random-weight Q8_0 model of this shape instead of --model")
+    ap.add_argument("--session-only", action="store_true", help="skip the A/B/A part")
+    ap.add_argument("--fill", choices=("random", "prefill"), default="random",
+                    help="with --session-only: how the session's K/V is made (default random)")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default=None,
+                    help="the engine's compute dtype (default: float32 on a CPU, float16 on a GPU); float16 on a "
+                         "CPU measures the session path without casts (the K/V a GPU holds)")
     ap.add_argument("--history", type=int, default=2000, help="tokens of A's history before B (default 2000)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--session-tokens", type=int, default=2048)
     ap.add_argument("--reply-tokens", type=int, default=8, help="tokens generated per turn (greedy)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else default_model_path()
+    if args.repeats < 1 or args.session_tokens < 1:
+        print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="strata-bench-cache-"))
+    if args.random_shape:
+        model = random_shape_model(args.random_shape, args.session_tokens, tmp)
+    else:
+        model = Path(args.model) if args.model else default_model_path()
     if not model.exists():
         print(f"model not found: {model} (run `make model`)", file=sys.stderr)
         return 2
-    if args.repeats < 1:
-        print("--repeats must be >= 1", file=sys.stderr)
-        return 2
 
     t_bench = time.perf_counter()
-    on = Engine(EngineOptions(model=str(model), cache_mib=1024, cache_slots=4)).start()
-    off = Engine(EngineOptions(model=str(model), cache_mib=0)).start()
-    for e in (on, off):
-        if not e.call(Status())["model"]:
+    on = Engine(EngineOptions(model=str(model), cache_mib=1024, cache_slots=4, dtype=args.dtype,
+                              context_length=max(4096, args.session_tokens + 1024))).start()
+    if not on.call(Status())["model"]:
+        print(f"the model did not load: {model}", file=sys.stderr)
+        return 2
+    tok = on.tokenizer
+    rows, history_tokens, notes = [], 0, []
+    if not args.session_only:
+        off = Engine(EngineOptions(model=str(model), cache_mib=0, dtype=args.dtype)).start()
+        if not off.call(Status())["model"]:
             print(f"the model did not load: {model}", file=sys.stderr)
             return 2
-    tok = on.tokenizer
-    # Enough history that A holds --session-tokens after its turns, for the session part.
+        rows, history_tokens, raw = aba(on, off, tok, args)
+        notes.append(raw)
+        off.stop()
+        live_n = on.call(Status())["live_tokens"]
+        n = min(args.session_tokens, live_n)
+
+        def truncate(engine):   # keep the first n tokens of the live conversation (as a rewind does)
+            live = engine.live
+            for c in live.cache:
+                if c.offset > n:
+                    c.trim(c.offset - n)
+            live.tokens = live.tokens[:n]
+            return list(live.tokens)
+        ids = on.call(Call(truncate))["value"]
+        fill = "A's history"
+    else:
+        ids = session_ids(tok, args.session_tokens)
+        print(f"filling {len(ids)} tokens of K/V ({args.fill}) ...", file=sys.stderr, flush=True)
+        fill_live(on, ids, args.fill)
+        fill = {"random": "random K/V values", "prefill": "read by the model"}[args.fill]
+    res = session_rounds(on, model, ids, args.repeats, args.threads, tmp)
+    compute = str(on.dtype).removeprefix("mlx.core.")
+    on.stop()
+    rows += session_rows(len(ids), res)
+
+    import mlx.core as mx
+    print(f"\nmodel {model.name}{' (random weights)' if args.random_shape else ''}, session {len(ids)} tokens "
+          f"({fill}), compute {compute} on {mx.default_device()}"
+          + (f", history {history_tokens} tokens" if history_tokens else "")
+          + f", {args.repeats} rounds alternated, medians; {platform.machine()} {platform.system()}, "
+          f"{os.cpu_count()} CPUs; total {time.perf_counter() - t_bench:.0f} s")
+    if res["why_not"]:
+        print(f"llama.cpp column skipped: {res['why_not']}")
+    print_table(rows)
+    print()
+    for line in profile_lines(res):
+        print(line)
+    print(f"\nraw: save {[round(x, 1) for x in res['save']]} (sync {[round(x, 1) for x in res['save_sync']]}) vs "
+          f"{[round(x, 1) for x in res['l_save']]}, restore {[round(x, 1) for x in res['load']]} vs "
+          f"{[round(x, 1) for x in res['l_load']]}")
+    for line in notes:
+        print(line)
+    if args.random_shape:
+        model.unlink(missing_ok=True)
+    try:
+        tmp.rmdir()
+    except OSError:
+        pass
+    return 0
+
+
+def aba(on, off, tok, args) -> tuple[list[tuple], int, str]:
+    """The A/B/A part: (table rows, A's first prompt tokens, a raw line)."""
     first_user = "Here are my sources. " + history_text(tok, args.history)
     messages = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": first_user}]
-    print(f"model {model.name}; A's first turn (~{args.history} tokens) on the parking engine ...", file=sys.stderr,
-          flush=True)
+    print(f"A's first turn (~{args.history} tokens) on the parking engine ...", file=sys.stderr, flush=True)
     r, _ = chat(on, messages, "A", args.reply_tokens)
     messages.append({"role": "assistant", "content": r["text"]})
     history_tokens = r["prompt_tokens"]
     print(f"  prompt {r['prompt_tokens']} tokens, ttft {r['ttft_ms'] / 1e3:.1f} s", file=sys.stderr, flush=True)
-
     ttft_on, ttft_off, cached_on, cached_off, park_ms, restore_ms, held = [], [], [], [], [], [], []
     for k in range(args.repeats):
         messages.append({"role": "user", "content": FOLLOW_UPS[k % len(FOLLOW_UPS)]})
@@ -154,60 +387,6 @@ def main() -> int:
         print(f"  repeat {k + 1}: A's turn {ra['prompt_tokens']} tokens; ttft parked {ra['ttft_ms']:.0f} ms "
               f"(cached {ra['cached_tokens']}), not parked {ro['ttft_ms']:.0f} ms (cached {ro['cached_tokens']})",
               file=sys.stderr, flush=True)
-    off.stop()
-
-    # ---- session files: the first --session-tokens tokens of A's conversation ---------------------------
-    live_n = on.call(Status())["live_tokens"]
-    n = min(args.session_tokens, live_n)
-
-    def truncate(engine):   # keep the first n tokens of the live conversation (as a rewind does)
-        live = engine.live
-        for c in live.cache:
-            if c.offset > n:
-                c.trim(c.offset - n)
-        live.tokens = live.tokens[:n]
-        return list(live.tokens)
-
-    ids = on.call(Call(truncate))["value"]
-    tmp = Path(tempfile.mkdtemp(prefix="strata-bench-cache-"))
-    s_path, l_path = tmp / "a.stratasession", tmp / "a.llamastate"
-    llama_cpp, why_not = llama_cpp_or_reason()
-    llm = None
-    if llama_cpp is not None:
-        llm = llama_cpp.Llama(model_path=str(model), n_ctx=max(n + 64, 512), n_batch=512, n_threads=args.threads,
-                              verbose=False)
-        print(f"llama.cpp: prefill of the same {n} tokens ...", file=sys.stderr, flush=True)
-        llm.eval(ids)
-        ctx = llm._ctx.ctx
-        tok_arr = (llama_cpp.llama_token * n)(*ids)
-    s_save, s_load, l_save, l_load = [], [], [], []
-    s_bytes = l_bytes = 0
-    for k in range(args.repeats):
-        if k:   # the restore made the file's conversation live; save that one again (same tokens)
-            assert on.call(Status())["live_tokens"] == n
-        t0 = time.perf_counter()
-        r = on.call(SaveSession(str(s_path)))
-        s_save.append((time.perf_counter() - t0) * 1e3)
-        s_bytes = r["session_bytes"]
-        t0 = time.perf_counter()
-        r = on.call(RestoreSession(str(s_path)))
-        s_load.append((time.perf_counter() - t0) * 1e3)
-        assert r["restored_tokens"] == n
-        if llm is not None:
-            t0 = time.perf_counter()
-            written = llama_cpp.llama_state_seq_save_file(ctx, str(l_path).encode(), 0, tok_arr, n)
-            l_save.append((time.perf_counter() - t0) * 1e3)
-            assert written > 0, "llama_state_seq_save_file failed"
-            l_bytes = l_path.stat().st_size
-            out = (llama_cpp.llama_token * (n + 16))()
-            n_out = ctypes.c_size_t(0)
-            t0 = time.perf_counter()
-            read = llama_cpp.llama_state_seq_load_file(ctx, str(l_path).encode(), 0, out, n + 16, ctypes.byref(n_out))
-            l_load.append((time.perf_counter() - t0) * 1e3)
-            assert read > 0 and n_out.value == n and list(out[:n]) == ids, "llama_state_seq_load_file failed"
-    on.stop()
-
-    # ---- table ------------------------------------------------------------------------------------------
     ratio = med(ttft_off) / med(ttft_on)
     rows = [
         ("A's follow-up ttft, parked (ms)", fmt(med(ttft_on)), "", "", ""),
@@ -217,41 +396,9 @@ def main() -> int:
         (f"park (ms, {med(held):.0f} tokens)", fmt(med(park_ms)), "", "", ""),
         ("restore from parking (ms)", fmt(med(restore_ms)), "", "", ""),
     ]
-    if llm is not None:
-        sr, lr = med(s_save) / med(l_save), med(s_load) / med(l_load)
-        bpt_s, bpt_l = s_bytes / n, l_bytes / n
-        rows += [
-            (f"session save, {n} tokens (ms)", fmt(med(s_save)), fmt(med(l_save)), f"{sr:.2f}x",
-             "<= 2x " + ("MET" if sr <= 2 else "MISSED")),
-            (f"session restore, {n} tokens (ms)", fmt(med(s_load)), fmt(med(l_load)), f"{lr:.2f}x",
-             "<= 2x " + ("MET" if lr <= 2 else "MISSED")),
-            ("session file bytes", f"{s_bytes:,}", f"{l_bytes:,}", f"{s_bytes / l_bytes:.3f}x", ""),
-            ("session file bytes per token", f"{bpt_s:,.1f}", f"{bpt_l:,.1f}", f"{bpt_s / bpt_l:.3f}x",
-             "<= 1x " + ("MET" if bpt_s <= bpt_l else "MISSED")),
-        ]
-    else:
-        rows += [
-            (f"session save, {n} tokens (ms)", fmt(med(s_save)), "skipped", "", ""),
-            (f"session restore, {n} tokens (ms)", fmt(med(s_load)), "skipped", "", ""),
-            ("session file bytes per token", f"{s_bytes / n:,.1f}", "skipped", "", ""),
-        ]
-    head = ("metric", "Strata (MLX)", "llama.cpp", "ratio", "target")
-    print(f"\nmodel {model.name}, history {history_tokens} tokens (A's turns {med([t for t in cached_on]):.0f}+ "
-          f"cached), {args.repeats} repeats, medians; {platform.machine()} {platform.system()}, "
-          f"{os.cpu_count()} CPUs; total {time.perf_counter() - t_bench:.0f} s")
-    if why_not:
-        print(f"llama.cpp column skipped: {why_not}")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join("---" for _ in head) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print(f"\nraw: ttft parked {[round(x) for x in ttft_on]}, not parked {[round(x) for x in ttft_off]}, "
-          f"park {park_ms}, restore {restore_ms}, save {[round(x, 1) for x in s_save]} vs {[round(x, 1) for x in l_save]}, "
-          f"load {[round(x, 1) for x in s_load]} vs {[round(x, 1) for x in l_load]}")
-    for p in (s_path, l_path):
-        p.unlink(missing_ok=True)
-    tmp.rmdir()
-    return 0
+    raw = (f"raw A/B/A: ttft parked {[round(x) for x in ttft_on]}, not parked {[round(x) for x in ttft_off]}, "
+           f"park {park_ms}, restore {restore_ms}")
+    return rows, history_tokens, raw
 
 
 if __name__ == "__main__":

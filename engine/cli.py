@@ -103,7 +103,7 @@ def cmd_generate(args) -> int:
         elif isinstance(ev, Done):
             res = ev.result
     if args.save_session:
-        s = engine.call(SaveSession(args.save_session))
+        s = engine.call(SaveSession(args.save_session, force=args.force))
         out.update(session_bytes=s["session_bytes"], save_ms=s["save_ms"])
     if args.json:
         keys = ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms", "prefill_tps", "decode_tps",
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true")
     g.add_argument("--save-session", metavar="FILE")
     g.add_argument("--restore-session", metavar="FILE")
+    g.add_argument("--force", action="store_true",
+                   help="let --save-session replace a file that holds a longer conversation")
     g.set_defaults(fn=cmd_generate)
 
     m = sub.add_parser("models", help="the models folder")

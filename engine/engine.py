@@ -56,6 +56,9 @@ class LoadModel:
 class SaveSession:
     path: str
     messages: list[dict] | None = None        # which conversation (live or parked); None: the live one
+    force: bool = False                       # replace a file holding a longer conversation (else refused
+                                              # with Failed.code "session_overwrite": ask, then resend)
+    sync: bool = True                         # fsync before the rename (False: benchmarks only)
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Engine:
             self._log(f"conversation cache: {note}")
         self.options.cache_mib, self.options.cache_slots = cap, slots
         self.parking = Parking(cap, slots, self.guard, self._log)
+        self._clean_session_folder()
         if self.options.model:
             self._serve(Handle(LoadModel(self.options.model, self.options.steering)))
         while True:
@@ -159,18 +163,32 @@ class Engine:
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
-            handle.emit(Failed(str(e)))
+            handle.emit(Failed(str(e), getattr(e, "code", "")))
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
-            if self.live is not None:
-                # Its K/V may be half-updated or what failed: the next request recomputes instead
-                # of failing on it again.
-                self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after "
-                          f"an internal error")
-                self.live = None
+            # The live K/V may be half-updated by what failed: the next request recomputes instead.
+            if isinstance(handle.request, (GenerateRequest, RestoreSession)):
+                self._drop_suspect_entries()
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
+
+    def _drop_suspect_entries(self) -> None:
+        """After an unexpected error in a request: the live K/V may be half-updated, and a parked entry
+        with token ids outside the vocabulary would fail every later request. Drop them, with a log line."""
+        if self.live is not None:
+            self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
+            self.live = None
+        n_vocab = self.info.n_vocab if self.info else 0
+        def sound(e) -> bool:
+            try:
+                return all(0 <= int(t) < n_vocab for t in e.tokens)
+            except (TypeError, ValueError, OverflowError):
+                return False
+        for e in list(self.parking.entries if self.parking else []):
+            if not sound(e):
+                self.parking.entries.remove(e)
+                self._log(f"dropped a parked conversation ({len(e.tokens)} tokens) holding invalid token ids")
 
     def _log(self, line: str) -> None:
         log.info(line)
@@ -468,8 +486,16 @@ class Engine:
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session save refused: {reason}")
-        return sessions.save(req.path, entry, self.session_fingerprint(),
+        return sessions.save(req.path, entry, self.session_fingerprint(), sync=req.sync, force=req.force,
                              progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+
+    def _clean_session_folder(self) -> None:
+        """Temporary files of saves killed in an earlier run (only those no live save holds)."""
+        from . import sessions
+        from .paths import sessions_dir
+        folder = sessions_dir()
+        if folder.is_dir():
+            sessions.remove_stale_parts(folder, self._log)
 
     def _restore(self, req: RestoreSession, handle: Handle) -> dict:
         from . import sessions
@@ -477,8 +503,11 @@ class Engine:
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session restore refused: {reason}")
+        # Validated (every field, the checksum over every byte, token ids, the memory guard) before
+        # it is kept: a refused file never becomes the live or a parked entry.
         entry, result = sessions.load(req.path, self.session_fingerprint(), self.make_cache,
-                                      key=self.cache_key(), dtype=self.dtype,
+                                      key=self.cache_key(), dtype=self.dtype, n_vocab=self.info.n_vocab,
+                                      n_ctx=self.n_ctx, admit=self.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self._log)
         # Validated and read: only now does the live conversation step aside.

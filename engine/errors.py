@@ -19,6 +19,16 @@ class SessionFileError(StrataError):
     """A session file that is refused; the live conversation stays untouched."""
 
 
+class SessionOverwriteRefused(SessionFileError):
+    """A save that would replace a session file holding a longer conversation (or a file that is not a
+    session): the caller asks the person, then sends the save again with force=True."""
+    code = "session_overwrite"
+
+    def __init__(self, message: str, *, path: str, existing_tokens: int | None, new_tokens: int):
+        super().__init__(message)
+        self.path, self.existing_tokens, self.new_tokens = path, existing_tokens, new_tokens
+
+
 class RequestError(StrataError):
     """A malformed request (prompt too long, bad parameter)."""
 

@@ -33,6 +33,7 @@ class Done:
 @dataclass
 class Failed:
     message: str
+    code: str = ""    # a refusal the caller may act on, e.g. "session_overwrite" (ask, then save with force)
 
 
 Event = Token | Progress | Log | Done | Failed
@@ -81,5 +82,7 @@ class Handle:
         if not self.finished.wait(timeout):
             raise TimeoutError("engine did not answer in time")
         if isinstance(self.outcome, Failed):
-            raise StrataError(self.outcome.message)
+            err = StrataError(self.outcome.message)
+            err.code = self.outcome.code
+            raise err
         return self.outcome.result

@@ -1,7 +1,8 @@
 """`strata replay SCRIPT.jsonl`: chat requests in order on one engine, one JSON object a line.
 
 Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system",
-"temperature", "seed", "speed_projection", "save_session", "restore_session". Each conversation keeps
+"temperature", "seed", "speed_projection", "save_session" (with "force": true to replace a longer
+saved conversation), "restore_session". Each conversation keeps
 its own history (replies included) exactly as the app does, so a script reproduces what a person did.
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_script(engine, steps: list[dict]):
             out.update({k: r[k] for k in ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms",
                                           "decode_tps")})
         if step.get("save_session"):
-            h = engine.submit(SaveSession(step["save_session"]))
+            h = engine.submit(SaveSession(step["save_session"], force=bool(step.get("force", False))))
             r = h.result()
             out.update(session_bytes=r["session_bytes"], save_ms=r["save_ms"])
         yield out

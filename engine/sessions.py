@@ -1,19 +1,46 @@
 """Session files: a conversation's tokens and K/V on disk, restored in another process.
 
-Container: safetensors (tensors `tokens`, `k.<layer>`, `v.<layer>`; K/V as float16, shape
-(1, kv_heads, tokens, head_dim), the cells in use only) with string metadata: format, version, the
-fingerprint (model content hash, geometry, tokenizer, chat template, steering) and an xxh3-64 checksum
-over the tensor bytes. Written layer by layer (no second full-size copy of the cache in memory) into a
-temporary file in the same folder, fsynced, then renamed: a crash never leaves a half file under the
-final name.
+Container (format version 2): safetensors. An 8-byte little-endian header length, a JSON header, then
+the tensors back to back in a fixed order: `tokens` (int32, n), then `k.0`, `v.0`, `k.1`, ... (float16,
+shape (1, kv_heads, n, head_dim), the cells in use only). The header's first entry is `__metadata__`
+and its first field is `checksum`: 32 hex digits of xxh3-128 over EVERY byte of the file -- the length
+prefix, the header (with those 32 digits read as zeros) and the tensors. So a flip anywhere, the
+conversation's messages included, is refused. xxh3 is a fast unkeyed hash: it detects damage, not
+forgery; a crafted file with a recomputed checksum is stopped by the validation instead (types and
+ranges of every header field, the tensor table equal to the one the model's geometry gives, token ids
+inside the vocabulary).
+
+Writing: into a hidden temporary file in the same folder (`.NAME.XXXXXXXX.part`, locked with flock
+while it is written), in large sequential writes from one small staging buffer (the K/V is cast to
+float16 a block at a time: never a second full-size copy), checksummed, optionally fsynced, then
+renamed over the final name. A crash never leaves a half file under the final name; a killed save's
+`.part` file is removed at the next engine start and at the next save into that folder (only when no
+live save holds its lock).
+
+Durability: `fsync` of the file before the rename and of the folder after it (timed on its own as
+`sync_ms`). On macOS that is plain fsync, not F_FULLFSYNC: fsync orders the write against a crash of
+the app or the OS; F_FULLFSYNC also flushes the drive's cache against a power cut, which costs tens of
+milliseconds per save on Apple SSDs. A session file is a cache of a conversation, and a file torn by a
+power cut cannot be misread -- the checksum refuses it -- so the cheaper guarantee is the one taken.
+
+Reading: the file is opened only when it is a regular file (a FIFO or a device is refused before
+open, and O_NONBLOCK keeps a file swapped for a FIFO in between from blocking), the header is
+validated before anything is allocated, the memory guard is asked for the bytes the K/V will take, and
+each tensor is read into a small staging buffer, hashed, cast once (only when the compute dtype is not
+float16) into a buffer padded as mlx-lm pads its cache, and copied into the MLX array the cache keeps.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
+import stat
 import struct
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -21,144 +48,547 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from .errors import SessionFileError
+from .errors import SessionFileError, SessionOverwriteRefused
 
 FORMAT = "strata-session"
-VERSION = 1
+VERSION = 2
 KV_DTYPE = "float16"
 KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
 EXTENSION = ".stratasession"
-_CHECKSUM_PLACEHOLDER = "0" * 16
-_MAX_HEADER = 64 << 20
-_ST_DTYPES = {"F16": np.float16, "I32": np.int32}
+STEP = 256                         # mlx-lm's KVCache grows in steps of 256 cells: restore pads the same way
+STAGING_BYTES = 4 << 20            # the save's one staging buffer (large writes, no full-size copy)
+MAX_HEADER = 64 << 20              # a header is metadata and messages: far below this
+STALE_PART_S = 2.0                 # a .part younger than this may be a save that has not locked it yet
+_PREFIX = b'{"__metadata__":{"checksum":"'
+_HEX = 32                          # xxh3-128 in hex
+_ZERO = b"0" * _HEX
+_PART = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.part$")
+_ROLES = ("system", "user", "assistant", "tool")
+_ST = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2")}
 
 
-def _tensor_plan(entry, n_layer: int):
-    """(name, numpy dtype, shape, producer) for every tensor, in file order."""
-    n = len(entry.tokens)
-    plan = [("tokens", "I32", (n,), lambda: np.asarray(entry.tokens, dtype=np.int32))]
-    for i, c in enumerate(entry.cache[:n_layer]):
-        shape = tuple(c.keys.shape[:2]) + (n,) + tuple(c.keys.shape[3:])
-        for kind, arr in (("k", "keys"), ("v", "values")):
-            def produce(c=c, arr=arr):
-                a = getattr(c, arr)[..., :n, :].astype(mx.float16)
-                mx.eval(a)
-                return np.asarray(a)
-            plan.append((f"{kind}.{i}", "F16", shape, produce))
-    return plan
+# ---------------------------------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a file must match to be restored into this model."""
+    n_layer: int
+    n_kv_heads: int
+    head_dim: int
+    n_vocab: int
+    n_ctx: int
+
+    @classmethod
+    def of(cls, fingerprint: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> "Geometry":
+        return cls(int(fingerprint["n_layer"]), int(fingerprint["n_kv_heads"]), int(fingerprint["head_dim"]),
+                   int(n_vocab), int(n_ctx))
 
 
-def _header(plan, metadata: dict) -> bytes:
-    header, offset = {}, 0
-    for name, dtype, shape, _ in plan:
-        nbytes = int(np.prod(shape)) * np.dtype(_ST_DTYPES[dtype]).itemsize
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)    # safetensors allows space padding; keeps data aligned
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str          # safetensors name: I32 or F16
+    shape: tuple[int, ...]
+    start: int          # offsets in the data section
+    end: int
+
+    def as_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "data_offsets": [self.start, self.end]}
 
 
-def save(path: str, entry, fingerprint: dict, *, progress: Callable[[int, int], None] | None = None,
+def layout(n_tokens: int, g: Geometry) -> list[TensorSpec]:
+    """The one tensor table a file of n_tokens for this geometry may have, in file order."""
+    specs, off = [], 0
+    nbytes = n_tokens * 4
+    specs.append(TensorSpec("tokens", "I32", (n_tokens,), off, off + nbytes))
+    off += nbytes
+    shape = (1, g.n_kv_heads, n_tokens, g.head_dim)
+    nbytes = g.n_kv_heads * n_tokens * g.head_dim * 2
+    for i in range(g.n_layer):
+        for kind in ("k", "v"):
+            specs.append(TensorSpec(f"{kind}.{i}", "F16", shape, off, off + nbytes))
+            off += nbytes
+    return specs
+
+
+def _header_bytes(specs: list[TensorSpec], metadata: dict[str, str], checksum: bytes = _ZERO) -> bytes:
+    head = {"__metadata__": {"checksum": checksum.decode(), **metadata}}
+    for s in specs:
+        head[s.name] = s.as_json()
+    raw = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    return raw + b" " * (-len(raw) % 8)    # safetensors allows space padding; keeps the data aligned
+
+
+def padded_cells(n_tokens: int) -> int:
+    """Cells the restored cache allocates: a multiple of mlx-lm's step with room for one more token, so
+    the next token is written in place instead of growing (copying) the whole cache."""
+    return (n_tokens // STEP + 1) * STEP
+
+
+def restore_bytes(n_tokens: int, g: Geometry, itemsize: int) -> int:
+    return 2 * g.n_layer * g.n_kv_heads * padded_cells(n_tokens) * g.head_dim * itemsize
+
+
+# ---------------------------------------------------------------------------------------- timings
+
+@dataclass
+class SaveProfile:
+    """Where a save's time went (ms)."""
+    prepare_ms: float = 0.0     # checks, header, temporary file
+    cast_ms: float = 0.0        # K/V -> float16 staging (a cast only when the cache is not float16)
+    checksum_ms: float = 0.0
+    write_ms: float = 0.0       # write(2) calls
+    sync_ms: float = 0.0        # fsync of the file and of its folder (0 with sync=False)
+    rename_ms: float = 0.0
+    writes: int = 0
+
+
+@dataclass
+class RestoreProfile:
+    """Where a restore's time went (ms)."""
+    header_ms: float = 0.0      # open, header read, validation, memory guard
+    read_ms: float = 0.0        # read(2) into staging buffers
+    checksum_ms: float = 0.0
+    cast_ms: float = 0.0        # float16 -> compute dtype into the padded buffer (a copy when the same)
+    build_ms: float = 0.0       # MLX arrays from the buffers, the cache objects
+    reads: int = 0
+    cast: str = ""
+
+
+@dataclass
+class SaveResult:
+    path: str
+    session_bytes: int
+    save_ms: float
+    sync_ms: float
+    tokens: int
+    synced: bool
+    profile: SaveProfile = field(default_factory=SaveProfile)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ParsedHeader:
+    n_tokens: int
+    specs: list[TensorSpec]
+    meta: dict[str, str]
+    messages: list[dict]
+    raw: bytes                  # the header as read (its checksum digits included)
+    data_start: int
+
+
+# ---------------------------------------------------------------------------------------- save
+
+def _np_view(a) -> np.ndarray:
+    """A numpy view of an evaluated MLX array (no copy for float32/float16; bfloat16 goes through float32)."""
+    if a.dtype not in (mx.float32, mx.float16):
+        a = a.astype(mx.float32)
+    mx.eval(a)
+    return np.asarray(a)
+
+
+def _blocks(src: np.ndarray, n: int, max_elems: int):
+    """Pieces of src[0, :, :n, :] in file order (head-major), each at most max_elems elements."""
+    heads, dim = src.shape[1], src.shape[3]
+    rows = max(1, max_elems // dim)
+    for h in range(heads):
+        for t in range(0, n, rows):
+            yield src[0, h, t:min(n, t + rows), :]
+
+
+def _write_all(fd: int, data, prof: SaveProfile) -> None:
+    t = time.perf_counter()
+    view = memoryview(data).cast("B")
+    while view:
+        k = os.write(fd, view)
+        view = view[k:]
+    prof.write_ms += (time.perf_counter() - t) * 1e3
+    prof.writes += 1
+
+
+def _writev_all(fd: int, pieces: list, prof: SaveProfile) -> None:
+    t = time.perf_counter()
+    views = [memoryview(p).cast("B") for p in pieces]
+    while views:
+        k = os.writev(fd, views[:512])          # IOV_MAX is 1024 on Linux and macOS
+        prof.writes += 1
+        while views and k >= len(views[0]):
+            k -= len(views[0])
+            views.pop(0)
+        if views and k:
+            views[0] = views[0][k:]
+    prof.write_ms += (time.perf_counter() - t) * 1e3
+
+
+def existing_tokens(path: Path) -> int | None:
+    """Tokens held by the session file at path (any format version), or None when it is not one."""
+    try:
+        fd = _open_regular(path)
+    except SessionFileError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread_exact(fd, 8, 0)
+        if len(head) < 8:
+            return None
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > min(MAX_HEADER, size - 8):
+            return None
+        meta = json.loads(_pread_exact(fd, n, 8)).get("__metadata__")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            return None
+        return int(meta["n_tokens"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_overwrite(final: Path, n_tokens: int, force: bool) -> None:
+    """Saving over a session that holds a longer conversation (or over a file that is not a session)
+    replaces it with less: refused unless forced (the app asks; the CLI has --force)."""
+    if force or not os.path.lexists(final):
+        return
+    held = existing_tokens(final)
+    if held is None:
+        raise SessionOverwriteRefused(
+            f"{final.name} exists and is not a Strata session file; not replaced (use --force to replace it)",
+            path=str(final), existing_tokens=None, new_tokens=n_tokens)
+    if held > n_tokens:
+        raise SessionOverwriteRefused(
+            f"{final.name} holds a longer conversation ({held} tokens) than this one ({n_tokens}); "
+            f"not replaced (use --force to replace it)", path=str(final), existing_tokens=held,
+            new_tokens=n_tokens)
+
+
+def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool = False,
+         progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
     t0 = time.perf_counter()
+    prof = SaveProfile()
     final = Path(path).expanduser()
     if final.is_dir():
         raise SessionFileError(f"cannot save the session: {final} is a folder")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": FORMAT, "version": VERSION, "n_tokens": len(entry.tokens), "kv_dtype": KV_DTYPE,
-                "kv_layout": KV_LAYOUT, "messages": json.dumps(entry.messages, ensure_ascii=False),
-                "checksum": _CHECKSUM_PLACEHOLDER, **{f"fp.{k}": v for k, v in fingerprint.items()}}
-    plan = _tensor_plan(entry, int(fingerprint["n_layer"]))
-    header = _header(plan, metadata)
-    _remove_stale_parts(final, log)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent)
+    if os.path.lexists(final) and not final.is_file():
+        raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
+    g = Geometry.of(fingerprint)
+    n = len(entry.tokens)
+    cache = list(entry.cache[:g.n_layer])
+    if n == 0 or len(cache) != g.n_layer or any(
+            c.keys is None or tuple(c.keys.shape[:2]) != (1, g.n_kv_heads) or c.keys.shape[3] != g.head_dim
+            or min(c.keys.shape[2], c.offset) < n or c.values.shape != c.keys.shape for c in cache):
+        raise SessionFileError("cannot save the session: the conversation's K/V does not match the model")
+    why = validate_messages(entry.messages)     # a file this Strata would refuse is never written
+    if why is not None:
+        raise SessionFileError(f"cannot save the session: {why}")
+    messages = json.dumps(entry.messages, ensure_ascii=False)
+    check_overwrite(final, n, force)
+    specs = layout(n, g)
+    metadata = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n), "kv_dtype": KV_DTYPE,
+                "kv_layout": KV_LAYOUT, "messages": messages,
+                **{f"fp.{k}": str(v) for k, v in fingerprint.items()}}
+    header = _header_bytes(specs, metadata)
+    prefix = struct.pack("<Q", len(header))
+    tokens = np.asarray(entry.tokens, dtype=np.int32)
     try:
-        digest = xxhash.xxh3_64()
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            for i, (_, _, _, produce) in enumerate(plan):
-                data = produce().tobytes()   # one layer at a time: no full-size shadow copy
-                digest.update(data)
-                f.write(data)
-                if progress:
-                    progress(i + 1, len(plan))
-            metadata["checksum"] = digest.hexdigest()
-            final_header = _header(plan, metadata)
-            assert len(final_header) == len(header)   # same width: the checksum replaces its placeholder
-            f.seek(8)
-            f.write(final_header)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        dir_fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
+        raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
+    remove_stale_parts(final.parent, log)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent)
+    except OSError as e:
+        raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)         # "a live save owns this": cleaners skip locked parts
+        digest = xxhash.xxh3_128()
+        digest.update(prefix)
+        digest.update(header)
+        prof.prepare_ms = (time.perf_counter() - t0) * 1e3
+        _write_all(fd, prefix + header, prof)
+        digest.update(tokens)
+        _write_all(fd, tokens, prof)
+        # A float32 cache (the CPU) is cast block by block into one small staging buffer; a float16
+        # cache (a GPU) is written straight from its own memory (no copy at all), a batch of blocks
+        # per writev. Either way each write is up to STAGING_BYTES, in file order.
+        staging = np.empty(min(STAGING_BYTES // 2, max(g.head_dim, specs[-1].end // 2)), np.float16)
+        pending: list[np.ndarray] = []
+        fill = pending_bytes = 0
+
+        def flush():
+            nonlocal fill, pending_bytes
+            if pending:
+                t = time.perf_counter()
+                for piece in pending:
+                    digest.update(piece)
+                prof.checksum_ms += (time.perf_counter() - t) * 1e3
+                _writev_all(fd, pending, prof)
+            pending.clear()
+            fill = pending_bytes = 0
+
+        total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
+        for i, c in enumerate(cache):
+            for j, arr in enumerate((c.keys, c.values)):
+                t = time.perf_counter()
+                src = _np_view(arr)
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
+                for block in _blocks(src, n, staging.size):
+                    if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > staging.size:
+                        flush()
+                    if src.dtype == np.float16 and block.flags.c_contiguous:
+                        pending.append(block)
+                    else:
+                        t = time.perf_counter()
+                        dst = staging[fill:fill + block.size]
+                        np.copyto(dst.reshape(block.shape), block, casting="unsafe")
+                        prof.cast_ms += (time.perf_counter() - t) * 1e3
+                        pending.append(dst)
+                        fill += block.size
+                    pending_bytes += 2 * block.size
+                k = 2 * i + j + 1
+                if progress and (k % step == 0 or k == total):
+                    progress(k, total)
+        flush()
+        # The checksum replaces its placeholder: same width, so nothing else moves.
+        os.pwrite(fd, digest.hexdigest().encode(), 8 + len(_PREFIX))
+        if sync:
+            t = time.perf_counter()
+            os.fsync(fd)
+            prof.sync_ms += (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, final)
+        prof.rename_ms = (time.perf_counter() - t) * 1e3
+        if sync:
+            t = time.perf_counter()
+            dir_fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            prof.sync_ms += (time.perf_counter() - t) * 1e3
+    except OSError as e:
+        _discard(fd, tmp)
         raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _discard(fd, tmp)
         raise
-    size = final.stat().st_size
+    size = 8 + len(header) + specs[-1].end
     ms = (time.perf_counter() - t0) * 1e3
-    log(f"saved {len(entry.tokens)} tokens to {final.name}: {size} B in {ms:.1f} ms")
-    return {"path": str(final), "session_bytes": size, "save_ms": round(ms, 2), "tokens": len(entry.tokens)}
+    log(f"saved {n} tokens to {final.name}: {size} B in {ms:.1f} ms "
+        f"({'sync ' + format(prof.sync_ms, '.1f') + ' ms' if sync else 'not synced'})")
+    res = SaveResult(str(final), size, round(ms, 2), round(prof.sync_ms, 2), n, sync, prof)
+    return res.as_dict()
 
 
-def _remove_stale_parts(final: Path, log: Callable[[str], None]) -> None:
-    """A save killed mid-write leaves its hidden temporary file; the next save of that name removes it.
-    Only files older than a minute: a save in progress in another process keeps its own."""
-    now = time.time()
-    for part in final.parent.glob(f".{final.name}.*.part"):
+def _discard(fd: int, tmp: str) -> None:
+    if fd >= 0:
         try:
-            if now - part.stat().st_mtime > 60:
-                part.unlink()
-                log(f"removed {part.name}, left by an interrupted save")
+            os.close(fd)
         except OSError:
             pass
+    Path(tmp).unlink(missing_ok=True)
+
+
+def _looks_like_our_part(head: bytes) -> bool:
+    """The first bytes of a save's temporary file: empty, or a header length < 4 GiB then our prefix."""
+    return head[4:8] == b"\0\0\0\0"[:len(head[4:8])] and head[8:] == _PREFIX[:len(head[8:])]
+
+
+def remove_stale_parts(folder: Path, log: Callable[[str], None] = lambda s: None) -> int:
+    """Remove the temporary files of saves that were killed: `.NAME.XXXXXXXX.part` files in folder that
+    no live save holds (flock), older than a couple of seconds, and that are ours (empty, or starting
+    with a session header). Returns how many were removed; never raises."""
+    removed = 0
+    try:
+        candidates = [p for p in Path(folder).iterdir() if _PART.match(p.name)]
+    except OSError:
+        return 0
+    now = time.time()
+    for part in candidates:
+        try:
+            fd = os.open(part, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_PART_S:
+                continue
+            if not _looks_like_our_part(os.pread(fd, 8 + len(_PREFIX), 0)):
+                continue            # not a session being written: someone else's file
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue            # a save in progress holds it
+            part.unlink()
+            removed += 1
+            log(f"removed {part.name} ({st.st_size} B), left by an interrupted save")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------- read
+
+def _open_regular(p: Path) -> int:
+    """An fd for p when p is a regular file; SessionFileError otherwise (without blocking on a FIFO)."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise SessionFileError(f"session file not found: {p}") from None
+    except OSError as e:
+        raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SessionFileError(f"{p} is a folder, not a session file")
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionFileError(f"{p.name} is not a regular file (a pipe, socket or device): not a session file")
+    try:
+        # O_NONBLOCK: if the path was swapped for a FIFO since the stat, open must not wait for a writer.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.EISDIR:
+            raise SessionFileError(f"{p} is a folder, not a session file") from None
+        raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SessionFileError(f"{p.name} is not a regular file (a pipe, socket or device): not a session file")
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_exact(fd: int, n: int, off: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), off + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _readinto_exact(fd: int, buf: np.ndarray, off: int) -> int:
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], off + got)
+        if k <= 0:
+            break
+        got += k
+    return got
+
+
+def _read_raw_header(name: str, fd: int, size: int) -> bytes:
+    if size < 8:
+        raise SessionFileError(f"{name} is not a Strata session file (too short)")
+    (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0))
+    if n < len(_PREFIX) or n > MAX_HEADER or n > size - 8:
+        raise SessionFileError(f"{name} is not a Strata session file")
+    raw = _pread_exact(fd, n, 8)
+    if len(raw) != n:
+        raise SessionFileError(f"{name} is truncated")
+    return raw
+
+
+def _meta_of(name: str, raw: bytes) -> tuple[dict, dict[str, str]]:
+    """(tensor table, metadata) of a raw header, typed; SessionFileError otherwise."""
+    try:
+        table = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise SessionFileError(f"{name} is not a Strata session file (unreadable header)") from None
+    meta = table.pop("__metadata__", None) if isinstance(table, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SessionFileError(f"{name} is not a Strata session file")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SessionFileError(f"{name} is corrupted (header metadata is not all text)")
+    version = meta.get("version", "")
+    if not re.fullmatch(r"[0-9]{1,6}", version):
+        raise SessionFileError(f"{name} is corrupted (bad format version {version[:20]!r})")
+    if int(version) > VERSION:
+        raise SessionFileError(f"{name} has session format version {int(version)}, newer than this "
+                               f"Strata reads ({VERSION}); update Strata")
+    if int(version) < VERSION:
+        raise SessionFileError(f"{name} has session format version {int(version)}, which this Strata no longer "
+                               f"reads (it reads {VERSION}: version 1 left its header outside the checksum); "
+                               f"save the conversation again")
+    return table, meta
+
+
+def validate_messages(messages) -> str | None:
+    """Why messages are not a conversation (None when they are)."""
+    if not isinstance(messages, list):
+        return "the messages are not a list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
+            return f"message {i} is not an object"
+        if m.get("role") not in _ROLES:
+            return f"message {i} has no valid role"
+        if not isinstance(m.get("content"), str):
+            return f"message {i} has no text content"
+    return None
+
+
+def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict | None = None) -> ParsedHeader:
+    """Validate a raw header completely (type and range of every field) before anything is allocated."""
+    if not raw.startswith(_PREFIX) or raw[len(_PREFIX) + _HEX:len(_PREFIX) + _HEX + 1] != b'"':
+        # Either not ours at all, or the checksum field itself was damaged.
+        _meta_of(name, raw)            # says "not a session file" / the version when it can
+        raise SessionFileError(f"{name} is corrupted (checksum field)")
+    if not re.fullmatch(rb"[0-9a-f]{32}", raw[len(_PREFIX):len(_PREFIX) + _HEX]):
+        raise SessionFileError(f"{name} is corrupted (checksum field)")
+    table, meta = _meta_of(name, raw)
+    if expected is not None:
+        check_fingerprint(name, meta, expected)
+    if meta.get("kv_dtype") != KV_DTYPE or meta.get("kv_layout") != KV_LAYOUT:
+        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
+                               f"{meta.get('kv_layout', '?')[:60]})")
+    nt = meta.get("n_tokens", "")
+    if not re.fullmatch(r"[0-9]{1,10}", nt):
+        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
+    n = int(nt)
+    if n < 1:
+        raise SessionFileError(f"{name} holds no tokens")
+    if n >= g.n_ctx:
+        raise SessionFileError(f"{name} holds {n} tokens; the context holds {g.n_ctx} "
+                               f"(a longer --ctx may restore it)")
+    specs = layout(n, g)
+    if table != {s.name: s.as_json() for s in specs} or list(table) != [s.name for s in specs]:
+        raise SessionFileError(f"{name} is corrupted (its tensor table does not match {n} tokens of "
+                               f"{g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} float16)")
+    want = 8 + len(raw) + specs[-1].end
+    if size < want:
+        raise SessionFileError(f"{name} is truncated ({size} of {want} bytes)")
+    if size > want:
+        raise SessionFileError(f"{name} is corrupted ({size - want} bytes after its data)")
+    try:
+        messages = json.loads(meta.get("messages", ""))
+    except (ValueError, RecursionError):
+        raise SessionFileError(f"{name} is corrupted (its messages are not JSON)") from None
+    why = validate_messages(messages)
+    if why:
+        raise SessionFileError(f"{name} is corrupted ({why})")
+    return ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw))
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:
-    """(tensor table, metadata, data start) or SessionFileError saying why the file is refused."""
+    """(tensor table, metadata, data start) of a session file, structurally checked (no model needed)."""
     p = Path(path).expanduser()
+    fd = _open_regular(p)
     try:
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SessionFileError(f"{p.name} is not a Strata session file (too short)")
-            (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > _MAX_HEADER or n > size - 8:
-                raise SessionFileError(f"{p.name} is not a Strata session file")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise SessionFileError(f"session file not found: {p}") from None
-    except IsADirectoryError:
-        raise SessionFileError(f"{p} is a folder, not a session file") from None
-    except OSError as e:
-        raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
-    try:
-        table = json.loads(raw)
-        meta = table.pop("__metadata__")
-    except (ValueError, KeyError, UnicodeDecodeError):
-        raise SessionFileError(f"{p.name} is not a Strata session file") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise SessionFileError(f"{p.name} is not a Strata session file")
-    try:
-        version = int(meta.get("version", "0"))
-    except ValueError:
-        raise SessionFileError(f"{p.name} is not a Strata session file (bad version)") from None
-    if version > VERSION:
-        raise SessionFileError(f"{p.name} has session format version {version}, newer than this "
-                               f"Strata reads ({VERSION}); update Strata")
-    end = max((t["data_offsets"][1] for t in table.values()), default=0)
-    if size < 8 + n + end:
-        raise SessionFileError(f"{p.name} is truncated ({size} of {8 + n + end} bytes)")
-    return table, meta, 8 + n
+        raw = _read_raw_header(p.name, fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    table, meta = _meta_of(p.name, raw)
+    return table, meta, 8 + len(raw)
 
 
 def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
@@ -166,11 +596,13 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
     geometry = ("n_layer", "n_kv_heads", "head_dim")
     theirs = {k: fp.get(k) for k in geometry}
     ours = {k: str(expected[k]) for k in geometry}
-    if theirs != ours or meta.get("kv_layout") != KV_LAYOUT or meta.get("kv_dtype") != KV_DTYPE:
+    if theirs != ours:
+        def short(v):
+            return str(v)[:12]
         raise SessionFileError(
-            f"{name}: incompatible K/V geometry (file: {fp.get('n_layer')} layers x {fp.get('n_kv_heads')} "
-            f"K/V heads x {fp.get('head_dim')}, {meta.get('kv_dtype')}; model: {expected['n_layer']} x "
-            f"{expected['n_kv_heads']} x {expected['head_dim']}, {KV_DTYPE})")
+            f"{name}: incompatible K/V geometry (file: {short(fp.get('n_layer'))} layers x "
+            f"{short(fp.get('n_kv_heads'))} K/V heads x {short(fp.get('head_dim'))}, {str(meta.get('kv_dtype'))[:12]}; "
+            f"model: {expected['n_layer']} x {expected['n_kv_heads']} x {expected['head_dim']}, {KV_DTYPE})")
     if fp.get("model_hash") != expected["model_hash"] or fp.get("architecture") != expected["architecture"]:
         raise SessionFileError(f"{name} was saved with another model (content {str(fp.get('model_hash'))[:12]}, "
                                f"loaded model {expected['model_hash'][:12]})")
@@ -185,58 +617,107 @@ def _steer_label(fp) -> str:
     return "no control vector" if fp in (None, "none", "") else f"control vector {str(fp)[:12]}"
 
 
+_NP_OF = {mx.float32: np.float32, mx.float16: np.float16}
+
+
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, dtype=None,
+         n_vocab: int = 1 << 31, n_ctx: int = 1 << 31,
+         admit: Callable[[int], tuple[bool, str]] | None = None,
          progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
     """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError."""
+    from mlx_lm.models.cache import KVCache
+
     from .parking import KVEntry
     t0 = time.perf_counter()
+    prof = RestoreProfile()
     p = Path(path).expanduser()
-    table, meta, start = read_header(str(p))
-    check_fingerprint(p.name, meta, expected)
-    n_layer = int(expected["n_layer"])
-    names = ["tokens"] + [f"{kind}.{i}" for i in range(n_layer) for kind in ("k", "v")]
-    if any(nm not in table or table[nm].get("dtype") not in _ST_DTYPES for nm in names):
-        raise SessionFileError(f"{p.name} is corrupted (missing or malformed tensors)")
-    digest = xxhash.xxh3_64()
-    arrays = {}
+    name = p.name
+    g = Geometry.of(expected, n_vocab, n_ctx)
+    dtype = dtype or _compute_dtype()
+    np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end
+    prof.cast = "none (float16 file, float16 cache)" if np_dtype == np.float16 else (
+        f"float16 -> {np.dtype(np_dtype).name}" + ("" if dtype in _NP_OF else f" -> {dtype}"))
+    fd = _open_regular(p)
     try:
-        with open(p, "rb") as f:
-            for i, nm in enumerate(sorted(names, key=lambda nm: table[nm]["data_offsets"][0])):
-                lo, hi = table[nm]["data_offsets"]
-                f.seek(start + lo)
-                data = f.read(hi - lo)
-                digest.update(data)
-                arr = np.frombuffer(data, dtype=_ST_DTYPES[table[nm]["dtype"]])
-                if arr.size != int(np.prod(table[nm]["shape"])):
-                    raise SessionFileError(f"{p.name} is corrupted (tensor {nm} has the wrong size)")
-                arrays[nm] = arr.reshape(table[nm]["shape"])
-                if progress:
-                    progress(i + 1, len(names))
+        size = os.fstat(fd).st_size
+        raw = _read_raw_header(name, fd, size)
+        hdr = parse_header(name, raw, size, g, expected)
+        n, cells = hdr.n_tokens, padded_cells(hdr.n_tokens)
+        need = restore_bytes(n, g, np.dtype(np_dtype).itemsize)
+        if admit is not None:
+            ok, why = admit(need)
+            if not ok:
+                raise SessionFileError(f"{name} was not restored: its {n} tokens need "
+                                       f"{need / (1 << 20):.1f} MiB of K/V memory and the memory guard says no "
+                                       f"({why})")
+        cache = make_cache()
+        if len(cache) != g.n_layer or not all(type(c) is KVCache for c in cache):
+            raise SessionFileError(f"{name}: this model's cache ({type(cache[0]).__name__ if cache else 'none'}) "
+                                   f"cannot take a session file")
+        digest = xxhash.xxh3_128()
+        digest.update(struct.pack("<Q", len(raw)))
+        digest.update(raw[:len(_PREFIX)] + _ZERO + raw[len(_PREFIX) + _HEX:])
+        prof.header_ms = (time.perf_counter() - t0) * 1e3
+        tokens = np.empty(n, np.int32)
+        shape = (1, g.n_kv_heads, n, g.head_dim)
+        file16 = np.empty(shape if np_dtype != np.float16 else (0,), np.float16)   # one tensor as in the file
+        padded = np.zeros((1, g.n_kv_heads, cells, g.head_dim), np_dtype)   # the cache's layout
+        arrays = []
+        total, step = len(hdr.specs), max(1, len(hdr.specs) // 20)
+        direct = np_dtype == np.float16       # no cast: read each head straight into its padded place
+        for k, spec in enumerate(hdr.specs):
+            if spec.name == "tokens":
+                bufs = [tokens]
+            elif direct:
+                bufs = [padded[0, h, :n, :] for h in range(g.n_kv_heads)]
+            else:
+                bufs = [file16]
+            off = hdr.data_start + spec.start
+            for buf in bufs:
+                t = time.perf_counter()
+                got = _readinto_exact(fd, buf, off)
+                prof.read_ms += (time.perf_counter() - t) * 1e3
+                prof.reads += 1
+                if got != buf.nbytes:
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                off += got
+                t = time.perf_counter()
+                digest.update(buf)
+                prof.checksum_ms += (time.perf_counter() - t) * 1e3
+            if spec.name == "tokens":
+                continue
+            if not direct:
+                t = time.perf_counter()
+                np.copyto(padded[:, :, :n, :], file16, casting="unsafe")   # the one cast
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            arrays.append(mx.array(padded))                            # the array the cache keeps
+            prof.build_ms += (time.perf_counter() - t) * 1e3
+            if progress and (k % step == 0 or k == total - 1):
+                progress(k + 1, total)
     except OSError as e:
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
-    t_read = time.perf_counter()
-    if digest.hexdigest() != meta.get("checksum"):
-        raise SessionFileError(f"{p.name} is corrupted (checksum mismatch)")
-    tokens = arrays["tokens"].tolist()
-    cache = make_cache()
-    dtype = dtype or _compute_dtype()
+    finally:
+        os.close(fd)
+    if digest.hexdigest().encode() != raw[len(_PREFIX):len(_PREFIX) + _HEX]:
+        raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= g.n_vocab:
+        bad = lo if lo < 0 else hi
+        raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {g.n_vocab})")
+    t = time.perf_counter()
+    if dtype not in _NP_OF:
+        arrays = [a.astype(dtype) for a in arrays]
     for i, c in enumerate(cache):
-        k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
-        if k.shape[2] != len(tokens) or v.shape != k.shape:
-            raise SessionFileError(f"{p.name} is corrupted (layer {i} holds {k.shape[2]} cells for "
-                                   f"{len(tokens)} tokens)")
-        c.state = (mx.array(k).astype(dtype), mx.array(v).astype(dtype), len(tokens))
-    mx.eval([(c.keys, c.values) for c in cache])
-    try:
-        messages = json.loads(meta.get("messages", "[]"))
-    except ValueError:
-        messages = []
+        c.state = (arrays[2 * i], arrays[2 * i + 1], n)
+    mx.eval(arrays)
+    prof.build_ms += (time.perf_counter() - t) * 1e3
     ms = (time.perf_counter() - t0) * 1e3
-    log(f"restored {len(tokens)} tokens from {p.name} in {ms:.1f} ms (read+check "
-        f"{(t_read - t0) * 1e3:.1f} ms)")
-    entry = KVEntry(tokens, cache, key, messages=messages)
-    return entry, {"restored_tokens": len(tokens), "restore_ms": round(ms, 2), "messages": messages,
-                   "session_bytes": p.stat().st_size}
+    log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
+        f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
+    entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
+    return entry, {"restored_tokens": n, "restore_ms": round(ms, 2), "messages": hdr.messages,
+                   "session_bytes": size, "profile": asdict(prof)}
 
 
 def _compute_dtype():

@@ -151,7 +151,7 @@ def matrix(tiny_gguf, tiny_gguf_other, tiny_gguf_wide, tmp_path_factory):
     files["flipped-byte"].write_bytes(bytes(flipped))
     # A future format version: a real edit of the header (JSON re-serialized, length prefix rewritten).
     future = json.loads(raw[8:8 + n])
-    future["__metadata__"]["version"] = "2"
+    future["__metadata__"]["version"] = "3"
     fh = json.dumps(future, separators=(",", ":")).encode()
     fh += b" " * (-len(fh) % 8)
     files["future-version"] = d / "future.stratasession"
@@ -183,7 +183,7 @@ REFUSALS = {
     "other-model": "other-model.stratasession was saved with another model",
     "other-geometry": "other-geometry.stratasession: incompatible K/V geometry (file: 3 layers x 2 K/V heads x 32",
     "other-steering": "steered.stratasession was saved with another steering setting (control vector",
-    "future-version": "future.stratasession has session format version 2, newer than this Strata reads (1)",
+    "future-version": "future.stratasession has session format version 3, newer than this Strata reads (2)",
     "a-folder": "folder.stratasession is a folder, not a session file",
     "missing": "session file not found: ",
     "unreadable": "cannot read session file ",
@@ -428,24 +428,42 @@ def test_real_model_round_trip_in_a_fresh_process(real_session, real_model):
 
 
 def test_next_save_removes_a_stale_part_file_of_an_interrupted_save(tmp_path):
+    """A save killed after its header leaves `.NAME.XXXXXXXX.part`; the next save of any name in that
+    folder removes it (it is unlocked and older than a few seconds), and leaves other files alone."""
+    import fcntl
     import os
     import time
 
     from engine.parking import KVEntry
-    from engine.sessions import save
+    from engine.sessions import _PREFIX, save
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     final = tmp_path / "conv.stratasession"
-    stale = tmp_path / f".{final.name}.abc123.part"
-    stale.write_bytes(b"half a file")
     old = time.time() - 3600
-    os.utime(stale, (old, old))
-    cache = [KVCache()]
-    cache[0].update_and_fetch(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)))
-    entry = KVEntry([1, 2, 3, 4], cache, "k")
-    fp = dict(model_hash="m", architecture="llama", n_layer=1, n_kv_heads=2, head_dim=8, tokenizer="t",
-              chat_template="c", steering="none")
-    lines = []
-    save(str(final), entry, fp, log=lines.append)
-    assert final.exists() and not stale.exists()
-    assert any("interrupted save" in ln for ln in lines)
+    stale = tmp_path / ".older-chat.stratasession.ab12CD_9.part"     # another name in the same folder
+    stale.write_bytes(struct.pack("<Q", 4096) + _PREFIX + b"0123")
+    empty = tmp_path / ".conv.stratasession.zz99YY00.part"             # killed before its first write
+    empty.write_bytes(b"")
+    foreign = tmp_path / ".notes.txt.abcdefgh.part"                    # matches the name, is not ours
+    foreign.write_bytes(b"someone else's partial download")
+    locked = tmp_path / ".live.stratasession.LOCKED00.part"            # a save in progress holds it
+    locked.write_bytes(struct.pack("<Q", 4096) + _PREFIX)
+    young = tmp_path / ".young.stratasession.young000.part"            # just created, not locked yet
+    young.write_bytes(b"")
+    for p in (stale, empty, foreign, locked):
+        os.utime(p, (old, old))
+    holder = os.open(locked, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        cache = [KVCache()]
+        cache[0].update_and_fetch(mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)))
+        entry = KVEntry([1, 2, 3, 4], cache, "k")
+        fp = dict(model_hash="m", architecture="llama", n_layer=1, n_kv_heads=2, head_dim=8, tokenizer="t",
+                  chat_template="c", steering="none")
+        lines = []
+        save(str(final), entry, fp, log=lines.append)
+    finally:
+        os.close(holder)
+    assert final.exists() and not stale.exists() and not empty.exists()
+    assert foreign.exists() and locked.exists() and young.exists()
+    assert sum("left by an interrupted save" in ln for ln in lines) == 2, lines

@@ -1,0 +1,45 @@
+"""Session files across compute dtypes: a float16 cache (a GPU's) is written straight from its memory and
+read straight into its padded place; a float32 cache (the CPU's) goes through one cast each way. The file
+is the same bytes either way, and a file restores into either engine."""
+from __future__ import annotations
+
+from engine.engine import Call, RestoreSession, SaveSession, Status
+from test_parking import A_SYSTEM, ask, start, words
+
+
+def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tiny_gguf, tmp_path):
+    f16 = start(tiny_gguf, cache_mib=64, dtype="float16")
+    f32 = start(tiny_gguf, cache_mib=64)
+    try:
+        msgs = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": words(50)}]
+        ask(f16, msgs, "A", n=6)
+        a = tmp_path / "from-f16.stratasession"
+        r = f16.call(SaveSession(str(a)))
+        assert r["profile"]["cast_ms"] < 50           # no cast: blocks written from the cache's memory
+        n = f16.call(Status())["live_tokens"]
+        # Into the float32 engine (one cast), then saved again (the other cast): the same bytes.
+        r = f32.call(RestoreSession(str(a)))
+        assert r["restored_tokens"] == n and r["profile"]["cast"] == "float16 -> float32"
+        b = tmp_path / "from-f32.stratasession"
+        f32.call(SaveSession(str(b)))
+        assert a.read_bytes() == b.read_bytes()
+        # And back into the float16 engine (no cast); its cache holds the file's values exactly.
+        r = f16.call(RestoreSession(str(b)))
+        assert r["profile"]["cast"] == "none (float16 file, float16 cache)"
+
+        def padded(e):
+            c = e.live.cache[0]
+            return [c.keys.shape[2], c.offset, str(c.keys.dtype)]
+        cells, offset, dtype = f16.call(Call(padded))["value"]
+        assert offset == n and cells % 256 == 0 and cells > n and dtype == "mlx.core.float16"
+        c = tmp_path / "again.stratasession"
+        f16.call(SaveSession(str(c)))
+        assert c.read_bytes() == a.read_bytes()
+        # Both continue the conversation from the restored cache.
+        for e in (f16, f32):
+            out, _ = ask(e, msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
+                         "A", n=2)
+            assert out["generated_tokens"] == 2
+    finally:
+        f16.stop()
+        f32.stop()
