@@ -25,6 +25,7 @@ from engine.model_loader import load_model
 from gguf_factory import MOE_ARCHS, quantize_with_llama, write_tiny_moe_gguf
 
 N_LAYER, N_EMBD, N_EXPERT, N_USED = 2, 256, 8, 2
+BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q3_K": 8, "Q2_K": 8}
 ARCH_OF = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "mixtral": "llama"}
 
 
@@ -106,8 +107,10 @@ def moe_block(model, layer: int):
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-@pytest.mark.parametrize("ftype", ["F16", "Q8_0_gguf_py"])
+@pytest.mark.parametrize("ftype", ["F16", "Q8_0_gguf_py", "Q4_0", "Q4_K_M", "Q5_K_M"])
 def test_moe_block_matches_llama_cpp_routing_reference(moe_dir, arch, ftype):
+    """F16 and Q8_0 files are written by gguf-py; Q4_0/Q4_K_M/Q5_K_M by llama.cpp's quantizer (skipped
+    without it), which also gives some ffn_down_exps Q6_K (requantized to 8 bits by Strata)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
     path = moe_file(moe_dir, arch, ftype)
     g = open_gguf(path)
@@ -117,15 +120,22 @@ def test_moe_block_matches_llama_cpp_routing_reference(moe_dir, arch, ftype):
     x = rng.standard_normal((24, N_EMBD)).astype(np.float32)
     for layer in range(N_LAYER):
         block = moe_block(model, layer)
-        kind = QuantizedSwitchLinear if ftype.startswith("Q") else SwitchLinear
-        assert all(isinstance(getattr(block.switch_mlp, n), kind) for n in ("gate_proj", "up_proj", "down_proj"))
-        if kind is QuantizedSwitchLinear:    # Q8_0 kept as 8-bit affine g32, never dense
-            assert block.switch_mlp.up_proj.bits == 8 and block.switch_mlp.up_proj.group_size == 32
-            assert block.switch_mlp.up_proj.weight.dtype == mx.uint32
+        types = {n: g.tensors()[f"blk.{layer}.ffn_{n}_exps.weight"].tensor_type.name for n in ("gate", "up", "down")}
+        for n, tname in types.items():
+            lin = getattr(block.switch_mlp, f"{n}_proj")
+            if tname in ("F16", "F32", "BF16"):
+                assert isinstance(lin, SwitchLinear)
+            else:   # kept quantized: packed uint32 + affine g32 scales/biases, evaluated by gather_qmm
+                assert isinstance(lin, QuantizedSwitchLinear) and lin.weight.dtype == mx.uint32
+                assert lin.group_size == 32 and lin.bits == BITS[tname], (n, tname, lin.bits)
         ours = np.array(block(mx.array(x)[None]))[0]
         ref = reference_moe(g, layer, x.astype(np.float64), norm_topk=arch != "qwen2moe", n_used=N_USED)
         err = np.abs(ours - ref).max() / np.abs(ref).max()
-        assert err < 1e-4, f"layer {layer}: relative error {err}"
+        requant = any(t in ("Q6_K", "Q3_K", "Q2_K") for t in types.values())
+        print(f"{arch} {ftype} layer {layer} {types}: relative error {err:.2e}")
+        # exact repacks differ by float32 rounding only (measured <= 1.3e-6); 8-bit requantization of
+        # Q6_K costs ~5e-3 of the output scale (measured 4.7e-3..5.4e-3)
+        assert err < (1e-2 if requant else 1e-4), f"layer {layer} {types}: relative error {err}"
 
 
 def test_routing_differs_between_conventions(moe_dir):
