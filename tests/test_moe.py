@@ -296,3 +296,113 @@ def test_moe_matches_llama_cpp(moe_dir, arch, ftype):
         # Up to the first near-tie, the same greedy ids; a disagreement where llama.cpp leads
         # clearly is a bug.
         assert all(margins[i] < TIE_MARGIN for i in disagree), (disagree, margins[disagree])
+
+
+@pytest.mark.oracle
+def test_engine_generation_equals_llama_cpp_up_to_first_near_tie(moe_dir):
+    """The whole engine (tokenizer, stepping loop, K/V cache, one token at a time through the experts)
+    on a Q4_K_M qwen3moe, not just one forward pass."""
+    from engine.engine import Engine, EngineOptions, GenerateRequest
+    from engine.sampling import SamplingParams
+    path = moe_file(moe_dir, "qwen3moe", "Q4_K_M")
+    prompt = PROMPTS[0]
+    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
+    try:
+        r = eng.call(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=N_GEN, temperature=0.0)))
+    finally:
+        eng.stop()
+    ids = llama_tokens(path, prompt)
+    ref_gen = llama_greedy(path, ids, N_GEN)
+    ref = llama_logits(path, ids + ref_gen)
+    n = len(r["tokens"])
+    for i, (a, b) in enumerate(zip(r["tokens"], ref_gen)):
+        if a != b:
+            top2 = np.sort(ref[len(ids) - 1 + i])[-2:]
+            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]}"
+            n = i
+            break
+    print(f"engine vs llama.cpp, qwen3moe Q4_K_M: {n}/{N_GEN} greedy tokens equal before the first near-tie")
+    assert n >= 4 and r["tokens"][:n] == ref_gen[:n]
+
+
+# --------------------------------------------------------------------------------------------
+# Parking, session files and control vectors through the real Engine
+# --------------------------------------------------------------------------------------------
+def test_parking_on_a_moe_model(moe_dir):
+    """A/B/A: B parks A's K/V; A's follow-up takes it back whole and samples what a run without B does."""
+    from test_parking import parked_lines, run_aba
+    model = moe_file(moe_dir, "qwen2moe", "Q8_0_gguf_py")
+    ref = run_aba(model, cache_mib=64, with_b=False, temperature=0.8)
+    run = run_aba(model, cache_mib=64, with_b=True, temperature=0.8)
+    h = run["held"]
+    assert [n for n, _ in parked_lines(run["b_logs"])] == [h], run["b_logs"]
+    assert run["r3"]["cached_tokens"] == h == ref["r3"]["cached_tokens"] > 0
+    for k in ("r1", "r2", "r3"):
+        assert run[k]["tokens"] == ref[k]["tokens"], k
+
+
+def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
+    """Save A after two turns; restore it in a new engine and continue. Session files hold K/V in
+    float16 while the CPU engine computes in float32, so the reference is the saving engine continuing
+    from the same file (restored there too): token for token equal, nothing re-read. Against the
+    never-saved run the first step's logits agree to float16 rounding."""
+    from engine.engine import Call, RestoreSession, SaveSession
+    from test_parking import Chat, start
+    model = moe_file(moe_dir, "mixtral", "Q8_0_gguf_py")
+    system = "You tell stories about the sea."
+    turns = ["Tell me about the little boat and the old captain, Margaret.", "What did the boy find?",
+             "How did the day end?"]
+    sess = tmp_path / "a.stratasession"
+
+    def third_turn(engine, a):
+        b = Chat("A", system, temperature=0.8, seed=40, n=12)
+        b.messages, b.turns = list(a.messages), 2
+        return b.turn(engine, turns[2])[0]
+
+    def next_logits(engine, a):
+        msgs = a.messages + [{"role": "user", "content": turns[2]}]
+        def fn(e):
+            from engine.engine import GenerateRequest
+            ids = e.prompt_tokens(GenerateRequest(messages=msgs))
+            entry, n_cached = e._take_kv(ids)
+            logits = e.model(mx.array(ids[n_cached:])[None], cache=entry.cache)[0, -1]
+            return np.array(logits.astype(mx.float32)), n_cached
+        return engine.call(Call(fn))["value"]
+
+    engine = start(model, cache_mib=0)
+    try:
+        a = Chat("A", system, temperature=0.8, seed=40, n=12)
+        for u in turns[:2]:
+            a.turn(engine, u)
+        engine.call(SaveSession(str(sess)))
+        live_logits, live_cached = next_logits(engine, a)
+        engine.call(RestoreSession(str(sess)))
+        ref = third_turn(engine, a)
+    finally:
+        engine.stop()
+    engine = start(model, cache_mib=0)
+    try:
+        engine.call(RestoreSession(str(sess)))
+        r = third_turn(engine, a)
+        engine.call(RestoreSession(str(sess)))
+        restored_logits, restored_cached = next_logits(engine, a)
+    finally:
+        engine.stop()
+    assert r["cached_tokens"] == ref["cached_tokens"] == live_cached == restored_cached > 0
+    assert r["tokens"] == ref["tokens"] and len(r["tokens"]) > 0
+    err = np.abs(live_logits - restored_logits).max() / np.abs(live_logits).max()
+    print(f"MoE session: follow-up logits after a float16 round trip of the K/V: relative max diff {err:.2e}")
+    assert err < 2e-2
+
+
+@pytest.mark.oracle
+def test_control_vector_on_a_moe_model_matches_llama_cpp(moe_dir, tmp_path):
+    """Add mode after block 1 (the vector is added to the block's output, MoE included), through the
+    engine and through llama.cpp's llama_set_adapter_cvec: the same greedy tokens up to a near-tie."""
+    from engine.control_vector import write_control_vector
+    from test_cvec_engine import compare_add_mode
+    model = moe_file(moe_dir, "qwen3moe", "F16")
+    vec = tmp_path / "v.gguf"
+    rng = np.random.default_rng(4)
+    write_control_vector(vec, {1: (rng.standard_normal(N_EMBD) * 6.0).astype(np.float32)}, model_hint="qwen3moe")
+    compare_add_mode(model, vec, 1.0, (1, 1), PROMPTS[0], 16, N_EMBD, min_agree=4)
