@@ -13,7 +13,26 @@ from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTreeWidget, QT
 
 from .gguf_meta import ModelMeta, read_meta
 
-COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context")
+COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
+
+
+def memory_needs(path: Path) -> tuple[str, str]:
+    """(column text, tooltip) of the memory estimate at the engine's default context, against the
+    memory guard's reading (engine/memory_estimate.py: plain Python, no mlx). On a Mac the engine also
+    caps the budget at the GPU's recommended working set, which only MLX can read; the list does not."""
+    from engine import memory_estimate as me
+    from engine.errors import StrataError
+    from engine.memory_guard import MemoryGuard
+    try:
+        h = me.read_header(path)
+        guard = MemoryGuard()
+        reading = guard.reading()
+        b = me.budget(reading, guard.reserve_bytes) if reading is not None else None
+        fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), b)
+    except StrataError as e:
+        return "?", str(e)
+    text = me.gib(fit.estimate.total_bytes)
+    return (text if fit.fits else f"{text} (too big)"), fit.line()
 
 
 def find_models(folders: list[Path]) -> list[Path]:
@@ -59,16 +78,17 @@ class ModelList(QWidget):
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
-        threading.Thread(target=lambda: emit(self._scanned, [read_meta(p) for p in find_models(folders)]),
+        threading.Thread(target=lambda: emit(self._scanned, [(read_meta(p), memory_needs(p)) for p in find_models(folders)]),
                          name="strata-model-scan", daemon=True).start()
 
-    def _fill(self, metas: list[ModelMeta]) -> None:
+    def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()
-        for m in metas:
+        for m, (needs, needs_tip) in metas:
             it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
-                                  str(m.context_length or "?")])
+                                  str(m.context_length or "?"), needs])
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
             it.setToolTip(0, m.path + (f"\n{m.error}" if m.error else ""))
+            it.setToolTip(len(COLUMNS) - 1, needs_tip)
             self.tree.addTopLevelItem(it)
         for c in range(len(COLUMNS)):
             self.tree.resizeColumnToContents(c)
