@@ -148,6 +148,22 @@ def test_routing_differs_between_conventions(moe_dir):
     assert np.abs(a - b).max() > 0.1 * np.abs(a).max()
 
 
+@pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
+def test_qwen2moe_without_output_weight_shares_the_embedding(tmp_path, tensor_type):
+    """mlx-lm's qwen2_moe always has an lm_head; a file without output.weight ties it to token_embd
+    (quantized: the same packed weights, scales and biases)."""
+    path = write_tiny_moe_gguf(tmp_path / "tied.gguf", arch="qwen2moe", n_expert=4, tie_embeddings=True,
+                               tensor_type=tensor_type, seed=3)
+    assert "output.weight" not in open_gguf(path).tensors()
+    model, _ = load_model(open_gguf(path))
+    emb, head = model.model.embed_tokens, model.lm_head
+    for kind in ("weight", "scales", "biases") if tensor_type == "Q8_0" else ("weight",):
+        assert mx.array_equal(getattr(emb, kind), getattr(head, kind)), kind
+    ids = mx.array([[5, 9, 40, 7]])
+    h = model.model(ids)
+    assert mx.allclose(model(ids), emb.as_linear(h), atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------
