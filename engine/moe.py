@@ -5,7 +5,8 @@ Architectures (GGUF ``general.architecture`` -> mlx-lm module):
 * ``qwen3moe``                           -> ``mlx_lm.models.qwen3_moe`` (every block sparse)
 * ``qwen2moe``                           -> ``mlx_lm.models.qwen2_moe`` (routed experts + a shared
                                             expert gated by sigmoid(``ffn_gate_inp_shexp`` . x))
-* ``llama`` with ``llama.expert_count``  -> ``mlx_lm.models.mixtral`` (Mixtral-style)
+* ``llama`` with ``llama.expert_count``  -> ``mlx_lm.models.mixtral`` (Mixtral-style; also the
+                                            pre-2024 layout with one tensor per expert, stacked at load)
 
 Tensors: the stacked ``blk.N.ffn_{gate,up,down}_exps.weight`` (GGUF shape [in, out, n_expert], i.e.
 MLX (n_expert, out, in)) are exactly ``SwitchLinear``'s layout, so each becomes one
@@ -53,6 +54,9 @@ _MOE_BLOCK_NAMES = {
     "ffn_gate_inp_shexp": "shared_expert_gate",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
+_SPLIT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)")   # one expert per tensor (old Mixtral)
+_SPLIT_NAMES = {"gate": "w1", "down": "w2", "up": "w3"}               # mlx-lm mixtral's HF names
+_SWITCH_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 @dataclass(frozen=True)
@@ -104,16 +108,24 @@ def moe_spec(g: GGUFFile) -> MoeSpec:
     if scale not in (0.0, 1.0):
         raise ModelFileError(f"{name}: {arch}.expert_weights_scale = {scale} is not supported")
     tensors = g.tensors()
-    if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", t) for t in tensors):
-        raise ModelFileError(f"{name}: per-expert tensors (blk.N.ffn_gate.E.weight, the pre-2024 Mixtral "
-                             "layout) are not supported; re-convert the model with a current llama.cpp")
-    # The expert width from the tensor itself: Mixtral files write it as feed_forward_length,
-    # Qwen files as expert_feed_forward_length; the tensor is what gets loaded either way.
-    up = _tensor_shape(g, "blk.0.ffn_up_exps.weight")
-    if up is None or len(up) != 3 or up[0] != n_expert:
-        raise ModelFileError(f"{name}: {arch} with {n_expert} experts needs blk.N.ffn_up_exps.weight "
-                             f"of {n_expert} experts (found {up})")
-    n_ff_exp = up[1]
+    split = any(_SPLIT_RE.fullmatch(t.rpartition(".")[0]) for t in tensors)
+    if split:
+        # Mixtral GGUFs converted before 2024: one 2-D tensor per expert (blk.N.ffn_gate.E.weight).
+        # Current llama.cpp no longer loads them (llama-cpp-python 0.3.36 refuses the file); Strata
+        # stacks them per layer at load, giving exactly the stacked layout's model (tested).
+        up = _tensor_shape(g, "blk.0.ffn_up.0.weight")
+        if arch != "llama" or up is None or len(up) != 2:
+            raise ModelFileError(f"{name}: per-expert tensors (blk.N.ffn_up.E.weight) are only read for "
+                                 f"Mixtral-style llama files (found {arch}, blk.0.ffn_up.0.weight {up})")
+        n_ff_exp = up[0]
+    else:
+        # The expert width from the tensor itself: Mixtral files write it as feed_forward_length,
+        # Qwen files as expert_feed_forward_length; the tensor is what gets loaded either way.
+        up = _tensor_shape(g, "blk.0.ffn_up_exps.weight")
+        if up is None or len(up) != 3 or up[0] != n_expert:
+            raise ModelFileError(f"{name}: {arch} with {n_expert} experts needs blk.N.ffn_up_exps.weight "
+                                 f"of {n_expert} experts (found {up})")
+        n_ff_exp = up[1]
     sh = _tensor_shape(g, "blk.0.ffn_up_shexp.weight")
     if arch == "qwen2moe":
         if sh is None:
@@ -159,11 +171,25 @@ def mlx_name(gguf_name: str, spec: MoeSpec) -> str | None:
     m = _BLOCK_RE.fullmatch(base)
     if m and m.group(2) in _MOE_BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{spec.block_attr}.{_MOE_BLOCK_NAMES[m.group(2)]}.{kind}"
+    m = _SPLIT_RE.fullmatch(base)
+    if m and spec.model_type == "mixtral":
+        # mlx-lm's Mixtral sanitize() stacks experts.E.w1/w2/w3 (weights, scales, biases) per layer
+        return f"model.layers.{m.group(1)}.block_sparse_moe.experts.{m.group(3)}.{_SPLIT_NAMES[m.group(2)]}.{kind}"
     return None
 
 
 def fix_weights(weights: dict, qparams: dict, spec: MoeSpec) -> None:
     """In place: shapes and ties that differ between GGUF and the mlx-lm classes."""
+    # Per-expert tensors: the stacked SwitchLinear is quantized as its experts were (all alike).
+    split: dict[str, set] = {}
+    for prefix in [k for k in qparams if ".block_sparse_moe.experts." in k]:
+        layer, rest = prefix.split(".block_sparse_moe.experts.")
+        target = f"{layer}.block_sparse_moe.switch_mlp.{_SWITCH_NAMES[rest.split('.')[1]]}"
+        split.setdefault(target, set()).add(tuple(sorted(qparams.pop(prefix).items())))
+    for target, kinds in split.items():
+        if len(kinds) != 1:
+            raise ModelFileError(f"the experts of {target} have different tensor types; they cannot be stacked")
+        qparams[target] = dict(next(iter(kinds)))
     for key in [k for k in weights if k.endswith(".shared_expert_gate.weight")]:
         w = weights[key]
         if w.ndim == 1:  # llama.cpp's {n_embd} vector -> nn.Linear(n_embd, 1)

@@ -164,6 +164,49 @@ def test_qwen2moe_without_output_weight_shares_the_embedding(tmp_path, tensor_ty
     assert mx.allclose(model(ids), emb.as_linear(h), atol=1e-5)
 
 
+def split_experts(src: Path, dst: Path) -> Path:
+    """The pre-2024 Mixtral layout: each blk.N.ffn_{gate,up,down}_exps.weight as n_expert 2-D tensors
+    blk.N.ffn_{gate,up,down}.E.weight (the same bytes, expert by expert)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        data = np.array(t.data)
+        if "_exps." in t.name:
+            n_expert = int(t.shape[2])
+            base = t.name.replace("_exps.weight", "")
+            for e, part in enumerate(data.reshape(n_expert, int(t.shape[1]), -1)):
+                w.add_tensor(f"{base}.{e}.weight", part, raw_dtype=t.tensor_type)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("ftype", ["F16", "Q8_0_gguf_py", "Q4_K_M"])
+def test_old_mixtral_per_expert_layout_loads_like_the_stacked_one(moe_dir, tmp_path, ftype):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    stacked = moe_file(moe_dir, "mixtral", ftype)
+    split = split_experts(stacked, tmp_path / "split.gguf")
+    assert "blk.1.ffn_down.7.weight" in open_gguf(split).tensors()
+    a, _ = load_model(open_gguf(stacked))
+    b, info = load_model(open_gguf(split))
+    assert info.n_expert == N_EXPERT
+    if ftype != "F16":
+        assert isinstance(b.model.layers[0].block_sparse_moe.switch_mlp.up_proj, QuantizedSwitchLinear)
+    ids = mx.array([[5, 9, 40, 7, 300, 12]])
+    assert mx.array_equal(a(ids), b(ids))
+
+
 # --------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------
