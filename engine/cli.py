@@ -149,8 +149,7 @@ def cmd_models_estimate(args) -> int:
     dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "float16")
     n_ctx = me.default_context(h, args.context)
     guard = MemoryGuard()
-    reading = guard.reading()
-    b = me.budget(reading, guard.reserve_bytes, me.gpu_working_set()) if reading is not None else None
+    b = me.load_budget(guard, me.gpu_working_set())
     fit = me.check_fit(h, n_ctx, dtype, b)
     e = fit.estimate
     capped = f" (the model's limit; asked {args.context})" if args.context and args.context > n_ctx else ""

@@ -407,6 +407,7 @@ class Engine:
                 "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,
                 "source": reading.source},
             "memory_unavailable": self.guard.unavailable_reason(),
+            "load_budget": _load_budget(self.guard),
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
@@ -454,6 +455,13 @@ class Engine:
             self.parking.park(self.live)
         self.live = entry
         return result
+
+
+def _load_budget(guard) -> dict | None:
+    """What a model may take (engine/memory_estimate.py), for the app, which cannot ask MLX."""
+    from .memory_estimate import gpu_working_set, load_budget
+    b = load_budget(guard, gpu_working_set())
+    return None if b is None else {"bytes": b.bytes, "source": b.source}
 
 
 def _split_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -20,9 +20,10 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
   a 2 x 512-token prefill peaks at 19.6 MiB over the weights where this counts 24.1 MiB (tiny MoE,
   context 1024; tests/test_memory_estimate.py).
 
-The budget (``budget()``) is the memory guard's available reading minus its reserve; on a Mac with
-Metal, when the caller passes MLX's ``max_recommended_working_set_size`` (what the GPU may wire), the
-smaller of the two. Elsewhere (Linux, the CPU backend) it is the available RAM alone.
+The budget (``budget()``): on a Mac with Metal, MLX's ``max_recommended_working_set_size`` (the
+unified memory the GPU may wire); elsewhere (Linux, the CPU backend) the memory guard's available
+reading minus its reserve. The app never imports mlx: its model list uses the budget the engine
+reports in its status (``load_budget``), or the guard's reading until the engine has answered.
 """
 from __future__ import annotations
 
@@ -255,12 +256,15 @@ class Budget:
 
 
 def budget(reading, reserve_bytes: int, gpu_working_set: int | None = None) -> Budget:
-    """What a model may take: the guard's available reading minus its reserve, capped by the GPU's
-    recommended working set where known (Metal)."""
+    """What a model may take. On a Mac with Metal: the unified memory the GPU may wire (MLX's
+    max_recommended_working_set_size), as the issue asks -- macOS makes room for it by compressing
+    and paging out other apps, which the guard's conservative available reading does not count.
+    Elsewhere: the guard's available reading (Linux: /proc/meminfo MemAvailable; else psutil)
+    minus the guard's reserve."""
+    if gpu_working_set:
+        return Budget(int(gpu_working_set), f"Metal recommended working set {gib(gpu_working_set)}")
     avail = reading.available_bytes - reserve_bytes
     source = f"{reading.source}: {gib(reading.available_bytes)} available - {gib(reserve_bytes)} reserve"
-    if gpu_working_set and gpu_working_set < avail:
-        return Budget(int(gpu_working_set), f"GPU recommended working set {gib(gpu_working_set)}")
     return Budget(max(0, avail), source)
 
 
@@ -313,14 +317,21 @@ def gpu_working_set() -> int | None:
         return None
 
 
+def load_budget(guard, gpu_ws: int | None) -> Budget | None:
+    """The budget from the guard (and the Metal working set); None when neither can be read."""
+    reading = guard.reading()
+    if reading is None and not gpu_ws:
+        return None
+    return budget(reading, guard.reserve_bytes or 0, gpu_ws)
+
+
 def fit_for_load(path, requested_ctx: int | None, dtype: str, guard, gpu_ws: int | None) -> tuple[int, str]:
     """(context to load with, one log line), or ModelTooLarge. An explicit context that does not fit
     is refused with the largest that does; the default context shrinks to fit when some context does
     (the log line says so). Nothing is refused when the guard cannot read the available memory."""
     h = read_header(path)
     n_ctx = default_context(h, requested_ctx)
-    reading = guard.reading()
-    b = budget(reading, guard.reserve_bytes, gpu_ws) if reading is not None else None
+    b = load_budget(guard, gpu_ws)
     fit = check_fit(h, n_ctx, dtype, b)
     if fit.fits:
         return n_ctx, f"memory: {fit.line()}"

@@ -105,6 +105,12 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     est = me.estimate(me.read_header(tiny_model), 2048, me.platform_dtype())
     assert tree.topLevelItem(0).text(6) == me.gib(est.total_bytes)
     assert tree.topLevelItem(0).toolTip(6).startswith(est.line() + "; fits in ")
+    # Once the engine reports its load budget (on a Mac: the Metal working set), the list uses it
+    window.models.engine_budget = {"bytes": 1 << 20, "source": "engine test budget"}
+    with qtbot.waitSignal(window.models._scanned, timeout=REPLY_TIMEOUT_MS):
+        window.models.refresh()
+    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1 and tree.topLevelItem(0).text(6).endswith("(too big)"))
+    assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
 
 
 def test_app_drop_gguf_links_into_models(qtbot, window, tmp_path, tiny_model):

@@ -188,3 +188,13 @@ def test_the_estimate_module_does_not_import_mlx(files):
     assert int(p.stdout) == me.estimate(me.read_header(files["qwen3moe-F16"]), 512, me.platform_dtype()).total_bytes
     with pytest.raises(me.ModelFileError, match="is not a GGUF file"):
         me.read_header(REPO / "tests" / "conftest.py")
+
+
+def test_budget_sources():
+    r = MemoryReading(total_bytes=16 * GiB, available_bytes=10 * GiB, source="meminfo")
+    b = me.budget(r, 2 * GiB)
+    assert b.bytes == 8 * GiB and b.source == "meminfo: 10.00 GiB available - 2.00 GiB reserve"
+    # On a Mac with Metal the budget is what the GPU may wire, whatever the guard reads
+    m = me.budget(r, 2 * GiB, gpu_working_set=12 * GiB)
+    assert m.bytes == 12 * GiB and m.source == "Metal recommended working set 12.00 GiB"
+    assert me.load_budget(MemoryGuard(reader=lambda: (_ for _ in ()).throw(RuntimeError("no"))), None) is None
