@@ -262,7 +262,8 @@ def budget(reading, reserve_bytes: int, gpu_working_set: int | None = None) -> B
     Elsewhere: the guard's available reading (Linux: /proc/meminfo MemAvailable; else psutil)
     minus the guard's reserve."""
     if gpu_working_set:
-        return Budget(int(gpu_working_set), f"Metal recommended working set {gib(gpu_working_set)}")
+        return Budget(int(gpu_working_set), f"Metal recommended working set less what MLX holds: "
+                                            f"{gib(gpu_working_set)}")
     avail = reading.available_bytes - reserve_bytes
     source = f"{reading.source}: {gib(reading.available_bytes)} available - {gib(reserve_bytes)} reserve"
     return Budget(max(0, avail), source)
@@ -305,14 +306,17 @@ def platform_dtype() -> str:
 
 
 def gpu_working_set() -> int | None:
-    """MLX's max_recommended_working_set_size on Metal (what the GPU may wire), else None. Imports
-    mlx: for the engine side only (the app uses the available RAM alone)."""
+    """On Metal: MLX's max_recommended_working_set_size (what the GPU may wire) less what MLX
+    already holds (the loaded model, its K/V, parked conversations: the old model stays until a
+    new one has loaded); else None. Imports mlx: for the engine side only."""
     try:
         import mlx.core as mx
         if not mx.metal.is_available():
             return None
         info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info.get("max_recommended_working_set_size") or 0) or None
+        ws = int(info.get("max_recommended_working_set_size") or 0)
+        held = mx.get_active_memory() if hasattr(mx, "get_active_memory") else mx.metal.get_active_memory()
+        return max(1, ws - int(held)) if ws else None
     except Exception:  # noqa: BLE001 -- an unreadable limit is just not used
         return None
 

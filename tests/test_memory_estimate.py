@@ -196,5 +196,5 @@ def test_budget_sources():
     assert b.bytes == 8 * GiB and b.source == "meminfo: 10.00 GiB available - 2.00 GiB reserve"
     # On a Mac with Metal the budget is what the GPU may wire, whatever the guard reads
     m = me.budget(r, 2 * GiB, gpu_working_set=12 * GiB)
-    assert m.bytes == 12 * GiB and m.source == "Metal recommended working set 12.00 GiB"
+    assert m.bytes == 12 * GiB and m.source == "Metal recommended working set less what MLX holds: 12.00 GiB"
     assert me.load_budget(MemoryGuard(reader=lambda: (_ for _ in ()).throw(RuntimeError("no"))), None) is None
