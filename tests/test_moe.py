@@ -465,3 +465,18 @@ def test_control_vector_on_a_moe_model_matches_llama_cpp(moe_dir, tmp_path):
     rng = np.random.default_rng(4)
     write_control_vector(vec, {1: (rng.standard_normal(N_EMBD) * 6.0).astype(np.float32)}, model_hint="qwen3moe")
     compare_add_mode(model, vec, 1.0, (1, 1), PROMPTS[0], 16, N_EMBD, min_agree=4)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_many_experts_top8_f16_matches_llama_cpp(tmp_path, arch):
+    """Qwen3-30B-A3B's routing shape (top-8 of many): 32 experts, top-8, F16, last-position logits."""
+    _oracle()
+    path = write_tiny_moe_gguf(tmp_path / f"{arch}-32x8.gguf", arch=arch, n_layer=2, n_embd=256, n_expert=32,
+                               n_expert_used=8, n_ff_exp=128, tensor_type="F16", seed=11)
+    ids = llama_tokens(path, PROMPTS[0])
+    ref, ours = llama_logits(path, ids)[-1], strata_logits(path, ids)[-1]
+    scale = float(np.abs(ref).max())
+    err = float(np.abs(ref - ours).max())
+    print(f"{arch} 32 experts top-8 F16: last-position max |dlogit| {err:.4f} ({err / scale:.1e} of scale {scale:.1f})")
+    assert err < LOGIT_TOL["F16"][0] * scale
