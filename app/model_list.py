@@ -13,7 +13,28 @@ from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTreeWidget, QT
 
 from .gguf_meta import ModelMeta, read_meta
 
-COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context")
+COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
+
+
+def memory_needs(path: Path, engine_budget: dict | None = None) -> tuple[str, str]:
+    """(column text, tooltip) of the memory estimate at the engine's default context
+    (engine/memory_estimate.py: plain Python, no mlx) against the budget the engine reported in its
+    status (on a Mac the Metal working set, which only MLX can read), or, before the engine has
+    answered, the memory guard's available reading less its reserve."""
+    from engine import memory_estimate as me
+    from engine.errors import StrataError
+    from engine.memory_guard import MemoryGuard
+    try:
+        h = me.read_header(path)
+        if engine_budget:
+            b = me.Budget(int(engine_budget["bytes"]), str(engine_budget["source"]))
+        else:
+            b = me.load_budget(MemoryGuard(), None)
+        fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), b)
+    except StrataError as e:
+        return "?", str(e)
+    text = me.gib(fit.estimate.total_bytes)
+    return (text if fit.fits else f"{text} (too big)"), fit.line()
 
 
 def find_models(folders: list[Path]) -> list[Path]:
@@ -37,6 +58,7 @@ class ModelList(QWidget):
         super().__init__(parent)
         self.folders = folders
         self.current: str = ""
+        self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
         self.tree.itemDoubleClicked.connect(lambda it, _c: emit(self.load_requested, it.data(0, Qt.ItemDataRole.UserRole)))
@@ -59,16 +81,19 @@ class ModelList(QWidget):
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
-        threading.Thread(target=lambda: emit(self._scanned, [read_meta(p) for p in find_models(folders)]),
+        budget = self.engine_budget
+        threading.Thread(target=lambda: emit(self._scanned, [(read_meta(p), memory_needs(p, budget))
+                                                             for p in find_models(folders)]),
                          name="strata-model-scan", daemon=True).start()
 
-    def _fill(self, metas: list[ModelMeta]) -> None:
+    def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()
-        for m in metas:
+        for m, (needs, needs_tip) in metas:
             it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
-                                  str(m.context_length or "?")])
+                                  str(m.context_length or "?"), needs])
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
             it.setToolTip(0, m.path + (f"\n{m.error}" if m.error else ""))
+            it.setToolTip(len(COLUMNS) - 1, needs_tip)
             self.tree.addTopLevelItem(it)
         for c in range(len(COLUMNS)):
             self.tree.resizeColumnToContents(c)

@@ -369,6 +369,10 @@ class MainWindow(QMainWindow):
 
     def _on_status(self, s: dict) -> None:
         self.last_status = s
+        if s.get("load_budget") and self.models.engine_budget is None:
+            # The model list's memory estimates, now against the engine's own budget (Metal on a Mac)
+            self.models.engine_budget = s["load_budget"]
+            self.models.refresh()
         self.status.show_status(s)
         emit(self.status_updated, s)
 

@@ -138,6 +138,43 @@ def cmd_models(args) -> int:
             print(p)
     elif args.action == "path":
         print(default_model_path().parent)
+    elif args.action == "estimate":
+        return cmd_models_estimate(args)
+    return 0
+
+
+def cmd_models_estimate(args) -> int:
+    """Print what loading PATH at a context would take and whether it fits (exit 0 either way)."""
+    from . import memory_estimate as me
+    from .memory_guard import MemoryGuard
+    from .models import resolve_model
+    if not args.path:
+        raise StrataError("models estimate needs a model: strata models estimate PATH [--context N]")
+    if args.context is not None and args.context < 1:
+        raise StrataError("--context must be >= 1")
+    path = resolve_model(args.path)
+    if not path.is_file():
+        raise StrataError(f"model file not found: {path}")
+    h = me.read_header(path)
+    import mlx.core as mx
+    dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "float16")
+    n_ctx = me.default_context(h, args.context)
+    guard = MemoryGuard()
+    b = me.load_budget(guard, me.gpu_working_set())
+    fit = me.check_fit(h, n_ctx, dtype, b)
+    e = fit.estimate
+    capped = f" (the model's limit; asked {args.context})" if args.context and args.context > n_ctx else ""
+    print(f"{path.name}: {h.architecture}, context {n_ctx}{capped}, compute {dtype}")
+    print(f"  weights   {me.gib(e.weights_bytes)}  (tensors as held in MLX)")
+    print(f"  K/V       {me.gib(e.kv_bytes)}  ({e.kv_bytes_per_token} bytes/token x {n_ctx} tokens, {e.kv_dtype})")
+    print(f"  overhead  {me.gib(e.overhead_bytes)}  (runtime 300 MiB + one 512-token prefill chunk)")
+    print(f"  total     {me.gib(e.total_bytes)}")
+    if b is None:
+        print(f"  available memory unknown ({guard.unavailable_reason()})")
+    else:
+        print(f"  budget    {me.gib(b.bytes)}  ({b.source})")
+        print(f"  {'fits' if fit.fits else 'does not fit'}; the largest context that fits is "
+              f"{fit.largest_context or 'none'}")
     return 0
 
 
@@ -166,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=cmd_generate)
 
     m = sub.add_parser("models", help="the models folder")
-    m.add_argument("action", choices=("fetch-default", "list", "path"))
+    m.add_argument("action", choices=("fetch-default", "list", "path", "estimate"))
+    m.add_argument("path", nargs="?", help="estimate: the GGUF file (or a name in the models folder)")
     m.add_argument("--if-missing", action="store_true")
+    m.add_argument("--context", type=int, default=None, help="estimate: context length (default: the engine's)")
+    m.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="estimate: compute dtype (default: the engine's for this machine)")
     m.set_defaults(fn=cmd_models)
 
     r = sub.add_parser("replay", help="run a JSONL script of chat requests on one engine")

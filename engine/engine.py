@@ -219,6 +219,7 @@ class Engine:
 
         from . import steering
         from .gguf_file import content_hash, open_gguf
+        from .memory_estimate import fit_for_load, gpu_working_set
         from .model_loader import load_model
         from .models import resolve_model
         from .tokenizer import load_tokenizer
@@ -229,6 +230,9 @@ class Engine:
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
             self.options.dtype or "", mx.float32 if mx.default_device() == mx.cpu else mx.float16)
+        # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
+        n_ctx, memory_line = fit_for_load(path, self.options.context_length, str(dtype).rsplit(".", 1)[-1],
+                                          self.guard, gpu_working_set())
         model, info = load_model(g, dtype=dtype, progress=lambda d, t: handle.emit(Progress("load", d, t)))
         steer_cfg = self.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
@@ -248,13 +252,14 @@ class Engine:
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
         steering.install(self.model, self.steering)
-        self.n_ctx = min(self.options.context_length or min(info.context_length, 8192), info.context_length)
+        self.n_ctx = n_ctx
         self.live = None
         self.parking.clear()
         self._log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
                   f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self._log(f"weights: {info.load_note}")
+        self._log(memory_line)
         if vector is not None:
             self._log(vector.describe())
         if steering_error:
@@ -457,6 +462,7 @@ class Engine:
                 "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,
                 "source": reading.source},
             "memory_unavailable": self.guard.unavailable_reason(),
+            "load_budget": _load_budget(self.guard),
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
@@ -515,6 +521,13 @@ class Engine:
             self.parking.park(self.live)
         self.live = entry
         return result
+
+
+def _load_budget(guard) -> dict | None:
+    """What a model may take (engine/memory_estimate.py), for the app, which cannot ask MLX."""
+    from .memory_estimate import gpu_working_set, load_budget
+    b = load_budget(guard, gpu_working_set())
+    return None if b is None else {"bytes": b.bytes, "source": b.source}
 
 
 def _split_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -13,7 +13,8 @@ from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
 from .gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama also covers Mixtral-style files (llama.expert_count > 0); the MoE ones live in engine/moe.py
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -75,6 +76,8 @@ class ModelInfo:
     file_type: str
     n_params: int
     load_note: str
+    n_expert: int = 0  # mixture of experts: experts per block (0 = dense)
+    n_expert_used: int = 0
 
 
 def model_args(g: GGUFFile):
@@ -100,6 +103,9 @@ def model_args(g: GGUFFile):
     except (TypeError, ValueError):
         raise ModelFileError(f"{g.path.name}: missing or bad '{arch}.*' hyperparameters") from None
     head_dim = int(key("attention.key_length", n_embd // n_head))
+    from . import moe
+    if moe.is_moe(g):
+        return moe.model_args(g, common, head_dim)[:2]
     if arch == "llama":
         from mlx_lm.models.llama import Model, ModelArgs
         # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
@@ -114,8 +120,9 @@ def model_args(g: GGUFFile):
 
 def load_model(g: GGUFFile, *, dtype=mx.float32,
                progress: Callable[[int, int], None] | None = None) -> tuple[nn.Module, ModelInfo]:
-    from . import quants
+    from . import moe, quants
     model_cls, args = model_args(g)
+    spec = moe.moe_spec(g) if moe.is_moe(g) else None
     t0 = time.perf_counter()
     weights: dict[str, mx.array] = {}
     qparams: dict[str, dict] = {}
@@ -123,7 +130,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     tensors = g.reader.tensors
     n_params = 0
     for i, t in enumerate(tensors):
-        name = mlx_name(t.name)
+        name = mlx_name(t.name) or (moe.mlx_name(t.name, spec) if spec else None)
         if name is None:
             continue
         try:
@@ -140,6 +147,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
             qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits}
         if progress:
             progress(i + 1, len(tensors))
+    if spec:
+        moe.fix_weights(weights, qparams, spec)
     model = model_cls(args)
     if qparams:
         nn.quantize(model, class_predicate=lambda path, module: qparams.get(path, False))
@@ -153,6 +162,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
     if _apply_rope_factors(model, g, args):
         note += "; RoPE frequency factors from rope_freqs.weight"
+    if spec:
+        note += f"; {spec.describe()}"
     import gguf as gguf_py
     ft = g.get("general.file_type")
     try:
@@ -162,6 +173,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     info = ModelInfo(args.model_type, str(g.get("general.name", g.path.stem)), args.num_hidden_layers,
                      args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
                      getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads,
-                     args.intermediate_size, args.vocab_size, args.max_position_embeddings,
+                     args.intermediate_size, args.vocab_size, int(g.arch_key("context_length", 4096)),
                      file_type, n_params, note)
+    if spec:
+        info.n_expert, info.n_expert_used, info.n_ff = spec.n_expert, spec.n_expert_used, spec.n_ff_exp
     return model, info

@@ -452,3 +452,139 @@ def quantize_with_llama_in_process(src, dst, ftype: str, *, verbose: bool = Fals
     if rc != 0 or not dst.exists():
         raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {ftype}) failed with {rc}")
     return dst
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral")  # "mixtral" = GGUF arch "llama" with llama.expert_count
+
+
+def write_tiny_moe_gguf(path, arch="qwen3moe", *, n_layer=2, n_embd=256, n_head=4, n_head_kv=2,
+                        n_expert=4, n_expert_used=2, n_ff_exp=256, n_ff_shexp=512, head_dim=None,
+                        context_length=2048, tensor_type="F16", tie_embeddings=None, seed=0,
+                        rope_theta=10000.0, router_std=3.0, name=None) -> Path:
+    """A tiny random-weight mixture-of-experts GGUF, laid out as convert_hf_to_gguf.py writes one.
+
+    * ``qwen3moe``  Qwen3-30B-A3B style: qwen3 attention (q/k norms), every block a MoE of
+                    ``n_expert`` SwiGLU experts, top-``n_expert_used``, weights renormalised.
+    * ``qwen2moe``  Qwen1.5/Qwen2-57B-A14B style: qwen2 attention (Q/K/V biases), MoE plus a shared
+                    expert (``ffn_*_shexp``) gated by sigmoid(``ffn_gate_inp_shexp`` . x); untied
+                    ``output.weight`` (llama.cpp requires it for qwen2moe).
+    * ``mixtral``   GGUF architecture ``llama`` with ``llama.expert_count``: llama attention (Q/K rows
+                    permuted), MoE blocks whose ``feed_forward_length`` is the expert width.
+
+    The stacked expert tensors are ``blk.N.ffn_{gate,up,down}_exps.weight`` of GGUF shape
+    [in, out, n_expert], the router ``blk.N.ffn_gate_inp.weight`` [n_embd, n_expert].
+    ``router_std`` scales the router logits (std ~ router_std): well separated routing keeps
+    near-ties in expert choice (which flip on rounding) rare. Quantize with quantize_with_llama.
+    """
+    if arch not in MOE_ARCHS:
+        raise ValueError(f"arch {arch!r} not in {MOE_ARCHS}")
+    if tensor_type not in _TENSOR_TYPES:
+        raise ValueError(f"tensor_type {tensor_type!r} not in {sorted(_TENSOR_TYPES)}")
+    gguf_arch = "llama" if arch == "mixtral" else arch
+    if head_dim is None:
+        head_dim = n_embd // n_head
+    if tie_embeddings is None:
+        tie_embeddings = arch != "qwen2moe"
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_w(n):
+        return (1.0 + normal((n,), 0.1)).astype(np.float32)
+
+    n_vocab = tiny_vocab_size()
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    t: dict[str, np.ndarray] = {"token_embd.weight": normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))}
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t[p + "attn_norm.weight"] = norm_w(n_embd)
+        q = normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        k = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        if arch == "mixtral":
+            q, k = _llama_permute(q, n_head, n_head), _llama_permute(k, n_head, n_head_kv)
+        t[p + "attn_q.weight"], t[p + "attn_k.weight"] = q, k
+        t[p + "attn_v.weight"] = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        if arch == "qwen2moe":
+            t[p + "attn_q.bias"] = normal((q_dim,), 0.2)
+            t[p + "attn_k.bias"] = normal((kv_dim,), 0.2)
+            t[p + "attn_v.bias"] = normal((kv_dim,), 0.2)
+        if arch == "qwen3moe":
+            t[p + "attn_q_norm.weight"] = norm_w(head_dim)
+            t[p + "attn_k_norm.weight"] = norm_w(head_dim)
+        t[p + "attn_output.weight"] = normal((n_embd, q_dim), 3.0 / np.sqrt(q_dim))
+        t[p + "ffn_norm.weight"] = norm_w(n_embd)
+        t[p + "ffn_gate_inp.weight"] = normal((n_expert, n_embd), router_std / np.sqrt(n_embd))
+        # numpy (E, out, in) -> GGUF shape [in, out, E], the layout of llama.cpp's *_exps tensors
+        t[p + "ffn_gate_exps.weight"] = normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "ffn_up_exps.weight"] = normal((n_expert, n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "ffn_down_exps.weight"] = normal((n_expert, n_embd, n_ff_exp), 4.0 / np.sqrt(n_ff_exp))
+        if arch == "qwen2moe":
+            t[p + "ffn_gate_inp_shexp.weight"] = normal((n_embd,), 1.0 / np.sqrt(n_embd))
+            t[p + "ffn_gate_shexp.weight"] = normal((n_ff_shexp, n_embd), 1.0 / np.sqrt(n_embd))
+            t[p + "ffn_up_shexp.weight"] = normal((n_ff_shexp, n_embd), 1.0 / np.sqrt(n_embd))
+            t[p + "ffn_down_shexp.weight"] = normal((n_embd, n_ff_shexp), 3.0 / np.sqrt(n_ff_shexp))
+    t["output_norm.weight"] = norm_w(n_embd)
+    if not tie_embeddings:
+        t["output.weight"] = normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))
+
+    qtype, ftype = _TENSOR_TYPES[tensor_type]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), gguf_arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name or f"Tiny {arch} {n_layer}x{n_embd} {n_expert}x{n_ff_exp} seed {seed}")
+    w.add_size_label("tiny")
+    w.add_block_count(n_layer)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    # convert_hf_to_gguf writes the dense width here; Mixtral's is the expert width
+    w.add_feed_forward_length(n_ff_exp if arch == "mixtral" else 4 * n_embd)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(_DEFAULT_NORM_EPS if arch == "mixtral" else _QWEN_NORM_EPS)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    if arch != "mixtral":
+        w.add_expert_feed_forward_length(n_ff_exp)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(n_ff_shexp)
+    if arch == "qwen3moe":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "mixtral":
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(head_dim)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    tok = tiny_tokenizer_fields("llama" if arch == "mixtral" else "qwen2")
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_pad_token_id(tok["tokenizer.ggml.padding_token_id"])
+    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+    for gname, arr in t.items():
+        # convert_hf_to_gguf keeps the router in F32 (like the norms); llama.cpp's quantizer does too
+        if gname.endswith("ffn_gate_inp.weight"):
+            w.add_tensor(gname, arr.astype(np.float32))
+            continue
+        data, raw_dtype = _encode(arr, qtype)
+        if raw_dtype is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -171,6 +171,17 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     row = [tree.topLevelItem(0).text(c) for c in range(6)]
     assert row[1:4] == ["llama", "111K", "F32"] and row[5] == "2048"
     assert tree.topLevelItem(0).font(0).bold()      # the loaded model
+    # The memory estimate (engine/memory_estimate.py, no mlx in the app) at the default context
+    from engine import memory_estimate as me
+    est = me.estimate(me.read_header(tiny_model), 2048, me.platform_dtype())
+    assert tree.topLevelItem(0).text(6) == me.gib(est.total_bytes)
+    assert tree.topLevelItem(0).toolTip(6).startswith(est.line() + "; fits in ")
+    # Once the engine reports its load budget (on a Mac: the Metal working set), the list uses it
+    window.models.engine_budget = {"bytes": 1 << 20, "source": "engine test budget"}
+    with qtbot.waitSignal(window.models._scanned, timeout=REPLY_TIMEOUT_MS):
+        window.models.refresh()
+    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1 and tree.topLevelItem(0).text(6).endswith("(too big)"))
+    assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
 
 
 def test_app_drop_gguf_links_into_models(qtbot, window, tmp_path, tiny_model):
