@@ -43,6 +43,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speed_projection: bool | None = None      # None: the engine's default
     conversation: str = ""                    # a label for logs
+    speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Engine:
         self.live = None                          # parking.KVEntry of the conversation holding the engine
         self.parking = None
         self.n_ctx = 0
+        self.draft = None                         # speculative.DraftModel loaded for `draft:PATH` requests
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -306,6 +308,7 @@ class Engine:
         from .tokenizer import StreamDecoder
         self._require_model()
         req.sampling.validate()
+        drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
         self.steering.enabled = bool(self.steering.vector) and (
             self.options.speed_projection if req.speed_projection is None else req.speed_projection)
         stats = StepStats()
@@ -334,7 +337,8 @@ class Engine:
         stream = StreamDecoder(self.tokenizer)
         finish = "length"
         held = ""   # text held back while it could still be the start of a stop string
-        for token in decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
+        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled)
+        for token in steps or decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
                             sampler=sp.sampler(), processors=sp.processors(), max_tokens=max_tokens,
                             stats=stats, seed=sp.seed, cancelled=cancelled):
             out_ids.append(token)
@@ -366,11 +370,39 @@ class Engine:
         entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": text}] if req.messages else [])
         self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
                   f"{len(out_ids)} generated, ttft {stats.ttft_ms:.0f} ms, "
-                  f"{stats.decode_tps:.1f} tok/s, finish {finish}")
-        return {"tokens": out_ids, "text": text, "prompt_tokens": len(tokens), "cached_tokens": reuse,
+                  f"{stats.decode_tps:.1f} tok/s, finish {finish}" + spec.log_suffix())
+        return {**spec.result(), "tokens": out_ids, "text": text, "prompt_tokens": len(tokens), "cached_tokens": reuse,
                 "generated_tokens": len(out_ids), "ttft_ms": round(stats.ttft_ms, 2),
                 "prefill_tps": round(stats.prefill_tps, 2), "decode_tps": round(stats.decode_tps, 2),
                 "finish_reason": finish, "speed_projection": self.steering.active}
+
+    # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
+    def _spec_drafter(self, req: GenerateRequest):
+        """The drafter a request asks for (None: off); a draft model is loaded once and kept."""
+        from . import speculative
+        mode = speculative.parse_spec(req.speculative)
+        if mode.kind == "off":
+            return None
+        if mode.kind == "lookup":
+            return speculative.LookupDrafter()
+        from .models import resolve_model
+        path = resolve_model(mode.draft_path)
+        d = self.draft
+        if d is None or d.path != path or d.target_path != self.model_path:
+            self.draft = None
+            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log)
+        return self.draft
+
+    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled):
+        from . import speculative
+        spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
+        if drafter is None:
+            return spec, None
+        sp = req.sampling
+        return spec, speculative.decode(
+            self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
+            processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
+            seed=sp.seed, cancelled=cancelled)
 
     # ---- settings, status --------------------------------------------------------------------
     def _configure(self, req: Configure) -> dict:

@@ -1,0 +1,251 @@
+"""Speculative decoding (issue 15): prompt lookup and a draft model, on the real engine and tiny GGUFs.
+
+Greedy output must equal non-speculative decoding token for token; sampled output must follow the
+target's distribution (rejection sampling, checked by chi-square); the K/V must hold exactly the
+delivered tokens (parking, session files).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import speculative
+from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
+from engine.errors import StrataError
+from engine.sampling import SamplingParams
+from gguf_factory import TRAINING_TEXT
+
+WORDS = TRAINING_TEXT.split()
+
+
+def words(n: int, start: int = 0) -> str:
+    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(n))
+
+
+def start(model: Path, **opts) -> Engine:
+    engine = Engine(EngineOptions(model=str(model), **opts)).start()
+    assert engine.call(Status(), timeout=120)["model"], "the model did not load"
+    return engine
+
+
+def gen(engine, messages, spec="off", *, n=48, temperature=0.0, seed=None, rep=1.0, stop=None):
+    sp = SamplingParams(max_tokens=n, temperature=temperature, seed=seed, repetition_penalty=rep,
+                        stop=list(stop or []))
+    return engine.call(GenerateRequest(messages=list(messages), sampling=sp, speculative=spec), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_gguf):
+    return start(tiny_gguf, cache_mib=0)
+
+
+def test_parse_spec():
+    assert speculative.parse_spec("off").kind == "off"
+    assert speculative.parse_spec(None).kind == "off"
+    assert speculative.parse_spec("lookup").kind == "lookup"
+    m = speculative.parse_spec("draft:/x/y.gguf")
+    assert (m.kind, m.draft_path, m.label) == ("draft", "/x/y.gguf", "draft:/x/y.gguf")
+    for bad in ("on", "draft:", "lookup2"):
+        with pytest.raises(StrataError, match="off, lookup or draft:PATH"):
+            speculative.parse_spec(bad)
+
+
+def test_lookup_drafter_proposes_the_continuation_of_the_latest_match():
+    d = speculative.LookupDrafter(ngram_max=3, ngram_min=2, draft_len=4)
+    ctx = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 1, 2, 3]
+    # suffix [1,2,3] occurred at 0..2 -> continuation 4,5,6,9
+    assert d.propose(ctx, 8)[0] == [4, 5, 6, 9]
+    ctx2 = ctx + [7]          # suffix [3,7] occurred at 8..9 -> 8, 1, 2, 3
+    assert d.propose(ctx2, 2)[0] == [8, 1]
+    assert d.propose([5, 6, 7], 4)[0] == []          # no earlier occurrence
+    assert d.propose([9, 9, 9, 1], 4)[0] == []       # a new, unrelated context resets the index
+
+
+@pytest.mark.parametrize("rep", [1.0, 1.6])
+def test_lookup_greedy_equals_plain_decoding(tiny_engine, rep):
+    """rep 1.6 (repetition penalty) makes the random-weight model's greedy output non-degenerate,
+    so drafts are both accepted and rejected; it also exercises per-position processors."""
+    msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
+    plain = gen(tiny_engine, msgs, "off", n=64, rep=rep)
+    spec = gen(tiny_engine, msgs, "lookup", n=64, rep=rep)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["text"] == plain["text"]
+    assert spec["drafted_tokens"] > 0 and spec["speculative"] == "lookup"
+    assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+    assert plain["speculative"] == "off" and plain["drafted_tokens"] == 0
+
+
+def test_draft_model_greedy_equals_plain_decoding(tiny_gguf, tiny_gguf_other, tiny_engine):
+    msgs = [{"role": "user", "content": words(30, 5)}]
+    for rep in (1.0, 1.6):
+        plain = gen(tiny_engine, msgs, "off", n=40, rep=rep)
+        for draft in (tiny_gguf_other, tiny_gguf):     # another model; the target itself (all accepted)
+            spec = gen(tiny_engine, msgs, f"draft:{draft}", n=40, rep=rep)
+            assert spec["tokens"] == plain["tokens"], (draft.name, rep)
+            assert spec["drafted_tokens"] > 0
+            if draft == tiny_gguf and rep == 1.0:
+                assert spec["accepted_tokens"] == spec["drafted_tokens"]
+
+
+def test_a_draft_with_another_vocabulary_is_refused_by_name(tiny_engine, real_model):
+    with pytest.raises(StrataError, match=rf"draft model {real_model.name} has another vocabulary"):
+        gen(tiny_engine, [{"role": "user", "content": "hi"}], f"draft:{real_model}", n=4)
+    # the engine still serves
+    assert gen(tiny_engine, [{"role": "user", "content": "hi"}], "lookup", n=4)["tokens"]
+
+
+def test_kv_holds_exactly_the_delivered_tokens_after_a_stop_mid_run(tiny_engine):
+    """A stop string hit inside an accepted run: the K/V keeps no undelivered draft."""
+    msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
+    full = gen(tiny_engine, msgs, "off", n=48, rep=1.6)
+    stop_text = full["text"][len(full["text"]) // 2:][:6]
+    for spec in ("off", "lookup"):
+        r = gen(tiny_engine, msgs, spec, n=48, rep=1.6, stop=[stop_text])
+        live = tiny_engine.live
+        assert all(c.offset == len(live.tokens) for c in live.cache)
+        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r["tokens"])[:len(live.tokens)]
+        assert len(live.tokens) <= r["prompt_tokens"] + len(r["tokens"])
+
+
+class WrongDrafter:
+    """Proposes a token the target never picks (for the low-acceptance rule)."""
+
+    def propose(self, context, k):
+        return [0] * min(k, 4), None
+
+
+def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf):
+    from engine import generate
+    from engine.parking import KVEntry  # noqa: F401  (the engine's own cache type)
+    engine = start(tiny_gguf, cache_mib=0)
+    msgs = [{"role": "user", "content": words(20)}]
+    plain = gen(engine, msgs, "off", n=40, rep=1.6)
+
+    def run(e):
+        toks = e.prompt_tokens(GenerateRequest(messages=msgs))
+        cache, fed = e.make_cache(), []
+        generate.prefill(e.model, cache, toks[:-1], fed)
+        spec = speculative.SpecStats("test")
+        sp = SamplingParams(max_tokens=40, repetition_penalty=1.6)
+        out = list(speculative.decode(e.model, cache, toks[-1], fed, history=toks, sampling=sp,
+                                      processors=sp.processors(), max_tokens=40, stats=generate.StepStats(),
+                                      spec=spec, drafter=WrongDrafter()))
+        assert len(fed) == len(toks) + len(out) - 1 and all(c.offset == len(fed) for c in cache)
+        return out, spec
+    out, spec = engine.call(__import__("engine.engine", fromlist=["Call"]).Call(run))["value"]
+    assert out == plain["tokens"]
+    assert spec.passes == speculative.WINDOW and spec.accepted == 0
+    assert spec.stopped.startswith("acceptance 0/")
+
+
+def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain_one(tiny_gguf, tmp_path):
+    """A, side request B (parks A), A again, save, restore in a new engine, A once more: same tokens."""
+    a1 = [{"role": "user", "content": words(30) + " repeat: " + words(30)}]
+    b = [{"role": "user", "content": words(12, 50)}]
+    runs = {}
+    for spec in ("off", "lookup"):
+        e = start(tiny_gguf)
+        r1 = gen(e, a1, spec, n=24, rep=1.6)
+        gen(e, b, spec, n=8, rep=1.6)
+        a2 = a1 + [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": words(10, 7)}]
+        r2 = gen(e, a2, spec, n=24, rep=1.6)
+        assert r2["cached_tokens"] >= r1["prompt_tokens"]       # resumed from the parked K/V
+        path = tmp_path / f"{spec}.stratasession"
+        e.call(SaveSession(str(path)))
+        saved_tokens = list(e.live.tokens)
+        e2 = start(tiny_gguf)
+        e2.call(RestoreSession(str(path)))
+        assert e2.live.tokens == saved_tokens
+        assert all(c.offset == len(saved_tokens) for c in e2.live.cache)
+        a3 = a2 + [{"role": "assistant", "content": r2["text"]}, {"role": "user", "content": words(6, 3)}]
+        r3 = gen(e2, a3, spec, n=24, rep=1.6)
+        runs[spec] = (r1["tokens"], r2["tokens"], r3["tokens"], r3["cached_tokens"])
+    assert runs["lookup"] == runs["off"]
+
+
+# ---- sampled verification: the output follows the target's distribution ----------------------
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper critical value of chi-square (alpha ~0.001) by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: np.ndarray, p: np.ndarray, n: int) -> tuple[float, int]:
+    """Chi-square over tokens with expected count >= 5, the rest pooled into one bin."""
+    exp = p * n
+    big = exp >= 5
+    obs_b = list(counts[big]) + [counts[~big].sum()]
+    exp_b = list(exp[big]) + [exp[~big].sum()]
+    if exp_b[-1] < 5:
+        obs_b[-2] += obs_b.pop()
+        exp_b[-2] += exp_b.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs_b, exp_b))
+    return stat, len(obs_b) - 1
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gguf_other, drafter):
+    """2,000 first tokens of verify() from the tiny model's real logits: chi-square against p."""
+    from engine.engine import Call
+
+    def collect(e):
+        toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": words(12)}]))
+        sp = SamplingParams(temperature=1.5, top_p=0.95)
+        dist = speculative.target_distribution(sp)
+        cache = e.make_cache()
+        logits_prompt = e.model(mx.array(toks)[None], cache=cache)[0, -1]
+        p0 = dist(logits_prompt[None])[0]
+        # Draft the target's most likely token (a real draft would): both accept and reject paths run.
+        top = int(mx.argmax(p0).item())
+        draft = [top, top]
+        logits = e.model(mx.array(toks + draft)[None], cache=e.make_cache())[0, len(toks) - 1:]
+        q = None
+        if drafter == "draft":
+            other = speculative.load_draft(str(tiny_gguf_other), e.model_path, e.dtype, 2048)
+            qrow = dist(other.model(mx.array(toks)[None], cache=other.cache)[0, -1][None])[0]
+            q = [qrow, qrow]
+        mx.random.seed(7)
+        firsts = []
+        for _ in range(2000):
+            if q is not None:   # a draft model samples its drafts from q
+                d0 = int(mx.random.categorical(mx.log(q[0])).item())
+                n_ok, nxt = speculative.verify(logits, [d0, top], dist, q)
+                firsts.append(d0 if n_ok >= 1 else nxt)
+            else:
+                n_ok, nxt = speculative.verify(logits, draft, dist, None)
+                firsts.append(draft[0] if n_ok >= 1 else nxt)
+        return np.array(p0.tolist()), np.bincount(firsts, minlength=p0.shape[0]), float(p0[top].item())
+
+    p, counts, p_top = tiny_engine.call(Call(collect), timeout=300)["value"]
+    assert 0.05 < p_top < 0.95, f"the test needs a draft that is sometimes rejected (p={p_top:.3f})"
+    stat, df = _chi2(counts, p, 2000)
+    assert df >= 2
+    assert stat < _chi2_critical(df), f"chi-square {stat:.1f} on {df} df"
+    # and the test can fail: the same counts against the point mass of the draft are far off
+    wrong = np.zeros_like(p)
+    wrong[np.argmax(p)] = 0.9
+    wrong[np.argsort(p)[-2]] = 0.1
+    assert _chi2(counts, wrong, 2000)[0] > _chi2_critical(df)
+
+
+def test_sampled_speculation_runs_and_keeps_bookkeeping(tiny_engine):
+    msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
+    r = gen(tiny_engine, msgs, "lookup", n=40, temperature=0.8, seed=3)
+    assert len(r["tokens"]) >= 1
+    live = tiny_engine.live
+    assert all(c.offset == len(live.tokens) for c in live.cache)
+
+
+@pytest.mark.slow
+def test_smollm2_lookup_greedy_equals_plain_on_an_editing_prompt(real_model):
+    """The real model, a reply that repeats the prompt: same tokens, and many drafts accepted."""
+    engine = start(real_model, cache_mib=0)
+    code = "\n".join(f"    total_{i} = compute_value(items[{i}], scale)" for i in range(8))
+    msgs = [{"role": "user", "content": f"Repeat this code exactly:\n\ndef f(items, scale):\n{code}\n"}]
+    plain = gen(engine, msgs, "off", n=48)
+    spec = gen(engine, msgs, "lookup", n=48)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["accepted_tokens"] >= 16   # 32 of 71 drafts when written (the reply copies the code)
