@@ -249,3 +249,64 @@ def test_smollm2_lookup_greedy_equals_plain_on_an_editing_prompt(real_model):
     spec = gen(engine, msgs, "lookup", n=48)
     assert spec["tokens"] == plain["tokens"]
     assert spec["accepted_tokens"] >= 16   # 32 of 71 drafts when written (the reply copies the code)
+
+
+# ---- per request: CLI, replay, server ---------------------------------------------------------
+def test_cli_spec_flag_and_json_stats(tiny_gguf, tmp_path, capsys):
+    import json
+
+    from engine.cli import main
+    prompt = words(30) + " again: " + words(30)
+    outs = {}
+    for spec in ("off", "lookup", f"draft:{tiny_gguf}"):
+        code = main(["generate", "--model", str(tiny_gguf), "--prompt", prompt, "--json", "--max-tokens", "24",
+                     "--repeat-penalty", "1.6", "--spec", spec])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[spec] = json.loads(out)
+    assert outs["lookup"]["tokens"] == outs["off"]["tokens"] == outs[f"draft:{tiny_gguf}"]["tokens"]
+    assert outs["lookup"]["speculative"] == "lookup" and outs["off"]["drafted_tokens"] == 0
+    d = outs[f"draft:{tiny_gguf}"]
+    assert d["drafted_tokens"] > 0 and d["acceptance_rate"] == round(d["accepted_tokens"] / d["drafted_tokens"], 4)
+    # a bad value exits 2 with one line, before any model loads
+    assert main(["generate", "--model", str(tiny_gguf), "--prompt", "x", "--spec", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "off, lookup or draft:PATH" in err
+    # replay: --spec for every step, a step's "speculative" overrides it
+    script = tmp_path / "s.jsonl"
+    script.write_text(json.dumps({"conversation": "A", "user": prompt, "max_tokens": 16}) + "\n"
+                      + json.dumps({"conversation": "B", "user": prompt, "max_tokens": 16, "speculative": "off"}) + "\n")
+    assert main(["replay", str(script), "--model", str(tiny_gguf), "--json", "--spec", "lookup"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["speculative"] == "lookup" and "speculative" not in lines[1]
+    assert lines[0]["tokens"] == lines[1]["tokens"]
+
+
+def test_server_speculative_field(tiny_gguf, tiny_gguf_other, strata_home):
+    import shutil
+
+    import httpx
+
+    from engine.server import ServerThread, create_app
+    (strata_home / "models").mkdir(exist_ok=True)
+    shutil.copy(tiny_gguf_other, strata_home / "models" / "drafty.gguf")
+    engine = start(tiny_gguf, cache_mib=0)
+    srv = ServerThread(create_app(engine)).start()
+    try:
+        url = f"{srv.base_url}/chat/completions"
+        msgs = [{"role": "user", "content": words(30) + " again: " + words(30)}]
+        base = {"messages": msgs, "temperature": 0, "max_tokens": 20, "repetition_penalty": 1.6}
+        plain = httpx.post(url, json=base, timeout=120).json()
+        assert "speculative" not in plain["usage"]
+        for spec in ("lookup", "draft:drafty"):
+            r = httpx.post(url, json={**base, "speculative": spec}, timeout=120).json()
+            assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+            u = r["usage"]["speculative"]
+            assert 0 <= u["accepted_tokens"] <= u["drafted_tokens"]
+            assert u["drafted_tokens"] > 0 or spec == "lookup"      # lookup drafts only on a match
+            assert r["strata"]["speculative"] == spec
+        for bad in ("fast", 3, "draft:/etc/passwd", "draft:../x"):
+            e = httpx.post(url, json={**base, "speculative": bad}, timeout=30)
+            assert e.status_code == 400 and e.json()["error"]["param"] == "speculative", bad
+    finally:
+        srv.stop()
