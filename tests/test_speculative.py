@@ -310,3 +310,31 @@ def test_server_speculative_field(tiny_gguf, tiny_gguf_other, strata_home):
             assert e.status_code == 400 and e.json()["error"]["param"] == "speculative", bad
     finally:
         srv.stop()
+
+
+def test_control_vector_steers_the_verify_pass_and_the_draft_runs_unsteered(tmp_path):
+    """With a strong vector on, speculated greedy output equals the steered plain output (the verify
+    pass goes through the steered target), also with the target itself as an (unsteered) draft,
+    whose drafts the steering then rejects; with the projection off, output equals stock."""
+    from engine.control_vector import SteeringConfig, write_control_vector
+    from gguf_factory import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "tiny4.gguf", arch="llama", n_layer=4, n_embd=64, n_head=4,
+                            n_head_kv=2, n_ff=128, seed=5)
+    rng = np.random.default_rng(21)
+    vec = tmp_path / "strong.gguf"
+    write_control_vector(vec, {n: (rng.standard_normal(64) * 3.0).astype(np.float32) for n in range(1, 4)},
+                         model_hint="llama")
+    engine = start(model, cache_mib=0, steering=SteeringConfig(files=((str(vec), 1.0),)))
+    msgs = [{"role": "user", "content": words(30) + " again: " + words(30)}]
+
+    def ask(spec, on):
+        sp = SamplingParams(max_tokens=32, repetition_penalty=1.3)
+        return engine.call(GenerateRequest(messages=msgs, sampling=sp, speculative=spec, speed_projection=on))
+
+    steered, stock = ask("off", True), ask("off", False)
+    assert steered["tokens"] != stock["tokens"]
+    assert ask("lookup", True)["tokens"] == steered["tokens"]
+    d_on, d_off = ask(f"draft:{model}", True), ask(f"draft:{model}", False)
+    assert d_on["tokens"] == steered["tokens"] and d_off["tokens"] == stock["tokens"]
+    # the draft (unsteered, same weights) agrees with the stock target, less so with the steered one
+    assert d_off["accepted_tokens"] > d_on["accepted_tokens"]
