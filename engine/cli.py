@@ -24,6 +24,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-projection", choices=("on", "off"), default="on",
                    help="apply the loaded control vector to requests (default on)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
+                   help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
 
 
@@ -40,7 +42,8 @@ def engine_options(args):
                                   if args.control_vector_layer_range else None)
     return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
-                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype)
+                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
+                         kv_bits=args.kv_bits)
 
 
 def start_engine(args):

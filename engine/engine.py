@@ -34,6 +34,7 @@ class EngineOptions:
     speed_projection: bool = True             # default of the per-request switch when a vector is loaded
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
+    kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RestoreSession:
 
 @dataclass
 class Configure:
+    kv_bits: int | None = None                # K/V format of conversations from now on
     cache_mib: int | None = None
     cache_slots: int | None = None
     speed_projection: bool | None = None
@@ -225,6 +227,7 @@ class Engine:
                   f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self._log(f"weights: {info.load_note}")
+        self._log(f"K/V: {self.kv_fmt.describe()}")
         if vector is not None:
             self._log(vector.describe())
         if steering_error:
@@ -236,12 +239,19 @@ class Engine:
             raise RequestError("no model is loaded")
 
     def cache_key(self) -> str:
-        """What the K/V depends on: the model's content and the steering setting in force."""
-        return f"{self.model_hash}|{self.steering.fingerprint() or 'no-steering'}"
+        """What the K/V depends on: the model's content, the steering setting and the K/V format."""
+        fmt = self.kv_fmt
+        return (f"{self.model_hash}|{self.steering.fingerprint() or 'no-steering'}"
+                + (f"|{fmt.label}" if fmt.quantized else ""))
+
+    @property
+    def kv_fmt(self):
+        from .kv_format import choose
+        return choose(self.options.kv_bits, self.info.head_dim)
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-        return make_prompt_cache(self.model)
+        from .kv_format import make_cache
+        return make_cache(self.model, self.kv_fmt)
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
@@ -420,6 +430,15 @@ class Engine:
             self._log(f"conversation cache: {cap} MiB, {slots} slots")
         if req.speed_projection is not None:
             self.options.speed_projection = bool(req.speed_projection)
+        if req.kv_bits is not None:
+            from .kv_format import choose
+            if self.info is not None:
+                choose(int(req.kv_bits), self.info.head_dim)      # refused here, before anything changes
+            elif int(req.kv_bits) not in (16, 8, 4):
+                choose(int(req.kv_bits), 64)
+            self.options.kv_bits = int(req.kv_bits)
+            if self.info is not None:
+                self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
         return self.status()
 
     def status(self) -> dict:
@@ -437,6 +456,7 @@ class Engine:
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
+            "kv_bits": self.options.kv_bits,
         }
 
     # ---- session files -----------------------------------------------------------------------
@@ -446,7 +466,7 @@ class Engine:
         return {"model_hash": self.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
                 "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
                 "tokenizer": self.tokenizer.fingerprint, "chat_template": text_hash(self.template or ""),
-                "steering": self.steering.fingerprint() or "none"}
+                "steering": self.steering.fingerprint() or "none", "kv_format": self.kv_fmt.label}
 
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions

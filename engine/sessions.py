@@ -30,21 +30,16 @@ KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
 EXTENSION = ".stratasession"
 _CHECKSUM_PLACEHOLDER = "0" * 16
 _MAX_HEADER = 64 << 20
-_ST_DTYPES = {"F16": np.float16, "I32": np.int32}
+_ST_DTYPES = {"F16": np.float16, "I32": np.int32, "U32": np.uint32}
 
 
 def _tensor_plan(entry, n_layer: int):
     """(name, numpy dtype, shape, producer) for every tensor, in file order."""
+    from .kv_format import layer_tensors     # 16-bit or quantized K/V layouts
     n = len(entry.tokens)
     plan = [("tokens", "I32", (n,), lambda: np.asarray(entry.tokens, dtype=np.int32))]
     for i, c in enumerate(entry.cache[:n_layer]):
-        shape = tuple(c.keys.shape[:2]) + (n,) + tuple(c.keys.shape[3:])
-        for kind, arr in (("k", "keys"), ("v", "values")):
-            def produce(c=c, arr=arr):
-                a = getattr(c, arr)[..., :n, :].astype(mx.float16)
-                mx.eval(a)
-                return np.asarray(a)
-            plan.append((f"{kind}.{i}", "F16", shape, produce))
+        plan += layer_tensors(i, c, n)
     return plan
 
 
@@ -66,7 +61,8 @@ def save(path: str, entry, fingerprint: dict, *, progress: Callable[[int, int], 
     if final.is_dir():
         raise SessionFileError(f"cannot save the session: {final} is a folder")
     final.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": FORMAT, "version": VERSION, "n_tokens": len(entry.tokens), "kv_dtype": KV_DTYPE,
+    metadata = {"format": FORMAT, "version": VERSION, "n_tokens": len(entry.tokens),
+                "kv_dtype": fingerprint.get("kv_format", KV_DTYPE),
                 "kv_layout": KV_LAYOUT, "messages": json.dumps(entry.messages, ensure_ascii=False),
                 "checksum": _CHECKSUM_PLACEHOLDER, **{f"fp.{k}": v for k, v in fingerprint.items()}}
     plan = _tensor_plan(entry, int(fingerprint["n_layer"]))
@@ -166,7 +162,12 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
     geometry = ("n_layer", "n_kv_heads", "head_dim")
     theirs = {k: fp.get(k) for k in geometry}
     ours = {k: str(expected[k]) for k in geometry}
-    if theirs != ours or meta.get("kv_layout") != KV_LAYOUT or meta.get("kv_dtype") != KV_DTYPE:
+    ours_kv = expected.get("kv_format", KV_DTYPE)
+    if theirs == ours and meta.get("kv_layout") == KV_LAYOUT and meta.get("kv_dtype") != ours_kv:
+        from .kv_format import describe_label
+        raise SessionFileError(f"{name} holds {describe_label(meta.get('kv_dtype'))}; this engine runs "
+                               f"{describe_label(ours_kv)} (restore it with the --kv-bits it was saved with)")
+    if theirs != ours or meta.get("kv_layout") != KV_LAYOUT or meta.get("kv_dtype") != ours_kv:
         raise SessionFileError(
             f"{name}: incompatible K/V geometry (file: {fp.get('n_layer')} layers x {fp.get('n_kv_heads')} "
             f"K/V heads x {fp.get('head_dim')}, {meta.get('kv_dtype')}; model: {expected['n_layer']} x "
@@ -193,8 +194,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     p = Path(path).expanduser()
     table, meta, start = read_header(str(p))
     check_fingerprint(p.name, meta, expected)
+    from . import kv_format
     n_layer = int(expected["n_layer"])
-    names = ["tokens"] + [f"{kind}.{i}" for i in range(n_layer) for kind in ("k", "v")]
+    fmt = kv_format.format_of_label(meta.get("kv_dtype"))
+    names = ["tokens"] + [nm for i in range(n_layer) for nm in kv_format.layer_names(i, fmt)]
     if any(nm not in table or table[nm].get("dtype") not in _ST_DTYPES for nm in names):
         raise SessionFileError(f"{p.name} is corrupted (missing or malformed tensors)")
     digest = xxhash.xxh3_64()
@@ -221,12 +224,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     cache = make_cache()
     dtype = dtype or _compute_dtype()
     for i, c in enumerate(cache):
-        k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
-        if k.shape[2] != len(tokens) or v.shape != k.shape:
-            raise SessionFileError(f"{p.name} is corrupted (layer {i} holds {k.shape[2]} cells for "
-                                   f"{len(tokens)} tokens)")
-        c.state = (mx.array(k).astype(dtype), mx.array(v).astype(dtype), len(tokens))
-    mx.eval([(c.keys, c.values) for c in cache])
+        why = kv_format.restore_layer(i, c, arrays, len(tokens), fmt, dtype)
+        if why:
+            raise SessionFileError(f"{p.name} is corrupted ({why})")
+    mx.eval([kv_format.arrays_of(c) for c in cache])
     try:
         messages = json.loads(meta.get("messages", "[]"))
     except ValueError:
