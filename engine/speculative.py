@@ -24,7 +24,8 @@ session files hold only accepted, delivered tokens.
 
 Never slower: after each verify pass the acceptance of the last WINDOW drafting passes is checked;
 below MIN_ACCEPTANCE the request stops speculating and finishes in the ordinary (pipelined) decode
-loop. Lookup with no n-gram match costs nothing but the lookup itself (a plain one-token step).
+loop. A pass with no n-gram match is a plain one-token step (without the plain loop's pipelining);
+after MAX_IDLE of them in a row the request also finishes in the plain loop.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ MODEL_DRAFT = 4            # tokens proposed per verify pass (draft model: each 
 # "Never slower": judged over the last WINDOW passes that carried a draft.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.25
+# Passes without any draft (no n-gram match) are plain decode steps, minus the plain loop's
+# pipelining: after this many in a row the request finishes in the plain loop.
+MAX_IDLE = 32
 
 
 @dataclass
@@ -79,6 +83,7 @@ class SpecStats:
     accepted: int = 0
     passes: int = 0                  # verify passes that carried a draft
     stopped: str = ""                # why speculation stopped for this request ("" = it did not)
+    idle: int = 0                    # consecutive passes without a draft
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -304,6 +309,9 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                 spec.stopped = (f"acceptance {sum(a for _, a in spec.recent)}/"
                                 f"{sum(d for d, _ in spec.recent)} over the last {WINDOW} drafts")
                 break
+            if spec.idle >= MAX_IDLE:
+                spec.stopped = f"no draft in {MAX_IDLE} tokens"
+                break
             room = max_tokens - delivered - 1     # the pass itself yields one token beyond the drafts
             draft, draft_dists = [], None
             if room > 0:
@@ -326,6 +334,9 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
             n_ok, nxt = verify(logits, draft, dist, draft_dists)
             if draft:
                 spec.record(len(draft), n_ok)
+                spec.idle = 0
+            elif room > 0:
+                spec.idle += 1
             rejected = len(draft) - n_ok
             if rejected:
                 for c in cache:

@@ -65,10 +65,10 @@ def test_lookup_drafter_proposes_the_continuation_of_the_latest_match():
     assert d.propose([9, 9, 9, 1], 4)[0] == []       # a new, unrelated context resets the index
 
 
-@pytest.mark.parametrize("rep", [1.0, 1.6])
+@pytest.mark.parametrize("rep", [1.0, 1.1])
 def test_lookup_greedy_equals_plain_decoding(tiny_engine, rep):
-    """rep 1.6 (repetition penalty) makes the random-weight model's greedy output non-degenerate,
-    so drafts are both accepted and rejected; it also exercises per-position processors."""
+    """rep 1.1 (repetition penalty) exercises per-position processors in the verify pass; both
+    settings find lookup drafts, some accepted, most rejected (random weights)."""
     msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
     plain = gen(tiny_engine, msgs, "off", n=64, rep=rep)
     spec = gen(tiny_engine, msgs, "lookup", n=64, rep=rep)
@@ -118,6 +118,13 @@ class WrongDrafter:
         return [0] * min(k, 4), None
 
 
+class NoDrafter:
+    """Never finds a draft (lookup on a conversation with no repeats)."""
+
+    def propose(self, context, k):
+        return [], None
+
+
 def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf):
     from engine import generate
     from engine.parking import KVEntry  # noqa: F401  (the engine's own cache type)
@@ -125,7 +132,7 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf):
     msgs = [{"role": "user", "content": words(20)}]
     plain = gen(engine, msgs, "off", n=40, rep=1.6)
 
-    def run(e):
+    def run(e, drafter):
         toks = e.prompt_tokens(GenerateRequest(messages=msgs))
         cache, fed = e.make_cache(), []
         generate.prefill(e.model, cache, toks[:-1], fed)
@@ -133,13 +140,17 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf):
         sp = SamplingParams(max_tokens=40, repetition_penalty=1.6)
         out = list(speculative.decode(e.model, cache, toks[-1], fed, history=toks, sampling=sp,
                                       processors=sp.processors(), max_tokens=40, stats=generate.StepStats(),
-                                      spec=spec, drafter=WrongDrafter()))
+                                      spec=spec, drafter=drafter))
         assert len(fed) == len(toks) + len(out) - 1 and all(c.offset == len(fed) for c in cache)
         return out, spec
-    out, spec = engine.call(__import__("engine.engine", fromlist=["Call"]).Call(run))["value"]
+    from engine.engine import Call
+    out, spec = engine.call(Call(lambda e: run(e, WrongDrafter())))["value"]
     assert out == plain["tokens"]
     assert spec.passes == speculative.WINDOW and spec.accepted == 0
     assert spec.stopped.startswith("acceptance 0/")
+    out, spec = engine.call(Call(lambda e: run(e, NoDrafter())))["value"]
+    assert out == plain["tokens"] and spec.idle == speculative.MAX_IDLE
+    assert spec.stopped == f"no draft in {speculative.MAX_IDLE} tokens"
 
 
 def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain_one(tiny_gguf, tmp_path):
@@ -147,7 +158,10 @@ def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain
     a1 = [{"role": "user", "content": words(30) + " repeat: " + words(30)}]
     b = [{"role": "user", "content": words(12, 50)}]
     runs = {}
-    for spec in ("off", "lookup"):
+    drafts = {}
+    # the target as its own draft: drafts accepted until the repetition penalty (which the draft
+    # does not apply) disagrees, so runs of partial acceptance and trims throughout
+    for spec in ("off", "lookup", f"draft:{tiny_gguf}"):
         e = start(tiny_gguf)
         r1 = gen(e, a1, spec, n=24, rep=1.6)
         gen(e, b, spec, n=8, rep=1.6)
@@ -164,7 +178,10 @@ def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain
         a3 = a2 + [{"role": "assistant", "content": r2["text"]}, {"role": "user", "content": words(6, 3)}]
         r3 = gen(e2, a3, spec, n=24, rep=1.6)
         runs[spec] = (r1["tokens"], r2["tokens"], r3["tokens"], r3["cached_tokens"])
+        drafts[spec] = [(r["drafted_tokens"], r["accepted_tokens"]) for r in (r1, r2, r3)]
     assert runs["lookup"] == runs["off"]
+    assert runs[f"draft:{tiny_gguf}"] == runs["off"]
+    assert all(0 < a < d for d, a in drafts[f"draft:{tiny_gguf}"]), drafts
 
 
 # ---- sampled verification: the output follows the target's distribution ----------------------
