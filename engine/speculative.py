@@ -44,11 +44,19 @@ from .errors import RequestError
 # rarely finds more than 3-4 does. See bench/README.md ("Speculative decoding") for the tuning runs.
 NGRAM_MAX = 4
 NGRAM_MIN = 2
-LOOKUP_DRAFT = 8           # tokens proposed per verify pass (lookup)
-MODEL_DRAFT = 4            # tokens proposed per verify pass (draft model: each costs a draft step)
-# "Never slower": judged over the last WINDOW passes that carried a draft.
+# Tokens proposed per verify pass. On a GPU a pass over 9 tokens costs about what a pass over 1
+# does (decode is memory-bound); on MLX's CPU backend it does not (SmolLM2-135M, 2 vCPUs: 1 token
+# 0.36 s, 2: 0.56 s, 4: 0.94 s, 8: 2.9 s), so drafts there are kept short.
+LOOKUP_DRAFT_GPU = 8
+LOOKUP_DRAFT_CPU = 3
+MODEL_DRAFT = 4            # draft model: each drafted token also costs a draft-model step
+# "Never slower": judged over the last WINDOW passes that carried a draft. When plain one-token
+# passes were timed in this request, speculation stops once its tokens/s over the window fall below
+# the plain passes' (the fastest plain pass: noise on a busy machine errs towards speculating less);
+# without a plain timing, once acceptance falls below MIN_ACCEPTANCE.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.25
+PLAIN_FIRST = 2            # the first passes of a request are plain: they time the baseline
 # Passes without any draft (no n-gram match) are plain decode steps, minus the plain loop's
 # pipelining: after this many in a row the request finishes in the plain loop.
 MAX_IDLE = 32
@@ -84,20 +92,34 @@ class SpecStats:
     passes: int = 0                  # verify passes that carried a draft
     stopped: str = ""                # why speculation stopped for this request ("" = it did not)
     idle: int = 0                    # consecutive passes without a draft
-    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (drafted, accepted, seconds)
+    plain_s: float = 0.0             # the fastest plain one-token pass (0: none timed yet)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.passes += 1
-        self.recent.append((drafted, accepted))
+        self.recent.append((drafted, accepted, seconds))
 
-    def too_low(self) -> bool:
+    def record_plain(self, seconds: float) -> None:
+        self.plain_s = seconds if not self.plain_s else min(self.plain_s, seconds)
+
+    def too_low(self) -> str:
+        """Why speculation should stop now ('' = keep going)."""
         if len(self.recent) < WINDOW:
-            return False
-        d = sum(x for x, _ in self.recent)
-        a = sum(y for _, y in self.recent)
-        return d > 0 and a / d < MIN_ACCEPTANCE
+            return ""
+        d = sum(x[0] for x in self.recent)
+        a = sum(x[1] for x in self.recent)
+        t = sum(x[2] for x in self.recent)
+        if self.plain_s and t > 0:
+            spec_tps, plain_tps = (a + len(self.recent)) / t, 1.0 / self.plain_s
+            if spec_tps < plain_tps:
+                return (f"{spec_tps:.1f} tok/s speculating vs {plain_tps:.1f} plain over the last "
+                        f"{WINDOW} drafts (accepted {a}/{d})")
+            return ""
+        if d > 0 and a / d < MIN_ACCEPTANCE:
+            return f"acceptance {a}/{d} over the last {WINDOW} drafts"
+        return ""
 
     @property
     def rate(self) -> float:
@@ -118,7 +140,9 @@ class SpecStats:
 class LookupDrafter:
     """Prompt-lookup drafts from an n-gram index kept up to date as the context grows."""
 
-    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN, draft_len: int = LOOKUP_DRAFT):
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN, draft_len: int | None = None):
+        if draft_len is None:
+            draft_len = LOOKUP_DRAFT_CPU if mx.default_device() == mx.cpu else LOOKUP_DRAFT_GPU
         self.ngram_max, self.ngram_min, self.draft_len = ngram_max, ngram_min, draft_len
         self.tokens: list[int] = []
         # n-gram -> end index of its most recent occurrence that is not the current suffix
@@ -305,16 +329,17 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         while delivered < max_tokens:
             if cancelled():
                 return
-            if spec.too_low():
-                spec.stopped = (f"acceptance {sum(a for _, a in spec.recent)}/"
-                                f"{sum(d for d, _ in spec.recent)} over the last {WINDOW} drafts")
+            why = spec.too_low()
+            if why:
+                spec.stopped = why
                 break
             if spec.idle >= MAX_IDLE:
                 spec.stopped = f"no draft in {MAX_IDLE} tokens"
                 break
             room = max_tokens - delivered - 1     # the pass itself yields one token beyond the drafts
             draft, draft_dists = [], None
-            if room > 0:
+            t0 = time.perf_counter()
+            if room > 0 and delivered >= PLAIN_FIRST:
                 if isinstance(drafter, DraftModel):
                     draft, draft_dists = drafter.propose(context, room, dist)
                 else:
@@ -332,11 +357,15 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     rows.append(row)
                 logits = mx.concatenate(rows, axis=0)
             n_ok, nxt = verify(logits, draft, dist, draft_dists)
+            seconds = time.perf_counter() - t0
             if draft:
-                spec.record(len(draft), n_ok)
+                spec.record(len(draft), n_ok, seconds)
                 spec.idle = 0
-            elif room > 0:
-                spec.idle += 1
+            else:
+                if delivered > 0:       # the first pass carries set-up costs: not a fair baseline
+                    spec.record_plain(seconds)
+                if room > 0 and delivered >= PLAIN_FIRST:
+                    spec.idle += 1
             rejected = len(draft) - n_ok
             if rejected:
                 for c in cache:

@@ -125,8 +125,33 @@ class NoDrafter:
         return [], None
 
 
-def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf):
+def test_never_slower_rule():
+    s = speculative.SpecStats("lookup")
+    for _ in range(speculative.WINDOW - 1):
+        s.record(4, 0, 0.5)
+    assert s.too_low() == ""                                  # not a full window yet
+    s.record(4, 0, 0.5)
+    assert s.too_low().startswith("acceptance 0/32")          # no plain timing: acceptance rule
+    s.record_plain(0.4)
+    s.record_plain(0.3)
+    assert s.plain_s == 0.3
+    assert s.too_low().startswith("2.0 tok/s speculating vs 3.3 plain")
+    fast = speculative.SpecStats("lookup")
+    fast.record_plain(0.3)
+    for _ in range(speculative.WINDOW):
+        fast.record(3, 2, 0.5)                                # 3 tokens per 0.5 s: 6 tok/s > 3.3
+    assert fast.too_low() == ""
+    slow = speculative.SpecStats("lookup")
+    slow.record_plain(0.3)
+    for _ in range(speculative.WINDOW):
+        slow.record(3, 3, 1.5)                                # all accepted, yet 2.7 tok/s < 3.3
+    assert "speculating vs" in slow.too_low()
+
+
+def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, monkeypatch):
     from engine import generate
+    # every pass drafts (no plain pass times a baseline), so the acceptance rule decides
+    monkeypatch.setattr(speculative, "PLAIN_FIRST", 0)
     from engine.parking import KVEntry  # noqa: F401  (the engine's own cache type)
     engine = start(tiny_gguf, cache_mib=0)
     msgs = [{"role": "user", "content": words(20)}]
