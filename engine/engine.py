@@ -211,6 +211,8 @@ class Engine:
             except ControlVectorError as e:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
+        from .kv_format import choose
+        choose(self.options.kv_bits, info.head_dim)   # --kv-bits this model's head size cannot take: refused
         # Everything validated: swap in the new model (a failed load above leaves the old one serving).
         self.options.steering = steer_cfg
         self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path

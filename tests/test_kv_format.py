@@ -128,3 +128,12 @@ def test_smollm2_session_bytes_per_token_at_8_bits(real_model, tmp_path):
     # 30 layers x 3 K/V heads x 64: 11,520 B of 8-bit codes + 720 B of float16 scales/biases
     assert per_token <= 12_500, per_token
     assert s["tokens"] >= r["prompt_tokens"]
+
+
+def test_kv_bits_a_model_cannot_take_is_refused_at_load(tiny_gguf, tiny_gguf_wide):
+    from engine.engine import LoadModel
+    e = start(tiny_gguf_wide, kv_bits=8)
+    with pytest.raises(StrataError, match=r"8-bit K/V needs a head size that is a multiple of 32 \(this model's is 16\)"):
+        e.call(LoadModel(str(tiny_gguf)))
+    assert e.call(Status())["model"] == str(tiny_gguf_wide)     # the loaded model keeps serving
+    assert gen(e, [{"role": "user", "content": "hi"}], n=3)["tokens"]
