@@ -273,12 +273,38 @@ def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gg
     assert _chi2(counts, wrong, 2000)[0] > _chi2_critical(df)
 
 
-def test_sampled_speculation_runs_and_keeps_bookkeeping(tiny_engine):
+def test_sampled_speculation_runs_and_keeps_bookkeeping(tiny_engine, tiny_gguf):
     msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
-    r = gen(tiny_engine, msgs, "lookup", n=40, temperature=0.8, seed=3)
-    assert len(r["tokens"]) >= 1
+    for spec in ("lookup", f"draft:{tiny_gguf}"):
+        r = gen(tiny_engine, msgs, spec, n=40, temperature=0.8, seed=3)
+        assert len(r["tokens"]) == 40
+        live = tiny_engine.live
+        assert all(c.offset == len(live.tokens) for c in live.cache)
+        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r["tokens"])[:len(live.tokens)]
+        if spec.startswith("draft"):
+            # the target drafting for itself at the same temperature: most drafts accepted (p == q)
+            assert r["accepted_tokens"] > 0.8 * r["drafted_tokens"] > 0
+
+
+def test_cancel_mid_speculation_keeps_the_kv_exact(tiny_engine, tiny_gguf):
+    from engine.events import Token
+    msgs = [{"role": "user", "content": words(30, 11)}]
+    got = []
+
+    def on_event(ev, h=None):
+        if isinstance(ev, Token):
+            got.append(ev.id)
+            if len(got) == 5:
+                handle.cancel()
+    handle = tiny_engine.submit(GenerateRequest(messages=msgs, speculative=f"draft:{tiny_gguf}",
+                                                sampling=SamplingParams(max_tokens=60)), callback=on_event)
+    r = handle.result(timeout=120)
+    assert r["finish_reason"] == "cancelled" and len(r["tokens"]) < 60
     live = tiny_engine.live
     assert all(c.offset == len(live.tokens) for c in live.cache)
+    prompt = tiny_engine.prompt_tokens(GenerateRequest(messages=msgs))
+    assert len(live.tokens) <= len(prompt) + len(r["tokens"])
+    assert live.tokens == (prompt + r["tokens"])[:len(live.tokens)]
 
 
 @pytest.mark.slow
