@@ -406,3 +406,19 @@ def test_control_vector_steers_the_verify_pass_and_the_draft_runs_unsteered(tmp_
     assert d_on["tokens"] == steered["tokens"] and d_off["tokens"] == stock["tokens"]
     # the draft (unsteered, same weights) agrees with the stock target, less so with the steered one
     assert d_off["accepted_tokens"] > d_on["accepted_tokens"]
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_requantized_copy_as_draft(real_model):
+    """A real draft: the Q4_K_M requantization tests/test_oracle.py makes (same vocabulary). Greedy
+    output identical to plain decoding; a close copy's drafts are mostly accepted."""
+    import os
+    draft = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata-tests" / "smollm2-135m-Q4_K_M.gguf"
+    if not draft.exists():
+        pytest.skip(f"{draft} not made yet (tests/test_oracle.py makes it with llama.cpp)")
+    engine = start(real_model, cache_mib=0)
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    plain = gen(engine, msgs, "off", n=24)
+    spec = gen(engine, msgs, f"draft:{draft}", n=24)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["accepted_tokens"] > 0.5 * spec["drafted_tokens"] > 0, spec
