@@ -10,6 +10,13 @@ one engine (the prompt's K/V is reused after the first run, so only decode diffe
 the engine's own: (generated - 1) / (last token - first token). The table gives medians over the
 rounds, the speed-up vs "off", the acceptance (accepted/drafted), and whether every mode produced
 the same tokens as "off" (greedy output must be identical).
+
+    .venv/bin/python bench/spec.py --tune [--max-tokens 128]
+
+Tuning of prompt lookup's n-gram sizes and draft length, exactly and without timing: one plain greedy
+reply per workload, then the lookup drafter replayed over it (greedy verification accepts a draft's
+longest prefix that equals the reply, so the passes a speculated run makes follow from the reply
+alone). Reports tokens per verify pass and acceptance for each setting.
 """
 from __future__ import annotations
 
@@ -51,7 +58,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", default="edit,chat")
+    ap.add_argument("--tune", action="store_true", help="replay lookup settings over plain replies")
     args = ap.parse_args()
+    if args.tune:
+        return tune(args)
     modes = ["off", "lookup"] + ([f"draft:{args.draft}"] if args.draft else [])
     engine = Engine(EngineOptions(model=args.model)).start()
     st = engine.call(Status(), timeout=600)
@@ -87,6 +97,45 @@ def main() -> int:
             label = "draft" if mode.startswith("draft:") else mode
             print(f"| {w} | {label} | {tps:.2f} | {tps / base:.2f}x | {acc}/{dr}"
                   f"{f' ({acc / dr:.0%})' if dr else ''} | {'yes' if same else 'NO'} |", flush=True)
+    engine.stop()
+    return 0
+
+
+def simulate(prompt: list[int], reply: list[int], ngram_max: int, ngram_min: int, k: int) -> tuple[int, int, int]:
+    """(verify passes, drafted, accepted) of greedy lookup speculation producing `reply`."""
+    from engine.speculative import LookupDrafter
+    d = LookupDrafter(ngram_max, ngram_min, k)
+    i = passes = drafted = accepted = 0
+    while i < len(reply):
+        draft, _ = d.propose(prompt + reply[:i], min(k, len(reply) - i - 1))
+        n = 0
+        while n < len(draft) and draft[n] == reply[i + n]:
+            n += 1
+        passes += 1
+        drafted += len(draft)
+        accepted += n
+        i += n + 1
+    return passes, drafted, accepted
+
+
+def tune(args) -> int:
+    from engine.engine import Engine, EngineOptions, GenerateRequest, Status
+    from engine.sampling import SamplingParams
+    engine = Engine(EngineOptions(model=args.model)).start()
+    assert engine.call(Status(), timeout=600)["model"], "the model did not load"
+    workloads = {"edit": edit_prompt(), "chat": CHAT}
+    print("| workload | n-gram | draft | tokens per pass | accepted/drafted |")
+    print("|---|---|---|---|---|")
+    for w in args.workloads.split(","):
+        req = GenerateRequest(messages=[{"role": "user", "content": workloads[w]}],
+                              sampling=SamplingParams(max_tokens=args.max_tokens))
+        prompt = engine.prompt_tokens(req)
+        reply = engine.call(req, timeout=1800)["tokens"]
+        for ng in ((2, 1), (3, 2), (4, 2), (5, 3)):
+            for k in (2, 3, 4, 8, 16):
+                passes, dr, acc = simulate(prompt, reply, ng[0], ng[1], k)
+                print(f"| {w} | {ng[1]}-{ng[0]} | {k} | {len(reply) / passes:.2f} | {acc}/{dr}"
+                      f"{f' ({acc / dr:.0%})' if dr else ''} |", flush=True)
     engine.stop()
     return 0
 
