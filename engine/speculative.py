@@ -22,10 +22,12 @@ and from `fed` at once; if the consumer stops mid-way through an accepted run (E
 cancel), closing the generator trims the K/V back to the tokens actually delivered, so parking and
 session files hold only accepted, delivered tokens.
 
-Never slower: after each verify pass the acceptance of the last WINDOW drafting passes is checked;
-below MIN_ACCEPTANCE the request stops speculating and finishes in the ordinary (pipelined) decode
-loop. A pass with no n-gram match is a plain one-token step (without the plain loop's pipelining);
-after MAX_IDLE of them in a row the request also finishes in the plain loop.
+Never slower: the first PLAIN_FIRST passes of a request are plain one-token steps, timing the
+baseline. After each verify pass the last WINDOW drafting passes are judged: tokens/s below the
+fastest plain pass (or, with no baseline, acceptance below MIN_ACCEPTANCE) and the request stops
+speculating and finishes in the ordinary (pipelined) decode loop. A pass with no n-gram match is a
+plain one-token step (without the plain loop's pipelining); after MAX_IDLE of them in a row the
+request also finishes in the plain loop. The reply's `speculation_stopped` says which rule fired.
 """
 from __future__ import annotations
 

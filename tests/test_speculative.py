@@ -152,7 +152,6 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, mon
     from engine import generate
     # every pass drafts (no plain pass times a baseline), so the acceptance rule decides
     monkeypatch.setattr(speculative, "PLAIN_FIRST", 0)
-    from engine.parking import KVEntry  # noqa: F401  (the engine's own cache type)
     engine = start(tiny_gguf, cache_mib=0)
     msgs = [{"role": "user", "content": words(20)}]
     plain = gen(engine, msgs, "off", n=40, rep=1.6)
