@@ -304,7 +304,8 @@ class ChatView(QWidget):
 
     def _submit(self, messages: list[dict], sampling: dict) -> None:
         req = self.client.generate(messages, sampling, conversation=f"chat-{self.chat.id}",
-                                   speed_projection=self.projection.isChecked())
+                                   speed_projection=self.projection.isChecked(),
+                                   speculative=self.preset.speculative)
         self.request = req
         req.token.connect(self._on_token)
         req.progress.connect(self.progress)

@@ -157,12 +157,13 @@ class EngineClient(QObject):
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
-                 speed_projection: bool | None = None) -> Request:
+                 speed_projection: bool | None = None, speculative: str = "off") -> Request:
         def make():
             from engine.engine import GenerateRequest
             from engine.sampling import SamplingParams
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
-                                   speed_projection=speed_projection, conversation=conversation)
+                                   speed_projection=speed_projection, conversation=conversation,
+                                   speculative=speculative)
         return self._submit("generate", make)
 
     def load_model(self, path: str, steering="keep") -> Request:

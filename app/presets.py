@@ -12,13 +12,14 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
+SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
@@ -35,6 +36,7 @@ class Preset:
     max_tokens: int = 512
     context_length: int = 0          # 0 = the model's own
     speed_projection: bool = True
+    speculative: str = "off"         # "off" | "lookup": prompt-lookup speculative decoding (engine/speculative.py)
 
     @property
     def is_default(self) -> bool:
@@ -194,6 +196,11 @@ class PresetDialog(QDialog):
         self.context_length = _spin(0, 1 << 20, preset.context_length, 512)
         self.context_length.setSpecialValueText("model's own")
         self.speed = QCheckBox("Speed projection on in chats using this config", checked=preset.speed_projection)
+        self.spec = QComboBox(toolTip="Draft tokens from the conversation itself and check them in one pass: "
+                              "faster when replies repeat the prompt (editing code); same output")
+        for label, value in SPECULATIVE_CHOICES:
+            self.spec.addItem(label, value)
+        self.spec.setCurrentIndex(max(0, self.spec.findData(preset.speculative)))
         self.error = QLabel(wordWrap=True, visible=False)
         form = QFormLayout()
         form.addRow("Name", self.name)
@@ -206,6 +213,7 @@ class PresetDialog(QDialog):
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Context length", self.context_length)
         form.addRow("", self.speed)
+        form.addRow("Speculative decoding", self.spec)
         if preset.is_default:
             form.addRow("", QLabel("Default is also the settings page's sampling defaults.", wordWrap=True))
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
@@ -223,6 +231,7 @@ class PresetDialog(QDialog):
         p.min_p, p.repetition_penalty = self.min_p.value(), self.rep.value()
         p.max_tokens, p.context_length = self.max_tokens.value(), self.context_length.value()
         p.speed_projection = self.speed.isChecked()
+        p.speculative = self.spec.currentData() or "off"
         return p
 
     def submit(self) -> None:

@@ -67,7 +67,10 @@ class StatusBar(QStatusBar):
         self.progress_label.hide()
 
     def show_result(self, r: dict) -> None:
-        self.speed.setText(f"{r.get('decode_tps', 0):.1f} tok/s")
+        spec = ""
+        if r.get("speculative", "off") != "off":     # speculative decoding: its acceptance
+            spec = f" · {r['accepted_tokens']}/{r['drafted_tokens']} drafts accepted"
+        self.speed.setText(f"{r.get('decode_tps', 0):.1f} tok/s{spec}")
         self.ttft.setText(f"ttft {r.get('ttft_ms', 0):.0f} ms")
         self.cached.setText(f"cached {r.get('cached_tokens', 0)}/{r.get('prompt_tokens', 0)} tokens")
 

@@ -24,6 +24,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-projection", choices=("on", "off"), default="on",
                    help="apply the loaded control vector to requests (default on)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
+                   help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
 
 
@@ -48,7 +50,8 @@ def engine_options(args):
                                   if args.control_vector_layer_range else None)
     return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
-                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype)
+                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
+                         kv_bits=args.kv_bits)
 
 
 def start_engine(args):
@@ -93,7 +96,7 @@ def cmd_generate(args) -> int:
         messages.append({"role": "user", "content": args.prompt})
     speed = None if args.speed_projection is None else args.speed_projection == "on"
     handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
-                                           sampling=sp, speed_projection=speed))
+                                           sampling=sp, speed_projection=speed, speculative=args.spec))
     for ev in handle.events():
         if isinstance(ev, Token) and not args.json:
             sys.stdout.write(ev.text)
@@ -107,15 +110,32 @@ def cmd_generate(args) -> int:
         out.update(session_bytes=s["session_bytes"], save_ms=s["save_ms"])
     if args.json:
         keys = ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms", "prefill_tps", "decode_tps",
-                "generated_tokens", "finish_reason")
+                "generated_tokens", "finish_reason") + SPEC_KEYS
         print(json.dumps({**{k: res[k] for k in keys}, **out}))
     else:
         sys.stdout.write("\n")
         print(f"prompt {res['prompt_tokens']} tokens (cached {res['cached_tokens']}), "
               f"{res['generated_tokens']} generated, ttft {res['ttft_ms']:.0f} ms, "
-              f"prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s", file=sys.stderr)
+              f"prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s"
+              + spec_summary(res), file=sys.stderr)
     engine.stop()
     return 0
+
+
+# Speculative decoding's per-reply stats (engine/speculative.py), printed by --json.
+SPEC_KEYS = ("speculative", "drafted_tokens", "accepted_tokens", "acceptance_rate")
+
+
+def add_spec_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="off", metavar="off|lookup|draft:PATH",
+                   help="speculative decoding: prompt lookup, or a draft GGUF with the same vocabulary")
+
+
+def spec_summary(res: dict) -> str:
+    if res.get("speculative", "off") == "off":
+        return ""
+    return (f", {res['speculative']}: {res['accepted_tokens']}/{res['drafted_tokens']} drafts accepted"
+            + (f" (stopped: {res['speculation_stopped']})" if res.get("speculation_stopped") else ""))
 
 
 def cmd_models(args) -> int:
@@ -200,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--restore-session", metavar="FILE")
     g.add_argument("--force", action="store_true",
                    help="let --save-session replace a file that holds a longer conversation")
+    add_spec_flag(g)
     g.set_defaults(fn=cmd_generate)
 
     m = sub.add_parser("models", help="the models folder")
@@ -215,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(r)
     r.add_argument("script")
     r.add_argument("--json", action="store_true")
+    add_spec_flag(r)
     r.set_defaults(fn=lambda a: __import__("engine.replay", fromlist=["x"]).cmd_replay(a))
 
     s = sub.add_parser("serve", help="OpenAI-compatible local server")
@@ -242,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "spec", None) is not None:
+            from .speculative import parse_spec
+            parse_spec(args.spec)          # a bad value exits 2 before the model loads
         return args.fn(args)
     except StrataError as e:
         print(f"strata: {e}", file=sys.stderr)

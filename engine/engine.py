@@ -35,6 +35,7 @@ class EngineOptions:
     speed_projection: bool = True             # default of the per-request switch when a vector is loaded
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
+    kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speed_projection: bool | None = None      # None: the engine's default
     conversation: str = ""                    # a label for logs
+    speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class RestoreSession:
 
 @dataclass
 class Configure:
+    kv_bits: int | None = None                # K/V format of conversations from now on
     cache_mib: int | None = None
     cache_slots: int | None = None
     speed_projection: bool | None = None
@@ -108,6 +111,7 @@ class Engine:
         self.live = None                          # parking.KVEntry of the conversation holding the engine
         self.parking = None
         self.n_ctx = 0
+        self.draft = None                         # speculative.DraftModel loaded for `draft:PATH` requests
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -243,6 +247,8 @@ class Engine:
             except ControlVectorError as e:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
+        from .kv_format import choose
+        choose(self.options.kv_bits, info.head_dim)   # --kv-bits this model's head size cannot take: refused
         # Everything validated: swap in the new model (a failed load above leaves the old one serving).
         self.options.steering = steer_cfg
         self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path
@@ -260,6 +266,7 @@ class Engine:
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self._log(f"weights: {info.load_note}")
         self._log(memory_line)
+        self._log(f"K/V: {self.kv_fmt.describe()}")
         if vector is not None:
             self._log(vector.describe())
         if steering_error:
@@ -271,12 +278,19 @@ class Engine:
             raise RequestError("no model is loaded")
 
     def cache_key(self) -> str:
-        """What the K/V depends on: the model's content and the steering setting in force."""
-        return f"{self.model_hash}|{self.steering.fingerprint() or 'no-steering'}"
+        """What the K/V depends on: the model's content, the steering setting and the K/V format."""
+        fmt = self.kv_fmt
+        return (f"{self.model_hash}|{self.steering.fingerprint() or 'no-steering'}"
+                + (f"|{fmt.label}" if fmt.quantized else ""))
+
+    @property
+    def kv_fmt(self):
+        from .kv_format import choose
+        return choose(self.options.kv_bits, self.info.head_dim)
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-        return make_prompt_cache(self.model)
+        from .kv_format import make_cache
+        return make_cache(self.model, self.kv_fmt)
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
@@ -363,6 +377,7 @@ class Engine:
         from .tokenizer import StreamDecoder
         self._require_model()
         req.sampling.validate()
+        drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
         self.steering.enabled = bool(self.steering.vector) and (
             self.options.speed_projection if req.speed_projection is None else req.speed_projection)
         stats = StepStats()
@@ -391,7 +406,8 @@ class Engine:
         stream = StreamDecoder(self.tokenizer)
         finish = "length"
         held = ""   # text held back while it could still be the start of a stop string
-        for token in decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
+        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled)
+        for token in steps or decode(self.model, entry.cache, tokens[-1], entry.tokens, history=tokens,
                             sampler=sp.sampler(self.info.n_vocab), processors=sp.processors(), max_tokens=max_tokens,
                             stats=stats, seed=sp.seed, cancelled=cancelled):
             out_ids.append(token)
@@ -423,11 +439,39 @@ class Engine:
         entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": text}] if req.messages else [])
         self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
                   f"{len(out_ids)} generated, ttft {stats.ttft_ms:.0f} ms, "
-                  f"{stats.decode_tps:.1f} tok/s, finish {finish}")
-        return {"tokens": out_ids, "text": text, "prompt_tokens": len(tokens), "cached_tokens": reuse,
+                  f"{stats.decode_tps:.1f} tok/s, finish {finish}" + spec.log_suffix())
+        return {**spec.result(), "tokens": out_ids, "text": text, "prompt_tokens": len(tokens), "cached_tokens": reuse,
                 "generated_tokens": len(out_ids), "ttft_ms": round(stats.ttft_ms, 2),
                 "prefill_tps": round(stats.prefill_tps, 2), "decode_tps": round(stats.decode_tps, 2),
                 "finish_reason": finish, "speed_projection": self.steering.active}
+
+    # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
+    def _spec_drafter(self, req: GenerateRequest):
+        """The drafter a request asks for (None: off); a draft model is loaded once and kept."""
+        from . import speculative
+        mode = speculative.parse_spec(req.speculative)
+        if mode.kind == "off":
+            return None
+        if mode.kind == "lookup":
+            return speculative.LookupDrafter()
+        from .models import resolve_model
+        path = resolve_model(mode.draft_path)
+        d = self.draft
+        if d is None or d.path != path or d.target_path != self.model_path:
+            self.draft = None
+            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log)
+        return self.draft
+
+    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled):
+        from . import speculative
+        spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
+        if drafter is None:
+            return spec, None
+        sp = req.sampling
+        return spec, speculative.decode(
+            self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
+            processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
+            seed=sp.seed, cancelled=cancelled)
 
     # ---- settings, status --------------------------------------------------------------------
     def _configure(self, req: Configure) -> dict:
@@ -441,6 +485,15 @@ class Engine:
             self._log(f"conversation cache: {cap} MiB, {slots} slots")
         if req.speed_projection is not None:
             self.options.speed_projection = bool(req.speed_projection)
+        if req.kv_bits is not None:
+            from .kv_format import choose
+            if self.info is not None:
+                choose(int(req.kv_bits), self.info.head_dim)      # refused here, before anything changes
+            elif int(req.kv_bits) not in (16, 8, 4):
+                choose(int(req.kv_bits), 64)
+            self.options.kv_bits = int(req.kv_bits)
+            if self.info is not None:
+                self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
         return self.status()
 
     def _cache_range(self):
@@ -466,6 +519,7 @@ class Engine:
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
+            "kv_bits": self.options.kv_bits,
         }
 
     # ---- session files -----------------------------------------------------------------------
@@ -475,7 +529,7 @@ class Engine:
         return {"model_hash": self.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
                 "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
                 "tokenizer": self.tokenizer.fingerprint, "chat_template": text_hash(self.template or ""),
-                "steering": self.steering.fingerprint() or "none"}
+                "steering": self.steering.fingerprint() or "none", "kv_format": self.kv_fmt.label}
 
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions

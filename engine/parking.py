@@ -27,7 +27,8 @@ class KVEntry:
     last_used: float = field(default_factory=time.monotonic)
 
     def nbytes(self) -> int:
-        return sum(c.keys.nbytes + c.values.nbytes for c in self.cache if getattr(c, "keys", None) is not None)
+        from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
+        return sum(nbytes(c) for c in self.cache)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,11 +40,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def copy_prefix(cache: list, n: int, make_cache: Callable[[], list]) -> list:
+    from . import kv_format
     fresh = make_cache()
     for src, dst in zip(cache, fresh):
-        if n > 0:
-            dst.state = (mx.array(src.keys[..., :n, :]), mx.array(src.values[..., :n, :]), n)
-    mx.eval([(c.keys, c.values) for c in fresh if c.keys is not None])
+        kv_format.copy_prefix(src, dst, n)
+    mx.eval([kv_format.arrays_of(c) for c in fresh])
     return fresh
 
 

@@ -1,8 +1,9 @@
 """`strata replay SCRIPT.jsonl`: chat requests in order on one engine, one JSON object a line.
 
 Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system",
-"temperature", "seed", "speed_projection", "save_session" (with "force": true to replace a longer
-saved conversation), "restore_session". Each conversation keeps
+"temperature", "seed", "speed_projection", "speculative" (off|lookup|draft:PATH; default --spec),
+"save_session" (with "force": true to replace a longer saved conversation), "restore_session". Each
+conversation keeps
 its own history (replies included) exactly as the app does, so a script reproduces what a person did.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load_script(path: str) -> list[dict]:
     return steps
 
 
-def run_script(engine, steps: list[dict]):
+def run_script(engine, steps: list[dict], spec: str = "off"):
     """Yield one result dict per step."""
     from .engine import GenerateRequest, RestoreSession, SaveSession
     from .sampling import SamplingParams
@@ -58,12 +59,16 @@ def run_script(engine, steps: list[dict]):
             sp = SamplingParams(max_tokens=int(step.get("max_tokens", 64)),
                                 temperature=float(step.get("temperature", 0.0)), seed=step.get("seed"))
             h = engine.submit(GenerateRequest(messages=list(history), sampling=sp, conversation=name,
-                                              speed_projection=step.get("speed_projection")))
+                                              speed_projection=step.get("speed_projection"),
+                                              speculative=str(step.get("speculative", spec))))
             r = h.result()
             history.append({"role": "assistant", "content": r["text"]})
             out["events"] += h.log_lines
             out.update({k: r[k] for k in ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms",
                                           "decode_tps")})
+            if r.get("speculative", "off") != "off":
+                out.update({k: r[k] for k in ("speculative", "drafted_tokens", "accepted_tokens",
+                                              "acceptance_rate")})
         if step.get("save_session"):
             h = engine.submit(SaveSession(step["save_session"], force=bool(step.get("force", False))))
             r = h.result()
@@ -75,7 +80,7 @@ def cmd_replay(args) -> int:
     from .cli import start_engine
     steps = load_script(args.script)
     engine = start_engine(args)
-    for out in run_script(engine, steps):
+    for out in run_script(engine, steps, getattr(args, "spec", "off")):
         if args.json:
             print(json.dumps(out), flush=True)
         else:

@@ -154,6 +154,25 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     )
 
 
+def _speculative(body: dict) -> str:
+    """The extra field "speculative": "off" | "lookup" | "draft:NAME" (a model in the models folder;
+    a client does not get to point the server at arbitrary paths)."""
+    value = body.get("speculative", "off")
+    if value is None:
+        return "off"
+    from .speculative import parse_spec
+    try:
+        if not isinstance(value, str):
+            raise StrataError("speculative must be a string")
+        mode = parse_spec(value)
+    except StrataError as e:
+        raise APIError(400, str(e), param="speculative", code="invalid_value") from None
+    if mode.kind == "draft" and ("/" in mode.draft_path or "\\" in mode.draft_path or mode.draft_path.startswith(".")):
+        raise APIError(400, "speculative draft: give a model name from the models folder, not a path",
+                       param="speculative", code="invalid_value")
+    return mode.label
+
+
 def _content_text(content, i: int) -> str:
     if content is None:
         return ""
@@ -323,11 +342,14 @@ def _check_model(engine, body: dict) -> str:
 def _usage(result: dict) -> dict:
     return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["generated_tokens"],
             "total_tokens": result["prompt_tokens"] + result["generated_tokens"],
-            "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]},
+            **({"speculative": {k: result[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance_rate")}}
+               if result.get("speculative", "off") != "off" else {})}
 
 
 def _timings(result: dict) -> dict:
-    return {k: result.get(k) for k in ("ttft_ms", "prefill_tps", "decode_tps", "speed_projection")}
+    return {k: result.get(k) for k in ("ttft_ms", "prefill_tps", "decode_tps", "speed_projection",
+                                       "speculative", "drafted_tokens", "accepted_tokens", "acceptance_rate")}
 
 
 def _finish(result: dict) -> str:
@@ -380,6 +402,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         opts = body.get("stream_options")
         include_usage = bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
         speed = _bool(body, "experimental_speed_projection", None)
+        speculative = _speculative(body)
         try:
             sampling.validate()                  # the engine's own checks (engine/sampling.py), as 400
         except SamplingError as e:
@@ -390,7 +413,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         bridge = _Bridge(engine, GenerateRequest(messages=messages, prompt=prompt, sampling=sampling,
-                                                 speed_projection=speed, conversation=f"http {rid}"))
+                                                 speed_projection=speed, conversation=f"http {rid}",
+                                                 speculative=speculative))
         handle = bridge.handle
 
         if not stream:

@@ -263,6 +263,15 @@ def check_overwrite(final: Path, n_tokens: int, force: bool) -> None:
             new_tokens=n_tokens)
 
 
+def _require_16bit(fingerprint: dict, verb: str) -> None:
+    """Format 2 stores 16-bit K/V; a conversation held in quantized K/V (--kv-bits 8|4) is refused by name."""
+    label = fingerprint.get("kv_format", KV_DTYPE)
+    if label != KV_DTYPE:
+        from .kv_format import describe_label
+        raise SessionFileError(f"session files hold 16-bit K/V; this engine runs {describe_label(label)}, so "
+                               f"no session can be {verb} (use --kv-bits 16)")
+
+
 def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool = False,
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
@@ -273,6 +282,7 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise SessionFileError(f"cannot save the session: {final} is a folder")
     if os.path.lexists(final) and not final.is_file():
         raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
+    _require_16bit(fingerprint, "saved")
     g = Geometry.of(fingerprint)
     n = len(entry.tokens)
     cache = list(entry.cache[:g.n_layer])
@@ -632,6 +642,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     prof = RestoreProfile()
     p = Path(path).expanduser()
     name = p.name
+    _require_16bit(expected, "restored")
     g = Geometry.of(expected, n_vocab, n_ctx)
     dtype = dtype or _compute_dtype()
     np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end

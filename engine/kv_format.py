@@ -1,0 +1,223 @@
+"""K/V storage format: 16-bit (mlx-lm's KVCache) or 8/4-bit (mlx-lm's QuantizedKVCache).
+
+Quantized K/V uses MLX's affine quantization along head_dim: per group of `group` values a scale and
+a bias. Group 64 when head_dim allows it (SmolLM2: 30 layers x 3 K/V heads x 64 -> 11,520 B/token of
+8-bit codes + 720 B of float16 scales/biases = 12,240 B/token in a session file, vs 23,040 at 16 bit),
+else 32. Everything that touches the cache's arrays by layout (parking's byte count and prefix copy,
+session files) asks this module, so one place knows both layouts.
+
+The live cache keeps float16 scales and biases (see HalfScaleQuantizedKVCache), and session files
+store quantized K/V exactly as held (codes uint32, scales and biases float16), with the format in
+the file's `kv_dtype` ("float16", "q8g64", "q4g64", ...); a file of another format is refused with
+the reason (no conversion: re-quantizing 8-bit codes to 4 bits, or widening them to 16, would give a
+K/V that no engine run produced).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import RequestError
+
+BITS = (16, 8, 4)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    bits: int = 16
+    group: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def label(self) -> str:
+        """The session file's kv_dtype (16 bit keeps the name files had before K/V quantization)."""
+        return "float16" if not self.quantized else f"q{self.bits}g{self.group}"
+
+    def describe(self) -> str:
+        return "16-bit K/V" if not self.quantized else f"{self.bits}-bit K/V (group {self.group})"
+
+
+def choose(bits: int, head_dim: int) -> KVFormat:
+    if bits not in BITS:
+        raise RequestError(f"K/V bits must be one of 16, 8, 4 (got {bits})")
+    if bits == 16:
+        return KVFormat(16)
+    for g in (64, 32):
+        if head_dim % g == 0:
+            return KVFormat(bits, g)
+    raise RequestError(f"{bits}-bit K/V needs a head size that is a multiple of 32 (this model's is {head_dim})")
+
+
+def describe_label(label: str | None) -> str:
+    if label in (None, "", "float16"):
+        return "16-bit K/V"
+    try:
+        bits, group = label[1:].split("g")
+        return f"{int(bits)}-bit K/V (group {int(group)})"
+    except ValueError:
+        return f"K/V format {label!r}"
+
+
+def _half_scale_cache_class():
+    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx.utils import tree_map
+
+    class HalfScaleQuantizedKVCache(QuantizedKVCache):
+        """mlx-lm's QuantizedKVCache with float16 scales and biases whatever the compute dtype.
+
+        On the CPU the engine computes in float32, and mlx-lm would keep float32 scales (12,960
+        B/token for SmolLM2 at 8 bits). float16 ones take 12,240, and a session file can hold them
+        bit for bit, so a restored conversation continues exactly as the live one would.
+        (mx.quantized_matmul takes float16 scales with float32 inputs.)"""
+
+        def update_and_fetch(self, keys, values):
+            B, n_kv_heads, num_steps, k_head_dim = keys.shape
+            v_head_dim = values.shape[-1]
+            prev = self.offset
+            if self.keys is None or (prev + num_steps) > self.keys[0].shape[-2]:
+                el_per_int = 8 * mx.uint32.size // self.bits
+                new_steps = (self.step + num_steps - 1) // self.step * self.step
+                shape = (B, n_kv_heads, new_steps)
+
+                def init_quant(dim):
+                    return (mx.zeros((*shape, dim // el_per_int), dtype=mx.uint32),
+                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16),
+                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16))
+
+                def expand_quant(x):
+                    return mx.concatenate([x, mx.zeros((*shape, x.shape[-1]), dtype=x.dtype)], axis=-2)
+
+                if self.keys is not None:
+                    if prev % self.step != 0:
+                        self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
+                    self.keys, self.values = tree_map(expand_quant, (self.keys, self.values))
+                else:
+                    self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
+            self.offset += num_steps
+            keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+            values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+            for i in range(3):
+                self.keys[i][..., prev:self.offset, :] = keys[i].astype(self.keys[i].dtype)
+                self.values[i][..., prev:self.offset, :] = values[i].astype(self.values[i].dtype)
+            return self.keys_and_values()
+
+    return HalfScaleQuantizedKVCache
+
+
+_HALF = None
+
+
+def make_cache(model, fmt: KVFormat) -> list:
+    from mlx_lm.models.cache import make_prompt_cache
+    global _HALF
+    if not fmt.quantized:
+        return make_prompt_cache(model)
+    if _HALF is None:
+        _HALF = _half_scale_cache_class()
+    return [_HALF(group_size=fmt.group, bits=fmt.bits) for _ in model.layers]
+
+
+def _is_quantized(c) -> bool:
+    return hasattr(c, "bits")
+
+
+def nbytes(c) -> int:
+    """Bytes the layer's cache really holds in memory (allocated buffers: codes, scales, biases)."""
+    if getattr(c, "keys", None) is None:
+        return 0
+    if _is_quantized(c):
+        return sum(x.nbytes for x in (*c.keys, *c.values))
+    return c.keys.nbytes + c.values.nbytes
+
+
+def copy_prefix(src, dst, n: int) -> None:
+    """dst (an empty cache of the same kind) gets its own copy of src's first n cells."""
+    if n <= 0 or src.keys is None:
+        return
+    if _is_quantized(src):
+        keys = tuple(mx.array(x[..., :n, :]) for x in src.keys)
+        values = tuple(mx.array(x[..., :n, :]) for x in src.values)
+        dst.state = (keys, values, n, src.group_size, src.bits)
+    else:
+        dst.state = (mx.array(src.keys[..., :n, :]), mx.array(src.values[..., :n, :]), n)
+
+
+def arrays_of(c) -> list:
+    """The arrays to mx.eval after filling a cache."""
+    if getattr(c, "keys", None) is None:
+        return []
+    if _is_quantized(c):
+        return [*c.keys, *c.values]
+    return [c.keys, c.values]
+
+
+# ---- session files ----------------------------------------------------------------------------
+# Tensor names per layer i: 16 bit: k.i, v.i (float16). Quantized: k.i.q (uint32 codes), k.i.s and
+# k.i.b (float16 scales and biases), and the same for v.
+def layer_tensors(i: int, c, n: int) -> list[tuple[str, str, tuple, callable]]:
+    """(name, safetensors dtype, shape, producer of a numpy array) for layer i's first n cells."""
+    out = []
+    for kind, attr in (("k", "keys"), ("v", "values")):
+        parts = getattr(c, attr)
+        if not _is_quantized(c):
+            shape = tuple(parts.shape[:2]) + (n,) + tuple(parts.shape[3:])
+
+            def produce(a=parts):
+                x = a[..., :n, :].astype(mx.float16)
+                mx.eval(x)
+                return np.asarray(x)
+            out.append((f"{kind}.{i}", "F16", shape, produce))
+            continue
+        for suffix, arr, st in (("q", parts[0], "U32"), ("s", parts[1], "F16"), ("b", parts[2], "F16")):
+            shape = tuple(arr.shape[:2]) + (n,) + tuple(arr.shape[3:])
+
+            def produce(a=arr, st=st):
+                x = a[..., :n, :]
+                if st == "F16":
+                    x = x.astype(mx.float16)
+                mx.eval(x)
+                return np.asarray(x)
+            out.append((f"{kind}.{i}.{suffix}", st, shape, produce))
+    return out
+
+
+def layer_names(i: int, fmt: KVFormat) -> list[str]:
+    if not fmt.quantized:
+        return [f"k.{i}", f"v.{i}"]
+    return [f"{kind}.{i}.{s}" for kind in ("k", "v") for s in ("q", "s", "b")]
+
+
+def restore_layer(i: int, c, arrays: dict, n: int, fmt: KVFormat, dtype) -> str | None:
+    """Fill cache c with layer i from the file's arrays; the reason when they do not fit, else None."""
+    if not fmt.quantized:
+        k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
+        if k.shape[2] != n or v.shape != k.shape:
+            return f"layer {i} holds {k.shape[2]} cells for {n} tokens"
+        c.state = (mx.array(k).astype(dtype), mx.array(v).astype(dtype), n)
+        return None
+    parts = {}
+    for kind in ("k", "v"):
+        q, s, b = (arrays[f"{kind}.{i}.{x}"] for x in ("q", "s", "b"))
+        if q.ndim != 4 or q.shape[2] != n or s.shape != b.shape or s.shape[:3] != q.shape[:3] \
+                or q.shape[3] * 32 // fmt.bits != s.shape[3] * fmt.group:
+            return f"layer {i} {kind}: quantized tensors do not fit {n} tokens in {fmt.label}"
+        parts[kind] = (mx.array(q), mx.array(s), mx.array(b))     # float16 scales, as the live cache
+    c.state = (parts["k"], parts["v"], n, fmt.group, fmt.bits)
+    return None
+
+
+def format_of_label(label: str | None) -> KVFormat | None:
+    """The KVFormat a file's kv_dtype names, or None when it is not one this engine writes."""
+    if label in (None, "", "float16"):
+        return KVFormat(16)
+    try:
+        bits, group = label[1:].split("g")
+        fmt = KVFormat(int(bits), int(group))
+    except ValueError:
+        return None
+    return fmt if label.startswith("q") and fmt.bits in (8, 4) and fmt.group in (32, 64) else None

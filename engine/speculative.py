@@ -1,0 +1,406 @@
+"""Speculative decoding: draft a few tokens cheaply, check them all in one forward pass of the target.
+
+Two drafters:
+* prompt lookup (`lookup`): the continuation of the most recent earlier occurrence of the last
+  NGRAM_MAX..NGRAM_MIN tokens of the conversation (prompt + reply so far). No second model; it pays
+  off when the reply repeats the prompt (editing, quoting, code rewrites).
+* a draft model (`draft:PATH`): a second, smaller GGUF with the same vocabulary, run unsteered with
+  its own K/V, kept in step with the target's by trimming to the common prefix before each draft.
+
+Verification (one target pass over [pending, d1..dk]):
+* greedy: accept drafts while they equal the target's argmax; then the target's own token. The
+  output is the non-speculative greedy output, token for token.
+* sampled: standard speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept
+  d_i with probability min(1, p(d_i)/q(d_i)), on rejection sample from norm(max(0, p - q)); if all are
+  accepted, sample a bonus token from p. For lookup drafts q is a point mass on d_i, so acceptance is
+  p(d_i) and the residual is p with d_i removed. The output follows the target's distribution
+  (p is the target's distribution after the request's processors, top-p/min-p/top-k and temperature,
+  exactly what the non-speculative sampler draws from).
+
+Bookkeeping: `fed` is exactly what the target's K/V holds. Rejected drafts are trimmed from the cache
+and from `fed` at once; if the consumer stops mid-way through an accepted run (EOS, a stop string,
+cancel), closing the generator trims the K/V back to the tokens actually delivered, so parking and
+session files hold only accepted, delivered tokens.
+
+Never slower: the first PLAIN_FIRST passes of a request are plain one-token steps, timing the
+baseline. After each verify pass the last WINDOW drafting passes are judged: tokens/s below the
+fastest plain pass (or, with no baseline, acceptance below MIN_ACCEPTANCE) and the request stops
+speculating and finishes in the ordinary (pipelined) decode loop. A pass with no n-gram match is a
+plain one-token step (without the plain loop's pipelining); after MAX_IDLE of them in a row the
+request also finishes in the plain loop. The reply's `speculation_stopped` says which rule fired.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+
+from .errors import RequestError
+
+# Prompt lookup: the longest suffix n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before
+# proposes the tokens that followed it. n = 1 matches are mostly noise on chat text; longer than 4
+# rarely finds more than 3-4 does. See bench/README.md ("Speculative decoding") for the tuning runs.
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+# Tokens proposed per verify pass. On a GPU a pass over 9 tokens costs about what a pass over 1
+# does (decode is memory-bound); on MLX's CPU backend it does not (SmolLM2-135M, 2 vCPUs: 1 token
+# 0.36 s, 2: 0.56 s, 4: 0.94 s, 8: 2.9 s), so drafts there are kept short.
+LOOKUP_DRAFT_GPU = 8
+LOOKUP_DRAFT_CPU = 3
+MODEL_DRAFT = 4            # draft model: each drafted token also costs a draft-model step
+# "Never slower": judged over the last WINDOW passes that carried a draft. When plain one-token
+# passes were timed in this request, speculation stops once its tokens/s over the window fall below
+# the plain passes' (the fastest plain pass: noise on a busy machine errs towards speculating less);
+# without a plain timing, once acceptance falls below MIN_ACCEPTANCE.
+WINDOW = 8
+MIN_ACCEPTANCE = 0.25
+PLAIN_FIRST = 2            # the first passes of a request are plain: they time the baseline
+# Passes without any draft (no n-gram match) are plain decode steps, minus the plain loop's
+# pipelining: after this many in a row the request finishes in the plain loop.
+MAX_IDLE = 32
+
+
+@dataclass
+class SpecMode:
+    kind: str = "off"                # "off" | "lookup" | "draft"
+    draft_path: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"draft:{self.draft_path}" if self.kind == "draft" else self.kind
+
+
+def parse_spec(text: str | None) -> SpecMode:
+    """'off' | 'lookup' | 'draft:PATH' (RequestError otherwise)."""
+    t = (text or "off").strip()
+    if t in ("off", "none", ""):
+        return SpecMode()
+    if t == "lookup":
+        return SpecMode("lookup")
+    if t.startswith("draft:") and t[6:].strip():
+        return SpecMode("draft", t[6:].strip())
+    raise RequestError(f"speculative must be off, lookup or draft:PATH (got {text!r})")
+
+
+@dataclass
+class SpecStats:
+    mode: str = "off"
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0                  # verify passes that carried a draft
+    stopped: str = ""                # why speculation stopped for this request ("" = it did not)
+    idle: int = 0                    # consecutive passes without a draft
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (drafted, accepted, seconds)
+    plain_s: float = 0.0             # the fastest plain one-token pass (0: none timed yet)
+
+    def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.passes += 1
+        self.recent.append((drafted, accepted, seconds))
+
+    def record_plain(self, seconds: float) -> None:
+        self.plain_s = seconds if not self.plain_s else min(self.plain_s, seconds)
+
+    def too_low(self) -> str:
+        """Why speculation should stop now ('' = keep going)."""
+        if len(self.recent) < WINDOW:
+            return ""
+        d = sum(x[0] for x in self.recent)
+        a = sum(x[1] for x in self.recent)
+        t = sum(x[2] for x in self.recent)
+        if self.plain_s and t > 0:
+            spec_tps, plain_tps = (a + len(self.recent)) / t, 1.0 / self.plain_s
+            if spec_tps < plain_tps:
+                return (f"{spec_tps:.1f} tok/s speculating vs {plain_tps:.1f} plain over the last "
+                        f"{WINDOW} drafts (accepted {a}/{d})")
+            return ""
+        if d > 0 and a / d < MIN_ACCEPTANCE:
+            return f"acceptance {a}/{d} over the last {WINDOW} drafts"
+        return ""
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def log_suffix(self) -> str:
+        if self.mode == "off":
+            return ""
+        return (f", speculative {self.mode}: {self.accepted}/{self.drafted} drafts accepted"
+                + (f" (stopped: {self.stopped})" if self.stopped else ""))
+
+    def result(self) -> dict:
+        return {"speculative": self.mode, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": round(self.rate, 4), "speculation_stopped": self.stopped}
+
+
+# ---- drafters ---------------------------------------------------------------------------------
+class LookupDrafter:
+    """Prompt-lookup drafts from an n-gram index kept up to date as the context grows."""
+
+    def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN, draft_len: int | None = None):
+        if draft_len is None:
+            draft_len = LOOKUP_DRAFT_CPU if mx.default_device() == mx.cpu else LOOKUP_DRAFT_GPU
+        self.ngram_max, self.ngram_min, self.draft_len = ngram_max, ngram_min, draft_len
+        self.tokens: list[int] = []
+        # n-gram -> end index of its most recent occurrence that is not the current suffix
+        self.index: dict[tuple, int] = {}
+        self.indexed = 0             # positions < indexed have their n-grams (ending there) in `index`
+
+    def _sync(self, context: list[int]) -> None:
+        if self.tokens != context[:len(self.tokens)]:
+            self.tokens, self.index, self.indexed = [], {}, 0
+        self.tokens.extend(context[len(self.tokens):])
+        # Index every position but the last: the suffix must find an *earlier* occurrence.
+        for end in range(self.indexed, len(self.tokens) - 1):
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end + 1 >= n:
+                    self.index[tuple(self.tokens[end + 1 - n:end + 1])] = end
+        self.indexed = max(self.indexed, len(self.tokens) - 1)
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
+        self._sync(context)
+        toks = self.tokens
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(toks) < n:
+                continue
+            end = self.index.get(tuple(toks[-n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + min(k, self.draft_len)], None
+        return [], None
+
+
+class DraftModel:
+    """A second model with the target's vocabulary; owns its K/V, kept in step by prefix trimming."""
+
+    def __init__(self, path: Path, model, vocab_hash: str, n_ctx: int, target_path: Path | None = None):
+        from mlx_lm.models.cache import make_prompt_cache
+        self.path, self.model, self.vocab_hash, self.n_ctx = path, model, vocab_hash, n_ctx
+        self.target_path = target_path
+        self.cache = make_prompt_cache(model)
+        self.fed: list[int] = []
+        self.draft_len = MODEL_DRAFT
+
+    def _catch_up(self, context: list[int]) -> mx.array:
+        """Feed the draft model the context it lacks; logits for the token after `context`."""
+        n = 0
+        m = min(len(self.fed), len(context) - 1)    # always evaluate at least the last token
+        while n < m and self.fed[n] == context[n]:
+            n += 1
+        if len(self.fed) > n:
+            for c in self.cache:
+                c.trim(len(self.fed) - n)
+            del self.fed[n:]
+        rest = context[n:]
+        for i in range(0, len(rest) - 1, 512):      # long gaps (a new prompt) in chunks
+            part = rest[i:min(i + 512, len(rest) - 1)]
+            self.model(mx.array(part)[None], cache=self.cache)
+            self.fed.extend(part)
+        logits = self.model(mx.array(rest[-1:])[None], cache=self.cache)[0, -1]
+        self.fed.append(rest[-1])
+        return logits
+
+    def propose(self, context: list[int], k: int, target_dist=None) -> tuple[list[int], list | None]:
+        """k draft tokens; with sampling, also the draft distributions they were drawn from."""
+        k = min(k, self.draft_len)
+        logits = self._catch_up(context)
+        out, dists = [], []
+        for i in range(k):
+            if target_dist is None:
+                t = int(mx.argmax(logits).item())
+            else:
+                q = target_dist(logits[None])[0]
+                t = int(mx.random.categorical(mx.log(q)).item())
+                dists.append(q)
+            out.append(t)
+            if i < k - 1:
+                logits = self.model(mx.array([t])[None], cache=self.cache)[0, -1]
+                self.fed.append(t)
+        return out, (dists if target_dist is not None else None)
+
+
+def vocab_hash(gguf) -> str:
+    """Hash of the whole token list (and its types): drafts are only meaningful over the same ids."""
+    import xxhash
+    h = xxhash.xxh3_64()
+    for t in gguf.get("tokenizer.ggml.tokens") or []:
+        h.update(str(t).encode("utf-8", "surrogatepass") + b"\0")
+    types = gguf.get("tokenizer.ggml.token_type")
+    if types is not None:
+        h.update(bytes(str(list(types)), "ascii"))
+    return h.hexdigest()
+
+
+def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda s: None) -> DraftModel:
+    """Load a draft GGUF beside the target, refusing one whose vocabulary differs (by name)."""
+    from .gguf_file import open_gguf
+    from .model_loader import load_model
+    from .models import resolve_model
+    p = resolve_model(path)
+    g = open_gguf(p)
+    target = open_gguf(target_gguf_path)
+    ours, theirs = vocab_hash(target), vocab_hash(g)
+    if ours != theirs:
+        n_t = len(target.get("tokenizer.ggml.tokens") or [])
+        n_d = len(g.get("tokenizer.ggml.tokens") or [])
+        raise RequestError(f"draft model {p.name} has another vocabulary than {target_gguf_path.name} "
+                           f"({n_d} vs {n_t} tokens, token lists differ): it cannot draft for it")
+    model, info = load_model(g, dtype=dtype)
+    log(f"draft model: {p.name} ({info.architecture}, {info.n_layer} layers, "
+        f"{info.n_params / 1e6:.0f}M params), same vocabulary as the target")
+    return DraftModel(p, model, ours, n_ctx, Path(target_gguf_path))
+
+
+# ---- verification -----------------------------------------------------------------------------
+def target_distribution(sampling):
+    """logprobs (rows, V) -> the probabilities the request's sampler draws from (temperature > 0)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    temp, top_p, min_p, top_k = sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k
+
+    def dist(logits: mx.array) -> mx.array:
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        # the same filters, in the same order, as mlx_lm.sample_utils.make_sampler
+        if 0 < top_p < 1.0:
+            lp = apply_top_p(lp, top_p)
+        if min_p != 0.0:
+            lp = apply_min_p(lp, min_p, 1)
+        if top_k > 0:
+            lp = apply_top_k(lp, top_k)
+        return mx.softmax(lp * (1.0 / temp), axis=-1)
+    return dist
+
+
+def verify(logits: mx.array, draft: list[int], dist=None, draft_dists: list | None = None) -> tuple[int, int]:
+    """(number of drafts accepted, the target's next token) from target logits (len(draft)+1, V).
+
+    dist None: greedy. Otherwise rejection sampling against `dist(logits)`, with draft
+    distributions `draft_dists` (None: point masses, i.e. lookup drafts)."""
+    if dist is None:
+        best = mx.argmax(logits, axis=-1).tolist()
+        n = 0
+        while n < len(draft) and draft[n] == best[n]:
+            n += 1
+        return n, best[n]
+    p = dist(logits)                                        # (k+1, V)
+    k = len(draft)
+    if k:
+        d = mx.array(draft)
+        p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
+        if draft_dists is None:
+            ratio = p_d
+        else:
+            q = mx.stack(draft_dists)
+            q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+            ratio = mx.minimum(1.0, p_d / mx.maximum(q_d, 1e-20))
+        u = mx.random.uniform(shape=(k,))
+        ok = (u < ratio).tolist()
+    else:
+        ok = []
+    n = 0
+    while n < k and ok[n]:
+        n += 1
+    if n == k:
+        return n, int(mx.random.categorical(mx.log(p[k])).item())
+    if draft_dists is None:
+        residual = p[n] * (mx.arange(p.shape[-1]) != draft[n])
+    else:
+        residual = mx.maximum(p[n] - draft_dists[n], 0.0)
+    total = mx.sum(residual)
+    if total.item() <= 0:       # p == q exactly: any sample of p is right
+        residual, total = p[n], mx.array(1.0)
+    return n, int(mx.random.categorical(mx.log(residual / total)).item())
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampling, processors,
+           max_tokens: int, stats, spec: SpecStats, drafter, seed: int | None = None,
+           cancelled=lambda: False) -> Iterator[int]:
+    """Like generate.decode (same arguments, same `fed` contract), drafting with `drafter`."""
+    from . import generate
+    if seed is not None:
+        mx.random.seed(seed)
+    context = list(history)
+    dist = target_distribution(sampling) if sampling.temperature > 0 else None
+    pending = last_token
+    delivered = 0
+    try:
+        while delivered < max_tokens:
+            if cancelled():
+                return
+            why = spec.too_low()
+            if why:
+                spec.stopped = why
+                break
+            if spec.idle >= MAX_IDLE:
+                spec.stopped = f"no draft in {MAX_IDLE} tokens"
+                break
+            room = max_tokens - delivered - 1     # the pass itself yields one token beyond the drafts
+            draft, draft_dists = [], None
+            t0 = time.perf_counter()
+            if room > 0 and delivered >= PLAIN_FIRST:
+                if isinstance(drafter, DraftModel):
+                    draft, draft_dists = drafter.propose(context, room, dist)
+                else:
+                    draft, draft_dists = drafter.propose(context, room)
+            inputs = [pending] + draft
+            logits = model(mx.array(inputs)[None], cache=cache)[0]        # (k+1, V)
+            fed.extend(inputs)
+            if processors:
+                rows = []
+                for i in range(len(inputs)):
+                    row = logits[i:i + 1]
+                    ctx = mx.array(context + draft[:i])
+                    for proc in processors:
+                        row = proc(ctx, row)
+                    rows.append(row)
+                logits = mx.concatenate(rows, axis=0)
+            n_ok, nxt = verify(logits, draft, dist, draft_dists)
+            seconds = time.perf_counter() - t0
+            if draft:
+                spec.record(len(draft), n_ok, seconds)
+                spec.idle = 0
+            else:
+                if delivered > 0:       # the first pass carries set-up costs: not a fair baseline
+                    spec.record_plain(seconds)
+                if room > 0 and delivered >= PLAIN_FIRST:
+                    spec.idle += 1
+            rejected = len(draft) - n_ok
+            if rejected:
+                for c in cache:
+                    c.trim(rejected)
+                del fed[len(fed) - rejected:]
+            pending = nxt
+            for t in draft[:n_ok] + [nxt]:
+                if delivered == 0:
+                    stats.t_first = time.perf_counter()
+                context.append(t)
+                delivered += 1
+                stats.generated = delivered
+                yield t
+                if delivered >= max_tokens:
+                    return
+        if delivered >= max_tokens:
+            return
+        # Speculation stopped paying: finish in the ordinary decode loop (pipelined, no drafts).
+        sub = generate.StepStats()
+        base = delivered
+        n_vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        for t in generate.decode(model, cache, pending, fed, history=context, sampler=sampling.sampler(n_vocab),
+                                 processors=processors, max_tokens=max_tokens - delivered, stats=sub,
+                                 seed=None, cancelled=cancelled):
+            context.append(t)
+            delivered += 1
+            stats.generated = base + sub.generated
+            yield t
+    finally:
+        # A consumer that stops mid-run (EOS, stop string, cancel) closes the generator: the K/V must
+        # not keep accepted drafts it never delivered.
+        extra = len(fed) - len(context)
+        if extra > 0:
+            for c in cache:
+                c.trim(extra)
+            del fed[len(fed) - extra:]
