@@ -1,6 +1,6 @@
 """Prefill and decode speed: Strata's engine vs raw mlx-lm stepping (vs llama.cpp), same GGUF, same prompt.
 
-    python bench/engine.py [--model PATH | --random-shape llama1b|smollm2] [--prompt-tokens 128]
+    python bench/engine.py [--model PATH | --random-shape llama1b|smollm2|tiny] [--prompt-tokens 128]
                            [--gen 64] [--rounds 10] [--no-llama]
 
 Runs alternate between the engines, the order flipping every round, for --rounds rounds after one
@@ -105,7 +105,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None)
-    src.add_argument("--random-shape", choices=("llama1b", "smollm2"), default=None)
+    src.add_argument("--random-shape", choices=("llama1b", "smollm2", "tiny"), default=None)
     ap.add_argument("--shape-dir", default=os.path.join(tempfile.gettempdir(), "strata-shapes"))
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)

@@ -1,10 +1,15 @@
 """Steering the residual stream: one dispatch function and the block wrapper.
 
 ``steer(h, vec, scale, mode)`` is the only entry point for the operation; it picks
-* the Metal kernel (shaders/cvec.metal via ``mx.fast.metal_kernel``) when ``mx.metal.is_available()``;
-* otherwise the portable path: plain MLX ops under ``mx.compile`` (the reference; it runs on CPU,
-  and on MLX's CUDA backend these same ops run on the GPU, so no CUDA twin is written).
+* on a GPU, one fused kernel per call built from ONE body, shaders/cvec.metal, written in Metal's
+  dialect: through ``mx.fast.metal_kernel`` when ``mx.metal.is_available()``, and through
+  ``mx.fast.cuda_kernel`` on MLX's CUDA backend, where a small header (``CUDA_SHIM``) maps the few
+  Metal names the body uses (thread indices, ``simd_sum``, ``threadgroup_barrier``, the shared
+  array's address space) onto CUDA's; Metal gets the one-line ``METAL_SHIM``;
+* otherwise (CPU) the portable path: plain MLX ops under ``mx.compile`` (the reference).
 Callers never learn which ran; ``active_backend()`` exists for the log and the bench only.
+``warm_up()`` compiles the kernel for a model's width and dtype ahead (the engine calls it at load),
+so no request waits for a compiler.
 
     add:     h + s d
     project: h - s (h.v) v      (v a unit vector; s = 1 removes the component, s = 2 reflects it)
@@ -69,20 +74,52 @@ def _steer_portable(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.a
 
 
 # --------------------------------------------------------------------------------------------
-# Metal kernel. Construction (metal_kernel_spec) and call arguments (metal_call_args) are plain
-# data so they can be inspected on a machine without Metal; only the call itself needs a GPU.
+# The fused kernel: one body (shaders/cvec.metal), one shim per backend. Construction
+# (kernel_spec) and call arguments (metal_call_args) are plain data so they can be inspected on a
+# machine without a GPU; only the call itself needs one.
 # --------------------------------------------------------------------------------------------
-def metal_kernel_spec() -> dict:
-    """Keyword arguments for ``mx.fast.metal_kernel`` (documented names)."""
+# Metal: the body's names are Metal's own; only the shared array's address space is a macro.
+METAL_SHIM = "#define CVEC_SHARED threadgroup\n"
+
+# CUDA: MLX's cuda_kernel puts the body inside a generated __global__ function (inputs as
+# `const T*`, outputs as `T*`, template ints/bools as constexpr, dtypes as `using`), so the shim
+# only names what Metal provides and CUDA spells differently. Grid and threadgroup are passed in
+# threads, as on Metal (MLX divides the grid by the block size).
+CUDA_SHIM = r"""
+typedef unsigned int uint;
+typedef unsigned long long ulong;
+#define CVEC_SHARED __shared__
+#define threadgroup_position_in_grid blockIdx
+#define thread_position_in_threadgroup threadIdx
+#define thread_index_in_simdgroup (threadIdx.x & 31u)
+#define simdgroup_index_in_threadgroup (threadIdx.x >> 5)
+#define simdgroups_per_threadgroup (blockDim.x >> 5)
+#define threadgroup_barrier(flags) __syncthreads()
+__device__ __forceinline__ float simd_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+"""
+
+
+def kernel_spec(backend: str = "metal") -> dict:
+    """Keyword arguments for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (documented names)."""
     if CVEC_METAL_SOURCE is None:
         raise RuntimeError(f"{SHADER_NAME} not found in {shaders_dir()}")
+    if backend not in ("metal", "cuda"):
+        raise ValueError(f"no kernel for backend {backend!r}")
     return dict(
         name=KERNEL_NAME,
         input_names=list(INPUT_NAMES),
         output_names=list(OUTPUT_NAMES),
         source=CVEC_METAL_SOURCE,
+        header=METAL_SHIM if backend == "metal" else CUDA_SHIM,
         ensure_row_contiguous=True,
     )
+
+
+def metal_kernel_spec() -> dict:
+    return kernel_spec("metal")
 
 
 def threads_per_row(d: int) -> int:
@@ -90,14 +127,26 @@ def threads_per_row(d: int) -> int:
     return max(32, min(256, (d + 31) // 32 * 32))
 
 
+_scale_arrays: dict[float, mx.array] = {}
+
+
+def _scale_array(scale: float) -> mx.array:
+    """One (1,) float32 array per scale, made once: a decode step makes no new host arrays."""
+    a = _scale_arrays.get(scale)
+    if a is None:
+        a = _scale_arrays[scale] = mx.array([scale], dtype=mx.float32)
+    return a
+
+
 def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str) -> dict:
     """Keyword arguments for calling the kernel object (documented names: inputs, template,
-    grid, threadgroup, output_shapes, output_dtypes). ``grid`` counts threads (dispatchThreads)."""
+    grid, threadgroup, output_shapes, output_dtypes). ``grid`` counts threads (dispatchThreads);
+    the same arguments serve the CUDA build."""
     d = int(h.shape[-1])
     rows = h.size // d if d else 0
     tg = threads_per_row(d)
     return dict(
-        inputs=[h, vec.astype(mx.float32), mx.array([scale], dtype=mx.float32)],
+        inputs=[h, vec if vec.dtype == mx.float32 else vec.astype(mx.float32), _scale_array(float(scale))],
         template=[("T", h.dtype), ("D", d), ("TG", tg), ("PROJECT", mode == "project")],
         grid=(rows * tg, 1, 1),
         threadgroup=(tg, 1, 1),
@@ -106,18 +155,23 @@ def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str) -> dict
     )
 
 
-_metal_kernel = None
+_kernels: dict[str, object] = {}
 
 
-def _get_metal_kernel():
-    global _metal_kernel
-    if _metal_kernel is None:
-        _metal_kernel = mx.fast.metal_kernel(**metal_kernel_spec())
-    return _metal_kernel
+def _get_kernel(backend: str):
+    k = _kernels.get(backend)
+    if k is None:
+        make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+        k = _kernels[backend] = make(**kernel_spec(backend))
+    return k
 
 
 def _steer_metal(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
-    return _get_metal_kernel()(**metal_call_args(h, vec, scale, mode))[0]
+    return _get_kernel("metal")(**metal_call_args(h, vec, scale, mode))[0]
+
+
+def _steer_cuda(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
+    return _get_kernel("cuda")(**metal_call_args(h, vec, scale, mode))[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,9 +184,23 @@ def _metal_usable() -> bool:
         return False
 
 
+def _cuda_usable() -> bool:
+    try:
+        return (bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+                and CVEC_METAL_SOURCE is not None)
+    except Exception:
+        return False
+
+
+_BACKEND: str | None = None
+
+
 def active_backend() -> str:
-    """'metal' or 'portable' (for the log and the bench only)."""
-    return "metal" if _metal_usable() else "portable"
+    """'metal', 'cuda' or 'portable' (decided once per process)."""
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = "metal" if _metal_usable() else "cuda" if _cuda_usable() else "portable"
+    return _BACKEND
 
 
 def steer(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
@@ -142,9 +210,27 @@ def steer(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
         raise ValueError(f"steering: h {tuple(h.shape)} and vec {tuple(vec.shape)} widths differ")
     if h.size == 0:
         return h
-    if _metal_usable():
+    backend = _BACKEND or active_backend()
+    if backend == "metal":
         return _steer_metal(h, vec, scale, mode)
+    if backend == "cuda":
+        return _steer_cuda(h, vec, scale, mode)
     return _steer_portable(h, vec, scale, mode)
+
+
+def warm_up(vector, dtype) -> float:
+    """Compile (and run once) the steering op for `vector`'s width, mode and scale in `dtype`, on
+    one row and on two (the portable path traces per shape; the kernel compiles once per dtype and
+    width), so the first steered request does not stall on a compiler. Returns seconds spent."""
+    import time
+    t0 = time.perf_counter()
+    if vector is None or not vector.directions:
+        return 0.0
+    vec = next(iter(vector.directions.values()))
+    outs = [steer(mx.zeros((1, rows, vec.shape[0]), dtype=dtype), vec, vector.scale, vector.mode)
+            for rows in (1, 2)]
+    mx.eval(outs)
+    return time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,10 +13,15 @@
 // project: out = h - s (h.v) v   (dot in fp32: per-thread strided partials, simd_sum, then the
 //                                 per-simdgroup partials reduced by simdgroup 0)
 // add:     out = h + s d
-// Status: written against MLX's documentation; never compiled or run (no Mac in the CI that
-// wrote it). tests/test_steering_kernels.py runs it against a float64 reference on a Mac.
+// One body, two backends: engine/steering.py prepends a shim header. METAL_SHIM defines
+// CVEC_SHARED as `threadgroup`; CUDA_SHIM (for mx.fast.cuda_kernel) defines it as `__shared__` and
+// maps the Metal names used here (thread indices, simd_sum, threadgroup_barrier, uint/ulong) onto
+// CUDA's. Keep to those names, or add them to both shims.
+// Status: the CUDA build is compiled and checked against a float64 reference on an NVIDIA H200
+// (tests/test_steering_kernels.py, see bench/gpu.md). The Metal build has NEVER been compiled or
+// run anywhere (no Mac in the CI that wrote it); the same test runs it on a Mac.
 
-threadgroup float cvec_partials[32];
+CVEC_SHARED float cvec_partials[32];
 
 const uint row = threadgroup_position_in_grid.x;
 const uint tid = thread_position_in_threadgroup.x;

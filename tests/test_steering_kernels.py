@@ -36,6 +36,9 @@ from engine.steering import (
 TOL_REL = 1e-5
 METAL = bool(mx.metal.is_available())
 NO_METAL_REASON = "Metal backend absent on this machine (Linux CPU); the Metal kernel is unverified here"
+CUDA = bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+NO_CUDA_REASON = ("MLX's CUDA backend absent on this machine (needs the mlx-cuda wheel and an NVIDIA GPU); "
+                  "the CUDA build of the kernel body is unverified here")
 
 ROW_CASES = [(1, 4096), (3, 1000), (8, 64), (8, 4096), (512, 2048)]  # (rows, D); 1000: D not a multiple of 32
 SCALES = [1.0, 2.0]
@@ -75,7 +78,8 @@ def _check(fn, rows, d, s, mode, batch, dtype=mx.float32):
     row_norm = np.linalg.norm(h_in.astype(np.float64), axis=-1, keepdims=True)
     tol = TOL_REL * max(1.0, s) * row_norm
     if dtype != mx.float32:
-        tol = tol + np.abs(ref) * 2.0 ** -10
+        # one ulp of the reference in the output dtype: float16 keeps 11 bits, bfloat16 8
+        tol = tol + np.abs(ref) * (2.0 ** -10 if dtype == mx.float16 else 2.0 ** -7)
     err = np.abs(got - ref)
     assert np.all(err <= tol), f"max err {err.max():.3e}, worst ratio {(err / tol).max():.2f}"
     return got, h_in, v
@@ -144,14 +148,11 @@ def test_add_zero_vector_is_bitwise_identity():
 
 
 def test_dispatch_uses_portable_without_metal():
-    if METAL:
-        assert active_backend() == "metal"
-    else:
-        assert active_backend() == "portable"
+    assert active_backend() == ("metal" if METAL else "cuda" if CUDA else "portable")
     h, v = _make(3, 64, seed=2, batch=False)
     a = steer(mx.array(h), mx.array(v), 1.0, "project")
     b = _portable(mx.array(h), mx.array(v), 1.0, "project")
-    if not METAL:
+    if not METAL and not CUDA:
         assert np.array_equal(np.array(a), np.array(b))
 
 
@@ -276,3 +277,42 @@ def test_metal_matches_portable_and_dispatch_picks_metal():
     a = np.array(steer(mx.array(h), mx.array(v), 1.0, "project"))
     b = np.array(_portable(mx.array(h), mx.array(v), 1.0, "project"))
     assert np.allclose(a, b, atol=TOL_REL * float(np.linalg.norm(h, axis=-1).max()))
+
+
+# ------------------------------------------------------------------ the CUDA build of the same body
+def _cuda(h, v, s, mode):
+    return steering._steer_cuda(h, v, s, mode)
+
+
+def test_cuda_and_metal_builds_share_one_body():
+    metal, cuda = steering.kernel_spec("metal"), steering.kernel_spec("cuda")
+    assert metal["source"] is cuda["source"] is steering.CVEC_METAL_SOURCE
+    assert metal["header"] == steering.METAL_SHIM and cuda["header"] == steering.CUDA_SHIM
+    # every Metal-only name the body uses is given a CUDA meaning by the shim
+    for name in ("CVEC_SHARED", "threadgroup_position_in_grid", "thread_position_in_threadgroup",
+                 "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup",
+                 "simdgroups_per_threadgroup", "threadgroup_barrier", "simd_sum", "uint", "ulong"):
+        if name in steering.CVEC_METAL_SOURCE:
+            assert name in steering.CUDA_SHIM, name
+    assert "CVEC_SHARED" in steering.METAL_SHIM
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("rows", [1, 3, 8, 2048])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_parity(rows, dtype, mode):
+    for d in (2048, 576, 1000):         # Llama-1B and SmolLM2 widths; 1000: not a multiple of 32
+        for s in SCALES:
+            _check(_cuda, rows, d, s, mode, batch=(rows % 2 == 1), dtype=dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)
+def test_cuda_project_s1_removes_and_s2_reflects_and_dispatch_picks_cuda():
+    assert active_backend() == "cuda"
+    for rows, d in [(1, 4096), (3, 1000), (8, 64), (512, 2048)]:
+        got, h_in, v = _check(steer, rows, d, 1.0, "project", batch=False)
+        norms = np.linalg.norm(h_in, axis=-1)
+        assert np.all(np.abs(got @ v) <= TOL_REL * norms)
+        got, h_in, v = _check(steer, rows, d, 2.0, "project", batch=False)
+        assert np.all(np.abs(got @ v + h_in.astype(np.float64) @ v) <= 2 * TOL_REL * norms)
