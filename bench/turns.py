@@ -14,7 +14,10 @@ per-round ratios give the median and spread. After the rounds, "prompt build" ti
 own prompt_tokens() for each conversation's next turn alone (render, prefix check, tokenize), the
 host work the turn adds before the model runs, and "model alone" times the model's forward for
 32 new tokens plus one decode step on a K/V as long as the conversation's (no engine around it): what
-attention over the history costs by itself.
+attention over the history costs by itself (once with the same shapes every try, once with a new
+token count at a new offset every try, as real turns have). A second table splits the turns' time
+on the engine thread: prompt build, finding/restoring the K/V, the new tokens' prefill (which
+includes mlx's clear_cache, also shown alone), and the first token after the prefill.
 """
 from __future__ import annotations
 
@@ -57,6 +60,44 @@ def chat(engine, messages, max_tokens, label):
                                        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)))
 
 
+def install_phase_timers(engine) -> dict:
+    """Time the parts of each request's way to its first token (on the engine thread): prompt build,
+    finding/restoring the K/V, prefill of the new tokens (and its mx.clear_cache), first token."""
+    import mlx.core as mx
+
+    from engine import generate
+    from engine.engine import Call
+    out: dict = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                out.setdefault("turn", {})[name] = out.get("turn", {}).get(name, 0.0) + \
+                    (time.perf_counter() - t) * 1e3
+        return wrapper
+
+    def install(e):
+        out.pop("turn", None)
+        e.prompt_tokens = timed("build", e.prompt_tokens)
+        e._take_kv = timed("take_kv", e._take_kv)
+        generate.prefill = timed("prefill", generate.prefill)
+        mx.clear_cache = timed("clear_cache", mx.clear_cache)
+        first = generate.decode
+
+        def decode(*a, **kw):
+            t = time.perf_counter()
+            for i, token in enumerate(first(*a, **kw)):
+                if i == 0:
+                    out.setdefault("turn", {})["first_token"] = (time.perf_counter() - t) * 1e3
+                yield token
+        generate.decode = decode
+    engine.call(Call(install))
+    return out
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -88,6 +129,7 @@ def main() -> int:
     if args.random_shape:
         ignore_eos(engine)
     tok = engine.tokenizer
+    phases = install_phase_timers(engine)
     convs = {}
     t0 = time.perf_counter()
     for h in histories:
@@ -99,7 +141,7 @@ def main() -> int:
         print(f"conversation {h}: {r['prompt_tokens']} prompt tokens", file=sys.stderr, flush=True)
     ttft = {h: [] for h in histories}
     cached = {h: [] for h in histories}
-    prompt = {h: [] for h in histories}
+    phase_ms: dict = {}
     for rnd in range(args.rounds + 1):              # round 0: warm-up, dropped
         order = histories[rnd % len(histories):] + histories[:rnd % len(histories)]
         for h in order:
@@ -109,7 +151,10 @@ def main() -> int:
             convs[h].append({"role": "assistant", "content": r["text"]})
             print(f"round {rnd} history {h}: prompt {r['prompt_tokens']} (cached {r['cached_tokens']}), "
                   f"ttft {r['ttft_ms']:.1f} ms", file=sys.stderr, flush=True)
+            ph = phases.pop("turn", {})
             if rnd:
+                for k, v in ph.items():
+                    phase_ms.setdefault(h, {}).setdefault(k, []).append(v)
                 ttft[h].append(r["ttft_ms"])
                 cached[h].append((r["prompt_tokens"], r["cached_tokens"]))
 
@@ -146,7 +191,15 @@ def main() -> int:
                     xs.append((time.perf_counter() - t) * 1e3)
                     for c in cache:
                         c.trim(33)
-            out[h] = statistics.median(xs[1:])
+                same = statistics.median(xs[1:])
+                xs = []
+                for i in range(5):          # new shapes every time, as real turns have
+                    t = time.perf_counter()
+                    e.model(mx.array([[9] * (33 + i)]), cache=cache)
+                    y = e.model(mx.array([[9]]), cache=cache)
+                    mx.eval(y)
+                    xs.append((time.perf_counter() - t) * 1e3)
+            out[h] = (same, statistics.median(xs))
         return out
     prompt = engine.call(Call(build_times))["value"]
     alone = engine.call(Call(model_alone))["value"]
@@ -156,12 +209,19 @@ def main() -> int:
           f"on {mx.default_device()}, {os.cpu_count()} CPUs; {args.rounds} rounds after 1 warm-up "
           f"({wall:.0f} s); reply {args.reply_tokens} tokens\n")
     print(f"| history (tokens) | prompt tokens / cached (last round) | parked ttft ms, median [min-max] "
-          f"| ttft / ttft({base}), median [min-max] | prompt build ms | model alone ms |")
+          f"| ttft / ttft({base}), median [min-max] | prompt build ms | model alone ms, same shape / new shapes |")
     print("|---|---|---|---|---|---|")
     for h in histories:
         ratios = [a / b for a, b in zip(ttft[h], ttft[base])]
         p, c = cached[h][-1]
-        print(f"| {h} | {p} / {c} | {spread(ttft[h])} | {spread(ratios)} | {prompt[h]:.2f} | {alone[h]:.2f} |")
+        print(f"| {h} | {p} / {c} | {spread(ttft[h])} | {spread(ratios)} | {prompt[h]:.2f} "
+              f"| {alone[h][0]:.2f} / {alone[h][1]:.2f} |")
+    print("\nwhere a parked turn's time goes (engine thread, ms, medians over the rounds):\n")
+    names = ["build", "take_kv", "prefill", "clear_cache", "first_token"]
+    print("| history | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for h in histories:
+        print(f"| {h} | " + " | ".join(f"{statistics.median(phase_ms[h].get(k, [0.0])):.2f}" for k in names) + " |")
     engine.stop()
     sys.stdout.flush()
     os._exit(0)     # the engine thread never ends (mlx at-exit abort, see engine.run_forever)

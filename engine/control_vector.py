@@ -173,6 +173,7 @@ class ControlVector:
         self.model_hints = model_hints
         self._np = {il: np.ascontiguousarray(v, dtype=np.float32) for il, v in sorted(directions.items())}
         self.directions = {il: mx.array(v) for il, v in self._np.items()}
+        self._steerers: dict = {}
         self._fingerprint = self._compute_fingerprint()
 
     # -- loading -----------------------------------------------------------------------------
@@ -270,12 +271,15 @@ class ControlVector:
 
     # -- the operation -----------------------------------------------------------------------
     def apply(self, h, layer: int):
-        vec = self.directions.get(layer)
-        if vec is None:
-            return h
-        from engine.steering import steer
-
-        return steer(h, vec, self.scale, self.mode)
+        fn = self._steerers.get(layer)
+        if fn is None:
+            vec = self.directions.get(layer)
+            if vec is None:
+                return h
+            from engine.steering import steerer
+            # Made on first use, kept: the per-step call then costs only the kernel call.
+            fn = self._steerers[layer] = steerer(vec, self.scale, self.mode)
+        return fn(h)
 
 
 def write_control_vector(path, directions: dict[int, np.ndarray], model_hint: str = "") -> None:

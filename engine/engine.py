@@ -215,8 +215,9 @@ class Engine:
         self.template = g.get("tokenizer.chat_template")
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
-        steering.install(self.model, self.steering)
         if vector is not None:
+            # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
+            steering.install(self.model, self.steering)
             # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
             secs = steering.warm_up(vector, dtype)
             self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -218,6 +219,44 @@ def steer(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
     return _steer_portable(h, vec, scale, mode)
 
 
+def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.array]:
+    """``steer`` with one vector and scale bound, for a layer that steers every step: the vector,
+    the scale array and the kernel's call arguments per input shape are made once, so a decode
+    step pays for the kernel call alone (the engine's per-layer path; ``steer`` is its reference)."""
+    if mode not in ("add", "project"):
+        raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
+    if vec.ndim != 1:
+        raise ValueError(f"steering: vec {tuple(vec.shape)} is not one-dimensional")
+    v = vec if vec.dtype == mx.float32 else vec.astype(mx.float32)
+    width = int(v.shape[0])
+    backend = _BACKEND or active_backend()
+    if backend == "portable":
+        s = mx.array(scale, dtype=mx.float32)
+        fn = _add_compiled if mode == "add" else _project_compiled
+
+        def run_portable(h: mx.array) -> mx.array:
+            if h.ndim < 1 or h.shape[-1] != width:
+                raise ValueError(f"steering: h {tuple(h.shape)} and vec ({width},) widths differ")
+            return h if h.size == 0 else fn(h, v, s)
+        return run_portable
+    kernel = _get_kernel(backend)
+    s_arr = _scale_array(float(scale))
+    calls: dict = {}
+
+    def run_kernel(h: mx.array) -> mx.array:
+        key = (h.shape, h.dtype)
+        kw = calls.get(key)
+        if kw is None:
+            if h.ndim < 1 or h.shape[-1] != width:
+                raise ValueError(f"steering: h {tuple(h.shape)} and vec ({width},) widths differ")
+            if h.size == 0:
+                return h
+            kw = calls[key] = metal_call_args(h, v, scale, mode)
+            del kw["inputs"]
+        return kernel(inputs=[h, v, s_arr], **kw)[0]
+    return run_kernel
+
+
 def warm_up(vector, dtype) -> float:
     """Compile (and run once) the steering op for `vector`'s width, mode and scale in `dtype`, on
     one row and on two (the portable path traces per shape; the kernel compiles once per dtype and
@@ -226,9 +265,8 @@ def warm_up(vector, dtype) -> float:
     t0 = time.perf_counter()
     if vector is None or not vector.directions:
         return 0.0
-    vec = next(iter(vector.directions.values()))
-    outs = [steer(mx.zeros((1, rows, vec.shape[0]), dtype=dtype), vec, vector.scale, vector.mode)
-            for rows in (1, 2)]
+    layer, vec = next(iter(vector.directions.items()))
+    outs = [vector.apply(mx.zeros((1, rows, vec.shape[0]), dtype=dtype), layer) for rows in (1, 2)]
     mx.eval(outs)
     return time.perf_counter() - t0
 
