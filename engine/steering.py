@@ -103,18 +103,22 @@ __device__ __forceinline__ float simd_sum(float x) {
 """
 
 
-def kernel_spec(backend: str = "metal") -> dict:
-    """Keyword arguments for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (documented names)."""
+RESIDUAL_INPUT_NAMES = ("h", "res", "vec", "scale")
+
+
+def kernel_spec(backend: str = "metal", residual: bool = False) -> dict:
+    """Keyword arguments for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (documented names).
+    ``residual``: the fused form, steering h + res (the block's last residual add) in one kernel."""
     if CVEC_METAL_SOURCE is None:
         raise RuntimeError(f"{SHADER_NAME} not found in {shaders_dir()}")
     if backend not in ("metal", "cuda"):
         raise ValueError(f"no kernel for backend {backend!r}")
     return dict(
-        name=KERNEL_NAME,
-        input_names=list(INPUT_NAMES),
+        name=KERNEL_NAME + ("_res" if residual else ""),
+        input_names=list(RESIDUAL_INPUT_NAMES if residual else INPUT_NAMES),
         output_names=list(OUTPUT_NAMES),
         source=CVEC_METAL_SOURCE,
-        header=METAL_SHIM if backend == "metal" else CUDA_SHIM,
+        header=(METAL_SHIM if backend == "metal" else CUDA_SHIM) + ("#define CVEC_RESIDUAL 1\n" if residual else ""),
         ensure_row_contiguous=True,
     )
 
@@ -159,11 +163,11 @@ def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str) -> dict
 _kernels: dict[str, object] = {}
 
 
-def _get_kernel(backend: str):
-    k = _kernels.get(backend)
+def _get_kernel(backend: str, residual: bool = False):
+    k = _kernels.get((backend, residual))
     if k is None:
         make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-        k = _kernels[backend] = make(**kernel_spec(backend))
+        k = _kernels[(backend, residual)] = make(**kernel_spec(backend, residual))
     return k
 
 
@@ -257,6 +261,36 @@ def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.a
     return run_kernel
 
 
+def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array, mx.array], mx.array]:
+    """(h, res) -> steer(h + res): the block's last residual add and the steering in one kernel on a
+    GPU (the add is replaced, so a steered block launches nothing extra); on the CPU the add, then
+    the portable op. ``h + res`` is rounded to h's dtype first on every path, as the block's own add."""
+    if mode not in ("add", "project"):
+        raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
+    backend = _BACKEND or active_backend()
+    if backend == "portable":
+        plain = steerer(vec, scale, mode)
+        return lambda h, res: plain(h + res)
+    v = vec if vec.dtype == mx.float32 else vec.astype(mx.float32)
+    width = int(v.shape[0])
+    kernel = _get_kernel(backend, residual=True)
+    s_arr = _scale_array(float(scale))
+    calls: dict = {}
+
+    def run_kernel(h: mx.array, res: mx.array) -> mx.array:
+        key = (h.shape, h.dtype, res.shape, res.dtype)
+        kw = calls.get(key)
+        if kw is None:
+            if h.ndim < 1 or h.shape[-1] != width or res.shape != h.shape or res.dtype != h.dtype:
+                raise ValueError(f"steering: h {tuple(h.shape)}, res {tuple(res.shape)} and vec ({width},) differ")
+            if h.size == 0:
+                return h + res
+            kw = calls[key] = metal_call_args(h, v, scale, mode)
+            del kw["inputs"]
+        return kernel(inputs=[h, res, v, s_arr], **kw)[0]
+    return run_kernel
+
+
 def warm_up(vector, dtype) -> float:
     """Compile (and run once) the steering op for `vector`'s width, mode and scale in `dtype`, on
     one row and on two (the portable path traces per shape; the kernel compiles once per dtype and
@@ -266,7 +300,10 @@ def warm_up(vector, dtype) -> float:
     if vector is None or not vector.directions:
         return 0.0
     layer, vec = next(iter(vector.directions.items()))
-    outs = [vector.apply(mx.zeros((1, rows, vec.shape[0]), dtype=dtype), layer) for rows in (1, 2)]
+    outs = []
+    for rows in (1, 2):
+        z = mx.zeros((1, rows, vec.shape[0]), dtype=dtype)
+        outs += [vector.apply(z, layer), vector.apply_residual(z, z, layer)]
     mx.eval(outs)
     return time.perf_counter() - t0
 
@@ -318,11 +355,33 @@ class SteeredLayer(nn.Module):
             raise
 
     def __call__(self, x, *args, **kwargs):
-        out = self.block(x, *args, **kwargs)
         st = self.steering_state
-        if not st.enabled or st.vector is None:
-            return out
-        return st.vector.apply(out, self.layer_index)
+        if not st.enabled or st.vector is None or not st.vector.steers(self.layer_index):
+            return self.block(x, *args, **kwargs)
+        b = self.block
+        if type(b).__call__ in _FUSABLE_CALLS:
+            # mlx-lm's pre-norm block, step for step, with its last residual add done by the
+            # steering kernel: a steered block costs no extra kernel launch.
+            r = b.self_attn(b.input_layernorm(x), *args, **kwargs)
+            h = x + r
+            return st.vector.apply_residual(h, b.mlp(b.post_attention_layernorm(h)), self.layer_index)
+        return st.vector.apply(b(x, *args, **kwargs), self.layer_index)
+
+
+def _fusable_calls() -> set:
+    """The __call__ of mlx-lm blocks that are exactly `h = x + attn(norm(x)); out = h + mlp(norm(h))`
+    (llama, qwen2, qwen3 in mlx-lm 0.32; tests/test_control_vector.py checks fused == unfused)."""
+    calls = set()
+    for name in ("llama", "qwen2", "qwen3"):
+        try:
+            module = __import__(f"mlx_lm.models.{name}", fromlist=["TransformerBlock"])
+            calls.add(module.TransformerBlock.__call__)
+        except (ImportError, AttributeError):
+            pass
+    return calls
+
+
+_FUSABLE_CALLS = _fusable_calls()
 
 
 def _layers_owner(model: nn.Module):

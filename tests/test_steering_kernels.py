@@ -338,3 +338,73 @@ def test_steerer_matches_steer(mode):
     with pytest.raises(ValueError):
         fn(mx.zeros((1, 999)))
     assert fn(mx.zeros((0, 1000))).size == 0
+
+
+# ------------------------------------------------------------------ the fused form (block's residual add)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_block_matches_block_then_steer(arch, mode):
+    # SteeredLayer replaces the block's last residual add by the fused kernel (GPU) or add + op
+    # (CPU): the same numbers as running the stock block and steering its output.
+    import importlib
+
+    from engine.steering import SteeredLayer, SteeringState, _FUSABLE_CALLS
+    mod = importlib.import_module(f"mlx_lm.models.{arch}")
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    args = mod.ModelArgs(model_type=arch, hidden_size=64, num_hidden_layers=1, intermediate_size=96,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=32,
+                         rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=256,
+                         **extra)
+    block = mod.TransformerBlock(args)
+    assert type(block).__call__ in _FUSABLE_CALLS
+    rng = np.random.default_rng(4)
+    v = rng.standard_normal(64).astype(np.float32)
+    v /= np.linalg.norm(v)
+
+    class _Vec:                              # the ControlVector surface SteeredLayer uses
+        directions = {0: mx.array(v)}
+
+        def steers(self, layer):
+            return layer == 0
+
+        def apply(self, h, layer):
+            return steer(h, self.directions[0], 2.0, mode)
+
+        def apply_residual(self, h, res, layer):
+            return steering.fused_steerer(self.directions[0], 2.0, mode)(h, res)
+
+    layer = SteeredLayer(block, 0, SteeringState(_Vec(), enabled=True))
+    x = mx.array(rng.standard_normal((1, 5, 64)).astype(np.float32))
+    for dtype in (mx.float32, mx.float16):
+        block.set_dtype(dtype)
+        xd = x.astype(dtype)
+        got = layer(xd, "causal")
+        want = steer(block(xd, "causal"), mx.array(v), 2.0, mode)
+        assert got.dtype == want.dtype == dtype
+        a, b = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+        if not (METAL or CUDA):
+            assert np.array_equal(a, b)
+        else:
+            assert np.allclose(a, b, rtol=2.0 ** -9, atol=1e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA_REASON)
+@pytest.mark.parametrize("rows", [1, 3, 8, 2048])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_fused_residual_parity(rows, dtype, mode):
+    rng = np.random.default_rng(rows)
+    for d in (2048, 576):
+        h, v = _make(rows, d, seed=rows + d, batch=True)
+        res = rng.standard_normal(h.shape).astype(np.float32)
+        hm, rm = mx.array(h).astype(dtype), mx.array(res).astype(dtype)
+        x_in = np.array((hm + rm).astype(mx.float32))        # the add, rounded to dtype as the block's
+        out = steering.fused_steerer(mx.array(v), 2.0, mode)(hm, rm)
+        mx.eval(out)
+        got = np.array(out.astype(mx.float32)).astype(np.float64)
+        ref = _ref(x_in, v, 2.0, mode)
+        tol = TOL_REL * 2.0 * np.linalg.norm(x_in.astype(np.float64), axis=-1, keepdims=True)
+        if dtype != mx.float32:
+            tol = tol + np.abs(ref) * (2.0 ** -10 if dtype == mx.float16 else 2.0 ** -7)
+        err = np.abs(got - ref)
+        assert np.all(err <= tol), f"max err {err.max():.3e}, worst ratio {(err / tol).max():.2f}"
