@@ -111,6 +111,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=10)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--raw-on-engine-thread", action="store_true",
+                    help="also run raw mlx-lm on the engine's thread (a diagnostic: is a gap the thread?)")
     args = ap.parse_args()
     if args.rounds < 1 or args.gen < 2 or args.prompt_tokens < 2:
         raise SystemExit("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2")
@@ -140,7 +142,8 @@ def main() -> int:
                                   n_batch=512, verbose=False, n_threads=min(8, os.cpu_count() or 2))
         except ImportError:
             print("llama-cpp-python missing: llama.cpp column skipped", file=sys.stderr)
-    names = ["strata", "mlx-lm"] + (["llama.cpp"] if llm is not None else [])
+    names = (["strata", "mlx-lm"] + (["mlx-lm@engine-thread"] if args.raw_on_engine_thread else [])
+             + (["llama.cpp"] if llm is not None else []))
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
     t_bench = time.perf_counter()
     for rnd in range(args.rounds + 1):                      # round 0 is the warm-up, dropped
@@ -151,6 +154,7 @@ def main() -> int:
         variant = engine.tokenizer.encode(text)
         runs = {"strata": lambda: run_strata(engine, text, args.gen),
                 "mlx-lm": lambda: run_mlx_lm(model, variant, args.gen),
+                "mlx-lm@engine-thread": lambda: engine.call(Call(lambda e: run_mlx_lm(model, variant, args.gen)))["value"],
                 "llama.cpp": lambda: run_llama(llm, variant, args.gen)}
         order = names if rnd % 2 == 0 else names[::-1]
         for name in order:
