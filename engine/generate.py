@@ -48,8 +48,10 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         done += len(part)
         if progress:
             progress(done, len(tokens))
-    if tokens:
-        mx.clear_cache()    # as mlx-lm does after each prefill chunk: the big activations go back
+    if len(tokens) >= chunk:
+        # as mlx-lm does after a prefill: a full chunk's activations go back to the system. Not
+        # after a turn's few new tokens, where it only costs time (~1.4 ms on an H200).
+        mx.clear_cache()
 
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
