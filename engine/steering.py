@@ -8,7 +8,11 @@
   array's address space) onto CUDA's; Metal gets the one-line ``METAL_SHIM``;
 * otherwise (CPU) the portable path: plain MLX ops under ``mx.compile`` (the reference).
 Callers never learn which ran; ``active_backend()`` exists for the log and the bench only.
-``warm_up()`` compiles the kernel for a model's width and dtype ahead (the engine calls it at load),
+The engine's blocks use two prepared forms of the same operation: ``steerer()`` (vector, scale and
+call arguments bound once) and ``fused_steerer()``, which takes the block's last residual add
+(h + res) into the kernel so a steered block launches nothing extra (SteeredLayer does this for
+mlx-lm's llama/qwen2/qwen3 blocks, whose forward it mirrors). The CUDA build is tested on an H200;
+the Metal build has never been compiled (no Mac). ``warm_up()`` compiles the kernel for a model's width and dtype ahead (the engine calls it at load),
 so no request waits for a compiler.
 
     add:     h + s d
