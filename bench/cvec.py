@@ -18,6 +18,10 @@ Cost (default): what the vector costs when on, against the same engine with it o
   Kernel: ``steer()`` alone (the dispatch the engine uses, on the active backend) for every steered
   layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
 
+  --random-shape llama1b|smollm2: the model is a random-weight Q8_0 GGUF of that shape
+  (bench/shapes.py, EOS ignored); the vector is the shipped SmolLM2 one for smollm2 (same width and
+  depth) and, for llama1b, random unit directions for every block 1..15 written to the shape folder.
+
 Effect (--effect): the shipped vector's effect on reply length and wall time.
 
     python bench/cvec.py --effect [--settings off project:1:4-20 ...] [--max-tokens 96]
@@ -191,8 +195,23 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
     return eng.call(Call(run))["value"]
 
 
+def random_vector(folder: Path, n_layer: int, n_embd: int) -> str:
+    import numpy as np
+
+    from engine.control_vector import write_control_vector
+    path = folder / f"random-cvec-{n_layer}x{n_embd}.gguf"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        dirs = {il: rng.standard_normal(n_embd).astype(np.float32) for il in range(1, n_layer)}
+        write_control_vector(path, {il: d / np.linalg.norm(d) for il, d in dirs.items()}, "random")
+    return str(path)
+
+
 def cost(args) -> dict:
     eng, st = start_engine(args.model, args.vector, args.mode, args.scale, tuple(args.range) if args.range else None)
+    if args.random_shape:
+        from bench.shapes import ignore_eos
+        ignore_eos(eng)
     desc = st["steering"]
     from engine.engine import Call
     n_tok = args.prompt_tokens
@@ -325,6 +344,7 @@ def print_effect(res: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--random-shape", choices=("llama1b", "smollm2"), default=None)
     ap.add_argument("--vector", default=str(DEFAULT_VECTOR))
     ap.add_argument("--mode", default=SHIPPED["mode"])
     ap.add_argument("--scale", type=float, default=SHIPPED["scale"])
@@ -342,6 +362,16 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="--effect: only the first N prompts (exploration)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     args = ap.parse_args()
+    if args.random_shape:
+        import tempfile
+
+        from bench.shapes import SHAPES, build_random_model
+        folder = Path(tempfile.gettempdir()) / "strata-shapes"
+        args.model = str(build_random_model(args.random_shape, folder))
+        shape = SHAPES[args.random_shape]
+        if args.random_shape != "smollm2" and args.vector == str(DEFAULT_VECTOR):
+            args.vector = random_vector(folder, shape.n_layer, shape.n_embd)
+            args.range = [1, shape.n_layer - 1]
     args.model = args.model or default_model()
     if args.settings is None:
         a, b = SHIPPED["range"]

@@ -179,6 +179,8 @@ class ControlVector:
         self.model_hints = model_hints
         self._np = {il: np.ascontiguousarray(v, dtype=np.float32) for il, v in sorted(directions.items())}
         self.directions = {il: mx.array(v) for il, v in self._np.items()}
+        self._steerers: dict = {}
+        self._fused: dict = {}
         self._fingerprint = self._compute_fingerprint()
 
     # -- loading -----------------------------------------------------------------------------
@@ -275,13 +277,30 @@ class ControlVector:
         return h.hexdigest()[:32]
 
     # -- the operation -----------------------------------------------------------------------
-    def apply(self, h, layer: int):
-        vec = self.directions.get(layer)
-        if vec is None:
-            return h
-        from engine.steering import steer
+    def steers(self, layer: int) -> bool:
+        return layer in self.directions
 
-        return steer(h, vec, self.scale, self.mode)
+    def apply_residual(self, h, res, layer: int):
+        """apply(h + res, layer), fused into one kernel on a GPU (the block's last residual add)."""
+        fn = self._fused.get(layer)
+        if fn is None:
+            vec = self.directions.get(layer)
+            if vec is None:
+                return h + res
+            from engine.steering import fused_steerer
+            fn = self._fused[layer] = fused_steerer(vec, self.scale, self.mode)
+        return fn(h, res)
+
+    def apply(self, h, layer: int):
+        fn = self._steerers.get(layer)
+        if fn is None:
+            vec = self.directions.get(layer)
+            if vec is None:
+                return h
+            from engine.steering import steerer
+            # Made on first use, kept: the per-step call then costs only the kernel call.
+            fn = self._steerers[layer] = steerer(vec, self.scale, self.mode)
+        return fn(h)
 
 
 def write_control_vector(path, directions: dict[int, np.ndarray], model_hint: str = "") -> None:

@@ -257,7 +257,12 @@ class Engine:
         self.template = g.get("tokenizer.chat_template")
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
-        steering.install(self.model, self.steering)
+        if vector is not None:
+            # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
+            steering.install(self.model, self.steering)
+            # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
+            secs = steering.warm_up(vector, dtype)
+            self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
         self.n_ctx = n_ctx
         self.live = None
         self.parking.clear()
@@ -318,7 +323,9 @@ class Engine:
         """Tokens for `text` that keep a held conversation's own tokens when `text` extends it.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping
-        them is what lets a follow-up reuse the whole history instead of stopping at the reply."""
+        them is what lets a follow-up reuse the whole history instead of stopping at the reply.
+        Each held entry keeps the text its tokens decode to (KVEntry.text, extended as it grows),
+        so the check is a string comparison and only the new part of `text` is tokenized."""
         tok = self.tokenizer
         key = self.cache_key()
         held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
@@ -326,11 +333,11 @@ class Engine:
         for e in held:
             if e.key != key or not e.tokens or (best is not None and len(e.tokens) <= len(best)):
                 continue
-            ids = e.tokens[1:] if add_bos and e.tokens[0] == tok.bos_id else e.tokens
-            if add_bos and ids is e.tokens:
+            starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id
+            if add_bos and not starts_bos:
                 continue
             try:
-                prefix = tok.decode(ids, skip_special=False)
+                prefix = e.text(tok, skip=1 if add_bos else 0)
             except Exception as err:  # noqa: BLE001 - e.g. a token id outside the vocabulary
                 self._drop_held(e, f"its tokens cannot be decoded ({type(err).__name__}: {str(err)[:120]})")
                 continue
@@ -389,7 +396,8 @@ class Engine:
         for c in entry.cache:
             if c.offset > reuse:
                 c.trim(c.offset - reuse)
-        entry.tokens = entry.tokens[:reuse]
+        if reuse < len(entry.tokens):
+            entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
         self.live = entry                       # from here on the live K/V is `entry`
         entry.messages = list(req.messages or [])
         stats.prompt_tokens, stats.cached_tokens = len(tokens), reuse

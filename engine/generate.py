@@ -25,6 +25,13 @@ class StepStats:
     t_first: float = 0.0
 
 
+def _stream():
+    """mlx-lm's generation stream (one per thread, on the default device): the engine steps on the
+    same stream raw mlx-lm does, so the two are measured alike."""
+    from mlx_lm.generate import generation_stream
+    return generation_stream
+
+
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False) -> None:
     """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back)."""
@@ -34,45 +41,66 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
             from .errors import Cancelled
             raise Cancelled("cancelled")
         part = tokens[done:done + chunk]
-        model(mx.array(part)[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        with mx.stream(_stream()):
+            model(mx.array(part)[None], cache=cache)
+            mx.eval([c.state for c in cache])
         fed.extend(part)
         done += len(part)
         if progress:
             progress(done, len(tokens))
+    if len(tokens) >= chunk:
+        # as mlx-lm does after a prefill: a full chunk's activations go back to the system. Not
+        # after a turn's few new tokens, where it only costs time (~1.4 ms on an H200).
+        mx.clear_cache()
 
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
            processors, max_tokens: int, stats: StepStats, seed: int | None = None,
            cancelled=lambda: False) -> Iterator[int]:
-    """Yield up to max_tokens sampled ids; `fed` always equals the tokens the cache holds."""
+    """Yield up to max_tokens sampled ids; `fed` always equals the tokens the cache holds.
+
+    mlx-lm's order: step n+1's graph is built from the still-lazy token n and submitted
+    (mx.async_eval) before the host waits for token n, so the device never waits for Python.
+    Building step n+1 feeds token n to the cache, so `fed` takes token n as soon as its value is
+    read, before it is handed out; the last token (n == max_tokens) is never fed. A consumer that
+    stops early (EOS, a stop string, cancel) leaves the cache holding exactly `fed`."""
     if seed is not None:
         mx.random.seed(seed)
-    context = list(history)
+    stream = _stream()
+    ctx = mx.array(history, dtype=mx.int32) if processors else None
 
-    def step(token: int):
-        logits = model(mx.array([token])[None], cache=cache)[:, -1, :]
-        fed.append(token)
-        if processors:
-            ctx = mx.array(context)
-            for p in processors:
-                logits = p(ctx, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs)
+    def step(tok: mx.array, first: bool = False) -> mx.array:
+        nonlocal ctx
+        with mx.stream(stream):
+            logits = model(tok[None], cache=cache)[:, -1, :]
+            if processors:
+                if not first:           # the prompt's last token is already in `history`
+                    ctx = mx.concatenate([ctx, tok.astype(mx.int32)])
+                for p in processors:
+                    logits = p(ctx, logits)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return sampler(logprobs)
 
-    y = step(last_token)
+    y = step(mx.array([last_token]), first=True)
+    fed.append(last_token)
     mx.async_eval(y)
     n = 0
     while n < max_tokens:
         if cancelled():
             return
+        fed_next = n + 1 < max_tokens
+        if fed_next:
+            next_y = step(y)            # from the lazy token n: queued behind it on the device
+            mx.async_eval(next_y)
         token = y.item()
         if n == 0:
             stats.t_first = time.perf_counter()
-        context.append(token)
+        if fed_next:
+            fed.append(token)
         n += 1
         stats.generated = n
-        if n < max_tokens:
-            y = step(token)
-            mx.async_eval(y)
+        if n % 256 == 0:
+            mx.clear_cache()
         yield token
+        if fed_next:
+            y = next_y

@@ -18,6 +18,12 @@ MIB = 1 << 20
 MIN_PREFIX_REUSE = 16
 
 
+# Tokens of context decoded again with the new ones, so that a decoder that looks at neighbours
+# (SentencePiece's leading space, a character split across byte tokens) gives the same text as
+# decoding the whole list.
+TEXT_CONTEXT = 8
+
+
 @dataclass
 class KVEntry:
     tokens: list[int]
@@ -25,18 +31,52 @@ class KVEntry:
     key: str               # model + steering identity: K/V is only reused under the same key
     messages: list[dict] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
+    # decode(tokens[skip:]) per skip (0, or 1 past a BOS), kept up to date incrementally: a follow-up
+    # checks its rendered text against it without decoding the whole conversation again.
+    _texts: dict = field(default_factory=dict, repr=False, compare=False)
 
     def nbytes(self) -> int:
         from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
         return sum(nbytes(c) for c in self.cache)
 
+    def text(self, tokenizer, skip: int = 0) -> str:
+        """decode(tokens[skip:], skip_special=False), paying only for tokens added since last time.
+
+        Valid while `tokens` only grows in place (prefill/decode append to it); any other change
+        replaces the list (`entry.tokens = entry.tokens[:n]`), which is noticed by identity and
+        costs one full decode."""
+        toks = self.tokens
+        n = len(toks)
+        held = self._texts.get(skip)
+        if held is not None and held[0] is toks and skip <= held[1] <= n:
+            _, done, text = held
+            if done < n:
+                a = max(skip, done - TEXT_CONTEXT)
+                ctx = tokenizer.decode(toks[a:done], skip_special=False)
+                both = tokenizer.decode(toks[a:n], skip_special=False)
+                text = text + both[len(ctx):] if both.startswith(ctx) else None
+        else:
+            text = None
+        if text is None:
+            text = tokenizer.decode(toks[skip:], skip_special=False)
+        self._texts[skip] = (toks, n, text)
+        return text
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the shared prefix; list slices compare in C (a turn's check over 8,000 tokens of
+    history costs microseconds, not a Python loop)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n            # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def copy_prefix(cache: list, n: int, make_cache: Callable[[], list]) -> list:

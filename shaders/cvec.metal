@@ -10,13 +10,28 @@
 //                  <= 1024), PROJECT (bool)
 //   grid = (rows * TG, 1, 1), threadgroup = (TG, 1, 1): one threadgroup per row.
 //
+// Fused form (the header defines CVEC_RESIDUAL; one more input, `res`, same shape and dtype as h):
+// the row is x = h + res, the block's last residual add, rounded to T as the unfused add is; the
+// steered block then costs no extra kernel at all (the add is replaced, not followed).
+//
 // project: out = h - s (h.v) v   (dot in fp32: per-thread strided partials, simd_sum, then the
 //                                 per-simdgroup partials reduced by simdgroup 0)
 // add:     out = h + s d
-// Status: written against MLX's documentation; never compiled or run (no Mac in the CI that
-// wrote it). tests/test_steering_kernels.py runs it against a float64 reference on a Mac.
+// One body, two backends: engine/steering.py prepends a shim header. METAL_SHIM defines
+// CVEC_SHARED as `threadgroup`; CUDA_SHIM (for mx.fast.cuda_kernel) defines it as `__shared__` and
+// maps the Metal names used here (thread indices, simd_sum, threadgroup_barrier, uint/ulong) onto
+// CUDA's. Keep to those names, or add them to both shims.
+// Status: the CUDA build is compiled and checked against a float64 reference on an NVIDIA H200
+// (tests/test_steering_kernels.py, see bench/gpu.md). The Metal build has NEVER been compiled or
+// run anywhere (no Mac in the CI that wrote it); the same test runs it on a Mac.
 
-threadgroup float cvec_partials[32];
+CVEC_SHARED float cvec_partials[32];
+
+#ifdef CVEC_RESIDUAL
+#define CVEC_X(i) float(static_cast<T>(h[i] + res[i]))
+#else
+#define CVEC_X(i) float(h[i])
+#endif
 
 const uint row = threadgroup_position_in_grid.x;
 const uint tid = thread_position_in_threadgroup.x;
@@ -27,7 +42,7 @@ float coef = s;
 if (PROJECT) {
     float part = 0.0f;
     for (uint j = tid; j < uint(D); j += uint(TG)) {
-        part += float(h[base + j]) * vec[j];
+        part += CVEC_X(base + j) * vec[j];
     }
     part = simd_sum(part);
     if (thread_index_in_simdgroup == 0) {
@@ -48,5 +63,5 @@ if (PROJECT) {
 }
 
 for (uint j = tid; j < uint(D); j += uint(TG)) {
-    out[base + j] = static_cast<T>(float(h[base + j]) + coef * vec[j]);
+    out[base + j] = static_cast<T>(CVEC_X(base + j) + coef * vec[j]);
 }

@@ -422,3 +422,29 @@ def test_kv_is_never_reused_across_steering_settings(tiny_gguf, tmp_path):
         assert plain["tokens"] != r1["tokens"]
     finally:
         engine.stop()
+
+
+def test_entry_text_grows_with_its_tokens_and_common_prefix_is_exact(tiny_gguf):
+    # KVEntry.text is what a follow-up's rendered chat is checked against: it must equal decoding
+    # the whole token list after every in-place growth, and start over when the list is replaced.
+    from engine.gguf_file import open_gguf
+    from engine.parking import KVEntry, common_prefix
+    from engine.tokenizer import load_tokenizer
+    tok = load_tokenizer(open_gguf(tiny_gguf))
+    rng = np.random.default_rng(5)
+    ids = tok.encode(TRAINING_TEXT[:400], add_bos=False)
+    e = KVEntry(ids[:50], [], "k")
+    assert e.text(tok) == tok.decode(ids[:50], skip_special=False)
+    for n in (51, 58, 120, 121, len(ids)):
+        e.tokens.extend(ids[len(e.tokens):n])          # prefill/decode append in place
+        assert e.text(tok) == tok.decode(ids[:n], skip_special=False)
+    for t in rng.integers(3, tok.vocab_size, 40):      # any ids one at a time (lone bytes: broken UTF-8)
+        e.tokens.append(int(t))
+        assert e.text(tok) == tok.decode(e.tokens, skip_special=False)
+    assert e.text(tok, skip=1) == tok.decode(e.tokens[1:], skip_special=False)
+    e.tokens = e.tokens[:30]                           # a trim replaces the list
+    assert e.text(tok) == tok.decode(ids[:30], skip_special=False)
+    for a, b in [([], [1]), ([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [1, 2, 4]), (list(range(1000)), list(range(999)) + [5]),
+                 (list(range(9)), list(range(4)) + [0] * 5), ([2], [3])]:
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == want
