@@ -67,9 +67,12 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingParams
     engine = start_engine(args)
     out: dict = {}
+    speed = None if args.speed_projection is None else args.speed_projection == "on"
     if args.restore_session:
-        r = engine.call(RestoreSession(args.restore_session))
+        r = engine.call(RestoreSession(args.restore_session, speed_projection=speed))
         out["restore_ms"] = r["restore_ms"]
+        if speed is None:
+            speed = r["speed_projection"]       # the restored conversation keeps its own steering
     messages = None
     if not args.raw:
         messages = []
@@ -82,7 +85,6 @@ def cmd_generate(args) -> int:
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                         repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
                         stop=args.stop)
-    speed = None if args.speed_projection is None else args.speed_projection == "on"
     handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
                                            sampling=sp, speed_projection=speed))
     for ev in handle.events():

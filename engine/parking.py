@@ -25,6 +25,7 @@ class KVEntry:
     key: str               # model + steering identity: K/V is only reused under the same key
     messages: list[dict] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
+    owner: str = ""        # the conversation it belongs to (a request's `conversation` label)
 
     def nbytes(self) -> int:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.cache if getattr(c, "keys", None) is not None)
@@ -127,6 +128,20 @@ class Parking:
         self.log(f"restored {best_n} of {len(best.tokens)} tokens (prefix copy) in "
                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
         return entry, best_n
+
+    def take_owned(self, owner: str, key: str, tokens: list[int]) -> tuple[KVEntry | None, int]:
+        """Move out `owner`'s own parked entry (same steering): a new branch of a conversation
+        replaces its old one in the same slot instead of taking a second one."""
+        for e in self.entries:
+            if e.owner == owner and e.key == key:
+                t0 = time.perf_counter()
+                self.entries.remove(e)
+                e.last_used = time.monotonic()
+                n = common_prefix(e.tokens, tokens)
+                how = "(moved)" if n == len(e.tokens) else f"of {len(e.tokens)} (own slot, trimmed)"
+                self.log(f"restored {n} tokens {how} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+                return e, n
+        return None, 0
 
     def _evict_one(self, why: str) -> None:
         victim = min(self.entries, key=lambda e: e.last_used)

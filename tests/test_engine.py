@@ -153,5 +153,15 @@ def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_
     assert saved["tokens"] == a["prompt_tokens"] + a["generated_tokens"] - 1
     restored = engine.call(RestoreSession(str(tmp_path / "a.stratasession")))
     assert restored["messages"] == a_msgs
-    with pytest.raises(StrataError, match="no longer held"):
-        engine.call(SaveSession(str(tmp_path / "x.stratasession"), messages=[{"role": "user", "content": "?"}]))
+    # A conversation whose K/V is not held (e.g. from before a restart) is read again, then saved.
+    other = [{"role": "user", "content": "A question from yesterday?"}, {"role": "assistant", "content": "Yes."}]
+    h = engine.submit(SaveSession(str(tmp_path / "x.stratasession"), messages=other))
+    events = list(h.events())
+    again = h.result()
+    assert again["reread"] is True and again["tokens"] > 5
+    assert any(isinstance(e, Progress) and e.stage == "prefill" for e in events)
+    assert engine.call(RestoreSession(str(tmp_path / "x.stratasession")))["messages"] == other
+    follow = engine.call(GenerateRequest(messages=other + [{"role": "user", "content": "More?"}], sampling=sample(2)))
+    assert follow["cached_tokens"] == again["tokens"]
+    with pytest.raises(StrataError, match="no conversation to save"):
+        engine.call(SaveSession(str(tmp_path / "y.stratasession"), messages=[{"role": "system", "content": "?"}]))
