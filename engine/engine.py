@@ -282,23 +282,42 @@ class Engine:
         return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
 
     def _continue_tokens(self, text: str, add_bos: bool) -> list[int] | None:
-        """Tokens for `text` that keep a held conversation's own tokens when `text` extends it.
+        """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping
-        them is what lets a follow-up reuse the whole history instead of stopping at the reply."""
+        them is what lets a follow-up reuse the whole history instead of stopping at the reply. A
+        new branch (Regenerate, Edit) keeps the longest run of held tokens its text starts with."""
+        from .parking import MIN_PREFIX_REUSE
         tok = self.tokenizer
         key = self.cache_key()
-        held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
-        best = None
-        for e in held:
-            if e.key != key or not e.tokens or (best is not None and len(e.tokens) <= len(best)):
+        candidates = []
+        for e in self._held():
+            if e.key != key or not e.tokens:
                 continue
             ids = e.tokens[1:] if add_bos and e.tokens[0] == tok.bos_id else e.tokens
             if add_bos and ids is e.tokens:
                 continue
+            candidates.append((e, len(e.tokens) - len(ids), ids))
+        best, best_n = None, 0
+        for e, lead, ids in candidates:           # whole entries first: one decode each
+            if len(e.tokens) <= best_n:
+                continue
             prefix = tok.decode(ids, skip_special=False)
             if prefix and text.startswith(prefix):
-                best = e.tokens + tok.encode(text[len(prefix):], add_bos=False)
+                best, best_n = e.tokens + tok.encode(text[len(prefix):], add_bos=False), len(e.tokens)
+        if best is not None:
+            return best
+        for e, lead, ids in candidates:           # then the longest held run the text starts with
+            lo, hi = 0, len(ids)                  # decode(ids[:lo]) is a prefix of text
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if text.startswith(tok.decode(ids[:mid], skip_special=False)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo >= MIN_PREFIX_REUSE and lead + lo > best_n:
+                prefix = tok.decode(ids[:lo], skip_special=False)
+                best, best_n = e.tokens[:lead + lo] + tok.encode(text[len(prefix):], add_bos=False), lead + lo
         return best
 
     # ---- generation --------------------------------------------------------------------------

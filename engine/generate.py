@@ -25,15 +25,34 @@ class StepStats:
     t_first: float = 0.0
 
 
+FIRST_CHUNK = 16
+
+
+def chunk_sizes(total: int, chunk: int) -> list[int]:
+    """The prefill schedule: 16, 32, 64, ... up to `chunk`. Small first chunks put the first progress
+    report (and the first chance to cancel) within a moment of the start even on a slow machine;
+    the doubling reaches full-size chunks after a few steps. Fixed, not timed, so that the same
+    prompt is always computed the same way (replies repeat with a seed)."""
+    sizes, n, size = [], 0, min(FIRST_CHUNK, chunk)
+    while n < total:
+        sizes.append(min(size, total - n))
+        n += sizes[-1]
+        size = min(size * 2, chunk)
+    return sizes
+
+
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False) -> None:
-    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back)."""
+    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
+    `progress(0, total)` comes first, then one call per chunk."""
     done = 0
-    while done < len(tokens):
+    if progress and tokens:
+        progress(0, len(tokens))
+    for size in chunk_sizes(len(tokens), chunk):
         if cancelled():
             from .errors import Cancelled
             raise Cancelled("cancelled")
-        part = tokens[done:done + chunk]
+        part = tokens[done:done + size]
         model(mx.array(part)[None], cache=cache)
         mx.eval([c.state for c in cache])
         fed.extend(part)
