@@ -25,19 +25,21 @@ class StepStats:
     t_first: float = 0.0
 
 
-FIRST_CHUNK = 16
+FIRST_CHUNK = 16   # tokens in the first prefill chunk
 
 
 def chunk_sizes(total: int, chunk: int) -> list[int]:
-    """The prefill schedule: 16, 32, 64, ... up to `chunk`. Small first chunks put the first progress
-    report (and the first chance to cancel) within a moment of the start even on a slow machine;
-    the doubling reaches full-size chunks after a few steps. Fixed, not timed, so that the same
-    prompt is always computed the same way (replies repeat with a seed)."""
-    sizes, n, size = [], 0, min(FIRST_CHUNK, chunk)
+    """The prefill schedule: 16, 16, 32, 64, ... (each chunk as large as all before it) up to `chunk`.
+    Small first chunks put the first progress report (and the first chance to cancel) within a
+    moment of the start even on a slow machine; doubling reaches full-size chunks after a few steps,
+    and the running totals (16, 32, 64, ..., 512, 1024) stay on mlx-lm's 256-cell cache steps, so the
+    K/V is allocated as with full-size chunks. Fixed, not timed: the same prompt is always computed
+    the same way (replies repeat with a seed)."""
+    sizes, n = [], 0
     while n < total:
+        size = min(max(n, FIRST_CHUNK), chunk) if chunk > 0 else total
         sizes.append(min(size, total - n))
         n += sizes[-1]
-        size = min(size * 2, chunk)
     return sizes
 
 

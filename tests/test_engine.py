@@ -170,14 +170,15 @@ def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_
 def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_between_them(engine):
     from engine.events import Failed
     from engine.generate import chunk_sizes
-    assert chunk_sizes(100, 512) == [16, 32, 52] and chunk_sizes(2000, 512)[:6] == [16, 32, 64, 128, 256, 512]
+    assert chunk_sizes(100, 512) == [16, 16, 32, 36]
+    assert chunk_sizes(2000, 512)[:8] == [16, 16, 32, 64, 128, 256, 512, 512]
     assert sum(chunk_sizes(2000, 512)) == 2000 and chunk_sizes(40, 8) == [8] * 5
     long_chat = [{"role": "user", "content": " ".join(f"river{i} flows" for i in range(80))}]
     h = engine.submit(GenerateRequest(messages=long_chat, sampling=sample(2)))
     steps = [(e.done, e.total) for e in h.events() if isinstance(e, Progress) and e.stage == "prefill"]
     r = h.result()
     total = r["prompt_tokens"] - r["cached_tokens"] - 1
-    assert steps[0] == (0, total) and steps[1] == (16, total) and steps[2] == (48, total)
+    assert steps[0] == (0, total) and steps[1] == (16, total) and steps[2] == (32, total)
     assert steps[-1] == (total, total)
     # Cancel from the first progress report: the prompt stops being read, the engine keeps serving.
     other = [{"role": "user", "content": " ".join(f"lake{i} rests" for i in range(80))}]
