@@ -381,3 +381,18 @@ def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     assert [m["role"] for m in view.chat.messages] == ["user"]
     # The chat goes on.
     assert send_and_wait(qtbot, view, "Shorter then")["generated_tokens"] >= 1
+
+
+def test_a_lock_left_by_a_crashed_strata_does_not_block_the_next_launch(app_home):
+    """A killed Strata leaves its lock file; its process is gone, so the next launch takes it over."""
+    code = ("import os; from app.single_instance import SingleInstance; "
+            "i = SingleInstance(); assert i.acquire() and i.listen(); os._exit(0)")
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(app_home), PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=60)
+    assert (app_home / "strata.lock").exists()
+    from app.single_instance import SingleInstance
+    instance = SingleInstance()
+    try:
+        assert instance.acquire() and instance.listen()
+    finally:
+        instance.release()
