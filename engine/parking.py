@@ -91,7 +91,8 @@ class Parking:
             self.log(f"not parked: {len(entry.tokens)} tokens need {size / MIB:.1f} MiB, "
                      f"more than the whole cap of {self.cap_bytes / MIB:.0f} MiB")
             return False
-        self._evict_until(lambda: self.total_bytes() + size <= self.cap_bytes and len(self.entries) < self.slots)
+        self._evict_until(lambda: self.total_bytes() + size <= self.cap_bytes and len(self.entries) < self.slots,
+                          incoming=1)
         ok, why = self.guard.admit(0) if self.guard else (True, "")
         while not ok and self.entries:
             self._evict_one("the memory guard's reserve")
@@ -148,6 +149,9 @@ class Parking:
         self.entries.remove(victim)
         self.log(f"evicted {len(victim.tokens)} tokens ({victim.nbytes() / MIB:.1f} MiB) for {why}")
 
-    def _evict_until(self, fits: Callable[[], bool]) -> None:
+    def _evict_until(self, fits: Callable[[], bool], incoming: int = 0) -> None:
         while self.entries and not fits():
-            self._evict_one("the cap")
+            # Say which limit: a full set of slots is not "the cap" (the log once blamed the cap
+            # for evictions at 104 of 2048 MiB).
+            full = len(self.entries) + incoming > self.slots
+            self._evict_one(f"the slot limit ({self.slots} slots)" if full else "the cap")

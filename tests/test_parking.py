@@ -202,6 +202,7 @@ def test_slot_limit_evicts_the_least_recently_used(tiny_gguf):
         c3 = Chat("C3", words(14, 600) + " (assistant 3)")
         _, logs = c3.turn(engine, words(30, 70))
         assert evicted_lines(logs) == [helds[1]], logs
+        assert any(l.startswith("evicted") and l.endswith("for the slot limit (3 slots)") for l in logs), logs
         assert [n for n, _ in parked_lines(logs)] == [h0e]
         assert logs.index(next(l for l in logs if l.startswith("evicted"))) < \
             logs.index(next(l for l in logs if l.startswith("parked")))
