@@ -279,14 +279,16 @@ class Engine:
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
+        return self._continue_tokens(text, add_bos, req.conversation) or tok.encode(text, add_bos=add_bos)
 
-    def _continue_tokens(self, text: str, add_bos: bool) -> list[int] | None:
+    def _continue_tokens(self, text: str, add_bos: bool, owner: str = "") -> list[int] | None:
         """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping
         them is what lets a follow-up reuse the whole history instead of stopping at the reply. A
-        new branch (Regenerate, Edit) keeps the longest run of held tokens its text starts with."""
+        new branch of `owner`'s conversation (Regenerate, Edit) keeps the longest run of its held
+        tokens that the text starts with (only its own: another conversation's tokens cut mid-word
+        would give this one an unnatural tokenization)."""
         from .parking import MIN_PREFIX_REUSE
         tok = self.tokenizer
         key = self.cache_key()
@@ -308,6 +310,8 @@ class Engine:
         if best is not None:
             return best
         for e, lead, ids in candidates:           # then the longest held run the text starts with
+            if not owner or e.owner != owner:
+                continue
             lo, hi = 0, len(ids)                  # decode(ids[:lo]) is a prefix of text
             while lo < hi:
                 mid = (lo + hi + 1) // 2
