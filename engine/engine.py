@@ -158,6 +158,10 @@ class Engine:
             self._serve(item)
 
     def _serve(self, handle: Handle) -> None:
+        if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
+            # Cancelled while it waited its turn: it must not park, take or read any K/V.
+            handle.emit(Failed("cancelled"))
+            return
         self._handle = handle
         try:
             result = self._dispatch(handle)

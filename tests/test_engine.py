@@ -194,3 +194,18 @@ def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_bet
     assert isinstance(events[-1], Failed) and events[-1].message == "cancelled"
     assert max(e.done for e in events if isinstance(e, Progress)) == 16
     assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+
+
+def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
+    from engine.engine import Call
+    from engine.events import Failed
+    first = engine.call(GenerateRequest(messages=CHAT, sampling=sample(4), conversation="keep"))
+    gate = threading.Event()
+    engine.submit(Call(lambda _e: gate.wait(30)))
+    h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "never mind"}], sampling=sample(4)))
+    h.cancel()
+    gate.set()
+    events = list(h.events(timeout=30))
+    assert [type(e) for e in events] == [Failed] and events[0].message == "cancelled"
+    st = engine.call(Status())
+    assert st["live_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
