@@ -160,6 +160,9 @@ class Engine:
     def _serve(self, handle: Handle) -> None:
         if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
             # Cancelled while it waited its turn: it must not park, take or read any K/V.
+            self._handle = handle
+            self._log("error: cancelled")
+            self._handle = None
             handle.emit(Failed("cancelled"))
             return
         self._handle = handle

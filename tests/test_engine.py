@@ -206,6 +206,7 @@ def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
     h.cancel()
     gate.set()
     events = list(h.events(timeout=30))
-    assert [type(e) for e in events] == [Failed] and events[0].message == "cancelled"
+    assert [type(e) for e in events] == [Log, Failed] and events[-1].message == "cancelled"
+    assert events[0].line == "error: cancelled"
     st = engine.call(Status())
     assert st["live_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
