@@ -68,10 +68,6 @@ def engine_status(w) -> dict:
     return w.engine_thread.engine.call(Status(), timeout=30)
 
 
-def held_after(result: dict) -> int:
-    return result["prompt_tokens"] + result["generated_tokens"] - 1
-
-
 # ------------------------------------------------------------------ steering identity per conversation
 
 def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_home, tiny_vector, tmp_path):
@@ -280,28 +276,29 @@ def test_titles_take_no_slot_and_run_unsteered_and_regenerate_reuses_its_slot(qt
         assert ra["speed_projection"] is True
         assert titles and titles[0]["speed_projection"] is False      # the title ran unsteered
         st = engine_status(w)
-        assert st["parking"]["entries"] == 0 and st["live_tokens"] == held_after(ra)   # A still live
+        held_a = st["live_tokens"]                  # A still live: prompt and reply
+        assert st["parking"]["entries"] == 0 and held_a >= ra["prompt_tokens"] + ra["generated_tokens"] - 1
 
         b = w.new_tab()
         with qtbot.waitSignal(b.title_changed, timeout=REPLY_TIMEOUT_MS):
             send_and_wait(qtbot, b, "Something else entirely")
-        assert engine_status(w)["parking"]["tokens"] == [held_after(ra)]   # only A, parked by B
+        assert engine_status(w)["parking"]["tokens"] == [held_a]   # only A, parked by B
 
         w.tabs.setCurrentWidget(a)
         r2 = send_and_wait(qtbot, a, "And more?")
-        assert r2["cached_tokens"] == held_after(ra)
+        assert r2["cached_tokens"] == held_a
         with qtbot.waitSignal(a.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
             a.regenerate()
         regen = blocker.args[0]
         assert regen["cached_tokens"] == r2["prompt_tokens"] - 1        # its own K/V, trimmed
         st = engine_status(w)
-        assert st["parking"]["entries"] == 1 and st["live_tokens"] == held_after(regen)
+        assert st["parking"]["entries"] == 1 and st["live_tokens"] >= regen["prompt_tokens"]
         a.edit(0)
         edited = send_and_wait(qtbot, a, "Tell me about rivers instead")
         assert edited["cached_tokens"] > 0
         st = engine_status(w)
         # Still one slot for A (live) and B's parked one: no old branch kept, nothing evicted.
-        assert st["parking"]["entries"] == 1 and st["live_tokens"] == held_after(edited)
+        assert st["parking"]["entries"] == 1 and st["live_tokens"] >= edited["prompt_tokens"]
         w.tabs.setCurrentWidget(b)
         rb = send_and_wait(qtbot, b, "Back to B")
         assert rb["cached_tokens"] > 0
