@@ -317,8 +317,11 @@ def test_status_bar_shows_the_current_tabs_figures_live_speed_and_fresh_parking(
         assert w.status.cached.text() == mine
         b = w.new_tab()
         assert w.status.cached.text() == "cached –" and w.status.speed.text() == "– tok/s"
-        w.settings.sampling.max_tokens = 300
-        w.settings.sampling.temperature = 0.0     # greedy: the same long reply every run (no early EOS)
+        # Greedy without a repetition penalty: the same long reply every run (no early EOS), long
+        # enough to stream over several render ticks.
+        w.settings.sampling.max_tokens = 800
+        w.settings.sampling.temperature = 0.0
+        w.settings.sampling.repetition_penalty = 1.0
         with qtbot.waitSignal(b.live_speed, timeout=REPLY_TIMEOUT_MS):
             b.input.setPlainText("Stream a long answer")
             b.send_input()
@@ -326,7 +329,7 @@ def test_status_bar_shows_the_current_tabs_figures_live_speed_and_fresh_parking(
         with qtbot.waitSignal(b.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
             pass
         rb = blocker.args[0]
-        assert rb["generated_tokens"] > 20
+        assert rb["generated_tokens"] > 200, rb
         assert "streaming" not in w.status.speed.text()
         w.tabs.setCurrentWidget(a)
         assert w.status.cached.text() == mine
