@@ -7,10 +7,12 @@ from .qt_compat import emit
 import html
 import re
 
+import time
+
 from PySide6.QtCore import QTimer, QUrl, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
-                               QPushButton, QTextBrowser, QVBoxLayout, QWidget)
+                               QProgressBar, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
 from .markdown_render import insert_message_body
 from .store import Chat
@@ -43,6 +45,7 @@ class ChatView(QWidget):
     stats = Signal(object)               # a generate result
     message = Signal(str)              # a line for the status bar
     progress = Signal(str, object, object)
+    live_speed = Signal(float)         # tok/s of the reply streaming in this tab
 
     def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
@@ -56,6 +59,10 @@ class ChatView(QWidget):
         self.streaming: str | None = None
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
+        self.last_result: dict | None = None   # this tab's last reply (its status bar figures)
+        self.tracked = None            # the request whose progress the bar shows (prefill, save)
+        self._t_first = 0.0
+        self._n_streamed = 0
         self._code: list[str] = []
         self._tail = 0
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
@@ -75,6 +82,16 @@ class ChatView(QWidget):
         self.projection = QCheckBox("Speed projection", toolTip="Apply the control vector to this chat")
         self.projection.setChecked(bool(chat.config.get("speed_projection", True)))
         self.projection.toggled.connect(self._on_projection)
+        # A bar in the chat being answered: the prompt being read (or a save reading it again).
+        self.task_label = QLabel()
+        self.task_bar = QProgressBar(textVisible=True, maximumHeight=16)
+        self.task_cancel = QPushButton("Cancel", clicked=self.cancel_task)
+        self.task_row = QWidget(visible=False)
+        tl = QHBoxLayout(self.task_row)
+        tl.setContentsMargins(0, 0, 0, 0)
+        tl.addWidget(self.task_label)
+        tl.addWidget(self.task_bar, 1)
+        tl.addWidget(self.task_cancel)
         self.preset_box = QComboBox(toolTip="The config (system prompt, sampling, context) this chat uses")
         self.preset_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self._fill_presets()
@@ -91,6 +108,7 @@ class ChatView(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 6, 6)
         lay.addWidget(self.transcript, 1)
+        lay.addWidget(self.task_row)
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.input)
         lay.addLayout(buttons)
@@ -138,6 +156,43 @@ class ChatView(QWidget):
         self.chat.config["speed_projection"] = on
         emit(self.changed)
 
+    @property
+    def conversation(self) -> str:
+        """This chat's label for the engine: its K/V's owner (Regenerate and Edit reuse its slot)."""
+        return f"chat-{self.chat.id}"
+
+    # ---- the progress bar in the chat --------------------------------------------------------------
+    TASKS = {"prefill": "Reading the prompt", "save": "Saving session", "restore": "Restoring session"}
+
+    def track(self, req, label: str | None = None) -> None:
+        """Show `req`'s progress in this chat's bar, with Cancel, until it ends (or streams)."""
+        self.tracked = req
+        self.task_label.setText(label or "")
+        req.progress.connect(self._on_task_progress)
+        req.finished.connect(lambda r=req: self._untrack(r))
+
+    def _on_task_progress(self, stage: str, done, total) -> None:
+        if self.tracked is None or not total:
+            return
+        reread = stage == "prefill" and getattr(self.tracked, "kind", "") == "save"
+        self.task_label.setText("Reading the conversation again" if reread else self.TASKS.get(stage, stage))
+        self.task_bar.setRange(0, int(total))
+        self.task_bar.setValue(int(done))
+        self.task_bar.setFormat(f"%v / %m tokens" if stage == "prefill" else "%p%")
+        self.task_row.show()
+
+    def _untrack(self, req) -> None:
+        if self.tracked is req:
+            self.tracked = None
+            self.task_row.hide()
+
+    def cancel_task(self) -> None:
+        if self.tracked is not None:
+            self.tracked.cancel()
+
+    def task_visible(self) -> bool:
+        return not self.task_row.isHidden()
+
     # ---- rendering ---------------------------------------------------------------------------
     def render_all(self) -> None:
         doc = self.transcript.document()
@@ -178,6 +233,10 @@ class ChatView(QWidget):
     def _render_tail(self) -> None:
         if self.streaming is None:
             return
+        if self._n_streamed > 1:
+            dt = time.perf_counter() - self._t_first
+            if dt > 0:
+                emit(self.live_speed, (self._n_streamed - 1) / dt)
         cursor = QTextCursor(self.transcript.document())
         cursor.setPosition(self._tail)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
@@ -242,6 +301,8 @@ class ChatView(QWidget):
     def stop(self) -> None:
         if self.request is not None:
             self.request.cancel()
+        if self.tracked is not None:
+            self.tracked.cancel()
 
     def copy_last(self) -> None:
         for m in reversed(self.chat.messages):
@@ -303,12 +364,14 @@ class ChatView(QWidget):
         self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
 
     def _submit(self, messages: list[dict], sampling: dict) -> None:
-        req = self.client.generate(messages, sampling, conversation=f"chat-{self.chat.id}",
+        req = self.client.generate(messages, sampling, conversation=self.conversation,
                                    speed_projection=self.projection.isChecked(),
                                    speculative=self.preset.speculative)
         self.request = req
+        self._n_streamed = 0
         req.token.connect(self._on_token)
         req.progress.connect(self.progress)
+        self.track(req, self.TASKS["prefill"])
         req.done.connect(self._on_done)
         req.failed.connect(self._on_failed)
         self.render_all()
@@ -317,6 +380,10 @@ class ChatView(QWidget):
     def _on_token(self, text: str) -> None:
         if self.streaming is None:
             return
+        if self._n_streamed == 0:
+            self._t_first = time.perf_counter()
+            self.task_row.hide()          # the prompt is read: the reply itself shows progress now
+        self._n_streamed += 1
         self.streaming += text
         if not self._render_timer.isActive():
             self._render_timer.start()
@@ -332,6 +399,7 @@ class ChatView(QWidget):
         text = result.get("text", self.streaming or "")
         self.chat.messages.append({"role": "assistant", "content": text})
         self._finish()
+        self.last_result = dict(result)
         emit(self.changed)
         emit(self.stats, result)
         if result.get("finish_reason") == "cancelled":
@@ -345,7 +413,7 @@ class ChatView(QWidget):
         if partial:
             self.chat.messages.append({"role": "assistant", "content": partial})
             emit(self.changed)
-        emit(self.message, f"Generation failed: {message}")
+        emit(self.message, "Stopped" if message == "cancelled" else f"Generation failed: {message}")
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:
@@ -354,8 +422,9 @@ class ChatView(QWidget):
         prompt = ("Write a short title (3 to 6 words) for this conversation. Answer with the title only.\n\n"
                   f"User: {first_user[:400]}\nAssistant: {reply[:400]}")
         sampling = {"temperature": 0.0, "max_tokens": 12}
+        # A side request: it never takes this or another chat's K/V slot, and runs unsteered.
         req = self.client.generate([{"role": "user", "content": prompt}], sampling,
-                                   conversation=f"title-{self.chat.id}")
+                                   conversation=f"title-{self.chat.id}", side=True, speed_projection=False)
         self.title_request = req
         req.done.connect(lambda r: self._on_title(r.get("text", ""), first_user))
         req.failed.connect(lambda _m: self._on_title("", first_user))

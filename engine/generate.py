@@ -32,15 +32,36 @@ def _stream():
     return generation_stream
 
 
+FIRST_CHUNK = 16   # tokens in the first prefill chunk
+
+
+def chunk_sizes(total: int, chunk: int) -> list[int]:
+    """The prefill schedule: 16, 16, 32, 64, ... (each chunk as large as all before it) up to `chunk`.
+    Small first chunks put the first progress report (and the first chance to cancel) within a
+    moment of the start even on a slow machine; doubling reaches full-size chunks after a few steps,
+    and the running totals (16, 32, 64, ..., 512, 1024) stay on mlx-lm's 256-cell cache steps, so the
+    K/V is allocated as with full-size chunks. Fixed, not timed: the same prompt is always computed
+    the same way (replies repeat with a seed)."""
+    sizes, n = [], 0
+    while n < total:
+        size = min(max(n, FIRST_CHUNK), chunk) if chunk > 0 else total
+        sizes.append(min(size, total - n))
+        n += sizes[-1]
+    return sizes
+
+
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False) -> None:
-    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back)."""
+    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
+    `progress(0, total)` comes first, then one call per chunk."""
     done = 0
-    while done < len(tokens):
+    if progress and tokens:
+        progress(0, len(tokens))
+    for size in chunk_sizes(len(tokens), chunk):
         if cancelled():
             from .errors import Cancelled
             raise Cancelled("cancelled")
-        part = tokens[done:done + chunk]
+        part = tokens[done:done + size]
         with mx.stream(_stream()):
             model(mx.array(part)[None], cache=cache)
             mx.eval([c.state for c in cache])

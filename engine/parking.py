@@ -34,6 +34,7 @@ class KVEntry:
     # decode(tokens[skip:]) per skip (0, or 1 past a BOS), kept up to date incrementally: a follow-up
     # checks its rendered text against it without decoding the whole conversation again.
     _texts: dict = field(default_factory=dict, repr=False, compare=False)
+    owner: str = ""        # the conversation it belongs to (a request's `conversation` label)
 
     def nbytes(self) -> int:
         from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
@@ -131,7 +132,8 @@ class Parking:
             self.log(f"not parked: {len(entry.tokens)} tokens need {size / MIB:.1f} MiB, "
                      f"more than the whole cap of {self.cap_bytes / MIB:.0f} MiB")
             return False
-        self._evict_until(lambda: self.total_bytes() + size <= self.cap_bytes and len(self.entries) < self.slots)
+        self._evict_until(lambda: self.total_bytes() + size <= self.cap_bytes and len(self.entries) < self.slots,
+                          incoming=1)
         ok, why = self.guard.admit(0) if self.guard else (True, "")
         while not ok and self.entries:
             self._evict_one("the memory guard's reserve")
@@ -180,11 +182,28 @@ class Parking:
             self.entries.remove(entry)
         self.log(f"dropped a parked conversation of {len(entry.tokens)} tokens: {why}")
 
+    def take_owned(self, owner: str, key: str, tokens: list[int]) -> tuple[KVEntry | None, int]:
+        """Move out `owner`'s own parked entry (same steering): a new branch of a conversation
+        replaces its old one in the same slot instead of taking a second one."""
+        for e in self.entries:
+            if e.owner == owner and e.key == key:
+                t0 = time.perf_counter()
+                self.entries.remove(e)
+                e.last_used = time.monotonic()
+                n = common_prefix(e.tokens, tokens)
+                how = "(moved)" if n == len(e.tokens) else f"of {len(e.tokens)} (own slot, trimmed)"
+                self.log(f"restored {n} tokens {how} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+                return e, n
+        return None, 0
+
     def _evict_one(self, why: str) -> None:
         victim = min(self.entries, key=lambda e: e.last_used)
         self.entries.remove(victim)
         self.log(f"evicted {len(victim.tokens)} tokens ({victim.nbytes() / MIB:.1f} MiB) for {why}")
 
-    def _evict_until(self, fits: Callable[[], bool]) -> None:
+    def _evict_until(self, fits: Callable[[], bool], incoming: int = 0) -> None:
         while self.entries and not fits():
-            self._evict_one("the cap")
+            # Say which limit: a full set of slots is not "the cap" (the log once blamed the cap
+            # for evictions at 104 of 2048 MiB).
+            full = len(self.entries) + incoming > self.slots
+            self._evict_one(f"the slot limit ({self.slots} slots)" if full else "the cap")

@@ -477,6 +477,7 @@ def test_parked_kv_is_not_reused_across_the_switch(tiny4, strong_vec):
 
 
 def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_vec, tmp_path):
+    """A session's steering is the steering applied to its K/V, never the engine's last request."""
     cfg = SteeringConfig(files=((str(strong_vec), 2.0),), mode="project")
     on_file, off_file = tmp_path / "on.session", tmp_path / "off.session"
     eng = start(tiny4, cfg, cache_mib=64)
@@ -486,17 +487,27 @@ def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_
         eng.call(SaveSession(str(on_file)))
         stock.call(GenerateRequest(messages=CHAT, sampling=greedy(4)))
         stock.call(SaveSession(str(off_file)))
-        with pytest.raises(StrataError, match="saved with another steering setting"):
+        # Without the vector: refused, naming the vector the file needs.
+        with pytest.raises(StrataError, match="saved with another steering setting") as err:
             stock.call(RestoreSession(str(on_file)))
-        # the vector engine, its last request on: the stock session is refused, its own accepted
+        assert f"load {strong_vec.name} x2 (project)" in str(err.value)
+        # A request that names a setting is held to it ...
         with pytest.raises(StrataError, match="saved with another steering setting"):
-            eng.call(RestoreSession(str(off_file)))
-        assert eng.call(RestoreSession(str(on_file)))["restore_ms"] >= 0
-        # ... and with its last request off, the stock session is the one that fits
-        eng.call(GenerateRequest(prompt=RAW, sampling=greedy(1), speed_projection=False))
+            eng.call(RestoreSession(str(off_file), speed_projection=True))
         with pytest.raises(StrataError, match="saved with another steering setting"):
-            eng.call(RestoreSession(str(on_file)))
-        assert eng.call(RestoreSession(str(off_file)))["restore_ms"] >= 0
+            eng.call(RestoreSession(str(on_file), speed_projection=False))
+        # ... one that does not gets the file's own setting, whatever the last request was.
+        for last in (True, False, True):
+            eng.call(GenerateRequest(prompt=RAW, sampling=greedy(1), speed_projection=last))
+            assert eng.call(RestoreSession(str(off_file)))["speed_projection"] is False
+            r = eng.call(RestoreSession(str(on_file)))
+            assert r["speed_projection"] is True and r["steering"]["files"] == [[str(strong_vec), 2.0]]
+        # The restored conversation continues from its K/V under its own setting.
+        msgs = r["messages"] + [{"role": "user", "content": "And then?"}]
+        follow = eng.call(GenerateRequest(messages=msgs, sampling=greedy(2), speed_projection=True))
+        assert follow["cached_tokens"] == r["restored_tokens"]
+        # The stock session restores on the vector engine with the projection off.
+        assert eng.call(RestoreSession(str(off_file), speed_projection=False))["speed_projection"] is False
     finally:
         eng.stop()
         stock.stop()

@@ -153,5 +153,60 @@ def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_
     assert saved["tokens"] == a["prompt_tokens"] + a["generated_tokens"] - 1
     restored = engine.call(RestoreSession(str(tmp_path / "a.stratasession")))
     assert restored["messages"] == a_msgs
-    with pytest.raises(StrataError, match="no longer held"):
-        engine.call(SaveSession(str(tmp_path / "x.stratasession"), messages=[{"role": "user", "content": "?"}]))
+    # A conversation whose K/V is not held (e.g. from before a restart) is read again, then saved.
+    other = [{"role": "user", "content": "A question from yesterday?"}, {"role": "assistant", "content": "Yes."}]
+    h = engine.submit(SaveSession(str(tmp_path / "x.stratasession"), messages=other))
+    events = list(h.events())
+    again = h.result()
+    assert again["reread"] is True and again["tokens"] > 5
+    assert any(isinstance(e, Progress) and e.stage == "prefill" for e in events)
+    assert engine.call(RestoreSession(str(tmp_path / "x.stratasession")))["messages"] == other
+    follow = engine.call(GenerateRequest(messages=other + [{"role": "user", "content": "More?"}], sampling=sample(2)))
+    assert follow["cached_tokens"] == again["tokens"]
+    with pytest.raises(StrataError, match="no conversation to save"):
+        engine.call(SaveSession(str(tmp_path / "y.stratasession"), messages=[{"role": "system", "content": "?"}]))
+
+
+def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_between_them(engine):
+    from engine.events import Failed
+    from engine.generate import chunk_sizes
+    assert chunk_sizes(100, 512) == [16, 16, 32, 36]
+    assert chunk_sizes(2000, 512)[:8] == [16, 16, 32, 64, 128, 256, 512, 512]
+    assert sum(chunk_sizes(2000, 512)) == 2000 and chunk_sizes(40, 8) == [8] * 5
+    long_chat = [{"role": "user", "content": " ".join(f"river{i} flows" for i in range(80))}]
+    h = engine.submit(GenerateRequest(messages=long_chat, sampling=sample(2)))
+    steps = [(e.done, e.total) for e in h.events() if isinstance(e, Progress) and e.stage == "prefill"]
+    r = h.result()
+    total = r["prompt_tokens"] - r["cached_tokens"] - 1
+    assert steps[0] == (0, total) and steps[1] == (16, total) and steps[2] == (32, total)
+    assert steps[-1] == (total, total)
+    # Cancel from the first progress report: the prompt stops being read, the engine keeps serving.
+    other = [{"role": "user", "content": " ".join(f"lake{i} rests" for i in range(80))}]
+    box, known = {}, threading.Event()
+
+    def on_event(e):                  # on the engine thread, between two chunks
+        if isinstance(e, Progress) and e.stage == "prefill" and e.done == 16:
+            known.wait(10)
+            box["h"].cancel()
+    box["h"] = h = engine.submit(GenerateRequest(messages=other, sampling=sample(2)), callback=on_event)
+    known.set()
+    events = list(h.events())
+    assert isinstance(events[-1], Failed) and events[-1].message == "cancelled"
+    assert max(e.done for e in events if isinstance(e, Progress)) == 16
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+
+
+def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
+    from engine.engine import Call
+    from engine.events import Failed
+    first = engine.call(GenerateRequest(messages=CHAT, sampling=sample(4), conversation="keep"))
+    gate = threading.Event()
+    engine.submit(Call(lambda _e: gate.wait(30)))
+    h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "never mind"}], sampling=sample(4)))
+    h.cancel()
+    gate.set()
+    events = list(h.events(timeout=30))
+    assert [type(e) for e in events] == [Log, Failed] and events[-1].message == "cancelled"
+    assert events[0].line == "error: cancelled"
+    st = engine.call(Status())
+    assert st["live_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1

@@ -202,6 +202,7 @@ def test_slot_limit_evicts_the_least_recently_used(tiny_gguf):
         c3 = Chat("C3", words(14, 600) + " (assistant 3)")
         _, logs = c3.turn(engine, words(30, 70))
         assert evicted_lines(logs) == [helds[1]], logs
+        assert any(l.startswith("evicted") and l.endswith("for the slot limit (3 slots)") for l in logs), logs
         assert [n for n, _ in parked_lines(logs)] == [h0e]
         assert logs.index(next(l for l in logs if l.startswith("evicted"))) < \
             logs.index(next(l for l in logs if l.startswith("parked")))
@@ -448,3 +449,52 @@ def test_entry_text_grows_with_its_tokens_and_common_prefix_is_exact(tiny_gguf):
                  (list(range(9)), list(range(4)) + [0] * 5), ([2], [3])]:
         want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert common_prefix(a, b) == want
+
+
+# ---------------------------------------------------------------------------------------- side requests, branches
+
+def test_side_requests_leave_every_conversation_in_place(tiny_gguf):
+    """A title request (side=True): no park, no eviction, no slot; the live conversation continues."""
+    engine = start(tiny_gguf, cache_mib=64, cache_slots=1)
+    try:
+        a, b = Chat("A", A_SYSTEM), Chat("B", words(14, 300))
+        rb, _ = b.turn(engine, words(20, 40))
+        ra, logs = a.turn(engine, A_TURNS[0])
+        assert [n for n, _ in parked_lines(logs)] == [held(rb, 16)]          # B parked, in the one slot
+        before = engine.call(Status())
+        h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "Title for: " + A_TURNS[0]}],
+                                          conversation="title-A", side=True,
+                                          sampling=SamplingParams(max_tokens=6, temperature=0.0)))
+        side_logs = [ev.line for ev in h.events(timeout=60) if isinstance(ev, Log)]
+        assert h.result()["generated_tokens"] >= 1
+        assert parked_lines(side_logs) == [] and evicted_lines(side_logs) == []
+        after = engine.call(Status())
+        assert after["live_tokens"] == before["live_tokens"] == held(ra, 16)
+        assert after["parking"] == before["parking"]
+        r, logs = a.turn(engine, A_TURNS[1])
+        assert r["cached_tokens"] == held(ra, 16) and parked_lines(logs) == []
+    finally:
+        engine.stop()
+
+
+def test_a_new_branch_of_a_conversation_reuses_its_slot(tiny_gguf):
+    """Regenerate (the same messages without the last reply) and Edit (an earlier message changed)
+    trim the conversation's own K/V, live or parked, instead of parking the old branch beside it."""
+    engine = start(tiny_gguf, cache_mib=64, cache_slots=4)
+    try:
+        a = Chat("A", A_SYSTEM)
+        a.turn(engine, A_TURNS[0])
+        r1, _ = a.turn(engine, A_TURNS[1])
+        regen = a.messages[:-1]                                   # Regenerate: drop the last reply
+        r, logs = ask(engine, regen, "A")
+        assert parked_lines(logs) == [] and r["cached_tokens"] == r1["prompt_tokens"] - 1
+        assert engine.call(Status())["parking"]["entries"] == 0
+        Chat("B", words(14, 300)).turn(engine, words(20, 40))   # A parked now
+        edit = a.messages[:1] + [{"role": "user", "content": A_TURNS[0] + " (edited)"}]
+        r, logs = ask(engine, edit, "A")
+        assert any(re.match(r"restored \d+ tokens of \d+ \(own slot, trimmed\)", l) for l in logs), logs
+        assert r["cached_tokens"] >= 16
+        st = engine.call(Status())["parking"]
+        assert st["entries"] == 1                                 # B only: A's old branch is gone
+    finally:
+        engine.stop()
