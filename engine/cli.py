@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(fn=lambda a: __import__("engine.cvec_train", fromlist=["x"]).cmd_train(a))
 
     args = parser.parse_args(argv)
+    from . import distributed
+    if distributed.is_follower() and args.command in ("generate", "serve", "replay"):
+        args.fn = distributed.follow        # distributed hook: ranks > 0 follow rank 0's requests
     try:
         return args.fn(args)
     except StrataError as e:

@@ -104,6 +104,8 @@ class Engine:
         self.live = None                          # parking.KVEntry of the conversation holding the engine
         self.parking = None
         self.n_ctx = 0
+        from . import distributed                 # distributed hook: None unless launched as a rank
+        self.dist = distributed.detect()
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -113,6 +115,9 @@ class Engine:
 
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
+        if self.dist is not None and self.dist.broken:   # distributed hook: the ring is gone, answer now
+            handle.emit(Failed(self.dist.broken))
+            return handle
         self._queue.put(handle)
         return handle
 
@@ -137,10 +142,15 @@ class Engine:
         self.options.cache_mib, self.options.cache_slots = cap, slots
         self.parking = Parking(cap, slots, self.guard, self._log)
         if self.options.model:
-            self._serve(Handle(LoadModel(self.options.model, self.options.steering)))
+            first = Handle(LoadModel(self.options.model, self.options.steering))
+            first.local = True          # distributed: every rank loads its own --model, not rank 0's path
+            self._serve(first)
         while True:
-            item = self._queue.get()
+            # distributed hook: a follower rank serves rank 0's requests instead of its own queue.
+            item = self._queue.get() if self.dist is None or self.dist.rank == 0 else self._follow()
             if isinstance(item, _Stop):
+                if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
+                    self.dist.stop_followers()
                 self.stopped.set()
                 if threading.current_thread() is self._thread:
                     # mlx 0.32.4 aborts the process at exit ("terminate called without an active
@@ -154,7 +164,7 @@ class Engine:
     def _serve(self, handle: Handle) -> None:
         self._handle = handle
         try:
-            result = self._dispatch(handle)
+            result = self._dispatch(handle) if self.dist is None else self.dist.dispatch(self, handle)
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
@@ -164,6 +174,16 @@ class Engine:
             handle.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
         finally:
             self._handle = None
+
+    def _follow(self):
+        """A follower rank's next request: rank 0's, as a handle nobody waits on (or _Stop)."""
+        from .distributed import Stop
+        try:
+            req = self.dist.next_request()
+        except RuntimeError as e:       # rank 0 is gone: nothing left to follow
+            self._log(f"distributed: lost rank 0 ({e}); stopping")
+            return _Stop()
+        return _Stop() if isinstance(req, Stop) else Handle(req)
 
     def _log(self, line: str) -> None:
         log.info(line)
@@ -204,7 +224,9 @@ class Engine:
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
             self.options.dtype or "", mx.float32 if mx.default_device() == mx.cpu else mx.float16)
-        model, info = load_model(g, dtype=dtype, progress=lambda d, t: handle.emit(Progress("load", d, t)))
+        progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
+        model, info = (load_model(g, dtype=dtype, progress=progress) if self.dist is None
+                       else self.dist.load(g, dtype, progress))   # distributed hook: this rank's part
         steer_cfg = self.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
@@ -223,6 +245,8 @@ class Engine:
         self.model_hash = content_hash(path)
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
         steering.install(self.model, self.steering)
+        if self.dist is not None:
+            self.dist.after_install(self.model)
         self.n_ctx = min(self.options.context_length or min(info.context_length, 8192), info.context_length)
         self.live = None
         self.parking.clear()
@@ -230,6 +254,8 @@ class Engine:
                   f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self._log(f"weights: {info.load_note}")
+        if self.dist is not None:
+            self._log(self.dist.describe())
         if vector is not None:
             self._log(vector.describe())
         if steering_error:
@@ -415,6 +441,7 @@ class Engine:
             "steering": self.steering.vector.describe() if self.steering and self.steering.vector else None,
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
+            "distributed": self.dist.status() if self.dist is not None else None,
         }
 
     # ---- session files -----------------------------------------------------------------------
@@ -428,6 +455,8 @@ class Engine:
 
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
+            return self.dist.save(self, req, handle)
         self._require_model()
         entry = self.live
         if req.messages is not None:
@@ -446,6 +475,8 @@ class Engine:
 
     def _restore(self, req: RestoreSession, handle: Handle) -> dict:
         from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
+            return self.dist.restore(self, req, handle)
         self._require_model()
         reason = self.guard.unavailable_reason()
         if reason:
