@@ -92,6 +92,8 @@ class Distributed:
         inner, info = load_model(g, dtype=dtype, progress=progress, part=part)
         model = PipelineModel(inner, part, self.group, args.vocab_size, args.hidden_size,
                               args.tie_word_embeddings, dtype)
+        from . import parking
+        parking.WHOLE_MODEL_LAYERS[:] = [args.num_hidden_layers, end - start]
         return model, info
 
     def after_install(self, model) -> None:
@@ -272,11 +274,11 @@ class Distributed:
                 kv.append(self._broadcast(0, x, shape, engine.dtype))
             if owner == self.rank:
                 c = KVCache()
-                c.state = tuple(kv)
+                c.state = (*kv, len(tokens))
                 mine.append(c)
         cache = engine.make_cache()
         for dst, src in zip(cache, mine):
-            dst.state = (src.keys, src.values)
+            dst.state = (src.keys, src.values, len(tokens))
         entry = KVEntry(list(tokens), cache, engine.cache_key(), messages=messages)
         # As Engine._restore: only now does the live conversation step aside.
         if engine.live is not None and engine.parking.enabled:
@@ -297,7 +299,7 @@ class Distributed:
                                       shape, ref.dtype) for arr in ("keys", "values")]
                 if self.rank == 0:
                     c = KVCache()
-                    c.state = tuple(kv)
+                    c.state = (*kv, n)
                     full.append(c)
         return full if self.rank == 0 else None
 
@@ -349,5 +351,24 @@ def follow(args) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
     engine = Engine(engine_options(args))
+    engine.guard = FollowerGuard(engine.guard)
     engine.run_forever()
     return 0
+
+
+class FollowerGuard:
+    """A follower parks, evicts and saves on rank 0's decisions: its own memory guard reads and
+    reports, but never refuses (a refusal here alone would split the ranks' K/V bookkeeping).
+    Known gap: rank 0 decides alone; the smallest headroom over all ranks does not yet."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def unavailable_reason(self):
+        return None
+
+    def admit(self, nbytes: int):
+        return True, ""

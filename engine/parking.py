@@ -16,6 +16,10 @@ MIB = 1 << 20
 # Reusing a handful of shared template tokens is not worth a copy (and would make "served from
 # scratch" unobservable); below this a prefix counts as no match.
 MIN_PREFIX_REUSE = 16
+# (all layers, layers held here). A distributed pipeline rank holds some layers only (engine.distributed
+# sets this); counting an entry as the whole model's K/V (every layer's cache has the same size) lets
+# every rank make the same cap and eviction decisions. Integer arithmetic: exact on every rank.
+WHOLE_MODEL_LAYERS = [1, 1]
 
 
 @dataclass
@@ -27,7 +31,8 @@ class KVEntry:
     last_used: float = field(default_factory=time.monotonic)
 
     def nbytes(self) -> int:
-        return sum(c.keys.nbytes + c.values.nbytes for c in self.cache if getattr(c, "keys", None) is not None)
+        local = sum(c.keys.nbytes + c.values.nbytes for c in self.cache if getattr(c, "keys", None) is not None)
+        return local * WHOLE_MODEL_LAYERS[0] // WHOLE_MODEL_LAYERS[1]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

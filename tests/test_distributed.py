@@ -1,0 +1,147 @@
+"""One model over several processes on 127.0.0.1 (MLX ring backend on the CPU), against one process.
+
+Each test starts its own ranks (tests/dist_harness.py: MLX_RANK/MLX_HOSTFILE, free ports) with
+bounded waits, and kills them all at the end.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from dist_harness import json_line, run_ranks, run_single, start_ranks
+
+PROMPT = ["-p", "Hello there, how are you?", "-n", "12", "--json"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf
+    d = tmp_path_factory.mktemp("dist-models")
+    return {
+        "llama": write_tiny_gguf(d / "llama.gguf", arch="llama", n_layer=4, n_embd=64, n_head=4, n_head_kv=2,
+                                 n_ff=128, seed=3),
+        "llama-untied": write_tiny_gguf(d / "llama-untied.gguf", arch="llama", n_layer=3, n_embd=64, n_head=4,
+                                        n_head_kv=2, n_ff=128, seed=4, tie_embeddings=False),
+        "qwen2": write_tiny_gguf(d / "qwen2.gguf", arch="qwen2", n_layer=4, n_embd=64, n_head=4, n_head_kv=2,
+                                 n_ff=128, seed=5),
+        "qwen3": write_tiny_gguf(d / "qwen3.gguf", arch="qwen3", n_layer=4, n_embd=64, n_head=4, n_head_kv=2,
+                                 n_ff=128, seed=6),
+    }
+
+
+def test_split_layers():
+    from engine.pipeline_model import split_layers
+    assert split_layers(30, 2) == [(0, 15), (15, 30)]
+    assert split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError):
+        split_layers(2, 3)
+
+
+def _tokens(out: str) -> list[int]:
+    return json_line(out)["tokens"]
+
+
+@pytest.mark.parametrize("arch,n", [("llama", 2), pytest.param("llama-untied", 3, marks=pytest.mark.slow),
+                                    pytest.param("qwen2", 2, marks=pytest.mark.slow),
+                                    pytest.param("qwen3", 3, marks=pytest.mark.slow)])
+def test_pipeline_greedy_equals_one_process(models, tmp_path, arch, n):
+    args = ["generate", "-m", str(models[arch]), *PROMPT]
+    single = _tokens(run_single(args))
+    out, ranks = run_ranks(n, [*args, "-v"], tmp_path)
+    assert _tokens(out) == single
+    # Each rank holds its own contiguous layers, and says so in the load log.
+    for r in range(n):
+        assert f"distributed: pipeline over {n} ranks" in ranks.log(r)
+        assert f"this is rank {r}" in ranks.log(r)
+
+
+def test_pipeline_sampling_with_seed_equals_one_process(models, tmp_path):
+    args = ["generate", "-m", str(models["llama"]), *PROMPT, "--temp", "1.0", "--seed", "7"]
+    assert _tokens(run_ranks(2, args, tmp_path)[0]) == _tokens(run_single(args))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_greedy_equals_one_process(models, tmp_path):
+    args = ["generate", "-m", str(models["qwen3"]), *PROMPT]
+    out, ranks = run_ranks(2, [*args, "-v"], tmp_path, extra_env={"STRATA_DIST_MODE": "tensor"})
+    assert _tokens(out) == _tokens(run_single(args))
+    assert "tensor parallel over 2 ranks" in ranks.log(0)
+
+
+@pytest.mark.slow
+def test_real_model_pipeline_greedy(real_model, tmp_path):
+    args = ["generate", "-m", str(real_model), "-p", "What is the capital of France?", "-n", "8", "--json"]
+    assert _tokens(run_ranks(2, args, tmp_path, timeout=240)[0]) == _tokens(run_single(args, timeout=240))
+
+
+def test_session_portable_between_single_and_distributed(models, tmp_path):
+    """A session saved by 2 ranks restores in one process and vice versa; the follow-up tokens agree."""
+    m = str(models["llama"])
+    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json"]
+    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json"]
+    s_single, s_dist = tmp_path / "single.stratasession", tmp_path / "dist.stratasession"
+    run_single([*first, "--save-session", str(s_single)])
+    run_ranks(2, [*first, "--save-session", str(s_dist)], tmp_path)
+    assert s_dist.exists()
+    single_single = json_line(run_single([*follow, "--restore-session", str(s_single)]))
+    dist_single = json_line(run_single([*follow, "--restore-session", str(s_dist)]))
+    single_dist = json_line(run_ranks(2, [*follow, "--restore-session", str(s_single)], tmp_path)[0])
+    assert dist_single["tokens"] == single_single["tokens"] == single_dist["tokens"]
+    # The whole conversation came from the file every time (nothing re-computed but the new turn).
+    assert dist_single["cached_tokens"] == single_single["cached_tokens"] == single_dist["cached_tokens"] > 0
+
+
+def _get(url: str, timeout: float = 5.0):
+    import httpx
+    return httpx.get(url, timeout=timeout)
+
+
+def _chat(base: str, timeout: float = 30.0):
+    import httpx
+    return httpx.post(f"{base}/chat/completions", timeout=timeout,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+
+
+def _serve(models, tmp_path, env=None):
+    from dist_harness import free_ports
+    port = free_ports(1)[0]
+    ranks = start_ranks(2, ["serve", "-m", str(models["llama"]), "--port", str(port), "-v"], tmp_path, env)
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if _get(f"{base}/models", 1).status_code == 200:
+                return ranks, base
+        except Exception:   # not listening yet
+            pass
+        assert all(p.poll() is None for p in ranks.procs), ranks.log(0)[-2000:] + ranks.log(1)[-2000:]
+        time.sleep(0.3)
+    ranks.kill()
+    raise AssertionError("the server did not start:\n" + ranks.log(0)[-2000:])
+
+
+@pytest.mark.parametrize("how", ["kill", pytest.param("hang", marks=pytest.mark.slow)])
+def test_lost_rank_gives_503_in_bounded_time(models, tmp_path, how):
+    ranks, base = _serve(models, tmp_path, {"STRATA_DIST_TIMEOUT": "4"})
+    with ranks:
+        models_body = _get(f"{base}/models").json()["data"][0]
+        assert models_body["distributed"]["mode"] == "pipeline"
+        assert models_body["distributed"]["split"] == [[0, 2], [2, 4]]
+        assert _chat(base).status_code == 200            # both ranks serve
+        follower = ranks.procs[1]
+        if how == "kill":
+            follower.kill()
+            follower.wait(10)
+        else:
+            follower.send_signal(signal.SIGSTOP)        # alive but silent: only the watchdog can tell
+        t0 = time.monotonic()
+        r = _chat(base, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"].startswith("distributed:")
+        assert time.monotonic() - t0 < 20
+        t0 = time.monotonic()
+        r = _chat(base, timeout=10)                      # later requests: at once, same answer
+        assert r.status_code == 503 and time.monotonic() - t0 < 3
+        assert _get(f"{base}/models").status_code == 200  # the server itself keeps answering
