@@ -208,9 +208,6 @@ class Distributed:
 
     def save(self, engine, req, handle) -> dict:
         from . import sessions
-        from .errors import RequestError
-        if self.mode == "tensor":
-            raise RequestError("session files are not supported in tensor-parallel mode yet")
         engine._require_model()
         # The same choice as Engine._save (every rank holds the same entries in the same order).
         entry = engine.live
@@ -240,8 +237,6 @@ class Distributed:
         from . import sessions
         from .errors import RequestError, StrataError
         from .parking import KVEntry
-        if self.mode == "tensor":
-            raise RequestError("session files are not supported in tensor-parallel mode yet")
         engine._require_model()
         n_layer = engine.info.n_layer
         whole, result, error = None, None, None
@@ -261,17 +256,20 @@ class Distributed:
         head = pickle.loads(self._bytes_collective(
             pickle.dumps((whole.tokens, whole.messages)) if self.rank == 0 else None))
         tokens, messages = head
-        start, end = self.split[self.rank]
         # Every layer travels as a broadcast from rank 0 (all_sum with zeros from the others): exact, in
         # order, and it works on any ring (send/recv reach only neighbours); the rank owning it keeps it.
         shape = (1, engine.info.n_head_kv, len(tokens), engine.info.head_dim)
         mine = []
         for i in range(n_layer):
-            owner = next(r for r, (a, b) in enumerate(self.split) if a <= i < b)
+            owner = next(r for r, (a, b) in enumerate(self.split) if a <= i < b) if self.split else self.rank
             kv = []
             for arr in ("keys", "values"):
                 x = getattr(whole.cache[i], arr) if self.rank == 0 else None
-                kv.append(self._broadcast(0, x, shape, engine.dtype))
+                x = self._broadcast(0, x, shape, engine.dtype)
+                if self.mode == "tensor":     # this rank's contiguous K/V heads (as shard_linear splits)
+                    h = shape[1] // self.size
+                    x = x[:, self.rank * h:(self.rank + 1) * h]
+                kv.append(x)
             if owner == self.rank:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
@@ -293,6 +291,18 @@ class Distributed:
         ref = entry.cache[0].keys
         shape = tuple(ref.shape[:2]) + (n,) + tuple(ref.shape[3:])
         full = []
+        if self.mode == "tensor":
+            # Every rank holds every layer's K/V for its own heads: concatenated in rank order.
+            for c in entry.cache:
+                kv = []
+                for arr in ("keys", "values"):
+                    x = mx.distributed.all_gather(getattr(c, arr)[..., :n, :], group=self.group)
+                    mx.eval(x)
+                    kv.append(x.reshape(1, -1, n, shape[3]))
+                k = KVCache()
+                k.state = (*kv, n)
+                full.append(k)
+            return full if self.rank == 0 else None
         for r, (a, b) in enumerate(self.split):
             for j in range(b - a):
                 kv = [self._broadcast(r, getattr(entry.cache[j], arr)[..., :n, :] if r == self.rank else None,

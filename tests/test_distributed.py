@@ -68,6 +68,17 @@ def test_tensor_parallel_greedy_equals_one_process(models, tmp_path):
     out, ranks = run_ranks(2, [*args, "-v"], tmp_path, extra_env={"STRATA_DIST_MODE": "tensor"})
     assert _tokens(out) == _tokens(run_single(args))
     assert "tensor parallel over 2 ranks" in ranks.log(0)
+    # Session files: each rank's K/V heads gathered into the single-process file, and scattered back.
+    m = str(models["qwen3"])
+    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json"]
+    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json"]
+    s_single, s_dist = tmp_path / "single.stratasession", tmp_path / "tp.stratasession"
+    run_single([*first, "--save-session", str(s_single)])
+    run_ranks(2, [*first, "--save-session", str(s_dist)], tmp_path, extra_env={"STRATA_DIST_MODE": "tensor"})
+    want = _tokens(run_single([*follow, "--restore-session", str(s_single)]))
+    assert _tokens(run_single([*follow, "--restore-session", str(s_dist)])) == want
+    assert _tokens(run_ranks(2, [*follow, "--restore-session", str(s_single)], tmp_path,
+                             extra_env={"STRATA_DIST_MODE": "tensor"})[0]) == want
 
 
 @pytest.mark.slow
@@ -145,3 +156,27 @@ def test_lost_rank_gives_503_in_bounded_time(models, tmp_path, how):
         r = _chat(base, timeout=10)                      # later requests: at once, same answer
         assert r.status_code == 503 and time.monotonic() - t0 < 3
         assert _get(f"{base}/models").status_code == 200  # the server itself keeps answering
+
+
+def test_parking_a_b_a_in_lockstep(models, tmp_path):
+    """A, then B (A parks), then A again (A's K/V comes back moved): same tokens, same reuse as one
+    process, and the follower parked and restored its own layers on the same steps."""
+    import json
+    script = tmp_path / "aba.jsonl"
+    script.write_text("\n".join(json.dumps(s) for s in [
+        {"conversation": "A", "user": "Tell me about cats.", "max_tokens": 6},
+        {"conversation": "B", "user": "Tell me about dogs, please.", "max_tokens": 6},
+        {"conversation": "A", "user": "And their tails?", "max_tokens": 6}]))
+    args = ["replay", "-m", str(models["llama"]), str(script), "--json"]
+
+    def steps(out: str) -> list[dict]:
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    single = steps(run_single(args))
+    out, ranks = run_ranks(2, [*args, "-v"], tmp_path)
+    dist = steps(out)
+    assert [s["tokens"] for s in dist] == [s["tokens"] for s in single]
+    assert [s["cached_tokens"] for s in dist] == [s["cached_tokens"] for s in single]
+    assert dist[2]["cached_tokens"] > 0
+    assert any("restored" in e and "(moved)" in e for e in dist[2]["events"])
+    follower = ranks.log(1)
+    assert "parked" in follower and "(moved)" in follower
