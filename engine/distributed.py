@@ -133,10 +133,8 @@ class Distributed:
 
     def announce(self, handle) -> None:
         """Rank 0: send the request to the followers before serving it (replicated requests only)."""
-        from .engine import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
+        from .engine import GenerateRequest
         req = handle.request
-        if not isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure)):
-            return
         if isinstance(req, GenerateRequest):
             if req.sampling.seed is None:
                 # Every rank samples from the same logits; the same seed makes them draw the same token.
@@ -190,10 +188,43 @@ class Distributed:
             self._busy_since, self._handle = None, None
 
     def dispatch(self, engine, handle):
-        """Rank 0 (and followers): serve one request under the watchdog, ring errors as one line."""
-        if self.rank == 0 and not getattr(handle, "local", False):
+        """Serve one request under the watchdog, ring errors as one line. A replicated request (one
+        every rank serves) ends with a check that every rank succeeded on the same model file."""
+        replicated = _replicated(handle.request)
+        if self.rank == 0 and replicated and not getattr(handle, "local", False):
             self.announce(handle)
-        return self._collective(lambda: engine._dispatch(handle), handle)
+        if not replicated:
+            return engine._dispatch(handle)
+        error = None
+        try:
+            result = self._collective(lambda: engine._dispatch(handle), handle)
+        except DistributedError:
+            raise                       # the ring itself is gone: no check can run
+        except StrataError as e:
+            error, result = e, None
+        self._collective(lambda: self._check_agree(error is None, engine.model_hash), handle)
+        if error is not None:
+            raise error
+        return result
+
+    def _check_agree(self, ok: bool, model_hash: str) -> None:
+        """all_gather of (succeeded, model content hash) from every rank: a request that failed on
+        some ranks only, or ranks holding different model files, leave them out of step for good."""
+        import numpy as np
+        raw = bytes.fromhex(model_hash) if model_hash else b""
+        row = np.zeros(17, dtype=np.int32)
+        row[0] = int(ok)
+        row[1:1 + len(raw[:16])] = np.frombuffer(raw[:16], dtype=np.uint8)
+        rows = np.asarray(mx.distributed.all_gather(mx.array(row)[None], group=self.group)).reshape(self.size, 17)
+        failed = [r for r in range(self.size) if not rows[r, 0]]
+        if failed and len(failed) < self.size:
+            self.broken = (f"distributed: rank(s) {', '.join(map(str, failed))} failed a request the others "
+                           f"served (see their log); restart every rank")
+            raise DistributedError(self.broken)
+        if not failed and any((rows[r, 1:] != rows[0, 1:]).any() for r in range(self.size)):
+            self.broken = ("distributed: the ranks loaded different model files (content hashes differ); "
+                           "give every rank the same GGUF and restart them")
+            raise DistributedError(self.broken)
 
     # ---- sessions ------------------------------------------------------------------------------
     # One file for the whole model, written and read by rank 0 only (the followers may be other
@@ -320,6 +351,12 @@ class Distributed:
         out = mx.distributed.all_sum(x, group=self.group)
         mx.eval(out)
         return out
+
+
+def _replicated(req) -> bool:
+    """Requests every rank serves (they touch the model or the K/V); Status and Call stay on rank 0."""
+    from .engine import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
+    return isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure))
 
 
 class Stop:

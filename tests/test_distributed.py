@@ -180,3 +180,24 @@ def test_parking_a_b_a_in_lockstep(models, tmp_path):
     assert any("restored" in e and "(moved)" in e for e in dist[2]["events"])
     follower = ranks.log(1)
     assert "parked" in follower and "(moved)" in follower
+
+
+def test_ranks_with_different_model_files_refuse(models, tmp_path):
+    """Every rank loads its own --model; different files would compute garbage, so rank 0 refuses."""
+    from dist_harness import _env, write_hostfile
+    import subprocess
+    import sys
+    hostfile = write_hostfile(tmp_path / "hosts.json", 2)
+    procs = [subprocess.Popen([sys.executable, "-m", "engine.cli", "generate", "-m", str(models[m]), "-p", "hi",
+                               "-n", "2"], env=_env(r, hostfile, None), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r, m in enumerate(("llama", "qwen2"))]
+    try:
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 2
+        assert "the ranks loaded different model files" in err
+        procs[1].wait(30)                       # the follower stops once rank 0 is gone
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
