@@ -139,9 +139,10 @@ class Distributed:
             if req.sampling.seed is None:
                 # Every rank samples from the same logits; the same seed makes them draw the same token.
                 req.sampling.seed = random.randrange(1 << 31)
-            # A cancel on rank 0 alone would leave the followers waiting for its next step: in a
-            # distributed run a generation ends at a stop, EOS or max_tokens.
-            handle.cancel = lambda: None
+            if self.mode == "tensor":
+                # A cancel on rank 0 alone would leave the followers waiting for its next step; tensor
+                # mode has no lockstep flag yet: the generation ends at a stop, EOS or max_tokens.
+                handle.cancel = lambda: None
         self._collective(lambda: self._bytes_collective(pickle.dumps(req)), handle)
 
     def stop_followers(self) -> None:
@@ -195,6 +196,10 @@ class Distributed:
             self.announce(handle)
         if not replicated:
             return engine._dispatch(handle)
+        from .engine import GenerateRequest
+        from .pipeline_model import PipelineModel
+        if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, PipelineModel):
+            LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
         try:
             result = self._collective(lambda: engine._dispatch(handle), handle)
@@ -401,6 +406,29 @@ def follow(args) -> int:
     engine.guard = FollowerGuard(engine.guard)
     engine.run_forever()
     return 0
+
+
+class LockstepCancel:
+    """Stands in for a Handle's cancel event in pipeline mode: cancel() (rank 0's button: the app, a
+    client that went away) is sent with the next model step, and is_set() is the flag every rank
+    received with the latest step, so all ranks stop after the same token."""
+
+    def __init__(self, model, requested: bool):
+        self.model, self.requested = model, requested
+
+    @classmethod
+    def install(cls, handle, model, rank0: bool) -> None:
+        lc = cls(model, handle.cancelled)
+        handle._cancel = lc
+        model.last_flag = None
+        model.cancel_source = (lambda: lc.requested) if rank0 else None
+
+    def set(self) -> None:
+        self.requested = True
+
+    def is_set(self) -> bool:
+        flag = self.model.last_flag
+        return flag is not None and float(flag.item()) > 0
 
 
 class FollowerGuard:

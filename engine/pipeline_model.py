@@ -95,6 +95,10 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.compute_dtype = dtype
         self.on_step = None                 # the distributed watchdog's heartbeat (one per model call)
+        # Cancelling in lockstep: rank 0 adds its cancel flag to the logits' all_sum, so every rank
+        # reads the same flag for the same step (engine.distributed.LockstepCancel).
+        self.cancel_source = None           # rank 0: () -> bool, the request's cancel button
+        self.last_flag = None               # this step's summed flag (lazy, like the logits)
         self.model = inner.model            # steering.install and make_cache find model.model.layers
         self.inner = inner
         self.part, self.group, self.vocab, self.hidden, self.tied = part, group, vocab, hidden, tied
@@ -130,8 +134,13 @@ class PipelineModel(nn.Module):
         else:
             out = self.model.norm(h[:, -1:, :])
             logits = self.model.embed_tokens.as_linear(out) if self.tied else self.inner.lm_head(out)
-        # Lazy: prefill never evaluates it (on any rank), decode evaluates it on every rank.
-        return mx.distributed.all_sum(logits, group=g)
+        flag = 1.0 if p.first and self.cancel_source is not None and self.cancel_source() else 0.0
+        ext = mx.concatenate([logits, mx.full((B, 1, 1), flag, dtype=logits.dtype)], axis=-1)
+        # Lazy: decode evaluates it on every rank (the sampled token), and so does every rank's cancel
+        # check (the flag); one collective per step, so the ranks cannot run two in different orders.
+        out = mx.distributed.all_sum(ext, group=g)
+        self.last_flag = out[0, 0, -1]
+        return out[..., :-1]
 
 
 class TensorModel(nn.Module):

@@ -201,3 +201,29 @@ def test_ranks_with_different_model_files_refuse(models, tmp_path):
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_cancel_stops_every_rank_after_the_same_token(models, tmp_path):
+    """A streaming client that goes away cancels the generation on rank 0; the flag travels with the
+    next step, so the follower stops too and the next request is served in step."""
+    import re
+
+    import httpx
+    ranks, base = _serve(models, tmp_path)
+    with ranks:
+        before = _chat(base).json()["choices"][0]["message"]["content"]
+        with httpx.stream("POST", f"{base}/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "Write a long story."}],
+                                "max_tokens": 1800, "temperature": 0, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 4:
+                    break                   # leaving the block closes the connection
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "finish cancelled" not in ranks.log(1):
+            time.sleep(0.2)
+        logs = [ranks.log(0), ranks.log(1)]
+        assert all("finish cancelled" in log for log in logs), logs[1][-2000:]
+        generated = [re.findall(r"(\d+) generated, [^\n]*finish cancelled", log)[-1] for log in logs]
+        assert generated[0] == generated[1] and int(generated[0]) < 1800
+        after = _chat(base)
+        assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == before
