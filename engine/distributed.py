@@ -96,6 +96,13 @@ class Distributed:
         parking.WHOLE_MODEL_LAYERS[:] = [args.num_hidden_layers, end - start]
         return model, info
 
+    def after_load(self, engine) -> None:
+        """Hooks on a freshly loaded model: watchdog heartbeat, global steering layer numbers, and
+        parking that admits only what every rank's memory guard admits."""
+        if not isinstance(engine.parking.guard, LockstepGuard):
+            engine.parking.guard = LockstepGuard(engine.parking.guard, self)
+        self.after_install(engine.model)
+
     def after_install(self, model) -> None:
         """Steering wrappers are numbered locally; the control vector is indexed by global layer."""
         model.on_step = self.step
@@ -429,6 +436,37 @@ class LockstepCancel:
     def is_set(self) -> bool:
         flag = self.model.last_flag
         return flag is not None and float(flag.item()) > 0
+
+
+class LockstepGuard:
+    """The parking's memory guard on every rank: each rank asks its own guard, and a refusal on any
+    rank refuses on all (the smallest headroom decides), so every rank parks and evicts alike.
+    Parking runs inside replicated requests only, so every rank reaches each check together."""
+
+    def __init__(self, inner, dist: "Distributed"):
+        self.inner, self.dist = getattr(inner, "inner", inner), dist
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _agree(self, refusal: str | None) -> str | None:
+        import numpy as np
+        flags = mx.distributed.all_gather(mx.array([[int(refusal is not None)]], dtype=mx.int32),
+                                          group=self.dist.group)
+        refusing = [r for r, f in enumerate(np.asarray(flags).reshape(-1)) if f]
+        if not refusing:
+            return None
+        if refusal is not None:
+            return refusal
+        return f"rank {refusing[0]}'s memory guard refuses (see its log)"
+
+    def unavailable_reason(self):
+        return self._agree(self.inner.unavailable_reason())
+
+    def admit(self, nbytes: int):
+        ok, why = self.inner.admit(nbytes)
+        why = self._agree(None if ok else why)
+        return why is None, why or ""
 
 
 class FollowerGuard:

@@ -246,7 +246,7 @@ class Engine:
         self.steering = steering.SteeringState(vector, enabled=bool(vector) and self.options.speed_projection)
         steering.install(self.model, self.steering)
         if self.dist is not None:
-            self.dist.after_install(self.model)
+            self.dist.after_load(self)
         self.n_ctx = min(self.options.context_length or min(info.context_length, 8192), info.context_length)
         self.live = None
         self.parking.clear()
