@@ -227,3 +227,26 @@ def test_cancel_stops_every_rank_after_the_same_token(models, tmp_path):
         assert generated[0] == generated[1] and int(generated[0]) < 1800
         after = _chat(base)
         assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == before
+
+
+def test_a_rank_reads_only_its_own_tensors(models, monkeypatch):
+    """Rank 1 of 3 on a 3-layer untied model: layer 1 only, no embeddings, norm or output head."""
+    import mlx.nn as nn
+
+    from engine import quants
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.pipeline_model import PipelinePart
+    read = []
+    convert = quants.convert_tensor
+    monkeypatch.setattr(quants, "convert_tensor", lambda t, **kw: (read.append(t.name), convert(t, **kw))[1])
+    g = open_gguf(models["llama-untied"])
+    model, info = load_model(g, part=PipelinePart(1, 3, 1, 2, 3))
+    assert read and all(name.startswith("blk.1.") for name in read)
+    names = [k for k, _ in nn.utils.tree_flatten(model.parameters())]
+    assert names and all(k.startswith("model.layers.0.") for k in names)
+    assert info.n_layer == 3                        # the model's geometry, not the part's
+    read.clear()
+    last, _ = load_model(g, part=PipelinePart(2, 3, 2, 3, 3))
+    assert {n.split(".")[0] for n in read} == {"blk", "output_norm", "output"}
+    assert "lm_head" in last and "embed_tokens" not in last.model
