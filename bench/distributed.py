@@ -83,7 +83,7 @@ def main() -> int:
     same = all(t == toks[1][0] for ts in toks.values() for t in ts)
     med = {n: (statistics.median(r["ttft_ms"] for r in rs), statistics.median(r["decode_tps"] for r in rs))
            for n, rs in rows.items()}
-    print(f"| ranks | ttft ms (median) | decode tok/s (median) | decode vs 1 |")
+    print("| ranks | ttft ms (median) | decode tok/s (median) | decode vs 1 |")
     print("|---|---|---|---|")
     for n in (1, a.ranks):
         label = "1 (single process)" if n == 1 else f"{n} ({a.mode}, ring on 127.0.0.1)"

@@ -267,12 +267,19 @@ class Distributed:
             error = f"session save refused: {engine.guard.unavailable_reason()}"
         self._decide(error)
         full = self._gather(entry)
-        if self.rank != 0:
-            return {"tokens": len(entry.tokens)}
+        from .errors import StrataError
         from .parking import KVEntry
-        whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
-        return sessions.save(req.path, whole, engine.session_fingerprint(),
-                             progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine._log)
+        result, error = None, None
+        if self.rank == 0:
+            whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
+            try:
+                result = sessions.save(req.path, whole, engine.session_fingerprint(),
+                                       progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine._log)
+            except StrataError as e:
+                error = str(e)
+        # A failed write (disk full, a folder in the way) fails the request on every rank, in step.
+        self._decide(error)
+        return result if result is not None else {"tokens": len(entry.tokens)}
 
     def restore(self, engine, req, handle) -> dict:
         from mlx_lm.models.cache import KVCache

@@ -250,3 +250,22 @@ def test_a_rank_reads_only_its_own_tensors(models, monkeypatch):
     last, _ = load_model(g, part=PipelinePart(2, 3, 2, 3, 3))
     assert {n.split(".")[0] for n in read} == {"blk", "output_norm", "output"}
     assert "lm_head" in last and "embed_tokens" not in last.model
+
+
+def test_server_sessions_and_a_failed_save_in_step(models, tmp_path, strata_home):
+    """Over HTTP with 2 ranks: save and restore a session; a save onto a folder fails on rank 0 only
+    (followers write nothing), and the request fails with the file's message without breaking the ring."""
+    import httpx
+    ranks, base = _serve(models, tmp_path)
+    with ranks:
+        first = _chat(base).json()["choices"][0]["message"]["content"]
+        ok = httpx.post(f"{base}/sessions/save", json={"name": "good"}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["tokens"] > 0
+        (strata_home / "sessions" / "bad.stratasession").mkdir(parents=True)
+        bad = httpx.post(f"{base}/sessions/save", json={"name": "bad"}, timeout=30)
+        assert bad.status_code == 400 and "is a folder" in bad.json()["error"]["message"]
+        back = httpx.post(f"{base}/sessions/restore", json={"name": "good"}, timeout=30)
+        assert back.status_code == 200
+        again = _chat(base)                           # still in step: the same greedy reply
+        assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == first
+        assert "distributed: rank(s)" not in ranks.log(0)
