@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -192,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(fn=lambda a: __import__("engine.cvec_train", fromlist=["x"]).cmd_train(a))
 
     args = parser.parse_args(argv)
-    from . import distributed
-    if distributed.is_follower() and args.command in ("generate", "serve", "replay"):
-        args.fn = distributed.follow        # distributed hook: ranks > 0 follow rank 0's requests
+    if args.command in ("generate", "serve", "replay") and os.environ.get("MLX_RANK", "0") != "0":
+        from . import distributed
+        if distributed.is_follower():
+            args.fn = distributed.follow    # distributed hook: ranks > 0 follow rank 0's requests
     try:
         return args.fn(args)
     except StrataError as e:

@@ -104,8 +104,10 @@ class Engine:
         self.live = None                          # parking.KVEntry of the conversation holding the engine
         self.parking = None
         self.n_ctx = 0
-        from . import distributed                 # distributed hook: None unless launched as a rank
-        self.dist = distributed.detect()
+        self.dist = None                          # distributed hook: set only when launched as a rank
+        if "MLX_RANK" in __import__("os").environ:
+            from . import distributed
+            self.dist = distributed.detect()
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> "Engine":
