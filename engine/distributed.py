@@ -82,7 +82,7 @@ class Distributed:
             model, info = load_model(g, dtype=dtype, progress=progress)
             model.shard(self.group)
             mx.eval(model.parameters())
-            return TensorModel(model), info
+            return TensorModel(model, self.group, self.rank, args.tie_word_embeddings), info
         try:
             self.split = split_layers(args.num_hidden_layers, self.size)
         except ValueError as e:
@@ -146,10 +146,6 @@ class Distributed:
             if req.sampling.seed is None:
                 # Every rank samples from the same logits; the same seed makes them draw the same token.
                 req.sampling.seed = random.randrange(1 << 31)
-            if self.mode == "tensor":
-                # A cancel on rank 0 alone would leave the followers waiting for its next step; tensor
-                # mode has no lockstep flag yet: the generation ends at a stop, EOS or max_tokens.
-                handle.cancel = lambda: None
         self._collective(lambda: self._bytes_collective(pickle.dumps(req)), handle)
 
     def stop_followers(self) -> None:
@@ -204,8 +200,8 @@ class Distributed:
         if not replicated:
             return engine._dispatch(handle)
         from .engine import GenerateRequest
-        from .pipeline_model import PipelineModel
-        if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, PipelineModel):
+        from .pipeline_model import PipelineModel, TensorModel
+        if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, (PipelineModel, TensorModel)):
             LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
         try:

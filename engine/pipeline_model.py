@@ -144,13 +144,18 @@ class PipelineModel(nn.Module):
 
 
 class TensorModel(nn.Module):
-    """mlx-lm's sharded model (tensor parallel) with the watchdog's heartbeat on each call."""
+    """mlx-lm's sharded model (tensor parallel): every rank computes the same logits; as in the
+    pipeline, the last position's logits and rank 0's cancel flag travel in one all_sum per step
+    (the others add zeros), and the watchdog's heartbeat ticks on each call."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, group, rank: int, tied: bool):
         super().__init__()
         self.model = inner.model
         self.inner = inner
+        self.group, self.rank, self.tied = group, rank, tied
         self.on_step = None
+        self.cancel_source = None
+        self.last_flag = None
 
     @property
     def layers(self):
@@ -163,4 +168,14 @@ class TensorModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None):
         if self.on_step is not None:
             self.on_step()
-        return self.inner(inputs, cache=cache)
+        h = self.model(inputs, cache)[:, -1:, :]      # the head on the last position only
+        logits = self.model.embed_tokens.as_linear(h) if self.tied else self.inner.lm_head(h)
+        first = self.rank == 0
+        flag = 1.0 if first and self.cancel_source is not None and self.cancel_source() else 0.0
+        # `* 0` rather than zeros: every rank's graph must hold the same collectives (the layers'
+        # all_sums) in the same order, so the other ranks' contribution still depends on their logits.
+        ext = mx.concatenate([logits if first else logits * 0,
+                              mx.full(logits.shape[:2] + (1,), flag, dtype=logits.dtype)], axis=-1)
+        out = mx.distributed.all_sum(ext, group=self.group)
+        self.last_flag = out[0, 0, -1]
+        return out[..., :-1]

@@ -203,13 +203,14 @@ def test_ranks_with_different_model_files_refuse(models, tmp_path):
             p.wait(10)
 
 
-def test_cancel_stops_every_rank_after_the_same_token(models, tmp_path):
+@pytest.mark.parametrize("mode", ["pipeline", pytest.param("tensor", marks=pytest.mark.slow)])
+def test_cancel_stops_every_rank_after_the_same_token(models, tmp_path, mode):
     """A streaming client that goes away cancels the generation on rank 0; the flag travels with the
     next step, so the follower stops too and the next request is served in step."""
     import re
 
     import httpx
-    ranks, base = _serve(models, tmp_path)
+    ranks, base = _serve(models, tmp_path, {"STRATA_DIST_MODE": mode})
     with ranks:
         before = _chat(base).json()["choices"][0]["message"]["content"]
         with httpx.stream("POST", f"{base}/chat/completions", timeout=30,
