@@ -87,18 +87,19 @@ def test_real_model_pipeline_greedy(real_model, tmp_path):
     assert _tokens(run_ranks(2, args, tmp_path, timeout=240)[0]) == _tokens(run_single(args, timeout=240))
 
 
-def test_session_portable_between_single_and_distributed(models, tmp_path):
-    """A session saved by 2 ranks restores in one process and vice versa; the follow-up tokens agree."""
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_session_portable_between_single_and_distributed(models, tmp_path, n):
+    """A session saved by n ranks restores in one process and vice versa; the follow-up tokens agree."""
     m = str(models["llama"])
     first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json"]
     follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json"]
     s_single, s_dist = tmp_path / "single.stratasession", tmp_path / "dist.stratasession"
     run_single([*first, "--save-session", str(s_single)])
-    run_ranks(2, [*first, "--save-session", str(s_dist)], tmp_path)
+    run_ranks(n, [*first, "--save-session", str(s_dist)], tmp_path)
     assert s_dist.exists()
     single_single = json_line(run_single([*follow, "--restore-session", str(s_single)]))
     dist_single = json_line(run_single([*follow, "--restore-session", str(s_dist)]))
-    single_dist = json_line(run_ranks(2, [*follow, "--restore-session", str(s_single)], tmp_path)[0])
+    single_dist = json_line(run_ranks(n, [*follow, "--restore-session", str(s_single)], tmp_path)[0])
     assert dist_single["tokens"] == single_single["tokens"] == single_dist["tokens"]
     # The whole conversation came from the file every time (nothing re-computed but the new turn).
     assert dist_single["cached_tokens"] == single_single["cached_tokens"] == single_dist["cached_tokens"] > 0
