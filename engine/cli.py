@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -265,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(fn=lambda a: __import__("engine.cvec_train", fromlist=["x"]).cmd_train(a))
 
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve", "replay") and os.environ.get("MLX_RANK", "0") != "0":
+        from . import distributed
+        if distributed.is_follower():
+            args.fn = distributed.follow    # distributed hook: ranks > 0 follow rank 0's requests
     try:
         if getattr(args, "spec", None) is not None:
             from .speculative import parse_spec

@@ -125,6 +125,10 @@ class Engine:
         self.parking = None
         self.n_ctx = 0
         self.draft = None                         # speculative.DraftModel loaded for `draft:PATH` requests
+        self.dist = None                          # distributed hook: set only when launched as a rank
+        if "MLX_RANK" in __import__("os").environ:
+            from . import distributed
+            self.dist = distributed.detect()
 
     # ---- caller side -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -134,6 +138,9 @@ class Engine:
 
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
+        if self.dist is not None and self.dist.broken:   # distributed hook: the ring is gone, answer now
+            handle.emit(Failed(self.dist.broken))
+            return handle
         self._queue.put(handle)
         return handle
 
@@ -159,10 +166,15 @@ class Engine:
         self.parking = Parking(cap, slots, self.guard, self._log)
         self._clean_session_folder()
         if self.options.model:
-            self._serve(Handle(LoadModel(self.options.model, self.options.steering)))
+            first = Handle(LoadModel(self.options.model, self.options.steering))
+            first.local = True          # distributed: every rank loads its own --model, not rank 0's path
+            self._serve(first)
         while True:
-            item = self._queue.get()
+            # distributed hook: a follower rank serves rank 0's requests instead of its own queue.
+            item = self._queue.get() if self.dist is None or self.dist.rank == 0 else self._follow()
             if isinstance(item, _Stop):
+                if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
+                    self.dist.stop_followers()
                 self.stopped.set()
                 if threading.current_thread() is self._thread:
                     # mlx 0.32.4 aborts the process at exit ("terminate called without an active
@@ -183,7 +195,7 @@ class Engine:
             return
         self._handle = handle
         try:
-            result = self._dispatch(handle)
+            result = self._dispatch(handle) if self.dist is None else self.dist.dispatch(self, handle)
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
@@ -213,6 +225,16 @@ class Engine:
             if not sound(e):
                 self.parking.entries.remove(e)
                 self._log(f"dropped a parked conversation ({len(e.tokens)} tokens) holding invalid token ids")
+
+    def _follow(self):
+        """A follower rank's next request: rank 0's, as a handle nobody waits on (or _Stop)."""
+        from .distributed import Stop
+        try:
+            req = self.dist.next_request()
+        except RuntimeError as e:       # rank 0 is gone: nothing left to follow
+            self._log(f"distributed: lost rank 0 ({e}); stopping")
+            return _Stop()
+        return _Stop() if isinstance(req, Stop) else Handle(req)
 
     def _log(self, line: str) -> None:
         log.info(line)
@@ -257,7 +279,9 @@ class Engine:
         # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
         n_ctx, memory_line = fit_for_load(path, self.options.context_length, str(dtype).rsplit(".", 1)[-1],
                                           self.guard, gpu_working_set())
-        model, info = load_model(g, dtype=dtype, progress=lambda d, t: handle.emit(Progress("load", d, t)))
+        progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
+        model, info = (load_model(g, dtype=dtype, progress=progress) if self.dist is None
+                       else self.dist.load(g, dtype, progress))   # distributed hook: this rank's part
         steer_cfg = self.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
@@ -283,6 +307,8 @@ class Engine:
             # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
             secs = steering.warm_up(vector, dtype)
             self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
+        if self.dist is not None:
+            self.dist.after_load(self)
         self.n_ctx = n_ctx
         self.live = None
         self.parking.clear()
@@ -292,6 +318,8 @@ class Engine:
         self._log(f"weights: {info.load_note}")
         self._log(memory_line)
         self._log(f"K/V: {self.kv_fmt.describe()}")
+        if self.dist is not None:
+            self._log(self.dist.describe())
         if vector is not None:
             self._log(vector.describe())
         if steering_error:
@@ -602,6 +630,7 @@ class Engine:
             "steering_error": self.steering_error,
             "speed_projection_default": self.options.speed_projection,
             "kv_bits": self.options.kv_bits,
+            "distributed": self.dist.status() if self.dist is not None else None,
         }
 
     # ---- session files -----------------------------------------------------------------------
@@ -630,6 +659,8 @@ class Engine:
 
     def _save(self, req: SaveSession, handle: Handle) -> dict:
         from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
+            return self.dist.save(self, req, handle)
         self._require_model()
         reason = self.guard.unavailable_reason()
         if reason:
@@ -688,6 +719,8 @@ class Engine:
 
     def _restore(self, req: RestoreSession, handle: Handle) -> dict:
         from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
+            return self.dist.restore(self, req, handle)
         self._require_model()
         reason = self.guard.unavailable_reason()
         if reason:

@@ -119,7 +119,8 @@ def model_args(g: GGUFFile):
 
 
 def load_model(g: GGUFFile, *, dtype=mx.float32,
-               progress: Callable[[int, int], None] | None = None) -> tuple[nn.Module, ModelInfo]:
+               progress: Callable[[int, int], None] | None = None, part=None) -> tuple[nn.Module, ModelInfo]:
+    """part: a pipeline_model.PipelinePart when this process holds only some layers (distributed)."""
     from . import moe, quants
     model_cls, args = model_args(g)
     spec = moe.moe_spec(g) if moe.is_moe(g) else None
@@ -131,6 +132,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     n_params = 0
     for i, t in enumerate(tensors):
         name = mlx_name(t.name) or (moe.mlx_name(t.name, spec) if spec else None)
+        if name is not None and part is not None:   # distributed: another rank's tensor is never read
+            name = part.local_name(name, args.tie_word_embeddings)
         if name is None:
             continue
         try:
@@ -149,7 +152,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
             progress(i + 1, len(tensors))
     if spec:
         moe.fix_weights(weights, qparams, spec)
-    model = model_cls(args)
+    model = model_cls(args) if part is None else part.build(model_cls, args)
     if qparams:
         nn.quantize(model, class_predicate=lambda path, module: qparams.get(path, False))
     weights = model.sanitize(weights)

@@ -16,6 +16,10 @@ MIB = 1 << 20
 # Reusing a handful of shared template tokens is not worth a copy (and would make "served from
 # scratch" unobservable); below this a prefix counts as no match.
 MIN_PREFIX_REUSE = 16
+# (all layers, layers held here). A distributed pipeline rank holds some layers only (engine.distributed
+# sets this); counting an entry as the whole model's K/V (every layer's cache has the same size) lets
+# every rank make the same cap and eviction decisions. Integer arithmetic: exact on every rank.
+WHOLE_MODEL_LAYERS = [1, 1]
 
 
 # Tokens of context decoded again with the new ones, so that a decoder that looks at neighbours
@@ -38,7 +42,8 @@ class KVEntry:
 
     def nbytes(self) -> int:
         from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
-        return sum(nbytes(c) for c in self.cache)
+        # Distributed: each rank counts the whole model's K/V, so every rank evicts alike.
+        return sum(nbytes(c) for c in self.cache) * WHOLE_MODEL_LAYERS[0] // WHOLE_MODEL_LAYERS[1]
 
     def text(self, tokenizer, skip: int = 0) -> str:
         """decode(tokens[skip:], skip_special=False), paying only for tokens added since last time.

@@ -71,6 +71,8 @@ def engine_error(message: str, param: str | None = None) -> APIError:
     recognised from the message (see the report: a structured error code would be sturdier)."""
     if message.startswith("the prompt is") and "the context holds" in message:
         return APIError(400, message, param=param, code="context_length_exceeded")
+    if message.startswith("distributed:"):     # a rank was lost: the model is unavailable, not the request bad
+        return APIError(503, message, type="server_error", code="distributed_rank_lost")
     if message == "no model is loaded":
         return APIError(503, message, type="server_error", code="model_not_loaded")
     if message.startswith("internal error"):
@@ -310,7 +312,10 @@ def _models(engine) -> list[dict]:
         created = int(Path(path).stat().st_mtime)
     except OSError:
         created = 0
-    return [{"id": Path(path).stem, "object": "model", "created": created, "owned_by": "strata"}]
+    entry = {"id": Path(path).stem, "object": "model", "created": created, "owned_by": "strata"}
+    if getattr(engine, "dist", None) is not None:   # mode and split of a distributed run (engine.distributed)
+        entry["distributed"] = engine.dist.status()
+    return [entry]
 
 
 def _model_id(engine) -> str:
