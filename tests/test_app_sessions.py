@@ -115,8 +115,14 @@ def test_app_self_test_flag(app_home, tiny_model):
 
 
 def test_app_self_test_without_model_fails_cleanly(app_home, tmp_path):
-    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(tmp_path / "empty"))
+    """No model and no index to fetch it from (a closed port on 127.0.0.1): one reason, exit 1,
+    nothing left in the models folder. (--self-test fetches first when it can: tests/test_app_first_run.py.)"""
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(tmp_path / "empty"),
+               PIP_INDEX_URL="http://127.0.0.1:9/simple")
+    env.pop("STRATA_DEFAULT_WHEEL", None)
     proc = subprocess.run([sys.executable, "-m", "app.main", "--self-test"], capture_output=True, text=True,
                           timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 1
-    assert "no model" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "no model" in out and "could not be fetched" in out and "Traceback" not in out
+    assert not any((tmp_path / "empty" / "models").glob("*"))
