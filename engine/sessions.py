@@ -11,8 +11,9 @@ ranges of every header field, the tensor table equal to the one the model's geom
 inside the vocabulary).
 
 Writing: into a hidden temporary file in the same folder (`.NAME.XXXXXXXX.part`, locked with flock
-while it is written), in large sequential writes from one small staging buffer (the K/V is cast to
-float16 a block at a time: never a second full-size copy), checksummed, optionally fsynced, then
+while it is written), in large sequential writes from two small staging buffers (the K/V is cast to
+float16 a block at a time, the next block while a writer thread hashes and writes the last: never a
+second full-size copy), checksummed, optionally fsynced, then
 renamed over the final name. A crash never leaves a half file under the final name; a killed save's
 `.part` file is removed at the next engine start and at the next save into that folder (only when no
 live save holds its lock).
@@ -26,8 +27,10 @@ power cut cannot be misread -- the checksum refuses it -- so the cheaper guarant
 Reading: the file is opened only when it is a regular file (a FIFO or a device is refused before
 open, and O_NONBLOCK keeps a file swapped for a FIFO in between from blocking), the header is
 validated before anything is allocated, the memory guard is asked for the bytes the K/V will take, and
-each tensor is read into a small staging buffer, hashed, cast once (only when the compute dtype is not
-float16) into a buffer padded as mlx-lm pads its cache, and copied into the MLX array the cache keeps.
+on the CPU the MLX arrays the cache keeps (padded as mlx-lm pads) are allocated first and filled in
+place through numpy views: a float16 cache by reading each head straight into it, a float32 cache by
+reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
+and casting it once into the array. On a GPU each tensor goes through one padded buffer and mx.array.
 """
 from __future__ import annotations
 
@@ -138,7 +141,7 @@ class SaveProfile:
     prepare_ms: float = 0.0     # checks, header, temporary file
     cast_ms: float = 0.0        # K/V -> float16 staging (a cast only when the cache is not float16)
     checksum_ms: float = 0.0
-    write_ms: float = 0.0       # write(2) calls
+    write_ms: float = 0.0       # write(2) calls (in the writer thread: overlaps the cast)
     sync_ms: float = 0.0        # fsync of the file and of its folder (0 with sync=False)
     rename_ms: float = 0.0
     writes: int = 0
@@ -148,10 +151,10 @@ class SaveProfile:
 class RestoreProfile:
     """Where a restore's time went (ms)."""
     header_ms: float = 0.0      # open, header read, validation, memory guard
-    read_ms: float = 0.0        # read(2) into staging buffers
+    read_ms: float = 0.0        # read(2) (float32: in the reader thread, overlapping the cast)
     checksum_ms: float = 0.0
     cast_ms: float = 0.0        # float16 -> compute dtype into the padded buffer (a copy when the same)
-    build_ms: float = 0.0       # MLX arrays from the buffers, the cache objects
+    build_ms: float = 0.0       # allocating the cache's MLX arrays (CPU) or copying into them, the cache objects
     reads: int = 0
     cast: str = ""
 
@@ -322,6 +325,7 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         pending: list[np.ndarray] = []
         fill = pending_bytes = 0
         writing: list = []          # the batch the writer thread holds (at most one)
+        casting: list = []          # casts of the batch being filled (two cast threads: the CPU's cost)
 
         def write_batch(batch: list[np.ndarray]) -> None:
             t = time.perf_counter()
@@ -333,6 +337,10 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         def flush():
             nonlocal fill, pending_bytes, cur
             if pending:
+                t = time.perf_counter()
+                while casting:
+                    casting.pop().result()      # this batch's casts are done
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
                 if writing:
                     writing.pop().result()      # the other staging buffer is free again
                 writing.append(pool.submit(write_batch, list(pending)))
@@ -341,7 +349,8 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
             fill = pending_bytes = 0
 
         total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
-        with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool:
+        with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
+                ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
             try:
                 for i, c in enumerate(cache):
                     for j, arr in enumerate((c.keys, c.values)):
@@ -356,7 +365,8 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
                             else:
                                 t = time.perf_counter()
                                 dst = stagings[cur][fill:fill + block.size]
-                                np.copyto(dst.reshape(block.shape), block, casting="unsafe")
+                                casting.append(casters.submit(np.copyto, dst.reshape(block.shape), block,
+                                                              casting="unsafe"))
                                 prof.cast_ms += (time.perf_counter() - t) * 1e3
                                 pending.append(dst)
                                 fill += block.size
@@ -366,6 +376,8 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
                             progress(k, total)
                 flush()
             finally:
+                for f in casting:
+                    f.cancel() or f.exception()
                 if writing:
                     writing.pop().result()      # the last batch written (or its error raised) before the fd goes
         # The checksum replaces its placeholder: same width, so nothing else moves.
@@ -691,16 +703,24 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         shape_p = (1, g.n_kv_heads, cells, g.head_dim)
         in_place = mx.default_device() == mx.cpu
         if in_place:
-            arrays = [mx.empty(shape_p, mx.float16 if np_dtype == np.float16 else mx.float32)
+            # Zeroed (the padding must be) by MLX's CPU stream thread while this one reads and casts:
+            # fresh memory's page faults are a large part of a restore, and they overlap this way.
+            arrays = [mx.zeros(shape_p, mx.float16 if np_dtype == np.float16 else mx.float32)
                       for _ in hdr.specs[1:]]
-            mx.eval(arrays)
-            views = [_writable_view(a) for a in arrays]
-            for v in views:
-                v[:, :, n:, :] = 0
+            mx.async_eval(arrays)
         else:
             arrays, padded = [], np.zeros(shape_p, np_dtype)
-            views = [padded] * (len(hdr.specs) - 1)
         prof.build_ms += (time.perf_counter() - t) * 1e3
+
+        def dest(k: int) -> np.ndarray:
+            """Where tensor k goes."""
+            if not in_place:
+                return padded
+            t = time.perf_counter()
+            mx.eval(arrays[k])                  # allocated and zeroed by now (waits if not)
+            view = _writable_view(arrays[k])
+            prof.build_ms += (time.perf_counter() - t) * 1e3
+            return view
 
         def built(view: np.ndarray) -> None:
             if not in_place:
@@ -712,7 +732,8 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         total, step = len(kv), max(1, len(kv) // 20)
         if np_dtype == np.float16:
             # No cast: each head is read straight into its place in the cache's array.
-            for k, (spec, view) in enumerate(zip(kv, views)):
+            for k, spec in enumerate(kv):
+                view = dest(k)
                 off = hdr.data_start + spec.start
                 for h in range(g.n_kv_heads):
                     buf = view[0, h, :n, :]
@@ -746,7 +767,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
                 ahead = pool.submit(read, kv[0], stagings[0])
                 try:
-                    for k, (spec, view) in enumerate(zip(kv, views)):
+                    for k, spec in enumerate(kv):
                         buf = stagings[k % 2]
                         got = ahead.result()
                         if got != buf.nbytes:
@@ -755,6 +776,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                         t = time.perf_counter()
                         digest.update(buf)
                         prof.checksum_ms += (time.perf_counter() - t) * 1e3
+                        view = dest(k)
                         t = time.perf_counter()
                         np.copyto(view[:, :, :n, :], buf, casting="unsafe")      # the one cast
                         prof.cast_ms += (time.perf_counter() - t) * 1e3
