@@ -751,9 +751,9 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
         else:
-            # One tensor at a time through two staging buffers: a reader thread reads the next tensor
-            # while this one is hashed and cast into the cache's array (read(2) and numpy's cast both
-            # release the GIL, so they overlap).
+            # One tensor at a time through two staging buffers: a reader thread reads and hashes the
+            # next tensor while this one is cast into the cache's array (read(2), xxhash and numpy's
+            # cast release the GIL, so they overlap).
             shape = (1, g.n_kv_heads, n, g.head_dim)
             stagings = [np.empty(shape, np.float16), np.empty(shape, np.float16)]
 
@@ -762,6 +762,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 got = _readinto_exact(fd, buf, hdr.data_start + spec.start)
                 prof.read_ms += (time.perf_counter() - t) * 1e3
                 prof.reads += 1
+                if got == buf.nbytes:
+                    t = time.perf_counter()
+                    digest.update(buf)          # here, in file order, while the main thread casts
+                    prof.checksum_ms += (time.perf_counter() - t) * 1e3
                 return got
 
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
@@ -773,9 +777,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                         if got != buf.nbytes:
                             raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                         ahead = pool.submit(read, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
-                        t = time.perf_counter()
-                        digest.update(buf)
-                        prof.checksum_ms += (time.perf_counter() - t) * 1e3
                         view = dest(k)
                         t = time.perf_counter()
                         np.copyto(view[:, :, :n, :], buf, casting="unsafe")      # the one cast
