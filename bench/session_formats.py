@@ -32,6 +32,7 @@ def old_module(rev: str, folder: Path):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("sessions_old", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["sessions_old"] = mod        # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

@@ -3,7 +3,7 @@
     strata serve [--host 127.0.0.1] [--port 8484] [--api-key KEY] [engine flags]
 
 Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions, POST /v1/completions
-(streaming with SSE and not), POST /v1/sessions/save and /v1/sessions/restore {"name": ...}.
+(streaming with SSE and not), POST /v1/sessions/save {"name", "messages"?, "force"?} and /v1/sessions/restore {"name": ...}.
 
 The engine serves one request at a time from its queue, so concurrent HTTP requests simply queue.
 Engine events reach the event loop through the handle's callback (`call_soon_threadsafe`), never by
@@ -509,13 +509,18 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         # With several clients, "the last conversation served" may be someone else's: a client names
         # its conversation by sending its messages (as it would to continue it, replies included).
         messages = _messages(body) if body.get("messages") is not None else None
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise APIError(400, "'force' must be true or false", param="force", code="invalid_force")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise APIError(500, f"cannot create the sessions folder: {e.strerror}", type="server_error") from None
-        outcome = await _Bridge(engine, SaveSession(str(path), messages=messages)).outcome()
+        outcome = await _Bridge(engine, SaveSession(str(path), messages=messages, force=force)).outcome()
         if isinstance(outcome, Failed):
-            raise APIError(400, outcome.message, param="name", code="session_refused")
+            # A file holding a longer conversation is kept unless the client resends with "force": true.
+            code = "session_overwrite" if outcome.code == "session_overwrite" else "session_refused"
+            raise APIError(400, outcome.message, param="name", code=code)
         return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result)})
 
     async def restore_session(request: Request) -> Response:

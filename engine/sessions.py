@@ -11,8 +11,9 @@ ranges of every header field, the tensor table equal to the one the model's geom
 inside the vocabulary).
 
 Writing: into a hidden temporary file in the same folder (`.NAME.XXXXXXXX.part`, locked with flock
-while it is written), in large sequential writes from one small staging buffer (the K/V is cast to
-float16 a block at a time: never a second full-size copy), checksummed, optionally fsynced, then
+while it is written), in large sequential writes from two small staging buffers (the K/V is cast to
+float16 a block at a time, the next block while a writer thread hashes and writes the last: never a
+second full-size copy), checksummed, optionally fsynced, then
 renamed over the final name. A crash never leaves a half file under the final name; a killed save's
 `.part` file is removed at the next engine start and at the next save into that folder (only when no
 live save holds its lock).
@@ -26,8 +27,10 @@ power cut cannot be misread -- the checksum refuses it -- so the cheaper guarant
 Reading: the file is opened only when it is a regular file (a FIFO or a device is refused before
 open, and O_NONBLOCK keeps a file swapped for a FIFO in between from blocking), the header is
 validated before anything is allocated, the memory guard is asked for the bytes the K/V will take, and
-each tensor is read into a small staging buffer, hashed, cast once (only when the compute dtype is not
-float16) into a buffer padded as mlx-lm pads its cache, and copied into the MLX array the cache keeps.
+on the CPU the MLX arrays the cache keeps (padded as mlx-lm pads) are allocated first and filled in
+place through numpy views: a float16 cache by reading each head straight into it, a float32 cache by
+reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
+and casting it once into the array. On a GPU each tensor goes through one padded buffer and mx.array.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import stat
 import struct
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -56,7 +60,7 @@ KV_DTYPE = "float16"
 KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
 EXTENSION = ".stratasession"
 STEP = 256                         # mlx-lm's KVCache grows in steps of 256 cells: restore pads the same way
-STAGING_BYTES = 4 << 20            # the save's one staging buffer (large writes, no full-size copy)
+STAGING_BYTES = 2 << 20            # each of the save's two staging buffers (large writes, no full-size copy)
 MAX_HEADER = 64 << 20              # a header is metadata and messages: far below this
 STALE_PART_S = 2.0                 # a .part younger than this may be a save that has not locked it yet
 _PREFIX = b'{"__metadata__":{"checksum":"'
@@ -137,7 +141,7 @@ class SaveProfile:
     prepare_ms: float = 0.0     # checks, header, temporary file
     cast_ms: float = 0.0        # K/V -> float16 staging (a cast only when the cache is not float16)
     checksum_ms: float = 0.0
-    write_ms: float = 0.0       # write(2) calls
+    write_ms: float = 0.0       # write(2) calls (in the writer thread: overlaps the cast)
     sync_ms: float = 0.0        # fsync of the file and of its folder (0 with sync=False)
     rename_ms: float = 0.0
     writes: int = 0
@@ -147,10 +151,10 @@ class SaveProfile:
 class RestoreProfile:
     """Where a restore's time went (ms)."""
     header_ms: float = 0.0      # open, header read, validation, memory guard
-    read_ms: float = 0.0        # read(2) into staging buffers
+    read_ms: float = 0.0        # read(2) (float32: in the reader thread, overlapping the cast)
     checksum_ms: float = 0.0
     cast_ms: float = 0.0        # float16 -> compute dtype into the padded buffer (a copy when the same)
-    build_ms: float = 0.0       # MLX arrays from the buffers, the cache objects
+    build_ms: float = 0.0       # allocating the cache's MLX arrays (CPU) or copying into them, the cache objects
     reads: int = 0
     cast: str = ""
 
@@ -320,47 +324,72 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         _write_all(fd, prefix + header, prof)
         digest.update(tokens)
         _write_all(fd, tokens, prof)
-        # A float32 cache (the CPU) is cast block by block into one small staging buffer; a float16
-        # cache (a GPU) is written straight from its own memory (no copy at all), a batch of blocks
-        # per writev. Either way each write is up to STAGING_BYTES, in file order.
-        staging = np.empty(min(STAGING_BYTES // 2, max(g.head_dim, specs[-1].end // 2)), np.float16)
+        # A float32 cache (the CPU) is cast block by block into a staging buffer; a float16 cache (a
+        # GPU) is written straight from its own memory (no copy at all), a batch of blocks per writev.
+        # Either way each write is up to STAGING_BYTES, in file order. A writer thread hashes and
+        # writes one batch while this thread casts the next into the other staging buffer (numpy's
+        # cast and write(2) both release the GIL), so the cast and the write overlap.
+        size = min(STAGING_BYTES // 2, max(g.head_dim, specs[-1].end // 2))
+        stagings = [np.empty(size, np.float16), np.empty(size, np.float16)]
+        cur = 0
         pending: list[np.ndarray] = []
         fill = pending_bytes = 0
+        writing: list = []          # the batch the writer thread holds (at most one)
+        casting: list = []          # casts of the batch being filled (two cast threads: the CPU's cost)
+
+        def write_batch(batch: list[np.ndarray]) -> None:
+            t = time.perf_counter()
+            for piece in batch:
+                digest.update(piece)            # in file order: batches are written one after another
+            prof.checksum_ms += (time.perf_counter() - t) * 1e3
+            _writev_all(fd, batch, prof)
 
         def flush():
-            nonlocal fill, pending_bytes
+            nonlocal fill, pending_bytes, cur
             if pending:
                 t = time.perf_counter()
-                for piece in pending:
-                    digest.update(piece)
-                prof.checksum_ms += (time.perf_counter() - t) * 1e3
-                _writev_all(fd, pending, prof)
+                while casting:
+                    casting.pop().result()      # this batch's casts are done
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
+                if writing:
+                    writing.pop().result()      # the other staging buffer is free again
+                writing.append(pool.submit(write_batch, list(pending)))
+                cur ^= 1
             pending.clear()
             fill = pending_bytes = 0
 
         total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
-        for i, c in enumerate(cache):
-            for j, arr in enumerate((c.keys, c.values)):
-                t = time.perf_counter()
-                src = _np_view(arr)
-                prof.cast_ms += (time.perf_counter() - t) * 1e3
-                for block in _blocks(src, n, staging.size):
-                    if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > staging.size:
-                        flush()
-                    if src.dtype == np.float16 and block.flags.c_contiguous:
-                        pending.append(block)
-                    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
+                ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
+            try:
+                for i, c in enumerate(cache):
+                    for j, arr in enumerate((c.keys, c.values)):
                         t = time.perf_counter()
-                        dst = staging[fill:fill + block.size]
-                        np.copyto(dst.reshape(block.shape), block, casting="unsafe")
+                        src = _np_view(arr)
                         prof.cast_ms += (time.perf_counter() - t) * 1e3
-                        pending.append(dst)
-                        fill += block.size
-                    pending_bytes += 2 * block.size
-                k = 2 * i + j + 1
-                if progress and (k % step == 0 or k == total):
-                    progress(k, total)
-        flush()
+                        for block in _blocks(src, n, size):
+                            if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > size:
+                                flush()
+                            if src.dtype == np.float16 and block.flags.c_contiguous:
+                                pending.append(block)
+                            else:
+                                t = time.perf_counter()
+                                dst = stagings[cur][fill:fill + block.size]
+                                casting.append(casters.submit(np.copyto, dst.reshape(block.shape), block,
+                                                              casting="unsafe"))
+                                prof.cast_ms += (time.perf_counter() - t) * 1e3
+                                pending.append(dst)
+                                fill += block.size
+                            pending_bytes += 2 * block.size
+                        k = 2 * i + j + 1
+                        if progress and (k % step == 0 or k == total):
+                            progress(k, total)
+                flush()
+            finally:
+                for f in casting:
+                    f.cancel() or f.exception()
+                if writing:
+                    writing.pop().result()      # the last batch written (or its error raised) before the fd goes
         # The checksum replaces its placeholder: same width, so nothing else moves.
         os.pwrite(fd, digest.hexdigest().encode(), 8 + len(_PREFIX))
         if sync:
@@ -670,42 +699,105 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         digest.update(raw[:len(_PREFIX)] + _ZERO + raw[len(_PREFIX) + _HEX:])
         prof.header_ms = (time.perf_counter() - t0) * 1e3
         tokens = np.empty(n, np.int32)
-        shape = (1, g.n_kv_heads, n, g.head_dim)
-        file16 = np.empty(shape if np_dtype != np.float16 else (0,), np.float16)   # one tensor as in the file
-        padded = np.zeros((1, g.n_kv_heads, cells, g.head_dim), np_dtype)   # the cache's layout
-        arrays = []
-        total, step = len(hdr.specs), max(1, len(hdr.specs) // 20)
-        direct = np_dtype == np.float16       # no cast: read each head straight into its padded place
-        for k, spec in enumerate(hdr.specs):
-            if spec.name == "tokens":
-                bufs = [tokens]
-            elif direct:
-                bufs = [padded[0, h, :n, :] for h in range(g.n_kv_heads)]
-            else:
-                bufs = [file16]
-            off = hdr.data_start + spec.start
-            for buf in bufs:
+        off = hdr.data_start
+        t = time.perf_counter()
+        got = _readinto_exact(fd, tokens, off)
+        prof.read_ms += (time.perf_counter() - t) * 1e3
+        prof.reads += 1
+        if got != tokens.nbytes:
+            raise SessionFileError(f"{name} is truncated (tensor tokens)")
+        digest.update(tokens)
+        # On the CPU the arrays the cache keeps are allocated once by MLX (padded as mlx-lm pads) and
+        # filled in place through numpy views of their memory: no staging-to-MLX copy. Elsewhere (a GPU)
+        # each tensor goes through one padded numpy buffer and mx.array copies it to the device.
+        t = time.perf_counter()
+        shape_p = (1, g.n_kv_heads, cells, g.head_dim)
+        in_place = mx.default_device() == mx.cpu
+        if in_place:
+            # Zeroed (the padding must be) by MLX's CPU stream thread while this one reads and casts:
+            # fresh memory's page faults are a large part of a restore, and they overlap this way.
+            arrays = [mx.zeros(shape_p, mx.float16 if np_dtype == np.float16 else mx.float32)
+                      for _ in hdr.specs[1:]]
+            mx.async_eval(arrays)
+        else:
+            arrays, padded = [], np.zeros(shape_p, np_dtype)
+        prof.build_ms += (time.perf_counter() - t) * 1e3
+
+        def dest(k: int) -> np.ndarray:
+            """Where tensor k goes."""
+            if not in_place:
+                return padded
+            t = time.perf_counter()
+            mx.eval(arrays[k])                  # allocated and zeroed by now (waits if not)
+            view = _writable_view(arrays[k])
+            prof.build_ms += (time.perf_counter() - t) * 1e3
+            return view
+
+        def built(view: np.ndarray) -> None:
+            if not in_place:
                 t = time.perf_counter()
-                got = _readinto_exact(fd, buf, off)
+                arrays.append(mx.array(view))
+                prof.build_ms += (time.perf_counter() - t) * 1e3
+
+        kv = hdr.specs[1:]
+        total, step = len(kv), max(1, len(kv) // 20)
+        if np_dtype == np.float16:
+            # No cast: each head is read straight into its place in the cache's array.
+            for k, spec in enumerate(kv):
+                view = dest(k)
+                off = hdr.data_start + spec.start
+                for h in range(g.n_kv_heads):
+                    buf = view[0, h, :n, :]
+                    t = time.perf_counter()
+                    got = _readinto_exact(fd, buf, off)
+                    prof.read_ms += (time.perf_counter() - t) * 1e3
+                    prof.reads += 1
+                    if got != buf.nbytes:
+                        raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                    off += got
+                    t = time.perf_counter()
+                    digest.update(buf)
+                    prof.checksum_ms += (time.perf_counter() - t) * 1e3
+                built(view)
+                if progress and (k % step == 0 or k == total - 1):
+                    progress(k + 1, total)
+        else:
+            # One tensor at a time through two staging buffers: a reader thread reads and hashes the
+            # next tensor while this one is cast into the cache's array (read(2), xxhash and numpy's
+            # cast release the GIL, so they overlap).
+            shape = (1, g.n_kv_heads, n, g.head_dim)
+            stagings = [np.empty(shape, np.float16), np.empty(shape, np.float16)]
+
+            def read(spec: TensorSpec, buf: np.ndarray) -> int:
+                t = time.perf_counter()
+                got = _readinto_exact(fd, buf, hdr.data_start + spec.start)
                 prof.read_ms += (time.perf_counter() - t) * 1e3
                 prof.reads += 1
-                if got != buf.nbytes:
-                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-                off += got
-                t = time.perf_counter()
-                digest.update(buf)
-                prof.checksum_ms += (time.perf_counter() - t) * 1e3
-            if spec.name == "tokens":
-                continue
-            if not direct:
-                t = time.perf_counter()
-                np.copyto(padded[:, :, :n, :], file16, casting="unsafe")   # the one cast
-                prof.cast_ms += (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            arrays.append(mx.array(padded))                            # the array the cache keeps
-            prof.build_ms += (time.perf_counter() - t) * 1e3
-            if progress and (k % step == 0 or k == total - 1):
-                progress(k + 1, total)
+                if got == buf.nbytes:
+                    t = time.perf_counter()
+                    digest.update(buf)          # here, in file order, while the main thread casts
+                    prof.checksum_ms += (time.perf_counter() - t) * 1e3
+                return got
+
+            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
+                ahead = pool.submit(read, kv[0], stagings[0])
+                try:
+                    for k, spec in enumerate(kv):
+                        buf = stagings[k % 2]
+                        got = ahead.result()
+                        if got != buf.nbytes:
+                            raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                        ahead = pool.submit(read, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
+                        view = dest(k)
+                        t = time.perf_counter()
+                        np.copyto(view[:, :, :n, :], buf, casting="unsafe")      # the one cast
+                        prof.cast_ms += (time.perf_counter() - t) * 1e3
+                        built(view)
+                        if progress and (k % step == 0 or k == total - 1):
+                            progress(k + 1, total)
+                finally:
+                    if ahead is not None:
+                        ahead.cancel() or ahead.exception()   # never leave a read running on a closed fd
     except OSError as e:
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
@@ -729,6 +821,14 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
     return entry, {"restored_tokens": n, "restore_ms": round(ms, 2), "messages": hdr.messages,
                    "session_bytes": size, "profile": asdict(prof)}
+
+
+def _writable_view(a) -> np.ndarray:
+    """A writable numpy view of an evaluated, freshly allocated MLX array's own memory."""
+    v = np.array(a, copy=False)
+    if not (v.flags.writeable and v.flags.c_contiguous and v.shape == tuple(a.shape) and not v.flags.owndata):
+        raise SessionFileError("this MLX build gives no writable view of an array's memory")
+    return v
 
 
 def _compute_dtype():

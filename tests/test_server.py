@@ -495,6 +495,36 @@ def test_session_save_names_its_conversation_by_messages(server, client, strata_
     assert_serving(client)
 
 
+def test_session_save_over_a_longer_one_needs_force(server, client, strata_home):
+    """A save over a file holding a longer conversation is refused (the file is kept) until the client
+    resends it with "force": true."""
+    url = server.base_url
+    long = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Tell me about tea."}]
+    client.chat.completions.create(model="default", messages=long, temperature=0, max_tokens=6)
+    first = httpx.post(f"{url}/sessions/save", json={"name": "kept"})
+    assert first.status_code == 200, first.text
+    path = strata_home / "sessions" / "kept.stratasession"
+    before = path.read_bytes()
+
+    chat(client, "Short one", max_tokens=3)                  # a shorter conversation is the last one now
+    err = _error(httpx.post(f"{url}/sessions/save", json={"name": "kept"}), 400)
+    assert err["code"] == "session_overwrite" and err["param"] == "name"
+    assert "longer conversation" in err["message"] and str(first.json()["tokens"]) in err["message"]
+    assert path.read_bytes() == before
+    err = _error(httpx.post(f"{url}/sessions/save", json={"name": "kept", "force": "yes"}), 400)
+    assert err["code"] == "invalid_force" and err["param"] == "force"
+    assert path.read_bytes() == before
+
+    r = httpx.post(f"{url}/sessions/save", json={"name": "kept", "force": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] < first.json()["tokens"]
+    restored = httpx.post(f"{url}/sessions/restore", json={"name": "kept"}).json()
+    assert restored["restored_tokens"] == r.json()["tokens"]
+    assert restored["messages"][0] == {"role": "user", "content": "Short one"}
+    assert not list((strata_home / "sessions").glob(".*.part"))
+    assert_serving(client)
+
+
 def test_session_restore_refuses_another_models_file(server, client, tiny_gguf, strata_home):
     other = Engine(EngineOptions(model=str(tiny_gguf))).start()
     try:
