@@ -7,9 +7,9 @@ else 32. Everything that touches the cache's arrays by layout (parking's byte co
 session files) asks this module, so one place knows both layouts.
 
 The live cache keeps float16 scales and biases (see HalfScaleQuantizedKVCache), and session files
-store quantized K/V exactly as held (codes uint32, scales and biases float16), with the format in
-the file's `kv_dtype` ("float16", "q8g64", "q4g64", ...); a file of another format is refused with
-the reason (no conversion: re-quantizing 8-bit codes to 4 bits, or widening them to 16, would give a
+(engine/session_quant.py) store quantized K/V exactly as held (codes uint32, scales and biases
+float16), with the format in the file's `kv_dtype` and the fingerprint's `kv_format` ("float16",
+"q8g64", "q4g64", ...); a file of another format is refused with the reason (no conversion: re-quantizing 8-bit codes to 4 bits, or widening them to 16, would give a
 K/V that no engine run produced).
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from .errors import RequestError
 
@@ -156,61 +155,7 @@ def arrays_of(c) -> list:
     return [c.keys, c.values]
 
 
-# ---- session files ----------------------------------------------------------------------------
-# Tensor names per layer i: 16 bit: k.i, v.i (float16). Quantized: k.i.q (uint32 codes), k.i.s and
-# k.i.b (float16 scales and biases), and the same for v.
-def layer_tensors(i: int, c, n: int) -> list[tuple[str, str, tuple, callable]]:
-    """(name, safetensors dtype, shape, producer of a numpy array) for layer i's first n cells."""
-    out = []
-    for kind, attr in (("k", "keys"), ("v", "values")):
-        parts = getattr(c, attr)
-        if not _is_quantized(c):
-            shape = tuple(parts.shape[:2]) + (n,) + tuple(parts.shape[3:])
-
-            def produce(a=parts):
-                x = a[..., :n, :].astype(mx.float16)
-                mx.eval(x)
-                return np.asarray(x)
-            out.append((f"{kind}.{i}", "F16", shape, produce))
-            continue
-        for suffix, arr, st in (("q", parts[0], "U32"), ("s", parts[1], "F16"), ("b", parts[2], "F16")):
-            shape = tuple(arr.shape[:2]) + (n,) + tuple(arr.shape[3:])
-
-            def produce(a=arr, st=st):
-                x = a[..., :n, :]
-                if st == "F16":
-                    x = x.astype(mx.float16)
-                mx.eval(x)
-                return np.asarray(x)
-            out.append((f"{kind}.{i}.{suffix}", st, shape, produce))
-    return out
-
-
-def layer_names(i: int, fmt: KVFormat) -> list[str]:
-    if not fmt.quantized:
-        return [f"k.{i}", f"v.{i}"]
-    return [f"{kind}.{i}.{s}" for kind in ("k", "v") for s in ("q", "s", "b")]
-
-
-def restore_layer(i: int, c, arrays: dict, n: int, fmt: KVFormat, dtype) -> str | None:
-    """Fill cache c with layer i from the file's arrays; the reason when they do not fit, else None."""
-    if not fmt.quantized:
-        k, v = arrays[f"k.{i}"], arrays[f"v.{i}"]
-        if k.shape[2] != n or v.shape != k.shape:
-            return f"layer {i} holds {k.shape[2]} cells for {n} tokens"
-        c.state = (mx.array(k).astype(dtype), mx.array(v).astype(dtype), n)
-        return None
-    parts = {}
-    for kind in ("k", "v"):
-        q, s, b = (arrays[f"{kind}.{i}.{x}"] for x in ("q", "s", "b"))
-        if q.ndim != 4 or q.shape[2] != n or s.shape != b.shape or s.shape[:3] != q.shape[:3] \
-                or q.shape[3] * 32 // fmt.bits != s.shape[3] * fmt.group:
-            return f"layer {i} {kind}: quantized tensors do not fit {n} tokens in {fmt.label}"
-        parts[kind] = (mx.array(q), mx.array(s), mx.array(b))     # float16 scales, as the live cache
-    c.state = (parts["k"], parts["v"], n, fmt.group, fmt.bits)
-    return None
-
-
+# ---- session files: engine/session_quant.py stores quantized K/V as held ------------------------
 def format_of_label(label: str | None) -> KVFormat | None:
     """The KVFormat a file's kv_dtype names, or None when it is not one this engine writes."""
     if label in (None, "", "float16"):

@@ -81,11 +81,12 @@ class Geometry:
     head_dim: int
     n_vocab: int
     n_ctx: int
+    kv: str = KV_DTYPE          # the K/V format (kv_format.KVFormat.label): quantized ones: session_quant.py
 
     @classmethod
     def of(cls, fingerprint: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> "Geometry":
         return cls(int(fingerprint["n_layer"]), int(fingerprint["n_kv_heads"]), int(fingerprint["head_dim"]),
-                   int(n_vocab), int(n_ctx))
+                   int(n_vocab), int(n_ctx), str(fingerprint.get("kv_format", KV_DTYPE)))
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class TensorSpec:
 
 def layout(n_tokens: int, g: Geometry) -> list[TensorSpec]:
     """The one tensor table a file of n_tokens for this geometry may have, in file order."""
+    if g.kv != KV_DTYPE:
+        from . import session_quant
+        return session_quant.layout(n_tokens, g)
     specs, off = [], 0
     nbytes = n_tokens * 4
     specs.append(TensorSpec("tokens", "I32", (n_tokens,), off, off + nbytes))
@@ -267,15 +271,6 @@ def check_overwrite(final: Path, n_tokens: int, force: bool) -> None:
             new_tokens=n_tokens)
 
 
-def _require_16bit(fingerprint: dict, verb: str) -> None:
-    """Format 2 stores 16-bit K/V; a conversation held in quantized K/V (--kv-bits 8|4) is refused by name."""
-    label = fingerprint.get("kv_format", KV_DTYPE)
-    if label != KV_DTYPE:
-        from .kv_format import describe_label
-        raise SessionFileError(f"session files hold 16-bit K/V; this engine runs {describe_label(label)}, so "
-                               f"no session can be {verb} (use --kv-bits 16)")
-
-
 def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool = False,
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
@@ -286,7 +281,9 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise SessionFileError(f"cannot save the session: {final} is a folder")
     if os.path.lexists(final) and not final.is_file():
         raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
-    _require_16bit(fingerprint, "saved")
+    if fingerprint.get("kv_format", KV_DTYPE) != KV_DTYPE:      # 8/4-bit K/V, stored as held
+        from . import session_quant
+        return session_quant.save(path, entry, fingerprint, sync=sync, force=force, progress=progress, log=log)
     g = Geometry.of(fingerprint)
     n = len(entry.tokens)
     cache = list(entry.cache[:g.n_layer])
@@ -587,7 +584,7 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
     table, meta = _meta_of(name, raw)
     if expected is not None:
         check_fingerprint(name, meta, expected)
-    if meta.get("kv_dtype") != KV_DTYPE or meta.get("kv_layout") != KV_LAYOUT:
+    if meta.get("kv_dtype") != g.kv or meta.get("kv_layout") != _kv_layout(g):
         raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
                                f"{meta.get('kv_layout', '?')[:60]})")
     nt = meta.get("n_tokens", "")
@@ -602,7 +599,7 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
     specs = layout(n, g)
     if table != {s.name: s.as_json() for s in specs} or list(table) != [s.name for s in specs]:
         raise SessionFileError(f"{name} is corrupted (its tensor table does not match {n} tokens of "
-                               f"{g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} float16)")
+                               f"{g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} {g.kv})")
     want = 8 + len(raw) + specs[-1].end
     if size < want:
         raise SessionFileError(f"{name} is truncated ({size} of {want} bytes)")
@@ -616,6 +613,13 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
     if why:
         raise SessionFileError(f"{name} is corrupted ({why})")
     return ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw))
+
+
+def _kv_layout(g: Geometry) -> str:
+    if g.kv == KV_DTYPE:
+        return KV_LAYOUT
+    from .session_quant import QUANT_LAYOUT
+    return QUANT_LAYOUT
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:
@@ -641,12 +645,22 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
         raise SessionFileError(
             f"{name}: incompatible K/V geometry (file: {short(fp.get('n_layer'))} layers x "
             f"{short(fp.get('n_kv_heads'))} K/V heads x {short(fp.get('head_dim'))}, {str(meta.get('kv_dtype'))[:12]}; "
-            f"model: {expected['n_layer']} x {expected['n_kv_heads']} x {expected['head_dim']}, {KV_DTYPE})")
+            f"model: {expected['n_layer']} x {expected['n_kv_heads']} x {expected['head_dim']}, "
+            f"{expected.get('kv_format', KV_DTYPE)})")
     if fp.get("model_hash") != expected["model_hash"] or fp.get("architecture") != expected["architecture"]:
         raise SessionFileError(f"{name} was saved with another model (content {str(fp.get('model_hash'))[:12]}, "
                                f"loaded model {expected['model_hash'][:12]})")
     if fp.get("tokenizer") != expected["tokenizer"] or fp.get("chat_template") != expected["chat_template"]:
         raise SessionFileError(f"{name} was saved with another tokenizer or chat template")
+    theirs, ours = fp.get("kv_format", KV_DTYPE), str(expected.get("kv_format", KV_DTYPE))
+    if theirs != ours:
+        # Refused, not converted: widening 8-bit codes or re-quantizing them would give a K/V that
+        # no engine run produced.
+        from .kv_format import describe_label, format_of_label
+        fmt = format_of_label(theirs)
+        hint = f" (restore it with --kv-bits {fmt.bits})" if fmt is not None else ""
+        raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
+                               f"{describe_label(ours)}{hint}")
     if fp.get("steering") != str(expected["steering"]):
         raise SessionFileError(f"{name} was saved with another steering setting "
                                f"({_steer_label(fp.get('steering'))}; now {_steer_label(expected['steering'])})")
@@ -671,7 +685,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     prof = RestoreProfile()
     p = Path(path).expanduser()
     name = p.name
-    _require_16bit(expected, "restored")
+    if expected.get("kv_format", KV_DTYPE) != KV_DTYPE:        # 8/4-bit K/V, restored as stored
+        from . import session_quant
+        return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
+                                  admit=admit, progress=progress, log=log)
     g = Geometry.of(expected, n_vocab, n_ctx)
     dtype = dtype or _compute_dtype()
     np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end

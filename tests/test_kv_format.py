@@ -3,6 +3,7 @@ fingerprint, refused across formats), speculation's trim on a quantized cache. R
 (tiny_gguf_wide: head size 32, the smallest a quantization group takes)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine import kv_format
@@ -137,3 +138,99 @@ def test_kv_bits_a_model_cannot_take_is_refused_at_load(tiny_gguf, tiny_gguf_wid
         e.call(LoadModel(str(tiny_gguf)))
     assert e.call(Status())["model"] == str(tiny_gguf_wide)     # the loaded model keeps serving
     assert gen(e, [{"role": "user", "content": "hi"}], n=3)["tokens"]
+
+
+# ---- quantized session files against damaged and crafted input (the format-2 guarantees) ----------
+
+@pytest.fixture(scope="module")
+def q_conv(tiny_gguf_wide, tmp_path_factory):
+    d = tmp_path_factory.mktemp("q-sessions")
+    e = start(tiny_gguf_wide, kv_bits=4, cache_mib=64)
+    gen(e, [{"role": "user", "content": words(45)}], n=8)
+    good = d / "q4.stratasession"
+    e.call(SaveSession(str(good)))
+    yield {"engine": e, "dir": d, "good": good, "raw": good.read_bytes()}
+    e.stop()
+
+
+def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
+    from engine import session_quant, sessions
+    from engine.engine import Call
+    from test_session_refusals import assemble, split
+    e, raw = q_conv["engine"], q_conv["raw"]
+    head, data = split(raw)
+    assert assemble(head, data) == raw                 # the documented checksum, byte for byte
+    meta = head["__metadata__"]
+    n = int(meta["n_tokens"])
+    assert (meta["kv_dtype"], meta["fp.kv_format"], meta["kv_layout"]) == ("q4g32", "q4g32", session_quant.QUANT_LAYOUT)
+    # tiny_gguf_wide: 3 layers x 2 K/V heads x 32 -> 4-bit codes 4 uint32 + 1 scale + 1 bias per head
+    assert [k for k in head if k.startswith("k.0")] == ["k.0.q", "k.0.s", "k.0.b"]
+    assert head["k.0.q"] == {"dtype": "U32", "shape": [1, 2, n, 4], "data_offsets": [4 * n, 4 * n + 32 * n]}
+    assert head["v.2.b"]["dtype"] == "F16" and head["v.2.b"]["shape"] == [1, 2, n, 1]
+    assert len(data) == 4 * n + n * 3 * 2 * 2 * (4 * 4 + 2 + 2)
+
+    def held(eng):
+        c = eng.live.cache
+        return [[np.asarray(x[..., :n, :]).tobytes() for x in (*l.keys, *l.values)] for l in c], eng.live.nbytes()
+    before, _ = e.call(Call(held))["value"]
+    r = e.call(RestoreSession(str(q_conv["good"])))
+    assert r["restored_tokens"] == n
+    after, real = e.call(Call(held))["value"]
+    assert after == before                            # codes, scales and biases bit for bit
+    g = e.call(Call(lambda eng: sessions.Geometry.of(eng.session_fingerprint())))["value"]
+    assert session_quant.restore_bytes(n, g) == real  # the memory guard is asked for the real bytes
+    again = q_conv["dir"] / "again.stratasession"
+    e.call(SaveSession(str(again)))
+    assert again.read_bytes() == raw
+
+
+def test_quantized_header_flips_are_refused_in_one_line(q_conv):
+    import struct
+    from test_session_refusals import _flips, restore_all
+    raw = q_conv["raw"]
+    (n,) = struct.unpack("<Q", raw[:8])
+    outcomes = restore_all(q_conv["engine"], q_conv["dir"] / "flip.stratasession", _flips(raw, range(8 + n)))
+    assert not [o for o in outcomes if o.startswith("CRASH")]
+    assert outcomes.count("OK") == 0 and all("\n" not in o for o in outcomes)
+    # and the data: codes, scales and biases are all under the checksum
+    positions = range(8 + n, len(raw), max(1, (len(raw) - 8 - n) // 150))
+    outcomes = restore_all(q_conv["engine"], q_conv["dir"] / "data.stratasession",
+                           _flips(raw, positions) + [raw[:-1], raw + b"\0" * 8])
+    assert outcomes.count("OK") == 0 and not [o for o in outcomes if o.startswith("CRASH")]
+    assert sum(o.endswith("is corrupted (checksum mismatch)") for o in outcomes) == len(positions)
+
+
+def test_crafted_quantized_files_with_a_valid_checksum_are_refused(q_conv):
+    import json
+    from test_session_refusals import assemble, restore_all, split
+    head, data = split(q_conv["raw"])
+    n = int(head["__metadata__"]["n_tokens"])
+
+    def edit(fn):
+        h = json.loads(json.dumps(head))
+        fn(h)
+        return assemble(h, data)
+    table = "its tensor table does not match"
+    cases = {
+        "codes width doubled": (edit(lambda h: h["k.0.q"].update(shape=[1, 2, n, 8])), table),
+        "scales F32": (edit(lambda h: h["v.1.s"].update(dtype="F32")), table),
+        "biases missing": (edit(lambda h: h.pop("k.2.b")), table),
+        "scales and biases swapped": (edit(lambda h: h.update({"k.0.s": h["k.0.b"], "k.0.b": h["k.0.s"]})), table),
+        "a 16-bit table": (edit(lambda h: [h.pop(k) for k in list(h) if k[:2] in ("k.", "v.")]
+                                and h.update({f"{kind}.{i}": {"dtype": "F16", "shape": [1, 2, n, 32],
+                                                              "data_offsets": [0, 0]}
+                                              for i in range(3) for kind in "kv"})), table),
+        "kv_dtype q8g32 under a q4 fingerprint": (edit(lambda h: h["__metadata__"].update(kv_dtype="q8g32")),
+                                                  ": incompatible K/V layout (q8g32"),
+        "16-bit layout name": (edit(lambda h: h["__metadata__"].update(
+            kv_layout="mlx-kvcache (batch, kv_heads, tokens, head_dim)")), ": incompatible K/V layout"),
+        "fingerprint says 8 bits": (edit(lambda h: h["__metadata__"].update(kv_dtype="q8g32", **{"fp.kv_format": "q8g32"})),
+                                    "holds 8-bit K/V (group 32); this engine runs 4-bit K/V (group 32) "
+                                    "(restore it with --kv-bits 8)"),
+        "fingerprint names no format": (edit(lambda h: h["__metadata__"].update(**{"fp.kv_format": "q9"})),
+                                        "holds K/V format 'q9'; this engine runs 4-bit K/V"),
+    }
+    outcomes = restore_all(q_conv["engine"], q_conv["dir"] / "crafted.stratasession", [b for b, _ in cases.values()])
+    for (case, (_, want)), got in zip(cases.items(), outcomes):
+        assert want in got, (case, got)
+        assert got.startswith("crafted.stratasession") and "\n" not in got, (case, got)
