@@ -240,23 +240,25 @@ def test_a_refused_crafted_file_does_not_poison_the_engine(conv):
 
 
 def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
-    """Whatever puts an entry with invalid token ids into parking (a bug), the request it breaks fails
-    once, the entry is dropped with a log line, and the next requests are served."""
+    """Whatever puts an entry with invalid token ids into parking (a bug), the next request drops it with
+    a log line when it fails to read it (its prefix check decodes the held tokens), is itself served
+    from a fresh K/V, and so are the requests after it."""
     engine = start(tiny_gguf, cache_mib=64)
     try:
         ask(engine, [{"role": "user", "content": words(20)}], "A", n=4)
         ask(engine, [{"role": "user", "content": words(20, 7)}], "B", n=4)      # A is parked
 
         def poison(e):
-            e.parking.entries[0].tokens[-1] = -1
+            bad = e.parking.entries[0]
+            bad.tokens = bad.tokens[:-1] + [-1]     # a new list, as every trim makes
             return len(e.parking.entries)
         assert engine.call(Call(poison))["value"] == 1
         h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": words(20, 3)}],
                                           sampling=SamplingParams(max_tokens=2)))
-        with pytest.raises(StrataError, match="internal error"):
-            h.result(120)
+        assert h.result(120)["generated_tokens"] == 2
         assert any(l.startswith("dropped a parked conversation") for l in h.log_lines), h.log_lines
-        assert engine.call(Status())["parking"]["entries"] == 0
+        held = engine.call(Call(lambda e: [t for x in e.parking.entries for t in x.tokens]))["value"]
+        assert held and min(held) >= 0                  # B parked, A gone
         for k in range(2):
             out, _ = ask(engine, [{"role": "user", "content": words(20, 11 + k)}], "C", n=2)
             assert out["generated_tokens"] == 2
