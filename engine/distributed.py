@@ -210,6 +210,7 @@ class Distributed:
             raise                       # the ring itself is gone: no check can run
         except StrataError as e:
             error, result = e, None
+            engine._log(f"distributed: this rank failed the request: {e}")   # what "see their log" means
         self._collective(lambda: self._check_agree(error is None, engine.model_hash), handle)
         if error is not None:
             raise error
@@ -310,7 +311,8 @@ class Distributed:
             owner = next(r for r, (a, b) in enumerate(self.split) if a <= i < b) if self.split else self.rank
             kv = []
             for arr in ("keys", "values"):
-                x = getattr(whole.cache[i], arr) if self.rank == 0 else None
+                # the held cells only: a restored cache is padded past them (room to grow in place)
+                x = getattr(whole.cache[i], arr)[:, :, :len(tokens), :] if self.rank == 0 else None
                 x = self._broadcast(0, x, shape, engine.dtype)
                 if self.mode == "tensor":     # this rank's contiguous K/V heads (as shard_linear splits)
                     h = shape[1] // self.size
@@ -328,7 +330,10 @@ class Distributed:
         if engine.live is not None and engine.parking.enabled:
             engine.parking.park(engine.live)
         engine.live = entry
-        return result if result is not None else {"restored_tokens": len(tokens)}
+        # The CLI and the app continue with the file's steering, as after Engine._restore.
+        steer = engine.steering_fingerprint()
+        return {**(result if result is not None else {"restored_tokens": len(tokens)}),
+                "speed_projection": bool(steer), "steering": {"fingerprint": steer} if steer else None}
 
     def _gather(self, entry):
         """Rank 0: every layer's K/V in order; the other ranks contribute theirs (see restore)."""
