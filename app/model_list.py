@@ -51,7 +51,8 @@ def find_models(folders: list[Path]) -> list[Path]:
 
 class ModelList(QWidget):
     load_requested = Signal(str)
-    _scanned = Signal(list)
+    _scanned = Signal(list)         # from the scanning thread (queued to _fill)
+    scanned = Signal()              # the list is filled: emitted on the GUI thread, for listeners and tests
 
     def __init__(self, folders, parent: QWidget | None = None):
         """`folders()` returns the folders to scan (models folder first)."""
@@ -100,6 +101,7 @@ class ModelList(QWidget):
         self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 170))
         self.empty.setVisible(not metas)
         self.mark_current(self.current)
+        emit(self.scanned)
 
     def paths(self) -> list[str]:
         return [self.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) for i in range(self.tree.topLevelItemCount())]

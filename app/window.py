@@ -115,7 +115,7 @@ class MainWindow(QMainWindow):
 
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
-        self.models._scanned.connect(self._after_scan, Qt.ConnectionType.QueuedConnection)
+        self.models.scanned.connect(self._after_scan)
         self.tabs = QTabWidget(movable=True, tabsClosable=True, documentMode=True)
         self.tabs.tabCloseRequested.connect(self.close_tab)
         self.tabs.tabBarDoubleClicked.connect(self.rename_tab)
@@ -197,7 +197,7 @@ class MainWindow(QMainWindow):
     def model_folders(self) -> list[str]:
         return [str(paths.models_dir()), *self.settings.model_folders]
 
-    def _after_scan(self, metas: list) -> None:
+    def _after_scan(self) -> None:
         if not self._scan_first:
             return
         self._scan_first = False

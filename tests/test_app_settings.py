@@ -178,7 +178,7 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     assert tree.topLevelItem(0).toolTip(6).startswith(est.line() + "; fits in ")
     # Once the engine reports its load budget (on a Mac: the Metal working set), the list uses it
     window.models.engine_budget = {"bytes": 1 << 20, "source": "engine test budget"}
-    with qtbot.waitSignal(window.models._scanned, timeout=REPLY_TIMEOUT_MS):
+    with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):
         window.models.refresh()
     qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1 and tree.topLevelItem(0).text(6).endswith("(too big)"))
     assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
@@ -188,7 +188,7 @@ def test_app_drop_gguf_links_into_models(qtbot, window, tmp_path, tiny_model):
     import shutil
     src = tmp_path / "dropped.gguf"
     shutil.copyfile(tiny_model, src)
-    with qtbot.waitSignal(window.models._scanned, timeout=REPLY_TIMEOUT_MS):
+    with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):
         window.add_model_file(src, how="link")
     from app import paths
     assert (paths.models_dir() / "dropped.gguf").is_symlink()
