@@ -284,29 +284,33 @@ PROMPTS = ["The little boat left the harbor early in the morning, when the sea w
 
 
 def _oracle():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llama.cpp oracle) is not installed")
+    """llama.cpp in the oracle's worker process (tests/llama_oracle.py): a native crash fails one test."""
+    import llama_oracle
+    llama_oracle.require()
+    return llama_oracle
 
 
-@functools.lru_cache(maxsize=1)
+_LLAMA: dict = {}
+
+
 def _llama(path: Path):
-    return _oracle().Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                           n_threads=2)
+    """One llama.cpp model at a time in the worker (the previous one is closed there)."""
+    oracle = _oracle()
+    if path not in _LLAMA or not oracle.is_live(_LLAMA[path]):
+        for old in _LLAMA.values():
+            old.close()
+        _LLAMA.clear()
+        _LLAMA[path] = oracle.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True,
+                                    verbose=False, n_threads=2)
+    return _LLAMA[path]
 
 
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
-    llm = _llama(path)
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    return _oracle().logits(_llama(path), ids)
 
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
-    out = []
-    for tok in _llama(path).generate(ids, temp=0.0, top_k=1, reset=True):
-        out.append(int(tok))
-        if len(out) == n:
-            break
-    return out
+    return _oracle().greedy(_llama(path), ids, n)
 
 
 def llama_tokens(path: Path, text: str) -> list[int]:
