@@ -29,7 +29,7 @@ class Request(QObject):
 
     def __init__(self, kind: str, parent: QObject | None = None):
         super().__init__(parent)
-        self.kind = kind
+        self.kind = kind             # what it asks ("save", "generate"...): the chat's progress bar reads it
         self.handle = None           # engine.events.Handle once submitted
         self._cancel = False
         self.result: dict | None = None

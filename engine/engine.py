@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import Cancelled, RequestError, SessionFileError, StrataError
+from .errors import RequestError, SessionFileError, StrataError
 from .events import Done, Failed, Handle, Log, Progress, Token
 from .sampling import SamplingParams
 
@@ -502,7 +502,6 @@ class Engine:
         if not req.side:
             self.live = entry                   # from here on the live K/V is `entry`
         entry.messages = list(req.messages or [])
-        stats.prompt_tokens, stats.cached_tokens = len(tokens), reuse
         cancelled = lambda: handle.cancelled  # noqa: E731
         new = tokens[reuse:-1]
         prefill(self.model, entry.cache, new, entry.tokens, chunk=self.options.prefill_chunk,
