@@ -55,6 +55,7 @@ class ChatView(QWidget):
         self.client = client
         self.presets = presets
         self.request = None            # the generate request in flight
+        self.title_request = None      # the title's side request in flight (tests follow its result)
         self.streaming: str | None = None
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
@@ -424,10 +425,12 @@ class ChatView(QWidget):
         # A side request: it never takes this or another chat's K/V slot, and runs unsteered.
         req = self.client.generate([{"role": "user", "content": prompt}], sampling,
                                    conversation=f"title-{self.chat.id}", side=True, speed_projection=False)
+        self.title_request = req
         req.done.connect(lambda r: self._on_title(r.get("text", ""), first_user))
         req.failed.connect(lambda _m: self._on_title("", first_user))
 
     def _on_title(self, text: str, fallback: str) -> None:
+        self.title_request = None
         self.set_title(clean_title(text) or clean_title(fallback) or DEFAULT_TITLE)
 
     def set_title(self, title: str) -> None:
