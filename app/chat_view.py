@@ -55,7 +55,7 @@ class ChatView(QWidget):
         self.client = client
         self.presets = presets
         self.request = None            # the generate request in flight
-        self.title_request = None
+        self.title_request = None      # the title's side request in flight (tests follow its result)
         self.streaming: str | None = None
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
@@ -178,7 +178,7 @@ class ChatView(QWidget):
         self.task_label.setText("Reading the conversation again" if reread else self.TASKS.get(stage, stage))
         self.task_bar.setRange(0, int(total))
         self.task_bar.setValue(int(done))
-        self.task_bar.setFormat(f"%v / %m tokens" if stage == "prefill" else "%p%")
+        self.task_bar.setFormat("%v / %m tokens" if stage == "prefill" else "%p%")
         self.task_row.show()
 
     def _untrack(self, req) -> None:

@@ -13,6 +13,8 @@ import logging
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal
 
+from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
+
 log = logging.getLogger("strata.app")
 
 
@@ -29,7 +31,7 @@ class Request(QObject):
 
     def __init__(self, kind: str, parent: QObject | None = None):
         super().__init__(parent)
-        self.kind = kind
+        self.kind = kind             # what it asks ("save", "generate"...): the chat's progress bar reads it
         self.handle = None           # engine.events.Handle once submitted
         self._cancel = False
         self.result: dict | None = None
@@ -70,7 +72,7 @@ class EngineThread(QThread):
     ready = Signal()
     crashed = Signal(str)
 
-    def __init__(self, cache_mib: int = 1024, cache_slots: int = 4, steering=None,
+    def __init__(self, cache_mib: int = DEFAULT_CACHE_MIB, cache_slots: int = DEFAULT_CACHE_SLOTS, steering=None,
                  speed_projection: bool = False, parent: QObject | None = None):
         """`speed_projection`: the engine's default for requests that name none (the settings' "on by
         default"); the app's own requests always name theirs."""

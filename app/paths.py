@@ -10,8 +10,6 @@ from pathlib import Path
 
 from PySide6.QtCore import QStandardPaths
 
-SESSION_SUFFIX = ".stratasession"
-
 
 def data_dir() -> Path:
     home = os.environ.get("STRATA_HOME")

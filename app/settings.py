@@ -7,6 +7,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings
 
+from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
+
 from . import paths
 
 
@@ -34,8 +36,8 @@ class Steering:
 
 @dataclass
 class Settings:
-    cache_mib: int = 1024
-    cache_slots: int = 4
+    cache_mib: int = DEFAULT_CACHE_MIB
+    cache_slots: int = DEFAULT_CACHE_SLOTS
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
     server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine

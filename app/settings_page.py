@@ -11,6 +11,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
+from engine.limits import SLOTS_MAX
+
 from . import settings as settings_mod
 from .settings import Settings
 
@@ -42,7 +44,7 @@ class SettingsPage(QDialog):
         self.cache_mib = _spin(0, self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22,
                                min(max(s.cache_mib, 0), self.cache_range.max_mib or 1 << 22), 256, suffix=" MiB")
         self.cache_mib.setToolTip(f"Conversation cache cap: {self.cache_range.describe()}; 0 turns it off")
-        self.cache_slots = _spin(1, 64, s.cache_slots)
+        self.cache_slots = _spin(1, SLOTS_MAX, s.cache_slots)
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
         cache = QGroupBox("Conversation cache")
         f = QFormLayout(cache)

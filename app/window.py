@@ -15,6 +15,8 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow, QMessageBox,
                                QPushButton, QSplitter, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
+from engine.paths import SESSION_EXTENSION
+
 from . import paths
 from . import settings as settings_mod
 from .chat_view import DEFAULT_TITLE, ChatView
@@ -72,7 +74,7 @@ def local_files(mime) -> list[Path]:
 
 
 def is_openable(p: Path) -> bool:
-    return p.suffix.lower() in (paths.SESSION_SUFFIX, ".gguf")
+    return p.suffix.lower() in (SESSION_EXTENSION, ".gguf")
 
 
 class MainWindow(QMainWindow):
@@ -466,12 +468,12 @@ class MainWindow(QMainWindow):
         if view is None or not view.chat.messages:
             self.message_bar.show_message("This chat has nothing to save yet")
             return
-        default = paths.sessions_dir() / (_safe_name(view.chat.title) + paths.SESSION_SUFFIX)
+        default = paths.sessions_dir() / (_safe_name(view.chat.title) + SESSION_EXTENSION)
         path, _ = QFileDialog.getSaveFileName(self, "Save Session", str(default),
-                                              f"Strata sessions (*{paths.SESSION_SUFFIX})")
+                                              f"Strata sessions (*{SESSION_EXTENSION})")
         if path:
-            if not path.endswith(paths.SESSION_SUFFIX):
-                path += paths.SESSION_SUFFIX
+            if not path.endswith(SESSION_EXTENSION):
+                path += SESSION_EXTENSION
             self.save_session(view, path)
 
     def save_session(self, view: ChatView, path: str):
@@ -499,7 +501,7 @@ class MainWindow(QMainWindow):
 
     def restore_session_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Restore Session", str(paths.sessions_dir()),
-                                              f"Strata sessions (*{paths.SESSION_SUFFIX})")
+                                              f"Strata sessions (*{SESSION_EXTENSION})")
         if path:
             self.restore_session(path)
 
@@ -574,7 +576,7 @@ class MainWindow(QMainWindow):
         """A file from the command line, Finder, the Dock, another launch or a drop: a session is
         restored once a model is loaded (queued until then), a model is added."""
         p = Path(path)
-        if p.suffix.lower() == paths.SESSION_SUFFIX:
+        if p.suffix.lower() == SESSION_EXTENSION:
             if not self.model_path:
                 self.pending_files.append(str(p))
                 self.status.showMessage(f"{p.name} opens when the model is loaded", 8000)
@@ -583,7 +585,7 @@ class MainWindow(QMainWindow):
         elif p.suffix.lower() == ".gguf":
             self.add_model_file(p)
         else:
-            self.message_bar.show_message(f"{p.name}: Strata opens {paths.SESSION_SUFFIX} sessions and .gguf models")
+            self.message_bar.show_message(f"{p.name}: Strata opens {SESSION_EXTENSION} sessions and .gguf models")
 
     # ---- drag and drop -----------------------------------------------------------------------
     def dragEnterEvent(self, e) -> None:  # noqa: N802

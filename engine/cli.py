@@ -6,17 +6,18 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from .errors import StrataError
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SLOTS_MAX
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, help="GGUF path or a name in the models folder")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 8192)")
-    p.add_argument("--conversation-cache-mib", type=int, default=1024,
+    p.add_argument("--conversation-cache-mib", type=int, default=DEFAULT_CACHE_MIB,
                    help="RAM for parked conversations' K/V, 0 (off) to half of this machine's RAM")
-    p.add_argument("--conversation-cache-slots", type=int, default=4, help="parked conversations, 1 to 64")
+    p.add_argument("--conversation-cache-slots", type=int, default=DEFAULT_CACHE_SLOTS,
+                   help=f"parked conversations, 1 to {SLOTS_MAX}")
     p.add_argument("--control-vector", action="append", default=[], metavar="FILE")
     p.add_argument("--control-vector-scaled", action="append", default=[], metavar="FILE:SCALE")
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))

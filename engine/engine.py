@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import Cancelled, RequestError, SessionFileError, StrataError
+from .errors import RequestError, SessionFileError, StrataError
 from .events import Done, Failed, Handle, Log, Progress, Token
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
 from .sampling import SamplingParams
 
 log = logging.getLogger("strata")
@@ -30,8 +31,8 @@ MAX_CHARS_PER_TOKEN = 32
 class EngineOptions:
     model: str | None = None
     context_length: int | None = None       # None: the model's own, capped at 8192
-    cache_mib: int = 1024                     # conversation parking cap (0 = off)
-    cache_slots: int = 4
+    cache_mib: int = DEFAULT_CACHE_MIB        # conversation parking cap (0 = off)
+    cache_slots: int = DEFAULT_CACHE_SLOTS
     steering: Any = None                      # control_vector.SteeringConfig or None
     speed_projection: bool = True             # default of the per-request switch when a vector is loaded
     prefill_chunk: int = 512
@@ -502,7 +503,6 @@ class Engine:
         if not req.side:
             self.live = entry                   # from here on the live K/V is `entry`
         entry.messages = list(req.messages or [])
-        stats.prompt_tokens, stats.cached_tokens = len(tokens), reuse
         cancelled = lambda: handle.cancelled  # noqa: E731
         new = tokens[reuse:-1]
         prefill(self.model, entry.cache, new, entry.tokens, chunk=self.options.prefill_chunk,

@@ -15,9 +15,6 @@ import mlx.core as mx
 
 @dataclass
 class StepStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated: int = 0
     ttft_ms: float = 0.0
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
@@ -119,7 +116,6 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         if fed_next:
             fed.append(token)
         n += 1
-        stats.generated = n
         if n % 256 == 0:
             mx.clear_cache()
         yield token

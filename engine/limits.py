@@ -15,6 +15,9 @@ from .errors import RequestError
 MIB = 1 << 20
 GIB = 1 << 30
 SLOTS_MAX = 64
+# The defaults, defined here only: EngineOptions, the CLI flags, the app's settings and EngineThread read them.
+DEFAULT_CACHE_MIB = 1024
+DEFAULT_CACHE_SLOTS = 4
 
 
 class CacheLimitError(RequestError):

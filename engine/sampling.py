@@ -1,10 +1,12 @@
-"""Sampling settings of a request, turned into mlx-lm's samplers and logits processors."""
+"""Sampling settings of a request, turned into mlx-lm's samplers and logits processors.
+
+Plain Python at import: mlx-lm is imported inside the two methods that build samplers, so the app
+(which never imports MLX) can read the fields, bounds and validation from here.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import RequestError
 
@@ -72,6 +74,7 @@ class SamplingParams:
     def sampler(self, vocab_size: int | None = None):
         # top_k at or above the vocabulary keeps every token: the same as no top_k (and mlx's
         # argpartition refuses a k past the axis).
+        from mlx_lm.sample_utils import make_sampler
         top_k = 0 if vocab_size is not None and self.top_k >= vocab_size else self.top_k
         return make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0,
                             min_p=self.min_p, top_k=top_k)
@@ -79,4 +82,5 @@ class SamplingParams:
     def processors(self):
         if self.repetition_penalty == 1.0:
             return []
+        from mlx_lm.sample_utils import make_logits_processors
         return make_logits_processors(repetition_penalty=self.repetition_penalty)

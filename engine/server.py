@@ -40,9 +40,9 @@ from starlette.routing import Route
 from .errors import StrataError
 from .engine import GenerateRequest, RestoreSession, SaveSession
 from .events import Done, Failed, Progress, Token
+from .paths import SESSION_EXTENSION
 from .sampling import SamplingError, SamplingParams
 
-SESSION_SUFFIX = ".stratasession"
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_STOP = 16
@@ -501,7 +501,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             raise APIError(400, f"invalid session name {name[:80]!r}: use 1-{SESSION_NAME_MAX} letters, digits, "
                                 "'.', '_' or '-', starting with a letter or digit, without '..'",
                            param="name", code="invalid_session_name")
-        return name, sessions_dir() / f"{name}{SESSION_SUFFIX}"
+        return name, sessions_dir() / f"{name}{SESSION_EXTENSION}"
 
     async def save_session(request: Request) -> Response:
         body = await _json_body(request)

@@ -58,7 +58,6 @@ FORMAT = "strata-session"
 VERSION = 2
 KV_DTYPE = "float16"
 KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
-EXTENSION = ".stratasession"
 STEP = 256                         # mlx-lm's KVCache grows in steps of 256 cells: restore pads the same way
 STAGING_BYTES = 2 << 20            # each of the save's two staging buffers (large writes, no full-size copy)
 MAX_HEADER = 64 << 20              # a header is metadata and messages: far below this

@@ -379,7 +379,6 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     stats.t_first = time.perf_counter()
                 context.append(t)
                 delivered += 1
-                stats.generated = delivered
                 yield t
                 if delivered >= max_tokens:
                     return
@@ -387,14 +386,12 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
             return
         # Speculation stopped paying: finish in the ordinary decode loop (pipelined, no drafts).
         sub = generate.StepStats()
-        base = delivered
         n_vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         for t in generate.decode(model, cache, pending, fed, history=context, sampler=sampling.sampler(n_vocab),
                                  processors=processors, max_tokens=max_tokens - delivered, stats=sub,
                                  seed=None, cancelled=cancelled):
             context.append(t)
             delivered += 1
-            stats.generated = base + sub.generated
             yield t
     finally:
         # A consumer that stops mid-run (EOS, stop string, cancel) closes the generator: the K/V must

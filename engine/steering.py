@@ -406,11 +406,3 @@ def install(model: nn.Module, state: SteeringState) -> None:
             block.steering_state = state
         else:
             layers[i] = SteeredLayer(block, i, state)
-
-
-def uninstall(model: nn.Module) -> None:
-    owner = _layers_owner(model)
-    layers = owner.layers
-    for i, block in enumerate(layers):
-        if isinstance(block, SteeredLayer):
-            layers[i] = block.block

