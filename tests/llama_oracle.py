@@ -215,6 +215,13 @@ def _serve(rx: Connection, tx: Connection) -> None:
         try:
             op, *args = rx.recv()
         except EOFError:
+            # Close the models now: left to interpreter teardown, llama-cpp-python's own cleanup runs
+            # after its library handles are gone and prints a TypeError traceback.
+            for obj in objects.values():
+                try:
+                    obj.close()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
             return
         try:
             if op == "new":
