@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+# mlx-lm makes MLX streams (its generation stream) when first imported. Imported here, with the engine
+# module, they belong to the importing thread as they always did; first imported lazily on the engine
+# thread instead, a CLI that exits right after a refused load aborts in MLX's thread teardown
+# ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
+import mlx_lm.generate  # noqa: F401,E402
+
 from .errors import RequestError, SessionFileError, StrataError
 from .events import Done, Failed, Handle, Log, Progress, Token
 from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
