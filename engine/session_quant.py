@@ -18,11 +18,8 @@ dtype), so each head's cells are written from the cache's memory and read into t
 """
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import struct
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -92,17 +89,12 @@ def _fits(c, g, fmt: KVFormat, n: int) -> bool:
     return True
 
 
-def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool = False,
+def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool = True, force: bool = False,
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
+    """sessions.save for quantized K/V (the target path already checked there): the tensors as held."""
     from . import sessions as S
-    t0 = time.perf_counter()
     prof = S.SaveProfile()
-    final = Path(path).expanduser()
-    if final.is_dir():
-        raise SessionFileError(f"cannot save the session: {final} is a folder")
-    if os.path.lexists(final) and not final.is_file():
-        raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
     g = S.Geometry.of(fingerprint)
     fmt = fmt_of(g.kv)
     n = len(entry.tokens)
@@ -110,35 +102,8 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
     if n == 0 or len(cache) != g.n_layer or not all(_fits(c, g, fmt, n) for c in cache):
         raise SessionFileError(f"cannot save the session: the conversation's K/V does not match the model "
                                f"in {describe_label(g.kv)}")
-    why = S.validate_messages(entry.messages)
-    if why is not None:
-        raise SessionFileError(f"cannot save the session: {why}")
-    S.check_overwrite(final, n, force)
-    specs = layout(n, g)
-    metadata = {"format": S.FORMAT, "version": str(S.VERSION), "n_tokens": str(n), "kv_dtype": fmt.label,
-                "kv_layout": QUANT_LAYOUT, "messages": json.dumps(entry.messages, ensure_ascii=False),
-                **{f"fp.{k}": str(v) for k, v in fingerprint.items()}}
-    header = S._header_bytes(specs, metadata)
-    prefix = struct.pack("<Q", len(header))
-    tokens = np.asarray(entry.tokens, dtype=np.int32)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
-    S.remove_stale_parts(final.parent, log)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part", dir=final.parent)
-    except OSError as e:
-        raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)         # "a live save owns this": cleaners skip locked parts
-        digest = xxhash.xxh3_128()
-        digest.update(prefix)
-        digest.update(header)
-        prof.prepare_ms = (time.perf_counter() - t0) * 1e3
-        S._write_all(fd, prefix + header, prof)
-        digest.update(tokens)
-        S._write_all(fd, tokens, prof)
+
+    def body(fd: int, digest) -> None:
         total = 6 * g.n_layer
         step = max(1, total // 20)
         k = 0
@@ -158,35 +123,9 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
                     k += 1
                     if progress and (k % step == 0 or k == total):
                         progress(k, total)
-        os.pwrite(fd, digest.hexdigest().encode(), 8 + len(S._PREFIX))
-        if sync:
-            t = time.perf_counter()
-            os.fsync(fd)
-            prof.sync_ms += (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, final)
-        prof.rename_ms = (time.perf_counter() - t) * 1e3
-        if sync:
-            t = time.perf_counter()
-            dir_fd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-            prof.sync_ms += (time.perf_counter() - t) * 1e3
-    except OSError as e:
-        S._discard(fd, tmp)
-        raise SessionFileError(f"cannot save the session to {final}: {e.strerror or e}") from None
-    except BaseException:
-        S._discard(fd, tmp)
-        raise
-    size = 8 + len(header) + specs[-1].end
-    ms = (time.perf_counter() - t0) * 1e3
-    log(f"saved {n} tokens ({fmt.describe()}) to {final.name}: {size} B in {ms:.1f} ms "
-        f"({'sync ' + format(prof.sync_ms, '.1f') + ' ms' if sync else 'not synced'})")
-    return S.SaveResult(str(final), size, round(ms, 2), round(prof.sync_ms, 2), n, sync, prof).as_dict()
+
+    return S.write_session(final, entry, fingerprint, layout(n, g), fmt.label, QUANT_LAYOUT, body, t0=t0,
+                           prof=prof, sync=sync, force=force, log=log)
 
 
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,

@@ -274,7 +274,6 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
     t0 = time.perf_counter()
-    prof = SaveProfile()
     final = Path(path).expanduser()
     if final.is_dir():
         raise SessionFileError(f"cannot save the session: {final} is a folder")
@@ -282,7 +281,8 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
     if fingerprint.get("kv_format", KV_DTYPE) != KV_DTYPE:      # 8/4-bit K/V, stored as held
         from . import session_quant
-        return session_quant.save(path, entry, fingerprint, sync=sync, force=force, progress=progress, log=log)
+        return session_quant.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
+                                  log=log)
     g = Geometry.of(fingerprint)
     n = len(entry.tokens)
     cache = list(entry.cache[:g.n_layer])
@@ -290,14 +290,102 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
             c.keys is None or tuple(c.keys.shape[:2]) != (1, g.n_kv_heads) or c.keys.shape[3] != g.head_dim
             or min(c.keys.shape[2], c.offset) < n or c.values.shape != c.keys.shape for c in cache):
         raise SessionFileError("cannot save the session: the conversation's K/V does not match the model")
+    specs = layout(n, g)
+    prof = SaveProfile()
+
+    def body(fd: int, digest) -> None:
+        _write_f16_kv(fd, digest, cache, g, n, specs[-1].end, prof, progress)
+
+    return write_session(final, entry, fingerprint, specs, KV_DTYPE, KV_LAYOUT, body, t0=t0, prof=prof,
+                         sync=sync, force=force, log=log)
+
+
+def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: int, prof: SaveProfile,
+                  progress: Callable[[int, int], None] | None) -> None:
+    """Every layer's K then V as float16, in file order (format 2's 16-bit K/V)."""
+    # A float32 cache (the CPU) is cast block by block into a staging buffer; a float16 cache (a
+    # GPU) is written straight from its own memory (no copy at all), a batch of blocks per writev.
+    # Either way each write is up to STAGING_BYTES, in file order. A writer thread hashes and
+    # writes one batch while this thread casts the next into the other staging buffer (numpy's
+    # cast and write(2) both release the GIL), so the cast and the write overlap.
+    size = min(STAGING_BYTES // 2, max(g.head_dim, data_end // 2))
+    stagings = [np.empty(size, np.float16), np.empty(size, np.float16)]
+    cur = 0
+    pending: list[np.ndarray] = []
+    fill = pending_bytes = 0
+    writing: list = []          # the batch the writer thread holds (at most one)
+    casting: list = []          # casts of the batch being filled (two cast threads: the CPU's cost)
+
+    def write_batch(batch: list[np.ndarray]) -> None:
+        t = time.perf_counter()
+        for piece in batch:
+            digest.update(piece)            # in file order: batches are written one after another
+        prof.checksum_ms += (time.perf_counter() - t) * 1e3
+        _writev_all(fd, batch, prof)
+
+    def flush():
+        nonlocal fill, pending_bytes, cur
+        if pending:
+            t = time.perf_counter()
+            while casting:
+                casting.pop().result()      # this batch's casts are done
+            prof.cast_ms += (time.perf_counter() - t) * 1e3
+            if writing:
+                writing.pop().result()      # the other staging buffer is free again
+            writing.append(pool.submit(write_batch, list(pending)))
+            cur ^= 1
+        pending.clear()
+        fill = pending_bytes = 0
+
+    total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
+    with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
+            ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
+        try:
+            for i, c in enumerate(cache):
+                for j, arr in enumerate((c.keys, c.values)):
+                    t = time.perf_counter()
+                    src = _np_view(arr)
+                    prof.cast_ms += (time.perf_counter() - t) * 1e3
+                    for block in _blocks(src, n, size):
+                        if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > size:
+                            flush()
+                        if src.dtype == np.float16 and block.flags.c_contiguous:
+                            pending.append(block)
+                        else:
+                            t = time.perf_counter()
+                            dst = stagings[cur][fill:fill + block.size]
+                            casting.append(casters.submit(np.copyto, dst.reshape(block.shape), block,
+                                                          casting="unsafe"))
+                            prof.cast_ms += (time.perf_counter() - t) * 1e3
+                            pending.append(dst)
+                            fill += block.size
+                        pending_bytes += 2 * block.size
+                    k = 2 * i + j + 1
+                    if progress and (k % step == 0 or k == total):
+                        progress(k, total)
+            flush()
+        finally:
+            for f in casting:
+                f.cancel() or f.exception()
+            if writing:
+                writing.pop().result()      # the last batch written (or its error raised) before the fd goes
+
+
+def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: str, kv_layout: str,
+                  body: Callable[[int, object], None], *, t0: float, prof: SaveProfile, sync: bool, force: bool,
+                  log: Callable[[str], None]) -> dict:
+    """What every save shares, whatever its K/V format: the messages checked, the overwrite rule, the
+    header (checksum placeholder), a locked temporary file beside the target, header and token ids,
+    then `body(fd, digest)` writes the K/V tensors in file order (hashing them), then the checksum in
+    place, fsync, rename and the folder's fsync. A failure leaves no temporary file behind."""
+    n = len(entry.tokens)
     why = validate_messages(entry.messages)     # a file this Strata would refuse is never written
     if why is not None:
         raise SessionFileError(f"cannot save the session: {why}")
     messages = json.dumps(entry.messages, ensure_ascii=False)
     check_overwrite(final, n, force)
-    specs = layout(n, g)
-    metadata = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n), "kv_dtype": KV_DTYPE,
-                "kv_layout": KV_LAYOUT, "messages": messages,
+    metadata = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n), "kv_dtype": kv_dtype,
+                "kv_layout": kv_layout, "messages": messages,
                 **{f"fp.{k}": str(v) for k, v in fingerprint.items()}}
     header = _header_bytes(specs, metadata)
     prefix = struct.pack("<Q", len(header))
@@ -320,72 +408,7 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         _write_all(fd, prefix + header, prof)
         digest.update(tokens)
         _write_all(fd, tokens, prof)
-        # A float32 cache (the CPU) is cast block by block into a staging buffer; a float16 cache (a
-        # GPU) is written straight from its own memory (no copy at all), a batch of blocks per writev.
-        # Either way each write is up to STAGING_BYTES, in file order. A writer thread hashes and
-        # writes one batch while this thread casts the next into the other staging buffer (numpy's
-        # cast and write(2) both release the GIL), so the cast and the write overlap.
-        size = min(STAGING_BYTES // 2, max(g.head_dim, specs[-1].end // 2))
-        stagings = [np.empty(size, np.float16), np.empty(size, np.float16)]
-        cur = 0
-        pending: list[np.ndarray] = []
-        fill = pending_bytes = 0
-        writing: list = []          # the batch the writer thread holds (at most one)
-        casting: list = []          # casts of the batch being filled (two cast threads: the CPU's cost)
-
-        def write_batch(batch: list[np.ndarray]) -> None:
-            t = time.perf_counter()
-            for piece in batch:
-                digest.update(piece)            # in file order: batches are written one after another
-            prof.checksum_ms += (time.perf_counter() - t) * 1e3
-            _writev_all(fd, batch, prof)
-
-        def flush():
-            nonlocal fill, pending_bytes, cur
-            if pending:
-                t = time.perf_counter()
-                while casting:
-                    casting.pop().result()      # this batch's casts are done
-                prof.cast_ms += (time.perf_counter() - t) * 1e3
-                if writing:
-                    writing.pop().result()      # the other staging buffer is free again
-                writing.append(pool.submit(write_batch, list(pending)))
-                cur ^= 1
-            pending.clear()
-            fill = pending_bytes = 0
-
-        total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
-        with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
-                ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
-            try:
-                for i, c in enumerate(cache):
-                    for j, arr in enumerate((c.keys, c.values)):
-                        t = time.perf_counter()
-                        src = _np_view(arr)
-                        prof.cast_ms += (time.perf_counter() - t) * 1e3
-                        for block in _blocks(src, n, size):
-                            if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > size:
-                                flush()
-                            if src.dtype == np.float16 and block.flags.c_contiguous:
-                                pending.append(block)
-                            else:
-                                t = time.perf_counter()
-                                dst = stagings[cur][fill:fill + block.size]
-                                casting.append(casters.submit(np.copyto, dst.reshape(block.shape), block,
-                                                              casting="unsafe"))
-                                prof.cast_ms += (time.perf_counter() - t) * 1e3
-                                pending.append(dst)
-                                fill += block.size
-                            pending_bytes += 2 * block.size
-                        k = 2 * i + j + 1
-                        if progress and (k % step == 0 or k == total):
-                            progress(k, total)
-                flush()
-            finally:
-                for f in casting:
-                    f.cancel() or f.exception()
-                if writing:
-                    writing.pop().result()      # the last batch written (or its error raised) before the fd goes
+        body(fd, digest)
         # The checksum replaces its placeholder: same width, so nothing else moves.
         os.pwrite(fd, digest.hexdigest().encode(), 8 + len(_PREFIX))
         if sync:
@@ -413,10 +436,11 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise
     size = 8 + len(header) + specs[-1].end
     ms = (time.perf_counter() - t0) * 1e3
-    log(f"saved {n} tokens to {final.name}: {size} B in {ms:.1f} ms "
+    from .kv_format import describe_label
+    what = "" if kv_dtype == KV_DTYPE else f" ({describe_label(kv_dtype)})"
+    log(f"saved {n} tokens{what} to {final.name}: {size} B in {ms:.1f} ms "
         f"({'sync ' + format(prof.sync_ms, '.1f') + ' ms' if sync else 'not synced'})")
-    res = SaveResult(str(final), size, round(ms, 2), round(prof.sync_ms, 2), n, sync, prof)
-    return res.as_dict()
+    return SaveResult(str(final), size, round(ms, 2), round(prof.sync_ms, 2), n, sync, prof).as_dict()
 
 
 def _discard(fd: int, tmp: str) -> None:
