@@ -143,6 +143,21 @@ def Llama(**kwargs) -> Remote:
     return Remote(handle, _worker.gen)
 
 
+_CACHED: dict = {}
+
+
+def cached_llama(path) -> Remote:
+    """One llama.cpp model with logits for every position, kept in the worker for repeated calls on the
+    same file; a new file closes the previous one there (tests compare one file at a time)."""
+    if path not in _CACHED or not is_live(_CACHED[path]):
+        for old in _CACHED.values():
+            old.close()
+        _CACHED.clear()
+        _CACHED[path] = Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
+                              n_threads=2)
+    return _CACHED[path]
+
+
 def greedy(llm: Remote, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int]:
     return _request("fn", "greedy", (llm, list(ids), n, stop_at_eos), {})
 

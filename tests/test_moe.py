@@ -290,19 +290,8 @@ def _oracle():
     return llama_oracle
 
 
-_LLAMA: dict = {}
-
-
 def _llama(path: Path):
-    """One llama.cpp model at a time in the worker (the previous one is closed there)."""
-    oracle = _oracle()
-    if path not in _LLAMA or not oracle.is_live(_LLAMA[path]):
-        for old in _LLAMA.values():
-            old.close()
-        _LLAMA.clear()
-        _LLAMA[path] = oracle.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True,
-                                    verbose=False, n_threads=2)
-    return _LLAMA[path]
+    return _oracle().cached_llama(path)
 
 
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:

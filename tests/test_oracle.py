@@ -68,18 +68,8 @@ def smol_files(real_model) -> dict[str, Path]:
     return files
 
 
-_LLAMA: dict[Path, object] = {}
-
-
 def _llama(path: Path):
-    """One llama.cpp model at a time in the worker (the previous one is closed there)."""
-    if path not in _LLAMA or not llama_cpp.is_live(_LLAMA[path]):
-        for old in _LLAMA.values():
-            old.close()
-        _LLAMA.clear()
-        _LLAMA[path] = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True,
-                                       verbose=False, n_threads=2)
-    return _LLAMA[path]
+    return llama_cpp.cached_llama(path)
 
 
 def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
