@@ -176,16 +176,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 bufs = [padded[0, h, :n, :] for h in range(g.n_kv_heads)]
             off = hdr.data_start + spec.start
             for buf in bufs:
-                t = time.perf_counter()
-                got = S._readinto_exact(fd, buf, off)
-                prof.read_ms += (time.perf_counter() - t) * 1e3
-                prof.reads += 1
+                got = S._read_hashed(fd, buf, off, digest, prof)
                 if got != buf.nbytes:
                     raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                 off += got
-                t = time.perf_counter()
-                digest.update(buf)
-                prof.checksum_ms += (time.perf_counter() - t) * 1e3
             if padded is not None:
                 t = time.perf_counter()
                 arrays.append(mx.array(padded))

@@ -546,6 +546,19 @@ def _readinto_exact(fd: int, buf: np.ndarray, off: int) -> int:
     return got
 
 
+def _read_hashed(fd: int, buf: np.ndarray, off: int, digest, prof: RestoreProfile) -> int:
+    """Read buf's bytes from off (timed) and, when they all came, hash them. Returns the bytes read."""
+    t = time.perf_counter()
+    got = _readinto_exact(fd, buf, off)
+    prof.read_ms += (time.perf_counter() - t) * 1e3
+    prof.reads += 1
+    if got == buf.nbytes:
+        t = time.perf_counter()
+        digest.update(buf)
+        prof.checksum_ms += (time.perf_counter() - t) * 1e3
+    return got
+
+
 def _read_raw_header(name: str, fd: int, size: int) -> bytes:
     if size < 8:
         raise SessionFileError(f"{name} is not a Strata session file (too short)")
@@ -740,13 +753,8 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         prof.header_ms = (time.perf_counter() - t0) * 1e3
         tokens = np.empty(n, np.int32)
         off = hdr.data_start
-        t = time.perf_counter()
-        got = _readinto_exact(fd, tokens, off)
-        prof.read_ms += (time.perf_counter() - t) * 1e3
-        prof.reads += 1
-        if got != tokens.nbytes:
+        if _read_hashed(fd, tokens, off, digest, prof) != tokens.nbytes:
             raise SessionFileError(f"{name} is truncated (tensor tokens)")
-        digest.update(tokens)
         # On the CPU the arrays the cache keeps are allocated once by MLX (padded as mlx-lm pads) and
         # filled in place through numpy views of their memory: no staging-to-MLX copy. Elsewhere (a GPU)
         # each tensor goes through one padded numpy buffer and mx.array copies it to the device.
@@ -788,16 +796,10 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 off = hdr.data_start + spec.start
                 for h in range(g.n_kv_heads):
                     buf = view[0, h, :n, :]
-                    t = time.perf_counter()
-                    got = _readinto_exact(fd, buf, off)
-                    prof.read_ms += (time.perf_counter() - t) * 1e3
-                    prof.reads += 1
+                    got = _read_hashed(fd, buf, off, digest, prof)
                     if got != buf.nbytes:
                         raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                     off += got
-                    t = time.perf_counter()
-                    digest.update(buf)
-                    prof.checksum_ms += (time.perf_counter() - t) * 1e3
                 built(view)
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
@@ -809,15 +811,8 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             stagings = [np.empty(shape, np.float16), np.empty(shape, np.float16)]
 
             def read(spec: TensorSpec, buf: np.ndarray) -> int:
-                t = time.perf_counter()
-                got = _readinto_exact(fd, buf, hdr.data_start + spec.start)
-                prof.read_ms += (time.perf_counter() - t) * 1e3
-                prof.reads += 1
-                if got == buf.nbytes:
-                    t = time.perf_counter()
-                    digest.update(buf)          # here, in file order, while the main thread casts
-                    prof.checksum_ms += (time.perf_counter() - t) * 1e3
-                return got
+                # hashed here, in file order, while the main thread casts
+                return _read_hashed(fd, buf, hdr.data_start + spec.start, digest, prof)
 
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
                 ahead = pool.submit(read, kv[0], stagings[0])
