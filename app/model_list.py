@@ -16,21 +16,24 @@ from .gguf_meta import ModelMeta, read_meta
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
 
 
-def memory_needs(path: Path, engine_budget: dict | None = None) -> tuple[str, str]:
+def memory_budget(engine_budget: dict | None):
+    """The budget the engine reported in its status (on a Mac the Metal working set, which only MLX can
+    read), or, before the engine has answered, the memory guard's available reading less its reserve."""
+    from engine import memory_estimate as me
+    from engine.memory_guard import MemoryGuard
+    if engine_budget:
+        return me.Budget(int(engine_budget["bytes"]), str(engine_budget["source"]))
+    return me.load_budget(MemoryGuard(), None)
+
+
+def memory_needs(path: Path, budget) -> tuple[str, str]:
     """(column text, tooltip) of the memory estimate at the engine's default context
-    (engine/memory_estimate.py: plain Python, no mlx) against the budget the engine reported in its
-    status (on a Mac the Metal working set, which only MLX can read), or, before the engine has
-    answered, the memory guard's available reading less its reserve."""
+    (engine/memory_estimate.py: plain Python, no mlx) against `budget` (memory_budget)."""
     from engine import memory_estimate as me
     from engine.errors import StrataError
-    from engine.memory_guard import MemoryGuard
     try:
         h = me.read_header(path)
-        if engine_budget:
-            b = me.Budget(int(engine_budget["bytes"]), str(engine_budget["source"]))
-        else:
-            b = me.load_budget(MemoryGuard(), None)
-        fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), b)
+        fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), budget)
     except StrataError as e:
         return "?", str(e)
     text = me.gib(fit.estimate.total_bytes)
@@ -82,10 +85,12 @@ class ModelList(QWidget):
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
-        budget = self.engine_budget
-        threading.Thread(target=lambda: emit(self._scanned, [(read_meta(p), memory_needs(p, budget))
-                                                             for p in find_models(folders)]),
-                         name="strata-model-scan", daemon=True).start()
+        engine_budget = self.engine_budget
+
+        def scan():
+            budget = memory_budget(engine_budget)           # one memory reading for the whole list
+            emit(self._scanned, [(read_meta(p), memory_needs(p, budget)) for p in find_models(folders)])
+        threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
     def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()

@@ -119,9 +119,26 @@ class _Reader:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
+_HEADERS: dict[tuple[str, int, int], GGUFHeader] = {}
+
+
 def read_header(path: str | Path) -> GGUFHeader:
-    """The metadata and tensor table of a GGUF file (no tensor data is read)."""
+    """The metadata and tensor table of a GGUF file (no tensor data is read). Kept per (path, size,
+    mtime): the model list's metadata, its estimate and a load's fit check read a file once."""
     p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise ModelFileError(f"cannot read {p}: {e.strerror or e}") from None
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HEADERS:
+        if len(_HEADERS) >= 256:
+            _HEADERS.clear()
+        _HEADERS[key] = _read_header(p)
+    return _HEADERS[key]
+
+
+def _read_header(p: Path) -> GGUFHeader:
     try:
         with open(p, "rb") as f:
             if f.read(4) != b"GGUF":
