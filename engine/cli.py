@@ -36,6 +36,10 @@ def check_engine_flags(args) -> None:
     from .limits import check_cache_mib, check_cache_slots
     check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
     check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
+    if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
+        from .errors import StrataError
+        # (too large a context is refused by the memory estimate at load, with the numbers)
+        raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")
 
 
 def engine_options(args):

@@ -146,6 +146,16 @@ def test_bad_cache_size_exits_2_with_one_line(flags, why, tiny_gguf, capsys):
         assert f"must be {machine_cache_range().describe()}" in lines[0]
 
 
+@pytest.mark.parametrize("ctx", ["0", "-3", "15"])
+def test_a_context_below_16_exits_2_before_the_load(ctx, tiny_gguf, capsys):
+    """--ctx 0 used to mean "the model's own" silently, and a negative one loaded the model first."""
+    code, out, err = run_main(capsys, "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "1",
+                              "--ctx", ctx)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and out == "" and lines == [f"strata: --ctx must be at least 16 tokens (omit it for the "
+                                                 f"model's own); got {ctx}"], err
+
+
 def test_cache_size_at_the_limit_is_taken(tiny_gguf, capsys):
     from engine.limits import machine_cache_range
     top = machine_cache_range().max_mib
