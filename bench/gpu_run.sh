@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
-# STEPS picks steps (default: test engine turns cvec; also: probe)
+# STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache). spec needs the real
+# SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"test engine turns cvec"}
@@ -11,11 +12,15 @@ py=${PYTHON:-python3}
   $py -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device(), "cuda", mx.cuda.is_available())'; } 2>&1 | tee "$OUT/env.txt"
 for step in $STEPS; do
   case $step in
-    test) timeout 100 $py -m pytest tests/test_steering_kernels.py -q -p no:cacheprovider 2>&1 | tail -40 > "$OUT/cvec_test.txt" ;;
+    test) timeout 100 $py -m pytest tests/test_steering_kernels.py tests/test_attention.py -q -p no:cacheprovider 2>&1 | tail -40 > "$OUT/cvec_test.txt" ;;
+    spec) timeout ${SPEC_TIMEOUT:-200} $py bench/spec.py --model "${SMOLLM2:?set SMOLLM2 to the SmolLM2 GGUF}" --rounds ${SPEC_ROUNDS:-10} \
+          --max-tokens ${SPEC_TOKENS:-192} > "$OUT/spec_smollm2.txt" 2>&1 ;;
+    cache) timeout 150 $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 --repeats ${CACHE_REPEATS:-5} \
+          > "$OUT/cache_llama1b.txt" 2>&1 ;;
     engine) for s in llama1b smollm2; do
-        timeout 150 $py bench/engine.py --random-shape $s --prompt-tokens 512 --gen 128 --rounds ${ROUNDS:-20} --no-llama \
+        timeout ${ENGINE_TIMEOUT:-150} $py bench/engine.py --random-shape $s --prompt-tokens 512 --gen 128 --rounds ${ROUNDS:-20} --no-llama \
           > "$OUT/engine_$s.txt" 2>&1; done ;;
-    turns) timeout 200 $py bench/turns.py --random-shape llama1b --rounds 10 > "$OUT/turns_llama1b.txt" 2>&1 ;;
+    turns) timeout ${TURNS_TIMEOUT:-200} $py bench/turns.py --random-shape llama1b --rounds ${TURNS_ROUNDS:-10} > "$OUT/turns_llama1b.txt" 2>&1 ;;
     probe) timeout 60 $py bench/sdpa_probe.py > "$OUT/sdpa_probe.txt" 2>&1 ;;
     cvec) for s in smollm2 llama1b; do
         timeout 90 $py bench/cvec.py --random-shape $s --repeat 8 --prompt-tokens 512 --decode-tokens 128 \

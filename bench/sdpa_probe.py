@@ -2,32 +2,46 @@
 
     python bench/sdpa_probe.py
 
-mx.fast.scaled_dot_product_attention with Llama-1B's heads (32 query, 8 K/V, head 64, float16),
-L new queries over K keys, causal: ms per call (evaluated) for (a) the same shape 10 times, (b) a
-new (L, K) pair every call, as each turn of a returning conversation is, (c) one query (a decode
-step) at a new K every call, and (d) (b) with an explicit additive mask array instead of "causal".
+Llama-1B's heads (32 query, 8 K/V, head 64, float16 on a GPU), L new queries over K keys, causal:
+ms per call (evaluated), for MLX's fused `mx.fast.scaled_dot_product_attention` ("fused") and the
+engine's explicit form for short chunks (engine/attention.py, "explicit"), over (a) the same shape
+10 times, (b) a new (L, K) pair every call, as each turn of a returning conversation is, (c) one
+query (a decode step) at a new K every call, (d) (b) with an explicit mask array, and (e) the
+prefill chunk sizes, repeated, to show where the explicit form stops paying.
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.attention import explicit_attention  # noqa: E402
 
-def timed(shape, mask, n=10):
+DT = mx.float16 if mx.default_device() == mx.gpu else mx.float32
+
+
+def fused(q, k, m):
+    return mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask=m)
+
+
+def explicit(q, k, m):
+    return explicit_attention(q, k, k, scale=0.125, mask=m)
+
+
+def timed(fn, shape, mask, n=10):
     """shape(i) -> (L, K); inputs are made and evaluated before the clock starts."""
     xs = []
     for i in range(n):
         L, K = shape(i)
         q, k, m = _inputs(L, K, mask)
         t = time.perf_counter()
-        mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask=m))
+        mx.eval(fn(q, k, m))
         xs.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(xs), max(xs)
-
-
-DT = mx.float16 if mx.default_device() == mx.gpu else mx.float32
+    return statistics.median(xs), max(xs), xs[0]
 
 
 def _inputs(L, K, mask):
@@ -39,14 +53,25 @@ def _inputs(L, K, mask):
 
 
 def main() -> None:
-    timed(lambda i: (33, 2033), "causal", 2)
     print(f"mlx {mx.__version__} on {mx.default_device()}, {DT}")
-    for name, shape, mask in [("same shape (L 33, K 2033)", lambda i: (33, 2033), "causal"),
-                              ("new shape each call (L 34+i, K 3000+37i)", lambda i: (34 + i, 3000 + 37 * i), "causal"),
-                              ("decode, new K each call (L 1, K 5000+i)", lambda i: (1, 5000 + i), None),
-                              ("new shape, mask array (L 50+i, K 7000+37i)", lambda i: (50 + i, 7000 + 37 * i), "array")]:
-        med, worst = timed(shape, mask)
-        print(f"{name}: median {med:.2f} ms, max {worst:.2f} ms")
+    for fn_name, fn in [("explicit", explicit), ("fused", fused)]:   # explicit first: it needs no plan
+        t = time.perf_counter()
+        mx.eval(fn(*_inputs(33, 2033, "causal")))
+        print(f"{fn_name}: first call ever (L 33, K 2033): {(time.perf_counter() - t) * 1e3:.1f} ms")
+    cases = [("same shape (L 33, K 2033)", lambda i: (33, 2033), "causal"),
+             ("new shape each call (L 34+i, K 3000+37i)", lambda i: (34 + i, 3000 + 37 * i), "causal"),
+             ("new shape, short (L 2+i, K 9000+37i)", lambda i: (2 + i, 9000 + 37 * i), "causal"),
+             ("new shape, L 64 (K 20000+37i)", lambda i: (64, 20000 + 37 * i), "causal"),
+             ("decode, new K each call (L 1, K 5000+i)", lambda i: (1, 5000 + i), None),
+             ("new shape, mask array (L 50+i, K 7000+37i)", lambda i: (50 + i, 7000 + 37 * i), "array")]
+    cases += [(f"prefill chunk, same shape (L {L}, K {K})", (lambda L, K: lambda i: (L, K))(L, K), "causal")
+              for L, K in [(16, 16), (64, 128), (128, 256), (512, 512), (512, 2048), (512, 8192)]]
+    for name, shape, mask in cases:
+        for fn_name, fn in [("fused", fused), ("explicit", explicit)]:
+            if fn is explicit and mask is None:
+                continue
+            med, worst, first = timed(fn, shape, mask)
+            print(f"{name} {fn_name}: median {med:.3f} ms, max {worst:.2f} ms, first {first:.2f} ms")
 
 
 if __name__ == "__main__":

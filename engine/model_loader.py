@@ -9,6 +9,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import attention
 from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
 from .gguf_file import GGUFFile
@@ -59,6 +60,23 @@ def _apply_rope_factors(model, g: GGUFFile, args) -> bool:
         rope = layer.self_attn.rope
         layer.self_attn.rope = FactorRoPE(rope.dims, args.rope_theta, rope.traditional, factors)
     return True
+
+
+def warm_up(model) -> float:
+    """Run the model once at load on a GPU, with a throwaway cache. MLX builds each kernel on its
+    first use (CUDA: compiled at run time; Metal: specialized), and otherwise the first request pays
+    for it: 0.4-17 s on an H200, 31.7 s for the first returning turn (bench/gpu.md). The shapes touch
+    a prefill chunk past the explicit-attention limit (the fused kernel), a short chunk (the explicit
+    form) and a decode step. Not on the CPU, which builds nothing at run time. Returns seconds."""
+    from mlx_lm.models.cache import make_prompt_cache
+    t0 = time.perf_counter()
+    cache = make_prompt_cache(model)
+    for n in (attention.EXPLICIT_MAX_QUERIES + 1, 8, 1):
+        logits = model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
+        mx.eval(logits - mx.logsumexp(logits[:, -1:], axis=-1, keepdims=True))
+    del cache, logits
+    mx.clear_cache()
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -165,6 +183,10 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
     if _apply_rope_factors(model, g, args):
         note += "; RoPE frequency factors from rope_freqs.weight"
+    if attention.install(model):
+        note += "; short chunks: explicit attention (cuDNN plans fused attention per shape)"
+    if part is None and mx.default_device() == mx.gpu:
+        note += f"; kernels warmed up in {warm_up(model) * 1e3:.0f} ms"
     if spec:
         note += f"; {spec.describe()}"
     import gguf as gguf_py

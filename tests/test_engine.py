@@ -173,6 +173,7 @@ def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_bet
     assert chunk_sizes(100, 512) == [16, 16, 32, 36]
     assert chunk_sizes(2000, 512)[:8] == [16, 16, 32, 64, 128, 256, 512, 512]
     assert sum(chunk_sizes(2000, 512)) == 2000 and chunk_sizes(40, 8) == [8] * 5
+    assert chunk_sizes(1100, 512, first=512) == [512, 512, 76]   # the GPU schedule
     long_chat = [{"role": "user", "content": " ".join(f"river{i} flows" for i in range(80))}]
     h = engine.submit(GenerateRequest(messages=long_chat, sampling=sample(2)))
     steps = [(e.done, e.total) for e in h.events() if isinstance(e, Progress) and e.stage == "prefill"]
