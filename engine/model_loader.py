@@ -68,12 +68,16 @@ def warm_up(model) -> float:
     for it: 0.4-17 s on an H200, 31.7 s for the first returning turn (bench/gpu.md). The shapes touch
     a prefill chunk past the explicit-attention limit (the fused kernel), a short chunk (the explicit
     form) and a decode step. Not on the CPU, which builds nothing at run time. Returns seconds."""
+    from mlx_lm.generate import generation_stream
     from mlx_lm.models.cache import make_prompt_cache
     t0 = time.perf_counter()
     cache = make_prompt_cache(model)
-    for n in (attention.EXPLICIT_MAX_QUERIES + 1, 8, 1):
-        logits = model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
-        mx.eval(logits - mx.logsumexp(logits[:, -1:], axis=-1, keepdims=True))
+    # on the stream every request steps on: evaluated on the engine thread's default stream, this
+    # hung on the H200 (a stack dump every 15 s for 75 s, bench/trace_run.py)
+    with mx.stream(generation_stream):
+        for n in (attention.EXPLICIT_MAX_QUERIES + 1, 8, 1):
+            logits = model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
+            mx.eval(logits - mx.logsumexp(logits[:, -1:], axis=-1, keepdims=True))
     del cache, logits
     mx.clear_cache()
     return time.perf_counter() - t0
