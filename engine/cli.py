@@ -61,20 +61,15 @@ def engine_options(args):
 
 
 def start_engine(args):
-    """An engine with the model loaded, or StrataError with the load's own message."""
-    from .engine import Engine, Status
+    """An engine with the model loaded, or EngineError with the start-up load's own message."""
+    from .engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     engine = Engine(engine_options(args)).start()
-    status = engine.call(Status())
-    if status["model"] is None:
-        # The initial load failed: load again through a request to get its message.
-        from .engine import LoadModel
-        engine.call(LoadModel(engine.options.model, engine.options.steering))
-        status = engine.call(Status())
-    if status["steering_error"]:
+    loaded = engine.startup.result()            # the start-up load's ModelLoaded, or its EngineError
+    if loaded.steering_error:
         # On the command line the vector was asked for explicitly: refuse rather than run without it.
-        raise StrataError(status["steering_error"])
+        raise StrataError(loaded.steering_error)
     return engine
 
 
@@ -89,16 +84,17 @@ def cmd_generate(args) -> int:
     engine = start_engine(args)
     out: dict = {}
     speed = None if args.speed_projection is None else args.speed_projection == "on"
+    restored = None
     if args.restore_session:
-        r = engine.call(RestoreSession(args.restore_session, speed_projection=speed))
-        out["restore_ms"] = r["restore_ms"]
+        restored = engine.call(RestoreSession(args.restore_session, speed_projection=speed))
+        out["restore_ms"] = restored.restore_ms
         if speed is None:
-            speed = r["speed_projection"]       # the restored conversation keeps its own steering
+            speed = restored.speed_projection   # the restored conversation keeps its own steering
     messages = None
     if not args.raw:
         messages = []
-        if args.restore_session:
-            messages = list(engine.live.messages)   # the restored conversation continues
+        if restored is not None:
+            messages = list(restored.messages)  # the restored conversation continues
         if args.system:
             messages = [m for m in messages if m["role"] != "system"]
             messages.insert(0, {"role": "system", "content": args.system})
@@ -110,28 +106,32 @@ def cmd_generate(args) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         elif isinstance(ev, Failed):
-            raise StrataError(ev.message)
+            raise ev.error()
         elif isinstance(ev, Done):
             res = ev.result
     if args.save_session:
         s = engine.call(SaveSession(args.save_session, force=args.force))
-        out.update(session_bytes=s["session_bytes"], save_ms=s["save_ms"])
+        out.update(session_bytes=s.session_bytes, save_ms=s.save_ms)
     if args.json:
-        keys = ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms", "prefill_tps", "decode_tps",
-                "generated_tokens", "finish_reason") + SPEC_KEYS
-        print(json.dumps({**{k: res[k] for k in keys}, **out}))
+        print(json.dumps({"tokens": res.tokens, "text": res.text, "prompt_tokens": res.prompt_tokens,
+                          "cached_tokens": res.cached_tokens, "ttft_ms": res.ttft_ms,
+                          "prefill_tps": res.prefill_tps, "decode_tps": res.decode_tps,
+                          "generated_tokens": res.generated_tokens, "finish_reason": res.finish_reason,
+                          **spec_fields(res), **out}))
     else:
         sys.stdout.write("\n")
-        print(f"prompt {res['prompt_tokens']} tokens (cached {res['cached_tokens']}), "
-              f"{res['generated_tokens']} generated, ttft {res['ttft_ms']:.0f} ms, "
-              f"prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s"
+        print(f"prompt {res.prompt_tokens} tokens (cached {res.cached_tokens}), "
+              f"{res.generated_tokens} generated, ttft {res.ttft_ms:.0f} ms, "
+              f"prefill {res.prefill_tps:.1f} tok/s, decode {res.decode_tps:.1f} tok/s"
               + spec_summary(res), file=sys.stderr)
     engine.stop()
     return 0
 
 
-# Speculative decoding's per-reply stats (engine/speculative.py), printed by --json.
-SPEC_KEYS = ("speculative", "drafted_tokens", "accepted_tokens", "acceptance_rate")
+def spec_fields(res) -> dict:
+    """Speculative decoding's per-reply stats (engine/speculative.py), printed by --json."""
+    return {"speculative": res.speculative, "drafted_tokens": res.drafted_tokens,
+            "accepted_tokens": res.accepted_tokens, "acceptance_rate": res.acceptance_rate}
 
 
 def add_spec_flag(p: argparse.ArgumentParser) -> None:
@@ -139,11 +139,11 @@ def add_spec_flag(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: prompt lookup, or a draft GGUF with the same vocabulary")
 
 
-def spec_summary(res: dict) -> str:
-    if res.get("speculative", "off") == "off":
+def spec_summary(res) -> str:
+    if res.speculative == "off":
         return ""
-    return (f", {res['speculative']}: {res['accepted_tokens']}/{res['drafted_tokens']} drafts accepted"
-            + (f" (stopped: {res['speculation_stopped']})" if res.get("speculation_stopped") else ""))
+    return (f", {res.speculative}: {res.accepted_tokens}/{res.drafted_tokens} drafts accepted"
+            + (f" (stopped: {res.speculation_stopped})" if res.speculation_stopped else ""))
 
 
 def cmd_models(args) -> int:

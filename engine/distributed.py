@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .errors import StrataError
+from .errors import ErrorCode, StrataError
 from .events import Progress
 
 MODE_ENV = "STRATA_DIST_MODE"
@@ -39,7 +39,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class DistributedError(StrataError):
-    pass
+    """A rank was lost or disagreed: the engine cannot serve (ErrorCode.UNAVAILABLE)."""
+    error_code = ErrorCode.UNAVAILABLE
+    reason = "distributed"
 
 
 def launched() -> bool:
@@ -176,7 +178,7 @@ class Distributed:
                 self.broken = (f"distributed: no answer from the other ranks for {self.timeout_s:.0f} s "
                                f"(a rank died or hangs); restart every rank")
                 if handle is not None and not handle.finished.is_set():
-                    handle.emit(Failed(self.broken))
+                    handle.emit(Failed(self.broken, ErrorCode.UNAVAILABLE, "distributed"))
 
     def _collective(self, fn, handle):
         if self.broken:
