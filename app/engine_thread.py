@@ -106,9 +106,9 @@ class EngineThread(QThread):
 
 
 def start_server(engine, host: str, port: int, api_key: str = ""):
-    """The OpenAI-compatible server (engine.server) on the app's engine: a started ServerThread, or
+    """The OpenAI-compatible server (engine.frontends.server) on the app's engine: a started ServerThread, or
     StrataError (one line, e.g. the port in use). Blocks until it listens: call it off the GUI thread."""
-    from engine.server import ServerThread, create_app
+    from engine.frontends.server import ServerThread, create_app
     return ServerThread(create_app(engine, api_key=api_key or None, host=host), host=host, port=port).start()
 
 

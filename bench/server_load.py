@@ -108,7 +108,7 @@ def main(argv=None) -> int:
 
     from engine.engine import Engine, EngineOptions, LoadModel, Status
     from engine.models import default_model_path
-    from engine.server import ServerThread, create_app
+    from engine.frontends.server import ServerThread, create_app
 
     model = Path(args.model) if args.model else default_model_path()
     if not model.exists():

@@ -409,22 +409,6 @@ def detect() -> Distributed | None:
     return d
 
 
-def follow(args) -> int:
-    """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
-    requests until rank 0 stops (or is lost)."""
-    import logging
-    import sys
-
-    from .cli import engine_options
-    from .engine import Engine
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
-                        stream=sys.stderr)
-    engine = Engine(engine_options(args))
-    engine.guard = FollowerGuard(engine.guard)
-    engine.run_forever()
-    return 0
-
-
 class LockstepCancel:
     """Stands in for a Handle's cancel event in pipeline mode: cancel() (rank 0's button: the app, a
     client that went away) is sent with the next model step, and is_set() is the flag every rank

@@ -37,11 +37,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .api import GenerateRequest, Generation, RestoreSession, SaveSession
-from .errors import ErrorCode, SessionRefusal, StrataError
-from .events import Done, Failed, Progress, Token
-from .paths import SESSION_EXTENSION
-from .sampling import SamplingError, SamplingParams
+from ..api import GenerateRequest, Generation, RestoreSession, SaveSession
+from ..errors import ErrorCode, SessionRefusal, StrataError
+from ..events import Done, Failed, Progress, Token
+from ..paths import SESSION_EXTENSION
+from ..sampling import SamplingError, SamplingParams
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -168,7 +168,7 @@ def _speculative(body: dict) -> str:
     value = body.get("speculative", "off")
     if value is None:
         return "off"
-    from .speculative import parse_spec
+    from ..speculative import parse_spec
     try:
         if not isinstance(value, str):
             raise StrataError("speculative must be a string")
@@ -504,7 +504,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         return await generate(request, chat=False)
 
     def session_path(body: dict) -> tuple[str, Path]:
-        from .paths import sessions_dir
+        from ..paths import sessions_dir
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise APIError(400, "'name' must be a non-empty string", param="name", code="invalid_session_name")
@@ -706,7 +706,7 @@ class _BearerAuth:
 # ---- running it --------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one), or StrataError in one line."""
-    from .errors import StrataError
+    from ..errors import StrataError
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
@@ -761,8 +761,8 @@ class ServerThread:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .cli import check_engine_flags, start_engine
-    from .errors import StrataError
+    from .launch import check_engine_flags, start_engine
+    from ..errors import StrataError
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
     check_engine_flags(args)                     # before the port is taken

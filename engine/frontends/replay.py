@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import RequestError, StrataError
+from ..errors import RequestError, StrataError
 
 
 def load_script(path: str) -> list[dict]:
@@ -38,8 +38,8 @@ def load_script(path: str) -> list[dict]:
 
 def run_script(engine, steps: list[dict], spec: str = "off"):
     """Yield one result dict per step."""
-    from .engine import GenerateRequest, RestoreSession, SaveSession
-    from .sampling import SamplingParams
+    from ..api import GenerateRequest, RestoreSession, SaveSession
+    from ..sampling import SamplingParams
     histories: dict[str, list[dict]] = {}
     for step in steps:
         name = step.get("conversation", "default")
@@ -77,7 +77,7 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
 
 
 def cmd_replay(args) -> int:
-    from .cli import start_engine
+    from .launch import start_engine
     steps = load_script(args.script)
     engine = start_engine(args)
     for out in run_script(engine, steps, getattr(args, "spec", "off")):

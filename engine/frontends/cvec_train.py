@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import StrataError
+from ..errors import StrataError
 
 
 class TrainInputError(StrataError, ValueError):
@@ -76,9 +76,6 @@ def read_pairs(positive: str, negative: str) -> list[tuple[str, str]]:
     return list(zip(pos, neg))
 
 
-from .capture import _Capture, last_token_states  # noqa: E402,F401 - the engine-thread hook, re-exported
-
-
 def directions_from_states(pos: np.ndarray, neg: np.ndarray, method: str = "mean",
                            sink: np.ndarray | None = None) -> dict[int, np.ndarray]:
     """Per-layer directions from (pairs, n_layer, n_embd) states; keys are llama.cpp's N = 1..n_layer-1.
@@ -114,9 +111,9 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
           sink: bool = True) -> tuple[dict[int, np.ndarray], dict]:
     """Run the pairs through `model`; returns (directions, info). ``sink``: orthogonal to the first
     position's state (see the module docstring)."""
-    from .api import CaptureStates
-    from .events import Done, Failed, Progress
-    from .engine import Engine, EngineOptions
+    from ..api import CaptureStates, EngineOptions
+    from ..engine import Engine
+    from ..events import Done, Failed, Progress
 
     engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
     try:
@@ -147,8 +144,8 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
 def cmd_train(args) -> int:
     import logging
 
-    from .control_vector import write_control_vector
-    from .models import default_model_path
+    from ..control_vector import write_control_vector
+    from ..models import default_model_path
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
