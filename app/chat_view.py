@@ -353,13 +353,13 @@ class ChatView(QWidget):
 
     def _after_count(self, r, messages: list[dict], sampling: dict, n_ctx: int) -> None:
         if self.request is None or self.request._cancel:
-            self._on_failed("cancelled")
+            self._end_failed("Stopped")
             return
         n = int(r.tokens)              # engine.api.TokenCount
         if n >= n_ctx:
             reason = f"the prompt is {n} tokens; this chat's config holds {n_ctx}"
             self.notes.append(f"Not sent: {reason}")
-            self._on_failed(reason)
+            self._end_failed(f"Generation failed: {reason}")
             return
         self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
 
@@ -409,12 +409,19 @@ class ChatView(QWidget):
             self.request_title()
 
     def _on_failed(self, message: str) -> None:
+        """The current request (count or generate) failed: stopped (its code says cancelled) or an error."""
+        from engine.errors import ErrorCode
+        req = self.request
+        stopped = req is not None and req.error_code == ErrorCode.CANCELLED
+        self._end_failed("Stopped" if stopped else f"Generation failed: {message}")
+
+    def _end_failed(self, note: str) -> None:
         partial = self.streaming
         self._finish()
         if partial:
             self.chat.messages.append({"role": "assistant", "content": partial})
             emit(self.changed)
-        emit(self.message, "Stopped" if message == "cancelled" else f"Generation failed: {message}")
+        emit(self.message, note)
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:

@@ -64,11 +64,11 @@ class Request(QObject):
             emit(self.done, self.result)
             emit(self.finished)
         elif isinstance(event, Failed):
-            self.error_code, self.error_reason = event.code, event.reason
-            self.fail(event.message)
+            self.fail(event.message, event.code, event.reason)
 
-    def fail(self, message: str) -> None:
-        self.error = message
+    def fail(self, message: str, code=None, reason: str = "") -> None:
+        """Failed: `code` is an engine.errors.ErrorCode (None: refused before it reached the engine)."""
+        self.error, self.error_code, self.error_reason = message, code, reason
         emit(self.failed, message)
         emit(self.finished)
 
@@ -170,7 +170,8 @@ class EngineClient(QObject):
             QTimer.singleShot(0, req, lambda: req.fail(why))
             return
         if req._cancel:
-            QTimer.singleShot(0, req, lambda: req.fail("cancelled"))
+            from engine.errors import ErrorCode
+            QTimer.singleShot(0, req, lambda: req.fail("cancelled", ErrorCode.CANCELLED))
             return
         req.handle = self.thread.engine.submit(request, callback=req._callback)
 

@@ -28,6 +28,7 @@ class SessionRefusal(str, Enum):
     """Why a session request was refused (`EngineError.reason` with ErrorCode.SESSION_REFUSED)."""
     FILE = "file"                # the file: missing, corrupt, another model, another steering...
     OVERWRITE = "overwrite"      # the save would replace a longer conversation: ask, then save with force
+    STEERING = "steering"        # saved with another steering setting: load the vector it names, then retry
 
     def __str__(self) -> str:
         return self.value
@@ -96,6 +97,12 @@ class SessionOverwriteRefused(SessionFileError):
     def __init__(self, message: str, *, path: str, existing_tokens: int | None, new_tokens: int):
         super().__init__(message)
         self.path, self.existing_tokens, self.new_tokens = path, existing_tokens, new_tokens
+
+
+class SessionSteeringRefused(SessionFileError):
+    """A session file saved with another steering setting than the engine can apply now; the message
+    names the control vector it needs (SessionSteering reads it from the file)."""
+    reason = SessionRefusal.STEERING.value
 
 
 class RequestError(StrataError):

@@ -14,7 +14,7 @@ from pathlib import Path
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
                   Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
                   SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
-from .errors import (ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionFileError)
+from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused
 from .events import Handle, Progress, Token
 
 MAX_CHARS_PER_TOKEN = 32
@@ -423,10 +423,10 @@ class RequestHandlers:
         else:
             now = f"now {now}"
         if theirs == "none":
-            raise SessionFileError(f"{name} was saved with another steering setting (no control vector; {now})")
+            raise SessionSteeringRefused(f"{name} was saved with another steering setting (no control vector; {now})")
         named = _describe_vector(_vector_spec(spec))
         hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
-        raise SessionFileError(f"{name} was saved with another steering setting (control vector "
+        raise SessionSteeringRefused(f"{name} was saved with another steering setting (control vector "
                                f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}")
 
 
