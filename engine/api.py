@@ -211,6 +211,7 @@ class EngineStatus(Result):
     context_length: int = 0
     live_tokens: int = 0
     live_messages: list[dict] = field(default_factory=list)   # the live conversation's messages
+    conversations: list[dict] = field(default_factory=list)   # held K/V, live first: owner, tokens, live
     parking: dict | None = None               # parking.Parking.status(): entries, bytes, cap, slots
     memory: dict | None = None                # total_bytes, available_bytes, source
     memory_unavailable: str | None = None

@@ -267,6 +267,7 @@ class RequestHandlers:
             context_length=self.n_ctx,
             live_tokens=len(live.tokens) if live else 0,
             live_messages=list(live.messages) if live else [],
+            conversations=self.conversations.summary() if self.conversations is not None else [],
             parking=self.parking.status() if self.parking else None,
             memory=None if reading is None else {
                 "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,

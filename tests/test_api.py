@@ -39,6 +39,7 @@ def test_results_are_typed_and_read_by_field(engine):
     assert isinstance(st, EngineStatus) and isinstance(st.facts, ModelFacts)
     assert st.facts.n_ctx == st.context_length and st.facts.model_path == st.model
     assert st.live_messages[:1] == CHAT and st.live_tokens > 0
+    assert st.conversations[0] == {"owner": "", "tokens": st.live_tokens, "live": True}
     assert engine.model_facts() == st.facts
 
 
