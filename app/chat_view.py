@@ -59,7 +59,7 @@ class ChatView(QWidget):
         self.streaming: str | None = None
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
-        self.last_result: dict | None = None   # this tab's last reply (its status bar figures)
+        self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
         self._n_streamed = 0
@@ -351,15 +351,15 @@ class ChatView(QWidget):
             return
         self._submit(messages, sampling)
 
-    def _after_count(self, r: dict, messages: list[dict], sampling: dict, n_ctx: int) -> None:
+    def _after_count(self, r, messages: list[dict], sampling: dict, n_ctx: int) -> None:
         if self.request is None or self.request._cancel:
-            self._on_failed("cancelled")
+            self._end_failed("Stopped")
             return
-        n = int(r.get("value", 0))
+        n = int(r.tokens)              # engine.api.TokenCount
         if n >= n_ctx:
             reason = f"the prompt is {n} tokens; this chat's config holds {n_ctx}"
             self.notes.append(f"Not sent: {reason}")
-            self._on_failed(reason)
+            self._end_failed(f"Generation failed: {reason}")
             return
         self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
 
@@ -395,25 +395,33 @@ class ChatView(QWidget):
         self.render_all()
         self._update_buttons()
 
-    def _on_done(self, result: dict) -> None:
-        text = result.get("text", self.streaming or "")
+    def _on_done(self, result) -> None:
+        """`result`: engine.api.Generation."""
+        text = result.text
         self.chat.messages.append({"role": "assistant", "content": text})
         self._finish()
-        self.last_result = dict(result)
+        self.last_result = result
         emit(self.changed)
         emit(self.stats, result)
-        if result.get("finish_reason") == "cancelled":
+        if result.finish_reason == "cancelled":
             emit(self.message, "Stopped")
         if self.chat.title == DEFAULT_TITLE and sum(m["role"] == "assistant" for m in self.chat.messages) == 1:
             self.request_title()
 
     def _on_failed(self, message: str) -> None:
+        """The current request (count or generate) failed: stopped (its code says cancelled) or an error."""
+        from engine.errors import ErrorCode
+        req = self.request
+        stopped = req is not None and req.error_code == ErrorCode.CANCELLED
+        self._end_failed("Stopped" if stopped else f"Generation failed: {message}")
+
+    def _end_failed(self, note: str) -> None:
         partial = self.streaming
         self._finish()
         if partial:
             self.chat.messages.append({"role": "assistant", "content": partial})
             emit(self.changed)
-        emit(self.message, "Stopped" if message == "cancelled" else f"Generation failed: {message}")
+        emit(self.message, note)
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:
@@ -426,7 +434,7 @@ class ChatView(QWidget):
         req = self.client.generate([{"role": "user", "content": prompt}], sampling,
                                    conversation=f"title-{self.chat.id}", side=True, speed_projection=False)
         self.title_request = req
-        req.done.connect(lambda r: self._on_title(r.get("text", ""), first_user))
+        req.done.connect(lambda r: self._on_title(r.text, first_user))
         req.failed.connect(lambda _m: self._on_title("", first_user))
 
     def _on_title(self, text: str, fallback: str) -> None:

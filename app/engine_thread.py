@@ -4,6 +4,8 @@
 happens there). `EngineClient` is what the UI holds: each call returns a `Request` QObject whose
 signals (token, progress, log, done, failed) are emitted on the engine thread and delivered queued
 on the GUI thread. Requests made before the engine is up are held and sent when it is ready.
+Requests and results are engine/api.py's (plain Python): `done` carries the typed result
+(Generation, EngineStatus, SessionSaved...), read by its fields; a failure keeps its ErrorCode.
 """
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ class Request(QObject):
         self.kind = kind             # what it asks ("save", "generate"...): the chat's progress bar reads it
         self.handle = None           # engine.events.Handle once submitted
         self._cancel = False
-        self.result: dict | None = None
+        self.result = None           # the engine's typed result (engine/api.py) once done
         self.error: str | None = None
+        self.error_code = None       # engine.errors.ErrorCode of a failure (None: failed before the engine)
+        self.error_reason = ""
         self._event.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
 
     def cancel(self) -> None:
@@ -56,14 +60,15 @@ class Request(QObject):
         elif isinstance(event, Log):
             emit(self.log, event.line)
         elif isinstance(event, Done):
-            self.result = dict(event.result)
+            self.result = event.result
             emit(self.done, self.result)
             emit(self.finished)
         elif isinstance(event, Failed):
-            self.fail(event.message)
+            self.fail(event.message, event.code, event.reason)
 
-    def fail(self, message: str) -> None:
-        self.error = message
+    def fail(self, message: str, code=None, reason: str = "") -> None:
+        """Failed: `code` is an engine.errors.ErrorCode (None: refused before it reached the engine)."""
+        self.error, self.error_code, self.error_reason = message, code, reason
         emit(self.failed, message)
         emit(self.finished)
 
@@ -101,9 +106,9 @@ class EngineThread(QThread):
 
 
 def start_server(engine, host: str, port: int, api_key: str = ""):
-    """The OpenAI-compatible server (engine.server) on the app's engine: a started ServerThread, or
+    """The OpenAI-compatible server (engine.frontends.server) on the app's engine: a started ServerThread, or
     StrataError (one line, e.g. the port in use). Blocks until it listens: call it off the GUI thread."""
-    from engine.server import ServerThread, create_app
+    from engine.frontends.server import ServerThread, create_app
     return ServerThread(create_app(engine, api_key=api_key or None, host=host), host=host, port=port).start()
 
 
@@ -165,7 +170,8 @@ class EngineClient(QObject):
             QTimer.singleShot(0, req, lambda: req.fail(why))
             return
         if req._cancel:
-            QTimer.singleShot(0, req, lambda: req.fail("cancelled"))
+            from engine.errors import ErrorCode
+            QTimer.singleShot(0, req, lambda: req.fail("cancelled", ErrorCode.CANCELLED))
             return
         req.handle = self.thread.engine.submit(request, callback=req._callback)
 
@@ -174,7 +180,7 @@ class EngineClient(QObject):
                  speed_projection: bool | None = None, speculative: str = "off", side: bool = False) -> Request:
         """`side`: a request of the app's own (a title) that must not cost a conversation its K/V."""
         def make():
-            from engine.engine import GenerateRequest
+            from engine.api import GenerateRequest
             from engine.sampling import SamplingParams
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
@@ -183,33 +189,27 @@ class EngineClient(QObject):
 
     def load_model(self, path: str, steering="keep") -> Request:
         def make():
-            from engine.engine import LoadModel
+            from engine.api import LoadModel
             return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering))
         return self._submit("load", make)
 
     def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,
                   speed_projection: bool | None = None) -> Request:
         def make():
-            from engine.engine import Configure
+            from engine.api import Configure
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
         return self._submit("configure", make)
 
     def count_prompt_tokens(self, messages: list[dict]) -> Request:
-        """How many tokens these messages make as a prompt (the model's template): result["value"]."""
+        """How many tokens these messages make as a prompt (the model's template): result.tokens."""
         def make():
-            from engine.engine import Call, GenerateRequest
-            from engine.errors import RequestError
-
-            def count(engine):
-                if engine.model is None:
-                    raise RequestError("no model is loaded")
-                return len(engine.prompt_tokens(GenerateRequest(messages=list(messages))))
-            return Call(count)
+            from engine.api import CountTokens
+            return CountTokens(messages=list(messages))
         return self._submit("count", make)
 
     def status(self) -> Request:
         def make():
-            from engine.engine import Status
+            from engine.api import Status
             return Status()
         return self._submit("status", make)
 
@@ -219,27 +219,23 @@ class EngineClient(QObject):
         K/V is not held, with progress "prefill"), or the live one. `speed_projection`: the steering
         its K/V has (the tab's toggle)."""
         def make():
-            from engine.engine import SaveSession
+            from engine.api import SaveSession
             return SaveSession(path, messages=list(messages) if messages is not None else None,
                                speed_projection=speed_projection, conversation=conversation)
         return self._submit("save", make)
 
     def restore_session(self, path: str, speed_projection: bool | None = None, conversation: str = "") -> Request:
-        """Restore a session file; None keeps the file's own steering (result["speed_projection"])."""
+        """Restore a session file; None keeps the file's own steering (result.speed_projection)."""
         def make():
-            from engine.engine import RestoreSession
+            from engine.api import RestoreSession
             return RestoreSession(path, speed_projection=speed_projection, conversation=conversation)
         return self._submit("restore", make)
 
     def session_steering(self, path: str) -> Request:
-        """The steering a session file was saved with: result["value"] is {} (none) or its files,
+        """The steering a session file was saved with: result.spec is {} (none) or its files,
         layer_range, mode and direction as the file names them."""
         def make():
-            from engine.engine import Call, _vector_spec
-            from engine.sessions import read_header
-
-            def read(_engine):
-                return _vector_spec(read_header(path)[1].get("fp.steering_vector"))
-            return Call(read)
+            from engine.api import SessionSteering
+            return SessionSteering(path)
         return self._submit("session-info", make)
 

@@ -57,7 +57,7 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
     try:
         t0 = time.perf_counter()
         r = wait(client.load_model(model), "load")
-        info = r.get("info") or {}
+        info = r.info or {}
         print(f"self-test: loaded {Path(model).name} ({info.get('architecture')}, "
               f"{info.get('n_layer')} layers) in {time.perf_counter() - t0:.1f} s")
         streamed = []
@@ -65,18 +65,18 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
         req = client.generate(msgs, {"max_tokens": 8, "temperature": 0.0}, conversation="self-test")
         req.token.connect(streamed.append)
         r = wait(req, "generate")
-        print(f"self-test: generated {r['generated_tokens']} tokens ({r['decode_tps']:.1f} tok/s): {r['text']!r}")
-        if r["generated_tokens"] < 1:
+        print(f"self-test: generated {r.generated_tokens} tokens ({r.decode_tps:.1f} tok/s): {r.text!r}")
+        if r.generated_tokens < 1:
             raise RuntimeError("generate: no tokens")
         with tempfile.TemporaryDirectory(prefix="strata-selftest-") as tmp:
             path = str(Path(tmp) / "self-test.stratasession")
-            saved = wait(client.save_session(path, messages=msgs + [{"role": "assistant", "content": r["text"]}]),
+            saved = wait(client.save_session(path, messages=msgs + [{"role": "assistant", "content": r.text}]),
                          "save session")
-            print(f"self-test: saved session {saved.get('session_bytes', 0)} bytes in {saved.get('save_ms', 0):.0f} ms")
+            print(f"self-test: saved session {saved.session_bytes} bytes in {saved.save_ms:.0f} ms")
             restored = wait(client.restore_session(path), "restore session")
-            print(f"self-test: restored {restored.get('restored_tokens')} tokens in "
-                  f"{restored.get('restore_ms', 0):.0f} ms")
-            if not restored.get("restored_tokens"):
+            print(f"self-test: restored {restored.restored_tokens} tokens in "
+                  f"{restored.restore_ms:.0f} ms")
+            if not restored.restored_tokens:
                 raise RuntimeError("restore session: no tokens restored")
     except Exception as e:  # noqa: BLE001 - the verdict line, not a traceback
         print(f"self-test: FAIL: {e}")

@@ -75,22 +75,24 @@ class StatusBar(QStatusBar):
     def show_live(self, tps: float) -> None:
         self.speed.setText(f"{tps:.1f} tok/s (streaming)")
 
-    def show_result(self, r: dict) -> None:
+    def show_result(self, r) -> None:
+        """`r`: a reply's engine.api.Generation."""
         spec = ""
-        if r.get("speculative", "off") != "off":     # speculative decoding: its acceptance
-            spec = f" · {r['accepted_tokens']}/{r['drafted_tokens']} drafts accepted"
-        self.speed.setText(f"{r.get('decode_tps', 0):.1f} tok/s{spec}")
-        self.ttft.setText(f"ttft {r.get('ttft_ms', 0):.0f} ms")
-        self.cached.setText(f"cached {r.get('cached_tokens', 0)}/{r.get('prompt_tokens', 0)} tokens")
+        if r.speculative != "off":     # speculative decoding: its acceptance
+            spec = f" · {r.accepted_tokens}/{r.drafted_tokens} drafts accepted"
+        self.speed.setText(f"{r.decode_tps:.1f} tok/s{spec}")
+        self.ttft.setText(f"ttft {r.ttft_ms:.0f} ms")
+        self.cached.setText(f"cached {r.cached_tokens}/{r.prompt_tokens} tokens")
 
-    def show_status(self, s: dict) -> None:
-        p = s.get("parking") or {}
+    def show_status(self, s) -> None:
+        """`s`: engine.api.EngineStatus."""
+        p = s.parking or {}
         if p:
             self.parked.setText(f"parked {p.get('entries', 0)} · {mib(p.get('bytes', 0))} / "
                                 f"{mib(p.get('cap_bytes', 0))} MiB")
-        m = s.get("memory")
-        if s.get("memory_unavailable"):
-            self.memory.setText(f"memory: {s['memory_unavailable']}")
+        m = s.memory
+        if s.memory_unavailable:
+            self.memory.setText(f"memory: {s.memory_unavailable}")
         elif m:
             self.memory.setText(f"memory {m['available_bytes'] / (1 << 30):.1f} of "
                                 f"{m['total_bytes'] / (1 << 30):.1f} GiB free")

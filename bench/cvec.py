@@ -161,10 +161,10 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
         tok = mx.array([[ids[48]]])
         block = mx.array([(ids * 4)[:chunk]])
         res = {"decode": {True: [], False: []}, "prefill": {True: [], False: []}}
-        was = st.enabled
+        was = st.speed_projection
 
         def one(x, on, key):
-            st.enabled = on
+            st.speed_projection = on
             t0 = time.perf_counter()
             y = e.model(x, cache=cache)
             mx.eval(y)
@@ -184,7 +184,7 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
                 for on in order:
                     one(block, on, "prefill")
         finally:
-            st.enabled = was
+            st.speed_projection = was
         out = {}
         for k, v in res.items():
             pairs = [a / b for a, b in zip(v[True], v[False])]

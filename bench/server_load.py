@@ -106,9 +106,9 @@ def main(argv=None) -> int:
     import mlx.core as mx
     import openai
 
-    from engine.engine import Engine, EngineOptions, LoadModel, Status
+    from engine.engine import Engine, EngineOptions
     from engine.models import default_model_path
-    from engine.server import ServerThread, create_app
+    from engine.frontends.server import ServerThread, create_app
 
     model = Path(args.model) if args.model else default_model_path()
     if not model.exists():
@@ -116,8 +116,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     engine = Engine(EngineOptions(model=str(model))).start()
-    if engine.call(Status())["model"] is None:
-        engine.call(LoadModel(str(model)))        # raises with the load's own message
+    engine.startup.result()                    # the start-up load, or EngineError with its message
     server = ServerThread(create_app(engine)).start()
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="bench", max_retries=0, timeout=600)

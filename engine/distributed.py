@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .errors import StrataError
+from .errors import ErrorCode, StrataError
 from .events import Progress
 
 MODE_ENV = "STRATA_DIST_MODE"
@@ -39,7 +39,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class DistributedError(StrataError):
-    pass
+    """A rank was lost or disagreed: the engine cannot serve (ErrorCode.UNAVAILABLE)."""
+    error_code = ErrorCode.UNAVAILABLE
+    reason = "distributed"
 
 
 def launched() -> bool:
@@ -176,7 +178,7 @@ class Distributed:
                 self.broken = (f"distributed: no answer from the other ranks for {self.timeout_s:.0f} s "
                                f"(a rank died or hangs); restart every rank")
                 if handle is not None and not handle.finished.is_set():
-                    handle.emit(Failed(self.broken))
+                    handle.emit(Failed(self.broken, ErrorCode.UNAVAILABLE, "distributed"))
 
     def _collective(self, fn, handle):
         if self.broken:
@@ -405,22 +407,6 @@ def detect() -> Distributed | None:
     if d.rank == 0:
         d.start_watchdog()
     return d
-
-
-def follow(args) -> int:
-    """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
-    requests until rank 0 stops (or is lost)."""
-    import logging
-    import sys
-
-    from .cli import engine_options
-    from .engine import Engine
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
-                        stream=sys.stderr)
-    engine = Engine(engine_options(args))
-    engine.guard = FollowerGuard(engine.guard)
-    engine.run_forever()
-    return 0
 
 
 class LockstepCancel:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
+
+from .errors import EngineError, ErrorCode
 
 
 @dataclass
@@ -27,13 +29,20 @@ class Log:
 
 @dataclass
 class Done:
-    result: dict = field(default_factory=dict)
+    result: Any = None      # the request's typed result (engine/api.py: Generation, EngineStatus, ...)
 
 
 @dataclass
 class Failed:
-    message: str
-    code: str = ""    # a refusal the caller may act on, e.g. "session_overwrite" (ask, then save with force)
+    message: str                                   # one line, for people
+    code: ErrorCode = ErrorCode.BAD_REQUEST        # what a program branches on (never the message)
+    reason: str = ""                               # finer kind, e.g. SessionRefusal.OVERWRITE: ask, then force
+
+    def __post_init__(self):
+        self.code = ErrorCode(self.code)
+
+    def error(self) -> EngineError:
+        return EngineError(self.code, self.message, self.reason)
 
 
 Event = Token | Progress | Log | Done | Failed
@@ -76,13 +85,11 @@ class Handle:
             if isinstance(event, (Done, Failed)):
                 return
 
-    def result(self, timeout: float | None = None) -> dict:
-        """The Done result; raises StrataError with the engine's one-line message on failure."""
-        from .errors import StrataError
+    def result(self, timeout: float | None = None) -> Any:
+        """The Done result (engine/api.py's type for the request); raises EngineError (code, reason,
+        the engine's one-line message) on failure."""
         if not self.finished.wait(timeout):
             raise TimeoutError("engine did not answer in time")
         if isinstance(self.outcome, Failed):
-            err = StrataError(self.outcome.message)
-            err.code = self.outcome.code
-            raise err
+            raise self.outcome.error()
         return self.outcome.result

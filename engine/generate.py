@@ -125,3 +125,82 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         yield token
         if fed_next:
             y = next_y
+
+
+# ---- one reply: prefill, decode, stop strings, stats ----------------------------------------------
+@dataclass
+class Reply:
+    tokens: list[int]
+    text: str
+    finish: str                 # "stop" | "length" | "cancelled"
+    stats: StepStats
+
+
+def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n_vocab: int, max_tokens: int,
+          chunk: int, on_token: Callable[[int, str], None], on_progress: Callable[[int, int], None],
+          cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None) -> Reply:
+    """Extend `entry` (its K/V holds tokens[:reuse]) with the rest of the prompt, then decode a reply.
+
+    Text goes out through `on_token(id, text)` as it is decoded, a possible stop string's start
+    held back until it is decided; EOS or a stop string ends with "stop", `max_tokens` with
+    "length", a cancel with "cancelled". `steps`: a token iterator that replaces `decode`
+    (speculative decoding), built over the same `stats`."""
+    from .tokenizer import StreamDecoder
+    stats = stats or StepStats()
+    new = tokens[reuse:-1]
+    prefill(model, entry.cache, new, entry.tokens, chunk=chunk,
+            progress=on_progress if len(new) > 1 else None, cancelled=cancelled)
+    t_prefill = time.perf_counter()
+    sp = sampling
+    out_ids: list[int] = []
+    text = ""
+    stream = StreamDecoder(tokenizer)
+    finish = "length"
+    held = ""   # text held back while it could still be the start of a stop string
+    for token in steps or decode(model, entry.cache, tokens[-1], entry.tokens, history=tokens,
+                                 sampler=sp.sampler(n_vocab), processors=sp.processors(), max_tokens=max_tokens,
+                                 stats=stats, seed=sp.seed, cancelled=cancelled):
+        out_ids.append(token)
+        if token in tokenizer.eos_ids:
+            finish = "stop"
+            break
+        held += stream.push(token)
+        emit, stop_hit = split_stop(held, sp.stop)
+        if emit:
+            text += emit
+            on_token(token, emit)
+        held = held[len(emit):]
+        if stop_hit:
+            finish = "stop"
+            break
+    else:
+        if cancelled():
+            finish = "cancelled"
+    if finish != "stop" or not sp.stop:
+        rest = held + stream.flush()
+        if rest:
+            text += rest
+            on_token(out_ids[-1] if out_ids else -1, rest)
+    t_end = time.perf_counter()
+    n_new = len(tokens) - reuse
+    stats.ttft_ms = ((stats.t_first or t_end) - stats.t_start) * 1e3
+    stats.prefill_tps = n_new / max(1e-9, (stats.t_first or t_prefill) - stats.t_start)
+    stats.decode_tps = (len(out_ids) - 1) / (t_end - stats.t_first) if len(out_ids) > 1 else 0.0
+    return Reply(out_ids, text, finish, stats)
+
+
+def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """(text safe to emit, whether a stop string was hit). Holds back a possible stop-string start."""
+    if not stops:
+        return text, False
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            return text[:i], True
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[:len(text) - hold], False

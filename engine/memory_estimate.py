@@ -32,7 +32,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFileError, StrataError
+from .errors import MemoryRefused, ModelFileError, StrataError
 
 MiB, GiB = 1 << 20, 1 << 30
 RUNTIME_OVERHEAD = 300 * MiB
@@ -49,7 +49,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-class ModelTooLarge(StrataError):
+class ModelTooLarge(MemoryRefused):
     """Loading this model at this context would not fit in memory; the message has the numbers."""
 
 

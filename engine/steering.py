@@ -316,19 +316,20 @@ def warm_up(vector, dtype) -> float:
 # The per-request switch and the block wrapper.
 # --------------------------------------------------------------------------------------------
 class SteeringState:
-    """Shared by every SteeredLayer of a model: flip ``enabled`` per request.
+    """Shared by every SteeredLayer of a model: flip ``speed_projection`` per request (the one name of
+    the switch, as in EngineOptions, GenerateRequest and Configure).
 
     Off (or no vector): the wrappers return the block output untouched, no extra op."""
 
-    __slots__ = ("enabled", "vector")
+    __slots__ = ("speed_projection", "vector")
 
-    def __init__(self, vector=None, enabled: bool = False):
+    def __init__(self, vector=None, speed_projection: bool = False):
         self.vector = vector
-        self.enabled = enabled
+        self.speed_projection = speed_projection
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.vector is not None
+        return self.speed_projection and self.vector is not None
 
     def fingerprint(self) -> str:
         """Cache identity: '' when off, the vector's fingerprint when on (K/V computed with the
@@ -360,7 +361,7 @@ class SteeredLayer(nn.Module):
 
     def __call__(self, x, *args, **kwargs):
         st = self.steering_state
-        if not st.enabled or st.vector is None or not st.vector.steers(self.layer_index):
+        if not st.speed_projection or st.vector is None or not st.vector.steers(self.layer_index):
             return self.block(x, *args, **kwargs)
         b = self.block
         if type(b).__call__ in _FUSABLE_CALLS:

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.cli import main
+from engine.frontends.cli import main
 
 STRATA = [sys.executable, "-m", "engine.cli"]
 

@@ -320,12 +320,12 @@ def test_install_disabled_is_bit_identical(tmp_path):
     blocks = list(model.model.layers)
     base = _logits(model)
     cv, _ = _vector(tmp_path, 4, "project")
-    state = SteeringState(cv, enabled=False)
+    state = SteeringState(cv, speed_projection=False)
     install(model, state)
     assert all(isinstance(b, SteeredLayer) for b in model.model.layers)
     assert model.model.layers[1].use_sliding is blocks[1].use_sliding  # attribute reads reach the block
     assert np.array_equal(_logits(model), base)
-    state.enabled, state.vector = True, None  # enabled but no vector: untouched too
+    state.speed_projection, state.vector = True, None  # enabled but no vector: untouched too
     assert np.array_equal(_logits(model), base)
     assert state.fingerprint() == ""
     install(model, state)  # idempotent: no double wrapping
@@ -337,7 +337,7 @@ def test_enabled_add_zero_vector_is_bit_identical(tmp_path):
     base = _logits(model)
     cv, _ = _vector(tmp_path, 4, "add", zero=True)
     assert cv.steered_layers() == [1, 2, 3]
-    install(model, SteeringState(cv, enabled=True))
+    install(model, SteeringState(cv, speed_projection=True))
     assert np.array_equal(_logits(model), base)
 
 
@@ -345,14 +345,14 @@ def test_enabled_project_changes_logits_and_the_switch_is_per_request(tmp_path):
     model = _tiny_model()
     base = _logits(model)
     cv, _ = _vector(tmp_path, 4, "project")
-    state = SteeringState(cv, enabled=True)
+    state = SteeringState(cv, speed_projection=True)
     install(model, state)
     on = _logits(model)
     assert np.abs(on - base).max() > 1e-3
     assert state.fingerprint() == cv.fingerprint() != ""
-    state.enabled = False
+    state.speed_projection = False
     assert np.array_equal(_logits(model), base)
-    state.enabled = True
+    state.speed_projection = True
     assert np.array_equal(_logits(model), on)
 
 
@@ -363,7 +363,7 @@ def test_steered_hidden_states_match_manual_computation(tmp_path, mode, scale):
     blocks = list(model.model.layers)
     cv, d = _vector(tmp_path, n_layer, mode, scale=scale, layer_range=(2, 3))
     assert cv.steered_layers() == [2, 3]
-    install(model, SteeringState(cv, enabled=True))
+    install(model, SteeringState(cv, speed_projection=True))
 
     h = model.model.embed_tokens(TOKENS)
     mask = create_attention_mask(h, None)
@@ -392,7 +392,7 @@ def test_steered_hidden_states_match_manual_computation(tmp_path, mode, scale):
 def test_steering_with_kv_cache_matches_full_forward(tmp_path):
     model = _tiny_model()
     cv, _ = _vector(tmp_path, 4, "project", scale=2.0)
-    install(model, SteeringState(cv, enabled=True))
+    install(model, SteeringState(cv, speed_projection=True))
     full = _logits(model)
     cache = model.make_cache()
     first = model(TOKENS[:, :5], cache=cache)
@@ -464,7 +464,7 @@ def test_llama_cpp_accepts_the_file_and_steers_the_same_block(tmp_path):
     scale_ref = np.abs(cpp_plain).max()
     assert np.abs(mlx_plain - cpp_plain).max() <= 1e-3 * scale_ref  # same model first
 
-    state = SteeringState(None, enabled=True)
+    state = SteeringState(None, speed_projection=True)
     install(model, state)
     for k in range(1, n_layer):
         state.vector = ControlVector.load(SteeringConfig(files=((cv_path, 1.0),), layer_range=(k, k)), n_layer, n_embd)

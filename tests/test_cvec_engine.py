@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.cli import main
+from engine.frontends.cli import main
 from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
 from engine.engine import Call, Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
@@ -279,7 +279,8 @@ def test_train_directions_are_the_block_outputs(tiny4):
     norm and the head, gives the model's own logits), and the mean/pca maths."""
     import mlx.core as mx
 
-    from engine.cvec_train import directions_from_states, last_token_states
+    from engine.capture import last_token_states
+    from engine.frontends.cvec_train import directions_from_states
     eng = start(tiny4, cache_mib=0)
     try:
         def run(e):
@@ -325,7 +326,7 @@ def test_trained_direction_is_orthogonal_to_the_first_position(tiny4, trained):
     eng = start(tiny4, cache_mib=0)
     try:
         def run(e):
-            from engine.cvec_train import last_token_states
+            from engine.capture import last_token_states
             first: list = []
             last_token_states(e, POS[:1], first=first)
             return first[0]

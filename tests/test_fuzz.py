@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from engine.engine import Engine, EngineOptions, Status
-from engine.server import ServerThread, create_app
+from engine.frontends.server import ServerThread, create_app
 from fuzz_harness import (HOSTILE_TEMPLATES, Tally, Worker, layout, random_mutant, random_template,
                           targeted_mutants)
 

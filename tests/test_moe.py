@@ -257,7 +257,7 @@ def test_refusals_name_the_problem(moe_dir, tmp_path):
 
 
 def test_cli_refuses_a_bad_moe_file_with_one_line_and_exit_2(moe_dir, tmp_path, capsys):
-    from engine.cli import main
+    from engine.frontends.cli import main
     bad = rewrite(moe_file(moe_dir, "qwen3moe", "F16"), tmp_path / "scale.gguf",
                   set_keys={"qwen3moe.expert_weights_scale": (2.5, gguf.GGUFValueType.FLOAT32)})
     code = main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2"])

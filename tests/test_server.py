@@ -14,7 +14,7 @@ import pytest
 
 from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, Status
 from engine.sampling import SamplingParams
-from engine.server import ServerThread, create_app
+from engine.frontends.server import ServerThread, create_app
 
 API_KEY = "sk-test-strata"
 LONG_SYSTEM = ("You are a careful assistant who answers questions about the history of tea, the way it "

@@ -359,7 +359,7 @@ def test_saving_less_over_a_longer_session_needs_force(tiny_gguf, tmp_path):
         short_n = engine.call(Status())["live_tokens"]
         with pytest.raises(StrataError) as err:
             engine.call(SaveSession(str(target)))
-        assert err.value.code == "session_overwrite"
+        assert err.value.code == "session_refused" and err.value.reason == "overwrite"
         assert str(err.value) == (f"long.stratasession holds a longer conversation ({long_n} tokens) than this "
                                   f"one ({short_n}); not replaced (use --force to replace it)")
         assert hashlib.sha256(target.read_bytes()).hexdigest() == sha

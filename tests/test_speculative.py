@@ -322,7 +322,7 @@ def test_smollm2_lookup_greedy_equals_plain_on_an_editing_prompt(real_model):
 def test_cli_spec_flag_and_json_stats(tiny_gguf, tmp_path, capsys):
     import json
 
-    from engine.cli import main
+    from engine.frontends.cli import main
     prompt = words(30) + " again: " + words(30)
     outs = {}
     for spec in ("off", "lookup", f"draft:{tiny_gguf}"):
@@ -354,7 +354,7 @@ def test_server_speculative_field(tiny_gguf, tiny_gguf_other, strata_home):
 
     import httpx
 
-    from engine.server import ServerThread, create_app
+    from engine.frontends.server import ServerThread, create_app
     (strata_home / "models").mkdir(exist_ok=True)
     shutil.copy(tiny_gguf_other, strata_home / "models" / "drafty.gguf")
     engine = start(tiny_gguf, cache_mib=0)

@@ -373,7 +373,7 @@ def test_fused_block_matches_block_then_steer(arch, mode):
         def apply_residual(self, h, res, layer):
             return steering.fused_steerer(self.directions[0], 2.0, mode)(h, res)
 
-    layer = SteeredLayer(block, 0, SteeringState(_Vec(), enabled=True))
+    layer = SteeredLayer(block, 0, SteeringState(_Vec(), speed_projection=True))
     x = mx.array(rng.standard_normal((1, 5, 64)).astype(np.float32))
     for dtype in (mx.float32, mx.float16):
         block.set_dtype(dtype)

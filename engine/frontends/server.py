@@ -37,11 +37,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import StrataError
-from .engine import GenerateRequest, RestoreSession, SaveSession
-from .events import Done, Failed, Progress, Token
-from .paths import SESSION_EXTENSION
-from .sampling import SamplingError, SamplingParams
+from ..api import GenerateRequest, Generation, RestoreSession, SaveSession
+from ..errors import ErrorCode, SessionRefusal, StrataError
+from ..events import Done, Failed, Progress, Token
+from ..paths import SESSION_EXTENSION
+from ..sampling import SamplingError, SamplingParams
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -66,20 +66,26 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def engine_error(message: str, param: str | None = None) -> APIError:
-    """An engine Failed(message) as an API error. The engine reports a message only, so the kind is
-    recognised from the message (see the report: a structured error code would be sturdier)."""
-    if message.startswith("the prompt is") and "the context holds" in message:
-        return APIError(400, message, param=param, code="context_length_exceeded")
-    if message.startswith("distributed:"):     # a rank was lost: the model is unavailable, not the request bad
-        return APIError(503, message, type="server_error", code="distributed_rank_lost")
-    if message == "no model is loaded":
-        return APIError(503, message, type="server_error", code="model_not_loaded")
-    if message.startswith("internal error"):
-        return APIError(500, message, type="server_error")
-    if message == "cancelled":
-        return APIError(499, "the request was cancelled", code="cancelled")
-    return APIError(400, message)
+# An engine error code as an HTTP answer: (status, OpenAI error type, the API's code or None).
+HTTP_OF_ERROR = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error", None),
+    ErrorCode.MODEL_NOT_LOADED: (503, "server_error", "model_not_loaded"),
+    ErrorCode.SESSION_REFUSED: (400, "invalid_request_error", "session_refused"),
+    ErrorCode.MEMORY_REFUSED: (400, "invalid_request_error", "memory_refused"),
+    ErrorCode.CANCELLED: (499, "invalid_request_error", "cancelled"),
+    ErrorCode.UNAVAILABLE: (503, "server_error", "distributed_rank_lost"),   # a rank was lost
+    ErrorCode.INTERNAL: (500, "server_error", None),
+}
+# Finer API codes for some reasons within an engine code.
+API_CODE_OF_REASON = {"context_length": "context_length_exceeded",
+                      SessionRefusal.OVERWRITE.value: "session_overwrite"}
+
+
+def engine_error(failed: Failed, param: str | None = None) -> APIError:
+    """An engine Failed(message, code, reason) as an API error (HTTP_OF_ERROR)."""
+    status, kind, code = HTTP_OF_ERROR[failed.code]
+    message = "the request was cancelled" if failed.code == ErrorCode.CANCELLED else failed.message
+    return APIError(status, message, type=kind, param=param, code=API_CODE_OF_REASON.get(failed.reason, code))
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -162,7 +168,7 @@ def _speculative(body: dict) -> str:
     value = body.get("speculative", "off")
     if value is None:
         return "off"
-    from .speculative import parse_spec
+    from ..speculative import parse_spec
     try:
         if not isinstance(value, str):
             raise StrataError("speculative must be a string")
@@ -305,64 +311,67 @@ def _sse(obj) -> str:
 
 # ---- the app -----------------------------------------------------------------------------------
 def _models(engine) -> list[dict]:
-    path = engine.model_path
-    if path is None:
+    facts = engine.model_facts()
+    if facts is None:
         return []
     try:
-        created = int(Path(path).stat().st_mtime)
+        created = int(Path(facts.model_path).stat().st_mtime)
     except OSError:
         created = 0
-    entry = {"id": Path(path).stem, "object": "model", "created": created, "owned_by": "strata"}
-    if getattr(engine, "dist", None) is not None:   # mode and split of a distributed run (engine.distributed)
-        entry["distributed"] = engine.dist.status()
+    entry = {"id": facts.model_id, "object": "model", "created": created, "owned_by": "strata"}
+    if facts.distributed is not None:     # mode and split of a distributed run (engine.distributed)
+        entry["distributed"] = facts.distributed
     return [entry]
 
 
 def _model_id(engine) -> str:
-    return Path(engine.model_path).stem if engine.model_path is not None else ""
+    facts = engine.model_facts()
+    return facts.model_id if facts is not None else ""
 
 
 def _check_model(engine, body: dict) -> str:
     """The served model's id when `model` names it (its id, file name, general.name or "default")."""
-    path = engine.model_path
-    if path is None:
+    facts = engine.model_facts()
+    if facts is None:
         # Still loading (or the load failed): the request queues behind the load and the engine
         # answers "no model is loaded" (503) if there is none by then.
         return ""
-    model_id = Path(path).stem
+    model_id = facts.model_id
     asked = body.get("model")
     if asked is None:
         return model_id
     if not isinstance(asked, str):
         raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
-    names = {model_id, Path(path).name, "default"}
-    if engine.info is not None and getattr(engine.info, "name", None):
-        names.add(engine.info.name)
+    names = {model_id, Path(facts.model_path).name, "default"}
+    if facts.name:
+        names.add(facts.name)
     if asked.lower() not in {n.lower() for n in names}:
         raise APIError(404, f"The model '{asked}' does not exist; this server serves '{model_id}'",
                        param="model", code="model_not_found")
     return model_id
 
 
-def _usage(result: dict) -> dict:
-    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": result["generated_tokens"],
-            "total_tokens": result["prompt_tokens"] + result["generated_tokens"],
-            "prompt_tokens_details": {"cached_tokens": result["cached_tokens"]},
-            **({"speculative": {k: result[k] for k in ("drafted_tokens", "accepted_tokens", "acceptance_rate")}}
-               if result.get("speculative", "off") != "off" else {})}
+def _usage(r: Generation) -> dict:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.generated_tokens,
+            "total_tokens": r.prompt_tokens + r.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+            **({"speculative": {"drafted_tokens": r.drafted_tokens, "accepted_tokens": r.accepted_tokens,
+                                "acceptance_rate": r.acceptance_rate}} if r.speculative != "off" else {})}
 
 
-def _timings(result: dict) -> dict:
-    return {k: result.get(k) for k in ("ttft_ms", "prefill_tps", "decode_tps", "speed_projection",
-                                       "speculative", "drafted_tokens", "accepted_tokens", "acceptance_rate")}
+def _timings(r: Generation) -> dict:
+    return {"ttft_ms": r.ttft_ms, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps,
+            "speed_projection": r.speed_projection, "speculative": r.speculative,
+            "drafted_tokens": r.drafted_tokens, "accepted_tokens": r.accepted_tokens,
+            "acceptance_rate": r.acceptance_rate}
 
 
-def _finish(result: dict) -> str:
-    return "length" if result.get("finish_reason") == "length" else "stop"
+def _finish(r: Generation) -> str:
+    return "length" if r.finish_reason == "length" else "stop"
 
 
-def _plain(result: dict) -> dict:
-    return {k: v for k, v in result.items() if isinstance(v, (str, int, float, bool, type(None)))}
+def _plain(result) -> dict:
+    return {k: v for k, v in result.to_dict().items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
 def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
@@ -372,7 +381,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
     Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413."""
 
     def fingerprint() -> str:
-        return f"strata-{(engine.model_hash or 'none')[:12]}"
+        facts = engine.model_facts()
+        return f"strata-{((facts.model_hash if facts else '') or 'none')[:12]}"
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": _models(engine)})
@@ -402,7 +412,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                 raise APIError(400, "'echo' and 'suffix' are not supported", param="echo",
                                code="unsupported_parameter")
             messages, param = None, "prompt"
-        sampling = _sampling(body, (engine.n_ctx or 8192) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+        facts = engine.model_facts()
+        sampling = _sampling(body, ((facts.n_ctx if facts else 0) or 8192) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
         stream = _bool(body, "stream", False)
         opts = body.get("stream_options")
         include_usage = bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
@@ -425,14 +436,14 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         if not stream:
             outcome = await _await_watching(request, handle, bridge.outcome())
             if isinstance(outcome, Failed):
-                raise engine_error(outcome.message, param)
+                raise engine_error(outcome, param)
             model_id = model_id or _model_id(engine)
             res = outcome.result
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": res["text"]},
+                choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
                           "logprobs": None, "finish_reason": _finish(res)}
             else:
-                choice = {"index": 0, "text": res["text"], "logprobs": None, "finish_reason": _finish(res)}
+                choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": _finish(res)}
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": model_id, "system_fingerprint": fingerprint(),
                                  "choices": [choice], "usage": _usage(res), "strata": _timings(res)})
@@ -441,7 +452,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         # a refused request (prompt too long) still gets its status code and JSON error.
         first = await _await_watching(request, handle, bridge.get())
         if isinstance(first, Failed):
-            raise engine_error(first.message, param)
+            raise engine_error(first, param)
         model_id = model_id or _model_id(engine)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -479,7 +490,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                     yield "data: [DONE]\n\n"
                     return
                 if isinstance(ev, Failed):
-                    yield _sse(engine_error(ev.message, param).body())
+                    yield _sse(engine_error(ev, param).body())
                     yield "data: [DONE]\n\n"
                     return
                 ev = await bridge.get()               # Progress
@@ -493,7 +504,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         return await generate(request, chat=False)
 
     def session_path(body: dict) -> tuple[str, Path]:
-        from .paths import sessions_dir
+        from ..paths import sessions_dir
         name = body.get("name")
         if not isinstance(name, str) or not name:
             raise APIError(400, "'name' must be a non-empty string", param="name", code="invalid_session_name")
@@ -519,7 +530,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         outcome = await _Bridge(engine, SaveSession(str(path), messages=messages, force=force)).outcome()
         if isinstance(outcome, Failed):
             # A file holding a longer conversation is kept unless the client resends with "force": true.
-            code = "session_overwrite" if outcome.code == "session_overwrite" else "session_refused"
+            overwrite = outcome.code == ErrorCode.SESSION_REFUSED and outcome.reason == SessionRefusal.OVERWRITE
+            code = "session_overwrite" if overwrite else "session_refused"
             raise APIError(400, outcome.message, param="name", code=code)
         return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result)})
 
@@ -532,7 +544,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             raise APIError(400, outcome.message, param="name", code="session_refused")
         # The restored conversation's messages: send them back (plus a new turn) to continue it.
         return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result),
-                             "messages": outcome.result.get("messages", [])})
+                             "messages": outcome.result.messages})
 
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
@@ -694,7 +706,7 @@ class _BearerAuth:
 # ---- running it --------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one), or StrataError in one line."""
-    from .errors import StrataError
+    from ..errors import StrataError
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
@@ -749,8 +761,8 @@ class ServerThread:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .cli import check_engine_flags, start_engine
-    from .errors import StrataError
+    from .launch import check_engine_flags, start_engine
+    from ..errors import StrataError
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
     check_engine_flags(args)                     # before the port is taken

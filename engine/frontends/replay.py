@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import RequestError, StrataError
+from ..errors import RequestError, StrataError
 
 
 def load_script(path: str) -> list[dict]:
@@ -38,8 +38,8 @@ def load_script(path: str) -> list[dict]:
 
 def run_script(engine, steps: list[dict], spec: str = "off"):
     """Yield one result dict per step."""
-    from .engine import GenerateRequest, RestoreSession, SaveSession
-    from .sampling import SamplingParams
+    from ..api import GenerateRequest, RestoreSession, SaveSession
+    from ..sampling import SamplingParams
     histories: dict[str, list[dict]] = {}
     for step in steps:
         name = step.get("conversation", "default")
@@ -48,9 +48,9 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
             h = engine.submit(RestoreSession(step["restore_session"]))
             r = h.result()
             out["events"] += h.log_lines
-            histories[name] = list(r.get("messages") or [])
-            out["restore_ms"] = r["restore_ms"]
-            out["restored_tokens"] = r["restored_tokens"]
+            histories[name] = list(r.messages or [])
+            out["restore_ms"] = r.restore_ms
+            out["restored_tokens"] = r.restored_tokens
         if "user" in step:
             history = histories.setdefault(name, [])
             if step.get("system") and not history:
@@ -62,22 +62,22 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
                                               speed_projection=step.get("speed_projection"),
                                               speculative=str(step.get("speculative", spec))))
             r = h.result()
-            history.append({"role": "assistant", "content": r["text"]})
+            history.append({"role": "assistant", "content": r.text})
             out["events"] += h.log_lines
-            out.update({k: r[k] for k in ("tokens", "text", "prompt_tokens", "cached_tokens", "ttft_ms",
-                                          "decode_tps")})
-            if r.get("speculative", "off") != "off":
-                out.update({k: r[k] for k in ("speculative", "drafted_tokens", "accepted_tokens",
-                                              "acceptance_rate")})
+            out.update(tokens=r.tokens, text=r.text, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                       ttft_ms=r.ttft_ms, decode_tps=r.decode_tps)
+            if r.speculative != "off":
+                out.update(speculative=r.speculative, drafted_tokens=r.drafted_tokens,
+                           accepted_tokens=r.accepted_tokens, acceptance_rate=r.acceptance_rate)
         if step.get("save_session"):
             h = engine.submit(SaveSession(step["save_session"], force=bool(step.get("force", False))))
             r = h.result()
-            out.update(session_bytes=r["session_bytes"], save_ms=r["save_ms"])
+            out.update(session_bytes=r.session_bytes, save_ms=r.save_ms)
         yield out
 
 
 def cmd_replay(args) -> int:
-    from .cli import start_engine
+    from .launch import start_engine
     steps = load_script(args.script)
     engine = start_engine(args)
     for out in run_script(engine, steps, getattr(args, "spec", "off")):

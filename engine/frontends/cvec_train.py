@@ -5,7 +5,7 @@
 Each file holds one prompt per line; line i of the positive file pairs with line i of the negative
 file. Every prompt is rendered with the model's chat template as one user message with the
 generation prompt appended, so the last token is where the reply would start. The model runs on
-the engine thread (``Call``) with every block temporarily wrapped by a capturing module; the hidden
+the engine thread (the ``CaptureStates`` request) with every block temporarily wrapped by a capturing module; the hidden
 state LEAVING block N at the last token is recorded. That is exactly where llama.cpp adds
 ``direction.N`` (``build_cvec(cur, il)`` after the FFN residual add, see engine/control_vector.py),
 so ``direction.N`` is computed from the output of block N, for N = 1 .. n_layer - 1 (block 0 is
@@ -33,12 +33,11 @@ the plain mean difference / principal component.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from .errors import StrataError
+from ..errors import StrataError
 
 
 class TrainInputError(StrataError, ValueError):
@@ -77,64 +76,6 @@ def read_pairs(positive: str, negative: str) -> list[tuple[str, str]]:
     return list(zip(pos, neg))
 
 
-class _Capture:
-    """Wraps one block: calls it and keeps its output at the last position (float32 numpy)."""
-
-    def __init__(self, block, store: dict, index: int):
-        self.block, self.store, self.index = block, store, index
-
-    def __call__(self, x, *args, **kwargs):
-        out = self.block(x, *args, **kwargs)
-        self.store[self.index] = (out[0, -1, :], out[0, 0, :])
-        return out
-
-    def __getattr__(self, key):   # use_sliding and friends, read by some model forwards
-        return getattr(self.block, key)
-
-
-def last_token_states(engine, prompts: list[str], progress=None, first: list | None = None) -> np.ndarray:
-    """(len(prompts), n_layer, n_embd) float64: the output of every block at the last prompt token.
-
-    ``first``, when given a list, receives the same for the FIRST prompt position (one
-    (n_layer, n_embd) array per prompt). Runs on the engine thread (call it from a ``Call``).
-    Steering is switched off while it runs."""
-    import mlx.core as mx
-
-    from .engine import GenerateRequest
-    from .steering import _layers_owner
-
-    owner = _layers_owner(engine.model)
-    layers = owner.layers
-    n_layer = len(layers)
-    was_enabled = engine.steering.enabled if engine.steering is not None else False
-    if engine.steering is not None:
-        engine.steering.enabled = False
-    store: dict[int, object] = {}
-    originals = list(layers)
-    out = np.zeros((len(prompts), n_layer, engine.info.n_embd), dtype=np.float64)
-    try:
-        for i, block in enumerate(originals):
-            layers[i] = _Capture(block, store, i)
-        for k, prompt in enumerate(prompts):
-            ids = engine.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": prompt}]))
-            store.clear()
-            engine.model(mx.array(ids)[None])
-            states = [store[i] for i in range(n_layer)]
-            mx.eval(states)
-            for i, (last, _) in enumerate(states):
-                out[k, i] = np.array(last.astype(mx.float32), dtype=np.float64)
-            if first is not None:
-                first.append(np.stack([np.array(f.astype(mx.float32), dtype=np.float64) for _, f in states]))
-            if progress:
-                progress(k + 1, len(prompts))
-    finally:
-        for i, block in enumerate(originals):
-            layers[i] = block
-        if engine.steering is not None:
-            engine.steering.enabled = was_enabled
-    return out
-
-
 def directions_from_states(pos: np.ndarray, neg: np.ndarray, method: str = "mean",
                            sink: np.ndarray | None = None) -> dict[int, np.ndarray]:
     """Per-layer directions from (pairs, n_layer, n_embd) states; keys are llama.cpp's N = 1..n_layer-1.
@@ -170,26 +111,25 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
           sink: bool = True) -> tuple[dict[int, np.ndarray], dict]:
     """Run the pairs through `model`; returns (directions, info). ``sink``: orthogonal to the first
     position's state (see the module docstring)."""
-    from .engine import Call, Engine, EngineOptions, LoadModel, Status
+    from ..api import CaptureStates, EngineOptions
+    from ..engine import Engine
+    from ..events import Done, Failed, Progress
 
     engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
-    status = engine.call(Status())
-    if status["model"] is None:
-        engine.call(LoadModel(model, None))   # raises the load's own message
-    prompts = [p for pair in pairs for p in pair]   # pos0, neg0, pos1, neg1, ...
-
-    def prog(done, total):
-        if progress and done % 2 == 0:
-            progress(done // 2, len(pairs))
-
-    def run(eng):
-        t0 = time.perf_counter()
-        first: list = []
-        states = last_token_states(eng, prompts, prog, first)
-        return states, np.mean(first, axis=0), eng.info.architecture, time.perf_counter() - t0
-
-    states, first, arch, secs = engine.call(Call(run))["value"]
-    engine.stop()
+    try:
+        engine.startup.result()                     # the start-up load's own error, if it failed
+        prompts = [p for pair in pairs for p in pair]   # pos0, neg0, pos1, neg1, ...
+        handle = engine.submit(CaptureStates(prompts))
+        for ev in handle.events():
+            if isinstance(ev, Progress) and progress and ev.done % 2 == 0:
+                progress(ev.done // 2, len(pairs))
+            elif isinstance(ev, (Done, Failed)):
+                break
+        captured = handle.result()
+    finally:
+        engine.stop()
+    states, first = captured.last, np.mean(captured.first, axis=0)
+    arch, secs = captured.architecture, captured.seconds
     pos, neg = states[0::2], states[1::2]
     dirs = directions_from_states(pos, neg, method, first if sink else None)
     # Separation report: how well each layer's direction splits the pairs (fraction of pairs
@@ -204,8 +144,8 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
 def cmd_train(args) -> int:
     import logging
 
-    from .control_vector import write_control_vector
-    from .models import default_model_path
+    from ..control_vector import write_control_vector
+    from ..models import default_model_path
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)

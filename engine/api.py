@@ -1,0 +1,286 @@
+"""The engine's whole contract: the requests a caller submits, the typed result each one answers
+with, and the typed error a failed one reports. Plain Python (no MLX): the app imports it.
+
+    engine = Engine(EngineOptions(model="SmolLM2-135M-Instruct.Q4_1.gguf")).start()
+    h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
+    for event in h.events(): ...   # Token, Progress, Log, then Done(Generation) or Failed(message, code, reason)
+    engine.call(Status()).model_path          # submit and wait: the result, or EngineError
+
+| request            | result          | what it does                                                        |
+|--------------------|-----------------|---------------------------------------------------------------------|
+| LoadModel          | ModelLoaded     | load a GGUF (and a control vector); the old model serves until then  |
+| GenerateRequest    | Generation      | a reply (streamed as Token events), K/V kept for the conversation   |
+| SaveSession        | SessionSaved    | a conversation's tokens and K/V to a file                           |
+| RestoreSession     | SessionRestored | a session file back as the live conversation                        |
+| Configure          | EngineStatus    | K/V format, parking cap and slots, the speed-projection default     |
+| Status             | EngineStatus    | model facts (path, info, context, hash), conversations, memory      |
+| CountTokens        | TokenCount      | how many tokens messages (or a prompt) make with the model's template |
+| SessionSteering    | SessionSteeringInfo | the control vector a session file was saved with             |
+| CaptureStates      | CapturedStates  | every block's output at prompts' last/first tokens (`cvec train`)   |
+| Call               | CallResult      | fn(engine) on the engine thread: benchmarks and tests only          |
+
+Errors: `Failed.code` / `EngineError.code` is an `ErrorCode` (bad_request, model_not_loaded,
+session_refused with a `SessionRefusal` reason, memory_refused, cancelled, unavailable, internal).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
+from .sampling import SamplingParams
+
+
+# ---- options -------------------------------------------------------------------------------------
+@dataclass
+class EngineOptions:
+    model: str | None = None                  # loaded at start; a failure is the start-up load's Failed
+    context_length: int | None = None         # None: the model's own, capped at 8192
+    cache_mib: int = DEFAULT_CACHE_MIB        # conversation parking cap (0 = off)
+    cache_slots: int = DEFAULT_CACHE_SLOTS
+    steering: Any = None                      # control_vector.SteeringConfig or None
+    speed_projection: bool = True             # default of the per-request switch when a vector is loaded
+    prefill_chunk: int = 512
+    dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
+    kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
+
+
+# ---- requests ------------------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    messages: list[dict] | None = None        # chat: rendered with the model's template
+    prompt: str | None = None                 # raw text: fed as is (BOS as the GGUF says)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speed_projection: bool | None = None      # None: the engine's default
+    conversation: str = ""                    # a label for logs; also the K/V's owner (a new branch of
+                                              # the same conversation, e.g. Regenerate, reuses its slot)
+    side: bool = False                        # a side request (titles, counts): never parks, takes or
+                                              # evicts a conversation's K/V; projection off unless asked
+    speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
+
+
+@dataclass
+class LoadModel:
+    path: str
+    steering: Any = "keep"                    # "keep" the current SteeringConfig, or a new one / None
+
+
+@dataclass
+class SaveSession:
+    path: str
+    messages: list[dict] | None = None        # which conversation (live or parked); None: the live one
+    force: bool = False                       # replace a file holding a longer conversation (else refused:
+                                              # code session_refused, reason overwrite: ask, then resend)
+    sync: bool = True                         # fsync before the rename (False: benchmarks only)
+    # The steering applied to that conversation's K/V (its identity): None takes whichever held K/V
+    # has these messages. When none is held, the conversation is read again with this setting
+    # (None: the engine's default) and then saved.
+    speed_projection: bool | None = None
+    conversation: str = ""                    # the owner given to K/V read again for the save
+
+
+@dataclass
+class RestoreSession:
+    path: str
+    # None: restore with the file's own steering when this engine can apply it (the result's
+    # speed_projection says which); True/False: refuse a file saved with another setting.
+    speed_projection: bool | None = None
+    conversation: str = ""                    # the owner of the restored K/V
+
+
+@dataclass
+class Configure:
+    kv_bits: int | None = None                # K/V format of conversations from now on
+    cache_mib: int | None = None
+    cache_slots: int | None = None
+    speed_projection: bool | None = None      # the default of requests that name none
+
+
+@dataclass
+class Status:
+    pass
+
+
+@dataclass
+class CountTokens:
+    """The prompt's length in tokens as a GenerateRequest with these messages (or prompt) would make it."""
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+@dataclass
+class SessionSteering:
+    """The steering a session file names (read from its header; nothing is restored)."""
+    path: str
+
+
+@dataclass
+class CaptureStates:
+    """Run each prompt (one user message, generation prompt appended) through the model with every
+    block's output captured at the last and first positions; the speed projection is off meanwhile.
+    Progress("capture", done, total) after each prompt."""
+    prompts: list[str]
+
+
+@dataclass
+class Call:
+    """Run fn(engine) on the engine thread. For benchmarks and tests only: front ends use the named
+    requests above (nothing outside the engine thread reads engine attributes)."""
+    fn: Callable[[Any], Any]
+
+
+# ---- results -------------------------------------------------------------------------------------
+class Result:
+    """Base of the typed results: read fields. `r["key"]`/`r.get("key")` are kept only for callers
+    not yet moved to fields (the app's window, older tests); `to_dict()` is the JSON form."""
+    _aliases: dict[str, str] = {}
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def _field(self, key: str) -> str:
+        name = self._aliases.get(key, key)
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return name
+
+    def __getitem__(self, key: str):
+        return getattr(self, self._field(key))
+
+    def get(self, key: str, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key) -> bool:
+        try:
+            self._field(key)
+            return True
+        except KeyError:
+            return False
+
+    def keys(self):
+        return [f.name for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_dict(cls, d: dict, **extra):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in {**d, **extra}.items() if k in names})
+
+
+@dataclass
+class Generation(Result):
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0                    # prompt tokens taken from held K/V
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    finish_reason: str = "length"             # "stop" | "length" | "cancelled"
+    speed_projection: bool = False            # whether the control vector was applied
+    speculative: str = "off"                  # speculative decoding (engine/speculative.py) and its counts
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    speculation_stopped: str | None = None
+
+
+@dataclass
+class ModelFacts(Result):
+    """What is loaded, as one immutable value (Status's `facts`; Engine.facts() between requests)."""
+    model_path: str
+    model_id: str                             # the file's stem: the server's model id
+    name: str                                 # general.name ("" when the file has none)
+    info: dict                                # models.ModelInfo as a dict
+    n_ctx: int
+    model_hash: str
+    distributed: dict | None = None
+
+
+@dataclass
+class EngineStatus(Result):
+    model: str | None = None                  # the loaded model's path (None: none loaded)
+    facts: ModelFacts | None = None
+    info: dict | None = None
+    context_length: int = 0
+    live_tokens: int = 0
+    live_messages: list[dict] = field(default_factory=list)   # the live conversation's messages
+    conversations: list[dict] = field(default_factory=list)   # held K/V, live first: owner, tokens, live
+    parking: dict | None = None               # parking.Parking.status(): entries, bytes, cap, slots
+    memory: dict | None = None                # total_bytes, available_bytes, source
+    memory_unavailable: str | None = None
+    load_budget: dict | None = None           # bytes, source: what a model may take
+    cache_mib_max: int = 0
+    steering: str | None = None               # the loaded control vector, described
+    steering_error: str | None = None         # why the configured one was refused
+    speed_projection_default: bool = True
+    kv_bits: int = 16
+    distributed: dict | None = None
+
+
+@dataclass
+class ModelLoaded(Result):
+    model: str
+    info: dict
+    steering_error: str | None = None         # the control vector refused (the model serves without it)
+    facts: ModelFacts | None = None
+
+
+@dataclass
+class SessionSaved(Result):
+    path: str = ""
+    session_bytes: int = 0
+    save_ms: float = 0.0
+    sync_ms: float = 0.0
+    tokens: int = 0
+    synced: bool = False
+    profile: dict = field(default_factory=dict)
+    reread: bool = False                      # the K/V was not held: the conversation was read again
+    speed_projection: bool = False            # the steering of the saved K/V
+
+
+@dataclass
+class SessionRestored(Result):
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    messages: list[dict] = field(default_factory=list)
+    session_bytes: int = 0
+    profile: dict = field(default_factory=dict)
+    speed_projection: bool = False            # the restored conversation's steering
+    steering: dict | None = None              # fingerprint and the vector the file names
+
+
+@dataclass
+class TokenCount(Result):
+    tokens: int
+    _aliases = {"value": "tokens"}
+
+
+@dataclass
+class SessionSteeringInfo(Result):
+    """{} (no control vector) or the vector's files, layer_range, mode and direction as the file names them."""
+    spec: dict
+    _aliases = {"value": "spec"}
+
+
+@dataclass
+class CapturedStates(Result):
+    last: Any                                 # numpy (prompts, n_layer, n_embd) float64
+    first: Any                                # numpy (prompts, n_layer, n_embd) float64
+    architecture: str
+    seconds: float
+
+
+@dataclass
+class CallResult(Result):
+    value: Any = None
+
+
+def model_id(path: str | Path) -> str:
+    return Path(path).stem

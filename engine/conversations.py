@@ -1,0 +1,151 @@
+"""The conversations the engine holds K/V for: the live one and the parked ones (engine thread only).
+
+`live` is the one conversation holding the engine (a `parking.KVEntry`: tokens, K/V, messages,
+owner, key = model|steering[|K/V format]). A conversation that loses the engine is parked in RAM
+(`parking.Parking`: a cap in MiB and a slot count, least recently used evicted first, each park
+checked by the memory guard). This module picks what a prompt extends (`take`), which held tokens
+a rendered prompt keeps (`continue_tokens`), and finds a conversation by its messages (`find`).
+
+The K/V identity (`key`) and a fresh cache (`make_cache`) come from the loaded model, so they are
+passed in: this object knows conversations, not models.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix
+
+
+class Conversations:
+    def __init__(self, parking: Parking, log: Callable[[str], None]):
+        self.parking = parking
+        self.live: KVEntry | None = None
+        self._log = log
+
+    # ---- what is held ------------------------------------------------------------------------
+    def held(self) -> list[KVEntry]:
+        return ([self.live] if self.live is not None else []) + list(self.parking.entries)
+
+    def clear(self) -> None:
+        """A new model: nothing held is valid any more."""
+        self.live = None
+        self.parking.clear()
+
+    def make_live(self, entry: KVEntry) -> None:
+        """`entry` takes the engine; the live conversation (if another) is parked."""
+        if self.live is not None and self.live is not entry and self.parking.enabled:
+            self.parking.park(self.live)
+        self.live = entry
+
+    def find(self, messages: list[dict], keys: set[str] | None = None) -> KVEntry | None:
+        """The held conversation with these messages (and one of `keys`, when given)."""
+        return next((e for e in self.held() if e.messages == messages and (keys is None or e.key in keys)), None)
+
+    def drop(self, entry: KVEntry, why: str) -> None:
+        """Forget a held K/V (live or parked) that fails when used, so it cannot fail later requests."""
+        if entry is self.live:
+            self.live = None
+            self._log(f"dropped the live conversation of {len(entry.tokens)} tokens: {why}")
+        else:
+            self.parking.drop(entry, why)
+
+    def drop_suspect(self, n_vocab: int) -> None:
+        """After an unexpected error in a request: the live K/V may be half-updated, and a parked entry
+        with token ids outside the vocabulary would fail every later request. Drop them, with a log line."""
+        if self.live is not None:
+            self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
+            self.live = None
+
+        def sound(e) -> bool:
+            try:
+                return all(0 <= int(t) < n_vocab for t in e.tokens)
+            except (TypeError, ValueError, OverflowError):
+                return False
+        for e in list(self.parking.entries):
+            if not sound(e):
+                self.parking.entries.remove(e)
+                self._log(f"dropped a parked conversation ({len(e.tokens)} tokens) holding invalid token ids")
+
+    def summary(self) -> list[dict]:
+        """One line of facts per held conversation (live first): owner, tokens, whether live."""
+        return [{"owner": e.owner, "tokens": len(e.tokens), "live": e is self.live} for e in self.held()]
+
+    # ---- which K/V a prompt extends ----------------------------------------------------------
+    def take(self, tokens: list[int], owner: str, key: str, make_cache: Callable[[], list]) -> tuple[KVEntry, int]:
+        """The K/V to extend for `tokens` and how many of its tokens it keeps: the live one, a parked
+        one, or a new one. The caller makes it live.
+
+        `owner` names the conversation: a new branch of it (Regenerate, Edit and resend) takes its
+        own K/V back and trims it instead of keeping the old branch in a second slot."""
+        live, parking = self.live, self.parking
+        if live is not None and live.key == key:
+            n = common_prefix(live.tokens, tokens)
+            if n == len(live.tokens):
+                return live, n
+            if owner and live.owner == owner:
+                return live, n          # the same conversation, another branch: its slot, trimmed
+            if not parking.enabled and n >= min(MIN_PREFIX_REUSE, len(live.tokens)):
+                return live, n          # no parking: reuse the shared prefix, as llama.cpp does
+        self.live = None
+        if owner:
+            own, n = parking.take_owned(owner, key, tokens)
+            if own is not None:
+                if live is not None and parking.enabled:
+                    parking.park(live)
+                return own, n
+        entry, n = None, 0
+        n_live = common_prefix(live.tokens, tokens) if live is not None and live.key == key else 0
+        if any(e.key == key and common_prefix(e.tokens, tokens) > n_live for e in parking.entries):
+            # Take before parking the live conversation: parking it may evict the very entry wanted.
+            entry, n = parking.take(tokens, key, make_cache)
+        if live is not None and parking.enabled:
+            parking.park(live)
+        if entry is None:
+            entry, n = parking.take(tokens, key, make_cache)
+        if entry is not None:
+            return entry, n
+        return KVEntry([], make_cache(), key), 0
+
+    def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: str) -> list[int] | None:
+        """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
+
+        Re-tokenizing a reply does not always give back the ids the model generated; keeping
+        them is what lets a follow-up reuse the whole history instead of stopping at the reply.
+        Each held entry keeps the text its tokens decode to (KVEntry.text, extended as it grows),
+        so the check is a string comparison and only the new part of `text` is tokenized. A new
+        branch of `owner`'s conversation (Regenerate, Edit) keeps the longest run of its held tokens
+        that the text starts with (only its own: another conversation's tokens cut mid-word would
+        give this one an unnatural tokenization)."""
+        candidates = []
+        best, best_n = None, 0
+        for e in self.held():                     # whole entries first: a string comparison each
+            if e.key != key or not e.tokens:
+                continue
+            starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id
+            if add_bos and not starts_bos:
+                continue
+            lead = 1 if add_bos else 0
+            try:
+                prefix = e.text(tok, skip=lead)
+            except Exception as err:  # noqa: BLE001 - e.g. a token id outside the vocabulary
+                self.drop(e, f"its tokens cannot be decoded ({type(err).__name__}: {str(err)[:120]})")
+                continue
+            candidates.append((e, lead, e.tokens[lead:]))
+            if len(e.tokens) > best_n and prefix and text.startswith(prefix):
+                best, best_n = e.tokens + tok.encode(text[len(prefix):], add_bos=False), len(e.tokens)
+        if best is not None:
+            return best
+        for e, lead, ids in candidates:           # then the longest held run the text starts with
+            if not owner or e.owner != owner:
+                continue
+            lo, hi = 0, len(ids)                  # decode(ids[:lo]) is a prefix of text
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if text.startswith(tok.decode(ids[:mid], skip_special=False)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo >= MIN_PREFIX_REUSE and lead + lo > best_n:
+                prefix = tok.decode(ids[:lo], skip_special=False)
+                best, best_n = e.tokens[:lead + lo] + tok.encode(text[len(prefix):], add_bos=False), lead + lo
+        return best

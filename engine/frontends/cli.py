@@ -1,0 +1,232 @@
+"""`strata` command line: generate, replay, serve, models, cvec. Bad input exits 2 with one line.
+
+The `strata` console script (pyproject.toml) and `python -m engine.cli` (engine/cli.py) run `main`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..errors import StrataError
+from .launch import add_engine_flags, check_engine_flags, engine_options, start_engine  # noqa: F401 - re-exported
+
+
+def cmd_generate(args) -> int:
+    from ..api import GenerateRequest, RestoreSession, SaveSession
+    from ..events import Done, Failed, Token
+    from ..sampling import SamplingParams
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                        stop=args.stop)
+    sp.validate()                     # bad flags: one line, exit 2, before the model loads
+    engine = start_engine(args)
+    out: dict = {}
+    speed = None if args.speed_projection is None else args.speed_projection == "on"
+    restored = None
+    if args.restore_session:
+        restored = engine.call(RestoreSession(args.restore_session, speed_projection=speed))
+        out["restore_ms"] = restored.restore_ms
+        if speed is None:
+            speed = restored.speed_projection   # the restored conversation keeps its own steering
+    messages = None
+    if not args.raw:
+        messages = []
+        if restored is not None:
+            messages = list(restored.messages)  # the restored conversation continues
+        if args.system:
+            messages = [m for m in messages if m["role"] != "system"]
+            messages.insert(0, {"role": "system", "content": args.system})
+        messages.append({"role": "user", "content": args.prompt})
+    handle = engine.submit(GenerateRequest(messages=messages, prompt=args.prompt if args.raw else None,
+                                           sampling=sp, speed_projection=speed, speculative=args.spec))
+    for ev in handle.events():
+        if isinstance(ev, Token) and not args.json:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Failed):
+            raise ev.error()
+        elif isinstance(ev, Done):
+            res = ev.result
+    if args.save_session:
+        s = engine.call(SaveSession(args.save_session, force=args.force))
+        out.update(session_bytes=s.session_bytes, save_ms=s.save_ms)
+    if args.json:
+        print(json.dumps({"tokens": res.tokens, "text": res.text, "prompt_tokens": res.prompt_tokens,
+                          "cached_tokens": res.cached_tokens, "ttft_ms": res.ttft_ms,
+                          "prefill_tps": res.prefill_tps, "decode_tps": res.decode_tps,
+                          "generated_tokens": res.generated_tokens, "finish_reason": res.finish_reason,
+                          **spec_fields(res), **out}))
+    else:
+        sys.stdout.write("\n")
+        print(f"prompt {res.prompt_tokens} tokens (cached {res.cached_tokens}), "
+              f"{res.generated_tokens} generated, ttft {res.ttft_ms:.0f} ms, "
+              f"prefill {res.prefill_tps:.1f} tok/s, decode {res.decode_tps:.1f} tok/s"
+              + spec_summary(res), file=sys.stderr)
+    engine.stop()
+    return 0
+
+
+def spec_fields(res) -> dict:
+    """Speculative decoding's per-reply stats (engine/speculative.py), printed by --json."""
+    return {"speculative": res.speculative, "drafted_tokens": res.drafted_tokens,
+            "accepted_tokens": res.accepted_tokens, "acceptance_rate": res.acceptance_rate}
+
+
+def add_spec_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="off", metavar="off|lookup|draft:PATH",
+                   help="speculative decoding: prompt lookup, or a draft GGUF with the same vocabulary")
+
+
+def spec_summary(res) -> str:
+    if res.speculative == "off":
+        return ""
+    return (f", {res.speculative}: {res.accepted_tokens}/{res.drafted_tokens} drafts accepted"
+            + (f" (stopped: {res.speculation_stopped})" if res.speculation_stopped else ""))
+
+
+def cmd_models(args) -> int:
+    from ..models import default_model_path, fetch_default, list_models
+    if args.action == "fetch-default":
+        if args.if_missing and default_model_path().exists():
+            return 0
+        shown: dict[str, int] = {}
+
+        def progress(stage, done, total):          # a line per stage and per 10 % of its bytes
+            step = done * 10 // total if total else 0
+            if shown.get(stage, -1) < step:
+                shown[stage] = step
+                print(f"{stage}: {done * 100 // total}% of {total / 1e6:.1f} MB" if total else stage,
+                      file=sys.stderr)
+        path = fetch_default(progress)
+        print(path)
+    elif args.action == "list":
+        for p in list_models():
+            print(p)
+    elif args.action == "path":
+        print(default_model_path().parent)
+    elif args.action == "estimate":
+        return cmd_models_estimate(args)
+    return 0
+
+
+def cmd_models_estimate(args) -> int:
+    """Print what loading PATH at a context would take and whether it fits (exit 0 either way)."""
+    from .. import memory_estimate as me
+    from ..memory_guard import MemoryGuard
+    from ..models import resolve_model
+    if not args.path:
+        raise StrataError("models estimate needs a model: strata models estimate PATH [--context N]")
+    if args.context is not None and args.context < 1:
+        raise StrataError("--context must be >= 1")
+    path = resolve_model(args.path)
+    if not path.is_file():
+        raise StrataError(f"model file not found: {path}")
+    h = me.read_header(path)
+    import mlx.core as mx
+    dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "float16")
+    n_ctx = me.default_context(h, args.context)
+    guard = MemoryGuard()
+    b = me.load_budget(guard, me.gpu_working_set())
+    fit = me.check_fit(h, n_ctx, dtype, b)
+    e = fit.estimate
+    capped = f" (the model's limit; asked {args.context})" if args.context and args.context > n_ctx else ""
+    print(f"{path.name}: {h.architecture}, context {n_ctx}{capped}, compute {dtype}")
+    print(f"  weights   {me.gib(e.weights_bytes)}  (tensors as held in MLX)")
+    print(f"  K/V       {me.gib(e.kv_bytes)}  ({e.kv_bytes_per_token} bytes/token x {n_ctx} tokens, {e.kv_dtype})")
+    print(f"  overhead  {me.gib(e.overhead_bytes)}  (runtime 300 MiB + one 512-token prefill chunk)")
+    print(f"  total     {me.gib(e.total_bytes)}")
+    if b is None:
+        print(f"  available memory unknown ({guard.unavailable_reason()})")
+    else:
+        print(f"  budget    {me.gib(b.bytes)}  ({b.source})")
+        print(f"  {'fits' if fit.fits else 'does not fit'}; the largest context that fits is "
+              f"{fit.largest_context or 'none'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata: local LLMs from GGUF files on MLX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_engine_flags(g)
+    g.add_argument("--prompt", "-p", required=True)
+    g.add_argument("--system", default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template: feed the text as is")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", "--temp", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--save-session", metavar="FILE")
+    g.add_argument("--restore-session", metavar="FILE")
+    g.add_argument("--force", action="store_true",
+                   help="let --save-session replace a file that holds a longer conversation")
+    add_spec_flag(g)
+    g.set_defaults(fn=cmd_generate)
+
+    m = sub.add_parser("models", help="the models folder")
+    m.add_argument("action", choices=("fetch-default", "list", "path", "estimate"))
+    m.add_argument("path", nargs="?", help="estimate: the GGUF file (or a name in the models folder)")
+    m.add_argument("--if-missing", action="store_true")
+    m.add_argument("--context", type=int, default=None, help="estimate: context length (default: the engine's)")
+    m.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="estimate: compute dtype (default: the engine's for this machine)")
+    m.set_defaults(fn=cmd_models)
+
+    r = sub.add_parser("replay", help="run a JSONL script of chat requests on one engine")
+    add_engine_flags(r)
+    r.add_argument("script")
+    r.add_argument("--json", action="store_true")
+    add_spec_flag(r)
+    r.set_defaults(fn=lambda a: __import__("engine.frontends.replay", fromlist=["x"]).cmd_replay(a))
+
+    s = sub.add_parser("serve", help="OpenAI-compatible local server")
+    add_engine_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8484)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-body-mib", type=float, default=8.0,
+                   help="largest request body accepted, in MiB (default 8; larger ones get 413)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. https://chat.example) whose pages may call the server; "
+                        "loopback origins are always allowed, others get 403")
+    s.set_defaults(fn=lambda a: __import__("engine.frontends.server", fromlist=["x"]).cmd_serve(a))
+
+    c = sub.add_parser("cvec", help="control vectors")
+    csub = c.add_subparsers(dest="cvec_command", required=True)
+    t = csub.add_parser("train", help="train a control vector from contrastive prompts")
+    t.add_argument("--model", "-m", default=None)
+    t.add_argument("--positive", required=True)
+    t.add_argument("--negative", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--method", choices=("mean", "pca"), default="mean")
+    t.add_argument("-v", "--verbose", action="store_true")
+    t.set_defaults(fn=lambda a: __import__("engine.frontends.cvec_train", fromlist=["x"]).cmd_train(a))
+
+    args = parser.parse_args(argv)
+    if args.command in ("generate", "serve", "replay") and os.environ.get("MLX_RANK", "0") != "0":
+        from .. import distributed
+        if distributed.is_follower():
+            from .launch import follow
+            args.fn = follow                # distributed hook: ranks > 0 follow rank 0's requests
+    try:
+        if getattr(args, "spec", None) is not None:
+            from ..speculative import parse_spec
+            parse_spec(args.spec)          # a bad value exits 2 before the model loads
+        return args.fn(args)
+    except StrataError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

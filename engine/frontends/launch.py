@@ -1,0 +1,90 @@
+"""Starting an engine for a front end: the engine flags (`strata generate|serve|replay`), their
+checks, and `start_engine` (an Engine with its model loaded, or the start-up load's one-line error).
+
+The front ends (cli, server, replay) import this module; it imports none of them (no import circle).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import StrataError
+from ..limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SLOTS_MAX
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="GGUF path or a name in the models folder")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 8192)")
+    p.add_argument("--conversation-cache-mib", type=int, default=DEFAULT_CACHE_MIB,
+                   help="RAM for parked conversations' K/V, 0 (off) to half of this machine's RAM")
+    p.add_argument("--conversation-cache-slots", type=int, default=DEFAULT_CACHE_SLOTS,
+                   help=f"parked conversations, 1 to {SLOTS_MAX}")
+    p.add_argument("--control-vector", action="append", default=[], metavar="FILE")
+    p.add_argument("--control-vector-scaled", action="append", default=[], metavar="FILE:SCALE")
+    p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))
+    p.add_argument("--cvec-mode", choices=("add", "project"), default="add")
+    p.add_argument("--cvec-dir", default="per-layer", help="per-layer | single:L")
+    p.add_argument("--speed-projection", choices=("on", "off"), default="on",
+                   help="apply the loaded control vector to requests (default on)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
+                   help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
+
+
+def check_engine_flags(args) -> None:
+    """Flags with a valid range (engine.limits), checked before anything is loaded: StrataError, one line."""
+    from ..limits import check_cache_mib, check_cache_slots
+    check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
+    check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
+    if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
+        # (too large a context is refused by the memory estimate at load, with the numbers)
+        raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")
+
+
+def engine_options(args):
+    from ..control_vector import SteeringConfig
+    from ..api import EngineOptions
+    from ..models import default_model_path
+    check_engine_flags(args)
+    files = [(f, 1.0) for f in args.control_vector]
+    files += [SteeringConfig.parse_scaled(s) for s in args.control_vector_scaled]
+    steering = None
+    if files:
+        steering = SteeringConfig(files=tuple(files), mode=args.cvec_mode, direction=args.cvec_dir,
+                                  layer_range=tuple(args.control_vector_layer_range)
+                                  if args.control_vector_layer_range else None)
+    return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
+                         cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
+                         steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
+                         kv_bits=args.kv_bits)
+
+
+def start_engine(args):
+    """An engine with the model loaded, or EngineError with the start-up load's own message."""
+    from ..engine import Engine
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    engine = Engine(engine_options(args)).start()
+    loaded = engine.startup.result()            # the start-up load's ModelLoaded, or its EngineError
+    if loaded.steering_error:
+        # On the command line the vector was asked for explicitly: refuse rather than run without it.
+        raise StrataError(loaded.steering_error)
+    return engine
+
+
+def follow(args) -> int:
+    """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
+    requests until rank 0 stops (or is lost)."""
+    import logging
+    import sys
+
+    from ..distributed import FollowerGuard
+    from ..engine import Engine
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
+                        stream=sys.stderr)
+    engine = Engine(engine_options(args))
+    engine.guard = FollowerGuard(engine.guard)
+    engine.run_forever()
+    return 0

@@ -1,0 +1,461 @@
+"""What each request does, on the engine thread: the model and its load, the K/V identity (model,
+steering, K/V format), generation, session files, settings and status.
+
+`Engine` (engine/engine.py) owns the thread and the dispatch and inherits these handlers; the held
+conversations are `self.conversations` (engine/conversations.py), the decode loop with its stop strings
+and stats is engine/generate.py. Everything here runs on the engine thread only.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
+                  Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
+                  SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
+from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused
+from .events import Handle, Progress, Token
+
+MAX_CHARS_PER_TOKEN = 32
+
+
+class RequestHandlers:
+    """The engine thread's state and one method per request (mixed into Engine)."""
+
+    # ---- model -------------------------------------------------------------------------------
+    def _load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
+        import mlx.core as mx
+
+        from . import steering
+        from .gguf_file import content_hash, open_gguf
+        from .memory_estimate import fit_for_load, gpu_working_set
+        from .model_loader import load_model
+        from .models import resolve_model
+        from .tokenizer import load_tokenizer
+
+        path = resolve_model(req.path)
+        g = open_gguf(path)
+        handle.emit(Progress("load", 0, len(g.reader.tensors)))
+        tokenizer = load_tokenizer(g)
+        dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
+            self.options.dtype or "", mx.float32 if mx.default_device() == mx.cpu else mx.float16)
+        # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
+        n_ctx, memory_line = fit_for_load(path, self.options.context_length, str(dtype).rsplit(".", 1)[-1],
+                                          self.guard, gpu_working_set())
+        progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
+        model, info = (load_model(g, dtype=dtype, progress=progress) if self.dist is None
+                       else self.dist.load(g, dtype, progress))   # distributed hook: this rank's part
+        steer_cfg = self.options.steering if req.steering == "keep" else req.steering
+        vector, steering_error = None, None
+        if steer_cfg is not None and getattr(steer_cfg, "files", ()):
+            from .control_vector import ControlVector, ControlVectorError
+            try:
+                vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
+            except ControlVectorError as e:
+                # A vector made for another model must not cost the user the model: serve without it.
+                steering_error = str(e)
+        from .kv_format import choose
+        choose(self.options.kv_bits, info.head_dim)   # --kv-bits this model's head size cannot take: refused
+        # Everything validated: swap in the new model (a failed load above leaves the old one serving).
+        self.options.steering = steer_cfg
+        self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path
+        self.dtype = dtype
+        self.steering_error = steering_error
+        self.template = g.get("tokenizer.chat_template")
+        self.model_hash = content_hash(path)
+        self.steering = steering.SteeringState(vector, speed_projection=bool(vector) and self.options.speed_projection)
+        if vector is not None:
+            # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
+            steering.install(self.model, self.steering)
+            # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
+            secs = steering.warm_up(vector, dtype)
+            self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
+        if self.dist is not None:
+            self.dist.after_load(self)
+        self.n_ctx = n_ctx
+        self.conversations.clear()
+        self.facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
+                                info=dict(info.__dict__), n_ctx=n_ctx, model_hash=self.model_hash,
+                                distributed=self.dist.status() if self.dist is not None else None)
+        self._log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
+                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
+                  f"compute {str(dtype).removeprefix('mlx.core.')}")
+        self._log(f"weights: {info.load_note}")
+        self._log(memory_line)
+        self._log(f"K/V: {self.kv_fmt.describe()}")
+        if self.dist is not None:
+            self._log(self.dist.describe())
+        if vector is not None:
+            self._log(vector.describe())
+        if steering_error:
+            self._log(f"control vector refused: {steering_error}; serving without it")
+        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.facts)
+
+    def _require_model(self) -> None:
+        if self.model is None:
+            raise ModelNotLoaded()
+
+    def steering_fingerprint(self, projection: bool | None = None) -> str:
+        """The steering identity of K/V computed with `projection` (None: the setting in force):
+        the loaded vector's fingerprint when it is applied, '' when not."""
+        vector = self.steering.vector if self.steering else None
+        if vector is None:
+            return ""
+        on = self.steering.speed_projection if projection is None else projection
+        return vector.fingerprint() if on else ""
+
+    def cache_key(self, projection: bool | None = None) -> str:
+        """What the K/V depends on: the model's content, the steering applied to it and the K/V format
+        (model|steering[|format]; the steering part is read back by _save)."""
+        fmt = self.kv_fmt
+        return (f"{self.model_hash}|{self.steering_fingerprint(projection) or 'no-steering'}"
+                + (f"|{fmt.label}" if fmt.quantized else ""))
+
+    @property
+    def kv_fmt(self):
+        from .kv_format import choose
+        return choose(self.options.kv_bits, self.info.head_dim)
+
+    def _projection(self, requested: bool | None) -> bool:
+        return bool(self.steering.vector) and (
+            self.options.speed_projection if requested is None else bool(requested))
+
+    def make_cache(self) -> list:
+        from .kv_format import make_cache
+        return make_cache(self.model, self.kv_fmt)
+
+    def prompt_tokens(self, req: GenerateRequest) -> list[int]:
+        from .chat_template import render
+        tok = self.tokenizer
+        # A huge body must not cost a tokenization (or a template render) to be refused: no real
+        # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
+        chars = len(req.prompt) if req.prompt is not None else sum(
+            len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
+        if chars > self.n_ctx * MAX_CHARS_PER_TOKEN:
+            raise ContextTooLong(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
+                               f"the context holds {self.n_ctx}")
+        if req.prompt is not None:
+            return tok.encode(req.prompt)
+        if not req.messages:
+            raise RequestError("a request needs messages or a prompt")
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        text = render(self.template, req.messages, bos_token=bos,
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
+                      name=f"the chat template of {self.model_path.name}" if self.template else "")
+        # A template that writes BOS itself must not get a second one.
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        return (self.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
+                or tok.encode(text, add_bos=add_bos))
+
+    def _take_kv(self, tokens: list[int], owner: str = ""):
+        """The K/V to extend for `tokens` (engine/conversations.py) under the current K/V identity."""
+        return self.conversations.take(tokens, owner, self.cache_key(), self.make_cache)
+
+    # ---- generation --------------------------------------------------------------------------
+    def _generate(self, req: GenerateRequest, handle: Handle) -> Generation:
+        from .generate import StepStats, reply
+        from .parking import KVEntry
+        self._require_model()
+        req.sampling.validate()
+        drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
+        # A side request's steering is off unless it asks: a title must not read like a steered reply.
+        asked = req.speed_projection if req.speed_projection is not None or not req.side else False
+        self.steering.speed_projection = self._projection(asked)
+        stats = StepStats()
+        tokens = self.prompt_tokens(req)
+        if len(tokens) >= self.n_ctx:
+            raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+        if req.side:
+            # Its own throwaway K/V: the conversations (live and parked) keep their places.
+            entry, reuse = KVEntry([], self.make_cache(), self.cache_key()), 0
+        else:
+            entry, reuse = self._take_kv(tokens, req.conversation)
+            entry.owner = req.conversation or entry.owner
+        reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
+        for c in entry.cache:
+            if c.offset > reuse:
+                c.trim(c.offset - reuse)
+        if reuse < len(entry.tokens):
+            entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
+        if not req.side:
+            self.conversations.live = entry     # from here on the live K/V is `entry`
+        entry.messages = list(req.messages or [])
+        cancelled = lambda: handle.cancelled  # noqa: E731
+        max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
+        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled)
+        r = reply(self.model, entry, tokens, reuse, tokenizer=self.tokenizer, sampling=req.sampling,
+                  n_vocab=self.info.n_vocab, max_tokens=max_tokens, chunk=self.options.prefill_chunk,
+                  on_token=lambda t, text: handle.emit(Token(t, text)),
+                  on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
+                  cancelled=cancelled, steps=steps, stats=stats)
+        entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": r.text}] if req.messages else [])
+        self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
+                  f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
+                  f"{stats.decode_tps:.1f} tok/s, finish {r.finish}" + spec.log_suffix())
+        return Generation.from_dict(spec.result(), tokens=r.tokens, text=r.text, prompt_tokens=len(tokens),
+                                    cached_tokens=reuse, generated_tokens=len(r.tokens),
+                                    ttft_ms=round(stats.ttft_ms, 2), prefill_tps=round(stats.prefill_tps, 2),
+                                    decode_tps=round(stats.decode_tps, 2), finish_reason=r.finish,
+                                    speed_projection=self.steering.active)
+
+    # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
+    def _spec_drafter(self, req: GenerateRequest):
+        """The drafter a request asks for (None: off); a draft model is loaded once and kept."""
+        from . import speculative
+        mode = speculative.parse_spec(req.speculative)
+        if mode.kind == "off":
+            return None
+        if mode.kind == "lookup":
+            return speculative.LookupDrafter()
+        from .models import resolve_model
+        path = resolve_model(mode.draft_path)
+        d = self.draft
+        if d is None or d.path != path or d.target_path != self.model_path:
+            self.draft = None
+            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log)
+        return self.draft
+
+    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled):
+        from . import speculative
+        spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
+        if drafter is None:
+            return spec, None
+        sp = req.sampling
+        return spec, speculative.decode(
+            self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
+            processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
+            seed=sp.seed, cancelled=cancelled)
+
+    # ---- settings, status --------------------------------------------------------------------
+    def _configure(self, req: Configure) -> EngineStatus:
+        if req.cache_mib is not None or req.cache_slots is not None:
+            from .limits import check_cache_mib, check_cache_slots
+            cap = self.parking.cap_bytes >> 20 if req.cache_mib is None else check_cache_mib(req.cache_mib,
+                                                                                             self._cache_range())
+            slots = self.parking.slots if req.cache_slots is None else check_cache_slots(req.cache_slots)
+            self.parking.set_limits(cap, slots)
+            self.options.cache_mib, self.options.cache_slots = cap, slots
+            self._log(f"conversation cache: {cap} MiB, {slots} slots")
+        if req.speed_projection is not None:
+            self.options.speed_projection = bool(req.speed_projection)
+        if req.kv_bits is not None:
+            from .kv_format import choose
+            if self.info is not None:
+                choose(int(req.kv_bits), self.info.head_dim)      # refused here, before anything changes
+            elif int(req.kv_bits) not in (16, 8, 4):
+                choose(int(req.kv_bits), 64)
+            self.options.kv_bits = int(req.kv_bits)
+            if self.info is not None:
+                self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
+        return self.status()
+
+    def _cache_range(self):
+        from .limits import cache_range
+        reading = self.guard.reading()
+        return cache_range(reading.total_bytes if reading is not None else None)
+
+    def status(self) -> EngineStatus:
+        from .limits import cache_range
+        reading = self.guard.reading()
+        live = self.live
+        return EngineStatus(
+            cache_mib_max=cache_range(reading.total_bytes if reading is not None else None).max_mib,
+            model=str(self.model_path) if self.model_path else None,
+            facts=self.facts,
+            info=self.info.__dict__ if self.info else None,
+            context_length=self.n_ctx,
+            live_tokens=len(live.tokens) if live else 0,
+            live_messages=list(live.messages) if live else [],
+            conversations=self.conversations.summary() if self.conversations is not None else [],
+            parking=self.parking.status() if self.parking else None,
+            memory=None if reading is None else {
+                "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,
+                "source": reading.source},
+            memory_unavailable=self.guard.unavailable_reason(),
+            load_budget=_load_budget(self.guard),
+            steering=self.steering.vector.describe() if self.steering and self.steering.vector else None,
+            steering_error=self.steering_error,
+            speed_projection_default=self.options.speed_projection,
+            kv_bits=self.options.kv_bits,
+            distributed=self.dist.status() if self.dist is not None else None,
+        )
+
+    def _count_tokens(self, req: CountTokens) -> TokenCount:
+        self._require_model()
+        return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt))))
+
+    def _session_steering(self, req: SessionSteering) -> SessionSteeringInfo:
+        from .sessions import read_header
+        return SessionSteeringInfo(_vector_spec(read_header(req.path)[1].get("fp.steering_vector")))
+
+    def _capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
+        import numpy as np
+
+        from .capture import last_token_states
+        self._require_model()
+        t0 = time.perf_counter()
+        first: list = []
+        states = last_token_states(self, req.prompts, lambda d, t: handle.emit(Progress("capture", d, t)), first)
+        return CapturedStates(last=states, first=np.stack(first) if first else None,
+                              architecture=self.info.architecture, seconds=time.perf_counter() - t0)
+
+    # ---- session files -----------------------------------------------------------------------
+    def session_fingerprint(self, steering_fp: str | None = None) -> dict:
+        """What a session file must match. `steering_fp`: the steering applied to the conversation's
+        K/V (None: the setting in force); the vector's files and settings are named alongside so a
+        refusal elsewhere can say which vector to load."""
+        from .gguf_file import text_hash
+        info = self.info
+        steer = self.steering_fingerprint() if steering_fp is None else steering_fp
+        vector = self.steering.vector if self.steering else None
+        cfg = self.options.steering
+        described = "none"
+        if steer and vector is not None and steer == vector.fingerprint() and cfg is not None:
+            described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
+                                    "layer_range": list(cfg.layer_range) if cfg.layer_range else None,
+                                    "mode": cfg.mode, "direction": cfg.direction})
+        return {"model_hash": self.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
+                "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
+                "tokenizer": self.tokenizer.fingerprint, "chat_template": text_hash(self.template or ""),
+                "steering": steer or "none", "steering_vector": described,
+                "kv_format": self.kv_fmt.label}
+
+    def _save(self, req: SaveSession, handle: Handle) -> SessionSaved:
+        from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
+            return SessionSaved.from_dict(self.dist.save(self, req, handle))
+        self._require_model()
+        reason = self.guard.unavailable_reason()
+        if reason:
+            raise MemoryRefused(f"session save refused: {reason}")
+        entry, reread = self.live, False
+        if req.messages is not None:
+            keys = None if req.speed_projection is None else {self.cache_key(self._projection(req.speed_projection))}
+            entry = self.conversations.find(req.messages, keys)
+            if entry is None:
+                entry, reread = self._read_again(req, handle), True
+        if entry is None or not entry.tokens:
+            raise RequestError("there is no conversation to save")
+        steer = entry.key.split("|")[1]
+        result = sessions.save(req.path, entry, self.session_fingerprint("" if steer == "no-steering" else steer),
+                               sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+        return SessionSaved.from_dict(result, reread=reread, speed_projection=steer != "no-steering")
+
+    def _read_again(self, req: SaveSession, handle: Handle):
+        """A conversation whose K/V is no longer held (evicted, or from before a restart): read its
+        messages again, with the steering asked for, into a new live K/V (progress "prefill",
+        cancellable), then it is saved like any other."""
+        from .chat_template import render
+        from .generate import prefill
+        from .parking import KVEntry
+        if not req.messages or not any(m.get("role") != "system" for m in req.messages):
+            raise RequestError("there is no conversation to save")
+        self.steering.speed_projection = self._projection(req.speed_projection)
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        # As it was held after its last reply: no generation prompt at the end, so a follow-up
+        # (rendered with one) extends these tokens.
+        text = render(self.template, req.messages, bos_token=bos, add_generation_prompt=False,
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        tokens = tok.encode(text, add_bos=add_bos)
+        if len(tokens) >= self.n_ctx:
+            raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.n_ctx}")
+        self._log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
+        entry = KVEntry([], self.make_cache(), self.cache_key(), messages=list(req.messages),
+                        owner=req.conversation)
+        prefill(self.model, entry.cache, tokens, entry.tokens, chunk=self.options.prefill_chunk,
+                progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled)
+        self.conversations.make_live(entry)
+        return entry
+
+    def _clean_session_folder(self) -> None:
+        """Temporary files of saves killed in an earlier run (only those no live save holds)."""
+        from . import sessions
+        from .paths import sessions_dir
+        folder = sessions_dir()
+        if folder.is_dir():
+            sessions.remove_stale_parts(folder, self._log)
+
+    def _restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
+        from . import sessions
+        if self.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
+            return SessionRestored.from_dict(self.dist.restore(self, req, handle))
+        self._require_model()
+        reason = self.guard.unavailable_reason()
+        if reason:
+            raise MemoryRefused(f"session restore refused: {reason}")
+        # Validated (every field, the checksum over every byte, token ids, the memory guard) before
+        # it is kept: a refused file never becomes the live or a parked entry.
+        name = Path(req.path).expanduser().name
+        _, meta, _ = sessions.read_header(req.path)
+        theirs = meta.get("fp.steering") or "none"
+        expected = self.session_fingerprint("")
+        # Model, geometry and tokenizer first: a file from another model is refused for that.
+        sessions.check_fingerprint(name, meta, dict(expected, steering=theirs))
+        projection = self._session_projection(name, theirs, meta.get("fp.steering_vector"), req.speed_projection)
+        steer = self.steering_fingerprint(projection)
+        entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.make_cache,
+                                      key=self.cache_key(projection), dtype=self.dtype,
+                                      n_vocab=self.info.n_vocab, n_ctx=self.n_ctx, admit=self.guard.admit,
+                                      progress=lambda d, t: handle.emit(Progress("restore", d, t)),
+                                      log=self._log)
+        entry.owner = req.conversation
+        # Validated and read: only now does the live conversation step aside.
+        self.conversations.make_live(entry)
+        return SessionRestored.from_dict(result, speed_projection=bool(steer), steering=None if not steer else {
+            "fingerprint": steer, **_vector_spec(meta.get("fp.steering_vector"))})
+
+    def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
+        """The projection setting that reproduces a file's steering, or a one-line refusal that
+        names the vector the file needs."""
+        vector = self.steering.vector if self.steering else None
+        ours = vector.fingerprint() if vector is not None else ""
+        if asked is not None:
+            asked = bool(asked) and vector is not None     # no vector: the switch changes nothing
+        if theirs == "none" and not asked:
+            return False
+        if theirs != "none" and theirs == ours and asked is not False:
+            return True
+        now = "no control vector" if not ours else f"control vector {ours[:12]}"
+        if asked is not None:
+            now = f"now {now} with the projection {'on' if asked else 'off'}"
+        else:
+            now = f"now {now}"
+        if theirs == "none":
+            raise SessionSteeringRefused(f"{name} was saved with another steering setting (no control vector; {now})")
+        named = _describe_vector(_vector_spec(spec))
+        hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
+        raise SessionSteeringRefused(f"{name} was saved with another steering setting (control vector "
+                               f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}")
+
+
+def _vector_spec(raw: str | None) -> dict:
+    """The steering a session file names (files, layer_range, mode, direction), {} when none."""
+    if not raw or raw == "none":
+        return {}
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def _describe_vector(spec: dict) -> str:
+    files = spec.get("files") or []
+    if not files:
+        return ""
+    names = ", ".join(f"{Path(str(p)).name} x{float(sc):g}" for p, sc in files)
+    lr = spec.get("layer_range")
+    layers = f", layers {lr[0]}..{lr[1]}" if lr else ""
+    return f"{names} ({spec.get('mode', 'add')}{layers})"
+
+
+def _load_budget(guard) -> dict | None:
+    """What a model may take (engine/memory_estimate.py), for the app, which cannot ask MLX."""
+    from .memory_estimate import gpu_working_set, load_budget
+    b = load_budget(guard, gpu_working_set())
+    return None if b is None else {"bytes": b.bytes, "source": b.source}
+
+
