@@ -62,16 +62,14 @@ def make_app(argv=None) -> QApplication:
         app.installEventFilter(app._strata_files)
     set_identity(app)
     app.setApplicationDisplayName("Strata")
-    from .paths import export_home
     from engine.paths import resources_dir
     icon = resources_dir() / "icon.png"
     if icon.exists():
         app.setWindowIcon(QIcon(str(icon)))
-    export_home()
     return app
 
 
-def start_window(app: QApplication, files: list[str]):
+def start_window(app: QApplication, files: list[str], app_paths=None):
     """The window, with `files` (command line) and any Finder open of the launch queued behind the
     model load: what main() does once this process is the one Strata for its data folder."""
     queue = app._strata_files
@@ -79,7 +77,7 @@ def start_window(app: QApplication, files: list[str]):
         queue.open_file(str(Path(f).expanduser().resolve()))
     app.processEvents()          # a Finder open at launch arrives now, before the window exists
     from .window import MainWindow
-    window = MainWindow()
+    window = MainWindow(paths=app_paths)
     window.show()
     queue.set_window(window)
     return window
@@ -98,17 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         from PySide6.QtCore import QCoreApplication
 
         from .model_fetch import fetch_headless
-        from .paths import export_home
         core = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
         set_identity(core)
-        export_home()                # the models folder the window uses
-        return fetch_headless()
+        return fetch_headless()      # into engine.paths' models folder: the one the window uses
     if args.self_test:
         from .self_test import run_self_test
         return run_self_test(args.model)
     app = make_app([sys.argv[0], *qt_args])
+    from .paths import AppPaths
     from .single_instance import SingleInstance
-    instance = SingleInstance()
+    app_paths = AppPaths.default()   # the one data folder (engine.paths), handed to what uses it
+    instance = SingleInstance(app_paths.data_dir)
     if not instance.acquire():
         # Another Strata has this data folder (and its chats database): give it the files, exit.
         if instance.hand_over(args.files):
@@ -121,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     instance.listen()
     queue = app._strata_files
     instance.files_received.connect(lambda fs: [queue.open_file(f) for f in fs])
-    window = start_window(app, args.files)
+    window = start_window(app, args.files, app_paths)
     instance.activated.connect(lambda: (window.showNormal(), window.raise_(), window.activateWindow()))
     try:
         return app.exec()

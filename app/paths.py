@@ -1,47 +1,61 @@
-"""Where the app keeps its files: QStandardPaths by platform convention; STRATA_HOME overrides all.
-
-The engine (engine.paths) reads STRATA_HOME too; `export_home()` makes it agree with the app when
-the app picked a QStandardPaths folder, so the models folder is one place for both.
+"""Where the app keeps its files: all under the one data folder, `engine.paths.data_dir()` (STRATA_HOME
+overrides it). main() resolves it once and passes an `AppPaths` to the window, the settings, the chat
+database and the single-instance lock; the engine in the same process reads the same definition, so
+the models folder is one place for both without touching the environment.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QStandardPaths
+
+def _made(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
 
 
+@dataclass(frozen=True)
+class AppPaths:
+    data_dir: Path
+
+    @classmethod
+    def default(cls) -> "AppPaths":
+        from engine.paths import data_dir
+        return cls(_made(data_dir()))
+
+    @property
+    def models_dir(self) -> Path:
+        return _made(self.data_dir / "models")
+
+    @property
+    def sessions_dir(self) -> Path:
+        return _made(self.data_dir / "sessions")
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "chats.sqlite3"
+
+    @property
+    def settings_path(self) -> Path:
+        return self.data_dir / "settings.ini"
+
+
+# Shorthands for the default folder (tests, and callers not handed an AppPaths)
 def data_dir() -> Path:
-    home = os.environ.get("STRATA_HOME")
-    if home:
-        path = Path(home).expanduser()
-    else:
-        loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
-        path = Path(loc) if loc else Path.home() / ".strata"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def export_home() -> None:
-    """Point the engine's paths at the app's data folder (same process, same files)."""
-    os.environ["STRATA_HOME"] = str(data_dir())
+    return AppPaths.default().data_dir
 
 
 def models_dir() -> Path:
-    p = data_dir() / "models"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+    return AppPaths.default().models_dir
 
 
 def sessions_dir() -> Path:
-    p = data_dir() / "sessions"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+    return AppPaths.default().sessions_dir
 
 
 def db_path() -> Path:
-    return data_dir() / "chats.sqlite3"
+    return AppPaths.default().db_path
 
 
 def settings_path() -> Path:
-    return data_dir() / "settings.ini"
+    return AppPaths.default().settings_path

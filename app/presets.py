@@ -16,25 +16,23 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
                                QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
+from engine.sampling import APP_KEYS
+
+from .settings import Sampling
+
 DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
 SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 
 
 @dataclass
-class Preset:
+class Preset(Sampling):
+    """A config: the settings' Sampling fields (system prompt, sampling, context length), a name, the
+    speed projection of chats using it and their speculative decoding."""
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
-    system_prompt: str = "You are a helpful assistant."
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repetition_penalty: float = 1.1
-    max_tokens: int = 512
-    context_length: int = 0          # 0 = the model's own
     speed_projection: bool = True
     speculative: str = "off"         # "off" | "lookup": prompt-lookup speculative decoding (engine/speculative.py)
 
@@ -43,7 +41,11 @@ class Preset:
         return self.id == DEFAULT_ID
 
     def sampling(self) -> dict:
-        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+        return self.request_sampling()
+
+    def sampling_values(self) -> Sampling:
+        """The Sampling part alone."""
+        return Sampling(**{f.name: getattr(self, f.name) for f in fields(Sampling)})
 
     def data(self) -> dict:
         d = asdict(self)
@@ -78,9 +80,8 @@ class PresetManager(QObject):
 
     def default(self) -> Preset:
         s = self.settings()
-        sp = s.sampling
-        return Preset(DEFAULT_ID, DEFAULT_NAME, sp.system_prompt, sp.temperature, sp.top_p, sp.top_k, sp.min_p,
-                      sp.repetition_penalty, sp.max_tokens, sp.context_length, s.steering.on_by_default)
+        return Preset(**asdict(s.sampling), id=DEFAULT_ID, name=DEFAULT_NAME,
+                      speed_projection=s.steering.speed_projection)
 
     def all(self) -> list[Preset]:
         return [self.default()] + [Preset.from_data(pid, name, d) for pid, name, d in self.store.presets()]
@@ -156,11 +157,8 @@ class PresetManager(QObject):
         """Store a config's values (Default's go to the settings' sampling defaults)."""
         if p.is_default:
             s = self.settings()
-            sp = s.sampling
-            sp.system_prompt, sp.temperature, sp.top_p, sp.top_k = p.system_prompt, p.temperature, p.top_p, p.top_k
-            sp.min_p, sp.repetition_penalty, sp.max_tokens = p.min_p, p.repetition_penalty, p.max_tokens
-            sp.context_length = p.context_length
-            s.steering.on_by_default = p.speed_projection
+            s.sampling = p.sampling_values()
+            s.steering.speed_projection = p.speed_projection
             self.save_settings(s)
         else:
             reason = self.check_name(p.name, p.id)

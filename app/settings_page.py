@@ -29,8 +29,10 @@ def _spin(lo, hi, value, step=1, decimals=None, suffix=""):
 class SettingsPage(QDialog):
     saved = Signal(object, object)       # (new Settings, old Settings)
 
-    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None):
+    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None,
+                 save=None):
         super().__init__(parent)
+        self.save = save or settings_mod.save      # (Settings) -> None
         self.setWindowTitle("Strata Settings")
         self.client = client
         self.status = status or {}
@@ -76,7 +78,7 @@ class SettingsPage(QDialog):
         self.mode.addItems(["add", "project"])
         self.mode.setCurrentText(st.mode)
         self.direction = QLineEdit(st.direction, placeholderText="per-layer or single:L")
-        self.cv_on = QCheckBox("On by default in new chats", checked=st.on_by_default)
+        self.cv_on = QCheckBox("On by default in new chats", checked=st.speed_projection)
         steer = QGroupBox("Speed projection (control vectors)")
         f = QFormLayout(steer)
         f.addRow("Files", self.cv_list)
@@ -210,7 +212,7 @@ class SettingsPage(QDialog):
         s.steering.layer_from, s.steering.layer_to = self.layer_from.value(), self.layer_to.value()
         s.steering.mode = self.mode.currentText()
         s.steering.direction = self.direction.text().strip() or "per-layer"
-        s.steering.on_by_default = self.cv_on.isChecked()
+        s.steering.speed_projection = self.cv_on.isChecked()
         sp = s.sampling
         sp.system_prompt = self.system_prompt.toPlainText()
         sp.temperature, sp.top_p, sp.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
@@ -269,6 +271,6 @@ class SettingsPage(QDialog):
 
     def _commit(self, new: Settings) -> None:
         self.clear_error()
-        settings_mod.save(new)
+        self.save(new)
         emit(self.saved, new, self.old)
         self.accept()

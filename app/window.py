@@ -17,11 +17,11 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, Q
 
 from engine.paths import SESSION_EXTENSION
 
-from . import paths
 from . import settings as settings_mod
 from .chat_view import DEFAULT_TITLE, ChatView
 from .engine_thread import EngineClient, EngineThread
 from .model_list import ModelList
+from .paths import AppPaths
 from .presets import DEFAULT_ID, PresetManager, PresetPane
 from .server_control import ServerControl
 from .settings_page import SettingsPage
@@ -87,9 +87,10 @@ class MainWindow(QMainWindow):
     _copied = Signal(str, str)             # model copy finished: (path, error)
 
     def __init__(self, settings: settings_mod.Settings | None = None, offer_fetch: bool = True,
-                 start_engine: bool = True):
+                 start_engine: bool = True, paths: AppPaths | None = None):
         super().__init__()
-        self.settings = settings or settings_mod.load()
+        self.paths = paths or AppPaths.default()
+        self.settings = settings or settings_mod.load(self.paths)
         self.offer_fetch = offer_fetch
         self.setWindowTitle("Strata")
         self.resize(1180, 760)
@@ -98,8 +99,8 @@ class MainWindow(QMainWindow):
         self.model_path = ""
         self.fetch_dialog = None
         self._closed = False
-        self.store = Store(paths.db_path())
-        self.presets = PresetManager(self.store, lambda: self.settings, settings_mod.save, self)
+        self.store = Store(self.paths.db_path)
+        self.presets = PresetManager(self.store, lambda: self.settings, self.save_settings, self)
 
         self.pending_files: list[str] = []   # session files waiting for the model load
         self._status_due = False
@@ -107,7 +108,7 @@ class MainWindow(QMainWindow):
         # the app's own always name theirs).
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
                                           self.settings.steering,
-                                          speed_projection=self.settings.steering.on_by_default, parent=self)
+                                          speed_projection=self.settings.steering.speed_projection, parent=self)
         self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
         self.client = EngineClient(self.engine_thread, self)
         self.server = ServerControl(lambda: self.engine_thread.engine if self.client.is_ready else None, self)
@@ -168,6 +169,9 @@ class MainWindow(QMainWindow):
         if start_engine:
             self.engine_thread.start()
 
+    def save_settings(self, s: settings_mod.Settings) -> None:
+        settings_mod.save(s, self.paths)
+
     # ---- menus -------------------------------------------------------------------------------
     def _build_menus(self) -> None:
         def act(menu, text, slot, shortcut=None):
@@ -197,7 +201,7 @@ class MainWindow(QMainWindow):
 
     # ---- models ------------------------------------------------------------------------------
     def model_folders(self) -> list[str]:
-        return [str(paths.models_dir()), *self.settings.model_folders]
+        return [str(self.paths.models_dir), *self.settings.model_folders]
 
     def _after_scan(self) -> None:
         if not self._scan_first:
@@ -230,7 +234,7 @@ class MainWindow(QMainWindow):
         self.status.showMessage(f"Loaded {Path(self.model_path).name}", 5000)
         if self.settings.model != path:
             self.settings.model = path
-            settings_mod.save(self.settings)
+            self.save_settings(self.settings)
         self.refresh_status()
         emit(self.model_loaded, self.model_path)
         pending, self.pending_files = self.pending_files, []
@@ -278,7 +282,7 @@ class MainWindow(QMainWindow):
             how = "copy" if box.clickedButton() is copy_b else "link" if box.clickedButton() is link_b else None
             if how is None:
                 return
-        dest = paths.models_dir() / src.name
+        dest = self.paths.models_dir / src.name
         if dest.exists():
             self.message_bar.show_message(f"{dest.name} is already in the models folder")
             return
@@ -424,7 +428,7 @@ class MainWindow(QMainWindow):
 
     # ---- settings ----------------------------------------------------------------------------
     def open_settings(self) -> SettingsPage:
-        page = SettingsPage(self.settings, self.client, self.last_status, self)
+        page = SettingsPage(self.settings, self.client, self.last_status, self, save=self.save_settings)
         page.saved.connect(self._on_settings_saved)
         page.setModal(False)
         page.show()
@@ -437,8 +441,8 @@ class MainWindow(QMainWindow):
             self.apply_server_settings()
         if new.model_folders != old.model_folders:
             self.models.refresh()
-        if new.steering.on_by_default != old.steering.on_by_default:
-            self.client.configure(speed_projection=new.steering.on_by_default)
+        if new.steering.speed_projection != old.steering.speed_projection:
+            self.client.configure(speed_projection=new.steering.speed_projection)
         if new.steering != old.steering and self.model_path:
             # A new control vector needs the model reloaded; chats stay as they are.
             self.status.busy("load")
@@ -459,7 +463,7 @@ class MainWindow(QMainWindow):
             self.message_bar.show_message(f"The local server is off: {st['error']}")
             if self.settings.server_enabled and not self._closed:
                 self.settings.server_enabled = False          # it stays off until turned on again
-                settings_mod.save(self.settings)
+                self.save_settings(self.settings)
         emit(self.server_state, st)
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -468,7 +472,7 @@ class MainWindow(QMainWindow):
         if view is None or not view.chat.messages:
             self.message_bar.show_message("This chat has nothing to save yet")
             return
-        default = paths.sessions_dir() / (_safe_name(view.chat.title) + SESSION_EXTENSION)
+        default = self.paths.sessions_dir / (_safe_name(view.chat.title) + SESSION_EXTENSION)
         path, _ = QFileDialog.getSaveFileName(self, "Save Session", str(default),
                                               f"Strata sessions (*{SESSION_EXTENSION})")
         if path:
@@ -500,7 +504,7 @@ class MainWindow(QMainWindow):
         return req
 
     def restore_session_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Restore Session", str(paths.sessions_dir()),
+        path, _ = QFileDialog.getOpenFileName(self, "Restore Session", str(self.paths.sessions_dir),
                                               f"Strata sessions (*{SESSION_EXTENSION})")
         if path:
             self.restore_session(path)
@@ -547,7 +551,7 @@ class MainWindow(QMainWindow):
                                  direction=spec.get("direction", "per-layer"))
         new = dataclasses.replace(self.settings, steering=st)
         self.settings = new
-        settings_mod.save(new)
+        self.save_settings(new)
         self.status.busy("load")
         req = self.client.load_model(self.model_path, steering=st)
         req.progress.connect(self.status.show_progress)

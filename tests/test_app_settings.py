@@ -38,7 +38,7 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     assert s.sampling.temperature == pytest.approx(0.35) and s.sampling.max_tokens == 99
     assert s.sampling.system_prompt == "Be brief."
     assert (s.steering.layer_from, s.steering.layer_to, s.steering.mode, s.steering.direction) == (1, 2, "project", "single:2")
-    assert s.steering.on_by_default is False
+    assert s.steering.speed_projection is False
     assert s.steering.files == [(str(app_home / "cv.gguf"), 0.5)]
     assert s.model_folders == [str(app_home / "more-models")]
     # The engine took the new cache limits.
