@@ -12,12 +12,13 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
-                               QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QHBoxLayout, QInputDialog, QLabel,
+                               QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout,
+                               QWidget)
 
 from engine.sampling import APP_KEYS
 
+from .sampling_form import SamplingForm
 from .settings import Sampling
 
 DEFAULT_ID = "default"
@@ -168,13 +169,6 @@ class PresetManager(QObject):
         emit(self.changed)
 
 
-def _spin(lo, hi, value, step=1, decimals=None):
-    w = QSpinBox(minimum=lo, maximum=hi, singleStep=step) if decimals is None else \
-        QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=decimals)
-    w.setValue(value)
-    return w
-
-
 class PresetDialog(QDialog):
     """Edit one config."""
 
@@ -183,16 +177,7 @@ class PresetDialog(QDialog):
         self.manager, self.preset = manager, preset
         self.setWindowTitle(f"Config: {preset.name}")
         self.name = QLineEdit(preset.name, maxLength=NAME_MAX, enabled=not preset.is_default)
-        self.system_prompt = QPlainTextEdit(preset.system_prompt)
-        self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 5 + 12)
-        self.temperature = _spin(0.0, 5.0, preset.temperature, 0.05, 2)
-        self.top_p = _spin(0.01, 1.0, preset.top_p, 0.05, 2)
-        self.top_k = _spin(0, 1000, preset.top_k)
-        self.min_p = _spin(0.0, 0.99, preset.min_p, 0.01, 2)
-        self.rep = _spin(0.5, 3.0, preset.repetition_penalty, 0.05, 2)
-        self.max_tokens = _spin(1, 32768, preset.max_tokens, 64)
-        self.context_length = _spin(0, 1 << 20, preset.context_length, 512)
-        self.context_length.setSpecialValueText("model's own")
+        self.sampling_form = SamplingForm(preset.sampling_values(), prompt_lines=5)
         self.speed = QCheckBox("Speed projection on in chats using this config", checked=preset.speed_projection)
         self.spec = QComboBox(toolTip="Draft tokens from the conversation itself and check them in one pass: "
                               "faster when replies repeat the prompt (editing code); same output")
@@ -200,16 +185,8 @@ class PresetDialog(QDialog):
             self.spec.addItem(label, value)
         self.spec.setCurrentIndex(max(0, self.spec.findData(preset.speculative)))
         self.error = QLabel(wordWrap=True, visible=False)
-        form = QFormLayout()
-        form.addRow("Name", self.name)
-        form.addRow("System prompt", self.system_prompt)
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Top-k", self.top_k)
-        form.addRow("Min-p", self.min_p)
-        form.addRow("Repetition penalty", self.rep)
-        form.addRow("Max tokens", self.max_tokens)
-        form.addRow("Context length", self.context_length)
+        form = self.sampling_form.form
+        form.insertRow(0, "Name", self.name)
         form.addRow("", self.speed)
         form.addRow("Speculative decoding", self.spec)
         if preset.is_default:
@@ -218,16 +195,14 @@ class PresetDialog(QDialog):
         self.buttons.accepted.connect(self.submit)
         self.buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)
-        lay.addLayout(form)
+        lay.addWidget(self.sampling_form)
         lay.addWidget(self.error)
         lay.addWidget(self.buttons)
 
     def values(self) -> Preset:
         p = Preset.from_data(self.preset.id, self.name.text().strip(), self.preset.data())
-        p.system_prompt = self.system_prompt.toPlainText()
-        p.temperature, p.top_p, p.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
-        p.min_p, p.repetition_penalty = self.min_p.value(), self.rep.value()
-        p.max_tokens, p.context_length = self.max_tokens.value(), self.context_length.value()
+        for k, v in asdict(self.sampling_form.values()).items():
+            setattr(p, k, v)
         p.speed_projection = self.speed.isChecked()
         p.speculative = self.spec.currentData() or "off"
         return p

@@ -85,10 +85,10 @@ def test_app_presets_crud_and_restart(qtbot, window):
     pane.rename_selected("default")                            # names are unique (case-insensitive)
     assert "already a config named" in pane.error.text() and presets.get(a.id).name == "Coder"
     dlg = pane.edit_selected()
-    dlg.system_prompt.setPlainText("You write Python.")
-    dlg.temperature.setValue(0.0)
-    dlg.max_tokens.setValue(5)
-    dlg.context_length.setValue(1024)
+    dlg.sampling_form.system_prompt.setPlainText("You write Python.")
+    dlg.sampling_form.temperature.setValue(0.0)
+    dlg.sampling_form.max_tokens.setValue(5)
+    dlg.sampling_form.context_length.setValue(1024)
     dlg.speed.setChecked(False)
     dlg.submit()
     assert not dlg.isVisible()
@@ -117,7 +117,7 @@ def test_app_presets_crud_and_restart(qtbot, window):
     pane.select("default")
     d = pane.edit_selected()
     assert not d.name.isEnabled()
-    d.system_prompt.setPlainText("Default prompt")
+    d.sampling_form.system_prompt.setPlainText("Default prompt")
     d.submit()
     from app import settings
     assert settings.load().sampling.system_prompt == "Default prompt"
