@@ -8,7 +8,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -76,7 +75,9 @@ def test_app_preset_context_length(qtbot, window):
     assert not view.busy and view.send_btn.isEnabled()
 
 
-def test_app_presets_crud_and_restart(qtbot, window):
+def test_app_presets_crud_and_restart(qtbot, idle_window):
+    """The configs and the tabs using them, across a restart: no engine needed (idle_window)."""
+    window = idle_window
     pane, presets = window.preset_pane, window.presets
     a = pane.new_preset()
     assert a.name == "Config" and pane.current_id() == a.id

@@ -7,7 +7,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -184,8 +183,9 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
 
 
-def test_app_drop_gguf_links_into_models(qtbot, window, tmp_path, tiny_model):
+def test_app_drop_gguf_links_into_models(qtbot, idle_window, tmp_path, tiny_model):
     import shutil
+    window = idle_window
     src = tmp_path / "dropped.gguf"
     shutil.copyfile(tiny_model, src)
     with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):
