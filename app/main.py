@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -117,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
               "close it and try again", file=sys.stderr)
         return 1
     instance.listen()
+    if not os.environ.get("STRATA_HOME"):
+        # This Strata has the data folder: bring over what an older version kept in Qt's own folder.
+        from .paths import adopt_legacy, legacy_data_dir
+        moved = adopt_legacy(app_paths, legacy_data_dir())
+        if moved:
+            logging.getLogger("strata.app").info("moved %s from %s to %s", ", ".join(moved), legacy_data_dir(),
+                                                 app_paths.data_dir)
     queue = app._strata_files
     instance.files_received.connect(lambda fs: [queue.open_file(f) for f in fs])
     window = start_window(app, args.files, app_paths)

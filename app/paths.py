@@ -5,6 +5,7 @@ the models folder is one place for both without touching the environment.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,43 @@ class AppPaths:
     @property
     def settings_path(self) -> Path:
         return self.data_dir / "settings.ini"
+
+
+def legacy_data_dir() -> Path | None:
+    """Where the app kept its files before it used engine.paths' folder: QStandardPaths' AppDataLocation
+    (the application's identity must be set: app.main.set_identity)."""
+    from PySide6.QtCore import QStandardPaths
+    loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
+    return Path(loc) if loc else None
+
+
+_LEGACY_ITEMS = (("settings.ini",), ("chats.sqlite3", "chats.sqlite3-wal", "chats.sqlite3-shm"), ("sessions",),
+                 ("models",))
+
+
+def adopt_legacy(paths: AppPaths, legacy: Path | None) -> list[str]:
+    """Move what an older Strata kept in `legacy` into `paths.data_dir`, each item only where the new
+    folder has none (an empty folder counts as none); a move that fails (another disk) leaves the item
+    where it was. Returns the names moved."""
+    if legacy is None or not legacy.is_dir() or legacy.resolve() == paths.data_dir.resolve():
+        return []
+    moved = []
+    for group in _LEGACY_ITEMS:
+        first_src, first_dst = legacy / group[0], paths.data_dir / group[0]
+        if not first_src.exists():
+            continue
+        if first_dst.is_dir() and not any(first_dst.iterdir()):
+            first_dst.rmdir()
+        if first_dst.exists():
+            continue
+        for name in group:
+            if (legacy / name).exists():
+                try:
+                    os.replace(legacy / name, paths.data_dir / name)
+                except OSError:
+                    break
+                moved.append(name)
+    return moved
 
 
 # Shorthands for the default folder (tests, and callers not handed an AppPaths)

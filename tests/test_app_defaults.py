@@ -69,3 +69,23 @@ def test_the_app_data_folder_is_the_engines():
     p = AppPaths.default()
     assert p.data_dir == engine.paths.data_dir() and p.models_dir == engine.paths.models_dir()
     assert dict(os.environ) == before
+
+
+def test_files_an_older_app_kept_in_qts_folder_move_to_the_one_data_folder(tmp_path):
+    from app.paths import AppPaths, adopt_legacy
+    legacy, new = tmp_path / "Strata" / "Strata", tmp_path / "strata"
+    (legacy / "models").mkdir(parents=True)
+    (legacy / "models" / "m.gguf").write_bytes(b"GGUF")
+    (legacy / "settings.ini").write_text("[app]\n")
+    (legacy / "chats.sqlite3").write_bytes(b"db")
+    (legacy / "chats.sqlite3-wal").write_bytes(b"wal")
+    new.mkdir()
+    (new / "sessions").mkdir()
+    (new / "sessions" / "mine.stratasession").write_bytes(b"x")      # the new folder's own: kept
+    (legacy / "sessions").mkdir()
+    paths = AppPaths(new)
+    assert paths.models_dir.is_dir()                                   # an empty models/ counts as none
+    assert adopt_legacy(paths, legacy) == ["settings.ini", "chats.sqlite3", "chats.sqlite3-wal", "models"]
+    assert (new / "models" / "m.gguf").read_bytes() == b"GGUF" and (new / "chats.sqlite3-wal").exists()
+    assert (legacy / "sessions").is_dir() and (new / "sessions" / "mine.stratasession").exists()
+    assert adopt_legacy(paths, legacy) == [] and adopt_legacy(paths, None) == [] and adopt_legacy(paths, new) == []
