@@ -51,7 +51,8 @@ class FileOpenQueue(QObject):
 
 
 def set_identity(app) -> None:
-    """The names QStandardPaths builds the data folder from: the same for the window and headless runs."""
+    """The application's names (Qt builds its own folders from them; the older data folder, see
+    app.paths.legacy_data_dir, was one)."""
     app.setApplicationName("Strata")
     app.setOrganizationName("Strata")
 

@@ -20,7 +20,7 @@ from .engine_thread import EngineClient, EngineThread
 from .model_library import ModelLibrary
 from .paths import AppPaths
 from .presets import PresetManager, PresetPane
-from .server_control import ServerControl
+from .server_control import ServerControl, server_config
 from .session_controller import SessionController
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
@@ -322,7 +322,3 @@ class MainWindow(QMainWindow):
             self._closed = True
             self.tabs.closed = True
             self.store.close()
-
-
-def server_config(s: settings_mod.Settings) -> tuple | None:
-    return (s.server_host.strip() or "127.0.0.1", int(s.server_port), s.server_api_key) if s.server_enabled else None
