@@ -37,9 +37,6 @@ class Sampling:
         return {k: getattr(self, k) for k in APP_KEYS}
 
 
-assert tuple(f.name for f in fields(Sampling))[:len(APP_KEYS)] == APP_KEYS, "Sampling must follow engine/sampling.py"
-
-
 @dataclass
 class Steering:
     files: list[tuple[str, float]] = field(default_factory=list)   # (path, scale)
