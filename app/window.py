@@ -11,12 +11,13 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QMainWindow, QPushButton, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QMainWindow, QSplitter, QVBoxLayout, QWidget
 
 from . import settings as settings_mod
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
 from .engine_thread import EngineClient, EngineThread
+from .message_bar import MessageBar
 from .model_library import ModelLibrary
 from .paths import AppPaths
 from .presets import PresetManager, PresetPane
@@ -25,44 +26,6 @@ from .session_controller import SessionController
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
-
-
-class MessageBar(QWidget):
-    """A dismissable line at the top of the window for things a person must read (refusals, moves),
-    optionally with one action button (e.g. "Load this vector")."""
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.label = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.action = QPushButton(visible=False)
-        self._action_slot = None
-        self.action.clicked.connect(self._on_action)
-        close = QPushButton("Dismiss", clicked=self.hide)
-        lay = QHBoxLayout(self)
-        lay.setContentsMargins(8, 4, 8, 4)
-        lay.addWidget(self.label, 1)
-        lay.addWidget(self.action)
-        lay.addWidget(close)
-        self.setAutoFillBackground(True)
-        self.setBackgroundRole(self.palette().ColorRole.ToolTipBase)
-        self.label.setForegroundRole(self.palette().ColorRole.ToolTipText)
-        self.hide()
-
-    def show_message(self, text: str, action: str = "", slot=None) -> None:
-        self.label.setText(text)
-        self._action_slot = slot if action else None
-        self.action.setText(action)
-        self.action.setVisible(bool(action and slot))
-        self.show()
-
-    def _on_action(self) -> None:
-        slot, self._action_slot = self._action_slot, None
-        self.hide()
-        if slot is not None:
-            slot()
-
-    def text(self) -> str:
-        return "" if self.isHidden() else self.label.text()
 
 
 class MainWindow(QMainWindow):
