@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +51,8 @@ class FileOpenQueue(QObject):
 
 
 def set_identity(app) -> None:
-    """The names QStandardPaths builds the data folder from: the same for the window and headless runs."""
+    """The application's names (Qt builds its own folders from them; the older data folder, see
+    app.paths.legacy_data_dir, was one)."""
     app.setApplicationName("Strata")
     app.setOrganizationName("Strata")
 
@@ -62,16 +64,14 @@ def make_app(argv=None) -> QApplication:
         app.installEventFilter(app._strata_files)
     set_identity(app)
     app.setApplicationDisplayName("Strata")
-    from .paths import export_home
     from engine.paths import resources_dir
     icon = resources_dir() / "icon.png"
     if icon.exists():
         app.setWindowIcon(QIcon(str(icon)))
-    export_home()
     return app
 
 
-def start_window(app: QApplication, files: list[str]):
+def start_window(app: QApplication, files: list[str], app_paths=None):
     """The window, with `files` (command line) and any Finder open of the launch queued behind the
     model load: what main() does once this process is the one Strata for its data folder."""
     queue = app._strata_files
@@ -79,7 +79,7 @@ def start_window(app: QApplication, files: list[str]):
         queue.open_file(str(Path(f).expanduser().resolve()))
     app.processEvents()          # a Finder open at launch arrives now, before the window exists
     from .window import MainWindow
-    window = MainWindow()
+    window = MainWindow(paths=app_paths)
     window.show()
     queue.set_window(window)
     return window
@@ -98,17 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         from PySide6.QtCore import QCoreApplication
 
         from .model_fetch import fetch_headless
-        from .paths import export_home
         core = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
         set_identity(core)
-        export_home()                # the models folder the window uses
-        return fetch_headless()
+        return fetch_headless()      # into engine.paths' models folder: the one the window uses
     if args.self_test:
         from .self_test import run_self_test
         return run_self_test(args.model)
     app = make_app([sys.argv[0], *qt_args])
+    from .paths import AppPaths
     from .single_instance import SingleInstance
-    instance = SingleInstance()
+    app_paths = AppPaths.default()   # the one data folder (engine.paths), handed to what uses it
+    instance = SingleInstance(app_paths.data_dir)
     if not instance.acquire():
         # Another Strata has this data folder (and its chats database): give it the files, exit.
         if instance.hand_over(args.files):
@@ -119,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
               "close it and try again", file=sys.stderr)
         return 1
     instance.listen()
+    if not os.environ.get("STRATA_HOME"):
+        # This Strata has the data folder: bring over what an older version kept in Qt's own folder.
+        from .paths import adopt_legacy, legacy_data_dir
+        moved = adopt_legacy(app_paths, legacy_data_dir())
+        if moved:
+            logging.getLogger("strata.app").info("moved %s from %s to %s", ", ".join(moved), legacy_data_dir(),
+                                                 app_paths.data_dir)
     queue = app._strata_files
     instance.files_received.connect(lambda fs: [queue.open_file(f) for f in fs])
-    window = start_window(app, args.files)
+    window = start_window(app, args.files, app_paths)
     instance.activated.connect(lambda: (window.showNormal(), window.raise_(), window.activateWindow()))
     try:
         return app.exec()

@@ -12,29 +12,28 @@ import uuid
 from dataclasses import asdict, dataclass, fields
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
-                               QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QHBoxLayout, QInputDialog, QLabel,
+                               QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout,
+                               QWidget)
+
+from engine.sampling import APP_KEYS
+
+from .sampling_form import SamplingForm
+from .settings import Sampling
 
 DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
 SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 
 
 @dataclass
-class Preset:
+class Preset(Sampling):
+    """A config: the settings' Sampling fields (system prompt, sampling, context length), a name, the
+    speed projection of chats using it and their speculative decoding."""
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
-    system_prompt: str = "You are a helpful assistant."
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repetition_penalty: float = 1.1
-    max_tokens: int = 512
-    context_length: int = 0          # 0 = the model's own
     speed_projection: bool = True
     speculative: str = "off"         # "off" | "lookup": prompt-lookup speculative decoding (engine/speculative.py)
 
@@ -43,7 +42,11 @@ class Preset:
         return self.id == DEFAULT_ID
 
     def sampling(self) -> dict:
-        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+        return self.request_sampling()
+
+    def sampling_values(self) -> Sampling:
+        """The Sampling part alone."""
+        return Sampling(**{f.name: getattr(self, f.name) for f in fields(Sampling)})
 
     def data(self) -> dict:
         d = asdict(self)
@@ -78,9 +81,8 @@ class PresetManager(QObject):
 
     def default(self) -> Preset:
         s = self.settings()
-        sp = s.sampling
-        return Preset(DEFAULT_ID, DEFAULT_NAME, sp.system_prompt, sp.temperature, sp.top_p, sp.top_k, sp.min_p,
-                      sp.repetition_penalty, sp.max_tokens, sp.context_length, s.steering.on_by_default)
+        return Preset(**asdict(s.sampling), id=DEFAULT_ID, name=DEFAULT_NAME,
+                      speed_projection=s.steering.speed_projection)
 
     def all(self) -> list[Preset]:
         return [self.default()] + [Preset.from_data(pid, name, d) for pid, name, d in self.store.presets()]
@@ -156,11 +158,8 @@ class PresetManager(QObject):
         """Store a config's values (Default's go to the settings' sampling defaults)."""
         if p.is_default:
             s = self.settings()
-            sp = s.sampling
-            sp.system_prompt, sp.temperature, sp.top_p, sp.top_k = p.system_prompt, p.temperature, p.top_p, p.top_k
-            sp.min_p, sp.repetition_penalty, sp.max_tokens = p.min_p, p.repetition_penalty, p.max_tokens
-            sp.context_length = p.context_length
-            s.steering.on_by_default = p.speed_projection
+            s.sampling = p.sampling_values()
+            s.steering.speed_projection = p.speed_projection
             self.save_settings(s)
         else:
             reason = self.check_name(p.name, p.id)
@@ -168,13 +167,6 @@ class PresetManager(QObject):
                 raise ValueError(reason)
             self.store.save_preset(p.id, p.name, p.data())
         emit(self.changed)
-
-
-def _spin(lo, hi, value, step=1, decimals=None):
-    w = QSpinBox(minimum=lo, maximum=hi, singleStep=step) if decimals is None else \
-        QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=decimals)
-    w.setValue(value)
-    return w
 
 
 class PresetDialog(QDialog):
@@ -185,16 +177,7 @@ class PresetDialog(QDialog):
         self.manager, self.preset = manager, preset
         self.setWindowTitle(f"Config: {preset.name}")
         self.name = QLineEdit(preset.name, maxLength=NAME_MAX, enabled=not preset.is_default)
-        self.system_prompt = QPlainTextEdit(preset.system_prompt)
-        self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 5 + 12)
-        self.temperature = _spin(0.0, 5.0, preset.temperature, 0.05, 2)
-        self.top_p = _spin(0.01, 1.0, preset.top_p, 0.05, 2)
-        self.top_k = _spin(0, 1000, preset.top_k)
-        self.min_p = _spin(0.0, 0.99, preset.min_p, 0.01, 2)
-        self.rep = _spin(0.5, 3.0, preset.repetition_penalty, 0.05, 2)
-        self.max_tokens = _spin(1, 32768, preset.max_tokens, 64)
-        self.context_length = _spin(0, 1 << 20, preset.context_length, 512)
-        self.context_length.setSpecialValueText("model's own")
+        self.sampling_form = SamplingForm(preset.sampling_values(), prompt_lines=5)
         self.speed = QCheckBox("Speed projection on in chats using this config", checked=preset.speed_projection)
         self.spec = QComboBox(toolTip="Draft tokens from the conversation itself and check them in one pass: "
                               "faster when replies repeat the prompt (editing code); same output")
@@ -202,16 +185,8 @@ class PresetDialog(QDialog):
             self.spec.addItem(label, value)
         self.spec.setCurrentIndex(max(0, self.spec.findData(preset.speculative)))
         self.error = QLabel(wordWrap=True, visible=False)
-        form = QFormLayout()
-        form.addRow("Name", self.name)
-        form.addRow("System prompt", self.system_prompt)
-        form.addRow("Temperature", self.temperature)
-        form.addRow("Top-p", self.top_p)
-        form.addRow("Top-k", self.top_k)
-        form.addRow("Min-p", self.min_p)
-        form.addRow("Repetition penalty", self.rep)
-        form.addRow("Max tokens", self.max_tokens)
-        form.addRow("Context length", self.context_length)
+        form = self.sampling_form.form
+        form.insertRow(0, "Name", self.name)
         form.addRow("", self.speed)
         form.addRow("Speculative decoding", self.spec)
         if preset.is_default:
@@ -220,16 +195,14 @@ class PresetDialog(QDialog):
         self.buttons.accepted.connect(self.submit)
         self.buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)
-        lay.addLayout(form)
+        lay.addWidget(self.sampling_form)
         lay.addWidget(self.error)
         lay.addWidget(self.buttons)
 
     def values(self) -> Preset:
         p = Preset.from_data(self.preset.id, self.name.text().strip(), self.preset.data())
-        p.system_prompt = self.system_prompt.toPlainText()
-        p.temperature, p.top_p, p.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
-        p.min_p, p.repetition_penalty = self.min_p.value(), self.rep.value()
-        p.max_tokens, p.context_length = self.max_tokens.value(), self.context_length.value()
+        for k, v in asdict(self.sampling_form.values()).items():
+            setattr(p, k, v)
         p.speed_projection = self.speed.isChecked()
         p.speculative = self.spec.currentData() or "off"
         return p

@@ -16,12 +16,10 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
     from PySide6.QtCore import QCoreApplication, QEventLoop, QTimer
 
     from .engine_thread import EngineClient, EngineThread
-    from .paths import export_home
 
     from .main import set_identity
     app = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
     set_identity(app)
-    export_home()
     if model is None:
         from engine.models import default_model_path
         model = str(default_model_path())

@@ -114,3 +114,8 @@ class ServerControl(QObject):
         if self.server is not None:
             server, self.server, self.config = self.server, None, None
             server.stop(timeout)
+
+
+def server_config(s) -> tuple | None:
+    """What the server runs with from the settings: (host, port, API key), or None when it is off."""
+    return (s.server_host.strip() or "127.0.0.1", int(s.server_port), s.server_api_key) if s.server_enabled else None

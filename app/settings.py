@@ -1,4 +1,8 @@
-"""The app's settings, persisted with QSettings (an INI file in the data folder, so STRATA_HOME isolates tests)."""
+"""The app's settings, persisted with QSettings (an INI file in the data folder, so STRATA_HOME isolates tests).
+
+Nothing here is a second definition: the sampling fields and their defaults are engine/sampling.py's
+table (`APP_FIELDS`), the cache defaults engine/limits.py's, the data folder engine/paths.py's (handed in
+as an `AppPaths`)."""
 from __future__ import annotations
 
 import json
@@ -8,20 +12,29 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 
 from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
+from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 
-from . import paths
+from .paths import AppPaths
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 @dataclass
 class Sampling:
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repetition_penalty: float = 1.1
-    max_tokens: int = 512
-    system_prompt: str = "You are a helpful assistant."
+    """A chat's sampling: the fields of engine/sampling.py's table the app shows (their defaults are
+    the table's `chat_default`), a system prompt and a context length."""
+    temperature: float = CHAT_DEFAULTS["temperature"]
+    top_p: float = CHAT_DEFAULTS["top_p"]
+    top_k: int = CHAT_DEFAULTS["top_k"]
+    min_p: float = CHAT_DEFAULTS["min_p"]
+    repetition_penalty: float = CHAT_DEFAULTS["repetition_penalty"]
+    max_tokens: int = CHAT_DEFAULTS["max_tokens"]
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
     context_length: int = 0      # 0 = the model's own
+
+    def request_sampling(self) -> dict:
+        """What a generate request takes: the table's fields."""
+        return {k: getattr(self, k) for k in APP_KEYS}
 
 
 @dataclass
@@ -31,7 +44,11 @@ class Steering:
     layer_to: int = 0
     mode: str = "add"            # add | project
     direction: str = "per-layer"  # per-layer | single:L
-    on_by_default: bool = True
+    speed_projection: bool = True  # new chats (the Default config) start with it on
+
+
+# Keys written by older versions: read when the new one is absent
+_OLD_KEYS = {"steering/speed_projection": "steering/on_by_default"}
 
 
 @dataclass
@@ -48,8 +65,8 @@ class Settings:
     steering: Steering = field(default_factory=Steering)
 
 
-def _qsettings() -> QSettings:
-    return QSettings(str(paths.settings_path()), QSettings.Format.IniFormat)
+def _qsettings(paths: AppPaths | None = None) -> QSettings:
+    return QSettings(str((paths or AppPaths.default()).settings_path), QSettings.Format.IniFormat)
 
 
 def _coerce(value, default):
@@ -94,8 +111,14 @@ def defaults() -> Settings:
     return s
 
 
-def load() -> Settings:
-    q = _qsettings()
+def _value(q: QSettings, key: str):
+    if not q.contains(key) and key in _OLD_KEYS:
+        key = _OLD_KEYS[key]
+    return q.value(key)
+
+
+def load(paths: AppPaths | None = None) -> Settings:
+    q = _qsettings(paths)
     s = defaults()
     for f in fields(Settings):
         if f.name in ("sampling", "steering"):
@@ -109,7 +132,7 @@ def load() -> Settings:
     for f in fields(Steering):
         if f.name == "files":
             continue
-        setattr(s.steering, f.name, _coerce(q.value(f"steering/{f.name}"), getattr(s.steering, f.name)))
+        setattr(s.steering, f.name, _coerce(_value(q, f"steering/{f.name}"), getattr(s.steering, f.name)))
     if not q.contains("steering/files"):
         return s            # never saved: keep the shipped default vector
     files = _coerce(q.value("steering/files"), [])
@@ -121,8 +144,8 @@ def load() -> Settings:
     return s
 
 
-def save(s: Settings) -> None:
-    q = _qsettings()
+def save(s: Settings, paths: AppPaths | None = None) -> None:
+    q = _qsettings(paths)
     for k, v in asdict(s).items():
         if k in ("sampling", "steering"):
             continue
@@ -133,4 +156,6 @@ def save(s: Settings) -> None:
         if k != "files":
             q.setValue(f"steering/{k}", v)
     q.setValue("steering/files", [f"{p}|{scale}" for p, scale in s.steering.files])
+    for old in _OLD_KEYS.values():
+        q.remove(old)
     q.sync()

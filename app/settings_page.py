@@ -7,30 +7,24 @@ from .qt_compat import emit
 import copy
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
-                               QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
+                               QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
+                               QVBoxLayout, QWidget)
 
 from engine.limits import SLOTS_MAX
 
 from . import settings as settings_mod
+from .sampling_form import SamplingForm, spin
 from .settings import Settings
-
-
-def _spin(lo, hi, value, step=1, decimals=None, suffix=""):
-    if decimals is None:
-        w = QSpinBox(minimum=lo, maximum=hi, singleStep=step, suffix=suffix)
-    else:
-        w = QDoubleSpinBox(minimum=lo, maximum=hi, singleStep=step, decimals=decimals, suffix=suffix)
-    w.setValue(value)
-    return w
 
 
 class SettingsPage(QDialog):
     saved = Signal(object, object)       # (new Settings, old Settings)
 
-    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None):
+    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None,
+                 save=None):
         super().__init__(parent)
+        self.save = save or settings_mod.save      # (Settings) -> None
         self.setWindowTitle("Strata Settings")
         self.client = client
         self.status = status or {}
@@ -41,10 +35,10 @@ class SettingsPage(QDialog):
 
         # Conversation cache: the field holds only what the engine takes (engine.limits: 0..half of RAM)
         self.cache_range = self._cache_range(status)
-        self.cache_mib = _spin(0, self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22,
+        self.cache_mib = spin(0, self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22,
                                min(max(s.cache_mib, 0), self.cache_range.max_mib or 1 << 22), 256, suffix=" MiB")
         self.cache_mib.setToolTip(f"Conversation cache cap: {self.cache_range.describe()}; 0 turns it off")
-        self.cache_slots = _spin(1, SLOTS_MAX, s.cache_slots)
+        self.cache_slots = spin(1, SLOTS_MAX, s.cache_slots)
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
         cache = QGroupBox("Conversation cache")
         f = QFormLayout(cache)
@@ -57,7 +51,7 @@ class SettingsPage(QDialog):
         self.cv_list = QListWidget(maximumHeight=80)
         for path, scale in st.files:
             self._add_cv(path, scale)
-        self.cv_scale = _spin(-10.0, 10.0, 1.0, 0.1, decimals=2)
+        self.cv_scale = spin(-10.0, 10.0, 1.0, 0.1, decimals=2)
         add_cv = QPushButton("Add file…", clicked=self._pick_cv)
         rm_cv = QPushButton("Remove", clicked=lambda: self.cv_list.takeItem(self.cv_list.currentRow()))
         cv_row = QHBoxLayout()
@@ -65,8 +59,8 @@ class SettingsPage(QDialog):
         cv_row.addWidget(self.cv_scale)
         cv_row.addWidget(add_cv)
         cv_row.addWidget(rm_cv)
-        self.layer_from = _spin(0, 999, st.layer_from)
-        self.layer_to = _spin(0, 999, st.layer_to)
+        self.layer_from = spin(0, 999, st.layer_from)
+        self.layer_to = spin(0, 999, st.layer_to)
         layers = QHBoxLayout()
         layers.addWidget(self.layer_from)
         layers.addWidget(QLabel("to"))
@@ -76,7 +70,7 @@ class SettingsPage(QDialog):
         self.mode.addItems(["add", "project"])
         self.mode.setCurrentText(st.mode)
         self.direction = QLineEdit(st.direction, placeholderText="per-layer or single:L")
-        self.cv_on = QCheckBox("On by default in new chats", checked=st.on_by_default)
+        self.cv_on = QCheckBox("On by default in new chats", checked=st.speed_projection)
         steer = QGroupBox("Speed projection (control vectors)")
         f = QFormLayout(steer)
         f.addRow("Files", self.cv_list)
@@ -86,32 +80,15 @@ class SettingsPage(QDialog):
         f.addRow("Direction", self.direction)
         f.addRow("", self.cv_on)
 
-        # Sampling defaults
-        sp = s.sampling
-        self.system_prompt = QPlainTextEdit(sp.system_prompt, maximumHeight=60)
-        self.temperature = _spin(0.0, 5.0, sp.temperature, 0.05, decimals=2)
-        self.top_p = _spin(0.01, 1.0, sp.top_p, 0.05, decimals=2)
-        self.top_k = _spin(0, 1000, sp.top_k)
-        self.min_p = _spin(0.0, 0.99, sp.min_p, 0.01, decimals=2)
-        self.rep = _spin(0.5, 3.0, sp.repetition_penalty, 0.05, decimals=2)
-        self.max_tokens = _spin(1, 32768, sp.max_tokens, 64)
-        self.context_length = _spin(0, 1 << 20, sp.context_length, 512)
-        self.context_length.setSpecialValueText("model's own")
+        # Sampling defaults: the form a config's dialog uses too
+        self.sampling_form = SamplingForm(s.sampling, prompt_lines=2)
         samp = QGroupBox("Sampling defaults (the Default config)")
-        f = QFormLayout(samp)
-        f.addRow("System prompt", self.system_prompt)
-        f.addRow("Temperature", self.temperature)
-        f.addRow("Top-p", self.top_p)
-        f.addRow("Top-k", self.top_k)
-        f.addRow("Min-p", self.min_p)
-        f.addRow("Repetition penalty", self.rep)
-        f.addRow("Max tokens", self.max_tokens)
-        f.addRow("Context length", self.context_length)
+        QVBoxLayout(samp).addWidget(self.sampling_form)
 
         # The OpenAI-compatible server
         self.server_on = QCheckBox("Serve the loaded model over the OpenAI API", checked=s.server_enabled)
         self.server_host = QLineEdit(s.server_host, placeholderText="127.0.0.1")
-        self.server_port = _spin(1, 65535, s.server_port)
+        self.server_port = spin(1, 65535, s.server_port)
         self.server_key = QLineEdit(s.server_api_key, placeholderText="none (no key needed)")
         self.server_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.server_url = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -210,12 +187,8 @@ class SettingsPage(QDialog):
         s.steering.layer_from, s.steering.layer_to = self.layer_from.value(), self.layer_to.value()
         s.steering.mode = self.mode.currentText()
         s.steering.direction = self.direction.text().strip() or "per-layer"
-        s.steering.on_by_default = self.cv_on.isChecked()
-        sp = s.sampling
-        sp.system_prompt = self.system_prompt.toPlainText()
-        sp.temperature, sp.top_p, sp.top_k = self.temperature.value(), self.top_p.value(), self.top_k.value()
-        sp.min_p, sp.repetition_penalty, sp.max_tokens = self.min_p.value(), self.rep.value(), self.max_tokens.value()
-        sp.context_length = self.context_length.value()
+        s.steering.speed_projection = self.cv_on.isChecked()
+        s.sampling = self.sampling_form.values()
         s.server_enabled, s.server_port = self.server_on.isChecked(), self.server_port.value()
         s.server_host, s.server_api_key = self.server_host.text().strip() or "127.0.0.1", self.server_key.text().strip()
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
@@ -269,6 +242,6 @@ class SettingsPage(QDialog):
 
     def _commit(self, new: Settings) -> None:
         self.clear_error()
-        settings_mod.save(new)
+        self.save(new)
         emit(self.saved, new, self.old)
         self.accept()

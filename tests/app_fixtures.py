@@ -1,7 +1,11 @@
-"""Shared fixtures of the app tests (import them: `from app_fixtures import *`).
+"""Fixtures of the app tests, loaded for every test file by tests/conftest.py (`pytest_plugins`);
+the helpers (open_window, send_and_wait, the timeouts) are imported by name.
 
-Every test gets its own STRATA_HOME holding a tiny random-weight GGUF in models/ and settings that
-keep replies short; `window` is a real MainWindow driving the real engine thread with that model.
+`app_home`: an own STRATA_HOME holding a tiny random-weight GGUF in models/ and settings that keep
+replies short. `window`: a real MainWindow driving the real engine thread with that model (journeys,
+where the engine matters). `idle_window`: the same window with no engine thread started (the tabs,
+configs, stores and dialogs alone). `fake_client`: tests/fake_engine.py's FakeClient, for widget tests
+of a page or pane where the engine adds nothing.
 """
 from __future__ import annotations
 
@@ -57,6 +61,19 @@ def window(qtbot, app_home):
     w.close()
 
 
+@pytest.fixture
+def idle_window(qtbot, app_home):
+    w = open_window(qtbot, start_engine=False)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def fake_client():
+    from fake_engine import FakeClient
+    return FakeClient()
+
+
 def send_and_wait(qtbot, view, text: str) -> dict:
     with qtbot.waitSignal(view.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
         view.input.setPlainText(text)
@@ -65,11 +82,14 @@ def send_and_wait(qtbot, view, text: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _bool_refcounts():
+def _bool_refcounts(request):
     """PySide6 6.12 drops a reference to True/False in emit() and disconnect() (see app/qt_compat.py);
-    pytest-qt's waitSignal calls both. Give back what a test lost so the interpreter survives."""
+    pytest-qt's waitSignal calls both. Give back what a Qt test lost so the interpreter survives."""
     import ctypes
     import sys
+    if "qtbot" not in request.fixturenames and request.node.get_closest_marker("gui") is None:
+        yield
+        return
     before = {b: sys.getrefcount(b) for b in (True, False)}
     yield
     for b, n in before.items():

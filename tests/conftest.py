@@ -12,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The app tests' fixtures (app_home, window, fake_client...) and helpers: tests/app_fixtures.py
+pytest_plugins = ["app_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:

@@ -9,7 +9,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 from PySide6.QtCore import QTimer  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui

@@ -20,7 +20,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 from PySide6.QtCore import Qt  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import LOAD_TIMEOUT_MS  # noqa: E402
 from local_index import WHEEL_NAME, LocalIndex  # noqa: E402
 from local_index import make_wheel as make_index_wheel  # noqa: E402

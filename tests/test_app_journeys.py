@@ -14,7 +14,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -31,12 +30,12 @@ def tiny_vector(tmp_path_factory) -> Path:
     return path
 
 
-def configure(*, vector: Path | None, on_by_default: bool, **app) -> None:
+def configure(*, vector: Path | None, speed_projection: bool, **app) -> None:
     """Settings as a user leaves them: a vector configured (or none), its "on by default" box."""
     from app import settings
     s = settings.load()
     s.steering.files = [(str(vector), 1.0)] if vector else []
-    s.steering.on_by_default = on_by_default
+    s.steering.speed_projection = speed_projection
     for k, v in app.items():
         setattr(s, k, v)
     settings.save(s)
@@ -73,7 +72,7 @@ def engine_status(w) -> dict:
 def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_home, tiny_vector, tmp_path):
     """The shipped setup: a vector configured, "on by default" unticked. A plain chat's session
     restores after a restart, whatever another tab did with the projection in between."""
-    configure(vector=tiny_vector, on_by_default=False)
+    configure(vector=tiny_vector, speed_projection=False)
     w = launch(qtbot)
     plain = w.current_view()
     assert not plain.projection.isChecked()
@@ -103,7 +102,7 @@ def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_hom
 
 
 def test_restore_sets_the_tabs_toggle_to_the_files_setting(qtbot, app_home, tiny_vector, tmp_path):
-    configure(vector=tiny_vector, on_by_default=False)
+    configure(vector=tiny_vector, speed_projection=False)
     w = launch(qtbot)
     try:
         view = w.current_view()
@@ -127,14 +126,14 @@ def test_restore_sets_the_tabs_toggle_to_the_files_setting(qtbot, app_home, tiny
 
 def test_a_file_needing_a_vector_not_loaded_is_refused_naming_it_and_offers_it(qtbot, app_home, tiny_vector,
                                                                               tmp_path):
-    configure(vector=tiny_vector, on_by_default=True)
+    configure(vector=tiny_vector, speed_projection=True)
     w = launch(qtbot)
     send_and_wait(qtbot, w.current_view(), "Steered from the start")
     path = tmp_path / "needs-vector.stratasession"
     save(qtbot, w, w.current_view(), path)
     w.close()
 
-    configure(vector=None, on_by_default=True)
+    configure(vector=None, speed_projection=True)
     again = launch(qtbot)
     try:
         n = again.tabs.count()
@@ -265,7 +264,7 @@ def test_save_a_chat_carried_over_from_before_a_restart(qtbot, app_home, tmp_pat
 # ------------------------------------------------------------------ side requests and slots
 
 def test_titles_take_no_slot_and_run_unsteered_and_regenerate_reuses_its_slot(qtbot, app_home, tiny_vector):
-    configure(vector=tiny_vector, on_by_default=True, cache_slots=2)
+    configure(vector=tiny_vector, speed_projection=True, cache_slots=2)
     w = launch(qtbot)
     try:
         a = w.current_view()

@@ -8,7 +8,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -76,7 +75,9 @@ def test_app_preset_context_length(qtbot, window):
     assert not view.busy and view.send_btn.isEnabled()
 
 
-def test_app_presets_crud_and_restart(qtbot, window):
+def test_app_presets_crud_and_restart(qtbot, idle_window):
+    """The configs and the tabs using them, across a restart: no engine needed (idle_window)."""
+    window = idle_window
     pane, presets = window.preset_pane, window.presets
     a = pane.new_preset()
     assert a.name == "Config" and pane.current_id() == a.id
@@ -85,10 +86,10 @@ def test_app_presets_crud_and_restart(qtbot, window):
     pane.rename_selected("default")                            # names are unique (case-insensitive)
     assert "already a config named" in pane.error.text() and presets.get(a.id).name == "Coder"
     dlg = pane.edit_selected()
-    dlg.system_prompt.setPlainText("You write Python.")
-    dlg.temperature.setValue(0.0)
-    dlg.max_tokens.setValue(5)
-    dlg.context_length.setValue(1024)
+    dlg.sampling_form.system_prompt.setPlainText("You write Python.")
+    dlg.sampling_form.temperature.setValue(0.0)
+    dlg.sampling_form.max_tokens.setValue(5)
+    dlg.sampling_form.context_length.setValue(1024)
     dlg.speed.setChecked(False)
     dlg.submit()
     assert not dlg.isVisible()
@@ -117,7 +118,7 @@ def test_app_presets_crud_and_restart(qtbot, window):
     pane.select("default")
     d = pane.edit_selected()
     assert not d.name.isEnabled()
-    d.system_prompt.setPlainText("Default prompt")
+    d.sampling_form.system_prompt.setPlainText("Default prompt")
     d.submit()
     from app import settings
     assert settings.load().sampling.system_prompt == "Default prompt"

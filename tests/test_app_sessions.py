@@ -12,7 +12,6 @@ from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDragEnterEvent, QDropEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui

@@ -7,7 +7,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
-from app_fixtures import *  # noqa: E402,F401,F403
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -21,9 +20,9 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     assert "GiB available" in page.guard.text()
     page.cache_mib.setValue(512)
     page.cache_slots.setValue(3)
-    page.temperature.setValue(0.35)
-    page.max_tokens.setValue(99)
-    page.system_prompt.setPlainText("Be brief.")
+    page.sampling_form.temperature.setValue(0.35)
+    page.sampling_form.max_tokens.setValue(99)
+    page.sampling_form.system_prompt.setPlainText("Be brief.")
     page.layer_from.setValue(1)
     page.layer_to.setValue(2)
     page.mode.setCurrentText("project")
@@ -38,7 +37,7 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     assert s.sampling.temperature == pytest.approx(0.35) and s.sampling.max_tokens == 99
     assert s.sampling.system_prompt == "Be brief."
     assert (s.steering.layer_from, s.steering.layer_to, s.steering.mode, s.steering.direction) == (1, 2, "project", "single:2")
-    assert s.steering.on_by_default is False
+    assert s.steering.speed_projection is False
     assert s.steering.files == [(str(app_home / "cv.gguf"), 0.5)]
     assert s.model_folders == [str(app_home / "more-models")]
     # The engine took the new cache limits.
@@ -184,8 +183,9 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
 
 
-def test_app_drop_gguf_links_into_models(qtbot, window, tmp_path, tiny_model):
+def test_app_drop_gguf_links_into_models(qtbot, idle_window, tmp_path, tiny_model):
     import shutil
+    window = idle_window
     src = tmp_path / "dropped.gguf"
     shutil.copyfile(tiny_model, src)
     with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):

@@ -41,7 +41,7 @@ from ..api import GenerateRequest, Generation, RestoreSession, SaveSession
 from ..errors import ErrorCode, SessionRefusal, StrataError
 from ..events import Done, Failed, Progress, Token
 from ..paths import SESSION_EXTENSION
-from ..sampling import SamplingError, SamplingParams
+from ..sampling import FIELD, FIELDS, SamplingError, SamplingParams
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -149,17 +149,13 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     if max_tokens is None:
         name = "max_tokens"
     max_tokens = _number(body, name, default_max_tokens, lo=1, integer=True)
-    return SamplingParams(
-        temperature=float(_number(body, "temperature", 1.0, lo=0, hi=2)),
-        top_p=float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
-        # llama.cpp-style extras many local clients send
-        top_k=_number(body, "top_k", 0, lo=0, integer=True),
-        min_p=float(_number(body, "min_p", 0.0, lo=0, hi=0.999999)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True)),
-        seed=_number(body, "seed", None, integer=True),
-        max_tokens=max_tokens,
-        stop=_stop(body),
-    )
+    # The fields, their defaults (OpenAI's) and ranges come from engine/sampling.py's table; top_k,
+    # min_p and repetition_penalty are llama.cpp-style extras many local clients send.
+    values = {f.name: _number(body, f.name, f.api_default, lo=f.lo, hi=f.api_hi, integer=f.kind is int,
+                              lo_open=f.lo_open) for f in FIELDS if f.name not in ("seed", "max_tokens")}
+    values = {k: float(v) if FIELD[k].kind is float else v for k, v in values.items()}
+    values["seed"] = _number(body, "seed", None, integer=True)
+    return SamplingParams(**values, max_tokens=max_tokens, stop=_stop(body))
 
 
 def _speculative(body: dict) -> str:

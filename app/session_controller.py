@@ -1,0 +1,200 @@
+"""Session files: save a tab's conversation, restore one into a new tab (offering to load the control
+vector a file needs), open files from the command line, Finder, another launch or a drop (queued until
+a model is loaded), and the drag-and-drop that brings them."""
+from __future__ import annotations
+
+from .qt_compat import emit
+
+import dataclasses
+from pathlib import Path
+
+from PySide6.QtCore import QEvent, QObject, Signal
+from PySide6.QtWidgets import QFileDialog
+
+from engine.paths import SESSION_EXTENSION
+
+from .chat_view import DEFAULT_TITLE, ChatView
+from .store import Chat
+
+
+def local_files(mime) -> list[Path]:
+    if not mime.hasUrls():
+        return []
+    return [Path(u.toLocalFile()) for u in mime.urls() if u.isLocalFile()]
+
+
+def is_openable(p: Path) -> bool:
+    return p.suffix.lower() in (SESSION_EXTENSION, ".gguf")
+
+
+def safe_name(title: str) -> str:
+    keep = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()
+    return keep[:60] or "session"
+
+
+class SessionController(QObject):
+    """Works on `tabs` (ChatTabs) with `client`; reports to `status` and `tell(text, action, slot)`
+    (the message bar's show_message); `library` (ModelLibrary) loads a file's control vector; `settings()`/`save_settings(s)`
+    are the window's settings. Dialogs are parented to `parent` (the window)."""
+    restored = Signal(object)          # the ChatView created from a session file
+    saved = Signal(str)
+    refused = Signal(str)
+    status_changed = Signal()          # the engine's K/V changed: ask for its status
+
+    def __init__(self, paths, client, tabs, library, settings, save_settings, status, tell, parent=None):
+        super().__init__(parent)
+        self.paths = paths
+        self.client = client
+        self.tabs = tabs
+        self.library = library
+        self.settings = settings
+        self.save_settings = save_settings
+        self.status = status
+        self.tell = tell
+        self.pending_files: list[str] = []   # session files waiting for the model load
+
+    # ---- save ------------------------------------------------------------------------------------
+    def save_session_dialog(self) -> None:
+        view = self.tabs.current_view()
+        if view is None or not view.chat.messages:
+            self.tell("This chat has nothing to save yet")
+            return
+        default = self.paths.sessions_dir / (safe_name(view.chat.title) + SESSION_EXTENSION)
+        path, _ = QFileDialog.getSaveFileName(self.parent(), "Save Session", str(default),
+                                              f"Strata sessions (*{SESSION_EXTENSION})")
+        if path:
+            if not path.endswith(SESSION_EXTENSION):
+                path += SESSION_EXTENSION
+            self.save_session(view, path)
+
+    def save_session(self, view: ChatView, path: str):
+        """Save a tab's conversation with the steering its K/V has (the tab's toggle). When the engine
+        no longer holds it (evicted, or a chat from before a restart) it is read again first: the
+        tab's bar shows that, with Cancel."""
+        self.status.busy("save")
+        req = self.client.save_session(path, messages=view.request_messages(),
+                                       speed_projection=view.projection.isChecked(),
+                                       conversation=view.conversation)
+        req.progress.connect(self.status.show_progress)
+        view.track(req, "Saving session")
+
+        def done(r):
+            self.status.hide_progress()
+            again = " (read again)" if r.get("reread") else ""
+            self.status.showMessage(f"Saved {Path(path).name}{again}: {r.get('session_bytes', 0) / (1 << 20):.1f} "
+                                    f"MiB in {r.get('save_ms', 0):.0f} ms", 8000)
+            emit(self.status_changed)
+            emit(self.saved, path)
+        req.done.connect(done)
+        req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"Session not saved: {m}")))
+        return req
+
+    # ---- restore ---------------------------------------------------------------------------------
+    def restore_session_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self.parent(), "Restore Session", str(self.paths.sessions_dir),
+                                              f"Strata sessions (*{SESSION_EXTENSION})")
+        if path:
+            self.restore_session(path)
+
+    def restore_session(self, path: str):
+        """Restore a session into a new tab, with the steering the file was saved with (the tab's
+        toggle follows it). A file needing a vector the app has not loaded is refused, naming it,
+        with an offer to load it when that file is on this machine."""
+        name = Path(path).name
+        chat = Chat()                   # its id names the restored K/V's owner
+        self.status.busy("restore")
+        req = self.client.restore_session(path, conversation=f"chat-{chat.id}")
+        req.progress.connect(self.status.show_progress)
+        req.done.connect(lambda r: self._on_restored(r, path, chat))
+
+        def refused(m):
+            self.status.hide_progress()
+            self.tell(f"{name} was not restored: {m}")
+            if "control vector" in m and "load " in m:
+                self._offer_vector(path, m)
+            emit(self.refused, m)
+        req.failed.connect(refused)
+        return req
+
+    def _offer_vector(self, path: str, message: str) -> None:
+        """Ask the file which vector it needs; when its files are here, offer to load it and retry."""
+        req = self.client.session_steering(path)
+
+        def got(r):
+            spec = r.get("value") or {}
+            files = [(str(p), float(sc)) for p, sc in spec.get("files") or []]
+            if not files or not all(Path(p).is_file() for p, _ in files):
+                return
+            self.tell(f"{Path(path).name} was not restored: {message}", "Load it and restore",
+                      lambda: self.load_vector_and_restore(spec, path))
+        req.done.connect(got)
+
+    def load_vector_and_restore(self, spec: dict, path: str):
+        """Make the file's control vector the configured one (saved in the settings), reload the
+        model with it, then restore the file."""
+        lr = spec.get("layer_range") or (0, 0)
+        s = self.settings()
+        st = dataclasses.replace(s.steering, files=[(str(p), float(sc)) for p, sc in spec.get("files") or []],
+                                 layer_from=int(lr[0]), layer_to=int(lr[1]), mode=spec.get("mode", "add"),
+                                 direction=spec.get("direction", "per-layer"))
+        self.save_settings(dataclasses.replace(s, steering=st))
+        return self.library.reload(st, "The control vector was not loaded", then=lambda: self.restore_session(path))
+
+    def _on_restored(self, r: dict, path: str, chat: Chat | None = None) -> None:
+        self.status.hide_progress()
+        messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.get("messages") or []]
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
+        chat = chat or Chat()
+        chat.title, chat.messages = title or first[:30], messages
+        # The tab's toggle is the file's setting: its follow-ups extend the restored K/V.
+        chat.config = dict(self.tabs.chat_config(), session=path, speed_projection=bool(r.get("speed_projection")))
+        view = self.tabs.add_chat_tab(chat)
+        steer = "speed projection on" if r.get("speed_projection") else "speed projection off"
+        view.add_note(f"restored {r.get('restored_tokens', 0)} tokens in {r.get('restore_ms', 0):.0f} ms "
+                      f"from {Path(path).name} ({steer})")
+        emit(self.status_changed)
+        emit(self.restored, view)
+
+    # ---- opening files -----------------------------------------------------------------------------
+    def open_file(self, path: str) -> None:
+        """A file from the command line, Finder, the Dock, another launch or a drop: a session is
+        restored once a model is loaded (queued until then), a model is added."""
+        p = Path(path)
+        if p.suffix.lower() == SESSION_EXTENSION:
+            if not self.library.model_path:
+                self.pending_files.append(str(p))
+                self.status.showMessage(f"{p.name} opens when the model is loaded", 8000)
+                return
+            self.restore_session(str(p))
+        elif p.suffix.lower() == ".gguf":
+            self.library.add_model_file(p)
+        else:
+            self.tell(f"{p.name}: Strata opens {SESSION_EXTENSION} sessions and .gguf models")
+
+    def open_pending(self, *_model) -> None:
+        """The files opened at launch / from Finder before the model was in."""
+        pending, self.pending_files = self.pending_files, []
+        for p in pending:
+            self.open_file(p)
+
+    # ---- drag and drop ----------------------------------------------------------------------------
+    def accept_drops_on(self, widget) -> None:
+        """Session files and models dropped on `widget` open here."""
+        widget.setAcceptDrops(True)
+        widget.installEventFilter(self)
+
+    def eventFilter(self, obj: QObject, e: QEvent) -> bool:  # noqa: N802
+        t = e.type()
+        if t in (QEvent.Type.DragEnter, QEvent.Type.DragMove):
+            if any(is_openable(p) for p in local_files(e.mimeData())):
+                e.acceptProposedAction()
+                return True
+        elif t == QEvent.Type.Drop:
+            files = local_files(e.mimeData())
+            if any(is_openable(p) for p in files):
+                e.acceptProposedAction()
+                for p in files:
+                    self.open_file(str(p))
+                return True
+        return super().eventFilter(obj, e)

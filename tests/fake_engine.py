@@ -1,0 +1,88 @@
+"""A small fake of app/engine_thread.EngineClient for widget tests where the engine adds nothing: each
+call is recorded in `calls` as (method, args, kwargs) and answered on the next turn of the event loop
+with `answers[method]` (a result for `done`, or a `Refusal` for `failed`), `{}` when none is set."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+
+@dataclass
+class Refusal:
+    message: str
+
+
+class FakeRequest(QObject):
+    """The signals of engine_thread.Request."""
+    token = Signal(str)
+    progress = Signal(str, object, object)
+    log = Signal(str)
+    done = Signal(object)
+    failed = Signal(str)
+    finished = Signal()
+
+    def __init__(self, kind: str, answer, parent: QObject | None = None):
+        super().__init__(parent)
+        self.kind = kind
+        self.result = None
+        self.error = None
+        self.cancelled = False
+        QTimer.singleShot(0, self, lambda: self._answer(answer))
+
+    def _answer(self, answer) -> None:
+        if self.cancelled:
+            return
+        if isinstance(answer, Refusal):
+            self.error = answer.message
+            self.failed.emit(answer.message)
+        else:
+            self.result = answer
+            self.done.emit(answer)
+        self.finished.emit()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeClient(QObject):
+    ready = Signal()
+    kv_changed = Signal()
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.calls: list[tuple[str, tuple, dict]] = []
+        self.answers: dict[str, object] = {}
+        self.is_ready = True
+
+    def names(self) -> list[str]:
+        return [name for name, _a, _k in self.calls]
+
+    def _call(self, name: str, *args, **kw) -> FakeRequest:
+        self.calls.append((name, args, kw))
+        answer = self.answers.get(name, {})
+        return FakeRequest(name, answer(*args, **kw) if callable(answer) else answer, self)
+
+    def generate(self, messages, sampling, conversation="", **kw):
+        return self._call("generate", messages, sampling, conversation=conversation, **kw)
+
+    def load_model(self, path, steering="keep"):
+        return self._call("load_model", path, steering=steering)
+
+    def configure(self, **kw):
+        return self._call("configure", **kw)
+
+    def count_prompt_tokens(self, messages):
+        return self._call("count_prompt_tokens", messages)
+
+    def status(self):
+        return self._call("status")
+
+    def save_session(self, path, **kw):
+        return self._call("save_session", path, **kw)
+
+    def restore_session(self, path, **kw):
+        return self._call("restore_session", path, **kw)
+
+    def session_steering(self, path):
+        return self._call("session_steering", path)

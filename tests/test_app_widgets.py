@@ -1,0 +1,215 @@
+"""Widget-level tests where the engine adds nothing: the sampling form, the settings page and the
+configs pane on tests/fake_engine.py's FakeClient, the status bar, and the session controller's file
+opening. Fast: no engine thread, no model."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+from fake_engine import Refusal  # noqa: E402
+
+pytestmark = pytest.mark.gui
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def qapp_ready(qtbot):
+    from app.main import make_app
+    make_app()
+    return qtbot
+
+
+def status_reading(parked_entries=0, parked_bytes=0, total=16 * GIB) -> dict:
+    return {"memory": {"available_bytes": total // 2, "total_bytes": total, "source": "test"},
+            "parking": {"entries": parked_entries, "bytes": parked_bytes, "cap_bytes": 1024 << 20, "slots": 4}}
+
+
+# ---- the sampling form -------------------------------------------------------------------------------
+def test_sampling_form_fields_come_from_the_engine_table(qapp_ready):
+    from app.sampling_form import SamplingForm
+    from app.settings import Sampling
+    from engine.sampling import APP_FIELDS
+    form = SamplingForm(Sampling())
+    qapp_ready.addWidget(form)
+    assert list(form.spins) == [f.name for f in APP_FIELDS]
+    for f in APP_FIELDS:
+        w = getattr(form, f.name)
+        lo, hi, step, _decimals = f.form
+        assert (w.minimum(), w.maximum(), w.singleStep()) == pytest.approx((lo, hi, step))
+        assert w.value() == pytest.approx(f.chat_default)
+    assert form.values() == Sampling()
+    form.temperature.setValue(0.3)
+    form.top_k.setValue(7)
+    form.system_prompt.setPlainText("Short answers.")
+    form.context_length.setValue(4096)
+    v = form.values()
+    assert (v.temperature, v.top_k, v.system_prompt, v.context_length) == (pytest.approx(0.3), 7, "Short answers.", 4096)
+    form.set_values(Sampling())
+    assert form.values() == Sampling()
+
+
+def test_the_settings_page_and_a_config_dialog_use_the_same_form(qapp_ready, app_home, fake_client):
+    from app import settings
+    from app.presets import PresetDialog, PresetManager
+    from app.sampling_form import SamplingForm
+    from app.settings_page import SettingsPage
+    from app.store import Store
+    s = settings.load()
+    page = SettingsPage(s, fake_client, status_reading())
+    store = Store(app_home / "chats.sqlite3")
+    manager = PresetManager(store, lambda: s, lambda _s: None)
+    dlg = PresetDialog(manager, manager.default())
+    for w in (page, dlg):
+        qapp_ready.addWidget(w)
+        assert isinstance(w.sampling_form, SamplingForm)
+    assert page.sampling_form.values() == dlg.sampling_form.values() == s.sampling
+    store.close()
+
+
+# ---- the settings page ---------------------------------------------------------------------------
+def test_settings_page_sends_the_cache_limits_and_saves_once_the_engine_took_them(qapp_ready, app_home, fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    fake_client.answers["configure"] = status_reading()
+    page = SettingsPage(settings.load(), fake_client, status_reading())
+    qapp_ready.addWidget(page)
+    assert "8.0 GiB available of 16.0 GiB (test)" in page.guard.text()
+    page.cache_mib.setValue(512)
+    page.cache_slots.setValue(3)
+    page.sampling_form.max_tokens.setValue(99)
+    page.cv_on.setChecked(True)
+    with qapp_ready.waitSignal(page.saved, timeout=5000) as blocker:
+        page.submit()
+    new, old = blocker.args
+    assert fake_client.calls == [("configure", (), {"cache_mib": 512, "cache_slots": 3})]
+    assert (new.cache_mib, new.cache_slots, new.sampling.max_tokens, new.steering.speed_projection) == (512, 3, 99, True)
+    again = settings.load()
+    assert (again.cache_mib, again.sampling.max_tokens, again.steering.speed_projection) == (512, 99, True)
+    assert old.cache_mib != 512
+
+
+def test_settings_page_without_cache_changes_asks_the_engine_nothing(qapp_ready, app_home, fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    saved = []
+    page = SettingsPage(settings.load(), fake_client, status_reading(), save=saved.append)
+    qapp_ready.addWidget(page)
+    page.sampling_form.temperature.setValue(0.1)
+    page.submit()
+    assert fake_client.calls == [] and saved[0].sampling.temperature == pytest.approx(0.1)
+
+
+def test_settings_page_shows_the_engines_refusal_and_saves_nothing(qapp_ready, app_home, fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    fake_client.answers["configure"] = Refusal("the conversation cache must be 0 to 8 MiB; got 9 MiB")
+    page = SettingsPage(settings.load(), fake_client, status_reading())
+    qapp_ready.addWidget(page)
+    page.show()
+    page.cache_mib.setValue(9)
+    page.submit()
+    assert not page.buttons.isEnabled()                  # waiting for the engine
+    qapp_ready.waitUntil(page.error.isVisible, timeout=5000)
+    assert page.error.text() == "Not saved: the conversation cache must be 0 to 8 MiB; got 9 MiB"
+    assert page.buttons.isEnabled() and settings.load().cache_mib != 9
+    page.direction.setText("sideways")
+    page.submit()
+    assert "sideways" in page.error.text() and len(fake_client.calls) == 1
+
+
+def test_settings_page_names_what_a_lower_cap_drops_and_goes_ahead_on_the_second_save(qapp_ready, app_home,
+                                                                                      fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    page = SettingsPage(settings.load(), fake_client, status_reading(parked_entries=2, parked_bytes=300 << 20))
+    qapp_ready.addWidget(page)
+    page.cache_mib.setValue(0)
+    page.submit()
+    assert page.error.text().startswith("Turning the cache off drops the 2 parked conversation(s) (300.0 MiB).")
+    assert fake_client.calls == []
+    with qapp_ready.waitSignal(page.saved, timeout=5000):
+        page.submit()
+    assert fake_client.names() == ["configure"] and settings.load().cache_mib == 0
+
+
+# ---- the configs pane ------------------------------------------------------------------------------
+@pytest.fixture
+def presets(qapp_ready, app_home):
+    from app import settings
+    from app.presets import PresetManager
+    from app.store import Store
+    holder = {"s": settings.load()}
+    store = Store(app_home / "chats.sqlite3")
+    manager = PresetManager(store, lambda: holder["s"], lambda s: holder.update(s=s, saved=True))
+    manager.holder = holder
+    yield manager
+    store.close()
+
+
+def test_configs_pane_create_rename_duplicate_delete(qapp_ready, presets):
+    from app.presets import PresetPane
+    pane = PresetPane(presets)
+    qapp_ready.addWidget(pane)
+    assert pane.current_id() == "default" and not pane.rename_btn.isEnabled() and not pane.delete_btn.isEnabled()
+    a = pane.new_preset()
+    assert a.name == "Config" and pane.current_id() == a.id and pane.delete_btn.isEnabled()
+    pane.rename_selected("Coder")
+    pane.rename_selected("DEFAULT")
+    assert "already a config named" in pane.error.text() and presets.get(a.id).name == "Coder"
+    b = pane.duplicate_selected()
+    assert b.name == "Coder copy" and pane.list.count() == 3
+    pane.delete_selected(confirm=False)
+    assert [pane.list.item(i).text() for i in range(pane.list.count())] == ["Default", "Coder"]
+    assert "temperature 0.8" in pane.list.item(0).toolTip()        # app_home's settings
+
+
+def test_editing_default_in_its_dialog_edits_the_settings_sampling_defaults(qapp_ready, presets):
+    from app.presets import PresetDialog
+    dlg = PresetDialog(presets, presets.default())
+    qapp_ready.addWidget(dlg)
+    assert not dlg.name.isEnabled()
+    dlg.sampling_form.max_tokens.setValue(77)
+    dlg.speed.setChecked(False)
+    dlg.submit()
+    s = presets.holder["s"]
+    assert presets.holder.get("saved") and s.sampling.max_tokens == 77 and s.steering.speed_projection is False
+    assert presets.default().max_tokens == 77
+
+
+# ---- the status bar ----------------------------------------------------------------------------------
+def test_status_bar_shows_a_reply_the_engine_reading_and_the_server(qapp_ready):
+    from app.status_bar import StatusBar
+    bar = StatusBar()
+    qapp_ready.addWidget(bar)
+    bar.show_result({"decode_tps": 41.26, "ttft_ms": 12.4, "cached_tokens": 5, "prompt_tokens": 9})
+    assert (bar.speed.text(), bar.ttft.text(), bar.cached.text()) == ("41.3 tok/s", "ttft 12 ms", "cached 5/9 tokens")
+    bar.clear_result()
+    assert bar.speed.text() == "– tok/s"
+    bar.show_status(status_reading(parked_entries=1, parked_bytes=1 << 20))
+    assert bar.parked.text().startswith("parked 1 ·") and "8.0 of 16.0 GiB free" in bar.memory.text()
+    bar.show_server({"running": False, "error": "port 1 in use"})
+    assert bar.server.text() == "server off" and bar.server.toolTip() == "port 1 in use"
+
+
+# ---- the session controller ----------------------------------------------------------------------------
+def test_session_files_opened_before_a_model_wait_for_it(qapp_ready, idle_window, tmp_path):
+    """open_file of a session before any model is queued; the load opens it (restore asked of the client)."""
+    from fake_engine import FakeClient
+    w = idle_window
+    fake = FakeClient()
+    w.sessions.client = fake
+    told = []
+    w.sessions.tell = lambda text, *a: told.append(text)
+    session = tmp_path / "a.stratasession"
+    w.open_file(str(session))
+    assert w.sessions.pending_files == [str(session)] and fake.calls == []
+    w.open_file(str(tmp_path / "notes.txt"))
+    assert told and "notes.txt: Strata opens .stratasession sessions and .gguf models" in told[-1]
+    w.library.model_path = "loaded.gguf"
+    w.library.loaded.emit("loaded.gguf")
+    assert w.sessions.pending_files == [] and fake.names() == ["restore_session"]
+    assert fake.calls[0][1] == (str(session),)
