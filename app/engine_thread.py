@@ -78,12 +78,15 @@ class EngineThread(QThread):
     crashed = Signal(str)
 
     def __init__(self, cache_mib: int = DEFAULT_CACHE_MIB, cache_slots: int = DEFAULT_CACHE_SLOTS, steering=None,
-                 speed_projection: bool = False, parent: QObject | None = None):
+                 speed_projection: bool = False, kv_bits: int = 16, parent: QObject | None = None):
         """`speed_projection`: the engine's default for requests that name none (the settings' "on by
-        default"); the app's own requests always name theirs."""
+        default"); the app's own requests always name theirs. `kv_bits`: the settings' K/V cache
+        precision, in force from the first conversation (a model whose head size cannot take it is
+        refused at load with the engine's reason)."""
         super().__init__(parent)
         self.setObjectName("strata-engine")
-        self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
+        self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
+                          kv_bits=kv_bits)
         self._steering = steering
         self.engine = None
 
@@ -194,10 +197,13 @@ class EngineClient(QObject):
         return self._submit("load", make)
 
     def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,
-                  speed_projection: bool | None = None) -> Request:
+                  speed_projection: bool | None = None, kv_bits: int | None = None) -> Request:
+        """None leaves a value as it is. `kv_bits`: the K/V format of conversations from now on (held
+        ones keep theirs); refused, changing nothing, when the loaded model's head size cannot take it."""
         def make():
             from engine.api import Configure
-            return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection)
+            return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
+                             kv_bits=kv_bits)
         return self._submit("configure", make)
 
     def count_prompt_tokens(self, messages: list[dict]) -> Request:

@@ -17,6 +17,7 @@ from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 from .paths import AppPaths
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+KV_BITS = (16, 8, 4)         # engine/kv_format.py's BITS (that module imports mlx: not imported here)
 
 
 @dataclass
@@ -55,6 +56,9 @@ _OLD_KEYS = {"steering/speed_projection": "steering/on_by_default"}
 class Settings:
     cache_mib: int = DEFAULT_CACHE_MIB
     cache_slots: int = DEFAULT_CACHE_SLOTS
+    # K/V cache precision (engine/kv_format.py): 16, 8 or 4 bits per value. A settings file from before
+    # it existed has no key and loads as 16, the format every older session file holds.
+    kv_bits: int = 16
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
     server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine
@@ -127,6 +131,8 @@ def load(paths: AppPaths | None = None) -> Settings:
         # "General/", so those values never came back in a new process. Read them as a fallback.
         key = f"app/{f.name}" if q.contains(f"app/{f.name}") else f"General/{f.name}"
         setattr(s, f.name, _coerce(q.value(key), getattr(s, f.name)))
+    if s.kv_bits not in KV_BITS:
+        s.kv_bits = 16      # a hand-edited value the engine would refuse at start: the default instead
     for f in fields(Sampling):
         setattr(s.sampling, f.name, _coerce(q.value(f"sampling/{f.name}"), getattr(s.sampling, f.name)))
     for f in fields(Steering):

@@ -1,5 +1,6 @@
-"""The settings page: conversation cache (checked by the engine's memory guard), control vectors,
-sampling defaults, model folders. Saved with QSettings once the engine accepted the cache values."""
+"""The settings page: conversation cache (checked by the engine's memory guard) and K/V cache precision,
+control vectors, sampling defaults, model folders. Saved with QSettings once the engine accepted the
+cache values and the precision."""
 from __future__ import annotations
 
 from .qt_compat import emit
@@ -16,6 +17,19 @@ from engine.limits import SLOTS_MAX
 from . import settings as settings_mod
 from .sampling_form import SamplingForm, spin
 from .settings import Settings
+
+
+KV_BITS_CHOICES = (("16-bit (default)", 16), ("8-bit", 8), ("4-bit", 4))
+# What the engine does (engine/handlers.py _configure, engine/conversations.py, engine/sessions.py): the
+# format is part of a conversation's K/V identity, so held K/V is never converted, and a session file
+# is restored only by an engine running the format it holds.
+KV_BITS_TIP = ("How the engine stores each token's keys and values. 8-bit takes a little over half the memory "
+               "per token of 16-bit, 4-bit a little over a quarter: longer contexts and more parked "
+               "conversations fit, for a little quality (replies can differ slightly; 4-bit more so).\n"
+               "Applies to conversations from now on. Conversations already held in memory keep the format they "
+               "were made with; one continued after a change has its prompt read again in the new format. "
+               "Session files keep the format they were saved with and restore only while this setting matches "
+               "it. A model whose head size cannot take 8- or 4-bit is refused with the reason.")
 
 
 class SettingsPage(QDialog):
@@ -40,10 +54,16 @@ class SettingsPage(QDialog):
         self.cache_mib.setToolTip(f"Conversation cache cap: {self.cache_range.describe()}; 0 turns it off")
         self.cache_slots = spin(1, SLOTS_MAX, s.cache_slots)
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
+        # K/V precision (engine/kv_format.py): the engine checks it against the loaded model's head size
+        self.kv_bits = QComboBox(objectName="kvBits", toolTip=KV_BITS_TIP)
+        for label, bits in KV_BITS_CHOICES:
+            self.kv_bits.addItem(label, bits)
+        self.kv_bits.setCurrentIndex(max(0, self.kv_bits.findData(s.kv_bits)))
         cache = QGroupBox("Conversation cache")
         f = QFormLayout(cache)
         f.addRow("Cap (0 = off)", self.cache_mib)
         f.addRow("Slots", self.cache_slots)
+        f.addRow("K/V cache precision", self.kv_bits)
         f.addRow("Memory guard", self.guard)
 
         # Control vectors
@@ -183,6 +203,7 @@ class SettingsPage(QDialog):
     def values(self) -> Settings:
         s = copy.deepcopy(self.old)
         s.cache_mib, s.cache_slots = self.cache_mib.value(), self.cache_slots.value()
+        s.kv_bits = int(self.kv_bits.currentData())
         s.steering.files = [tuple(self.cv_list.item(i).data(256)) for i in range(self.cv_list.count())]
         s.steering.layer_from, s.steering.layer_to = self.layer_from.value(), self.layer_to.value()
         s.steering.mode = self.mode.currentText()
@@ -217,13 +238,36 @@ class SettingsPage(QDialog):
             self.error.setText(f"{drops} Press Save again to go ahead.")
             self.error.show()
             return
-        if (new.cache_mib, new.cache_slots) == (self.old.cache_mib, self.old.cache_slots) or self.client is None:
+        cache = (new.cache_mib, new.cache_slots) != (self.old.cache_mib, self.old.cache_slots)
+        kv = new.kv_bits != self.old.kv_bits
+        if not (cache or kv) or self.client is None:
             self._commit(new)
             return
         self.buttons.setEnabled(False)
+        if kv:
+            # The precision first, on its own: it is what a model can refuse (its head size), and a
+            # refusal then changes nothing in the engine. The cache values follow once it is taken.
+            req = self.client.configure(kv_bits=new.kv_bits)
+            req.done.connect(lambda status: self._send_cache(new, kv) if cache else self._took(new, status))
+            req.failed.connect(self.show_error)
+        else:
+            self._send_cache(new, kv)
+
+    def _send_cache(self, new: Settings, kv_sent: bool) -> None:
         req = self.client.configure(cache_mib=new.cache_mib, cache_slots=new.cache_slots)
-        req.done.connect(lambda status: (self.guard.setText(self._guard_text(status)), self._commit(new)))
-        req.failed.connect(self.show_error)
+        req.done.connect(lambda status: self._took(new, status))
+        req.failed.connect(lambda message: self._cache_refused(message, kv_sent))
+
+    def _cache_refused(self, message: str, kv_sent: bool) -> None:
+        if kv_sent:
+            # Nothing is saved: put the engine's precision back to the settings' so the two agree.
+            self.client.configure(kv_bits=self.old.kv_bits)
+        self.show_error(message)
+
+    def _took(self, new: Settings, status) -> None:
+        """The engine took the new values: show its reading and save."""
+        self.guard.setText(self._guard_text(status))
+        self._commit(new)
 
     def _drops(self, new: Settings) -> str:
         """What the new limits would evict from the parked conversations (per the last status), or ""."""

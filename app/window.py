@@ -53,7 +53,8 @@ class MainWindow(QMainWindow):
         # the app's own always name theirs).
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
                                           self.settings.steering,
-                                          speed_projection=self.settings.steering.speed_projection, parent=self)
+                                          speed_projection=self.settings.steering.speed_projection,
+                                          kv_bits=self.settings.kv_bits, parent=self)
         self.client = EngineClient(self.engine_thread, self)
         self.server = ServerControl(lambda: self.engine_thread.engine if self.client.is_ready else None, self)
 
