@@ -10,9 +10,11 @@ from .qt_compat import emit
 
 import uuid
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QHBoxLayout, QInputDialog, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout,
+                               QInputDialog, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout,
                                QWidget)
 
@@ -25,6 +27,20 @@ DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
 SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
+PICK_DRAFT = "pick-draft"            # the combobox's "Draft model…" entry: opens a file dialog, never stored
+SPECULATIVE_TIP = ("Draft tokens cheaply and check them all in one pass of the model: the same output, faster "
+                   "when most drafts are accepted (the status bar shows how many were).\n"
+                   "Prompt lookup drafts from the conversation itself: good when replies repeat the prompt "
+                   "(editing code). A draft model is a small GGUF with the same vocabulary as the chat's model "
+                   "(e.g. a small model of the same family); one with another vocabulary is refused.")
+
+
+def speculative_label(value: str) -> str:
+    """What the config's combobox and summary call a speculative setting: "Draft: <file name>" for a
+    draft model (its folder is in the tooltip), else the choice's label."""
+    if value.startswith("draft:"):
+        return f"Draft: {Path(value[6:]).name}"
+    return next((label for label, v in SPECULATIVE_CHOICES if v == value), value)
 SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 
 
@@ -35,7 +51,7 @@ class Preset(Sampling):
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
     speed_projection: bool = True
-    speculative: str = "off"         # "off" | "lookup": prompt-lookup speculative decoding (engine/speculative.py)
+    speculative: str = "off"         # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
 
     @property
     def is_default(self) -> bool:
@@ -82,7 +98,7 @@ class PresetManager(QObject):
     def default(self) -> Preset:
         s = self.settings()
         return Preset(**asdict(s.sampling), id=DEFAULT_ID, name=DEFAULT_NAME,
-                      speed_projection=s.steering.speed_projection)
+                      speed_projection=s.steering.speed_projection, speculative=s.speculative)
 
     def all(self) -> list[Preset]:
         return [self.default()] + [Preset.from_data(pid, name, d) for pid, name, d in self.store.presets()]
@@ -160,6 +176,7 @@ class PresetManager(QObject):
             s = self.settings()
             s.sampling = p.sampling_values()
             s.steering.speed_projection = p.speed_projection
+            s.speculative = p.speculative
             self.save_settings(s)
         else:
             reason = self.check_name(p.name, p.id)
@@ -172,18 +189,26 @@ class PresetManager(QObject):
 class PresetDialog(QDialog):
     """Edit one config."""
 
-    def __init__(self, manager: PresetManager, preset: Preset, parent: QWidget | None = None):
+    def __init__(self, manager: PresetManager, preset: Preset, parent: QWidget | None = None,
+                 models_dir: Path | str | None = None):
+        """`models_dir`: where the draft model file dialog opens (the model library's folder)."""
         super().__init__(parent)
         self.manager, self.preset = manager, preset
+        self.models_dir = models_dir
         self.setWindowTitle(f"Config: {preset.name}")
         self.name = QLineEdit(preset.name, maxLength=NAME_MAX, enabled=not preset.is_default)
         self.sampling_form = SamplingForm(preset.sampling_values(), prompt_lines=5)
         self.speed = QCheckBox("Speed projection on in chats using this config", checked=preset.speed_projection)
-        self.spec = QComboBox(toolTip="Draft tokens from the conversation itself and check them in one pass: "
-                              "faster when replies repeat the prompt (editing code); same output")
+        self.spec = QComboBox(toolTip=SPECULATIVE_TIP)
         for label, value in SPECULATIVE_CHOICES:
             self.spec.addItem(label, value)
-        self.spec.setCurrentIndex(max(0, self.spec.findData(preset.speculative)))
+        self.spec.addItem("Draft model…", PICK_DRAFT)
+        if preset.speculative.startswith("draft:"):
+            self._set_draft(preset.speculative)
+        else:
+            self.spec.setCurrentIndex(max(0, self.spec.findData(preset.speculative)))
+        self._spec_index = self.spec.currentIndex()
+        self.spec.currentIndexChanged.connect(self._on_spec_changed)
         self.error = QLabel(wordWrap=True, visible=False)
         form = self.sampling_form.form
         form.insertRow(0, "Name", self.name)
@@ -199,12 +224,53 @@ class PresetDialog(QDialog):
         lay.addWidget(self.error)
         lay.addWidget(self.buttons)
 
+    def _set_draft(self, value: str) -> None:
+        """Show and select `value` ("draft:PATH") as the one "Draft: <file name>" entry, before "Draft model…"."""
+        i = next((i for i in range(self.spec.count()) if str(self.spec.itemData(i)).startswith("draft:")), -1)
+        if i < 0:
+            i = self.spec.findData(PICK_DRAFT)
+            self.spec.insertItem(i, "", value)
+        self.spec.setItemText(i, speculative_label(value))
+        self.spec.setItemData(i, value)
+        self.spec.setItemData(i, value[6:], Qt.ItemDataRole.ToolTipRole)
+        self.spec.setCurrentIndex(i)
+
+    def _on_spec_changed(self, index: int) -> None:
+        if self.spec.itemData(index) != PICK_DRAFT:
+            self._spec_index = index
+            return
+        self.spec.blockSignals(True)        # the entry is an action: never left selected
+        try:
+            path = self.pick_draft()
+            if path:
+                self._set_draft(f"draft:{path}")
+            else:
+                self.spec.setCurrentIndex(self._spec_index)     # cancelled: the choice before it
+            self._spec_index = self.spec.currentIndex()
+        finally:
+            self.spec.blockSignals(False)
+
+    def pick_draft(self) -> str:
+        """A draft model's path from a file dialog opened in the model library's folder ("" cancelled).
+        Not checked here: the engine loads it with the first request and refuses one with another
+        vocabulary by name, shown in the chat like any request error."""
+        start = self.models_dir
+        if start is None:
+            from .paths import models_dir
+            start = models_dir()
+        current = str(self.spec.currentData() or "")
+        if current.startswith("draft:"):
+            start = Path(current[6:]).parent
+        path, _ = QFileDialog.getOpenFileName(self, "Draft model", str(start), "GGUF models (*.gguf)")
+        return path
+
     def values(self) -> Preset:
         p = Preset.from_data(self.preset.id, self.name.text().strip(), self.preset.data())
         for k, v in asdict(self.sampling_form.values()).items():
             setattr(p, k, v)
         p.speed_projection = self.speed.isChecked()
-        p.speculative = self.spec.currentData() or "off"
+        value = self.spec.currentData()
+        p.speculative = value if value and value != PICK_DRAFT else "off"
         return p
 
     def submit(self) -> None:
@@ -221,9 +287,10 @@ class PresetPane(QWidget):
     """The "Configs" list under the model list: new, duplicate, rename, delete, edit, new chat with it."""
     new_chat_requested = Signal(str)        # preset id
 
-    def __init__(self, manager: PresetManager, parent: QWidget | None = None):
+    def __init__(self, manager: PresetManager, parent: QWidget | None = None, models_dir: Path | None = None):
         super().__init__(parent)
         self.manager = manager
+        self.models_dir = models_dir         # where a config's draft model dialog opens
         self.list = QListWidget()
         self.list.itemDoubleClicked.connect(lambda _it: self.edit_selected())
         self.list.currentRowChanged.connect(lambda _r: self._update_buttons())
@@ -326,7 +393,7 @@ class PresetPane(QWidget):
         self.show_error("")
 
     def edit_selected(self) -> PresetDialog:
-        dlg = PresetDialog(self.manager, self.manager.get(self.current_id()), self)
+        dlg = PresetDialog(self.manager, self.manager.get(self.current_id()), self, models_dir=self.models_dir)
         dlg.setModal(False)
         dlg.show()
         return dlg
@@ -337,5 +404,6 @@ def _summary(p: Preset) -> str:
     prompt = p.system_prompt.strip().replace("\n", " ")
     return (f"temperature {p.temperature:g}, top-p {p.top_p:g}, top-k {p.top_k}, min-p {p.min_p:g}, "
             f"repetition {p.repetition_penalty:g}, max {p.max_tokens} tokens, context {ctx}, "
-            f"speed projection {'on' if p.speed_projection else 'off'}\n"
+            f"speed projection {'on' if p.speed_projection else 'off'}, "
+            f"speculative decoding {speculative_label(p.speculative)}\n"
             f"System: {prompt[:120] + ('…' if len(prompt) > 120 else '') if prompt else '(none)'}")

@@ -59,6 +59,7 @@ class Settings:
     # K/V cache precision (engine/kv_format.py): 16, 8 or 4 bits per value. A settings file from before
     # it existed has no key and loads as 16, the format every older session file holds.
     kv_bits: int = 16
+    speculative: str = "off"              # the Default config's speculative decoding (app/presets.py)
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
     server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine

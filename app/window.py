@@ -63,7 +63,7 @@ class MainWindow(QMainWindow):
         self.library = ModelLibrary(self.paths, self.client, lambda: self.settings, self.save_settings, self.status,
                                     self.message_bar.show_message, offer_fetch, self)
         self.models = self.library.models
-        self.preset_pane = PresetPane(self.presets)
+        self.preset_pane = PresetPane(self.presets, models_dir=self.paths.models_dir)
         self.tabs = ChatTabs(self.store, self.client, self.presets, self.preset_pane.current_id)
         self.sessions = SessionController(self.paths, self.client, self.tabs, self.library, lambda: self.settings,
                                           self.save_settings, self.status, self.message_bar.show_message, self)
