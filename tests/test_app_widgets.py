@@ -136,6 +136,81 @@ def test_settings_page_names_what_a_lower_cap_drops_and_goes_ahead_on_the_second
     assert fake_client.names() == ["configure"] and settings.load().cache_mib == 0
 
 
+def test_kv_bits_round_trips_through_the_settings_page_and_the_settings_file(qapp_ready, app_home, fake_client):
+    """K/V cache precision: an old settings file (no key) and a hand-edited value load as 16; the page
+    sends only the precision to the engine (on its own, before cache values) and saves once it is taken."""
+    from PySide6.QtCore import QSettings
+
+    from app import settings
+    from app.settings_page import SettingsPage
+    ini = QSettings(str(app_home / "settings.ini"), QSettings.Format.IniFormat)
+    ini.remove("app/kv_bits")                           # a file from before the setting
+    ini.sync()
+    assert settings.load().kv_bits == 16
+    fake_client.answers["configure"] = status_reading()
+    page = SettingsPage(settings.load(), fake_client, status_reading())
+    qapp_ready.addWidget(page)
+    assert page.kv_bits.currentData() == 16 and page.kv_bits.currentText() == "16-bit (default)"
+    assert [page.kv_bits.itemData(i) for i in range(page.kv_bits.count())] == [16, 8, 4]
+    tip = page.kv_bits.toolTip()
+    assert "memory per token" in tip and "keep the format" in tip and "Session files" in tip
+    page.kv_bits.setCurrentIndex(page.kv_bits.findData(8))
+    with qapp_ready.waitSignal(page.saved, timeout=5000) as blocker:
+        page.submit()
+    assert fake_client.calls == [("configure", (), {"kv_bits": 8})]
+    assert blocker.args[0].kv_bits == 8 and blocker.args[1].kv_bits == 16
+    assert settings.load().kv_bits == 8
+    again = SettingsPage(settings.load(), fake_client, status_reading())   # reopened: shows the saved value
+    qapp_ready.addWidget(again)
+    assert again.kv_bits.currentData() == 8
+    # precision and cache together: the precision first, then the cache values
+    fake_client.calls.clear()
+    again.kv_bits.setCurrentIndex(again.kv_bits.findData(4))
+    again.cache_slots.setValue(5)
+    with qapp_ready.waitSignal(again.saved, timeout=5000):
+        again.submit()
+    assert [c[2] for c in fake_client.calls] == [{"kv_bits": 4}, {"cache_mib": again.cache_mib.value(), "cache_slots": 5}]
+    assert (settings.load().kv_bits, settings.load().cache_slots) == (4, 5)
+    ini = QSettings(str(app_home / "settings.ini"), QSettings.Format.IniFormat)
+    ini.setValue("app/kv_bits", 5)                      # hand-edited: the engine would refuse it at start
+    ini.sync()
+    assert settings.load().kv_bits == 16
+
+
+def test_settings_page_shows_the_engines_kv_bits_refusal_and_saves_nothing(qapp_ready, app_home, fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    why = "8-bit K/V needs a head size that is a multiple of 32 (this model's is 16)"
+    fake_client.answers["configure"] = lambda **kw: Refusal(why) if kw.get("kv_bits") == 8 else status_reading()
+    page = SettingsPage(settings.load(), fake_client, status_reading())
+    qapp_ready.addWidget(page)
+    page.show()
+    page.kv_bits.setCurrentIndex(page.kv_bits.findData(8))
+    page.cache_slots.setValue(6)
+    page.submit()
+    qapp_ready.waitUntil(page.error.isVisible, timeout=5000)
+    assert page.error.text() == f"Not saved: {why}"
+    assert fake_client.calls == [("configure", (), {"kv_bits": 8})]      # the cache values were never sent
+    assert page.buttons.isEnabled() and settings.load().kv_bits == 16 and settings.load().cache_slots != 6
+
+
+def test_a_cache_refusal_after_the_kv_bits_were_taken_puts_the_engines_precision_back(qapp_ready, app_home,
+                                                                                     fake_client):
+    from app import settings
+    from app.settings_page import SettingsPage
+    fake_client.answers["configure"] = lambda **kw: Refusal("no slots") if "cache_slots" in kw else status_reading()
+    page = SettingsPage(settings.load(), fake_client, status_reading())
+    qapp_ready.addWidget(page)
+    page.show()
+    page.kv_bits.setCurrentIndex(page.kv_bits.findData(4))
+    page.cache_slots.setValue(6)
+    page.submit()
+    qapp_ready.waitUntil(page.error.isVisible, timeout=5000)
+    assert page.error.text() == "Not saved: no slots"
+    assert [c[2].get("kv_bits") for c in fake_client.calls] == [4, None, 16]
+    assert settings.load().kv_bits == 16
+
+
 # ---- the configs pane ------------------------------------------------------------------------------
 @pytest.fixture
 def presets(qapp_ready, app_home):
@@ -178,6 +253,56 @@ def test_editing_default_in_its_dialog_edits_the_settings_sampling_defaults(qapp
     s = presets.holder["s"]
     assert presets.holder.get("saved") and s.sampling.max_tokens == 77 and s.steering.speed_projection is False
     assert presets.default().max_tokens == 77
+
+
+def test_a_configs_draft_model_choice_round_trips(qapp_ready, presets, tmp_path, monkeypatch):
+    """"Draft model…" opens a file dialog in the models folder, stores draft:PATH and shows
+    "Draft: <file name>"; cancelling the dialog keeps the choice before it."""
+    from app import presets as presets_mod
+    from app.presets import PICK_DRAFT, PresetDialog
+    models = tmp_path / "models"
+    models.mkdir()
+    draft = models / "small-draft.gguf"
+    asked = []
+    answer = {"path": str(draft)}
+
+    def fake_dialog(parent, caption, start, filters):
+        asked.append((caption, start, filters))
+        return answer["path"], filters
+
+    monkeypatch.setattr(presets_mod.QFileDialog, "getOpenFileName", staticmethod(fake_dialog))
+    p = presets.create("Coder", speculative="lookup")
+    dlg = PresetDialog(presets, presets.get(p.id), models_dir=models)
+    qapp_ready.addWidget(dlg)
+    labels = [dlg.spec.itemText(i) for i in range(dlg.spec.count())]
+    assert labels == ["Off", "Prompt lookup", "Draft model…"] and dlg.spec.currentData() == "lookup"
+    answer["path"] = ""                                 # cancelled: still lookup
+    dlg.spec.setCurrentIndex(dlg.spec.findData(PICK_DRAFT))
+    assert dlg.spec.currentData() == "lookup" and asked[-1][1] == str(models) and "*.gguf" in asked[-1][2]
+    answer["path"] = str(draft)
+    dlg.spec.setCurrentIndex(dlg.spec.findData(PICK_DRAFT))
+    assert dlg.spec.currentText() == "Draft: small-draft.gguf" and dlg.spec.currentData() == f"draft:{draft}"
+    dlg.submit()
+    assert presets.get(p.id).speculative == f"draft:{draft}"
+    assert "speculative decoding Draft: small-draft.gguf" in presets_mod._summary(presets.get(p.id))
+    # reopened: the stored draft is shown and selected; another pick replaces it (one draft entry)
+    dlg2 = PresetDialog(presets, presets.get(p.id), models_dir=models)
+    qapp_ready.addWidget(dlg2)
+    assert dlg2.spec.currentText() == "Draft: small-draft.gguf" and dlg2.spec.count() == 4
+    other = tmp_path / "elsewhere" / "tiny.gguf"
+    answer["path"] = str(other)
+    dlg2.spec.setCurrentIndex(dlg2.spec.findData(PICK_DRAFT))
+    assert asked[-1][1] == str(models)                  # starts where the current draft is
+    assert dlg2.spec.count() == 4 and dlg2.values().speculative == f"draft:{other}"
+    dlg2.spec.setCurrentIndex(dlg2.spec.findData("off"))
+    assert dlg2.values().speculative == "off"
+    # Default keeps its choice too (in the settings)
+    dflt = PresetDialog(presets, presets.default(), models_dir=models)
+    qapp_ready.addWidget(dflt)
+    answer["path"] = str(draft)
+    dflt.spec.setCurrentIndex(dflt.spec.findData(PICK_DRAFT))
+    dflt.submit()
+    assert presets.holder["s"].speculative == f"draft:{draft}" and presets.default().speculative == f"draft:{draft}"
 
 
 # ---- the status bar ----------------------------------------------------------------------------------
