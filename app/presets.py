@@ -1,5 +1,6 @@
-"""Configs (presets): a system prompt, sampling settings, a context length and the speed projection
-default, under a name. A chat tab uses one (`chat.config["preset"]`).
+"""Configs (presets): a system prompt, sampling settings, a context length, the speed projection
+default and the speculative decoding (off, prompt lookup or a draft model: "draft:PATH"), under a
+name. A chat tab uses one (`chat.config["preset"]`).
 
 "Default" always exists: it is the settings page's sampling defaults (QSettings), so it cannot be
 renamed or deleted. Every other config is a row of the `presets` table in the chat database.
@@ -27,6 +28,7 @@ DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
 SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
+SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 PICK_DRAFT = "pick-draft"            # the combobox's "Draft model…" entry: opens a file dialog, never stored
 SPECULATIVE_TIP = ("Draft tokens cheaply and check them all in one pass of the model: the same output, faster "
                    "when most drafts are accepted (the status bar shows how many were).\n"
@@ -41,7 +43,6 @@ def speculative_label(value: str) -> str:
     if value.startswith("draft:"):
         return f"Draft: {Path(value[6:]).name}"
     return next((label for label, v in SPECULATIVE_CHOICES if v == value), value)
-SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 
 
 @dataclass
@@ -258,8 +259,8 @@ class PresetDialog(QDialog):
         if start is None:
             from .paths import models_dir
             start = models_dir()
-        current = str(self.spec.currentData() or "")
-        if current.startswith("draft:"):
+        current = str(self.spec.itemData(self._spec_index) or "")      # the choice before "Draft model…"
+        if current.startswith("draft:"):                                 # another draft: start beside this one
             start = Path(current[6:]).parent
         path, _ = QFileDialog.getOpenFileName(self, "Draft model", str(start), "GGUF models (*.gguf)")
         return path

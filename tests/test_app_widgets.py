@@ -294,6 +294,9 @@ def test_a_configs_draft_model_choice_round_trips(qapp_ready, presets, tmp_path,
     dlg2.spec.setCurrentIndex(dlg2.spec.findData(PICK_DRAFT))
     assert asked[-1][1] == str(models)                  # starts where the current draft is
     assert dlg2.spec.count() == 4 and dlg2.values().speculative == f"draft:{other}"
+    answer["path"] = ""
+    dlg2.spec.setCurrentIndex(dlg2.spec.findData(PICK_DRAFT))
+    assert asked[-1][1] == str(other.parent) and dlg2.values().speculative == f"draft:{other}"
     dlg2.spec.setCurrentIndex(dlg2.spec.findData("off"))
     assert dlg2.values().speculative == "off"
     # Default keeps its choice too (in the settings)
