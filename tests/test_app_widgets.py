@@ -169,7 +169,8 @@ def test_kv_bits_round_trips_through_the_settings_page_and_the_settings_file(qap
     again.cache_slots.setValue(5)
     with qapp_ready.waitSignal(again.saved, timeout=5000):
         again.submit()
-    assert [c[2] for c in fake_client.calls] == [{"kv_bits": 4}, {"cache_mib": again.cache_mib.value(), "cache_slots": 5}]
+    mib = again.cache_mib.value()
+    assert [c[2] for c in fake_client.calls] == [{"kv_bits": 4}, {"cache_mib": mib, "cache_slots": 5}]
     assert (settings.load().kv_bits, settings.load().cache_slots) == (4, 5)
     ini = QSettings(str(app_home / "settings.ini"), QSettings.Format.IniFormat)
     ini.setValue("app/kv_bits", 5)                      # hand-edited: the engine would refuse it at start
