@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from .attention import EXPLICIT_MAX_QUERIES
+
 
 @dataclass
 class StepStats:
@@ -76,16 +78,28 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         mx.clear_cache()
 
 
+def first_step_merge_limit() -> int:
+    """How many of a turn's new prompt tokens go in with the first decode step instead of through a
+    prefill pass. On a GPU a short forward pass costs its kernel launches more than its work, so a
+    returning turn's few tokens plus the last one in one pass saves a pass and a wait (a parked
+    turn's time to first token, bench/turns.py; up to the short-chunk attention's size on CUDA,
+    engine/attention.py). Not on the CPU: there a pass costs its work, and a merged pass projects
+    every position to the vocabulary (mlx-lm's models do), where a prefill pass stops at the K/V:
+    32 + 1 tokens of the tiny bench model over 2,200 held took 10.5 ms split and 19.2 ms merged."""
+    return EXPLICIT_MAX_QUERIES - 1 if mx.default_device() == mx.gpu else 0
+
+
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
            processors, max_tokens: int, stats: StepStats, seed: int | None = None,
-           cancelled=lambda: False) -> Iterator[int]:
+           cancelled=lambda: False, pending: list[int] = ()) -> Iterator[int]:
     """Yield up to max_tokens sampled ids; `fed` always equals the tokens the cache holds.
 
     mlx-lm's order: step n+1's graph is built from the still-lazy token n and submitted
     (mx.async_eval) before the host waits for token n, so the device never waits for Python.
     Building step n+1 feeds token n to the cache, so `fed` takes token n as soon as its value is
     read, before it is handed out; the last token (n == max_tokens) is never fed. A consumer that
-    stops early (EOS, a stop string, cancel) leaves the cache holding exactly `fed`."""
+    stops early (EOS, a stop string, cancel) leaves the cache holding exactly `fed`.
+    `pending`: prompt tokens not yet in the cache, fed with `last_token` in the first step."""
     if seed is not None:
         mx.random.seed(seed)
     stream = _stream()
@@ -103,7 +117,8 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return sampler(logprobs)
 
-    y = step(mx.array([last_token]), first=True)
+    y = step(mx.array([*pending, last_token]), first=True)
+    fed.extend(pending)
     fed.append(last_token)
     mx.async_eval(y)
     n = 0
@@ -148,8 +163,11 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     from .tokenizer import StreamDecoder
     stats = stats or StepStats()
     new = tokens[reuse:-1]
-    prefill(model, entry.cache, new, entry.tokens, chunk=chunk,
-            progress=on_progress if len(new) > 1 else None, cancelled=cancelled)
+    # speculative steps start from a fully fed cache; so does a long prompt (progress, cancel)
+    pending = new if steps is None and 0 < len(new) <= first_step_merge_limit() else []
+    if not pending:
+        prefill(model, entry.cache, new, entry.tokens, chunk=chunk,
+                progress=on_progress if len(new) > 1 else None, cancelled=cancelled)
     t_prefill = time.perf_counter()
     sp = sampling
     out_ids: list[int] = []
@@ -159,7 +177,7 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     held = ""   # text held back while it could still be the start of a stop string
     for token in steps or decode(model, entry.cache, tokens[-1], entry.tokens, history=tokens,
                                  sampler=sp.sampler(n_vocab), processors=sp.processors(), max_tokens=max_tokens,
-                                 stats=stats, seed=sp.seed, cancelled=cancelled):
+                                 stats=stats, seed=sp.seed, cancelled=cancelled, pending=pending):
         out_ids.append(token)
         if token in tokenizer.eos_ids:
             finish = "stop"
