@@ -63,7 +63,7 @@ def test_app_drop_session_file_opens_tab(qtbot, window, tmp_path, onto):
     assert "restored" in text and "tokens in" in text and " ms" in text
     # The restored conversation continues from its K/V.
     result = send_and_wait(qtbot, view, "Continue")
-    assert result["cached_tokens"] > 0
+    assert result.cached_tokens > 0
 
 
 def test_app_drop_corrupt_session_is_refused(qtbot, window, tmp_path):

@@ -179,7 +179,7 @@ def fuzz_server(tmp_path_factory):
     from gguf_factory import write_tiny_gguf
     path = write_tiny_gguf(tmp_path_factory.mktemp("fuzz") / "tiny-fuzz.gguf", arch="llama")
     eng = Engine(EngineOptions(model=str(path), context_length=256, cache_mib=16)).start()
-    assert eng.call(Status())["model"] == str(path)
+    assert eng.call(Status()).model == str(path)
     srv = ServerThread(create_app(eng, max_body_bytes=256 << 10)).start()
     yield srv
     srv.stop()

@@ -62,10 +62,10 @@ def test_engine_keeps_to_the_range(tiny_gguf):
     engine = Engine(EngineOptions(model=str(tiny_gguf), cache_mib=top + 100, cache_slots=4)).start()
     try:
         status = engine.call(Status(), timeout=60)
-        assert status["cache_mib_max"] == top and status["parking"]["cap_bytes"] == top << 20
+        assert status.cache_mib_max == top and status.parking["cap_bytes"] == top << 20
         with pytest.raises(StrataError, match=f"0 to {top} MiB"):
             engine.call(Configure(cache_mib=-5))
-        assert engine.call(Configure(cache_mib=top))["parking"]["cap_bytes"] == top << 20
+        assert engine.call(Configure(cache_mib=top)).parking["cap_bytes"] == top << 20
     finally:
         engine.stop()
 
