@@ -178,3 +178,21 @@ def test_serve_refuses_bad_cache_size_before_taking_the_port(tiny_gguf, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("strata: --conversation-cache-mib must be 0 to ")
     with socket.socket() as again:                      # the port was never taken
         again.bind(("127.0.0.1", port))
+
+
+def test_sampling_flags_and_replay_steps_take_the_sampling_table():
+    """generate's sampling flags and a replay step's sampling: engine/sampling.FIELDS' types and
+    defaults (a replay step's reply length aside), no second copy."""
+    import argparse
+
+    from engine.frontends.cli import add_sampling_flags
+    from engine.frontends.replay import REPLAY_MAX_TOKENS, step_sampling
+    from engine.sampling import FIELDS, SamplingParams
+    p = argparse.ArgumentParser()
+    add_sampling_flags(p)
+    args = p.parse_args([])
+    assert {f.name: getattr(args, f.name) for f in FIELDS} == {f.name: f.default for f in FIELDS}
+    assert p.parse_args(["--temp", "0.5", "-n", "7", "--repeat-penalty", "1.2"]).repetition_penalty == 1.2
+    assert step_sampling({"user": "hi"}) == SamplingParams(max_tokens=REPLAY_MAX_TOKENS)
+    assert step_sampling({"user": "hi", "top_k": 5, "temperature": 1}) == SamplingParams(
+        max_tokens=REPLAY_MAX_TOKENS, top_k=5, temperature=1.0)
