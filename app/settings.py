@@ -57,7 +57,7 @@ class Settings:
     cache_slots: int = DEFAULT_CACHE_SLOTS
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
-    server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine
+    server_enabled: bool = False          # the OpenAI-compatible server (engine.frontends.server) on the app's engine
     server_host: str = "127.0.0.1"
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key
