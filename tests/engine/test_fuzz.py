@@ -5,8 +5,8 @@ Each input must end as a clear one-line refusal or a correct result: never a tra
 RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes well under a minute; the `fuzz_long`
 marker runs ~20x more inputs:
 
-    pytest tests/test_fuzz.py -s                 # default
-    pytest tests/test_fuzz.py -s -m fuzz_long    # long
+    pytest tests/engine/test_fuzz.py -s                 # default
+    pytest tests/engine/test_fuzz.py -s -m fuzz_long    # long
 
 Each test prints its tally (the README's Reliability section quotes them). Seeds are fixed, so a
 crash is reproduced from the label printed with it.

@@ -27,7 +27,7 @@ from engine.sessions import read_header
 from gguf_factory import write_tiny_gguf
 from test_parking import A_SYSTEM, ask, held, start, words
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 U1 = "Tell me the whole story of the little boat: " + words(60)
 U2 = "And what did the boy find in the nets that morning?"
 U3 = "How did the day end for Margaret and the boy?"

@@ -29,7 +29,7 @@ from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from test_parking import A_SYSTEM, ask, start, words
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFIX = b'{"__metadata__":{"checksum":"'
 
 

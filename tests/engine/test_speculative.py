@@ -409,12 +409,12 @@ def test_control_vector_steers_the_verify_pass_and_the_draft_runs_unsteered(tmp_
 
 @pytest.mark.slow
 def test_smollm2_with_a_requantized_copy_as_draft(real_model):
-    """A real draft: the Q4_K_M requantization tests/test_oracle.py makes (same vocabulary). Greedy
+    """A real draft: the Q4_K_M requantization tests/engine/test_oracle.py makes (same vocabulary). Greedy
     output identical to plain decoding; a close copy's drafts are mostly accepted."""
     import os
     draft = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata-tests" / "smollm2-135m-Q4_K_M.gguf"
     if not draft.exists():
-        pytest.skip(f"{draft} not made yet (tests/test_oracle.py makes it with llama.cpp)")
+        pytest.skip(f"{draft} not made yet (tests/engine/test_oracle.py makes it with llama.cpp)")
     engine = start(real_model, cache_mib=0)
     msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
     plain = gen(engine, msgs, "off", n=24)

@@ -127,5 +127,5 @@ def test_app_server_settings_survive_a_new_process(app_home):
     settings.save(s)
     out = subprocess.run([sys.executable, "-c", "from app import settings; s = settings.load(); "
                           "print(s.server_enabled, s.server_host, s.server_port, s.server_api_key, s.cache_mib)"],
-                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.split() == ["True", "127.0.0.1", "9123", "k", "512"], out.stderr

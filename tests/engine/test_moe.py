@@ -277,7 +277,7 @@ def test_cli_refuses_a_bad_moe_file_with_one_line_and_exit_2(moe_dir, tmp_path, 
 # nearly equal, that noise picks the other expert in llama.cpp, and the K/V carries it to later
 # positions. Single positions with a flipped expert reach several logits, hence no bound on the max.
 LOGIT_TOL = {"F16": (3e-3, 5e-4), "Q8_0": (0.1, 0.015), "Q4_K_M": (0.1, 0.015)}
-TIE_MARGIN = 0.6   # as tests/test_oracle.py
+TIE_MARGIN = 0.6   # as tests/engine/test_oracle.py
 N_GEN = 32
 PROMPTS = ["The little boat left the harbor early in the morning, when the sea was still",
            "<|im_start|>user\nWhat would they find today?<|im_end|>\n<|im_start|>assistant\n"]

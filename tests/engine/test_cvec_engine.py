@@ -21,11 +21,11 @@ from engine.engine import Call, Engine, EngineOptions, GenerateRequest, RestoreS
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STRATA = [sys.executable, "-m", "engine.cli"]
 SHIPPED = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
 N_LAYER, N_EMBD = 4, 64
-TIE_MARGIN = 0.6          # as tests/test_oracle.py: a closer race in llama.cpp has no single right answer
+TIE_MARGIN = 0.6          # as tests/engine/test_oracle.py: a closer race in llama.cpp has no single right answer
 CHAT = [{"role": "user", "content": "Tell me a short story about a cat who learns to fly."}]
 RAW = "Once upon a time, in a small village by the sea,"
 

@@ -115,7 +115,7 @@ def test_bad_model_exits_2_with_one_line(case, tmp_path, tiny_gguf, capsys):
 def test_real_process_exit_code_and_no_traceback(tmp_path, tiny_gguf):
     path, message = bad_inputs(tmp_path, tiny_gguf)["truncated"]
     p = subprocess.run([*STRATA, "generate", "--model", str(path), "--prompt", "Hi"],
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 2
     err_lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "PyTorch was not found" not in ln]
     assert len(err_lines) == 1 and message in err_lines[0], p.stderr
@@ -125,7 +125,7 @@ def test_successful_run_exits_0(tiny_gguf):
     # Guards against mlx's abort at exit after sampling on a thread that ended (see Engine.run_forever).
     p = subprocess.run([*STRATA, "generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "3",
                         "--temperature", "0.9", "--seed", "1", "--json"],
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["tokens"]) == 3
 

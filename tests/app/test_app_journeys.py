@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from app_fixtures import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -360,7 +360,7 @@ def test_the_prompt_being_read_shows_a_bar_in_its_chat(qtbot, window):
 
 def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     """Cancel on the chat's bar: the prompt is never answered (the engine checks between chunks;
-    tests/test_engine.py cancels one mid-prompt). Here the engine is held busy first, so the
+    tests/engine/test_engine.py cancels one mid-prompt). Here the engine is held busy first, so the
     click lands while the prompt waits its turn, whatever the machine's speed."""
     import threading
 

@@ -15,7 +15,7 @@ from engine.errors import EngineError, ErrorCode
 from engine.events import Failed
 from engine.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "Tell me a short story about a cat."}]
 
 

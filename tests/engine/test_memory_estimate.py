@@ -18,7 +18,7 @@ from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.model_loader import load_model
 from gguf_factory import quantize_with_llama, write_tiny_gguf, write_tiny_moe_gguf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
