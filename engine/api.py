@@ -4,7 +4,7 @@ with, and the typed error a failed one reports. Plain Python (no MLX): the app i
     engine = Engine(EngineOptions(model="SmolLM2-135M-Instruct.Q4_1.gguf")).start()
     h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
     for event in h.events(): ...   # Token, Progress, Log, then Done(Generation) or Failed(message, code, reason)
-    engine.call(Status()).model_path          # submit and wait: the result, or EngineError
+    engine.call(Status()).model               # submit and wait: the result, or EngineError
 
 | request            | result          | what it does                                                        |
 |--------------------|-----------------|---------------------------------------------------------------------|
