@@ -87,9 +87,9 @@ class ModelLibrary(QObject):
         req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"{failure}: {m}")))
         return req
 
-    def _on_loaded(self, result: dict, path: str) -> None:
+    def _on_loaded(self, result, path: str) -> None:
         self.status.hide_progress()
-        self.model_path = result.get("model", path)
+        self.model_path = result.model or path
         self.models.mark_current(self.model_path)
         self.status.showMessage(f"Loaded {Path(self.model_path).name}", 5000)
         s = self.settings()

@@ -1,4 +1,4 @@
-"""The settings page's server toggle: the OpenAI-compatible server (engine.server) on the app's own
+"""The settings page's server toggle: the OpenAI-compatible server (engine.frontends.server) on the app's own
 engine, started and stopped off the GUI thread.
 
 `apply(config)` says what is wanted: (host, port, api_key) or None for off. Starts and stops run one at a

@@ -11,6 +11,7 @@ from pathlib import Path
 from PySide6.QtCore import QEvent, QObject, Signal
 from PySide6.QtWidgets import QFileDialog
 
+from engine.errors import ErrorCode, SessionRefusal
 from engine.paths import SESSION_EXTENSION
 
 from .chat_view import DEFAULT_TITLE, ChatView
@@ -80,9 +81,9 @@ class SessionController(QObject):
 
         def done(r):
             self.status.hide_progress()
-            again = " (read again)" if r.get("reread") else ""
-            self.status.showMessage(f"Saved {Path(path).name}{again}: {r.get('session_bytes', 0) / (1 << 20):.1f} "
-                                    f"MiB in {r.get('save_ms', 0):.0f} ms", 8000)
+            again = " (read again)" if r.reread else ""
+            self.status.showMessage(f"Saved {Path(path).name}{again}: {r.session_bytes / (1 << 20):.1f} "
+                                    f"MiB in {r.save_ms:.0f} ms", 8000)
             emit(self.status_changed)
             emit(self.saved, path)
         req.done.connect(done)
@@ -110,7 +111,7 @@ class SessionController(QObject):
         def refused(m):
             self.status.hide_progress()
             self.tell(f"{name} was not restored: {m}")
-            if "control vector" in m and "load " in m:
+            if req.error_code == ErrorCode.SESSION_REFUSED and req.error_reason == SessionRefusal.STEERING:
                 self._offer_vector(path, m)
             emit(self.refused, m)
         req.failed.connect(refused)
@@ -121,7 +122,7 @@ class SessionController(QObject):
         req = self.client.session_steering(path)
 
         def got(r):
-            spec = r.get("value") or {}
+            spec = r.spec or {}
             files = [(str(p), float(sc)) for p, sc in spec.get("files") or []]
             if not files or not all(Path(p).is_file() for p, _ in files):
                 return
@@ -140,18 +141,18 @@ class SessionController(QObject):
         self.save_settings(dataclasses.replace(s, steering=st))
         return self.library.reload(st, "The control vector was not loaded", then=lambda: self.restore_session(path))
 
-    def _on_restored(self, r: dict, path: str, chat: Chat | None = None) -> None:
+    def _on_restored(self, r, path: str, chat: Chat | None = None) -> None:
         self.status.hide_progress()
-        messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.get("messages") or []]
+        messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.messages or []]
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
         chat = chat or Chat()
         chat.title, chat.messages = title or first[:30], messages
         # The tab's toggle is the file's setting: its follow-ups extend the restored K/V.
-        chat.config = dict(self.tabs.chat_config(), session=path, speed_projection=bool(r.get("speed_projection")))
+        chat.config = dict(self.tabs.chat_config(), session=path, speed_projection=bool(r.speed_projection))
         view = self.tabs.add_chat_tab(chat)
-        steer = "speed projection on" if r.get("speed_projection") else "speed projection off"
-        view.add_note(f"restored {r.get('restored_tokens', 0)} tokens in {r.get('restore_ms', 0):.0f} ms "
+        steer = "speed projection on" if r.speed_projection else "speed projection off"
+        view.add_note(f"restored {r.restored_tokens} tokens in {r.restore_ms:.0f} ms "
                       f"from {Path(path).name} ({steer})")
         emit(self.status_changed)
         emit(self.restored, view)

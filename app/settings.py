@@ -62,7 +62,7 @@ class Settings:
     speculative: str = "off"              # the Default config's speculative decoding (app/presets.py)
     model: str = ""
     model_folders: list[str] = field(default_factory=list)
-    server_enabled: bool = False          # the OpenAI-compatible server (engine.server) on the app's engine
+    server_enabled: bool = False          # the OpenAI-compatible server (engine.frontends.server) on the app's engine
     server_host: str = "127.0.0.1"
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key

@@ -35,13 +35,13 @@ KV_BITS_TIP = ("How the engine stores each token's keys and values. 8-bit takes 
 class SettingsPage(QDialog):
     saved = Signal(object, object)       # (new Settings, old Settings)
 
-    def __init__(self, current: Settings, client, status: dict | None = None, parent: QWidget | None = None,
+    def __init__(self, current: Settings, client, status=None, parent: QWidget | None = None,
                  save=None):
         super().__init__(parent)
         self.save = save or settings_mod.save      # (Settings) -> None
         self.setWindowTitle("Strata Settings")
         self.client = client
-        self.status = status or {}
+        self.status = status               # the last engine.api.EngineStatus, or None
         self._drop_confirmed: tuple[int, int] | None = None
         self.old = current
         s = copy.deepcopy(current)
@@ -158,22 +158,22 @@ class SettingsPage(QDialog):
         lay.addWidget(self.buttons)
 
     @staticmethod
-    def _cache_range(status: dict | None):
+    def _cache_range(status):
         """The engine's range when it has told us, else this machine's (the same rule, engine.limits)."""
         from engine.limits import cache_range, machine_cache_range
-        m = (status or {}).get("memory")
+        m = status.memory if status is not None else None
         return cache_range(m["total_bytes"]) if m else machine_cache_range()
 
     @classmethod
-    def _guard_text(cls, status: dict | None) -> str:
-        if not status:
+    def _guard_text(cls, status) -> str:
+        if status is None:
             return "no reading yet (the engine is starting)"
-        if status.get("memory_unavailable"):
-            return f"refusing work: {status['memory_unavailable']}"
-        m = status.get("memory")
+        if status.memory_unavailable:
+            return f"refusing work: {status.memory_unavailable}"
+        m = status.memory
         if not m:
             return "no reading on this machine"
-        p = status.get("parking") or {}
+        p = status.parking or {}
         return (f"{m['available_bytes'] / (1 << 30):.1f} GiB available of {m['total_bytes'] / (1 << 30):.1f} GiB "
                 f"({m['source']}); the cap may be {cls._cache_range(status).describe()}. "
                 f"Parked now: {p.get('entries', 0)} conversations, {p.get('bytes', 0) / (1 << 20):.1f} MiB.")
@@ -271,7 +271,7 @@ class SettingsPage(QDialog):
 
     def _drops(self, new: Settings) -> str:
         """What the new limits would evict from the parked conversations (per the last status), or ""."""
-        p = self.status.get("parking") or {}
+        p = (self.status.parking if self.status is not None else None) or {}
         entries, nbytes = int(p.get("entries") or 0), int(p.get("bytes") or 0)
         if not entries:
             return ""

@@ -43,7 +43,7 @@ class MainWindow(QMainWindow):
         self.settings = settings or settings_mod.load(self.paths)
         self.setWindowTitle("Strata")
         self.resize(1180, 760)
-        self.last_status: dict = {}
+        self.last_status = None                  # the last engine.api.EngineStatus
         self._status_due = False
         self._closed = False
 
@@ -229,9 +229,9 @@ class MainWindow(QMainWindow):
         req = self.client.status()
         req.done.connect(self._on_status)
 
-    def _on_status(self, s: dict) -> None:
+    def _on_status(self, s) -> None:
         self.last_status = s
-        self.library.set_engine_budget(s.get("load_budget"))
+        self.library.set_engine_budget(s.load_budget)
         self.status.show_status(s)
         emit(self.status_updated, s)
 

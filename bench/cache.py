@@ -168,16 +168,16 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         t0 = time.perf_counter()
         r = engine.call(SaveSession(str(s_path), sync=False))
         out["save"].append((time.perf_counter() - t0) * 1e3)
-        out["bytes"] = r["session_bytes"]
+        out["bytes"] = r.session_bytes
         t0 = time.perf_counter()
         r = engine.call(SaveSession(str(s_path), sync=True))
         out["save_sync"].append((time.perf_counter() - t0) * 1e3)
-        out["save_prof"].append(r["profile"])
+        out["save_prof"].append(r.profile)
         t0 = time.perf_counter()
         r = engine.call(RestoreSession(str(s_path)))
         out["load"].append((time.perf_counter() - t0) * 1e3)
-        out["load_prof"].append(r["profile"])
-        assert r["restored_tokens"] == n
+        out["load_prof"].append(r.profile)
+        assert r.restored_tokens == n
 
     def llama():
         t0 = time.perf_counter()
@@ -292,20 +292,20 @@ def main() -> int:
     t_bench = time.perf_counter()
     on = Engine(EngineOptions(model=str(model), cache_mib=1024, cache_slots=4, dtype=args.dtype,
                               context_length=max(4096, args.session_tokens + 1024))).start()
-    if not on.call(Status())["model"]:
+    if not on.call(Status()).model:
         print(f"the model did not load: {model}", file=sys.stderr)
         return 2
     tok = on.tokenizer
     rows, history_tokens, notes = [], 0, []
     if not args.session_only:
         off = Engine(EngineOptions(model=str(model), cache_mib=0, dtype=args.dtype)).start()
-        if not off.call(Status())["model"]:
+        if not off.call(Status()).model:
             print(f"the model did not load: {model}", file=sys.stderr)
             return 2
         rows, history_tokens, raw = aba(on, off, tok, args)
         notes.append(raw)
         off.stop()
-        live_n = on.call(Status())["live_tokens"]
+        live_n = on.call(Status()).live_tokens
         n = min(args.session_tokens, live_n)
 
         def truncate(engine):   # keep the first n tokens of the live conversation (as a rewind does)
@@ -315,7 +315,7 @@ def main() -> int:
                     c.trim(c.offset - n)
             live.tokens = live.tokens[:n]
             return list(live.tokens)
-        ids = on.call(Call(truncate))["value"]
+        ids = on.call(Call(truncate)).value
         fill = "A's history"
     else:
         ids = session_ids(tok, args.session_tokens)
@@ -359,9 +359,9 @@ def aba(on, off, tok, args) -> tuple[list[tuple], int, str]:
     messages = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": first_user}]
     print(f"A's first turn (~{args.history} tokens) on the parking engine ...", file=sys.stderr, flush=True)
     r, _ = chat(on, messages, "A", args.reply_tokens)
-    messages.append({"role": "assistant", "content": r["text"]})
-    history_tokens = r["prompt_tokens"]
-    print(f"  prompt {r['prompt_tokens']} tokens, ttft {r['ttft_ms'] / 1e3:.1f} s", file=sys.stderr, flush=True)
+    messages.append({"role": "assistant", "content": r.text})
+    history_tokens = r.prompt_tokens
+    print(f"  prompt {r.prompt_tokens} tokens, ttft {r.ttft_ms / 1e3:.1f} s", file=sys.stderr, flush=True)
     ttft_on, ttft_off, cached_on, cached_off, park_ms, restore_ms, held = [], [], [], [], [], [], []
     for k in range(args.repeats):
         messages.append({"role": "user", "content": FOLLOW_UPS[k % len(FOLLOW_UPS)]})
@@ -375,17 +375,17 @@ def aba(on, off, tok, args) -> tuple[list[tuple], int, str]:
         for m in map(RESTORED.match, a_logs):
             if m:
                 restore_ms.append(float(m.group(2)))
-        ttft_on.append(ra["ttft_ms"])
-        cached_on.append(ra["cached_tokens"])
+        ttft_on.append(ra.ttft_ms)
+        cached_on.append(ra.cached_tokens)
         # No parking: B takes the engine, A's same turn (same messages) is read again.
         chat(off, B_MESSAGES, "B", args.reply_tokens)
         ro, _ = chat(off, messages, "A", args.reply_tokens)
-        ttft_off.append(ro["ttft_ms"])
-        cached_off.append(ro["cached_tokens"])
-        assert ro["prompt_tokens"] == ra["prompt_tokens"], (ro["prompt_tokens"], ra["prompt_tokens"])
-        messages.append({"role": "assistant", "content": ra["text"]})
-        print(f"  repeat {k + 1}: A's turn {ra['prompt_tokens']} tokens; ttft parked {ra['ttft_ms']:.0f} ms "
-              f"(cached {ra['cached_tokens']}), not parked {ro['ttft_ms']:.0f} ms (cached {ro['cached_tokens']})",
+        ttft_off.append(ro.ttft_ms)
+        cached_off.append(ro.cached_tokens)
+        assert ro.prompt_tokens == ra.prompt_tokens, (ro.prompt_tokens, ra.prompt_tokens)
+        messages.append({"role": "assistant", "content": ra.text})
+        print(f"  repeat {k + 1}: A's turn {ra.prompt_tokens} tokens; ttft parked {ra.ttft_ms:.0f} ms "
+              f"(cached {ra.cached_tokens}), not parked {ro.ttft_ms:.0f} ms (cached {ro.cached_tokens})",
               file=sys.stderr, flush=True)
     ratio = med(ttft_off) / med(ttft_on)
     rows = [

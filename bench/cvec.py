@@ -88,7 +88,7 @@ def start_engine(model: str, vector: str, mode: str, scale: float, rng: tuple[in
     cfg = SteeringConfig(files=((vector, scale),), mode=mode, layer_range=rng)
     eng = Engine(EngineOptions(model=model, steering=cfg, cache_mib=0)).start()
     st = eng.call(Status())
-    if st["model"] is None:
+    if st.model is None:
         raise SystemExit("the model did not load")
     return eng, st
 
@@ -139,7 +139,7 @@ def kernel_time(eng, rows: int, iters: int) -> dict:
         return {"backend": active_backend(), "layers": len(layers), "rows": rows,
                 "all_layers_ms": statistics.median(per_all) * 1e3,
                 "one_layer_ms": statistics.median(per_one) * 1e3}
-    return eng.call(Call(run))["value"]
+    return eng.call(Call(run)).value
 
 
 def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
@@ -192,7 +192,7 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
                       "paired_ratio": statistics.median(pairs), "n": len(pairs),
                       "rows": 1 if k == "decode" else chunk}
         return out
-    return eng.call(Call(run))["value"]
+    return eng.call(Call(run)).value
 
 
 def random_vector(folder: Path, n_layer: int, n_embd: int) -> str:
@@ -212,22 +212,22 @@ def cost(args) -> dict:
     if args.random_shape:
         from bench.shapes import ignore_eos
         ignore_eos(eng)
-    desc = st["steering"]
+    desc = st.steering
     from engine.engine import Call
     n_tok = args.prompt_tokens
     text = eng.call(Call(lambda e: e.tokenizer.decode(
-        (e.tokenizer.encode(PREFILL_TEXT * 8, add_bos=False))[:n_tok - 1])))["value"]
+        (e.tokenizer.encode(PREFILL_TEXT * 8, add_bos=False))[:n_tok - 1]))).value
     decode_prompt = "Once upon a time, in a small village by the sea,"
     rows = {"prefill_ms": {True: [], False: []}, "decode_ms_per_tok": {True: [], False: []}}
     print(f"cost: {desc}; {args.repeat} alternating pairs after a warm-up pair", file=sys.stderr)
     for rep in range(args.repeat + 1):
         for on in ((False, True) if rep % 2 == 0 else (True, False)):
             r, _ = gen(eng, prompt=text, max_tokens=1, on=on)
-            prefill_ms = r["ttft_ms"]
+            prefill_ms = r.ttft_ms
             d, _ = gen(eng, prompt=decode_prompt, max_tokens=args.decode_tokens, on=on)
-            dec = 1e3 / d["decode_tps"] if d["decode_tps"] else float("nan")
-            print(f"  {'warm-up ' if rep == 0 else ''}{'on ' if on else 'off'}: prefill {r['prompt_tokens']} tok "
-                  f"{prefill_ms:.0f} ms, decode {d['generated_tokens']} tok {dec:.1f} ms/tok", file=sys.stderr)
+            dec = 1e3 / d.decode_tps if d.decode_tps else float("nan")
+            print(f"  {'warm-up ' if rep == 0 else ''}{'on ' if on else 'off'}: prefill {r.prompt_tokens} tok "
+                  f"{prefill_ms:.0f} ms, decode {d.generated_tokens} tok {dec:.1f} ms/tok", file=sys.stderr)
             if rep:
                 rows["prefill_ms"][on].append(prefill_ms)
                 rows["decode_ms_per_tok"][on].append(dec)
@@ -237,7 +237,7 @@ def cost(args) -> dict:
     k1 = kernel_time(eng, 1, args.kernel_iters)
     kp = kernel_time(eng, n_tok, max(10, args.kernel_iters // 10))
     eng.stop()
-    out = {"steering": desc, "prompt_tokens": r["prompt_tokens"], "decode_tokens": args.decode_tokens,
+    out = {"steering": desc, "prompt_tokens": r.prompt_tokens, "decode_tokens": args.decode_tokens,
            "repeat": args.repeat, "kernel_token": k1, "kernel_chunk": kp, "steps": steps}
     for k, v in rows.items():
         off, on = statistics.median(v[False]), statistics.median(v[True])
@@ -316,10 +316,10 @@ def effect(args) -> dict:
             use(s)
             r, wall = gen(eng, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
                           on=s != "off")
-            res[s].append({"prompt": prompt, "tokens": r["generated_tokens"], "finish": r["finish_reason"],
-                           "wall_s": wall, "text": r["text"]})
-            print(f"  [{i + 1}/{len(prompts)}] {s:>18}: {r['generated_tokens']:3d} tok, {wall:5.1f} s, "
-                  f"{r['finish_reason']:6} | {r['text'][:70]!r}", file=sys.stderr, flush=True)
+            res[s].append({"prompt": prompt, "tokens": r.generated_tokens, "finish": r.finish_reason,
+                           "wall_s": wall, "text": r.text})
+            print(f"  [{i + 1}/{len(prompts)}] {s:>18}: {r.generated_tokens:3d} tok, {wall:5.1f} s, "
+                  f"{r.finish_reason:6} | {r.text[:70]!r}", file=sys.stderr, flush=True)
     eng.stop()
     summary = {}
     for s, rows in res.items():

@@ -47,9 +47,9 @@ def run_strata(engine, text, gen):
     from engine.sampling import SamplingParams
     # The engine's whole request path: queue, engine thread, tokenizer, events to this thread.
     r = engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=gen)))
-    if r["generated_tokens"] != gen:
-        raise SystemExit(f"Strata stopped after {r['generated_tokens']} of {gen} tokens (EOS?)")
-    return r["prompt_tokens"] / (r["ttft_ms"] / 1e3), r["decode_tps"], r["prompt_tokens"]
+    if r.generated_tokens != gen:
+        raise SystemExit(f"Strata stopped after {r.generated_tokens} of {gen} tokens (EOS?)")
+    return r.prompt_tokens / (r.ttft_ms / 1e3), r.decode_tps, r.prompt_tokens
 
 
 def run_mlx_lm(model, ids, gen):
@@ -127,7 +127,7 @@ def main() -> int:
     else:
         path = Path(args.model or default_model_path())
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
-    dtype = engine.call(Call(lambda e: e.dtype))["value"]
+    dtype = engine.call(Call(lambda e: e.dtype)).value
     if args.random_shape:
         from bench.shapes import ignore_eos
         ignore_eos(engine)
@@ -154,7 +154,7 @@ def main() -> int:
         variant = engine.tokenizer.encode(text)
         runs = {"strata": lambda: run_strata(engine, text, args.gen),
                 "mlx-lm": lambda: run_mlx_lm(model, variant, args.gen),
-                "mlx-lm@engine-thread": lambda: engine.call(Call(lambda e: run_mlx_lm(model, variant, args.gen)))["value"],
+                "mlx-lm@engine-thread": lambda: engine.call(Call(lambda e: run_mlx_lm(model, variant, args.gen))).value,
                 "llama.cpp": lambda: run_llama(llm, variant, args.gen)}
         order = names if rnd % 2 == 0 else names[::-1]
         for name in order:

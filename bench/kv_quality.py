@@ -1,4 +1,4 @@
-"""8-bit and 4-bit K/V against 16-bit K/V, on the oracle prompts (tests/test_oracle.py) and file types.
+"""8-bit and 4-bit K/V against 16-bit K/V, on the oracle prompts (tests/engine/test_oracle.py) and file types.
 
     .venv/bin/python bench/kv_quality.py [--types Q4_1,F16,Q8_0,Q4_K_M,Q6_K] [--tokens 32]
 
@@ -7,7 +7,7 @@ For each file type and prompt: 32 greedy tokens with 16-bit K/V, then
   32 positions, does the greedy pick agree with 16-bit K/V, and the |logit difference| (median, max);
 * free-running: 32 greedy tokens decoded step by step with 8-bit / 4-bit K/V; how many of them equal
   the 16-bit run's (the whole sequence, not only the common prefix).
-Files other than the default Q4_1 are the ones tests/test_oracle.py makes with llama.cpp's quantizer
+Files other than the default Q4_1 are the ones tests/engine/test_oracle.py makes with llama.cpp's quantizer
 (~/.cache/strata-tests); a missing one is skipped with that reason.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def files(types: list[str]) -> dict[str, Path]:
         if p.exists():
             out[t] = p
         else:
-            print(f"{t}: skipped ({p} not found; tests/test_oracle.py makes it)", file=sys.stderr)
+            print(f"{t}: skipped ({p} not found; tests/engine/test_oracle.py makes it)", file=sys.stderr)
     return out
 
 

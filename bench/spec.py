@@ -65,7 +65,7 @@ def main() -> int:
     modes = ["off", "lookup"] + ([f"draft:{args.draft}"] if args.draft else [])
     engine = Engine(EngineOptions(model=args.model)).start()
     st = engine.call(Status(), timeout=600)
-    assert st["model"], "the model did not load"
+    assert st.model, "the model did not load"
     workloads = {"edit": edit_prompt(), "chat": CHAT}
     results: dict = {}
     for w in args.workloads.split(","):
@@ -79,21 +79,21 @@ def main() -> int:
                                                   sampling=SamplingParams(max_tokens=args.max_tokens)),
                                   timeout=1200)
                 results.setdefault((w, mode), []).append(res)
-                print(f"  {w} round {r} {mode}: {res['decode_tps']:.2f} tok/s, {res['generated_tokens']} tokens, "
-                      f"accepted {res['accepted_tokens']}/{res['drafted_tokens']}"
-                      + (f" (stopped: {res['speculation_stopped']})" if res['speculation_stopped'] else ""),
+                print(f"  {w} round {r} {mode}: {res.decode_tps:.2f} tok/s, {res.generated_tokens} tokens, "
+                      f"accepted {res.accepted_tokens}/{res.drafted_tokens}"
+                      + (f" (stopped: {res.speculation_stopped})" if res.speculation_stopped else ""),
                       file=sys.stderr, flush=True)
     print("| workload | mode | decode tok/s (median) | vs off | accepted/drafted | same tokens as off |")
     print("|---|---|---|---|---|---|")
     for w in args.workloads.split(","):
-        base = statistics.median(x["decode_tps"] for x in results[(w, "off")])
-        ref = results[(w, "off")][0]["tokens"]
+        base = statistics.median(x.decode_tps for x in results[(w, "off")])
+        ref = results[(w, "off")][0].tokens
         for mode in modes:
             runs = results[(w, mode)]
-            tps = statistics.median(x["decode_tps"] for x in runs)
-            acc = sum(x["accepted_tokens"] for x in runs)
-            dr = sum(x["drafted_tokens"] for x in runs)
-            same = all(x["tokens"] == ref for x in runs)
+            tps = statistics.median(x.decode_tps for x in runs)
+            acc = sum(x.accepted_tokens for x in runs)
+            dr = sum(x.drafted_tokens for x in runs)
+            same = all(x.tokens == ref for x in runs)
             label = "draft" if mode.startswith("draft:") else mode
             print(f"| {w} | {label} | {tps:.2f} | {tps / base:.2f}x | {acc}/{dr}"
                   f"{f' ({acc / dr:.0%})' if dr else ''} | {'yes' if same else 'NO'} |", flush=True)
@@ -122,7 +122,7 @@ def tune(args) -> int:
     from engine.engine import Engine, EngineOptions, GenerateRequest, Status
     from engine.sampling import SamplingParams
     engine = Engine(EngineOptions(model=args.model)).start()
-    assert engine.call(Status(), timeout=600)["model"], "the model did not load"
+    assert engine.call(Status(), timeout=600).model, "the model did not load"
     workloads = {"edit": edit_prompt(), "chat": CHAT}
     print("| workload | n-gram | draft | tokens per pass | accepted/drafted |")
     print("|---|---|---|---|---|")
@@ -130,7 +130,7 @@ def tune(args) -> int:
         req = GenerateRequest(messages=[{"role": "user", "content": workloads[w]}],
                               sampling=SamplingParams(max_tokens=args.max_tokens))
         prompt = engine.prompt_tokens(req)
-        reply = engine.call(req, timeout=1800)["tokens"]
+        reply = engine.call(req, timeout=1800).tokens
         for ng in ((2, 1), (3, 2), (4, 2), (5, 3)):
             for k in (2, 3, 4, 8, 16):
                 passes, dr, acc = simulate(prompt, reply, ng[0], ng[1], k)

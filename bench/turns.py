@@ -136,9 +136,9 @@ def main() -> int:
         msgs = [{"role": "system", "content": "You are a careful historian."},
                 {"role": "user", "content": history_text(tok, h)}]
         r = chat(engine, msgs, args.reply_tokens, f"history {h}")
-        msgs.append({"role": "assistant", "content": r["text"]})
+        msgs.append({"role": "assistant", "content": r.text})
         convs[h] = msgs
-        print(f"conversation {h}: {r['prompt_tokens']} prompt tokens", file=sys.stderr, flush=True)
+        print(f"conversation {h}: {r.prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
     ttft = {h: [] for h in histories}
     cached = {h: [] for h in histories}
     phase_ms: dict = {}
@@ -148,15 +148,15 @@ def main() -> int:
             chat(engine, title(rnd * len(histories) + histories.index(h)), 2, "title")
             convs[h].append({"role": "user", "content": f"And what happened in year {rnd + 1}?"})
             r = chat(engine, convs[h], args.reply_tokens, f"history {h}")
-            convs[h].append({"role": "assistant", "content": r["text"]})
-            print(f"round {rnd} history {h}: prompt {r['prompt_tokens']} (cached {r['cached_tokens']}), "
-                  f"ttft {r['ttft_ms']:.1f} ms", file=sys.stderr, flush=True)
+            convs[h].append({"role": "assistant", "content": r.text})
+            print(f"round {rnd} history {h}: prompt {r.prompt_tokens} (cached {r.cached_tokens}), "
+                  f"ttft {r.ttft_ms:.1f} ms", file=sys.stderr, flush=True)
             ph = phases.pop("turn", {})
             if rnd:
                 for k, v in ph.items():
                     phase_ms.setdefault(h, {}).setdefault(k, []).append(v)
-                ttft[h].append(r["ttft_ms"])
-                cached[h].append((r["prompt_tokens"], r["cached_tokens"]))
+                ttft[h].append(r.ttft_ms)
+                cached[h].append((r.prompt_tokens, r.cached_tokens))
 
     def build_times(e):
         out = {}
@@ -201,8 +201,8 @@ def main() -> int:
                     xs.append((time.perf_counter() - t) * 1e3)
             out[h] = (same, statistics.median(xs))
         return out
-    prompt = engine.call(Call(build_times))["value"]
-    alone = engine.call(Call(model_alone))["value"]
+    prompt = engine.call(Call(build_times)).value
+    alone = engine.call(Call(model_alone)).value
     wall = time.perf_counter() - t0
     base = histories[0]
     print(f"\n{path.name}{' (random weights, EOS ignored)' if args.random_shape else ''}; mlx {mx.__version__} "

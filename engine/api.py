@@ -4,7 +4,7 @@ with, and the typed error a failed one reports. Plain Python (no MLX): the app i
     engine = Engine(EngineOptions(model="SmolLM2-135M-Instruct.Q4_1.gguf")).start()
     h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "Hi"}]))
     for event in h.events(): ...   # Token, Progress, Log, then Done(Generation) or Failed(message, code, reason)
-    engine.call(Status()).model_path          # submit and wait: the result, or EngineError
+    engine.call(Status()).model               # submit and wait: the result, or EngineError
 
 | request            | result          | what it does                                                        |
 |--------------------|-----------------|---------------------------------------------------------------------|
@@ -134,37 +134,11 @@ class Call:
 
 # ---- results -------------------------------------------------------------------------------------
 class Result:
-    """Base of the typed results: read fields. `r["key"]`/`r.get("key")` are kept only for callers
-    not yet moved to fields (the app's window, older tests); `to_dict()` is the JSON form."""
-    _aliases: dict[str, str] = {}
+    """Base of the typed results: callers read fields (`r.text`, `r.tokens`); `to_dict()` is the JSON
+    form. There is no `r["key"]`: a key read fails loudly (TypeError)."""
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def _field(self, key: str) -> str:
-        name = self._aliases.get(key, key)
-        if name not in {f.name for f in dataclasses.fields(self)}:
-            raise KeyError(key)
-        return name
-
-    def __getitem__(self, key: str):
-        return getattr(self, self._field(key))
-
-    def get(self, key: str, default=None):
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __contains__(self, key) -> bool:
-        try:
-            self._field(key)
-            return True
-        except KeyError:
-            return False
-
-    def keys(self):
-        return [f.name for f in dataclasses.fields(self)]
 
     @classmethod
     def from_dict(cls, d: dict, **extra):
@@ -259,14 +233,12 @@ class SessionRestored(Result):
 @dataclass
 class TokenCount(Result):
     tokens: int
-    _aliases = {"value": "tokens"}
 
 
 @dataclass
 class SessionSteeringInfo(Result):
     """{} (no control vector) or the vector's files, layer_range, mode and direction as the file names them."""
     spec: dict
-    _aliases = {"value": "spec"}
 
 
 @dataclass

@@ -18,7 +18,7 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
   The scores are counted on every backend although MLX's fused attention on Metal may never
   materialise them, so on a Mac the long-context estimate errs high. Measured on the CPU backend:
   a 2 x 512-token prefill peaks at 19.6 MiB over the weights where this counts 24.1 MiB (tiny MoE,
-  context 1024; tests/test_memory_estimate.py).
+  context 1024; tests/engine/test_memory_estimate.py).
 
 The budget (``budget()``): on a Mac with Metal, MLX's ``max_recommended_working_set_size`` (the
 unified memory the GPU may wire); elsewhere (Linux, the CPU backend) the memory guard's available

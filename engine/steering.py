@@ -375,7 +375,7 @@ class SteeredLayer(nn.Module):
 
 def _fusable_calls() -> set:
     """The __call__ of mlx-lm blocks that are exactly `h = x + attn(norm(x)); out = h + mlp(norm(h))`
-    (llama, qwen2, qwen3 in mlx-lm 0.32; tests/test_control_vector.py checks fused == unfused)."""
+    (llama, qwen2, qwen3 in mlx-lm 0.32; tests/engine/test_control_vector.py checks fused == unfused)."""
     calls = set()
     for name in ("llama", "qwen2", "qwen3"):
         try:

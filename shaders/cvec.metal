@@ -22,7 +22,7 @@
 // maps the Metal names used here (thread indices, simd_sum, threadgroup_barrier, uint/ulong) onto
 // CUDA's. Keep to those names, or add them to both shims.
 // Status: the CUDA build is compiled and checked against a float64 reference on an NVIDIA H200
-// (tests/test_steering_kernels.py, see bench/gpu.md). The Metal build has NEVER been compiled or
+// (tests/engine/test_steering_kernels.py, see bench/gpu.md). The Metal build has NEVER been compiled or
 // run anywhere (no Mac in the CI that wrote it); the same test runs it on a Mac.
 
 CVEC_SHARED float cvec_partials[32];

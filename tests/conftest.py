@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))   # the shared helpers, for tests/engine/ and tests/app/
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,16 +1,35 @@
 """A small fake of app/engine_thread.EngineClient for widget tests where the engine adds nothing: each
 call is recorded in `calls` as (method, args, kwargs) and answered on the next turn of the event loop
-with `answers[method]` (a result for `done`, or a `Refusal` for `failed`), `{}` when none is set."""
+with `answers[method]` (a result for `done`, or a `Refusal` for `failed`), else the method's typed
+engine.api result with its defaults (DEFAULTS)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from engine import api
+from engine.errors import ErrorCode
+
 
 @dataclass
 class Refusal:
     message: str
+    code: str | None = None          # engine.errors.ErrorCode (None: refused before the engine)
+    reason: str = ""
+
+
+# What each method answers when the test set nothing: the engine.api result with its defaults.
+DEFAULTS = {
+    "generate": lambda: api.Generation(),
+    "load_model": lambda: api.ModelLoaded(model="", info={}),
+    "configure": lambda: api.EngineStatus(),
+    "status": lambda: api.EngineStatus(),
+    "count_prompt_tokens": lambda: api.TokenCount(tokens=0),
+    "save_session": lambda: api.SessionSaved(),
+    "restore_session": lambda: api.SessionRestored(),
+    "session_steering": lambda: api.SessionSteeringInfo(spec={}),
+}
 
 
 class FakeRequest(QObject):
@@ -27,6 +46,8 @@ class FakeRequest(QObject):
         self.kind = kind
         self.result = None
         self.error = None
+        self.error_code = None
+        self.error_reason = ""
         self.cancelled = False
         QTimer.singleShot(0, self, lambda: self._answer(answer))
 
@@ -35,6 +56,8 @@ class FakeRequest(QObject):
             return
         if isinstance(answer, Refusal):
             self.error = answer.message
+            self.error_code = None if answer.code is None else ErrorCode(answer.code)
+            self.error_reason = answer.reason
             self.failed.emit(answer.message)
         else:
             self.result = answer
@@ -60,8 +83,12 @@ class FakeClient(QObject):
 
     def _call(self, name: str, *args, **kw) -> FakeRequest:
         self.calls.append((name, args, kw))
-        answer = self.answers.get(name, {})
-        return FakeRequest(name, answer(*args, **kw) if callable(answer) else answer, self)
+        if name in self.answers:
+            answer = self.answers[name]
+            answer = answer(*args, **kw) if callable(answer) else answer
+        else:
+            answer = DEFAULTS[name]() if name in DEFAULTS else None
+        return FakeRequest(name, answer, self)
 
     def generate(self, messages, sampling, conversation="", **kw):
         return self._call("generate", messages, sampling, conversation=conversation, **kw)

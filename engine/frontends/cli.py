@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..errors import StrataError
+from ..sampling import FIELD, FIELDS
 from .launch import add_engine_flags, check_engine_flags, engine_options, start_engine  # noqa: F401 - re-exported
 
 
@@ -17,9 +18,7 @@ def cmd_generate(args) -> int:
     from ..api import GenerateRequest, RestoreSession, SaveSession
     from ..events import Done, Failed, Token
     from ..sampling import SamplingParams
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                        repetition_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                        stop=args.stop)
+    sp = SamplingParams(**{f.name: getattr(args, f.name) for f in FIELDS}, stop=args.stop)
     sp.validate()                     # bad flags: one line, exit 2, before the model loads
     engine = start_engine(args)
     out: dict = {}
@@ -66,6 +65,33 @@ def cmd_generate(args) -> int:
               + spec_summary(res), file=sys.stderr)
     engine.stop()
     return 0
+
+
+# The command line's names of engine/sampling.FIELDS (defaults, types and ranges come from the table).
+SAMPLING_FLAGS: dict[str, tuple[str, ...]] = {
+    "max_tokens": ("--max-tokens", "-n"),
+    "temperature": ("--temperature", "--temp"),
+    "top_p": ("--top-p",),
+    "top_k": ("--top-k",),
+    "min_p": ("--min-p",),
+    "repetition_penalty": ("--repeat-penalty",),
+    "seed": ("--seed",),
+}
+assert set(SAMPLING_FLAGS) == set(FIELD), "every sampling field has a flag"
+
+
+def _num(f, x) -> str:
+    return str(x) if f.kind is int else f"{x:g}"
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per engine/sampling.FIELDS entry, its type, default and range from the table (checked
+    by SamplingParams.validate before the model loads)."""
+    for name, flags in SAMPLING_FLAGS.items():
+        f = FIELD[name]
+        rng = f"{'(' if f.lo_open else '['}{_num(f, f.lo)}, {_num(f, f.hi)}{')' if f.hi_open else ']'}"
+        p.add_argument(*flags, dest=f.name, type=f.kind, default=f.default,
+                       help=f"{f.label.lower()} in {rng} (default {f.default})")
 
 
 def spec_fields(res) -> dict:
@@ -155,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", "-p", required=True)
     g.add_argument("--system", default=None)
     g.add_argument("--raw", action="store_true", help="no chat template: feed the text as is")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
-    g.add_argument("--temperature", "--temp", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    add_sampling_flags(g)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--json", action="store_true")
     g.add_argument("--save-session", metavar="FILE")

@@ -1,7 +1,8 @@
 """`strata replay SCRIPT.jsonl`: chat requests in order on one engine, one JSON object a line.
 
-Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system",
-"temperature", "seed", "speed_projection", "speculative" (off|lookup|draft:PATH; default --spec),
+Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system", any
+sampling field of engine/sampling.FIELDS ("temperature", "top_p", "top_k", "min_p",
+"repetition_penalty", "seed"; the table's defaults and ranges), "speed_projection", "speculative" (off|lookup|draft:PATH; default --spec),
 "save_session" (with "force": true to replace a longer saved conversation), "restore_session". Each
 conversation keeps
 its own history (replies included) exactly as the app does, so a script reproduces what a person did.
@@ -13,6 +14,21 @@ import sys
 from pathlib import Path
 
 from ..errors import RequestError, StrataError
+from ..sampling import FIELDS, SamplingParams
+
+# A step's reply length when it names none: shorter than the engine's (sampling.FIELDS) default of
+# 256, as scripts are tests and demos. Every other sampling default is the table's.
+REPLAY_MAX_TOKENS = 64
+
+
+def step_sampling(step: dict) -> SamplingParams:
+    """A step's sampling: each engine/sampling.FIELDS name the step sets (as the field's type), the
+    table's default for the others (max_tokens: REPLAY_MAX_TOKENS). The engine checks the ranges."""
+    values: dict = {"max_tokens": REPLAY_MAX_TOKENS}
+    for f in FIELDS:
+        if step.get(f.name) is not None:
+            values[f.name] = f.kind(step[f.name])
+    return SamplingParams(**values)
 
 
 def load_script(path: str) -> list[dict]:
@@ -39,7 +55,6 @@ def load_script(path: str) -> list[dict]:
 def run_script(engine, steps: list[dict], spec: str = "off"):
     """Yield one result dict per step."""
     from ..api import GenerateRequest, RestoreSession, SaveSession
-    from ..sampling import SamplingParams
     histories: dict[str, list[dict]] = {}
     for step in steps:
         name = step.get("conversation", "default")
@@ -56,8 +71,7 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
             if step.get("system") and not history:
                 history.append({"role": "system", "content": step["system"]})
             history.append({"role": "user", "content": step["user"]})
-            sp = SamplingParams(max_tokens=int(step.get("max_tokens", 64)),
-                                temperature=float(step.get("temperature", 0.0)), seed=step.get("seed"))
+            sp = step_sampling(step)
             h = engine.submit(GenerateRequest(messages=list(history), sampling=sp, conversation=name,
                                               speed_projection=step.get("speed_projection"),
                                               speculative=str(step.get("speculative", spec))))

@@ -5,8 +5,8 @@ Each input must end as a clear one-line refusal or a correct result: never a tra
 RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes well under a minute; the `fuzz_long`
 marker runs ~20x more inputs:
 
-    pytest tests/test_fuzz.py -s                 # default
-    pytest tests/test_fuzz.py -s -m fuzz_long    # long
+    pytest tests/engine/test_fuzz.py -s                 # default
+    pytest tests/engine/test_fuzz.py -s -m fuzz_long    # long
 
 Each test prints its tally (the README's Reliability section quotes them). Seeds are fixed, so a
 crash is reproduced from the label printed with it.
@@ -179,7 +179,7 @@ def fuzz_server(tmp_path_factory):
     from gguf_factory import write_tiny_gguf
     path = write_tiny_gguf(tmp_path_factory.mktemp("fuzz") / "tiny-fuzz.gguf", arch="llama")
     eng = Engine(EngineOptions(model=str(path), context_length=256, cache_mib=16)).start()
-    assert eng.call(Status())["model"] == str(path)
+    assert eng.call(Status()).model == str(path)
     srv = ServerThread(create_app(eng, max_body_bytes=256 << 10)).start()
     yield srv
     srv.stop()

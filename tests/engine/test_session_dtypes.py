@@ -15,22 +15,22 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
         ask(f16, msgs, "A", n=6)
         a = tmp_path / "from-f16.stratasession"
         r = f16.call(SaveSession(str(a)))
-        assert r["profile"]["cast_ms"] < 50           # no cast: blocks written from the cache's memory
-        n = f16.call(Status())["live_tokens"]
+        assert r.profile["cast_ms"] < 50           # no cast: blocks written from the cache's memory
+        n = f16.call(Status()).live_tokens
         # Into the float32 engine (one cast), then saved again (the other cast): the same bytes.
         r = f32.call(RestoreSession(str(a)))
-        assert r["restored_tokens"] == n and r["profile"]["cast"] == "float16 -> float32"
+        assert r.restored_tokens == n and r.profile["cast"] == "float16 -> float32"
         b = tmp_path / "from-f32.stratasession"
         f32.call(SaveSession(str(b)))
         assert a.read_bytes() == b.read_bytes()
         # And back into the float16 engine (no cast); its cache holds the file's values exactly.
         r = f16.call(RestoreSession(str(b)))
-        assert r["profile"]["cast"] == "none (float16 file, float16 cache)"
+        assert r.profile["cast"] == "none (float16 file, float16 cache)"
 
         def padded(e):
             c = e.live.cache[0]
             return [c.keys.shape[2], c.offset, str(c.keys.dtype)]
-        cells, offset, dtype = f16.call(Call(padded))["value"]
+        cells, offset, dtype = f16.call(Call(padded)).value
         assert offset == n and cells % 256 == 0 and cells > n and dtype == "mlx.core.float16"
         c = tmp_path / "again.stratasession"
         f16.call(SaveSession(str(c)))
@@ -39,7 +39,7 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
         for e in (f16, f32):
             out, _ = ask(e, msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}],
                          "A", n=2)
-            assert out["generated_tokens"] == 2
+            assert out.generated_tokens == 2
     finally:
         f16.stop()
         f32.stop()

@@ -27,7 +27,7 @@ from engine.sessions import read_header
 from gguf_factory import write_tiny_gguf
 from test_parking import A_SYSTEM, ask, held, start, words
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 U1 = "Tell me the whole story of the little boat: " + words(60)
 U2 = "And what did the boy find in the nets that morning?"
 U3 = "How did the day end for Margaret and the boy?"
@@ -62,10 +62,10 @@ def _reference(model: Path, temperature: float, seed3: int | None) -> dict:
                 msgs.append({"role": "user", "content": user})
             t = 0.8 if i < 2 else temperature
             r, _ = ask(engine, msgs, "A", n=16, temperature=t, seed=seed if t > 0 else None)
-            msgs.append({"role": "assistant", "content": r["text"]})
+            msgs.append({"role": "assistant", "content": r.text})
             out[f"r{i + 1}"] = r
             if i == 1:
-                out["held"] = engine.call(Status())["live_tokens"]
+                out["held"] = engine.call(Status()).live_tokens
         return out
     finally:
         engine.stop()
@@ -83,7 +83,7 @@ def test_restore_in_a_fresh_process_continues_token_for_token(tiny_gguf, tmp_pat
     ref_sampled = _reference(tiny_gguf, 0.8, 13)
     ref_greedy = _reference(tiny_gguf, 0.0, None)
     # The saving process ran the same two turns as the reference.
-    assert [s["tokens"] for s in saved] == [ref_sampled["r1"]["tokens"], ref_sampled["r2"]["tokens"]]
+    assert [s["tokens"] for s in saved] == [ref_sampled["r1"].tokens, ref_sampled["r2"].tokens]
     h = ref_sampled["held"]
     assert h == held(ref_sampled["r2"], 16)
     _, meta, _ = header_meta(sess)
@@ -95,8 +95,8 @@ def test_restore_in_a_fresh_process_continues_token_for_token(tiny_gguf, tmp_pat
         # Nothing is re-evaluated: the follow-up reuses every saved token (the restored history ends
         # with A's last fed token; the follow-up's prompt extends it).
         assert out["cached_tokens"] == h, temperature
-        assert out["prompt_tokens"] == ref["r3"]["prompt_tokens"]
-        assert out["tokens"] == ref["r3"]["tokens"], temperature
+        assert out["prompt_tokens"] == ref["r3"].prompt_tokens
+        assert out["tokens"] == ref["r3"].tokens, temperature
         assert out["restore_ms"] > 0
 
 
@@ -127,9 +127,9 @@ def matrix(tiny_gguf, tiny_gguf_other, tiny_gguf_wide, tmp_path_factory):
     engine = start(tiny_gguf, cache_mib=64)
     msgs = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": U1}]
     r, _ = ask(engine, msgs, "A")
-    msgs += [{"role": "assistant", "content": r["text"]}, {"role": "user", "content": U2}]
+    msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": U2}]
     r, _ = ask(engine, msgs, "A")
-    msgs.append({"role": "assistant", "content": r["text"]})
+    msgs.append({"role": "assistant", "content": r.text})
     good = d / "good.stratasession"
     engine.call(SaveSession(str(good)))
     raw = good.read_bytes()
@@ -201,12 +201,12 @@ def test_refused_restore_leaves_the_live_conversation(matrix, case):
     assert REFUSALS[case] in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
     after = engine.call(Status())
-    assert after["live_tokens"] == before["live_tokens"] and after["parking"] == before["parking"]
+    assert after.live_tokens == before.live_tokens and after.parking == before.parking
     # Still serving, and the live conversation continues with all its tokens cached.
     msgs.append({"role": "user", "content": f"Go on ({case})."})
     r, logs = ask(engine, msgs, "A", n=4)
-    msgs.append({"role": "assistant", "content": r["text"]})
-    assert r["cached_tokens"] == before["live_tokens"], logs
+    msgs.append({"role": "assistant", "content": r.text})
+    assert r.cached_tokens == before.live_tokens, logs
     assert not any(l.startswith("parked") for l in logs)
 
 
@@ -214,8 +214,8 @@ def test_the_good_file_restores_and_a_refused_file_exits_2_on_the_cli(matrix, ti
     engine = matrix["engine"]
     _, meta, _ = header_meta(matrix["good"])
     r = engine.call(RestoreSession(str(matrix["good"])))
-    assert r["restored_tokens"] == int(meta["n_tokens"])
-    assert engine.call(Status())["live_tokens"] == int(meta["n_tokens"])
+    assert r.restored_tokens == int(meta["n_tokens"])
+    assert engine.call(Status()).live_tokens == int(meta["n_tokens"])
     p = cli("generate", "--model", str(tiny_gguf), "--restore-session", str(matrix["files"]["flipped-byte"]),
             "--prompt", "hi", "-n", "2", check=False)
     assert p.returncode == 2
@@ -241,11 +241,11 @@ from engine.engine import Engine, EngineOptions, GenerateRequest, SaveSession, S
 from engine.sampling import SamplingParams
 model, path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
-assert engine.call(Status())["model"]
+assert engine.call(Status()).model
 tok = engine.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning, when the sea was still. " * 20)[:64]
 r = engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
-n = engine.call(Status())["live_tokens"]
+n = engine.call(Status()).live_tokens
 
 def status_kb(field):
     for line in open("/proc/self/status"):
@@ -273,7 +273,7 @@ if mode == "rss":
     stop.set(); t.join()
     hwm = status_kb("VmHWM") if method == "VmHWM" else peak[0]
     print(json.dumps({"before": before, "peak": max(hwm, peak[0]), "method": method, "tokens": n,
-                      "entry_bytes": entry_bytes, "file_bytes": res["session_bytes"]}), flush=True)
+                      "entry_bytes": entry_bytes, "file_bytes": res.session_bytes}), flush=True)
     sys.exit(0)
 
 i = 0
@@ -330,7 +330,7 @@ def _restores(model: Path, final: Path) -> int:
     try:
         r = engine.call(RestoreSession(str(final)))
         ask(engine, [{"role": "user", "content": "hi"}], "X", n=2)    # still serving
-        return r["restored_tokens"]
+        return r.restored_tokens
     finally:
         engine.stop()
 
@@ -394,8 +394,8 @@ def real_session(real_model, tmp_path_factory):
                 {"role": "user", "content": "In two sentences: why do boats float? Mention density, water "
                                             "displacement and Archimedes, and give one everyday example."}]
         r, _ = ask(engine, msgs, "A", n=48, temperature=0.0, seed=None)
-        msgs += [{"role": "assistant", "content": r["text"]}]
-        h = engine.call(Status())["live_tokens"]
+        msgs += [{"role": "assistant", "content": r.text}]
+        h = engine.call(Status()).live_tokens
         sess = d / "real.stratasession"
         engine.call(SaveSession(str(sess)))
         follow = "And why do ships made of steel float?"
@@ -423,8 +423,8 @@ def test_real_model_round_trip_in_a_fresh_process(real_session, real_model):
     out = json.loads(cli("generate", "--model", str(real_model), "--restore-session", str(real_session["path"]),
                          "--prompt", real_session["follow"], "-n", "8", "--json", timeout=600).stdout)
     assert out["cached_tokens"] == real_session["held"]
-    assert out["prompt_tokens"] == real_session["ref"]["prompt_tokens"]
-    assert out["tokens"] == real_session["ref"]["tokens"]
+    assert out["prompt_tokens"] == real_session["ref"].prompt_tokens
+    assert out["tokens"] == real_session["ref"].tokens
 
 
 def test_next_save_removes_a_stale_part_file_of_an_interrupted_save(tmp_path):

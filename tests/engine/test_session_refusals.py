@@ -29,7 +29,7 @@ from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from test_parking import A_SYSTEM, ask, start, words
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFIX = b'{"__metadata__":{"checksum":"'
 
 
@@ -70,7 +70,7 @@ def restore_all(engine, path: Path, blobs: list[bytes]) -> list[str]:
             except Exception as x:  # noqa: BLE001 -- what the test looks for
                 out.append(f"CRASH {type(x).__name__}: {x}")
         return out
-    return engine.call(Call(run), timeout=900)["value"]
+    return engine.call(Call(run), timeout=900).value
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def conv(tiny_gguf, tmp_path_factory):
     engine = start(tiny_gguf, cache_mib=64)
     msgs = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": words(40)}]
     r, _ = ask(engine, msgs, "A", n=8)
-    msgs.append({"role": "assistant", "content": r["text"]})
+    msgs.append({"role": "assistant", "content": r.text})
     good = d / "good.stratasession"
     engine.call(SaveSession(str(good)))
     yield {"engine": engine, "dir": d, "good": good, "raw": good.read_bytes(), "messages": msgs,
@@ -230,13 +230,13 @@ def test_a_refused_crafted_file_does_not_poison_the_engine(conv):
     with pytest.raises(StrataError, match=r"token id -1 is outside the vocabulary"):
         engine.call(RestoreSession(str(bad)))
     after = engine.call(Status())
-    assert (after["live_tokens"], after["parking"]) == (before["live_tokens"], before["parking"])
+    assert (after.live_tokens, after.parking) == (before.live_tokens, before.parking)
     r = engine.call(RestoreSession(str(conv["good"])))
     msgs = conv["messages"] + [{"role": "user", "content": "Go on."}]
     out, _ = ask(engine, msgs, "A", n=4)
-    assert out["cached_tokens"] == r["restored_tokens"]
+    assert out.cached_tokens == r.restored_tokens
     out, _ = ask(engine, [{"role": "user", "content": "Another topic."}], "B", n=4)
-    assert out["generated_tokens"] == 4
+    assert out.generated_tokens == 4
 
 
 def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
@@ -252,16 +252,16 @@ def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
             bad = e.parking.entries[0]
             bad.tokens = bad.tokens[:-1] + [-1]     # a new list, as every trim makes
             return len(e.parking.entries)
-        assert engine.call(Call(poison))["value"] == 1
+        assert engine.call(Call(poison)).value == 1
         h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": words(20, 3)}],
                                           sampling=SamplingParams(max_tokens=2)))
-        assert h.result(120)["generated_tokens"] == 2
+        assert h.result(120).generated_tokens == 2
         assert any(l.startswith("dropped a parked conversation") for l in h.log_lines), h.log_lines
-        held = engine.call(Call(lambda e: [t for x in e.parking.entries for t in x.tokens]))["value"]
+        held = engine.call(Call(lambda e: [t for x in e.parking.entries for t in x.tokens])).value
         assert held and min(held) >= 0                  # B parked, A gone
         for k in range(2):
             out, _ = ask(engine, [{"role": "user", "content": words(20, 11 + k)}], "C", n=2)
-            assert out["generated_tokens"] == 2
+            assert out.generated_tokens == 2
     finally:
         engine.stop()
 
@@ -307,16 +307,16 @@ def test_restore_asks_the_memory_guard_first(tiny_gguf, conv):
         _, meta, _ = sessions.read_header(str(conv["good"]))
         n = int(meta["n_tokens"])
         need = engine.call(Call(lambda e: sessions.restore_bytes(
-            n, sessions.Geometry.of(e.session_fingerprint()), 4 if "float32" in str(e.dtype) else 2)))["value"]
+            n, sessions.Geometry.of(e.session_fingerprint()), 4 if "float32" in str(e.dtype) else 2))).value
         reader.available = guard.reserve_bytes + need - 1
         with pytest.raises(StrataError) as err:
             engine.call(RestoreSession(str(conv["good"])))
         msg = str(err.value)
         assert msg.startswith(f"good.stratasession was not restored: its {n} tokens need {need / (1 << 20):.1f} "
                               f"MiB of K/V memory and the memory guard says no (needs "), msg
-        assert engine.call(Status())["live_tokens"] == 0
+        assert engine.call(Status()).live_tokens == 0
         reader.available = guard.reserve_bytes + need + (1 << 20)
-        assert engine.call(RestoreSession(str(conv["good"])))["restored_tokens"] == n
+        assert engine.call(RestoreSession(str(conv["good"]))).restored_tokens == n
     finally:
         engine.stop()
 
@@ -356,14 +356,14 @@ def test_saving_less_over_a_longer_session_needs_force(tiny_gguf, tmp_path):
         engine.call(RestoreSession(str(target)))
         # A turn that cannot reuse it (another conversation), then a save to the file it came from.
         ask(engine, [{"role": "user", "content": "hi"}], "B", n=2)
-        short_n = engine.call(Status())["live_tokens"]
+        short_n = engine.call(Status()).live_tokens
         with pytest.raises(StrataError) as err:
             engine.call(SaveSession(str(target)))
         assert err.value.code == "session_refused" and err.value.reason == "overwrite"
         assert str(err.value) == (f"long.stratasession holds a longer conversation ({long_n} tokens) than this "
                                   f"one ({short_n}); not replaced (use --force to replace it)")
         assert hashlib.sha256(target.read_bytes()).hexdigest() == sha
-        assert engine.call(SaveSession(str(target), force=True))["tokens"] == short_n
+        assert engine.call(SaveSession(str(target), force=True)).tokens == short_n
         assert int(sessions.read_header(str(target))[1]["n_tokens"]) == short_n
         # Longer content replaces it without asking.
         ask(engine, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
@@ -403,7 +403,7 @@ def test_save_without_sync_writes_the_same_bytes(conv, tmp_path):
     engine.call(RestoreSession(str(conv["good"])))
     a = engine.call(SaveSession(str(tmp_path / "a.stratasession")))
     b = engine.call(SaveSession(str(tmp_path / "b.stratasession"), sync=False))
-    assert a["synced"] and not b["synced"] and b["sync_ms"] == 0
+    assert a.synced and not b.synced and b.sync_ms == 0
     assert (tmp_path / "a.stratasession").read_bytes() == (tmp_path / "b.stratasession").read_bytes() == conv["raw"]
 
 

@@ -195,7 +195,7 @@ def test_first_run_cancel_during_download(qtbot, monkeypatch):
 
 
 def _app(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(env, PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, "-m", "app.main", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=root)

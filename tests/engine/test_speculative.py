@@ -28,7 +28,7 @@ def words(n: int, start: int = 0) -> str:
 
 def start(model: Path, **opts) -> Engine:
     engine = Engine(EngineOptions(model=str(model), **opts)).start()
-    assert engine.call(Status(), timeout=120)["model"], "the model did not load"
+    assert engine.call(Status(), timeout=120).model, "the model did not load"
     return engine
 
 
@@ -72,11 +72,11 @@ def test_lookup_greedy_equals_plain_decoding(tiny_engine, rep):
     msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
     plain = gen(tiny_engine, msgs, "off", n=64, rep=rep)
     spec = gen(tiny_engine, msgs, "lookup", n=64, rep=rep)
-    assert spec["tokens"] == plain["tokens"]
-    assert spec["text"] == plain["text"]
-    assert spec["drafted_tokens"] > 0 and spec["speculative"] == "lookup"
-    assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
-    assert plain["speculative"] == "off" and plain["drafted_tokens"] == 0
+    assert spec.tokens == plain.tokens
+    assert spec.text == plain.text
+    assert spec.drafted_tokens > 0 and spec.speculative == "lookup"
+    assert 0 <= spec.accepted_tokens <= spec.drafted_tokens
+    assert plain.speculative == "off" and plain.drafted_tokens == 0
 
 
 def test_draft_model_greedy_equals_plain_decoding(tiny_gguf, tiny_gguf_other, tiny_engine):
@@ -85,30 +85,30 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_gguf, tiny_gguf_other, ti
         plain = gen(tiny_engine, msgs, "off", n=40, rep=rep)
         for draft in (tiny_gguf_other, tiny_gguf):     # another model; the target itself (all accepted)
             spec = gen(tiny_engine, msgs, f"draft:{draft}", n=40, rep=rep)
-            assert spec["tokens"] == plain["tokens"], (draft.name, rep)
-            assert spec["drafted_tokens"] > 0
+            assert spec.tokens == plain.tokens, (draft.name, rep)
+            assert spec.drafted_tokens > 0
             if draft == tiny_gguf and rep == 1.0:
-                assert spec["accepted_tokens"] == spec["drafted_tokens"]
+                assert spec.accepted_tokens == spec.drafted_tokens
 
 
 def test_a_draft_with_another_vocabulary_is_refused_by_name(tiny_engine, real_model):
     with pytest.raises(StrataError, match=rf"draft model {real_model.name} has another vocabulary"):
         gen(tiny_engine, [{"role": "user", "content": "hi"}], f"draft:{real_model}", n=4)
     # the engine still serves
-    assert gen(tiny_engine, [{"role": "user", "content": "hi"}], "lookup", n=4)["tokens"]
+    assert gen(tiny_engine, [{"role": "user", "content": "hi"}], "lookup", n=4).tokens
 
 
 def test_kv_holds_exactly_the_delivered_tokens_after_a_stop_mid_run(tiny_engine):
     """A stop string hit inside an accepted run: the K/V keeps no undelivered draft."""
     msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
     full = gen(tiny_engine, msgs, "off", n=48, rep=1.6)
-    stop_text = full["text"][len(full["text"]) // 2:][:6]
+    stop_text = full.text[len(full.text) // 2:][:6]
     for spec in ("off", "lookup"):
         r = gen(tiny_engine, msgs, spec, n=48, rep=1.6, stop=[stop_text])
         live = tiny_engine.live
         assert all(c.offset == len(live.tokens) for c in live.cache)
-        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r["tokens"])[:len(live.tokens)]
-        assert len(live.tokens) <= r["prompt_tokens"] + len(r["tokens"])
+        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r.tokens)[:len(live.tokens)]
+        assert len(live.tokens) <= r.prompt_tokens + len(r.tokens)
 
 
 class WrongDrafter:
@@ -168,12 +168,12 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, mon
         assert len(fed) == len(toks) + len(out) - 1 and all(c.offset == len(fed) for c in cache)
         return out, spec
     from engine.engine import Call
-    out, spec = engine.call(Call(lambda e: run(e, WrongDrafter())))["value"]
-    assert out == plain["tokens"]
+    out, spec = engine.call(Call(lambda e: run(e, WrongDrafter()))).value
+    assert out == plain.tokens
     assert spec.passes == speculative.WINDOW and spec.accepted == 0
     assert spec.stopped.startswith("acceptance 0/")
-    out, spec = engine.call(Call(lambda e: run(e, NoDrafter())))["value"]
-    assert out == plain["tokens"] and spec.idle == speculative.MAX_IDLE
+    out, spec = engine.call(Call(lambda e: run(e, NoDrafter()))).value
+    assert out == plain.tokens and spec.idle == speculative.MAX_IDLE
     assert spec.stopped == f"no draft in {speculative.MAX_IDLE} tokens"
 
 
@@ -189,9 +189,9 @@ def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain
         e = start(tiny_gguf)
         r1 = gen(e, a1, spec, n=24, rep=1.6)
         gen(e, b, spec, n=8, rep=1.6)
-        a2 = a1 + [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": words(10, 7)}]
+        a2 = a1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": words(10, 7)}]
         r2 = gen(e, a2, spec, n=24, rep=1.6)
-        assert r2["cached_tokens"] >= r1["prompt_tokens"]       # resumed from the parked K/V
+        assert r2.cached_tokens >= r1.prompt_tokens       # resumed from the parked K/V
         path = tmp_path / f"{spec}.stratasession"
         e.call(SaveSession(str(path)))
         saved_tokens = list(e.live.tokens)
@@ -199,10 +199,10 @@ def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain
         e2.call(RestoreSession(str(path)))
         assert e2.live.tokens == saved_tokens
         assert all(c.offset == len(saved_tokens) for c in e2.live.cache)
-        a3 = a2 + [{"role": "assistant", "content": r2["text"]}, {"role": "user", "content": words(6, 3)}]
+        a3 = a2 + [{"role": "assistant", "content": r2.text}, {"role": "user", "content": words(6, 3)}]
         r3 = gen(e2, a3, spec, n=24, rep=1.6)
-        runs[spec] = (r1["tokens"], r2["tokens"], r3["tokens"], r3["cached_tokens"])
-        drafts[spec] = [(r["drafted_tokens"], r["accepted_tokens"]) for r in (r1, r2, r3)]
+        runs[spec] = (r1.tokens, r2.tokens, r3.tokens, r3.cached_tokens)
+        drafts[spec] = [(r.drafted_tokens, r.accepted_tokens) for r in (r1, r2, r3)]
     assert runs["lookup"] == runs["off"]
     assert runs[f"draft:{tiny_gguf}"] == runs["off"]
     assert all(0 < a < d for d, a in drafts[f"draft:{tiny_gguf}"]), drafts
@@ -260,7 +260,7 @@ def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gg
                 firsts.append(draft[0] if n_ok >= 1 else nxt)
         return np.array(p0.tolist()), np.bincount(firsts, minlength=p0.shape[0]), float(p0[top].item())
 
-    p, counts, p_top = tiny_engine.call(Call(collect), timeout=300)["value"]
+    p, counts, p_top = tiny_engine.call(Call(collect), timeout=300).value
     assert 0.05 < p_top < 0.95, f"the test needs a draft that is sometimes rejected (p={p_top:.3f})"
     stat, df = _chi2(counts, p, 2000)
     assert df >= 2
@@ -276,13 +276,13 @@ def test_sampled_speculation_runs_and_keeps_bookkeeping(tiny_engine, tiny_gguf):
     msgs = [{"role": "user", "content": words(40) + " again: " + words(40)}]
     for spec in ("lookup", f"draft:{tiny_gguf}"):
         r = gen(tiny_engine, msgs, spec, n=40, temperature=0.8, seed=3)
-        assert len(r["tokens"]) == 40
+        assert len(r.tokens) == 40
         live = tiny_engine.live
         assert all(c.offset == len(live.tokens) for c in live.cache)
-        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r["tokens"])[:len(live.tokens)]
+        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r.tokens)[:len(live.tokens)]
         if spec.startswith("draft"):
             # the target drafting for itself at the same temperature: most drafts accepted (p == q)
-            assert r["accepted_tokens"] > 0.8 * r["drafted_tokens"] > 0
+            assert r.accepted_tokens > 0.8 * r.drafted_tokens > 0
 
 
 def test_cancel_mid_speculation_keeps_the_kv_exact(tiny_engine, tiny_gguf):
@@ -298,12 +298,12 @@ def test_cancel_mid_speculation_keeps_the_kv_exact(tiny_engine, tiny_gguf):
     handle = tiny_engine.submit(GenerateRequest(messages=msgs, speculative=f"draft:{tiny_gguf}",
                                                 sampling=SamplingParams(max_tokens=60)), callback=on_event)
     r = handle.result(timeout=120)
-    assert r["finish_reason"] == "cancelled" and len(r["tokens"]) < 60
+    assert r.finish_reason == "cancelled" and len(r.tokens) < 60
     live = tiny_engine.live
     assert all(c.offset == len(live.tokens) for c in live.cache)
     prompt = tiny_engine.prompt_tokens(GenerateRequest(messages=msgs))
-    assert len(live.tokens) <= len(prompt) + len(r["tokens"])
-    assert live.tokens == (prompt + r["tokens"])[:len(live.tokens)]
+    assert len(live.tokens) <= len(prompt) + len(r.tokens)
+    assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
 
 
 @pytest.mark.slow
@@ -314,8 +314,8 @@ def test_smollm2_lookup_greedy_equals_plain_on_an_editing_prompt(real_model):
     msgs = [{"role": "user", "content": f"Repeat this code exactly:\n\ndef f(items, scale):\n{code}\n"}]
     plain = gen(engine, msgs, "off", n=48)
     spec = gen(engine, msgs, "lookup", n=48)
-    assert spec["tokens"] == plain["tokens"]
-    assert spec["accepted_tokens"] >= 16   # 32 of 71 drafts when written (the reply copies the code)
+    assert spec.tokens == plain.tokens
+    assert spec.accepted_tokens >= 16   # 32 of 71 drafts when written (the reply copies the code)
 
 
 # ---- per request: CLI, replay, server ---------------------------------------------------------
@@ -399,25 +399,25 @@ def test_control_vector_steers_the_verify_pass_and_the_draft_runs_unsteered(tmp_
         return engine.call(GenerateRequest(messages=msgs, sampling=sp, speculative=spec, speed_projection=on))
 
     steered, stock = ask("off", True), ask("off", False)
-    assert steered["tokens"] != stock["tokens"]
-    assert ask("lookup", True)["tokens"] == steered["tokens"]
+    assert steered.tokens != stock.tokens
+    assert ask("lookup", True).tokens == steered.tokens
     d_on, d_off = ask(f"draft:{model}", True), ask(f"draft:{model}", False)
-    assert d_on["tokens"] == steered["tokens"] and d_off["tokens"] == stock["tokens"]
+    assert d_on.tokens == steered.tokens and d_off.tokens == stock.tokens
     # the draft (unsteered, same weights) agrees with the stock target, less so with the steered one
-    assert d_off["accepted_tokens"] > d_on["accepted_tokens"]
+    assert d_off.accepted_tokens > d_on.accepted_tokens
 
 
 @pytest.mark.slow
 def test_smollm2_with_a_requantized_copy_as_draft(real_model):
-    """A real draft: the Q4_K_M requantization tests/test_oracle.py makes (same vocabulary). Greedy
+    """A real draft: the Q4_K_M requantization tests/engine/test_oracle.py makes (same vocabulary). Greedy
     output identical to plain decoding; a close copy's drafts are mostly accepted."""
     import os
     draft = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata-tests" / "smollm2-135m-Q4_K_M.gguf"
     if not draft.exists():
-        pytest.skip(f"{draft} not made yet (tests/test_oracle.py makes it with llama.cpp)")
+        pytest.skip(f"{draft} not made yet (tests/engine/test_oracle.py makes it with llama.cpp)")
     engine = start(real_model, cache_mib=0)
     msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
     plain = gen(engine, msgs, "off", n=24)
     spec = gen(engine, msgs, f"draft:{draft}", n=24)
-    assert spec["tokens"] == plain["tokens"]
-    assert spec["accepted_tokens"] > 0.5 * spec["drafted_tokens"] > 0, spec
+    assert spec.tokens == plain.tokens
+    assert spec.accepted_tokens > 0.5 * spec.drafted_tokens > 0, spec

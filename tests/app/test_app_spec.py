@@ -24,9 +24,9 @@ def test_config_speculative_setting_reaches_the_engine(qtbot, window):
     assert presets.get(spec.id).speculative == "lookup" and presets.get(plain.id).speculative == "off"
     r0 = send_and_wait(qtbot, window.new_tab(preset_id=plain.id), TEXT)
     r1 = send_and_wait(qtbot, window.new_tab(preset_id=spec.id), TEXT)
-    assert r0["speculative"] == "off" and r1["speculative"] == "lookup"
-    assert r1["tokens"] == r0["tokens"]                  # greedy: the same reply
-    assert f"{r1['accepted_tokens']}/{r1['drafted_tokens']} drafts accepted" in window.status.speed.text()
+    assert r0.speculative == "off" and r1.speculative == "lookup"
+    assert r1.tokens == r0.tokens                  # greedy: the same reply
+    assert f"{r1.accepted_tokens}/{r1.drafted_tokens} drafts accepted" in window.status.speed.text()
     # the dialog shows and edits the setting
     dlg = PresetDialog(presets, presets.get(spec.id))
     assert dlg.spec.currentData() == "lookup"

@@ -277,7 +277,7 @@ def test_cli_refuses_a_bad_moe_file_with_one_line_and_exit_2(moe_dir, tmp_path, 
 # nearly equal, that noise picks the other expert in llama.cpp, and the K/V carries it to later
 # positions. Single positions with a flipped expert reach several logits, hence no bound on the max.
 LOGIT_TOL = {"F16": (3e-3, 5e-4), "Q8_0": (0.1, 0.015), "Q4_K_M": (0.1, 0.015)}
-TIE_MARGIN = 0.6   # as tests/test_oracle.py
+TIE_MARGIN = 0.6   # as tests/engine/test_oracle.py
 N_GEN = 32
 PROMPTS = ["The little boat left the harbor early in the morning, when the sea was still",
            "<|im_start|>user\nWhat would they find today?<|im_end|>\n<|im_start|>assistant\n"]
@@ -366,15 +366,15 @@ def test_engine_generation_equals_llama_cpp_up_to_first_near_tie(moe_dir):
     ids = llama_tokens(path, prompt)
     ref_gen = llama_greedy(path, ids, N_GEN)
     ref = llama_logits(path, ids + ref_gen)
-    n = len(r["tokens"])
-    for i, (a, b) in enumerate(zip(r["tokens"], ref_gen)):
+    n = len(r.tokens)
+    for i, (a, b) in enumerate(zip(r.tokens, ref_gen)):
         if a != b:
             top2 = np.sort(ref[len(ids) - 1 + i])[-2:]
             assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]}"
             n = i
             break
     print(f"engine vs llama.cpp, qwen3moe Q4_K_M: {n}/{N_GEN} greedy tokens equal before the first near-tie")
-    assert n >= 4 and r["tokens"][:n] == ref_gen[:n]
+    assert n >= 4 and r.tokens[:n] == ref_gen[:n]
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,9 +388,9 @@ def test_parking_on_a_moe_model(moe_dir):
     run = run_aba(model, cache_mib=64, with_b=True, temperature=0.8)
     h = run["held"]
     assert [n for n, _ in parked_lines(run["b_logs"])] == [h], run["b_logs"]
-    assert run["r3"]["cached_tokens"] == h == ref["r3"]["cached_tokens"] > 0
+    assert run["r3"].cached_tokens == h == ref["r3"].cached_tokens > 0
     for k in ("r1", "r2", "r3"):
-        assert run[k]["tokens"] == ref[k]["tokens"], k
+        assert run[k].tokens == ref[k].tokens, k
 
 
 def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
@@ -419,7 +419,7 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
             entry, n_cached = e._take_kv(ids)
             logits = e.model(mx.array(ids[n_cached:])[None], cache=entry.cache)[0, -1]
             return np.array(logits.astype(mx.float32)), n_cached
-        return engine.call(Call(fn))["value"]
+        return engine.call(Call(fn)).value
 
     engine = start(model, cache_mib=0)
     try:
@@ -440,8 +440,8 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
         restored_logits, restored_cached = next_logits(engine, a)
     finally:
         engine.stop()
-    assert r["cached_tokens"] == ref["cached_tokens"] == live_cached == restored_cached > 0
-    assert r["tokens"] == ref["tokens"] and len(r["tokens"]) > 0
+    assert r.cached_tokens == ref.cached_tokens == live_cached == restored_cached > 0
+    assert r.tokens == ref.tokens and len(r.tokens) > 0
     err = np.abs(live_logits - restored_logits).max() / np.abs(live_logits).max()
     print(f"MoE session: follow-up logits after a float16 round trip of the K/V: relative max diff {err:.2e}")
     assert err < 2e-2

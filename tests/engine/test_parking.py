@@ -41,7 +41,7 @@ def start(model: Path, guard: MemoryGuard | None = None, **opts) -> Engine:
     if guard is not None:
         engine.guard = guard
     engine.start()
-    assert engine.call(Status(), timeout=120)["model"], "the model did not load"
+    assert engine.call(Status(), timeout=120).model, "the model did not load"
     return engine
 
 
@@ -57,7 +57,7 @@ def ask(engine: Engine, messages: list[dict], conversation: str, *, n: int = 16,
 
 def held(result: dict, max_tokens: int) -> int:
     """Tokens the K/V holds after a turn (see the module docstring)."""
-    return result["prompt_tokens"] + min(len(result["tokens"]), max_tokens - 1)
+    return result.prompt_tokens + min(len(result.tokens), max_tokens - 1)
 
 
 def configure(engine: Engine, **kw) -> tuple[dict, list[str]]:
@@ -78,7 +78,7 @@ class Chat:
         self.messages.append({"role": "user", "content": user})
         r, logs = ask(engine, self.messages, self.name, n=self.n, temperature=self.temperature,
                       seed=self.seed + self.turns if self.temperature > 0 else None, **kw)
-        self.messages.append({"role": "assistant", "content": r["text"]})
+        self.messages.append({"role": "assistant", "content": r.text})
         self.turns += 1
         return r, logs
 
@@ -111,7 +111,7 @@ def run_aba(model: Path, *, cache_mib: int, with_b: bool, temperature: float) ->
         a = Chat("A", A_SYSTEM, temperature=temperature, n=16)
         r1, _ = a.turn(engine, A_TURNS[0])
         r2, _ = a.turn(engine, A_TURNS[1])
-        live_after_a2 = engine.call(Status())["live_tokens"]
+        live_after_a2 = engine.call(Status()).live_tokens
         b_logs: list[str] = []
         rb = None
         if with_b:
@@ -130,27 +130,27 @@ def test_aba_with_parking_reuses_all_of_a_and_matches_the_run_without_b(tiny_ggu
     h = run["held"]
     # A's history held after its second turn: prompt of turn 2 + its reply (bar the last, unfed token).
     assert h == run["live_after_a2"] == ref["held"]
-    assert run["r2"]["cached_tokens"] > 0                  # turn 2 continued turn 1 (sanity)
+    assert run["r2"].cached_tokens > 0                  # turn 2 continued turn 1 (sanity)
     # B parks A whole, with the logged line; A's follow-up takes it back whole.
     assert [n for n, _ in parked_lines(run["b_logs"])] == [h], run["b_logs"]
     assert any(line.startswith(f"restored {h} tokens (moved) in ") for line in run["a3_logs"]), run["a3_logs"]
-    assert run["r3"]["cached_tokens"] == h
-    assert run["r3"]["cached_tokens"] == ref["r3"]["cached_tokens"]
+    assert run["r3"].cached_tokens == h
+    assert run["r3"].cached_tokens == ref["r3"].cached_tokens
     # Token for token what a run without B produced.
     for k in ("r1", "r2", "r3"):
-        assert run[k]["tokens"] == ref[k]["tokens"], k
-    assert run["r3"]["prompt_tokens"] == ref["r3"]["prompt_tokens"]
+        assert run[k].tokens == ref[k].tokens, k
+    assert run["r3"].prompt_tokens == ref["r3"].prompt_tokens
     # B is parked in turn (A's follow-up switched away from it).
     assert parked_lines(run["a3_logs"])[0][0] == run["b_held"]
-    assert run["b_held"] in run["status"]["parking"]["tokens"]
+    assert run["b_held"] in run["status"].parking["tokens"]
 
 
 def test_aba_without_parking_rereads_a(tiny_gguf):
     run = run_aba(tiny_gguf, cache_mib=0, with_b=True, temperature=0.8)
-    assert run["r2"]["cached_tokens"] > 0                  # the live conversation still continues
+    assert run["r2"].cached_tokens > 0                  # the live conversation still continues
     assert parked_lines(run["b_logs"]) == []
-    assert run["r3"]["cached_tokens"] == 0
-    assert run["status"]["parking"] == {"entries": 0, "bytes": 0, "cap_bytes": 0, "slots": 4, "tokens": []}
+    assert run["r3"].cached_tokens == 0
+    assert run["status"].parking == {"entries": 0, "bytes": 0, "cap_bytes": 0, "slots": 4, "tokens": []}
 
 
 @pytest.mark.parametrize("limit", ["one slot", "cap for one"])
@@ -167,10 +167,10 @@ def test_aba_when_the_cache_holds_one_conversation(mib_gguf, limit):
         _, logs = ask(engine, B_MESSAGES, "B", n=8)
         assert [n for n, _ in parked_lines(logs)] == [h]
         r, logs = a.turn(engine, "And then?")
-        assert r["cached_tokens"] == h, logs
+        assert r.cached_tokens == h, logs
         assert any(line.startswith(f"restored {h} tokens (moved)") for line in logs), logs
         # B took A's place in the cache.
-        assert engine.call(Status())["parking"]["entries"] == 1
+        assert engine.call(Status()).parking["entries"] == 1
     finally:
         engine.stop()
 
@@ -193,10 +193,10 @@ def test_slot_limit_evicts_the_least_recently_used(tiny_gguf):
         c0e = Chat("C0-edit", chats[0].messages[0]["content"])
         r, logs = c0e.turn(engine, words(3, 10) + " but then something else happened")
         assert any(re.match(rf"restored \d+ of {helds[0]} tokens \(prefix copy\)", l) for l in logs), logs
-        assert 16 <= r["cached_tokens"] < helds[0]
+        assert 16 <= r.cached_tokens < helds[0]
         assert [n for n, _ in parked_lines(logs)] == [helds[2]] and evicted_lines(logs) == []
         h0e = held(r, 16)
-        st = engine.call(Status())["parking"]
+        st = engine.call(Status()).parking
         assert st["entries"] == 3 and st["tokens"] == [helds[0], helds[1], helds[2]] and st["slots"] == 3
         # One more conversation: three slots taken, so parking C0-edit evicts C1 (LRU), not C0 (FIFO).
         c3 = Chat("C3", words(14, 600) + " (assistant 3)")
@@ -206,15 +206,15 @@ def test_slot_limit_evicts_the_least_recently_used(tiny_gguf):
         assert [n for n, _ in parked_lines(logs)] == [h0e]
         assert logs.index(next(l for l in logs if l.startswith("evicted"))) < \
             logs.index(next(l for l in logs if l.startswith("parked")))
-        assert engine.call(Status())["parking"]["tokens"] == [helds[0], helds[2], h0e]
+        assert engine.call(Status()).parking["tokens"] == [helds[0], helds[2], h0e]
         # C0 moves back whole (taken before C3 is parked, so it is not evicted to make room for C3).
         r, logs = chats[0].turn(engine, "Go on.")
-        assert r["cached_tokens"] == helds[0]
+        assert r.cached_tokens == helds[0]
         assert any(line.startswith(f"restored {helds[0]} tokens (moved)") for line in logs), logs
         assert evicted_lines(logs) == []
         # C1 is really gone: its follow-up is read from scratch.
         r, _ = chats[1].turn(engine, "Go on.")
-        assert r["cached_tokens"] == 0
+        assert r.cached_tokens == 0
     finally:
         engine.stop()
 
@@ -251,7 +251,7 @@ def test_cap_evicts_lru_and_an_oversized_entry_is_refused_alone(mib_gguf):
         # D4 arrived with D0, D1, D2, D3 to park: 3 MiB cap, so D0 (least recently used) went first.
         assert evicted_lines(logs) == [helds[0]], logs
         assert parked_lines(logs) == [(helds[3], MIB)]
-        st = engine.call(Status())["parking"]
+        st = engine.call(Status()).parking
         assert st == {"entries": 3, "bytes": 3 * MIB, "cap_bytes": 3 * MIB, "slots": 8,
                       "tokens": [helds[1], helds[2], helds[3]]}
 
@@ -261,20 +261,20 @@ def test_cap_evicts_lru_and_an_oversized_entry_is_refused_alone(mib_gguf):
         big_held = held(r, 8)
         assert 768 < big_held <= 1024
         assert evicted_lines(logs) == [helds[1]]           # parking D4 evicts D1 (LRU)
-        kept = engine.call(Status())["parking"]
+        kept = engine.call(Status()).parking
         assert kept["tokens"] == [helds[2], helds[3], helds[4]]
         # Switching away from BIG: refused alone, nothing else evicted.
         e5 = _small(5)
         r5, logs = e5.turn(engine, words(40, 99))
         assert f"not parked: {big_held} tokens need 4.0 MiB, more than the whole cap of 3 MiB" in logs, logs
         assert evicted_lines(logs) == [] and parked_lines(logs) == []
-        assert engine.call(Status())["parking"] == kept
+        assert engine.call(Status()).parking == kept
         # The others really are still there: D2 moves back whole.
         r, logs = chats[2].turn(engine, "Go on.")
-        assert r["cached_tokens"] == helds[2]
+        assert r.cached_tokens == helds[2]
         # ...and BIG is gone.
         r, _ = big.turn(engine, "Go on.")
-        assert r["cached_tokens"] == 0
+        assert r.cached_tokens == 0
     finally:
         engine.stop()
 
@@ -286,21 +286,21 @@ def test_configure_changes_the_cap_and_slots_at_run_time(mib_gguf):
         for i in range(4):
             r, _ = _small(i).turn(engine, words(40, 30 * i))
             helds.append(held(r, 8))
-        st = engine.call(Status())["parking"]
+        st = engine.call(Status()).parking
         assert st["entries"] == 3 and st["bytes"] == 3 * MIB and st["cap_bytes"] == 3 * MIB
         # Down to 1 MiB: the two least recently used go, in that order.
         status, logs = configure(engine, cache_mib=1)
         assert evicted_lines(logs) == [helds[0], helds[1]], logs
         assert "conversation cache: 1 MiB, 8 slots" in logs
-        assert status["parking"] == {"entries": 1, "bytes": MIB, "cap_bytes": MIB, "slots": 8, "tokens": [helds[2]]}
-        assert engine.call(Status())["parking"] == status["parking"]
+        assert status.parking == {"entries": 1, "bytes": MIB, "cap_bytes": MIB, "slots": 8, "tokens": [helds[2]]}
+        assert engine.call(Status()).parking == status.parking
         # Slots: up the cap again, then one slot.
         configure(engine, cache_mib=8)
         _small(4).turn(engine, words(40, 120))             # parks D3
-        assert engine.call(Status())["parking"]["tokens"] == [helds[2], helds[3]]
+        assert engine.call(Status()).parking["tokens"] == [helds[2], helds[3]]
         status, logs = configure(engine, cache_slots=1)
         assert evicted_lines(logs) == [helds[2]] and "conversation cache: 8 MiB, 1 slots" in logs
-        assert status["parking"]["tokens"] == [helds[3]]
+        assert status.parking["tokens"] == [helds[3]]
         # Bad settings are refused and change nothing.
         for kw, why in (({"cache_slots": 0}, "slots must be 1 to 64; got 0"),
                         ({"cache_mib": -1}, r"must be 0 to \d+ MiB \(half of this machine's .*\); got -1 MiB")):
@@ -308,16 +308,16 @@ def test_configure_changes_the_cap_and_slots_at_run_time(mib_gguf):
                 engine.call(Configure(**kw))
         with pytest.raises(StrataError, match="half of this machine's"):
             engine.call(Configure(cache_mib=1 << 30))
-        assert engine.call(Status())["parking"] == status["parking"]
+        assert engine.call(Status()).parking == status.parking
         # Off: everything parked goes, nothing is parked any more, switching back reads from scratch.
         status, logs = configure(engine, cache_mib=0)
-        assert status["parking"]["entries"] == 0 and status["parking"]["cap_bytes"] == 0
+        assert status.parking["entries"] == 0 and status.parking["cap_bytes"] == 0
         d5 = _small(5)
         d5.turn(engine, words(40, 150))
         r, logs = _small(6).turn(engine, words(40, 170))
         assert parked_lines(logs) == [] and not any(l.startswith("not parked") for l in logs)
         r, _ = d5.turn(engine, "Go on.")
-        assert r["cached_tokens"] == 0
+        assert r.cached_tokens == 0
     finally:
         engine.stop()
 
@@ -343,19 +343,19 @@ def test_unreadable_memory_refuses_parking_and_sessions_and_keeps_serving(tiny_g
         r1, _ = a.turn(engine, A_TURNS[0])
         rb, logs = ask(engine, B_MESSAGES, "B", n=8)
         assert f"not parked: {reason}" in logs and parked_lines(logs) == []
-        assert rb["generated_tokens"] == 8                 # B is served all the same
+        assert rb.generated_tokens == 8                 # B is served all the same
         r, _ = a.turn(engine, A_TURNS[1])
-        assert r["cached_tokens"] == 0                     # A was not kept
+        assert r.cached_tokens == 0                     # A was not kept
         with pytest.raises(StrataError, match=re.escape(f"session save refused: {reason}")):
             engine.call(SaveSession(str(tmp_path / "s.stratasession")))
         with pytest.raises(StrataError, match=re.escape(f"session restore refused: {reason}")):
             engine.call(RestoreSession(str(tmp_path / "s.stratasession")))
         assert not (tmp_path / "s.stratasession").exists()
         st = engine.call(Status())
-        assert st["memory"] is None and st["memory_unavailable"] == reason
-        assert st["parking"]["entries"] == 0
+        assert st.memory is None and st.memory_unavailable == reason
+        assert st.parking["entries"] == 0
         r, _ = a.turn(engine, A_TURNS[2])                  # still serving, and continuing A
-        assert r["cached_tokens"] > 0 and r["generated_tokens"] == 16
+        assert r.cached_tokens > 0 and r.generated_tokens == 16
     finally:
         engine.stop()
 
@@ -384,7 +384,7 @@ def test_reserve_evicts_then_refuses(tiny_gguf):
             any(l.endswith("for the memory guard's reserve") for l in logs), logs
         assert ("not parked: needs 0.0 GiB but only 1.0 GiB is available and 1.6 GiB must stay free "
                 "(source: test)") in logs
-        assert engine.call(Status())["parking"]["entries"] == 0
+        assert engine.call(Status()).parking["entries"] == 0
     finally:
         engine.stop()
 
@@ -400,19 +400,19 @@ def test_kv_is_never_reused_across_steering_settings(tiny_gguf, tmp_path):
     try:
         a = Chat("A", A_SYSTEM)
         r1, _ = a.turn(engine, A_TURNS[0], speed_projection=True)
-        assert r1["speed_projection"] is True
+        assert r1.speed_projection is True
         h1 = held(r1, 16)
         # The same conversation with the vector off: the steered K/V is parked, not reused.
         r2, logs = a.turn(engine, A_TURNS[1], speed_projection=False)
-        assert r2["speed_projection"] is False
-        assert r2["cached_tokens"] == 0
+        assert r2.speed_projection is False
+        assert r2.cached_tokens == 0
         assert [n for n, _ in parked_lines(logs)] == [h1]
         h2 = held(r2, 16)
         assert h2 > h1
         # Back on: only the steered entry (A's first turn) is reused, not the longer unsteered one.
         r3, logs = a.turn(engine, A_TURNS[2], speed_projection=True)
         assert [n for n, _ in parked_lines(logs)] == [h2]
-        assert r3["cached_tokens"] == h1
+        assert r3.cached_tokens == h1
         assert any(line.startswith(f"restored {h1} tokens (moved)") for line in logs), logs
         # The vector does change the computation (otherwise the test above would prove little).
         ref = start(tiny_gguf, cache_mib=64)
@@ -420,7 +420,7 @@ def test_kv_is_never_reused_across_steering_settings(tiny_gguf, tmp_path):
             plain, _ = Chat("A", A_SYSTEM).turn(ref, A_TURNS[0])
         finally:
             ref.stop()
-        assert plain["tokens"] != r1["tokens"]
+        assert plain.tokens != r1.tokens
     finally:
         engine.stop()
 
@@ -466,13 +466,13 @@ def test_side_requests_leave_every_conversation_in_place(tiny_gguf):
                                           conversation="title-A", side=True,
                                           sampling=SamplingParams(max_tokens=6, temperature=0.0)))
         side_logs = [ev.line for ev in h.events(timeout=60) if isinstance(ev, Log)]
-        assert h.result()["generated_tokens"] >= 1
+        assert h.result().generated_tokens >= 1
         assert parked_lines(side_logs) == [] and evicted_lines(side_logs) == []
         after = engine.call(Status())
-        assert after["live_tokens"] == before["live_tokens"] == held(ra, 16)
-        assert after["parking"] == before["parking"]
+        assert after.live_tokens == before.live_tokens == held(ra, 16)
+        assert after.parking == before.parking
         r, logs = a.turn(engine, A_TURNS[1])
-        assert r["cached_tokens"] == held(ra, 16) and parked_lines(logs) == []
+        assert r.cached_tokens == held(ra, 16) and parked_lines(logs) == []
     finally:
         engine.stop()
 
@@ -487,14 +487,14 @@ def test_a_new_branch_of_a_conversation_reuses_its_slot(tiny_gguf):
         r1, _ = a.turn(engine, A_TURNS[1])
         regen = a.messages[:-1]                                   # Regenerate: drop the last reply
         r, logs = ask(engine, regen, "A")
-        assert parked_lines(logs) == [] and r["cached_tokens"] == r1["prompt_tokens"] - 1
-        assert engine.call(Status())["parking"]["entries"] == 0
+        assert parked_lines(logs) == [] and r.cached_tokens == r1.prompt_tokens - 1
+        assert engine.call(Status()).parking["entries"] == 0
         Chat("B", words(14, 300)).turn(engine, words(20, 40))   # A parked now
         edit = a.messages[:1] + [{"role": "user", "content": A_TURNS[0] + " (edited)"}]
         r, logs = ask(engine, edit, "A")
         assert any(re.match(r"restored \d+ tokens of \d+ \(own slot, trimmed\)", l) for l in logs), logs
-        assert r["cached_tokens"] >= 16
-        st = engine.call(Status())["parking"]
+        assert r.cached_tokens >= 16
+        st = engine.call(Status()).parking
         assert st["entries"] == 1                                 # B only: A's old branch is gone
     finally:
         engine.stop()

@@ -21,11 +21,11 @@ from engine.engine import Call, Engine, EngineOptions, GenerateRequest, RestoreS
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STRATA = [sys.executable, "-m", "engine.cli"]
 SHIPPED = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
 N_LAYER, N_EMBD = 4, 64
-TIE_MARGIN = 0.6          # as tests/test_oracle.py: a closer race in llama.cpp has no single right answer
+TIE_MARGIN = 0.6          # as tests/engine/test_oracle.py: a closer race in llama.cpp has no single right answer
 CHAT = [{"role": "user", "content": "Tell me a short story about a cat who learns to fly."}]
 RAW = "Once upon a time, in a small village by the sea,"
 
@@ -54,7 +54,7 @@ def strong_vec(tmp_path_factory) -> Path:
 def start(model, steering=None, **kw) -> Engine:
     eng = Engine(EngineOptions(model=str(model), steering=steering, **kw)).start()
     st = eng.call(Status())
-    assert st["model"] is not None, "the model did not load"
+    assert st.model is not None, "the model did not load"
     return eng
 
 
@@ -78,25 +78,25 @@ def test_off_is_token_for_token_stock_on_tiny(stock, steered, kind):
     kw = {"messages": CHAT} if kind == "chat" else {"prompt": RAW}
     ref = stock.call(GenerateRequest(**kw, sampling=greedy(16)))
     off = steered.call(GenerateRequest(**kw, sampling=greedy(16), speed_projection=False))
-    assert off["speed_projection"] is False and ref["speed_projection"] is False
-    assert off["tokens"] == ref["tokens"] and off["text"] == ref["text"]
-    assert len(ref["tokens"]) == 16
+    assert off.speed_projection is False and ref.speed_projection is False
+    assert off.tokens == ref.tokens and off.text == ref.text
+    assert len(ref.tokens) == 16
 
 
 def test_on_differs_from_off_on_tiny(steered):
     on = steered.call(GenerateRequest(prompt=RAW, sampling=greedy(16), speed_projection=True))
     off = steered.call(GenerateRequest(prompt=RAW, sampling=greedy(16), speed_projection=False))
     default = steered.call(GenerateRequest(prompt=RAW, sampling=greedy(16)))   # the engine's default: on
-    assert on["speed_projection"] is True and off["speed_projection"] is False
-    assert on["tokens"] != off["tokens"]
-    assert default["tokens"] == on["tokens"]
+    assert on.speed_projection is True and off.speed_projection is False
+    assert on.tokens != off.tokens
+    assert default.tokens == on.tokens
     # The switch really is per request: back to off gives the stock reply again.
-    assert steered.call(GenerateRequest(prompt=RAW, sampling=greedy(16), speed_projection=False))["tokens"] == off["tokens"]
+    assert steered.call(GenerateRequest(prompt=RAW, sampling=greedy(16), speed_projection=False)).tokens == off.tokens
 
 
 def test_status_reports_the_vector(steered, stock):
-    assert steered.call(Status())["steering"] == "control vector mode = project, dir = per-layer, layers 1..3 (3 steered)"
-    assert stock.call(Status())["steering"] is None
+    assert steered.call(Status()).steering == "control vector mode = project, dir = per-layer, layers 1..3 (3 steered)"
+    assert stock.call(Status()).steering is None
 
 
 @pytest.mark.real_model
@@ -116,8 +116,8 @@ def test_off_is_stock_on_the_real_model(real_model):
         on = eng.call(GenerateRequest(messages=msgs, sampling=greedy(8), speed_projection=True))
     finally:
         eng.stop()
-    assert off["tokens"] == ref["tokens"] and len(ref["tokens"]) == 8
-    assert on["speed_projection"] is True   # (whether 8 tokens differ is the effect bench's business)
+    assert off.tokens == ref.tokens and len(ref.tokens) == 8
+    assert on.speed_projection is True   # (whether 8 tokens differ is the effect bench's business)
 
 
 # ------------------------------------------------------------------ (c) llama.cpp add mode, whole engine
@@ -186,9 +186,9 @@ def compare_add_mode(model, vec_path, scale, layer_range, prompt, n_gen, n_embd,
     cfg = SteeringConfig(files=((str(vec_path), scale),), mode="add", layer_range=layer_range)
     eng = start(model, cfg, cache_mib=0)
     try:
-        ids = eng.call(Call(lambda e: e.prompt_tokens(GenerateRequest(prompt=prompt))))["value"]
-        ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen)))["tokens"]
-        stock_ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen), speed_projection=False))["tokens"]
+        ids = eng.call(Call(lambda e: e.prompt_tokens(GenerateRequest(prompt=prompt)))).value
+        ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen))).tokens
+        stock_ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen), speed_projection=False)).tokens
     finally:
         eng.stop()
     cpp = LlamaCvec(model, n_embd)
@@ -291,7 +291,7 @@ def test_train_directions_are_the_block_outputs(tiny4):
             h = mx.array(states[1, -1].astype(np.float32))[None, None]
             via_head = inner.embed_tokens.as_linear(inner.norm(h))[0, 0]
             return states, np.array(logits), np.array(via_head)
-        states, logits, via_head = eng.call(Call(run))["value"]
+        states, logits, via_head = eng.call(Call(run)).value
     finally:
         eng.stop()
     assert states.shape == (2, N_LAYER, N_EMBD)
@@ -322,7 +322,7 @@ def test_train_directions_are_the_block_outputs(tiny4):
 
 def test_trained_direction_is_orthogonal_to_the_first_position(tiny4, trained):
     """`cvec train` (the command) removes the first position's component, so a projection leaves
-    the attention sink untouched (see engine/cvec_train.py)."""
+    the attention sink untouched (see engine/frontends/cvec_train.py)."""
     eng = start(tiny4, cache_mib=0)
     try:
         def run(e):
@@ -330,7 +330,7 @@ def test_trained_direction_is_orthogonal_to_the_first_position(tiny4, trained):
             first: list = []
             last_token_states(e, POS[:1], first=first)
             return first[0]
-        first = eng.call(Call(run))["value"]
+        first = eng.call(Call(run)).value
     finally:
         eng.stop()
     for path in trained.values():
@@ -364,9 +364,9 @@ def test_trained_file_loads_in_llama_cpp_and_strata(tiny4, trained):
         assert cv.steered_layers() == [1, 2, 3]
         eng = start(tiny4, cfg, cache_mib=0)
         try:
-            assert eng.call(Status())["steering"].endswith("layers 1..3 (3 steered)")
+            assert eng.call(Status()).steering.endswith("layers 1..3 (3 steered)")
             r = eng.call(GenerateRequest(prompt=RAW, sampling=greedy(4)))
-            assert r["speed_projection"] is True and len(r["tokens"]) == 4
+            assert r.speed_projection is True and len(r.tokens) == 4
         finally:
             eng.stop()
 
@@ -463,16 +463,16 @@ def test_parked_kv_is_not_reused_across_the_switch(tiny4, strong_vec):
     eng = start(tiny4, SteeringConfig(files=((str(strong_vec), 2.0),), mode="project"), cache_mib=64)
     try:
         first = eng.call(GenerateRequest(messages=CHAT, sampling=greedy(8), speed_projection=True))
-        turn2 = CHAT + [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And then?"}]
+        turn2 = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
         off = eng.call(GenerateRequest(messages=turn2, sampling=greedy(8), speed_projection=False))
-        assert off["cached_tokens"] == 0            # nothing computed under 'on' is reused under 'off'
+        assert off.cached_tokens == 0            # nothing computed under 'on' is reused under 'off'
         on = eng.call(GenerateRequest(messages=turn2, sampling=greedy(8), speed_projection=True))
         # back on: the parked 'on' conversation is found again (prompt + reply but its last token)
-        assert on["cached_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
+        assert on.cached_tokens == first.prompt_tokens + first.generated_tokens - 1
         again_off = eng.call(GenerateRequest(messages=turn2, sampling=greedy(8), speed_projection=False))
         # only what was computed under 'off' (the previous off request's K/V) is reused
-        assert again_off["cached_tokens"] == off["prompt_tokens"] - 1
-        assert again_off["tokens"] == off["tokens"]
+        assert again_off.cached_tokens == off.prompt_tokens - 1
+        assert again_off.tokens == off.tokens
     finally:
         eng.stop()
 
@@ -500,15 +500,15 @@ def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_
         # ... one that does not gets the file's own setting, whatever the last request was.
         for last in (True, False, True):
             eng.call(GenerateRequest(prompt=RAW, sampling=greedy(1), speed_projection=last))
-            assert eng.call(RestoreSession(str(off_file)))["speed_projection"] is False
+            assert eng.call(RestoreSession(str(off_file))).speed_projection is False
             r = eng.call(RestoreSession(str(on_file)))
-            assert r["speed_projection"] is True and r["steering"]["files"] == [[str(strong_vec), 2.0]]
+            assert r.speed_projection is True and r.steering["files"] == [[str(strong_vec), 2.0]]
         # The restored conversation continues from its K/V under its own setting.
-        msgs = r["messages"] + [{"role": "user", "content": "And then?"}]
+        msgs = r.messages + [{"role": "user", "content": "And then?"}]
         follow = eng.call(GenerateRequest(messages=msgs, sampling=greedy(2), speed_projection=True))
-        assert follow["cached_tokens"] == r["restored_tokens"]
+        assert follow.cached_tokens == r.restored_tokens
         # The stock session restores on the vector engine with the projection off.
-        assert eng.call(RestoreSession(str(off_file), speed_projection=False))["speed_projection"] is False
+        assert eng.call(RestoreSession(str(off_file), speed_projection=False)).speed_projection is False
     finally:
         eng.stop()
         stock.stop()
@@ -525,10 +525,10 @@ def test_a_refused_vector_leaves_the_model_serving_without_it(tiny4, tmp_path):
     eng = Engine(EngineOptions(model=str(tiny4), steering=SteeringConfig(files=((str(wrong), 1.0),)))).start()
     try:
         status = eng.call(Status())
-        assert status["model"] == str(tiny4)
-        assert "width" in status["steering_error"]
+        assert status.model == str(tiny4)
+        assert "width" in status.steering_error
         r = eng.call(GenerateRequest(prompt="Hello there", sampling=SamplingParams(max_tokens=6),
                                      speed_projection=True))
-        assert r["speed_projection"] is False and r["generated_tokens"] == 6
+        assert r.speed_projection is False and r.generated_tokens == 6
     finally:
         eng.stop()

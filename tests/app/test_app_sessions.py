@@ -63,7 +63,7 @@ def test_app_drop_session_file_opens_tab(qtbot, window, tmp_path, onto):
     assert "restored" in text and "tokens in" in text and " ms" in text
     # The restored conversation continues from its K/V.
     result = send_and_wait(qtbot, view, "Continue")
-    assert result["cached_tokens"] > 0
+    assert result.cached_tokens > 0
 
 
 def test_app_drop_corrupt_session_is_refused(qtbot, window, tmp_path):
@@ -107,7 +107,7 @@ def test_app_self_test_flag(app_home, tiny_model):
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(app_home))
     proc = subprocess.run([sys.executable, "-m", "app.main", "--self-test", "--model", str(tiny_model)],
                           capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "self-test: OK" in proc.stdout
     assert "restored" in proc.stdout
@@ -115,12 +115,12 @@ def test_app_self_test_flag(app_home, tiny_model):
 
 def test_app_self_test_without_model_fails_cleanly(app_home, tmp_path):
     """No model and no index to fetch it from (a closed port on 127.0.0.1): one reason, exit 1,
-    nothing left in the models folder. (--self-test fetches first when it can: tests/test_app_first_run.py.)"""
+    nothing left in the models folder. (--self-test fetches first when it can: tests/app/test_app_first_run.py.)"""
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(tmp_path / "empty"),
                PIP_INDEX_URL="http://127.0.0.1:9/simple")
     env.pop("STRATA_DEFAULT_WHEEL", None)
     proc = subprocess.run([sys.executable, "-m", "app.main", "--self-test"], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 1
     out = proc.stdout + proc.stderr
     assert "no model" in out and "could not be fetched" in out and "Traceback" not in out

@@ -62,10 +62,10 @@ def test_engine_keeps_to_the_range(tiny_gguf):
     engine = Engine(EngineOptions(model=str(tiny_gguf), cache_mib=top + 100, cache_slots=4)).start()
     try:
         status = engine.call(Status(), timeout=60)
-        assert status["cache_mib_max"] == top and status["parking"]["cap_bytes"] == top << 20
+        assert status.cache_mib_max == top and status.parking["cap_bytes"] == top << 20
         with pytest.raises(StrataError, match=f"0 to {top} MiB"):
             engine.call(Configure(cache_mib=-5))
-        assert engine.call(Configure(cache_mib=top))["parking"]["cap_bytes"] == top << 20
+        assert engine.call(Configure(cache_mib=top)).parking["cap_bytes"] == top << 20
     finally:
         engine.stop()
 
@@ -80,7 +80,7 @@ def test_the_modules_the_app_reads_import_no_mlx():
             "s.SamplingParams(temperature=0.5, top_k=40).validate(); "
             "print(l.DEFAULT_CACHE_MIB, l.DEFAULT_CACHE_SLOTS, p.SESSION_EXTENSION); "
             "assert 'mlx' not in sys.modules and 'mlx_lm' not in sys.modules, sorted(sys.modules)")
-    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+    p = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["1024", "4", ".stratasession"]

@@ -21,7 +21,7 @@ def count_tokens(qtbot, window, messages) -> int:
     req = window.client.count_prompt_tokens(messages)
     with qtbot.waitSignal(req.done, timeout=REPLY_TIMEOUT_MS) as blocker:
         pass
-    return blocker.args[0]["value"]
+    return blocker.args[0].tokens
 
 
 def test_app_preset_prompt_and_sampling_reach_the_engine(qtbot, window):
@@ -35,17 +35,17 @@ def test_app_preset_prompt_and_sampling_reach_the_engine(qtbot, window):
     view = window.new_tab(preset_id=p.id)
     assert view.preset_box.currentText() == "Pirate" and view.chat.config["preset"] == p.id
     r1 = send_and_wait(qtbot, view, "Hello")
-    assert r1["generated_tokens"] == 7 and r1["finish_reason"] == "length", r1
+    assert r1.generated_tokens == 7 and r1.finish_reason == "length", r1
     # The prompt is the config's system prompt + the message, token for token, and longer than Default's.
-    assert r1["prompt_tokens"] == count_tokens(qtbot, window, [{"role": "system", "content": PIRATE},
+    assert r1.prompt_tokens == count_tokens(qtbot, window, [{"role": "system", "content": PIRATE},
                                                                {"role": "user", "content": "Hello"}])
-    assert r0["prompt_tokens"] == count_tokens(qtbot, window, [
+    assert r0.prompt_tokens == count_tokens(qtbot, window, [
         {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello"}])
-    assert r1["prompt_tokens"] - r0["prompt_tokens"] >= 15
+    assert r1.prompt_tokens - r0.prompt_tokens >= 15
     # Temperature 0: regenerating gives the same reply.
     with qtbot.waitSignal(view.stats, timeout=REPLY_TIMEOUT_MS) as again:
         view.regenerate()
-    assert again.args[0]["text"] == r1["text"] and again.args[0]["tokens"] == r1["tokens"]
+    assert again.args[0].text == r1.text and again.args[0].tokens == r1.tokens
 
     # Switch the Default tab to Pirate from its own combo box: its next request uses the config.
     i = default_view.preset_box.findData(p.id)
@@ -53,7 +53,7 @@ def test_app_preset_prompt_and_sampling_reach_the_engine(qtbot, window):
     default_view.preset_box.activated.emit(i)
     assert default_view.chat.config["preset"] == p.id
     r2 = send_and_wait(qtbot, default_view, "Where is the treasure?")
-    assert r2["generated_tokens"] == 7
+    assert r2.generated_tokens == 7
     assert window.store.chats()[0].config["preset"] == p.id            # persisted with the tab
 
 
@@ -63,7 +63,7 @@ def test_app_preset_context_length(qtbot, window):
     p = window.presets.create("Small", system_prompt="Be brief.", context_length=n + 3, max_tokens=50, **GREEDY)
     view = window.new_tab(preset_id=p.id)
     r = send_and_wait(qtbot, view, "Count to ten")
-    assert r["prompt_tokens"] == n and r["generated_tokens"] <= 3       # capped to what the context holds
+    assert r.prompt_tokens == n and r.generated_tokens <= 3       # capped to what the context holds
 
     tight = window.presets.create("Tiny", system_prompt="Be brief.", context_length=n - 1)
     view.set_preset(tight.id)

@@ -1,6 +1,7 @@
 """Settings page round trip and refusals; the SQLite store (corrupt file moved aside); model metadata."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -43,7 +44,7 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     # The engine took the new cache limits.
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
         window.refresh_status()
-    assert blocker.args[0]["parking"]["cap_bytes"] == 512 << 20 and blocker.args[0]["parking"]["slots"] == 3
+    assert blocker.args[0].parking["cap_bytes"] == 512 << 20 and blocker.args[0].parking["slots"] == 3
 
 
 def test_app_settings_cache_field_holds_only_the_valid_range(qtbot, window):
@@ -53,7 +54,7 @@ def test_app_settings_cache_field_holds_only_the_valid_range(qtbot, window):
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
         window.refresh_status()
     top = machine_cache_range().max_mib
-    assert blocker.args[0]["cache_mib_max"] == top
+    assert blocker.args[0].cache_mib_max == top
     page = window.open_settings()
     field = page.cache_mib
     assert (field.minimum(), field.maximum()) == (0, top)
@@ -80,8 +81,8 @@ def test_app_settings_engine_refusal_then_next_save_clears_it(qtbot, window):
     top = machine_cache_range().max_mib
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
         window.refresh_status()
-    status = dict(blocker.args[0])
-    status["memory"] = dict(status["memory"], total_bytes=status["memory"]["total_bytes"] * 4)
+    status = dataclasses.replace(blocker.args[0])
+    status.memory = dict(status.memory, total_bytes=status.memory["total_bytes"] * 4)
     page = SettingsPage(window.settings, window.client, status, window)
     qtbot.addWidget(page)
     page.show()
@@ -112,7 +113,7 @@ def test_app_settings_says_what_a_lower_cap_drops(qtbot, window):
     send_and_wait(qtbot, second, "Something else entirely")
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
         window.refresh_status()
-    parked = blocker.args[0]["parking"]
+    parked = blocker.args[0].parking
     assert parked["entries"] >= 1
     page = window.open_settings()
     page.cache_mib.setValue(0)
@@ -126,7 +127,7 @@ def test_app_settings_says_what_a_lower_cap_drops(qtbot, window):
     assert settings.load().cache_mib == 0 and page.error.text() == ""
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
         window.refresh_status()
-    assert blocker.args[0]["parking"]["entries"] == 0
+    assert blocker.args[0].parking["entries"] == 0
 
 
 def test_app_corrupt_database_is_moved_aside(qtbot, app_home):

@@ -115,7 +115,7 @@ def test_bad_model_exits_2_with_one_line(case, tmp_path, tiny_gguf, capsys):
 def test_real_process_exit_code_and_no_traceback(tmp_path, tiny_gguf):
     path, message = bad_inputs(tmp_path, tiny_gguf)["truncated"]
     p = subprocess.run([*STRATA, "generate", "--model", str(path), "--prompt", "Hi"],
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 2
     err_lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "PyTorch was not found" not in ln]
     assert len(err_lines) == 1 and message in err_lines[0], p.stderr
@@ -125,7 +125,7 @@ def test_successful_run_exits_0(tiny_gguf):
     # Guards against mlx's abort at exit after sampling on a thread that ended (see Engine.run_forever).
     p = subprocess.run([*STRATA, "generate", "--model", str(tiny_gguf), "--prompt", "Hi", "--max-tokens", "3",
                         "--temperature", "0.9", "--seed", "1", "--json"],
-                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent)
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["tokens"]) == 3
 
@@ -178,3 +178,21 @@ def test_serve_refuses_bad_cache_size_before_taking_the_port(tiny_gguf, capsys):
     assert code == 2 and len(lines) == 1 and lines[0].startswith("strata: --conversation-cache-mib must be 0 to ")
     with socket.socket() as again:                      # the port was never taken
         again.bind(("127.0.0.1", port))
+
+
+def test_sampling_flags_and_replay_steps_take_the_sampling_table():
+    """generate's sampling flags and a replay step's sampling: engine/sampling.FIELDS' types and
+    defaults (a replay step's reply length aside), no second copy."""
+    import argparse
+
+    from engine.frontends.cli import add_sampling_flags
+    from engine.frontends.replay import REPLAY_MAX_TOKENS, step_sampling
+    from engine.sampling import FIELDS, SamplingParams
+    p = argparse.ArgumentParser()
+    add_sampling_flags(p)
+    args = p.parse_args([])
+    assert {f.name: getattr(args, f.name) for f in FIELDS} == {f.name: f.default for f in FIELDS}
+    assert p.parse_args(["--temp", "0.5", "-n", "7", "--repeat-penalty", "1.2"]).repetition_penalty == 1.2
+    assert step_sampling({"user": "hi"}) == SamplingParams(max_tokens=REPLAY_MAX_TOKENS)
+    assert step_sampling({"user": "hi", "top_k": 5, "temperature": 1}) == SamplingParams(
+        max_tokens=REPLAY_MAX_TOKENS, top_k=5, temperature=1.0)

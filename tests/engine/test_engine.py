@@ -19,7 +19,7 @@ def engine(tmp_path_factory):
     from gguf_factory import write_tiny_gguf
     path = write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="llama")
     eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
-    assert eng.call(Status())["model"] == str(path)
+    assert eng.call(Status()).model == str(path)
     yield eng
     eng.stop()
 
@@ -34,48 +34,48 @@ def test_streamed_tokens_make_the_reply(engine):
     done = events[-1]
     assert isinstance(done, Done)
     streamed = "".join(e.text for e in events if isinstance(e, Token))
-    assert streamed == done.result["text"]
+    assert streamed == done.result.text
     r = done.result
-    assert r["generated_tokens"] == len(r["tokens"]) == 24
-    assert r["prompt_tokens"] > 20 and r["ttft_ms"] > 0 and r["decode_tps"] > 0
+    assert r.generated_tokens == len(r.tokens) == 24
+    assert r.prompt_tokens > 20 and r.ttft_ms > 0 and r.decode_tps > 0
 
 
 def test_seed_makes_sampling_repeatable_and_greedy_is_deterministic(engine):
     a = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=1)))
     b = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=1)))
     c = engine.call(GenerateRequest(messages=CHAT, sampling=sample(12, seed=2)))
-    assert a["tokens"] == b["tokens"]
-    assert a["tokens"] != c["tokens"]
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
     g1 = engine.call(GenerateRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=8)))
     g2 = engine.call(GenerateRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=8)))
-    assert g1["tokens"] == g2["tokens"]
+    assert g1.tokens == g2.tokens
 
 
 def test_follow_up_turn_reuses_the_whole_history(engine):
     first = engine.call(GenerateRequest(messages=CHAT, sampling=sample(10)))
-    history = CHAT + [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "More."}]
+    history = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "More."}]
     second = engine.call(GenerateRequest(messages=history, sampling=sample(10)))
     # Everything the engine fed stays: the prompt and every generated token but the last one
     # (max_tokens ended the reply before it was fed).
-    assert second["cached_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
-    assert second["prompt_tokens"] > second["cached_tokens"]
+    assert second.cached_tokens == first.prompt_tokens + first.generated_tokens - 1
+    assert second.prompt_tokens > second.cached_tokens
 
 
 def test_identical_prompt_re_evaluates_only_the_last_token(engine):
     engine.call(GenerateRequest(prompt="The river flows past the old mill", sampling=SamplingParams(max_tokens=2)))
     r = engine.call(GenerateRequest(prompt="The river flows past the old mill", sampling=SamplingParams(max_tokens=2)))
-    assert r["cached_tokens"] == r["prompt_tokens"] - 1
+    assert r.cached_tokens == r.prompt_tokens - 1
 
 
 def test_stop_string_ends_the_reply_and_is_not_emitted(engine):
     free = engine.call(GenerateRequest(messages=CHAT, sampling=sample(30)))
-    text = free["text"]
+    text = free.text
     assert len(text) > 6, "the tiny model should produce some text"
     stop = text[3:6]
     r = engine.call(GenerateRequest(messages=CHAT, sampling=sample(30, stop=[stop])))
-    assert r["finish_reason"] == "stop"
-    assert stop not in r["text"]
-    assert r["text"] == text[:text.index(stop)]
+    assert r.finish_reason == "stop"
+    assert stop not in r.text
+    assert r.text == text[:text.index(stop)]
 
 
 def test_cancel_between_tokens(engine):
@@ -88,10 +88,10 @@ def test_cancel_between_tokens(engine):
     assert seen.wait(30)
     h.cancel()
     r = h.result(30)
-    assert r["finish_reason"] == "cancelled"
-    assert r["generated_tokens"] < 2000
+    assert r.finish_reason == "cancelled"
+    assert r.generated_tokens < 2000
     # The engine keeps serving.
-    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(3)))["generated_tokens"] == 3
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(3))).generated_tokens == 3
 
 
 def test_prefill_reports_progress_for_long_prompts(engine):
@@ -105,7 +105,7 @@ def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(engine):
     huge = "word " * 5000
     with pytest.raises(StrataError, match="context holds"):
         engine.call(GenerateRequest(prompt=huge, sampling=SamplingParams(max_tokens=1)))
-    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2))).generated_tokens == 2
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -122,7 +122,7 @@ def test_failed_load_keeps_the_current_model(engine, tmp_path):
     h = engine.submit(LoadModel(str(bad)))
     with pytest.raises(StrataError, match="truncated or corrupt"):
         h.result(30)
-    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2))).generated_tokens == 2
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -133,8 +133,8 @@ def test_other_architectures_generate(tmp_path, arch):
     try:
         h = eng.submit(GenerateRequest(messages=CHAT, sampling=sample(5)))
         logs = [e.line for e in h.events() if isinstance(e, Log)]
-        assert h.result()["generated_tokens"] == 5
-        info = eng.call(Status())["info"]
+        assert h.result().generated_tokens == 5
+        info = eng.call(Status()).info
         assert info["architecture"] == arch
     finally:
         eng.stop()
@@ -146,23 +146,23 @@ def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_
     a_msgs = [{"role": "system", "content": "Conversation A about boats and the sea."},
               {"role": "user", "content": "Tell me about sailing."}]
     a = engine.call(GenerateRequest(messages=a_msgs, sampling=sample(6), conversation="A"))
-    a_msgs = a_msgs + [{"role": "assistant", "content": a["text"]}]
+    a_msgs = a_msgs + [{"role": "assistant", "content": a.text}]
     b = engine.call(GenerateRequest(messages=[{"role": "user", "content": "Title please"}], sampling=sample(4)))
-    assert b["generated_tokens"] == 4     # B holds the engine now; A is parked
+    assert b.generated_tokens == 4     # B holds the engine now; A is parked
     saved = engine.call(SaveSession(str(tmp_path / "a.stratasession"), messages=a_msgs))
-    assert saved["tokens"] == a["prompt_tokens"] + a["generated_tokens"] - 1
+    assert saved.tokens == a.prompt_tokens + a.generated_tokens - 1
     restored = engine.call(RestoreSession(str(tmp_path / "a.stratasession")))
-    assert restored["messages"] == a_msgs
+    assert restored.messages == a_msgs
     # A conversation whose K/V is not held (e.g. from before a restart) is read again, then saved.
     other = [{"role": "user", "content": "A question from yesterday?"}, {"role": "assistant", "content": "Yes."}]
     h = engine.submit(SaveSession(str(tmp_path / "x.stratasession"), messages=other))
     events = list(h.events())
     again = h.result()
-    assert again["reread"] is True and again["tokens"] > 5
+    assert again.reread is True and again.tokens > 5
     assert any(isinstance(e, Progress) and e.stage == "prefill" for e in events)
-    assert engine.call(RestoreSession(str(tmp_path / "x.stratasession")))["messages"] == other
+    assert engine.call(RestoreSession(str(tmp_path / "x.stratasession"))).messages == other
     follow = engine.call(GenerateRequest(messages=other + [{"role": "user", "content": "More?"}], sampling=sample(2)))
-    assert follow["cached_tokens"] == again["tokens"]
+    assert follow.cached_tokens == again.tokens
     with pytest.raises(StrataError, match="no conversation to save"):
         engine.call(SaveSession(str(tmp_path / "y.stratasession"), messages=[{"role": "system", "content": "?"}]))
 
@@ -178,7 +178,7 @@ def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_bet
     h = engine.submit(GenerateRequest(messages=long_chat, sampling=sample(2)))
     steps = [(e.done, e.total) for e in h.events() if isinstance(e, Progress) and e.stage == "prefill"]
     r = h.result()
-    total = r["prompt_tokens"] - r["cached_tokens"] - 1
+    total = r.prompt_tokens - r.cached_tokens - 1
     assert steps[0] == (0, total) and steps[1] == (16, total) and steps[2] == (32, total)
     assert steps[-1] == (total, total)
     # Cancel from the first progress report: the prompt stops being read, the engine keeps serving.
@@ -194,7 +194,7 @@ def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_bet
     events = list(h.events())
     assert isinstance(events[-1], Failed) and events[-1].message == "cancelled"
     assert max(e.done for e in events if isinstance(e, Progress)) == 16
-    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2)))["generated_tokens"] == 2
+    assert engine.call(GenerateRequest(messages=CHAT, sampling=sample(2))).generated_tokens == 2
 
 
 def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
@@ -210,4 +210,4 @@ def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
     assert [type(e) for e in events] == [Log, Failed] and events[-1].message == "cancelled"
     assert events[0].line == "error: cancelled"
     st = engine.call(Status())
-    assert st["live_tokens"] == first["prompt_tokens"] + first["generated_tokens"] - 1
+    assert st.live_tokens == first.prompt_tokens + first.generated_tokens - 1

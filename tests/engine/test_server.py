@@ -33,7 +33,7 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_path):
     eng = Engine(EngineOptions(model=str(model_path))).start()
-    assert eng.call(Status())["model"] == str(model_path)
+    assert eng.call(Status()).model == str(model_path)
     yield eng
     eng.stop()
 
@@ -130,7 +130,7 @@ def test_chat_streamed_equals_non_streamed_for_greedy(client, engine):
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
     # the engine's own answer for the same request
     direct = engine.call(GenerateRequest(messages=messages, sampling=SamplingParams(max_tokens=24)))
-    assert direct["text"] == text
+    assert direct.text == text
 
     s_text, s_finish, usage = streamed_chat(client, messages, max_tokens=24)
     assert s_text == text and s_finish == "length"
@@ -144,8 +144,8 @@ def test_completions_raw_prompt_streamed_and_not(client, engine):
     r = client.completions.create(model="default", prompt=prompt, max_tokens=20, temperature=0)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     direct = engine.call(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=20)))
-    assert r.choices[0].text == direct["text"]
-    assert r.usage.prompt_tokens == direct["prompt_tokens"]
+    assert r.choices[0].text == direct.text
+    assert r.usage.prompt_tokens == direct.prompt_tokens
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="default", prompt=prompt, max_tokens=20, temperature=0, stream=True) if c.choices)
     assert streamed == r.choices[0].text
@@ -207,8 +207,8 @@ def test_experimental_speed_projection_switches_the_vector(tmp_path_factory, mod
         assert off.model_extra["strata"]["speed_projection"] is False
         assert on.model_extra["strata"]["speed_projection"] is True
         assert default.model_extra["strata"]["speed_projection"] is True
-        assert off.choices[0].message.content == plain["text"]
-        assert on.choices[0].message.content != plain["text"]
+        assert off.choices[0].message.content == plain.text
+        assert on.choices[0].message.content != plain.text
         assert default.choices[0].message.content == on.choices[0].message.content
         r = httpx.post(f"{srv.base_url}/chat/completions", json={
             "messages": [{"role": "user", "content": "x"}], "experimental_speed_projection": "yes"})

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from app_fixtures import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
 
 pytestmark = pytest.mark.gui
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
@@ -77,12 +77,12 @@ def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_hom
     plain = w.current_view()
     assert not plain.projection.isChecked()
     r = send_and_wait(qtbot, plain, "Keep this plain conversation")
-    assert r["speed_projection"] is False
+    assert r.speed_projection is False
     steered = w.new_tab()
     steered.projection.setChecked(True)
-    assert send_and_wait(qtbot, steered, "Something steered")["speed_projection"] is True
+    assert send_and_wait(qtbot, steered, "Something steered").speed_projection is True
     path = tmp_path / "plain.stratasession"
-    assert save(qtbot, w, plain, path)["speed_projection"] is False
+    assert save(qtbot, w, plain, path).speed_projection is False
     w.close()
 
     again = launch(qtbot)
@@ -91,7 +91,7 @@ def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_hom
         assert not view.projection.isChecked()
         assert "speed projection off" in view.transcript_text()
         follow = send_and_wait(qtbot, view, "Go on")
-        assert follow["speed_projection"] is False and follow["cached_tokens"] > 0
+        assert follow.speed_projection is False and follow.cached_tokens > 0
         # The same file restores again later, after a steered request in another tab.
         other = again.new_tab()
         other.projection.setChecked(True)
@@ -110,7 +110,7 @@ def test_restore_sets_the_tabs_toggle_to_the_files_setting(qtbot, app_home, tiny
         send_and_wait(qtbot, view, "A steered conversation")
         path = tmp_path / "steered.stratasession"
         saved = save(qtbot, w, view, path)
-        assert saved["speed_projection"] is True and saved["reread"] is False
+        assert saved.speed_projection is True and saved.reread is False
         fresh = w.new_tab()
         assert not fresh.projection.isChecked()           # new chats: the default, off
         restored = restore(qtbot, w, path)
@@ -118,8 +118,8 @@ def test_restore_sets_the_tabs_toggle_to_the_files_setting(qtbot, app_home, tiny
         assert restored.chat.config["speed_projection"] is True
         follow = send_and_wait(qtbot, restored, "Go on")
         # Its follow-up extends the restored K/V instead of reading everything again.
-        assert follow["speed_projection"] is True
-        assert follow["cached_tokens"] >= saved["tokens"], follow
+        assert follow.speed_projection is True
+        assert follow.cached_tokens >= saved.tokens, follow
     finally:
         w.close()
 
@@ -149,7 +149,7 @@ def test_a_file_needing_a_vector_not_loaded_is_refused_naming_it_and_offers_it(q
         view = blocker.args[0]
         assert view.projection.isChecked()
         assert again.settings.steering.files == [(str(tiny_vector), 1.0)]
-        assert engine_status(again)["steering"] is not None
+        assert engine_status(again).steering is not None
     finally:
         again.close()
 
@@ -249,12 +249,12 @@ def test_save_a_chat_carried_over_from_before_a_restart(qtbot, app_home, tmp_pat
         with qtbot.waitSignal(req.finished, timeout=REPLY_TIMEOUT_MS):
             pass
         assert req.error is None, req.error
-        assert req.result["reread"] is True and req.result["tokens"] > first["prompt_tokens"]
+        assert req.result.reread is True and req.result.tokens > first.prompt_tokens
         assert stages[0][:2] == ("prefill", 0) and any(s == "save" for s, _, _ in stages)
         assert all(shown) and not view.task_visible()     # the tab's bar, gone once saved
         # The conversation is held now: its follow-up reuses it, and the file restores.
         follow = send_and_wait(qtbot, view, "And today?")
-        assert follow["cached_tokens"] == req.result["tokens"]
+        assert follow.cached_tokens == req.result.tokens
         restored = restore(qtbot, again, tmp_path / "yesterday.stratasession")
         assert [m for m in restored.chat.messages if m["role"] != "system"] == view.chat.messages[:2]
     finally:
@@ -272,35 +272,35 @@ def test_titles_take_no_slot_and_run_unsteered_and_regenerate_reuses_its_slot(qt
         with qtbot.waitSignal(a.title_changed, timeout=REPLY_TIMEOUT_MS):
             ra = send_and_wait(qtbot, a, "Tell me about the sea")
             a.title_request.done.connect(titles.append)
-        assert ra["speed_projection"] is True
-        assert titles and titles[0]["speed_projection"] is False      # the title ran unsteered
+        assert ra.speed_projection is True
+        assert titles and titles[0].speed_projection is False      # the title ran unsteered
         st = engine_status(w)
-        held_a = st["live_tokens"]                  # A still live: prompt and reply
-        assert st["parking"]["entries"] == 0 and held_a >= ra["prompt_tokens"] + ra["generated_tokens"] - 1
+        held_a = st.live_tokens                  # A still live: prompt and reply
+        assert st.parking["entries"] == 0 and held_a >= ra.prompt_tokens + ra.generated_tokens - 1
 
         b = w.new_tab()
         with qtbot.waitSignal(b.title_changed, timeout=REPLY_TIMEOUT_MS):
             send_and_wait(qtbot, b, "Something else entirely")
-        assert engine_status(w)["parking"]["tokens"] == [held_a]   # only A, parked by B
+        assert engine_status(w).parking["tokens"] == [held_a]   # only A, parked by B
 
         w.tabs.setCurrentWidget(a)
         r2 = send_and_wait(qtbot, a, "And more?")
-        assert r2["cached_tokens"] == held_a
+        assert r2.cached_tokens == held_a
         with qtbot.waitSignal(a.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
             a.regenerate()
         regen = blocker.args[0]
-        assert regen["cached_tokens"] == r2["prompt_tokens"] - 1        # its own K/V, trimmed
+        assert regen.cached_tokens == r2.prompt_tokens - 1        # its own K/V, trimmed
         st = engine_status(w)
-        assert st["parking"]["entries"] == 1 and st["live_tokens"] >= regen["prompt_tokens"]
+        assert st.parking["entries"] == 1 and st.live_tokens >= regen.prompt_tokens
         a.edit(0)
         edited = send_and_wait(qtbot, a, "Tell me about rivers instead")
-        assert edited["cached_tokens"] > 0
+        assert edited.cached_tokens > 0
         st = engine_status(w)
         # Still one slot for A (live) and B's parked one: no old branch kept, nothing evicted.
-        assert st["parking"]["entries"] == 1 and st["live_tokens"] >= edited["prompt_tokens"]
+        assert st.parking["entries"] == 1 and st.live_tokens >= edited.prompt_tokens
         w.tabs.setCurrentWidget(b)
         rb = send_and_wait(qtbot, b, "Back to B")
-        assert rb["cached_tokens"] > 0
+        assert rb.cached_tokens > 0
     finally:
         w.close()
 
@@ -312,7 +312,7 @@ def test_status_bar_shows_the_current_tabs_figures_live_speed_and_fresh_parking(
     try:
         a = w.current_view()
         ra = send_and_wait(qtbot, a, "First tab")
-        mine = f"cached {ra['cached_tokens']}/{ra['prompt_tokens']} tokens"
+        mine = f"cached {ra.cached_tokens}/{ra.prompt_tokens} tokens"
         assert w.status.cached.text() == mine
         b = w.new_tab()
         assert w.status.cached.text() == "cached –" and w.status.speed.text() == "– tok/s"
@@ -328,15 +328,15 @@ def test_status_bar_shows_the_current_tabs_figures_live_speed_and_fresh_parking(
         with qtbot.waitSignal(b.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
             pass
         rb = blocker.args[0]
-        assert rb["generated_tokens"] > 200, rb
+        assert rb.generated_tokens > 200, rb
         assert "streaming" not in w.status.speed.text()
         w.tabs.setCurrentWidget(a)
         assert w.status.cached.text() == mine
         w.tabs.setCurrentWidget(b)
-        assert w.status.cached.text() == f"cached {rb['cached_tokens']}/{rb['prompt_tokens']} tokens"
+        assert w.status.cached.text() == f"cached {rb.cached_tokens}/{rb.prompt_tokens} tokens"
         # B parked A: the bar says so without another request.
         qtbot.waitUntil(lambda: w.status.parked.text().startswith("parked 1 ·"), timeout=REPLY_TIMEOUT_MS)
-        p = engine_status(w)["parking"]
+        p = engine_status(w).parking
         assert f"{p['bytes'] / (1 << 20):.1f} / " in w.status.parked.text()
     finally:
         w.close()
@@ -360,7 +360,7 @@ def test_the_prompt_being_read_shows_a_bar_in_its_chat(qtbot, window):
 
 def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     """Cancel on the chat's bar: the prompt is never answered (the engine checks between chunks;
-    tests/test_engine.py cancels one mid-prompt). Here the engine is held busy first, so the
+    tests/engine/test_engine.py cancels one mid-prompt). Here the engine is held busy first, so the
     click lands while the prompt waits its turn, whatever the machine's speed."""
     import threading
 
@@ -381,7 +381,7 @@ def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     assert not view.busy and not view.task_visible()
     assert [m["role"] for m in view.chat.messages] == ["user"]
     # The chat goes on.
-    assert send_and_wait(qtbot, view, "Shorter then")["generated_tokens"] >= 1
+    assert send_and_wait(qtbot, view, "Shorter then").generated_tokens >= 1
 
 
 def test_a_lock_left_by_a_crashed_strata_does_not_block_the_next_launch(app_home):

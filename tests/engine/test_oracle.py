@@ -137,13 +137,13 @@ def test_engine_generation_equals_llama_cpp_up_to_first_near_tie(real_model):
     ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
     ref_gen = llama_greedy(real_model, ids, N_GEN)
     ref = llama_logits(real_model, ids + ref_gen)
-    for i, (a, b) in enumerate(zip(r["tokens"], ref_gen)):
+    for i, (a, b) in enumerate(zip(r.tokens, ref_gen)):
         if a != b:
             top2 = np.sort(ref[len(ids) - 1 + i])[-2:]
             assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]}"
             break
     else:
-        assert len(r["tokens"]) >= 1 and r["tokens"] == ref_gen[:len(r["tokens"])]
+        assert len(r.tokens) >= 1 and r.tokens == ref_gen[:len(r.tokens)]
 
 
 @pytest.mark.real_model

@@ -4,7 +4,7 @@ import pytest
 import gguf
 from gguf import GGUFReader
 
-try:  # tests/ is on sys.path under pytest's default (prepend) import mode
+try:  # tests/ is on sys.path (tests/conftest.py puts it there)
     from gguf_factory import (
         DEFAULT_PRE,
         SPECIAL_TOKENS,

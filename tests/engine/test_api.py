@@ -15,7 +15,7 @@ from engine.errors import EngineError, ErrorCode
 from engine.events import Failed
 from engine.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "Tell me a short story about a cat."}]
 
 
@@ -34,7 +34,9 @@ def test_results_are_typed_and_read_by_field(engine):
     r = engine.call(GenerateRequest(messages=CHAT, sampling=SamplingParams(max_tokens=5, seed=1)))
     assert isinstance(r, Generation)
     assert r.generated_tokens == len(r.tokens) == 5 and r.finish_reason in ("length", "stop")
-    assert r["text"] == r.text and r.get("nope", 7) == 7            # the transitional mapping view
+    with pytest.raises(TypeError):
+        r["text"]                                                      # a key read fails loudly
+    assert not hasattr(r, "get") and r.to_dict()["text"] == r.text
     st = engine.call(Status())
     assert isinstance(st, EngineStatus) and isinstance(st.facts, ModelFacts)
     assert st.facts.n_ctx == st.context_length and st.facts.model_path == st.model

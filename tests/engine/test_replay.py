@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from engine.api import Generation
 from test_parking import A_SYSTEM, B_MESSAGES, ask, held, start, words
 from test_sessions import cli
 
@@ -49,8 +50,8 @@ def test_replay_aba_json_lines(tiny_gguf, tmp_path):
         assert any(e.startswith(f"{o['conversation']}: prompt {o['prompt_tokens']} (cached {o['cached_tokens']})")
                    for e in o["events"]), o["events"]
     a1, a2, b, a3, a2r = out
-    h = held(a2, 16)
-    assert a2["cached_tokens"] == held(a1, 16)
+    h = held(Generation.from_dict(a2), 16)
+    assert a2["cached_tokens"] == held(Generation.from_dict(a1), 16)
     assert a2["session_bytes"] > 0 and a2["save_ms"] > 0
     assert any(e.startswith(f"parked {h} tokens in ") and "(bytes=" in e for e in b["events"]), b["events"]
     assert b["cached_tokens"] == 0
@@ -67,8 +68,8 @@ def test_replay_aba_json_lines(tiny_gguf, tmp_path):
         for user, seed, got in ((U1, 11, a1), (U2, 12, a2), (U3, 13, a3)):
             msgs.append({"role": "user", "content": user})
             r, _ = ask(engine, msgs, "A", n=16, temperature=0.8, seed=seed)
-            msgs.append({"role": "assistant", "content": r["text"]})
-            assert r["tokens"] == got["tokens"] and r["text"] == got["text"]
+            msgs.append({"role": "assistant", "content": r.text})
+            assert r.tokens == got["tokens"] and r.text == got["text"]
     finally:
         engine.stop()
 
@@ -77,7 +78,7 @@ def test_replay_without_parking_rereads_a(tiny_gguf, tmp_path):
     p = cli("replay", script(tmp_path, aba_steps()), "--model", str(tiny_gguf), "--json",
             "--conversation-cache-mib", "0")
     a1, a2, b, a3 = [json.loads(line) for line in p.stdout.splitlines()]
-    assert a2["cached_tokens"] == held(a1, 16)
+    assert a2["cached_tokens"] == held(Generation.from_dict(a1), 16)
     assert not any(e.startswith("parked") for e in b["events"])
     assert a3["cached_tokens"] == 0
 

@@ -24,10 +24,10 @@ def test_app_send_streams_reply(qtbot, window):
         assert view.busy and view.stop_btn.isEnabled() and not view.send_btn.isEnabled()
         view.request.token.connect(tokens.append)
     result = blocker.args[0]
-    assert result["generated_tokens"] >= 1
-    assert len(tokens) >= 1 and "".join(tokens) == result["text"]
+    assert result.generated_tokens >= 1
+    assert len(tokens) >= 1 and "".join(tokens) == result.text
     assert view.chat.messages[-2] == {"role": "user", "content": "Hello there"}
-    assert view.chat.messages[-1] == {"role": "assistant", "content": result["text"]}
+    assert view.chat.messages[-1] == {"role": "assistant", "content": result.text}
     text = view.transcript_text()
     assert "Hello there" in text and "Assistant" in text
     assert "tok/s" in window.status.speed.text() and "ttft" in window.status.ttft.text()
@@ -76,8 +76,8 @@ def test_app_two_tabs_title_then_cached_tokens(qtbot, window):
     window.tabs.setCurrentWidget(first)
     result = send_and_wait(qtbot, first, "And more?")
     # The title calls and the other tab parked this conversation; it resumes from the cache.
-    assert result["cached_tokens"] > 0, result
-    assert f"cached {result['cached_tokens']}/" in window.status.cached.text()
+    assert result.cached_tokens > 0, result
+    assert f"cached {result.cached_tokens}/" in window.status.cached.text()
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS):
         pass
     assert "parked" in window.status.parked.text() and "MiB" in window.status.parked.text()
@@ -101,7 +101,7 @@ def test_app_event_loop_answers_during_generation(qtbot, window):
         result = send_and_wait(qtbot, view, "Write a long story about a lighthouse keeper")
     finally:
         probe.stop()
-    assert result["generated_tokens"] >= 20
+    assert result.generated_tokens >= 20
     assert len(gaps) >= 10
     worst = max(gaps[1:]) * 1000
     assert worst < 50, f"the event loop stalled for {worst:.0f} ms"

@@ -9,6 +9,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
 
+from engine.api import EngineStatus, Generation  # noqa: E402
 from fake_engine import Refusal  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -23,9 +24,9 @@ def qapp_ready(qtbot):
     return qtbot
 
 
-def status_reading(parked_entries=0, parked_bytes=0, total=16 * GIB) -> dict:
-    return {"memory": {"available_bytes": total // 2, "total_bytes": total, "source": "test"},
-            "parking": {"entries": parked_entries, "bytes": parked_bytes, "cap_bytes": 1024 << 20, "slots": 4}}
+def status_reading(parked_entries=0, parked_bytes=0, total=16 * GIB) -> EngineStatus:
+    return EngineStatus(memory={"available_bytes": total // 2, "total_bytes": total, "source": "test"},
+                        parking={"entries": parked_entries, "bytes": parked_bytes, "cap_bytes": 1024 << 20, "slots": 4})
 
 
 # ---- the sampling form -------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ def test_status_bar_shows_a_reply_the_engine_reading_and_the_server(qapp_ready):
     from app.status_bar import StatusBar
     bar = StatusBar()
     qapp_ready.addWidget(bar)
-    bar.show_result({"decode_tps": 41.26, "ttft_ms": 12.4, "cached_tokens": 5, "prompt_tokens": 9})
+    bar.show_result(Generation(decode_tps=41.26, ttft_ms=12.4, cached_tokens=5, prompt_tokens=9))
     assert (bar.speed.text(), bar.ttft.text(), bar.cached.text()) == ("41.3 tok/s", "ttft 12 ms", "cached 5/9 tokens")
     bar.clear_result()
     assert bar.speed.text() == "– tok/s"
@@ -342,3 +343,25 @@ def test_session_files_opened_before_a_model_wait_for_it(qapp_ready, idle_window
     w.library.loaded.emit("loaded.gguf")
     assert w.sessions.pending_files == [] and fake.names() == ["restore_session"]
     assert fake.calls[0][1] == (str(session),)
+
+
+def test_a_refused_restore_offers_the_vector_by_its_reason_not_its_words(qtbot, qapp_ready, idle_window, tmp_path):
+    """The vector offer follows the refusal's code and reason (SessionRefusal.STEERING): a file refusal
+    whose message happens to say "control vector ... load" asks nothing more of the engine."""
+    from fake_engine import FakeClient
+    from engine.errors import ErrorCode, SessionRefusal
+    w = idle_window
+    fake = FakeClient()
+    w.sessions.client = fake
+    w.sessions.tell = lambda *a: None
+    session = str(tmp_path / "a.stratasession")
+    wording = "a.stratasession was saved with another steering setting (control vector ab12); load v.gguf"
+    fake.answers["restore_session"] = Refusal(wording, ErrorCode.SESSION_REFUSED, SessionRefusal.FILE)
+    with qtbot.waitSignal(w.sessions.refused, timeout=5000):
+        w.sessions.restore_session(session)
+    assert fake.names() == ["restore_session"]
+    fake.answers["restore_session"] = Refusal("saved with another steering setting", ErrorCode.SESSION_REFUSED,
+                                              SessionRefusal.STEERING)
+    with qtbot.waitSignal(w.sessions.refused, timeout=5000):
+        w.sessions.restore_session(session)
+    assert fake.names() == ["restore_session", "restore_session", "session_steering"]

@@ -18,7 +18,7 @@ from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.model_loader import load_model
 from gguf_factory import quantize_with_llama, write_tiny_gguf, write_tiny_moe_gguf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +117,8 @@ def _available_for(path, n_tokens: int) -> int:
 def test_engine_shrinks_the_default_context_to_fit_and_says_so(files):
     eng = _engine(files["qwen3moe-F16"], _available_for(files["qwen3moe-F16"], 1000))
     try:
-        assert eng.call(Status())["model"] is not None
-        assert eng.call(Call(lambda e: e.n_ctx))["value"] == 768
+        assert eng.call(Status()).model is not None
+        assert eng.call(Call(lambda e: e.n_ctx)).value == 768
     finally:
         eng.stop()
 
@@ -127,7 +127,7 @@ def test_engine_refuses_an_explicit_context_that_does_not_fit_with_the_numbers(f
     path = files["qwen3moe-F16"]
     eng = _engine(path, _available_for(path, 1000), context_length=2048)
     try:
-        assert eng.call(Status())["model"] is None
+        assert eng.call(Status()).model is None
         with pytest.raises(StrataError) as e:      # the engine's ModelTooLarge, as its one line
             eng.call(LoadModel(str(path)))
         msg = str(e.value)
@@ -141,11 +141,11 @@ def test_engine_refuses_when_nothing_fits_and_keeps_the_loaded_model(files):
     small, big = files["llama-F32"], files["qwen3moe-F16"]
     eng = _engine(small, 64 * GiB)
     try:
-        assert eng.call(Status())["model"] == str(small)
+        assert eng.call(Status()).model == str(small)
         eng.guard = MemoryGuard(reader=Reader(max(GiB, 16 * GiB // 10) + 10 * 2**20))  # 10 MiB over the reserve
         with pytest.raises(StrataError, match="no context fits"):
             eng.call(LoadModel(str(big)))
-        assert eng.call(Status())["model"] == str(small)      # the old model still serves
+        assert eng.call(Status()).model == str(small)      # the old model still serves
     finally:
         eng.stop()
 

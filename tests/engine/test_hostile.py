@@ -173,7 +173,7 @@ def engine(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("hostile") / "tiny-hostile.gguf", arch="llama",
                            context_length=512)
     eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
-    assert eng.call(Status())["model"] == str(path)
+    assert eng.call(Status()).model == str(path)
     yield eng
     eng.stop()
 
@@ -195,16 +195,16 @@ def test_a_bad_parked_entry_is_dropped_and_the_request_recomputes(engine):
     engine.call(Call(plant))
     h = engine.submit(GenerateRequest(messages=other, sampling=SamplingParams(max_tokens=3)))
     logs = [e.line for e in h.events() if isinstance(e, Log)]
-    assert h.result(5)["generated_tokens"] == 3
+    assert h.result(5).generated_tokens == 3
     assert any(line.startswith("dropped a parked conversation") for line in logs), logs
-    assert engine.call(Status())["parking"]["tokens"].count(0) == 0
-    assert _gen(engine)["generated_tokens"] == 3
+    assert engine.call(Status()).parking["tokens"].count(0) == 0
+    assert _gen(engine).generated_tokens == 3
 
 
 def test_a_live_entry_that_fails_is_dropped_after_the_error(engine):
     import mlx.core as mx
     r = _gen(engine)
-    assert r["generated_tokens"] == 3
+    assert r.generated_tokens == 3
 
     def break_live(eng):
         # K/V of the wrong geometry (a crafted session): the next prefill that uses it fails.
@@ -212,12 +212,12 @@ def test_a_live_entry_that_fails_is_dropped_after_the_error(engine):
             if c.keys is not None:
                 c.state = (mx.zeros((1, 1, c.offset, 3)), mx.zeros((1, 1, c.offset, 3)), c.offset)
     engine.call(Call(break_live))
-    follow = CHAT + [{"role": "assistant", "content": r["text"]}, {"role": "user", "content": "More?"}]
+    follow = CHAT + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "More?"}]
     h = engine.submit(GenerateRequest(messages=follow, sampling=SamplingParams(max_tokens=3)))
     with pytest.raises(StrataError, match="internal error"):
         h.result(60)
-    assert _gen(engine, follow)["generated_tokens"] == 3        # recomputed, not failed again
-    assert _gen(engine, follow)["generated_tokens"] == 3
+    assert _gen(engine, follow).generated_tokens == 3        # recomputed, not failed again
+    assert _gen(engine, follow).generated_tokens == 3
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing(engine):

@@ -21,7 +21,7 @@ def words(n: int, start: int = 0) -> str:
 
 def start(model, **opts) -> Engine:
     e = Engine(EngineOptions(model=str(model), **opts)).start()
-    assert e.call(Status(), timeout=120)["model"]
+    assert e.call(Status(), timeout=120).model
     return e
 
 
@@ -54,13 +54,13 @@ def test_quantized_kv_parks_with_its_real_bytes(tiny_gguf_wide, bits):
     real = sum(x.nbytes for c in live.cache for x in (*c.keys, *c.values))
     gen(e, [{"role": "user", "content": words(20, 40)}])              # side request parks A
     st = e.call(Status())
-    assert st["parking"]["entries"] == 1 and st["parking"]["bytes"] == real == live.nbytes()
+    assert st.parking["entries"] == 1 and st.parking["bytes"] == real == live.nbytes()
     e16 = start(tiny_gguf_wide)
     gen(e16, a)
     assert e16.live.nbytes() > real * (1.7 if bits == 8 else 2.8)      # codes + scales vs float32 K/V
-    a2 = a + [{"role": "assistant", "content": ra["text"]}, {"role": "user", "content": words(8, 3)}]
+    a2 = a + [{"role": "assistant", "content": ra.text}, {"role": "user", "content": words(8, 3)}]
     r2 = gen(e, a2)
-    assert r2["cached_tokens"] >= ra["prompt_tokens"]                    # resumed from the parked K/V
+    assert r2.cached_tokens >= ra.prompt_tokens                    # resumed from the parked K/V
 
 
 def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_path):
@@ -73,13 +73,13 @@ def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_pat
     table, meta, _ = read_header(str(path))
     assert meta["kv_dtype"] == "q8g32" and meta["fp.kv_format"] == "q8g32"
     assert table["k.0.q"]["dtype"] == "U32" and table["k.0.s"]["dtype"] == "F16"
-    a2 = a + [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": words(6, 9)}]
+    a2 = a + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": words(6, 9)}]
     cont = gen(e8, a2, seed=4)
     fresh = start(tiny_gguf_wide, kv_bits=8)
     r = fresh.call(RestoreSession(str(path)))
-    assert r["restored_tokens"] == saved["tokens"]
+    assert r.restored_tokens == saved.tokens
     again = gen(fresh, a2, seed=4)
-    assert again["tokens"] == cont["tokens"] and again["cached_tokens"] == cont["cached_tokens"]
+    assert again.tokens == cont.tokens and again.cached_tokens == cont.cached_tokens
     # another format: refused with the reason, the live conversation untouched
     e16 = start(tiny_gguf_wide)
     gen(e16, a)
@@ -92,7 +92,7 @@ def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_pat
     with pytest.raises(StrataError, match=r"holds 16-bit K/V; this engine runs 4-bit K/V"):
         start(tiny_gguf_wide, kv_bits=4).call(RestoreSession(str(p16)))
     # a 16-bit file still restores in a 16-bit engine (format unchanged for them)
-    assert start(tiny_gguf_wide).call(RestoreSession(str(p16)))["restored_tokens"] == len(before)
+    assert start(tiny_gguf_wide).call(RestoreSession(str(p16))).restored_tokens == len(before)
 
 
 def test_configure_switches_format_for_new_conversations(tiny_gguf_wide, tiny_gguf):
@@ -101,7 +101,7 @@ def test_configure_switches_format_for_new_conversations(tiny_gguf_wide, tiny_gg
     gen(e, a)
     e.call(Configure(kv_bits=8))
     r = gen(e, a)
-    assert r["cached_tokens"] == 0                    # the 16-bit K/V is not reused under 8 bits
+    assert r.cached_tokens == 0                    # the 16-bit K/V is not reused under 8 bits
     assert hasattr(e.live.cache[0], "bits")
     with pytest.raises(StrataError, match="one of 16, 8, 4"):
         e.call(Configure(kv_bits=5))
@@ -116,7 +116,7 @@ def test_speculation_trims_a_quantized_cache_exactly(tiny_gguf_wide):
     plain = gen(e, msgs, n=40, temperature=0.0, rep=1.6)
     for spec in ("lookup", f"draft:{e.model_path}"):
         r = gen(e, msgs, n=40, spec=spec, temperature=0.0, rep=1.6)
-        assert r["tokens"] == plain["tokens"], spec
+        assert r.tokens == plain.tokens, spec
         assert all(c.offset == len(e.live.tokens) for c in e.live.cache)
 
 
@@ -125,10 +125,10 @@ def test_smollm2_session_bytes_per_token_at_8_bits(real_model, tmp_path):
     e = start(real_model, kv_bits=8)
     r = gen(e, [{"role": "user", "content": "Explain in detail how a refrigerator works. " * 12}], n=8)
     s = e.call(SaveSession(str(tmp_path / "s.stratasession")))
-    per_token = s["session_bytes"] / s["tokens"]
+    per_token = s.session_bytes / s.tokens
     # 30 layers x 3 K/V heads x 64: 11,520 B of 8-bit codes + 720 B of float16 scales/biases
     assert per_token <= 12_500, per_token
-    assert s["tokens"] >= r["prompt_tokens"]
+    assert s.tokens >= r.prompt_tokens
 
 
 def test_kv_bits_a_model_cannot_take_is_refused_at_load(tiny_gguf, tiny_gguf_wide):
@@ -136,8 +136,8 @@ def test_kv_bits_a_model_cannot_take_is_refused_at_load(tiny_gguf, tiny_gguf_wid
     e = start(tiny_gguf_wide, kv_bits=8)
     with pytest.raises(StrataError, match=r"8-bit K/V needs a head size that is a multiple of 32 \(this model's is 16\)"):
         e.call(LoadModel(str(tiny_gguf)))
-    assert e.call(Status())["model"] == str(tiny_gguf_wide)     # the loaded model keeps serving
-    assert gen(e, [{"role": "user", "content": "hi"}], n=3)["tokens"]
+    assert e.call(Status()).model == str(tiny_gguf_wide)     # the loaded model keeps serving
+    assert gen(e, [{"role": "user", "content": "hi"}], n=3).tokens
 
 
 # ---- quantized session files against damaged and crafted input (the format-2 guarantees) ----------
@@ -172,12 +172,12 @@ def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
     def held(eng):
         c = eng.live.cache
         return [[np.asarray(x[..., :n, :]).tobytes() for x in (*l.keys, *l.values)] for l in c], eng.live.nbytes()
-    before, _ = e.call(Call(held))["value"]
+    before, _ = e.call(Call(held)).value
     r = e.call(RestoreSession(str(q_conv["good"])))
-    assert r["restored_tokens"] == n
-    after, real = e.call(Call(held))["value"]
+    assert r.restored_tokens == n
+    after, real = e.call(Call(held)).value
     assert after == before                            # codes, scales and biases bit for bit
-    g = e.call(Call(lambda eng: sessions.Geometry.of(eng.session_fingerprint())))["value"]
+    g = e.call(Call(lambda eng: sessions.Geometry.of(eng.session_fingerprint()))).value
     assert session_quant.restore_bytes(n, g) == real  # the memory guard is asked for the real bytes
     again = q_conv["dir"] / "again.stratasession"
     e.call(SaveSession(str(again)))
