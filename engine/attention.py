@@ -13,7 +13,10 @@ so they keep mlx-lm's path untouched: `install` is a no-op there.
 
 mlx-lm's model files call `scaled_dot_product_attention` from their own module globals, so
 `install` swaps that name in the loaded model's module (once; the wrapper forwards everything it
-does not handle, e.g. quantized K/V or attention sinks, to mlx-lm's function).
+does not handle, e.g. quantized K/V or attention sinks, to mlx-lm's function). The swap is
+process-wide for that mlx-lm module: raw mlx-lm run in the same process after a load (bench/engine.py)
+gets it too, which keeps that comparison like for like (its 511-token prefill and one-query decode
+steps take the fused and vector kernels anyway).
 """
 from __future__ import annotations
 
