@@ -12,7 +12,7 @@ py=${PYTHON:-python3}
   $py -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device(), "cuda", mx.cuda.is_available())'; } 2>&1 | tee "$OUT/env.txt"
 for step in $STEPS; do
   case $step in
-    test) timeout 100 $py -m pytest tests/engine/test_steering_kernels.py tests/engine/test_attention.py -q -p no:cacheprovider 2>&1 | tail -40 > "$OUT/cvec_test.txt" ;;
+    test) timeout ${TEST_TIMEOUT:-240} $py -m pytest tests/engine/test_steering_kernels.py tests/engine/test_attention.py tests/engine/test_first_step_merge.py -q -p no:cacheprovider 2>&1 | tail -40 > "$OUT/cvec_test.txt" ;;
     spec) timeout ${SPEC_TIMEOUT:-200} $py bench/spec.py --model "${SMOLLM2:?set SMOLLM2 to the SmolLM2 GGUF}" --rounds ${SPEC_ROUNDS:-10} \
           --max-tokens ${SPEC_TOKENS:-192} > "$OUT/spec_smollm2.txt" 2>&1 ;;
     cache) timeout 150 $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 --repeats ${CACHE_REPEATS:-5} \
