@@ -24,6 +24,8 @@ import sys
 
 import mlx.core as mx
 
+from .device import on_cuda
+
 EXPLICIT_MAX_QUERIES = 64          # a returning turn's new message; the engine's first prefill chunks
 EXPLICIT_MAX_SCORES = 1 << 26      # heads x queries x keys: 256 MB of float32 scores at most
 
@@ -66,7 +68,7 @@ def _wrap(original):
 
 def needed() -> bool:
     """Only MLX's CUDA backend plans attention per shape (see the module docstring)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda()
 
 
 def install(model, *, force: bool = False) -> bool:

@@ -27,7 +27,7 @@ from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, Engin
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status)
 from .errors import Cancelled, EngineError, ErrorCode, RequestError, StrataError
 from .events import Done, Failed, Handle, Log
-from .handlers import MAX_CHARS_PER_TOKEN, RequestHandlers, _vector_spec  # noqa: F401 - re-exported
+from .handlers import RequestHandlers
 
 log = logging.getLogger("strata")
 

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from .attention import EXPLICIT_MAX_QUERIES
+from .device import on_gpu
 
 
 @dataclass
@@ -57,7 +58,7 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
     # The doubling start is for progress on a slow machine (the CPU: ~50 ms per 16 SmolLM2 tokens).
     # On a GPU a full chunk takes milliseconds and the small ones only add syncs and launches (an
     # H200: prefill 0.84-1.0x raw mlx-lm with them), so chunks are full-size from the first.
-    first = FIRST_CHUNK if mx.default_device() == mx.cpu else chunk
+    first = chunk if on_gpu() else FIRST_CHUNK
     if progress and tokens:
         progress(0, len(tokens))
     for size in chunk_sizes(len(tokens), chunk, first):
@@ -86,7 +87,7 @@ def first_step_merge_limit() -> int:
     engine/attention.py). Not on the CPU: there a pass costs its work, and a merged pass projects
     every position to the vocabulary (mlx-lm's models do), where a prefill pass stops at the K/V:
     32 + 1 tokens of the tiny bench model over 2,200 held took 10.5 ms split and 19.2 ms merged."""
-    return EXPLICIT_MAX_QUERIES - 1 if mx.default_device() == mx.gpu else 0
+    return EXPLICIT_MAX_QUERIES - 1 if on_gpu() else 0
 
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,

@@ -28,6 +28,7 @@ class RequestHandlers:
         import mlx.core as mx
 
         from . import steering
+        from .device import compute_dtype
         from .gguf_file import content_hash, open_gguf
         from .memory_estimate import fit_for_load, gpu_working_set
         from .model_loader import load_model
@@ -39,7 +40,7 @@ class RequestHandlers:
         handle.emit(Progress("load", 0, len(g.reader.tensors)))
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
-            self.options.dtype or "", mx.float32 if mx.default_device() == mx.cpu else mx.float16)
+            self.options.dtype or "", compute_dtype())
         # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
         n_ctx, memory_line = fit_for_load(path, self.options.context_length, str(dtype).rsplit(".", 1)[-1],
                                           self.guard, gpu_working_set())

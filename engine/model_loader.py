@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import attention
+from .device import on_gpu
 from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
 from .gguf_file import GGUFFile
@@ -189,7 +190,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
         note += "; RoPE frequency factors from rope_freqs.weight"
     if attention.install(model):
         note += "; short chunks: explicit attention (cuDNN plans fused attention per shape)"
-    if part is None and mx.default_device() == mx.gpu:
+    if part is None and on_gpu():
         note += f"; kernels warmed up in {warm_up(model) * 1e3:.0f} ms"
     if spec:
         note += f"; {spec.describe()}"

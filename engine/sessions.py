@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from .device import compute_dtype, on_gpu
 from .errors import SessionFileError, SessionOverwriteRefused
 
 FORMAT = "strata-session"
@@ -726,7 +727,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
                                   admit=admit, progress=progress, log=log)
     g = Geometry.of(expected, n_vocab, n_ctx)
-    dtype = dtype or _compute_dtype()
+    dtype = dtype or compute_dtype()
     np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end
     prof.cast = "none (float16 file, float16 cache)" if np_dtype == np.float16 else (
         f"float16 -> {np.dtype(np_dtype).name}" + ("" if dtype in _NP_OF else f" -> {dtype}"))
@@ -760,7 +761,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         # each tensor goes through one padded numpy buffer and mx.array copies it to the device.
         t = time.perf_counter()
         shape_p = (1, g.n_kv_heads, cells, g.head_dim)
-        in_place = mx.default_device() == mx.cpu
+        in_place = not on_gpu()
         if in_place:
             # Zeroed (the padding must be) by MLX's CPU stream thread while this one reads and casts:
             # fresh memory's page faults are a large part of a restore, and they overlap this way.
@@ -865,6 +866,3 @@ def _writable_view(a) -> np.ndarray:
         raise SessionFileError("this MLX build gives no writable view of an array's memory")
     return v
 
-
-def _compute_dtype():
-    return mx.float32 if mx.default_device() == mx.cpu else mx.float16

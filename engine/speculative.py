@@ -39,6 +39,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .device import on_gpu
 from .errors import RequestError
 
 # Prompt lookup: the longest suffix n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before
@@ -144,7 +145,7 @@ class LookupDrafter:
 
     def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN, draft_len: int | None = None):
         if draft_len is None:
-            draft_len = LOOKUP_DRAFT_CPU if mx.default_device() == mx.cpu else LOOKUP_DRAFT_GPU
+            draft_len = LOOKUP_DRAFT_GPU if on_gpu() else LOOKUP_DRAFT_CPU
         self.ngram_max, self.ngram_min, self.draft_len = ngram_max, ngram_min, draft_len
         self.tokens: list[int] = []
         # n-gram -> end index of its most recent occurrence that is not the current suffix

@@ -30,6 +30,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .device import on_cuda
+
 SHADER_NAME = "cvec.metal"
 KERNEL_NAME = "strata_cvec"
 INPUT_NAMES = ("h", "vec", "scale")
@@ -195,8 +197,7 @@ def _metal_usable() -> bool:
 
 def _cuda_usable() -> bool:
     try:
-        return (bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
-                and CVEC_METAL_SOURCE is not None)
+        return on_cuda() and CVEC_METAL_SOURCE is not None
     except Exception:
         return False
 

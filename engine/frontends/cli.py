@@ -11,7 +11,7 @@ import sys
 
 from ..errors import StrataError
 from ..sampling import FIELD, FIELDS
-from .launch import add_engine_flags, check_engine_flags, engine_options, start_engine  # noqa: F401 - re-exported
+from .launch import add_engine_flags, start_engine
 
 
 def cmd_generate(args) -> int:
@@ -150,8 +150,8 @@ def cmd_models_estimate(args) -> int:
     if not path.is_file():
         raise StrataError(f"model file not found: {path}")
     h = me.read_header(path)
-    import mlx.core as mx
-    dtype = args.dtype or ("float32" if mx.default_device() == mx.cpu else "float16")
+    from ..device import compute_dtype_name
+    dtype = args.dtype or compute_dtype_name()
     n_ctx = me.default_context(h, args.context)
     guard = MemoryGuard()
     b = me.load_budget(guard, me.gpu_working_set())
