@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import struct
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -134,7 +133,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
          progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
     """sessions.load for a quantized engine: validate everything, then build a KVEntry."""
     from . import sessions as S
-    from .parking import KVEntry
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="none (codes uint32, scales and biases float16 in file and cache)")
     p = Path(path).expanduser()
@@ -190,12 +188,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    if digest.hexdigest().encode() != raw[len(S._PREFIX):len(S._PREFIX) + S._HEX]:
-        raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= g.n_vocab:
-        bad = lo if lo < 0 else hi
-        raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {g.n_vocab})")
+    S.check_read(name, raw, digest, tokens, g.n_vocab)
     t = time.perf_counter()
     for i, c in enumerate(cache):
         a = arrays[6 * i:6 * i + 6]
@@ -205,6 +198,4 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     ms = (time.perf_counter() - t0) * 1e3
     log(f"restored {n} tokens ({fmt.describe()}) from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, "
         f"checksum {prof.checksum_ms:.1f}, build {prof.build_ms:.1f} ms)")
-    entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
-    return entry, {"restored_tokens": n, "restore_ms": round(ms, 2), "messages": hdr.messages,
-                   "session_bytes": size, "profile": asdict(prof)}
+    return S.restored(tokens, cache, key, hdr, size, ms, prof)

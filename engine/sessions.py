@@ -717,7 +717,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError."""
     from mlx_lm.models.cache import KVCache
 
-    from .parking import KVEntry
     t0 = time.perf_counter()
     prof = RestoreProfile()
     p = Path(path).expanduser()
@@ -838,12 +837,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    if digest.hexdigest().encode() != raw[len(_PREFIX):len(_PREFIX) + _HEX]:
-        raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= g.n_vocab:
-        bad = lo if lo < 0 else hi
-        raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {g.n_vocab})")
+    check_read(name, raw, digest, tokens, g.n_vocab)
     t = time.perf_counter()
     if dtype not in _NP_OF:
         arrays = [a.astype(dtype) for a in arrays]
@@ -854,8 +848,25 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     ms = (time.perf_counter() - t0) * 1e3
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
+    return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) -> None:
+    """Once every byte is read: the header's checksum against them, then every token id against
+    the vocabulary (16-bit and quantized restores alike)."""
+    if digest.hexdigest().encode() != raw[len(_PREFIX):len(_PREFIX) + _HEX]:
+        raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= n_vocab:
+        bad = lo if lo < 0 else hi
+        raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {n_vocab})")
+
+
+def restored(tokens: np.ndarray, cache: list, key: str, hdr, size: int, ms: float, prof) -> tuple:
+    """The restored entry and the result fields both restores report."""
+    from .parking import KVEntry
     entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
-    return entry, {"restored_tokens": n, "restore_ms": round(ms, 2), "messages": hdr.messages,
+    return entry, {"restored_tokens": len(tokens), "restore_ms": round(ms, 2), "messages": hdr.messages,
                    "session_bytes": size, "profile": asdict(prof)}
 
 
