@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from app.engine_thread import Request
 from engine import api
 from engine.errors import ErrorCode
 
@@ -32,27 +33,15 @@ DEFAULTS = {
 }
 
 
-class FakeRequest(QObject):
-    """The signals of engine_thread.Request."""
-    token = Signal(str)
-    progress = Signal(str, object, object)
-    log = Signal(str)
-    done = Signal(object)
-    failed = Signal(str)
-    finished = Signal()
+class FakeRequest(Request):
+    """engine_thread.Request (its signals and fields), answered by the test instead of an engine."""
 
     def __init__(self, kind: str, answer, parent: QObject | None = None):
-        super().__init__(parent)
-        self.kind = kind
-        self.result = None
-        self.error = None
-        self.error_code = None
-        self.error_reason = ""
-        self.cancelled = False
+        super().__init__(kind, parent)
         QTimer.singleShot(0, self, lambda: self._answer(answer))
 
     def _answer(self, answer) -> None:
-        if self.cancelled:
+        if self._cancel:
             return
         if isinstance(answer, Refusal):
             self.error = answer.message
@@ -63,9 +52,6 @@ class FakeRequest(QObject):
             self.result = answer
             self.done.emit(answer)
         self.finished.emit()
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class FakeClient(QObject):

@@ -317,6 +317,20 @@ def _encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType):
     return gguf.quants.quantize(arr, qtype), qtype
 
 
+def _add_tokenizer(w, tok: dict) -> None:
+    """The tokenizer fields of `tiny_tokenizer_fields` into a GGUFWriter."""
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    w.add_pad_token_id(tok["tokenizer.ggml.padding_token_id"])
+    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
+    w.add_chat_template(tok["tokenizer.chat_template"])
+
+
 def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                     head_dim=None, context_length=2048, tensor_type="F32", tie_embeddings=True,
                     seed=0, rope_theta=10000.0, tokenizer_pre=None, name=None) -> Path:
@@ -361,16 +375,7 @@ def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_hea
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     tok = tiny_tokenizer_fields(arch, pre=tokenizer_pre)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    w.add_pad_token_id(tok["tokenizer.ggml.padding_token_id"])
-    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    _add_tokenizer(w, tok)
 
     for hf_name, arr in hf.items():
         if arch == "llama":
@@ -562,16 +567,7 @@ def write_tiny_moe_gguf(path, arch="qwen3moe", *, n_layer=2, n_embd=256, n_head=
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     tok = tiny_tokenizer_fields("llama" if arch == "mixtral" else "qwen2")
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-    w.add_pad_token_id(tok["tokenizer.ggml.padding_token_id"])
-    w.add_add_bos_token(tok["tokenizer.ggml.add_bos_token"])
-    w.add_chat_template(tok["tokenizer.chat_template"])
+    _add_tokenizer(w, tok)
 
     for gname, arr in t.items():
         # convert_hf_to_gguf keeps the router in F32 (like the norms); llama.cpp's quantizer does too

@@ -13,6 +13,7 @@ failed test); the next call starts a fresh worker.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
@@ -156,6 +157,23 @@ def cached_llama(path) -> Remote:
         _CACHED[path] = Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
                               n_threads=2)
     return _CACHED[path]
+
+
+@functools.lru_cache(maxsize=1)
+def _strata_model(path):
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    return load_model(open_gguf(path))[0]
+
+
+def strata_logits(path, ids: list[int]):
+    """The other side of a comparison: Strata's logits (float32, every position) for `ids` from an
+    empty cache, the model kept loaded for repeated calls on the same file."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+    model = _strata_model(path)
+    return np.array(model(mx.array(ids)[None], cache=make_prompt_cache(model))[0].astype(mx.float32))
 
 
 def greedy(llm: Remote, ids: list[int], n: int, stop_at_eos: bool = False) -> list[int]:

@@ -23,6 +23,7 @@ from engine.errors import ModelFileError
 from engine.gguf_file import open_gguf
 from engine.model_loader import load_model
 from gguf_factory import MOE_ARCHS, quantize_with_llama, write_tiny_moe_gguf
+from llama_oracle import strata_logits
 
 N_LAYER, N_EMBD, N_EXPERT, N_USED = 2, 256, 8, 2
 BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q3_K": 8, "Q2_K": 8}
@@ -304,17 +305,6 @@ def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
 
 def llama_tokens(path: Path, text: str) -> list[int]:
     return _llama(path).tokenize(text.encode(), add_bos=False, special=True)
-
-
-@functools.lru_cache(maxsize=1)
-def _strata_model(path: Path):
-    return load_model(open_gguf(path))[0]
-
-
-def strata_logits(path: Path, ids: list[int]) -> np.ndarray:
-    from mlx_lm.models.cache import make_prompt_cache
-    model = _strata_model(path)
-    return np.array(model(mx.array(ids)[None], cache=make_prompt_cache(model))[0].astype(mx.float32))
 
 
 @pytest.mark.oracle

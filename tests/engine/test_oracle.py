@@ -10,7 +10,6 @@ How the comparison works, and why it has tolerances at all:
 """
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -18,14 +17,12 @@ import numpy as np
 import pytest
 
 import llama_oracle as llama_cpp  # noqa: E402  llama.cpp in a worker process: a crash fails one test
+from llama_oracle import strata_logits  # noqa: E402
 
 if not llama_cpp.available():
     pytest.skip("llama-cpp-python (the llama.cpp oracle) is not installed", allow_module_level=True)
 
-import mlx.core as mx  # noqa: E402
-
 from engine.gguf_file import open_gguf  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -78,17 +75,6 @@ def llama_logits(path: Path, ids: list[int]) -> np.ndarray:
 
 def llama_greedy(path: Path, ids: list[int], n: int) -> list[int]:
     return llama_cpp.greedy(_llama(path), ids, n)
-
-
-@functools.lru_cache(maxsize=1)
-def _strata_model(path: Path):
-    return load_model(open_gguf(path))[0]
-
-
-def strata_logits(path: Path, ids: list[int]) -> np.ndarray:
-    from mlx_lm.models.cache import make_prompt_cache
-    model = _strata_model(path)
-    return np.array(model(mx.array(ids)[None], cache=make_prompt_cache(model))[0].astype(mx.float32))
 
 
 def compare(ref: np.ndarray, ours: np.ndarray, start: int) -> dict:
