@@ -84,24 +84,19 @@ class PipelinePart:
         return model
 
 
-class PipelineModel(nn.Module):
-    """Callable like an mlx-lm model: (tokens (B, L), cache) -> logits (B, 1, vocab) of the last position.
+class _RankModel(nn.Module):
+    """What both distributed forms share: the inner mlx-lm model's layers and caches, the watchdog's
+    heartbeat (`on_step`, one per call) and cancelling in lockstep: rank 0 adds its cancel flag to
+    the logits' all_sum, so every rank reads the same flag for the same step
+    (engine.distributed.LockstepCancel)."""
 
-    Only the last position's logits are returned (and broadcast): the engine's prefill discards
-    logits and its decode reads position -1."""
-
-    def __init__(self, inner: nn.Module, part: PipelinePart, group, vocab: int, hidden: int, tied: bool,
-                 dtype=mx.float32):
+    def __init__(self, inner: nn.Module):
         super().__init__()
-        self.compute_dtype = dtype
-        self.on_step = None                 # the distributed watchdog's heartbeat (one per model call)
-        # Cancelling in lockstep: rank 0 adds its cancel flag to the logits' all_sum, so every rank
-        # reads the same flag for the same step (engine.distributed.LockstepCancel).
-        self.cancel_source = None           # rank 0: () -> bool, the request's cancel button
-        self.last_flag = None               # this step's summed flag (lazy, like the logits)
         self.model = inner.model            # steering.install and make_cache find model.model.layers
         self.inner = inner
-        self.part, self.group, self.vocab, self.hidden, self.tied = part, group, vocab, hidden, tied
+        self.on_step = None                 # the distributed watchdog's heartbeat
+        self.cancel_source = None           # rank 0: () -> bool, the request's cancel button
+        self.last_flag = None               # this step's summed flag (lazy, like the logits)
 
     @property
     def layers(self):
@@ -110,6 +105,29 @@ class PipelineModel(nn.Module):
     def make_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
         return make_prompt_cache(self.inner)
+
+    def _all_sum_with_flag(self, logits: mx.array, rank0: bool, group) -> mx.array:
+        """all_sum of every rank's (B, 1, vocab) logits with rank 0's cancel flag riding along.
+        Lazy: decode evaluates it on every rank (the sampled token), and so does every rank's cancel
+        check (the flag); one collective per step, so the ranks cannot run two in different orders."""
+        flag = 1.0 if rank0 and self.cancel_source is not None and self.cancel_source() else 0.0
+        ext = mx.concatenate([logits, mx.full(logits.shape[:2] + (1,), flag, dtype=logits.dtype)], axis=-1)
+        out = mx.distributed.all_sum(ext, group=group)
+        self.last_flag = out[0, 0, -1]
+        return out[..., :-1]
+
+
+class PipelineModel(_RankModel):
+    """Callable like an mlx-lm model: (tokens (B, L), cache) -> logits (B, 1, vocab) of the last position.
+
+    Only the last position's logits are returned (and broadcast): the engine's prefill discards
+    logits and its decode reads position -1."""
+
+    def __init__(self, inner: nn.Module, part: PipelinePart, group, vocab: int, hidden: int, tied: bool,
+                 dtype=mx.float32):
+        super().__init__(inner)
+        self.compute_dtype = dtype
+        self.part, self.group, self.vocab, self.hidden, self.tied = part, group, vocab, hidden, tied
 
     def __call__(self, inputs: mx.array, cache=None):
         from mlx_lm.models.base import create_attention_mask
@@ -134,36 +152,17 @@ class PipelineModel(nn.Module):
         else:
             out = self.model.norm(h[:, -1:, :])
             logits = self.model.embed_tokens.as_linear(out) if self.tied else self.inner.lm_head(out)
-        flag = 1.0 if p.first and self.cancel_source is not None and self.cancel_source() else 0.0
-        ext = mx.concatenate([logits, mx.full((B, 1, 1), flag, dtype=logits.dtype)], axis=-1)
-        # Lazy: decode evaluates it on every rank (the sampled token), and so does every rank's cancel
-        # check (the flag); one collective per step, so the ranks cannot run two in different orders.
-        out = mx.distributed.all_sum(ext, group=g)
-        self.last_flag = out[0, 0, -1]
-        return out[..., :-1]
+        return self._all_sum_with_flag(logits, p.first, g)
 
 
-class TensorModel(nn.Module):
+class TensorModel(_RankModel):
     """mlx-lm's sharded model (tensor parallel): every rank computes the same logits; as in the
     pipeline, the last position's logits and rank 0's cancel flag travel in one all_sum per step
     (the others add zeros), and the watchdog's heartbeat ticks on each call."""
 
     def __init__(self, inner: nn.Module, group, rank: int, tied: bool):
-        super().__init__()
-        self.model = inner.model
-        self.inner = inner
+        super().__init__(inner)
         self.group, self.rank, self.tied = group, rank, tied
-        self.on_step = None
-        self.cancel_source = None
-        self.last_flag = None
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-        return make_prompt_cache(self.inner)
 
     def __call__(self, inputs: mx.array, cache=None):
         if self.on_step is not None:
@@ -171,11 +170,6 @@ class TensorModel(nn.Module):
         h = self.model(inputs, cache)[:, -1:, :]      # the head on the last position only
         logits = self.model.embed_tokens.as_linear(h) if self.tied else self.inner.lm_head(h)
         first = self.rank == 0
-        flag = 1.0 if first and self.cancel_source is not None and self.cancel_source() else 0.0
         # `* 0` rather than zeros: every rank's graph must hold the same collectives (the layers'
         # all_sums) in the same order, so the other ranks' contribution still depends on their logits.
-        ext = mx.concatenate([logits if first else logits * 0,
-                              mx.full(logits.shape[:2] + (1,), flag, dtype=logits.dtype)], axis=-1)
-        out = mx.distributed.all_sum(ext, group=self.group)
-        self.last_flag = out[0, 0, -1]
-        return out[..., :-1]
+        return self._all_sum_with_flag(logits if first else logits * 0, first, self.group)
