@@ -146,12 +146,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         hdr = S.parse_header(name, raw, size, g, expected)      # the exact table of layout() above
         n, cells = hdr.n_tokens, S.padded_cells(hdr.n_tokens)
         need = restore_bytes(n, g)
-        if admit is not None:
-            ok, why = admit(need)
-            if not ok:
-                raise SessionFileError(f"{name} was not restored: its {n} tokens need "
-                                       f"{need / (1 << 20):.1f} MiB of K/V memory and the memory guard says no "
-                                       f"({why})")
+        S.check_memory(name, n, need, admit)
         cache = make_cache()
         if len(cache) != g.n_layer or not all(getattr(c, "bits", None) == fmt.bits
                                               and getattr(c, "group_size", None) == fmt.group for c in cache):

@@ -737,12 +737,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         hdr = parse_header(name, raw, size, g, expected)
         n, cells = hdr.n_tokens, padded_cells(hdr.n_tokens)
         need = restore_bytes(n, g, np.dtype(np_dtype).itemsize)
-        if admit is not None:
-            ok, why = admit(need)
-            if not ok:
-                raise SessionFileError(f"{name} was not restored: its {n} tokens need "
-                                       f"{need / (1 << 20):.1f} MiB of K/V memory and the memory guard says no "
-                                       f"({why})")
+        check_memory(name, n, need, admit)
         cache = make_cache()
         if len(cache) != g.n_layer or not all(type(c) is KVCache for c in cache):
             raise SessionFileError(f"{name}: this model's cache ({type(cache[0]).__name__ if cache else 'none'}) "
@@ -849,6 +844,16 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
     return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+def check_memory(name: str, n: int, need: int, admit) -> None:
+    """Before any K/V is allocated: the memory guard's word on the `need` bytes a restore will hold."""
+    if admit is not None:
+        ok, why = admit(need)
+        if not ok:
+            raise SessionFileError(f"{name} was not restored: its {n} tokens need "
+                                   f"{need / (1 << 20):.1f} MiB of K/V memory and the memory guard says no "
+                                   f"({why})")
 
 
 def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) -> None:
