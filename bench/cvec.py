@@ -18,6 +18,9 @@ Cost (default): what the vector costs when on, against the same engine with it o
   Kernel: ``steer()`` alone (the dispatch the engine uses, on the active backend) for every steered
   layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
 
+  --steering-op portable: the steering runs as mx.compile'd MLX ops on any backend instead of the
+  GPU kernel (an A/B of the two on one GPU).
+
   --random-shape llama1b|smollm2: the model is a random-weight Q8_0 GGUF of that shape
   (bench/shapes.py, EOS ignored); the vector is the shipped SmolLM2 one for smollm2 (same width and
   depth) and, for llama1b, random unit directions for every block 1..15 written to the shape folder.
@@ -361,7 +364,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0, help="--effect: only the first N prompts (exploration)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--steering-op", choices=("auto", "portable"), default="auto",
+                    help="portable: the mx.compile'd MLX ops even on a GPU (an A/B against the kernel)")
     args = ap.parse_args()
+    if args.steering_op == "portable":
+        import engine.steering as steering
+        steering._BACKEND = "portable"
     if args.random_shape:
         import tempfile
 

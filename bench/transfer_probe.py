@@ -5,12 +5,15 @@
 Times, on the default device: host->MLX copies (`mx.array(numpy)`, one big array and in 8 MiB
 pieces, fresh and into reused buffers), MLX->host (`np.asarray`), a writable numpy view of an MLX
 array's memory and writing through it, xxh3-128 over the bytes, a file write to a new name and over
-an existing file by rename, fsync, and reading the file back into a numpy buffer. Medians of 5.
+an existing file by rename, fsync, and reading the file back into a numpy buffer; then what threads
+change: writes (pwrite of disjoint ranges) and MLX->host copies from 1-8 threads, a write with the
+hash running beside it, and one big array's slices moved to the device. Medians of 5.
 """
 from __future__ import annotations
 
 import argparse
 import os
+from concurrent.futures import ThreadPoolExecutor
 import statistics
 import tempfile
 import time
@@ -99,6 +102,59 @@ def main() -> None:
             off += os.readv(fd, [mv[off:off + (64 << 20)]])
         os.close(fd)
     report("read the file into a numpy buffer (page cache)", timed(read_back))
+
+    # Threads: does the page cache take writes faster from several writers (disjoint ranges)?
+    def pwrite_threads(k: int, hashed: bool = False):
+        def run():
+            n[0] += 1
+            old = os.path.join(d, f"par{n[0] - 1}.bin")
+            if os.path.exists(old):
+                os.unlink(old)      # dirty pages dropped, not written: the rounds do not pile up dirty data
+            fd = os.open(os.path.join(d, f"par{n[0]}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, nbytes)
+            share = len(pieces) // k
+
+            def part(j):
+                for i in range(j * share, len(pieces) if j == k - 1 else (j + 1) * share):
+                    os.pwrite(fd, memoryview(pieces[i]).cast("B"), i * (8 << 20))
+            with ThreadPoolExecutor(k + 1) as pool:
+                hashing = pool.submit(lambda: xxhash.xxh3_128(memoryview(host).cast("B")).digest()) if hashed else None
+                list(pool.map(part, range(k)))
+                if hashing:
+                    hashing.result()
+            os.close(fd)
+        return run
+    for k in (1, 2, 4, 8):
+        report(f"pwrite to a new file from {k} thread(s)", timed(pwrite_threads(k)))
+    report("pwrite from 4 threads + xxh3 of it beside them", timed(pwrite_threads(4, True)))
+
+    # MLX -> host from several threads (each touches its own device arrays' pages).
+    devs = [mx.array(p) + 0 for p in pieces]
+    mx.eval(devs)
+    out = np.empty_like(host)
+    outs = np.split(out, len(pieces))
+    for k in (1, 4, 8):
+        def d2h(k=k):
+            with ThreadPoolExecutor(k) as pool:
+                list(pool.map(lambda i: np.copyto(outs[i], np.asarray(devs[i])), range(len(devs))))
+        report(f"MLX device arrays -> host from {k} thread(s)", timed(d2h))
+    del devs
+
+    # One big array, then its 8 MiB slices used on the device (as a restored cache's layers would be).
+    rows = host.reshape(len(pieces), -1)
+    report("one mx.array of it, then a device op on each row slice",
+           timed(lambda: mx.eval([r + 0 for r in mx.array(rows)])))
+    report("one mx.array of it, then one device op on the whole", timed(lambda: mx.eval(mx.array(rows) + 0)))
+
+    def slice_update():
+        big = mx.array(rows)
+        mx.eval(big)
+        layers = [big[i] for i in range(len(pieces))]
+        del big
+        for i, a in enumerate(layers):
+            a[:8] = mx.zeros((8,), a.dtype)
+        mx.eval(layers)
+    report("one mx.array, row views, an 8-cell slice update on each", timed(slice_update))
 
 
 if __name__ == "__main__":

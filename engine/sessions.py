@@ -809,7 +809,16 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 # hashed here, in file order, while the main thread casts
                 return _read_hashed(fd, buf, hdr.data_start + spec.start, digest, prof)
 
-            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
+            def cast(dst: np.ndarray, src: np.ndarray) -> None:
+                # Two halves on two threads (numpy's half cast is scalar code and releases the GIL): the
+                # cast is most of a float32 restore's own work.
+                cut = _halves(src)
+                half = casters.submit(np.copyto, dst[cut[0]], src[cut[0]], casting="unsafe")
+                np.copyto(dst[cut[1]], src[cut[1]], casting="unsafe")
+                half.result()
+
+            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool, \
+                    ThreadPoolExecutor(1, thread_name_prefix="session-cast") as casters:
                 ahead = pool.submit(read, kv[0], stagings[0])
                 try:
                     for k, spec in enumerate(kv):
@@ -820,7 +829,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                         ahead = pool.submit(read, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
                         view = dest(k)
                         t = time.perf_counter()
-                        np.copyto(view[:, :, :n, :], buf, casting="unsafe")      # the one cast
+                        cast(view[:, :, :n, :], buf)                             # the one cast
                         prof.cast_ms += (time.perf_counter() - t) * 1e3
                         built(view)
                         if progress and (k % step == 0 or k == total - 1):
@@ -844,6 +853,12 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
     return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+def _halves(a: np.ndarray) -> tuple[tuple, tuple]:
+    """Index tuples splitting a (1, heads, n, dim) array in two equal halves along its tokens."""
+    t = a.shape[2] // 2
+    return (slice(None), slice(None), slice(0, t)), (slice(None), slice(None), slice(t, None))
 
 
 def check_memory(name: str, n: int, need: int, admit) -> None:

@@ -72,6 +72,10 @@ def _project_ref(h: mx.array, v: mx.array, s: mx.array) -> mx.array:
 
 _add_compiled = mx.compile(_add_ref)
 _project_compiled = mx.compile(_project_ref)
+# The block's last residual add inside the same compiled function: one graph node for a steered
+# block's add + steering, as the fused kernel is on a GPU.
+_add_residual_compiled = mx.compile(lambda h, res, d, s: _add_ref(h + res, d, s))
+_project_residual_compiled = mx.compile(lambda h, res, v, s: _project_ref(h + res, v, s))
 
 
 def _steer_portable(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
@@ -273,11 +277,17 @@ def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array,
     if mode not in ("add", "project"):
         raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
     backend = _BACKEND or active_backend()
-    if backend == "portable":
-        plain = steerer(vec, scale, mode)
-        return lambda h, res: plain(h + res)
     v = vec if vec.dtype == mx.float32 else vec.astype(mx.float32)
     width = int(v.shape[0])
+    if backend == "portable":
+        s = mx.array(scale, dtype=mx.float32)
+        fn = _add_residual_compiled if mode == "add" else _project_residual_compiled
+
+        def run_portable(h: mx.array, res: mx.array) -> mx.array:
+            if h.ndim < 1 or h.shape[-1] != width or res.shape != h.shape or res.dtype != h.dtype:
+                raise ValueError(f"steering: h {tuple(h.shape)}, res {tuple(res.shape)} and vec ({width},) differ")
+            return h + res if h.size == 0 else fn(h, res, v, s)
+        return run_portable
     kernel = _get_kernel(backend, residual=True)
     s_arr = _scale_array(float(scale))
     calls: dict = {}
