@@ -146,11 +146,40 @@ def fill_live(engine, ids: list[int], how: str) -> None:
     engine.call(Call(fill))
 
 
-def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: int, folder: Path) -> dict:
-    """Strata's save (no sync, sync) and restore vs llama.cpp's save and load, alternated."""
+def first_step(engine) -> float:
+    """ms of one decode step on the live (just restored) K/V, evaluated: what the next turn pays for the
+    restored memory's first use (on a GPU, MLX's managed memory moving to the device). The step is
+    trimmed off again, so the live conversation is the restored one."""
+    import mlx.core as mx
+
+    from engine.engine import Call
+
+    def step(e):
+        cache = e.live.cache
+        t = time.perf_counter()
+        mx.eval(e.model(mx.array([[e.live.tokens[-1]]]), cache=cache))
+        ms = (time.perf_counter() - t) * 1e3
+        for c in cache:
+            c.trim(1)
+        return ms
+    return engine.call(Call(step)).value
+
+
+def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: int, folder: Path,
+                   fresh_names: bool = False) -> dict:
+    """Strata's save (no sync, sync) and restore vs llama.cpp's save and load, alternated. fresh_names:
+    every save (both engines) goes to a new file name, the last one deleted before, untimed: a new
+    session's save, without the file system's work of replacing an existing file."""
     from engine.engine import RestoreSession, SaveSession
     n = len(ids)
     s_path, l_path = folder / "a.stratasession", folder / "a.llamastate"
+    names = iter(range(1 << 30))
+
+    def fresh(path: Path) -> Path:
+        if not fresh_names:
+            return path
+        path.unlink(missing_ok=True)
+        return path.with_name(f"{next(names)}{path.suffix}")
     llama_cpp, why_not = llama_cpp_or_reason()
     llm = None
     if llama_cpp is not None:
@@ -162,13 +191,16 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         print(f"  {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         ctx = llm._ctx.ctx
         tok_arr = (llama_cpp.llama_token * n)(*ids)
-    out = {k: [] for k in ("save", "save_sync", "load", "l_save", "l_load", "save_prof", "load_prof")}
+    out = {k: [] for k in ("save", "save_sync", "load", "l_save", "l_load", "save_prof", "load_prof", "first")}
 
     def strata():
+        nonlocal s_path
+        s_path = fresh(s_path)
         t0 = time.perf_counter()
         r = engine.call(SaveSession(str(s_path), sync=False))
         out["save"].append((time.perf_counter() - t0) * 1e3)
         out["bytes"] = r.session_bytes
+        s_path = fresh(s_path)
         t0 = time.perf_counter()
         r = engine.call(SaveSession(str(s_path), sync=True))
         out["save_sync"].append((time.perf_counter() - t0) * 1e3)
@@ -180,6 +212,8 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         assert r.restored_tokens == n
 
     def llama():
+        nonlocal l_path
+        l_path = fresh(l_path)
         t0 = time.perf_counter()
         written = llama_cpp.llama_state_seq_save_file(ctx, str(l_path).encode(), 0, tok_arr, n)
         out["l_save"].append((time.perf_counter() - t0) * 1e3)
@@ -201,9 +235,16 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         print(f"  round {k + 1}: save {out['save'][-1]:.1f} (sync {out['save_sync'][-1]:.1f}) restore "
               f"{out['load'][-1]:.1f} ms" + (f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms"
                                              if llm is not None else ""), file=sys.stderr, flush=True)
+    # Apart from the rounds (a decode step between a restore and the next save would change what the
+    # save finds): restore, then one decode step on the restored K/V, timed on its own.
+    for k in range(repeats):
+        engine.call(RestoreSession(str(s_path)))
+        out["first"].append(first_step(engine))
+    print(f"  a decode step right after a restore: {[round(x, 1) for x in out['first']]} ms", file=sys.stderr)
     out["why_not"] = why_not
     for p in (s_path, l_path):
         p.unlink(missing_ok=True)
+    out["fresh_names"] = fresh_names
     return out
 
 
@@ -219,6 +260,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             (f"session save with fsync (ms)", fmt(sync), "(no fsync)", f"{sync / ls:.2f}x", ""),
             (f"session restore, {n} tokens (ms)", fmt(load), fmt(ll), f"{load / ll:.2f}x",
              "<= 2x " + ("MET" if load / ll <= 2 else "MISSED")),
+            ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}",
              f"{lb / ls / 1e6:.2f} / {lb / ll / 1e6:.2f}", "", ""),
             ("session file bytes", f"{b:,}", f"{lb:,}", f"{b / lb:.3f}x", ""),
@@ -230,6 +272,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             (f"session save, {n} tokens, no fsync (ms)", fmt(save), "skipped", "", ""),
             (f"session save with fsync (ms)", fmt(sync), "skipped", "", ""),
             (f"session restore, {n} tokens (ms)", fmt(load), "skipped", "", ""),
+            ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}", "skipped", "", ""),
             ("session file bytes per token", f"{b / n:,.1f}", "skipped", "", ""),
         ]
@@ -276,7 +319,13 @@ def main() -> int:
     ap.add_argument("--session-tokens", type=int, default=2048)
     ap.add_argument("--reply-tokens", type=int, default=8, help="tokens generated per turn (greedy)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    ap.add_argument("--fresh-names", action="store_true",
+                    help="each save (both engines) to a new file name instead of over the last one")
+    ap.add_argument("--gpu-restore", choices=("one", "pieces"), default="one",
+                    help="a GPU restore's build: one MLX array for all tensors (the engine's) or one per tensor")
     args = ap.parse_args()
+    import engine.sessions
+    engine.sessions.GPU_ONE_ARRAY = args.gpu_restore == "one"
     if args.repeats < 1 or args.session_tokens < 1:
         print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
         return 2
@@ -322,7 +371,7 @@ def main() -> int:
         print(f"filling {len(ids)} tokens of K/V ({args.fill}) ...", file=sys.stderr, flush=True)
         fill_live(on, ids, args.fill)
         fill = {"random": "random K/V values", "prefill": "read by the model"}[args.fill]
-    res = session_rounds(on, model, ids, args.repeats, args.threads, tmp)
+    res = session_rounds(on, model, ids, args.repeats, args.threads, tmp, args.fresh_names)
     compute = str(on.dtype).removeprefix("mlx.core.")
     on.stop()
     rows += session_rows(len(ids), res)
@@ -331,7 +380,10 @@ def main() -> int:
     print(f"\nmodel {model.name}{' (random weights)' if args.random_shape else ''}, session {len(ids)} tokens "
           f"({fill}), compute {compute} on {mx.default_device()}"
           + (f", history {history_tokens} tokens" if history_tokens else "")
-          + f", {args.repeats} rounds alternated, medians; {platform.machine()} {platform.system()}, "
+          + f", {args.repeats} rounds alternated, medians; saves to "
+          + ("a new file name each" if args.fresh_names else "the same file name (replacing it)")
+          + (f"; GPU restore: {args.gpu_restore}" if mx.default_device() == mx.gpu else "")
+          + f"; {platform.machine()} {platform.system()}, "
           f"{os.cpu_count()} CPUs; total {time.perf_counter() - t_bench:.0f} s")
     if res["why_not"]:
         print(f"llama.cpp column skipped: {res['why_not']}")

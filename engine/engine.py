@@ -93,7 +93,9 @@ class Engine(RequestHandlers):
     def run_forever(self) -> None:
         from .conversations import Conversations
         from .limits import within_range
+        from .allocator import keep_freed_memory
         from .parking import Parking
+        self._log(keep_freed_memory())
         self._log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
         # bigger machine) is brought into range with a log line rather than refused at start.

@@ -7,8 +7,8 @@ It never crashes: if the available RAM cannot be read, it says why and refuses.
 Sources
 -------
 * Linux:  ``/proc/meminfo`` ``MemAvailable`` (the kernel's own estimate of what
-  can be allocated without swapping; includes reclaimable page cache/slab).
-  Source name ``"meminfo"``.
+  can be allocated without swapping; includes reclaimable page cache/slab), plus the bytes this
+  process's malloc holds free for reuse (engine/allocator.py). Source name ``"meminfo"``.
 * macOS:  ``host_statistics64(HOST_VM_INFO64)`` through ctypes, total from
   ``sysctl hw.memsize``.  Available = free (without speculative) + purgeable +
   file-backed (external) pages.  Inactive *anonymous* memory is deliberately
@@ -222,9 +222,17 @@ def read_psutil() -> MemoryReading:
     return MemoryReading(total_bytes=total, available_bytes=min(avail, total), source="psutil")
 
 
+def read_linux() -> MemoryReading:
+    """MemAvailable plus what this process's malloc holds free: with the engine's allocator setting
+    (engine/allocator.py) freed K/V memory stays with malloc, and the next allocation reuses it."""
+    from .allocator import held_free_bytes
+    r = read_meminfo()
+    return MemoryReading(r.total_bytes, min(r.total_bytes, r.available_bytes + held_free_bytes()), r.source)
+
+
 def _platform_reader() -> Callable[[], MemoryReading] | None:
     if sys.platform.startswith("linux"):
-        return read_meminfo
+        return read_linux
     if sys.platform == "darwin":
         return read_vm_statistics64
     return None

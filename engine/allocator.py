@@ -1,0 +1,71 @@
+"""Freed K/V memory kept for reuse, on Linux with glibc (a no-op elsewhere).
+
+MLX's CPU backend allocates with malloc. glibc serves any block above its mmap threshold (128 KiB,
+raised only to the size of the last freed block) with a fresh mmap and gives it back at free, and it
+trims a freed heap top above 128 KiB: so each K/V array (1-10 MiB a layer) is new memory that the
+kernel faults in page by page and zeroes. A restored session's 94 MB then cost ~45 ms of faults, and
+some rounds 150-300 ms, several times llama.cpp's whole restore (bench/README.md, issue 18). With a
+32 MiB mmap threshold and a 256 MiB trim threshold the arrays live on the heap, and a conversation
+evicted or replaced leaves memory the next one reuses without faults (measured: 4-11 ms instead of
+40-300 ms for the same 60 arrays).
+
+The cost is memory malloc holds after a free instead of returning it; `held_free_bytes()` reports
+it and the memory guard counts it as available (this process's next allocation reuses it).
+Model weights (one mmap'd file, or arrays far above 32 MiB) are not affected.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+MMAP_THRESHOLD = 32 << 20      # glibc's own ceiling for its dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX)
+TRIM_THRESHOLD = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # <malloc.h>
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallinfo2.restype = _Mallinfo2      # glibc >= 2.33; musl has neither
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _glibc()
+_applied = False
+
+
+def keep_freed_memory() -> str:
+    """Set the thresholds (once per process); says what was done, for the engine's log."""
+    global _applied
+    if _LIBC is None:
+        return "allocator: left as is (not glibc)"
+    if not _applied:
+        ok = _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        if not ok:
+            return "allocator: glibc refused the thresholds; left as is"
+        _applied = True
+    return (f"allocator: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, freed memory kept up to "
+            f"{TRIM_THRESHOLD >> 20} MiB at its top (K/V arrays reused without page faults)")
+
+
+def held_free_bytes() -> int:
+    """Bytes malloc holds free for this process (0 where it cannot be read)."""
+    if _LIBC is None:
+        return 0
+    try:
+        return int(_LIBC.mallinfo2().fordblks)
+    except (OSError, AttributeError):
+        return 0
