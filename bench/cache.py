@@ -61,10 +61,6 @@ B_MESSAGES = [{"role": "system", "content": "Write a title for the chat. Five wo
               {"role": "user", "content": "The printing press and its first fifty years"}]
 PARKED = re.compile(r"^parked (\d+) tokens in ([\d.]+) ms")
 RESTORED = re.compile(r"^restored (\d+) tokens \(moved\) in ([\d.]+) ms")
-# Random-weight shapes (tests/gguf_factory.write_tiny_gguf, Q8_0): the K/V geometry of the named model.
-SHAPES = {"llama1b": dict(n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192),
-          "smollm2": dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536)}
-
 
 def history_text(tokenizer, n_tokens: int) -> str:
     parts, i = [], 0
@@ -103,15 +99,6 @@ def llama_cpp_or_reason():
         return llama_cpp, None
     except Exception as e:  # noqa: BLE001
         return None, f"llama_cpp is not importable ({type(e).__name__}: {e}); install the 'oracle' extra"
-
-
-def random_shape_model(shape: str, n_tokens: int, folder: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from gguf_factory import write_tiny_gguf
-    path = folder / f"random-{shape}-q8_0.gguf"
-    print(f"writing a random-weight {shape}-shaped Q8_0 model to {path} ...", file=sys.stderr, flush=True)
-    return write_tiny_gguf(path, arch="llama", tensor_type="Q8_0", context_length=max(4096, n_tokens + 1024),
-                           seed=0, name=f"random {shape}", **SHAPES[shape])
 
 
 def session_ids(tokenizer, n: int) -> list[int]:
@@ -306,7 +293,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
-    ap.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
+    ap.add_argument("--random-shape", choices=("llama1b", "smollm2"), default=None,
                     help="a random-weight Q8_0 model of this shape instead of --model")
     ap.add_argument("--session-only", action="store_true", help="skip the A/B/A part")
     ap.add_argument("--fill", choices=("random", "prefill"), default="random",
@@ -323,15 +310,24 @@ def main() -> int:
                     help="each save (both engines) to a new file name instead of over the last one")
     ap.add_argument("--gpu-restore", choices=("one", "pieces"), default="one",
                     help="a GPU restore's build: one MLX array for all tensors (the engine's) or one per tensor")
+    ap.add_argument("--gpu-save-touch", type=int, default=None,
+                    help="threads bringing a GPU cache's pages to the host ahead of a save's writer (0: none; "
+                         "default: the engine's)")
     args = ap.parse_args()
     import engine.sessions
     engine.sessions.GPU_ONE_ARRAY = args.gpu_restore == "one"
+    if args.gpu_save_touch is not None:
+        engine.sessions.GPU_SAVE_TOUCH_THREADS = args.gpu_save_touch
     if args.repeats < 1 or args.session_tokens < 1:
         print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="strata-bench-cache-"))
     if args.random_shape:
-        model = random_shape_model(args.random_shape, args.session_tokens, tmp)
+        from bench.shapes import build_random_model        # written once per machine, then reused
+        if args.session_tokens + 1024 > 16384:
+            print("--random-shape models hold 16,384 tokens: --session-tokens at most 15360", file=sys.stderr)
+            return 2
+        model = build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
     else:
         model = Path(args.model) if args.model else default_model_path()
     if not model.exists():
@@ -382,7 +378,8 @@ def main() -> int:
           + (f", history {history_tokens} tokens" if history_tokens else "")
           + f", {args.repeats} rounds alternated, medians; saves to "
           + ("a new file name each" if args.fresh_names else "the same file name (replacing it)")
-          + (f"; GPU restore: {args.gpu_restore}" if mx.default_device() == mx.gpu else "")
+          + (f"; GPU restore: {args.gpu_restore}, save touch threads: {engine.sessions.GPU_SAVE_TOUCH_THREADS}"
+             if mx.default_device() == mx.gpu else "")
           + f"; {platform.machine()} {platform.system()}, "
           f"{os.cpu_count()} CPUs; total {time.perf_counter() - t_bench:.0f} s")
     if res["why_not"]:
@@ -396,8 +393,6 @@ def main() -> int:
           f"{[round(x, 1) for x in res['l_load']]}")
     for line in notes:
         print(line)
-    if args.random_shape:
-        model.unlink(missing_ok=True)
     try:
         tmp.rmdir()
     except OSError:

@@ -340,7 +340,9 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
 
     total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
     with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
-            ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
+            ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters, \
+            ThreadPoolExecutor(max(1, GPU_SAVE_TOUCH_THREADS), thread_name_prefix="session-touch") as touchers:
+        touching = _touch_ahead(cache, n, touchers) if on_gpu() and GPU_SAVE_TOUCH_THREADS else []
         try:
             for i, c in enumerate(cache):
                 for j, arr in enumerate((c.keys, c.values)):
@@ -366,10 +368,31 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
                         progress(k, total)
             flush()
         finally:
-            for f in casting:
+            for f in casting + touching:
                 f.cancel() or f.exception()
             if writing:
                 writing.pop().result()      # the last batch written (or its error raised) before the fd goes
+
+
+GPU_SAVE_TOUCH_THREADS = 4     # threads bringing a GPU cache's pages to the host ahead of the writer (0: none)
+
+
+def _touch_ahead(cache: list, n: int, pool: ThreadPoolExecutor) -> list:
+    """On a GPU, MLX keeps arrays in CUDA managed memory: the first host read of a page moves it from
+    the device, one fault at a time, and the writer thread would pay every move while it hashes.
+    Threads read one value per 4 KiB page of each tensor in file order, so the pages arrive in
+    parallel ahead of the writer. The arrays are evaluated and viewed here, on the engine thread;
+    the threads touch numpy memory only."""
+    views = []
+    for c in cache:
+        for arr in (c.keys, c.values):
+            views.append(_np_view(arr)[0, :, :n, :])
+
+    def touch(v: np.ndarray) -> None:
+        flat = v.reshape(v.shape[0], -1)                # (heads, n * dim), each head contiguous
+        step = max(1, 4096 // v.itemsize)
+        int(flat[:, ::step].sum(dtype=np.float32))
+    return [pool.submit(touch, v) for v in views]
 
 
 def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: str, kv_layout: str,
