@@ -308,16 +308,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     ap.add_argument("--fresh-names", action="store_true",
                     help="each save (both engines) to a new file name instead of over the last one")
-    ap.add_argument("--gpu-restore", choices=("one", "pieces"), default="one",
-                    help="a GPU restore's build: one MLX array for all tensors (the engine's) or one per tensor")
-    ap.add_argument("--gpu-save-touch", type=int, default=None,
-                    help="threads bringing a GPU cache's pages to the host ahead of a save's writer (0: none; "
-                         "default: the engine's)")
     args = ap.parse_args()
-    import engine.sessions
-    engine.sessions.GPU_ONE_ARRAY = args.gpu_restore == "one"
-    if args.gpu_save_touch is not None:
-        engine.sessions.GPU_SAVE_TOUCH_THREADS = args.gpu_save_touch
     if args.repeats < 1 or args.session_tokens < 1:
         print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
         return 2
@@ -378,8 +369,6 @@ def main() -> int:
           + (f", history {history_tokens} tokens" if history_tokens else "")
           + f", {args.repeats} rounds alternated, medians; saves to "
           + ("a new file name each" if args.fresh_names else "the same file name (replacing it)")
-          + (f"; GPU restore: {args.gpu_restore}, save touch threads: {engine.sessions.GPU_SAVE_TOUCH_THREADS}"
-             if mx.default_device() == mx.gpu else "")
           + f"; {platform.machine()} {platform.system()}, "
           f"{os.cpu_count()} CPUs; total {time.perf_counter() - t_bench:.0f} s")
     if res["why_not"]:

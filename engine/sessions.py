@@ -12,8 +12,8 @@ inside the vocabulary).
 
 Writing: into a hidden temporary file in the same folder (`.NAME.XXXXXXXX.part`, locked with flock
 while it is written), in large sequential writes from two small staging buffers (the K/V is cast to
-float16 a block at a time, the next block while a writer thread hashes and writes the last: never a
-second full-size copy), checksummed, optionally fsynced, then
+float16 a block at a time, the next block while a writer thread writes and a hashing thread hashes
+the last: never a second full-size copy), checksummed, optionally fsynced, then
 renamed over the final name. A crash never leaves a half file under the final name; a killed save's
 `.part` file is removed at the next engine start and at the next save into that folder (only when no
 live save holds its lock).
@@ -30,7 +30,8 @@ validated before anything is allocated, the memory guard is asked for the bytes 
 on the CPU the MLX arrays the cache keeps (padded as mlx-lm pads) are allocated first and filled in
 place through numpy views: a float16 cache by reading each head straight into it, a float32 cache by
 reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
-and casting it once into the array. On a GPU each tensor goes through one padded buffer and mx.array.
+and casting it once into the array. On a GPU a reader thread reads each tensor into one of two padded
+buffers while mx.array copies the other into MLX's memory.
 """
 from __future__ import annotations
 
@@ -306,23 +307,22 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
     """Every layer's K then V as float16, in file order (format 2's 16-bit K/V)."""
     # A float32 cache (the CPU) is cast block by block into a staging buffer; a float16 cache (a
     # GPU) is written straight from its own memory (no copy at all), a batch of blocks per writev.
-    # Either way each write is up to STAGING_BYTES, in file order. A writer thread hashes and
-    # writes one batch while this thread casts the next into the other staging buffer (numpy's
-    # cast and write(2) both release the GIL), so the cast and the write overlap.
+    # Either way each write is up to STAGING_BYTES, in file order. A writer thread writes and a
+    # hashing thread hashes one batch while this thread casts the next into the other staging
+    # buffer (numpy's cast, xxhash and write(2) release the GIL), so the three overlap.
     size = min(STAGING_BYTES // 2, max(g.head_dim, data_end // 2))
     stagings = [np.empty(size, np.float16), np.empty(size, np.float16)]
     cur = 0
     pending: list[np.ndarray] = []
     fill = pending_bytes = 0
-    writing: list = []          # the batch the writer thread holds (at most one)
+    writing: list = []          # the hash and the write of the batch in flight (at most one batch)
     casting: list = []          # casts of the batch being filled (two cast threads: the CPU's cost)
 
-    def write_batch(batch: list[np.ndarray]) -> None:
+    def hash_batch(batch: list[np.ndarray]) -> None:
         t = time.perf_counter()
         for piece in batch:
-            digest.update(piece)            # in file order: batches are written one after another
+            digest.update(piece)            # in file order: one hashing thread takes the batches in turn
         prof.checksum_ms += (time.perf_counter() - t) * 1e3
-        _writev_all(fd, batch, prof)
 
     def flush():
         nonlocal fill, pending_bytes, cur
@@ -331,18 +331,18 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
             while casting:
                 casting.pop().result()      # this batch's casts are done
             prof.cast_ms += (time.perf_counter() - t) * 1e3
-            if writing:
+            while writing:
                 writing.pop().result()      # the other staging buffer is free again
-            writing.append(pool.submit(write_batch, list(pending)))
+            # The hash and the write of a batch run side by side (xxhash and write(2) release the GIL).
+            writing.extend([hasher.submit(hash_batch, list(pending)), pool.submit(_writev_all, fd, list(pending), prof)])
             cur ^= 1
         pending.clear()
         fill = pending_bytes = 0
 
     total, step = 2 * g.n_layer, max(1, (2 * g.n_layer) // 20)
     with ThreadPoolExecutor(1, thread_name_prefix="session-write") as pool, \
-            ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters, \
-            ThreadPoolExecutor(max(1, GPU_SAVE_TOUCH_THREADS), thread_name_prefix="session-touch") as touchers:
-        touching = _touch_ahead(cache, n, touchers) if on_gpu() and GPU_SAVE_TOUCH_THREADS else []
+            ThreadPoolExecutor(1, thread_name_prefix="session-hash") as hasher, \
+            ThreadPoolExecutor(2, thread_name_prefix="session-cast") as casters:
         try:
             for i, c in enumerate(cache):
                 for j, arr in enumerate((c.keys, c.values)):
@@ -368,31 +368,10 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
                         progress(k, total)
             flush()
         finally:
-            for f in casting + touching:
+            for f in casting:
                 f.cancel() or f.exception()
-            if writing:
-                writing.pop().result()      # the last batch written (or its error raised) before the fd goes
-
-
-GPU_SAVE_TOUCH_THREADS = 4     # threads bringing a GPU cache's pages to the host ahead of the writer (0: none)
-
-
-def _touch_ahead(cache: list, n: int, pool: ThreadPoolExecutor) -> list:
-    """On a GPU, MLX keeps arrays in CUDA managed memory: the first host read of a page moves it from
-    the device, one fault at a time, and the writer thread would pay every move while it hashes.
-    Threads read one value per 4 KiB page of each tensor in file order, so the pages arrive in
-    parallel ahead of the writer. The arrays are evaluated and viewed here, on the engine thread;
-    the threads touch numpy memory only."""
-    views = []
-    for c in cache:
-        for arr in (c.keys, c.values):
-            views.append(_np_view(arr)[0, :, :n, :])
-
-    def touch(v: np.ndarray) -> None:
-        flat = v.reshape(v.shape[0], -1)                # (heads, n * dim), each head contiguous
-        step = max(1, 4096 // v.itemsize)
-        int(flat[:, ::step].sum(dtype=np.float32))
-    return [pool.submit(touch, v) for v in views]
+            for f in writing:
+                f.result()                  # the last batch hashed and written (or its error raised) before the fd goes
 
 
 def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: str, kv_layout: str,
@@ -731,7 +710,6 @@ def _steer_label(fp) -> str:
 
 
 _NP_OF = {mx.float32: np.float32, mx.float16: np.float16}
-GPU_ONE_ARRAY = True        # a GPU restore builds one MLX array (False: one per tensor; bench/cache.py A/B)
 
 
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, dtype=None,
@@ -775,92 +753,88 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         if _read_hashed(fd, tokens, off, digest, prof) != tokens.nbytes:
             raise SessionFileError(f"{name} is truncated (tensor tokens)")
         # On the CPU the arrays the cache keeps are allocated once by MLX (padded as mlx-lm pads) and
-        # filled in place through numpy views of their memory: no staging-to-MLX copy. Elsewhere (a GPU)
-        # each tensor goes through one padded numpy buffer and mx.array copies it to the device.
+        # filled in place through numpy views of their memory: no staging-to-MLX copy. On a GPU each
+        # tensor is read into a padded numpy buffer and mx.array copies it into MLX's memory.
         t = time.perf_counter()
         shape_p = (1, g.n_kv_heads, cells, g.head_dim)
         in_place = not on_gpu()
+        arrays: list = []
         if in_place:
             # Zeroed (the padding must be) by MLX's CPU stream thread while this one reads and casts:
             # fresh memory's page faults are a large part of a restore, and they overlap this way.
             arrays = [mx.zeros(shape_p, mx.float16 if np_dtype == np.float16 else mx.float32)
                       for _ in hdr.specs[1:]]
             mx.async_eval(arrays)
-        elif GPU_ONE_ARRAY:
-            # Every tensor into one padded host buffer, then ONE copy to MLX (one large copy is ~2x
-            # the speed of one per tensor on the H200); the layers are views of it until their first
-            # update copies each into its own memory, on the device.
-            arrays, whole = [], np.zeros((len(hdr.specs) - 1, *shape_p), np_dtype)
-        else:
-            arrays, padded = [], np.zeros(shape_p, np_dtype)
         prof.build_ms += (time.perf_counter() - t) * 1e3
 
         def dest(k: int) -> np.ndarray:
-            """Where tensor k goes."""
-            if not in_place:
-                return whole[k] if GPU_ONE_ARRAY else padded
+            """The cache's array for tensor k, as a writable numpy view (CPU)."""
             t = time.perf_counter()
             mx.eval(arrays[k])                  # allocated and zeroed by now (waits if not)
             view = _writable_view(arrays[k])
             prof.build_ms += (time.perf_counter() - t) * 1e3
             return view
 
-        def built(view: np.ndarray) -> None:
-            if not in_place and not GPU_ONE_ARRAY:
-                t = time.perf_counter()
-                arrays.append(mx.array(view))
-                prof.build_ms += (time.perf_counter() - t) * 1e3
+        def read_heads(spec: TensorSpec, buf: np.ndarray) -> bool:
+            """Tensor `spec` into buf[0, :, :n, :], a read per head (hashed in file order)."""
+            off = hdr.data_start + spec.start
+            for h in range(g.n_kv_heads):
+                part = buf[0, h, :n, :]
+                got = _read_hashed(fd, part, off, digest, prof)
+                if got != part.nbytes:
+                    return False
+                off += got
+            return True
 
         kv = hdr.specs[1:]
         total, step = len(kv), max(1, len(kv) // 20)
-        if np_dtype == np.float16:
+        if in_place and np_dtype == np.float16:
             # No cast: each head is read straight into its place in the cache's array.
             for k, spec in enumerate(kv):
-                view = dest(k)
-                off = hdr.data_start + spec.start
-                for h in range(g.n_kv_heads):
-                    buf = view[0, h, :n, :]
-                    got = _read_hashed(fd, buf, off, digest, prof)
-                    if got != buf.nbytes:
-                        raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-                    off += got
-                built(view)
+                if not read_heads(spec, dest(k)):
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
         else:
-            # One tensor at a time through two staging buffers: a reader thread reads and hashes the
-            # next tensor while this one is cast into the cache's array (read(2), xxhash and numpy's
-            # cast release the GIL, so they overlap).
-            shape = (1, g.n_kv_heads, n, g.head_dim)
-            stagings = [np.empty(shape, np.float16), np.empty(shape, np.float16)]
-
-            def read(spec: TensorSpec, buf: np.ndarray) -> int:
-                # hashed here, in file order, while the main thread casts
-                return _read_hashed(fd, buf, hdr.data_start + spec.start, digest, prof)
+            # One tensor at a time through two buffers: a reader thread reads and hashes the next
+            # tensor while this one is put in place -- cast into the cache's array (CPU, float32),
+            # or copied into a new MLX array (GPU; padded buffers read straight into when no cast is
+            # needed). read(2), xxhash, numpy's cast and mx.array's copy release the GIL.
+            direct = not in_place and np_dtype == np.float16
+            stagings = [np.zeros(shape_p if direct else (1, g.n_kv_heads, n, g.head_dim), np.float16)
+                        for _ in range(2)]
+            padded = None if in_place or direct else np.zeros(shape_p, np_dtype)
 
             def cast(dst: np.ndarray, src: np.ndarray) -> None:
                 # Two halves on two threads (numpy's half cast is scalar code and releases the GIL): the
                 # cast is most of a float32 restore's own work.
+                t = time.perf_counter()
                 cut = _halves(src)
                 half = casters.submit(np.copyto, dst[cut[0]], src[cut[0]], casting="unsafe")
                 np.copyto(dst[cut[1]], src[cut[1]], casting="unsafe")
                 half.result()
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
+
+            def place(k: int, buf: np.ndarray) -> None:
+                if in_place:
+                    cast(dest(k)[:, :, :n, :], buf)                             # the one cast
+                    return
+                if not direct:
+                    cast(padded[:, :, :n, :], buf)
+                t = time.perf_counter()
+                arrays.append(mx.array(buf if direct else padded))
+                prof.build_ms += (time.perf_counter() - t) * 1e3
 
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool, \
                     ThreadPoolExecutor(1, thread_name_prefix="session-cast") as casters:
-                ahead = pool.submit(read, kv[0], stagings[0])
+                ahead = pool.submit(read_heads, kv[0], stagings[0])
                 try:
                     for k, spec in enumerate(kv):
-                        buf = stagings[k % 2]
-                        got = ahead.result()
-                        if got != buf.nbytes:
+                        if not ahead.result():
                             raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-                        ahead = pool.submit(read, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
-                        view = dest(k)
-                        t = time.perf_counter()
-                        cast(view[:, :, :n, :], buf)                             # the one cast
-                        prof.cast_ms += (time.perf_counter() - t) * 1e3
-                        built(view)
+                        # the other buffer is free: the tensor it held is in place
+                        ahead = pool.submit(read_heads, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
+                        place(k, stagings[k % 2])
                         if progress and (k % step == 0 or k == total - 1):
                             progress(k + 1, total)
                 finally:
@@ -872,10 +846,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         os.close(fd)
     check_read(name, raw, digest, tokens, g.n_vocab)
     t = time.perf_counter()
-    if not in_place and GPU_ONE_ARRAY:
-        one = mx.array(whole)
-        del whole
-        arrays = [one[k] for k in range(len(hdr.specs) - 1)]
     if dtype not in _NP_OF:
         arrays = [a.astype(dtype) for a in arrays]
     for i, c in enumerate(cache):

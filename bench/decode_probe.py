@@ -1,0 +1,104 @@
+"""Where a decode-speed gap between Strata and raw mlx-lm sits (a diagnostic for bench/engine.py).
+
+    python bench/decode_probe.py --random-shape llama1b [--rounds 10] [--gen 128] [--prompt-tokens 512]
+
+Alternating, in one process, decode tok/s (tokens after the first / time from first to last) of:
+  raw:        mlx-lm's generate_step, its own model object, the main thread (bench/engine.py's raw);
+  raw@engine-model: generate_step on the engine's model object, the main thread;
+  decode:     engine.generate.decode (the engine's step loop alone) on the engine thread, through Call;
+  request:    a whole GenerateRequest (handler, reply loop, events).
+Each against raw, per round: median [min-max] of the ratios. If `decode` keeps up with raw and
+`request` does not, the gap is in the request path; if `decode` does not, it is in the loop or model.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def tps(n: int, t_first: float, t_end: float) -> float:
+    return (n - 1) / (t_end - t_first)
+
+
+def raw(model, ids, gen):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    t_first, n = None, 0
+    for _ in generate_step(mx.array(ids), model, max_tokens=gen):
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    return tps(n, t_first, time.perf_counter())
+
+
+def engine_decode(e, ids, gen):
+    from engine.generate import StepStats, decode, prefill
+    from engine.sampling import SamplingParams
+    cache = e.make_cache()
+    fed: list[int] = []
+    prefill(e.model, cache, ids[:-1], fed, chunk=e.options.prefill_chunk)
+    sp = SamplingParams(max_tokens=gen)
+    t_first, n = None, 0
+    for _ in decode(e.model, cache, ids[-1], fed, history=ids, sampler=sp.sampler(e.info.n_vocab),
+                    processors=sp.processors(), max_tokens=gen, stats=StepStats()):
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    return tps(n, t_first, time.perf_counter())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random-shape", choices=("llama1b", "smollm2", "tiny"), default="llama1b")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    a = ap.parse_args()
+    from bench.engine import prompt_ids
+    from bench.shapes import build_random_model, ignore_eos
+    from engine.engine import Call, Engine, EngineOptions, GenerateRequest
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.sampling import SamplingParams
+    path = build_random_model(a.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
+    engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
+    ignore_eos(engine)
+    dtype = engine.call(Call(lambda e: e.dtype)).value
+    own, _ = load_model(open_gguf(path), dtype=dtype)
+    engine_model = engine.call(Call(lambda e: e.model)).value
+    ids = prompt_ids(engine.tokenizer, a.prompt_tokens)
+    text = engine.tokenizer.decode(ids, skip_special=False)
+    ids = engine.tokenizer.encode(text)
+    runs = {
+        "raw": lambda: raw(own, ids, a.gen),
+        "raw@engine-model": lambda: raw(engine_model, ids, a.gen),
+        "decode": lambda: engine.call(Call(lambda e: engine_decode(e, ids, a.gen))).value,
+        "request": lambda: engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=a.gen))).decode_tps,
+    }
+    names = list(runs)
+    out = {k: [] for k in names}
+    for r in range(a.rounds + 1):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            x = runs[name]()
+            if r:
+                out[name].append(x)
+        if r:
+            print(f"round {r}: " + ", ".join(f"{k} {out[k][-1]:.0f}" for k in names), file=sys.stderr, flush=True)
+    print(f"\n{a.random_shape}, prompt {len(ids)}, {a.gen} tokens, {a.rounds} rounds after a warm-up; decode tok/s")
+    print("| path | tok/s median | / raw, median [min-max] |\n|---|---|---|")
+    for k in names:
+        rs = [x / y for x, y in zip(out[k], out["raw"])]
+        print(f"| {k} | {statistics.median(out[k]):.1f} | {statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}] |")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
