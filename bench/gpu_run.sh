@@ -2,7 +2,7 @@
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
-# same-call A/Bs cacheab, cvecab, turnsab). spec needs the real
+# same-call A/Bs cacheab, cvecab, turnsab, and decodeprobe). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -24,10 +24,12 @@ for step in $STEPS; do
     turns) timeout ${TURNS_TIMEOUT:-200} $py bench/turns.py --random-shape llama1b --rounds ${TURNS_ROUNDS:-10} > "$OUT/turns_llama1b.txt" 2>&1 ;;
     probe) timeout 60 $py bench/sdpa_probe.py > "$OUT/sdpa_probe.txt" 2>&1 ;;
     transfer) timeout ${TRANSFER_TIMEOUT:-150} $py bench/transfer_probe.py --mib 256 > "$OUT/transfer_probe.txt" 2>&1 ;;
-    cacheab) # session files: the GPU restore's two builds, the save's page touching on/off, new names vs replacing
-      for v in "--gpu-restore one" "--gpu-restore pieces --gpu-save-touch 0" "--gpu-restore one --fresh-names"; do
+    cacheab) # session files: saving over the last file (ext4 flushes the replaced data at the rename) and to new names
+      for v in "" --fresh-names; do
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
-          --repeats ${CACHE_REPEATS:-5} $v > "$OUT/cache_$(echo $v | tr -d ' -')".txt 2>&1; done ;;
+          --repeats ${CACHE_REPEATS:-5} $v > "$OUT/cache_llama1b${v:+_fresh}.txt" 2>&1; done ;;
+    decodeprobe) for s in llama1b smollm2; do
+        timeout ${PROBE_TIMEOUT:-150} $py bench/decode_probe.py --random-shape $s --rounds ${ROUNDS:-10} > "$OUT/decode_probe_$s.txt" 2>&1; done ;;
     cvecab) # the steering op: the shared kernel vs mx.compile'd MLX ops, same command
       for op in auto portable; do
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
