@@ -11,7 +11,7 @@ from test_parking import A_SYSTEM, ask, start, words
 
 def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tiny_gguf, tmp_path):
     f16 = start(tiny_gguf, cache_mib=64, dtype="float16")
-    f32 = start(tiny_gguf, cache_mib=64)
+    f32 = start(tiny_gguf, cache_mib=64, dtype="float32")
     try:
         msgs = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": words(50)}]
         ask(f16, msgs, "A", n=6)
@@ -47,7 +47,7 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
         f32.stop()
 
 
-@pytest.mark.parametrize("dtype", ["float16", None])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_path, monkeypatch, dtype):
     """A GPU's restore (each tensor read into a padded buffer, cast there when the cache is not float16,
     and copied into a new MLX array, while the next is read), forced here on the CPU, continues the
