@@ -19,7 +19,7 @@ Cost (default): what the vector costs when on, against the same engine with it o
   layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
 
   --steering-op portable: the steering runs as mx.compile'd MLX ops on any backend instead of the
-  GPU kernel (an A/B of the two on one GPU).
+  GPU kernel; compiled-kernel: the kernel's call is traced by mx.compile (A/Bs on one GPU).
 
   --random-shape llama1b|smollm2: the model is a random-weight Q8_0 GGUF of that shape
   (bench/shapes.py, EOS ignored); the vector is the shipped SmolLM2 one for smollm2 (same width and
@@ -364,12 +364,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0, help="--effect: only the first N prompts (exploration)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--steering-op", choices=("auto", "portable"), default="auto",
-                    help="portable: the mx.compile'd MLX ops even on a GPU (an A/B against the kernel)")
+    ap.add_argument("--steering-op", choices=("auto", "portable", "compiled-kernel"), default="auto",
+                    help="portable: the mx.compile'd MLX ops even on a GPU; compiled-kernel: the GPU kernel's "
+                         "call under mx.compile (A/Bs against the plain kernel call)")
     args = ap.parse_args()
+    import engine.steering as steering
     if args.steering_op == "portable":
-        import engine.steering as steering
         steering._BACKEND = "portable"
+    steering.COMPILE_KERNEL_CALLS = args.steering_op == "compiled-kernel"
     if args.random_shape:
         import tempfile
 

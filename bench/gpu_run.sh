@@ -31,7 +31,7 @@ for step in $STEPS; do
     decodeprobe) for s in llama1b smollm2; do
         timeout ${PROBE_TIMEOUT:-150} $py bench/decode_probe.py --random-shape $s --rounds ${ROUNDS:-10} > "$OUT/decode_probe_$s.txt" 2>&1; done ;;
     cvecab) # the steering op: the shared kernel vs mx.compile'd MLX ops, same command
-      for op in auto portable; do
+      for op in ${CVEC_OPS:-auto portable}; do
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
           --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 --steering-op $op \
           > "$OUT/cvec_${CVEC_SHAPE:-smollm2}_$op.txt" 2>&1; done ;;
