@@ -1,0 +1,56 @@
+"""Does keeping freed K/V memory with malloc (engine/allocator.py) make a restore cheaper? (CPU, glibc)
+
+    python bench/allocator_probe.py [--restores 24]
+
+One engine on the default model, a 2,048-token session saved once, then restored again and again,
+glibc's mmap threshold switched before each restore between the engine's 32 MiB (freed K/V arrays
+stay on the heap and are reused) and 128 KiB (each array its own mmap, returned at free: glibc's
+behaviour for these sizes without the setting). Medians of the restore and of its build part.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--restores", type=int, default=24)
+    a = ap.parse_args()
+    from bench.cache import fill_live, session_ids
+    from engine.allocator import MMAP_THRESHOLD
+    from engine.engine import Engine, EngineOptions, RestoreSession, SaveSession, Status
+    from engine.models import default_model_path
+    libc = ctypes.CDLL("libc.so.6")
+    e = Engine(EngineOptions(model=str(default_model_path()), cache_mib=1024, cache_slots=4)).start()
+    assert e.call(Status()).model, "the default model did not load (make model)"
+    fill_live(e, session_ids(e.tokenizer, 2048), "random")
+    path = Path(tempfile.mkdtemp()) / "s.stratasession"
+    e.call(SaveSession(str(path)))
+    res: dict[str, list[float]] = {"heap (32 MiB threshold)": [], "mmap (128 KiB threshold)": []}
+    build: dict[str, list[float]] = {k: [] for k in res}
+    for k in range(a.restores):
+        mode = list(res)[k % 2]
+        libc.mallopt(-3, MMAP_THRESHOLD if k % 2 == 0 else 128 << 10)     # M_MMAP_THRESHOLD
+        t = time.perf_counter()
+        r = e.call(RestoreSession(str(path)))
+        res[mode].append((time.perf_counter() - t) * 1e3)
+        build[mode].append(r.profile["build_ms"])
+    for m in res:
+        print(f"{m}: restore median {statistics.median(res[m]):.1f} ms {[round(x) for x in res[m]]}, "
+              f"build median {statistics.median(build[m]):.1f} ms")
+    path.unlink()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
