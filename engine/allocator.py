@@ -3,11 +3,11 @@
 MLX's CPU backend allocates with malloc. glibc serves any block above its mmap threshold (128 KiB,
 raised only to the size of the last freed block) with a fresh mmap and gives it back at free, and it
 trims a freed heap top above 128 KiB: so each K/V array (1-10 MiB a layer) is new memory that the
-kernel faults in page by page and zeroes. A restored session's 94 MB then cost ~45 ms of faults, and
-some rounds 150-300 ms, several times llama.cpp's whole restore (bench/README.md, issue 18). With a
+kernel faults in page by page and zeroes. A restored session's 94 MB float32 cache then costs ~48 ms
+of building alone, several times llama.cpp's whole 12 ms restore (bench/README.md, issue 18). With a
 32 MiB mmap threshold and a 256 MiB trim threshold the arrays live on the heap, and a conversation
-evicted or replaced leaves memory the next one reuses without faults (measured: 4-11 ms instead of
-40-300 ms for the same 60 arrays).
+evicted or replaced leaves memory the next one reuses without faults (`bench/allocator_probe.py`:
+the restore's build 22.8 ms with the setting, 48.0 ms without).
 
 The cost is memory malloc holds after a free instead of returning it; `held_free_bytes()` reports
 it and the memory guard counts it as available (this process's next allocation reuses it).

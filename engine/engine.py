@@ -91,9 +91,9 @@ class Engine(RequestHandlers):
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
+        from .allocator import keep_freed_memory
         from .conversations import Conversations
         from .limits import within_range
-        from .allocator import keep_freed_memory
         from .parking import Parking
         self._log(keep_freed_memory())
         self._log(self.guard.startup_line())
