@@ -10,7 +10,8 @@ evicted or replaced leaves memory the next one reuses without faults (`bench/all
 the restore's build 22.8 ms with the setting, 48.0 ms without).
 
 The cost is memory malloc holds after a free instead of returning it; `held_free_bytes()` reports
-it and the memory guard counts it as available (this process's next allocation reuses it).
+it and the memory guard counts it as available (this process's next allocation reuses it), and a
+stopping engine hands it back (`release_freed_memory`).
 Model weights (one mmap'd file, or arrays far above 32 MiB) are not affected.
 """
 from __future__ import annotations
@@ -59,6 +60,16 @@ def keep_freed_memory() -> str:
         _applied = True
     return (f"allocator: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, freed memory kept up to "
             f"{TRIM_THRESHOLD >> 20} MiB at its top (K/V arrays reused without page faults)")
+
+
+def release_freed_memory() -> None:
+    """Give what malloc holds free back to the system (malloc_trim; every arena): when an engine stops,
+    the memory it freed is nobody's to reuse."""
+    if _LIBC is not None:
+        try:
+            _LIBC.malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def held_free_bytes() -> int:

@@ -91,7 +91,7 @@ class Engine(RequestHandlers):
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
-        from .allocator import keep_freed_memory
+        from .allocator import keep_freed_memory, release_freed_memory
         from .conversations import Conversations
         from .limits import within_range
         from .parking import Parking
@@ -114,6 +114,7 @@ class Engine(RequestHandlers):
             if isinstance(item, _Stop):
                 if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
                     self.dist.stop_followers()
+                release_freed_memory()
                 self.stopped.set()
                 if threading.current_thread() is self._thread:
                     # mlx 0.32.4 aborts the process at exit ("terminate called without an active

@@ -41,3 +41,23 @@ def test_the_linux_reading_counts_malloc_s_free_bytes(monkeypatch):
     assert linux.total_bytes == plain.total_bytes
     want = min(plain.total_bytes, plain.available_bytes + (3 << 30))
     assert abs(linux.available_bytes - want) < (256 << 20)      # MemAvailable may move between the reads
+
+
+@glibc_only
+def test_release_hands_malloc_s_free_memory_back():
+    import psutil
+    allocator.keep_freed_memory()
+    libc = allocator._LIBC
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(4 << 20) for _ in range(8)]
+    for b in blocks:
+        ctypes.memset(b, 1, 4 << 20)
+    keep = libc.malloc(1 << 10)         # above them: they are a hole, not the heap's top
+    for b in blocks:
+        libc.free(b)
+    me = psutil.Process()
+    held_rss = me.memory_info().rss     # freed, still resident: kept for reuse
+    allocator.release_freed_memory()
+    assert held_rss - me.memory_info().rss >= 16 << 20
+    libc.free(keep)
