@@ -18,9 +18,13 @@
    engine's own breakdown of each save and restore (cast, checksum, write, fsync, read, build).
    Targets: save (without fsync) and restore within 2x of llama.cpp's time; bytes per token no larger.
    The llama.cpp column is skipped, with the reason, when llama_cpp is not importable.
+   --fresh-names: every save (both engines') to a new file name, the last one deleted first (untimed),
+   instead of over the same file (on ext4 a rename over an existing file writes the data back first).
+   After the rounds, a restore then one decode step on the restored K/V, the step timed on its own
+   (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device).
 
---random-shape makes a random-weight Q8_0 GGUF of a named shape with tests/gguf_factory.write_tiny_gguf
-(its small BPE vocabulary; nothing downloaded): llama1b = Llama-3.2-1B's 16 layers x 2048, 32/8 heads
+--random-shape makes (once, reused from the temp folder) a random-weight Q8_0 GGUF of a named shape with
+bench/shapes.py (its small BPE vocabulary; nothing downloaded): llama1b = Llama-3.2-1B's 16 layers x 2048, 32/8 heads
 (head_dim 64), ff 8192; smollm2 = SmolLM2-135M's 30 x 576, 9/3 heads (head_dim 64), ff 1536. Its EOS is
 meaningless, so use it with --session-only (the K/V shape is what a session moves).
 
@@ -231,7 +235,6 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
     out["why_not"] = why_not
     for p in (s_path, l_path):
         p.unlink(missing_ok=True)
-    out["fresh_names"] = fresh_names
     return out
 
 
