@@ -30,7 +30,7 @@ def main() -> None:
         attention.needed = lambda: False
     if a.no_merge:
         from engine import generate
-        generate.first_step_merge_limit = lambda: 0
+        generate.first_step_merge_limit = lambda chunk: 0
     if a.no_warm_up:
         model_loader.warm_up = lambda model: 0.0
     faulthandler.dump_traceback_later(a.every, repeat=True, file=sys.stderr)

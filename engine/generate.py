@@ -12,7 +12,6 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .attention import EXPLICIT_MAX_QUERIES
 from .device import on_gpu
 
 
@@ -79,15 +78,16 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         mx.clear_cache()
 
 
-def first_step_merge_limit() -> int:
-    """How many of a turn's new prompt tokens go in with the first decode step instead of through a
-    prefill pass. On a GPU a short forward pass costs its kernel launches more than its work, so a
-    returning turn's few tokens plus the last one in one pass saves a pass and a wait (a parked
-    turn's time to first token, bench/turns.py; up to the short-chunk attention's size on CUDA,
-    engine/attention.py). Not on the CPU: there a pass costs its work, and a merged pass projects
+def first_step_merge_limit(chunk: int) -> int:
+    """How many of a request's last prompt tokens go in with the first decode step instead of through
+    a prefill pass (at most one prefill chunk). On a GPU a pass costs its kernel launches and a wait
+    more than its work: a returning turn's few new tokens plus the last one in one pass saves a pass
+    and a wait (a parked turn's time to first token, bench/turns.py), and so does a new prompt's last
+    chunk (its time to first token, bench/engine.py; mlx-lm's generate_step also runs a prompt's last
+    part with the first step). Not on the CPU: there a pass costs its work, and a merged pass projects
     every position to the vocabulary (mlx-lm's models do), where a prefill pass stops at the K/V:
     32 + 1 tokens of the tiny bench model over 2,200 held took 10.5 ms split and 19.2 ms merged."""
-    return EXPLICIT_MAX_QUERIES - 1 if on_gpu() else 0
+    return max(1, chunk) if on_gpu() else 0
 
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
@@ -164,11 +164,15 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     from .tokenizer import StreamDecoder
     stats = stats or StepStats()
     new = tokens[reuse:-1]
-    # speculative steps start from a fully fed cache; so does a long prompt (progress, cancel)
-    pending = new if steps is None and 0 < len(new) <= first_step_merge_limit() else []
-    if not pending:
-        prefill(model, entry.cache, new, entry.tokens, chunk=chunk,
-                progress=on_progress if len(new) > 1 else None, cancelled=cancelled)
+    # The prompt's last part (1..limit tokens; speculative steps start from a fully fed cache) goes in
+    # with the first decode step; what comes before it, whole multiples of the limit, is prefilled.
+    limit = first_step_merge_limit(chunk) if steps is None else 0
+    n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
+    pending = new[len(new) - n_merged:]
+    ahead = new[:len(new) - n_merged]
+    if ahead or not pending:
+        prefill(model, entry.cache, ahead, entry.tokens, chunk=chunk,
+                progress=on_progress if len(ahead) > 1 else None, cancelled=cancelled)
     t_prefill = time.perf_counter()
     sp = sampling
     out_ids: list[int] = []

@@ -14,7 +14,7 @@ from engine.sampling import SamplingParams
 from engine.tokenizer import load_tokenizer
 
 
-@pytest.mark.parametrize("n_new", [1, 2, 30, 62])
+@pytest.mark.parametrize("n_new", [1, 2, 30, 62, 200])
 def test_merged_first_step_matches_prefill_then_step(monkeypatch, tiny_gguf, n_new):
     g = open_gguf(tiny_gguf)
     model, info = load_model(g)
@@ -23,7 +23,7 @@ def test_merged_first_step_matches_prefill_then_step(monkeypatch, tiny_gguf, n_n
     tokens = history + [(11 * i) % 180 + 30 for i in range(n_new + 1)]
 
     def run(limit):
-        monkeypatch.setattr(generate, "first_step_merge_limit", lambda: limit)
+        monkeypatch.setattr(generate, "first_step_merge_limit", lambda chunk: limit)
         entry = KVEntry([], make_prompt_cache(model), "k")
         generate.prefill(model, entry.cache, history, entry.tokens, chunk=512)
         progress = []
@@ -37,4 +37,7 @@ def test_merged_first_step_matches_prefill_then_step(monkeypatch, tiny_gguf, n_n
     split, merged = run(0), run(63)
     assert merged[0] == split[0]
     assert merged[1] == split[1] == tokens + split[0][:-1]
-    assert merged[2] == []          # nothing to report: no prefill pass ran
+    if n_new <= 63:
+        assert merged[2] == []      # nothing to report: no prefill pass ran
+    else:                           # 189 tokens prefilled (3 x 63), the last 11 merged
+        assert merged[2][0] == 0 and merged[2][-1] == 189 and split[2][-1] == n_new
