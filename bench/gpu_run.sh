@@ -28,6 +28,10 @@ for step in $STEPS; do
       for v in "" --fresh-names; do
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
           --repeats ${CACHE_REPEATS:-5} $v > "$OUT/cache_llama1b${v:+_fresh}.txt" 2>&1; done ;;
+    engineab) # a prompt's last chunk merged with the first decode step (default) or prefilled apart
+      for s in llama1b smollm2; do for m in "" --no-merge; do
+        timeout ${ENGINE_TIMEOUT:-150} $py bench/trace_run.py --every 600 $m bench/engine.py --random-shape $s --prompt-tokens 512 \
+          --gen 128 --rounds ${ROUNDS:-12} --no-llama > "$OUT/engine_${s}_merge${m:-on}.txt" 2>&1; done; done ;;
     decodeprobe) for s in llama1b smollm2; do
         timeout ${PROBE_TIMEOUT:-150} $py bench/decode_probe.py --random-shape $s --rounds ${ROUNDS:-10} > "$OUT/decode_probe_$s.txt" 2>&1; done ;;
     cvecab) # the steering op: the shared kernel vs mx.compile'd MLX ops, same command
