@@ -83,11 +83,12 @@ def first_step_merge_limit(chunk: int) -> int:
     a prefill pass (at most one prefill chunk). On a GPU a pass costs its kernel launches and a wait
     more than its work: a returning turn's few new tokens plus the last one in one pass saves a pass
     and a wait (a parked turn's time to first token, bench/turns.py), and so does a new prompt's last
-    chunk (its time to first token, bench/engine.py; mlx-lm 0.32's generate_step prefills all but the
-    last token, clears MLX's cache, then steps). Not on the CPU: there a pass costs its work, and a merged pass projects
-    every position to the vocabulary (mlx-lm's models do), where a prefill pass stops at the K/V:
-    32 + 1 tokens of the tiny bench model over 2,200 held took 10.5 ms split and 19.2 ms merged."""
-    return max(1, chunk) if on_gpu() else 0
+    chunk (its time to first token, bench/engine.py; mlx-lm 0.32's generate_step prefills all but
+    the last token, clears MLX's cache, then steps). Not on the CPU: there a pass costs its work, and
+    a merged pass projects every position to the vocabulary (mlx-lm's models do), where a prefill
+    pass stops at the K/V: 32 + 1 tokens of the tiny bench model over 2,200 held took 10.5 ms split
+    and 19.2 ms merged. Nor without chunks (chunk 0): the merged part would be the whole prompt."""
+    return chunk if on_gpu() and chunk > 0 else 0
 
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
