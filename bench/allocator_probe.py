@@ -10,7 +10,6 @@ behaviour for these sizes without the setting). Medians of the restore and of it
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -21,15 +20,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--restores", type=int, default=24)
     a = ap.parse_args()
+    if a.restores < 2:
+        print("need --restores >= 2 (one of each setting at least)", file=sys.stderr)
+        return 2
     from bench.cache import fill_live, session_ids
-    from engine.allocator import MMAP_THRESHOLD
+    from engine import allocator
+    if allocator._LIBC is None:
+        print("glibc's mallopt is not available here: nothing to compare", file=sys.stderr)
+        return 2
     from engine.engine import Engine, EngineOptions, RestoreSession, SaveSession, Status
     from engine.models import default_model_path
-    libc = ctypes.CDLL("libc.so.6")
     e = Engine(EngineOptions(model=str(default_model_path()), cache_mib=1024, cache_slots=4)).start()
     assert e.call(Status()).model, "the default model did not load (make model)"
     fill_live(e, session_ids(e.tokenizer, 2048), "random")
@@ -39,7 +43,7 @@ def main() -> None:
     build: dict[str, list[float]] = {k: [] for k in res}
     for k in range(a.restores):
         mode = list(res)[k % 2]
-        libc.mallopt(-3, MMAP_THRESHOLD if k % 2 == 0 else 128 << 10)     # M_MMAP_THRESHOLD
+        allocator._LIBC.mallopt(allocator._M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD if k % 2 == 0 else 128 << 10)
         t = time.perf_counter()
         r = e.call(RestoreSession(str(path)))
         res[mode].append((time.perf_counter() - t) * 1e3)
@@ -53,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,7 @@
 
 Alternating, in one process, decode tok/s (tokens after the first / time from first to last) of:
   raw:        mlx-lm's generate_step, its own model object, the main thread (bench/engine.py's raw);
-  raw@engine-model: generate_step on the engine's model object, the main thread;
+  raw@engine-model: generate_step on the engine's model object, on the engine thread (through Call);
   decode:     engine.generate.decode (the engine's step loop alone) on the engine thread, through Call;
   request:    a whole GenerateRequest (handler, reply loop, events).
 Each against raw, per round: median [min-max] of the ratios. If `decode` keeps up with raw and
@@ -23,21 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def tps(n: int, t_first: float, t_end: float) -> float:
-    return (n - 1) / (t_end - t_first)
-
-
-def raw(model, ids, gen):
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-    t_first, n = None, 0
-    for _ in generate_step(mx.array(ids), model, max_tokens=gen):
-        n += 1
-        if t_first is None:
-            t_first = time.perf_counter()
-    return tps(n, t_first, time.perf_counter())
-
-
 def engine_decode(e, ids, gen):
     from engine.generate import StepStats, decode, prefill
     from engine.sampling import SamplingParams
@@ -51,7 +36,7 @@ def engine_decode(e, ids, gen):
         n += 1
         if t_first is None:
             t_first = time.perf_counter()
-    return tps(n, t_first, time.perf_counter())
+    return (n - 1) / (time.perf_counter() - t_first)
 
 
 def main() -> int:
@@ -61,7 +46,10 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     a = ap.parse_args()
-    from bench.engine import prompt_ids
+    if a.rounds < 1 or a.gen < 2 or a.prompt_tokens < 2:
+        print("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2", file=sys.stderr)
+        return 2
+    from bench.engine import prompt_ids, run_mlx_lm
     from bench.shapes import build_random_model, ignore_eos
     from engine.engine import Call, Engine, EngineOptions, GenerateRequest
     from engine.gguf_file import open_gguf
@@ -72,13 +60,12 @@ def main() -> int:
     ignore_eos(engine)
     dtype = engine.call(Call(lambda e: e.dtype)).value
     own, _ = load_model(open_gguf(path), dtype=dtype)
-    engine_model = engine.call(Call(lambda e: e.model)).value
     ids = prompt_ids(engine.tokenizer, a.prompt_tokens)
     text = engine.tokenizer.decode(ids, skip_special=False)
     ids = engine.tokenizer.encode(text)
     runs = {
-        "raw": lambda: raw(own, ids, a.gen),
-        "raw@engine-model": lambda: raw(engine_model, ids, a.gen),
+        "raw": lambda: run_mlx_lm(own, ids, a.gen)[1],
+        "raw@engine-model": lambda: engine.call(Call(lambda e: run_mlx_lm(e.model, ids, a.gen))).value[1],
         "decode": lambda: engine.call(Call(lambda e: engine_decode(e, ids, a.gen))).value,
         "request": lambda: engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=a.gen))).decode_tps,
     }
