@@ -233,6 +233,16 @@ def steer(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.array:
     return _steer_portable(h, vec, scale, mode)
 
 
+def _check_width(h: mx.array, width: int) -> None:
+    if h.ndim < 1 or h.shape[-1] != width:
+        raise ValueError(f"steering: h {tuple(h.shape)} and vec ({width},) widths differ")
+
+
+def _check_fused(h: mx.array, res: mx.array, width: int) -> None:
+    if h.ndim < 1 or h.shape[-1] != width or res.shape != h.shape or res.dtype != h.dtype:
+        raise ValueError(f"steering: h {tuple(h.shape)}, res {tuple(res.shape)} and vec ({width},) differ")
+
+
 def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.array]:
     """``steer`` with one vector and scale bound, for a layer that steers every step: the vector,
     the scale array and the kernel's call arguments per input shape are made once, so a decode
@@ -249,8 +259,7 @@ def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.a
         fn = _add_compiled if mode == "add" else _project_compiled
 
         def run_portable(h: mx.array) -> mx.array:
-            if h.ndim < 1 or h.shape[-1] != width:
-                raise ValueError(f"steering: h {tuple(h.shape)} and vec ({width},) widths differ")
+            _check_width(h, width)
             return h if h.size == 0 else fn(h, v, s)
         return run_portable
     kernel = _get_kernel(backend)
@@ -261,8 +270,7 @@ def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.a
         key = (h.shape, h.dtype)
         kw = calls.get(key)
         if kw is None:
-            if h.ndim < 1 or h.shape[-1] != width:
-                raise ValueError(f"steering: h {tuple(h.shape)} and vec ({width},) widths differ")
+            _check_width(h, width)
             if h.size == 0:
                 return h
             kw = calls[key] = metal_call_args(h, v, scale, mode)
@@ -273,8 +281,9 @@ def steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array], mx.a
 
 def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array, mx.array], mx.array]:
     """(h, res) -> steer(h + res): the block's last residual add and the steering in one kernel on a
-    GPU (the add is replaced, so a steered block launches nothing extra); on the CPU the add, then
-    the portable op. ``h + res`` is rounded to h's dtype first on every path, as the block's own add."""
+    GPU (the add is replaced, so a steered block launches nothing extra); on the CPU the add and the
+    portable op in one compiled function. ``h + res`` is rounded to h's dtype first on every path, as
+    the block's own add."""
     if mode not in ("add", "project"):
         raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
     backend = _BACKEND or active_backend()
@@ -285,8 +294,7 @@ def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array,
         fn = _add_residual_compiled if mode == "add" else _project_residual_compiled
 
         def run_portable(h: mx.array, res: mx.array) -> mx.array:
-            if h.ndim < 1 or h.shape[-1] != width or res.shape != h.shape or res.dtype != h.dtype:
-                raise ValueError(f"steering: h {tuple(h.shape)}, res {tuple(res.shape)} and vec ({width},) differ")
+            _check_fused(h, res, width)
             return h + res if h.size == 0 else fn(h, res, v, s)
         return run_portable
     kernel = _get_kernel(backend, residual=True)
@@ -297,8 +305,7 @@ def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array,
         key = (h.shape, h.dtype, res.shape, res.dtype)
         fn = calls.get(key)
         if fn is None:
-            if h.ndim < 1 or h.shape[-1] != width or res.shape != h.shape or res.dtype != h.dtype:
-                raise ValueError(f"steering: h {tuple(h.shape)}, res {tuple(res.shape)} and vec ({width},) differ")
+            _check_fused(h, res, width)
             if h.size == 0:
                 return h + res
             kw = metal_call_args(h, v, scale, mode)
