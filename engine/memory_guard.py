@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from . import allocator
+
 GiB = 1024 ** 3
 
 
@@ -225,9 +227,8 @@ def read_psutil() -> MemoryReading:
 def read_linux() -> MemoryReading:
     """MemAvailable plus what this process's malloc holds free: with the engine's allocator setting
     (engine/allocator.py) freed K/V memory stays with malloc, and the next allocation reuses it."""
-    from .allocator import held_free_bytes
     r = read_meminfo()
-    return MemoryReading(r.total_bytes, min(r.total_bytes, r.available_bytes + held_free_bytes()), r.source)
+    return MemoryReading(r.total_bytes, min(r.total_bytes, r.available_bytes + allocator.held_free_bytes()), r.source)
 
 
 def _platform_reader() -> Callable[[], MemoryReading] | None:

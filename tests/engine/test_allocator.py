@@ -12,13 +12,19 @@ from engine import allocator, memory_guard
 glibc_only = pytest.mark.skipif(allocator._LIBC is None, reason="glibc's mallopt/mallinfo2 only (Linux with glibc)")
 
 
+def _libc():
+    """glibc with malloc/free typed for pointers."""
+    libc = allocator._LIBC
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
 @glibc_only
 def test_a_freed_k_v_sized_block_stays_with_malloc():
     line = allocator.keep_freed_memory()
     assert "32 MiB" in line and "256 MiB" in line
-    libc = allocator._LIBC
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = _libc()
     size = 8 << 20                      # a layer's K/V at a few thousand tokens
     guard = libc.malloc(1 << 10)        # keeps the block off the heap's top, as live arrays do
     p = libc.malloc(size)
@@ -47,9 +53,7 @@ def test_the_linux_reading_counts_malloc_s_free_bytes(monkeypatch):
 def test_release_hands_malloc_s_free_memory_back():
     import psutil
     allocator.keep_freed_memory()
-    libc = allocator._LIBC
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = _libc()
     blocks = [libc.malloc(4 << 20) for _ in range(8)]
     for b in blocks:
         ctypes.memset(b, 1, 4 << 20)
