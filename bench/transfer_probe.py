@@ -128,15 +128,17 @@ def main() -> None:
         report(f"pwrite to a new file from {k} thread(s)", timed(pwrite_threads(k)))
     report("pwrite from 4 threads + xxh3 of it beside them", timed(pwrite_threads(4, True)))
 
-    # MLX -> host from several threads (each touches its own device arrays' pages).
+    # MLX -> host from several threads: the views are taken on this thread (MLX calls stay here), the
+    # threads only copy from them, touching the device arrays' pages.
     devs = [mx.array(p) + 0 for p in pieces]
     mx.eval(devs)
     out = np.empty_like(host)
     outs = np.split(out, len(pieces))
     for k in (1, 4, 8):
         def d2h(k=k):
+            views = [np.asarray(a) for a in devs]
             with ThreadPoolExecutor(k) as pool:
-                list(pool.map(lambda i: np.copyto(outs[i], np.asarray(devs[i])), range(len(devs))))
+                list(pool.map(lambda i: np.copyto(outs[i], views[i]), range(len(views))))
         report(f"MLX device arrays -> host from {k} thread(s)", timed(d2h))
     del devs
 
