@@ -164,20 +164,24 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
         tok = mx.array([[ids[48]]])
         block = mx.array([(ids * 4)[:chunk]])
         res = {"decode": {True: [], False: []}, "prefill": {True: [], False: []}}
+        host = {"decode": {True: [], False: []}, "prefill": {True: [], False: []}}   # graph building alone
         was = st.speed_projection
 
         def one(x, on, key):
             st.speed_projection = on
             t0 = time.perf_counter()
             y = e.model(x, cache=cache)
+            built = time.perf_counter()
             mx.eval(y)
             res[key][on].append(time.perf_counter() - t0)
+            host[key][on].append(built - t0)
             for c in cache:
                 c.trim(x.shape[1])
         try:
             for i in range(4):                       # warm-up
                 one(tok, bool(i % 2), "decode")
             res["decode"] = {True: [], False: []}
+            host["decode"] = {True: [], False: []}
             for i in range(steps):
                 order = (False, True) if i % 2 == 0 else (True, False)
                 for on in order:
@@ -192,6 +196,8 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
         for k, v in res.items():
             pairs = [a / b for a, b in zip(v[True], v[False])]
             out[k] = {"off_ms": statistics.median(v[False]) * 1e3, "on_ms": statistics.median(v[True]) * 1e3,
+                      "host_off_ms": statistics.median(host[k][False]) * 1e3,
+                      "host_on_ms": statistics.median(host[k][True]) * 1e3,
                       "paired_ratio": statistics.median(pairs), "n": len(pairs),
                       "rows": 1 if k == "decode" else chunk}
         return out
@@ -266,6 +272,8 @@ def print_cost(res: dict) -> None:
           f"| {sd['on_ms'] / sd['off_ms']:.3f} | {sd['paired_ratio']:.3f} |")
     print(f"| forward alone, {sp['rows']}-token prefill chunk (ms; {sp['n']} interleaved pairs) | {sp['off_ms']:.0f} "
           f"| {sp['on_ms']:.0f} | {sp['on_ms'] / sp['off_ms']:.3f} | {sp['paired_ratio']:.3f} |")
+    print(f"| of which building the graph (host), decode step (ms) | {sd['host_off_ms']:.2f} | {sd['host_on_ms']:.2f} "
+          f"| {sd['host_on_ms'] / sd['host_off_ms']:.3f} | |")
     share = k1["all_layers_ms"] / d["off"] * 100
     print(f"\nsteer() alone ({k1['backend']} path), {k1['layers']} steered layers: "
           f"{k1['all_layers_ms']:.3f} ms per token (all layers, one eval; {k1['one_layer_ms']:.3f} ms for one layer) "
@@ -364,14 +372,21 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=0, help="--effect: only the first N prompts (exploration)")
     ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--steering-op", choices=("auto", "portable", "compiled-kernel"), default="auto",
+    ap.add_argument("--steering-op", choices=("auto", "portable", "compiled-kernel", "residual-add"), default="auto",
                     help="portable: the mx.compile'd MLX ops even on a GPU; compiled-kernel: the GPU kernel's "
-                         "call under mx.compile (A/Bs against the plain kernel call)")
+                         "call under mx.compile (A/Bs against the plain kernel call); residual-add: a steered "
+                         "block does its last residual add and no steering (the wrapper's own cost, a floor)")
+    ap.add_argument("--shader", default=None, help="build the GPU kernel from this body instead of shaders/cvec.metal")
     args = ap.parse_args()
     import engine.steering as steering
     if args.steering_op == "portable":
         steering._BACKEND = "portable"
     steering.COMPILE_KERNEL_CALLS = args.steering_op == "compiled-kernel"
+    if args.steering_op == "residual-add":
+        steering.fused_steerer = lambda vec, scale, mode: (lambda h, res: h + res)
+    if args.shader:
+        steering.CVEC_METAL_SOURCE = Path(args.shader).read_text(encoding="utf-8")
+        steering._kernels.clear()
     if args.random_shape:
         import tempfile
 

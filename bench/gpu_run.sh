@@ -2,7 +2,7 @@
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
-# same-call A/Bs cacheab, cvecab, turnsab, engineab, and decodeprobe). spec needs the real
+# same-call A/Bs cacheab, cvecab, cvecvariants, turnsab, engineab, and decodeprobe). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -39,6 +39,11 @@ for step in $STEPS; do
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
           --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 --steering-op $op \
           > "$OUT/cvec_${CVEC_SHAPE:-smollm2}_$op.txt" 2>&1; done ;;
+    cvecvariants) # the steering kernel against its floor (the block's plain residual add) and the registers variant
+      for v in "auto" "residual-add" "auto --shader bench/kernels/cvec_registers.metal"; do set -- $v
+        timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
+          --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 --steering-op $v \
+          > "$OUT/cvec_${CVEC_SHAPE:-smollm2}_$1${2:+_registers}.txt" 2>&1; done ;;
     turnsab) # a returning turn's first-step merge on/off, same command
       for m in "" --no-merge; do
         timeout ${TURNS_TIMEOUT:-200} $py bench/trace_run.py --every 600 $m bench/turns.py --random-shape llama1b \

@@ -4,7 +4,7 @@
 
 Times, on the default device: host->MLX copies (`mx.array(numpy)`, one big array and in 8 MiB
 pieces, fresh and into reused buffers), MLX->host (`np.asarray`), a writable numpy view of an MLX
-array's memory and writing through it, xxh3-128 over the bytes, a file write to a new name and over
+array's memory and writing through it, xxh3-128 over the bytes, Load-primitive uploads (engine/device_upload.py, mx.load of a safetensors file), a file write to a new name and over
 an existing file by rename, fsync, and reading the file back into a numpy buffer; then what threads
 change: writes (pwrite of disjoint ranges) and MLX->host copies from 1-8 threads, a write with the
 hash running beside it, and one big array's slices moved to the device. Medians of 5.
@@ -15,12 +15,16 @@ import argparse
 import os
 from concurrent.futures import ThreadPoolExecutor
 import statistics
+import sys
 import tempfile
 import time
 
 import mlx.core as mx
 import numpy as np
 import xxhash
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from engine.device_upload import to_device  # noqa: E402
 
 
 def timed(fn, n=5):
@@ -48,6 +52,19 @@ def main() -> None:
     report("mx.array(numpy), one array, + eval", timed(lambda: mx.eval(mx.array(host))))
     report("mx.array(numpy), 8 MiB pieces, + eval", timed(lambda: mx.eval([mx.array(p) for p in pieces])))
     report("same, then a device op on each (x + 0)", timed(lambda: mx.eval([mx.array(p) + 0 for p in pieces])))
+    # MLX's Load primitive: device memory filled by one cudaMemcpyAsync (engine/device_upload.py), from a
+    # Python file object serving our buffer, and from MLX's own reader of a safetensors file.
+    report("to_device (Load from a buffer), 8 MiB pieces, + device op",
+           timed(lambda: mx.eval([to_device(p) + 0 for p in pieces])))
+    st_dir = tempfile.mkdtemp(dir=os.environ.get("PROBE_DIR"))
+    st_path = os.path.join(st_dir, "pieces.safetensors")
+    mx.save_safetensors(st_path, {f"p{i}": mx.array(p) for i, p in enumerate(pieces)})
+    report("mx.load(safetensors path), 8 MiB tensors, + device op",
+           timed(lambda: mx.eval([t + 0 for t in mx.load(st_path).values()])))
+    st_fd = os.open(st_path, os.O_RDONLY)
+    report("mx.load(/proc/self/fd/N, format=safetensors), + device op",
+           timed(lambda: mx.eval([t + 0 for t in mx.load(f"/proc/self/fd/{st_fd}", format="safetensors").values()])))
+    os.close(st_fd)
     dev = mx.array(host) + 0
     mx.eval(dev)
     report("np.array(device result) (MLX -> host copy)", timed(lambda: np.array(dev)))

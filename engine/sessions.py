@@ -754,7 +754,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             raise SessionFileError(f"{name} is truncated (tensor tokens)")
         # On the CPU the arrays the cache keeps are allocated once by MLX (padded as mlx-lm pads) and
         # filled in place through numpy views of their memory: no staging-to-MLX copy. On a GPU each
-        # tensor is read into a padded numpy buffer and mx.array copies it into MLX's memory.
+        # tensor is read into a padded host buffer and copied to the device (_read_to_device).
         t = time.perf_counter()
         shape_p = (1, g.n_kv_heads, cells, g.head_dim)
         in_place = not on_gpu()
@@ -795,15 +795,11 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                     raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
-        else:
-            # One tensor at a time through two buffers: a reader thread reads and hashes the next
-            # tensor while this one is put in place -- cast into the cache's array (CPU, float32),
-            # or copied into a new MLX array (GPU; padded buffers read straight into when no cast is
-            # needed). read(2), xxhash, numpy's cast and mx.array's copy release the GIL.
-            direct = not in_place and np_dtype == np.float16
-            stagings = [np.zeros(shape_p if direct else (1, g.n_kv_heads, n, g.head_dim), np.float16)
-                        for _ in range(2)]
-            padded = None if in_place or direct else np.zeros(shape_p, np_dtype)
+        elif in_place:
+            # float32 (the CPU's compute dtype): one tensor at a time through two buffers, a reader
+            # thread reading and hashing the next tensor while this one is cast into the cache's array.
+            # read(2), xxhash and numpy's cast release the GIL.
+            stagings = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
 
             def cast(dst: np.ndarray, src: np.ndarray) -> None:
                 # Two halves on two threads (numpy's half cast is scalar code and releases the GIL): the
@@ -815,16 +811,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 half.result()
                 prof.cast_ms += (time.perf_counter() - t) * 1e3
 
-            def place(k: int, buf: np.ndarray) -> None:
-                if in_place:
-                    cast(dest(k)[:, :, :n, :], buf)                             # the one cast
-                    return
-                if not direct:
-                    cast(padded[:, :, :n, :], buf)
-                t = time.perf_counter()
-                arrays.append(mx.array(buf if direct else padded))
-                prof.build_ms += (time.perf_counter() - t) * 1e3
-
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool, \
                     ThreadPoolExecutor(1, thread_name_prefix="session-cast") as casters:
                 ahead = pool.submit(read_heads, kv[0], stagings[0])
@@ -834,20 +820,22 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                             raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                         # the other buffer is free: the tensor it held is in place
                         ahead = pool.submit(read_heads, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
-                        place(k, stagings[k % 2])
+                        cast(dest(k)[:, :, :n, :], stagings[k % 2])                 # the one cast
                         if progress and (k % step == 0 or k == total - 1):
                             progress(k + 1, total)
                 finally:
                     if ahead is not None:
                         ahead.cancel() or ahead.exception()   # never leave a read running on a closed fd
+        else:
+            arrays = _read_to_device(fd, hdr, g, digest, prof, name, progress)
     except OSError as e:
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
     check_read(name, raw, digest, tokens, g.n_vocab)
     t = time.perf_counter()
-    if dtype not in _NP_OF:
-        arrays = [a.astype(dtype) for a in arrays]
+    if arrays and arrays[0].dtype != dtype:
+        arrays = [a.astype(dtype) for a in arrays]       # a GPU cache in another dtype: cast on the device
     for i, c in enumerate(cache):
         c.state = (arrays[2 * i], arrays[2 * i + 1], n)
     mx.eval(arrays)
@@ -856,6 +844,78 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
     return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+GPU_BUFFERS = 4          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
+GPU_READERS = 2          # threads reading the file into them (one reader is below the page cache's speed)
+
+
+def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: RestoreProfile, name: str,
+                    progress) -> list:
+    """A GPU restore's K/V: float16 device arrays, padded as mlx-lm pads, one per tensor in file order.
+
+    Three stages overlap, on a ring of GPU_BUFFERS padded host buffers: reader threads read tensors
+    into free buffers (a read per head: the padding is never written and stays zero), one hashing
+    thread hashes them in file order (xxh3 is a stream), and this thread copies each one to the device
+    (device_upload.to_device: one host copy and a DMA on CUDA). A buffer is reused once it is both
+    hashed and on the device."""
+    from .device_upload import to_device
+    n, cells = hdr.n_tokens, padded_cells(hdr.n_tokens)
+    kv = hdr.specs[1:]
+    total, step = len(kv), max(1, len(kv) // 20)
+    ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
+
+    def read(k: int) -> bool:
+        t = time.perf_counter()
+        buf, off = ring[k % len(ring)], hdr.data_start + kv[k].start
+        for h in range(g.n_kv_heads):
+            part = buf[0, h, :n, :]
+            if _readinto_exact(fd, part, off) != part.nbytes:
+                return False
+            off += part.nbytes
+        prof.read_ms += (time.perf_counter() - t) * 1e3     # summed over the reader threads
+        prof.reads += g.n_kv_heads
+        return True
+
+    def hash_after(k: int, got) -> bool:
+        if not got.result():
+            return False
+        t = time.perf_counter()
+        buf = ring[k % len(ring)]
+        for h in range(g.n_kv_heads):
+            digest.update(buf[0, h, :n, :])
+        prof.checksum_ms += (time.perf_counter() - t) * 1e3
+        return True
+
+    arrays: list = []
+    with ThreadPoolExecutor(GPU_READERS, thread_name_prefix="session-read") as readers, \
+            ThreadPoolExecutor(1, thread_name_prefix="session-hash") as hasher:
+        reads: dict = {}
+        hashes: dict = {}
+
+        def start(k: int) -> None:
+            reads[k] = readers.submit(read, k)
+            hashes[k] = hasher.submit(hash_after, k, reads[k])     # FIFO: file order
+        for k in range(len(ring)):
+            start(k)
+        try:
+            for k, spec in enumerate(kv):
+                if not reads[k].result():
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                t = time.perf_counter()
+                arrays.append(to_device(ring[k % len(ring)]))
+                prof.build_ms += (time.perf_counter() - t) * 1e3
+                if not hashes.pop(k).result():
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                del reads[k]
+                if k + len(ring) < total:
+                    start(k + len(ring))                     # its buffer is hashed and on the device
+                if progress and (k % step == 0 or k == total - 1):
+                    progress(k + 1, total)
+        finally:
+            for f in (*reads.values(), *hashes.values()):
+                f.cancel() or f.exception()                  # never leave a read running on a closed fd
+    return arrays
 
 
 def _halves(a: np.ndarray) -> tuple[tuple, tuple]:

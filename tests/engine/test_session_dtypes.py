@@ -49,9 +49,11 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_path, monkeypatch, dtype):
-    """A GPU's restore (each tensor read into a padded buffer, cast there when the cache is not float16,
-    and copied into a new MLX array, while the next is read), forced here on the CPU, continues the
-    conversation exactly as the CPU's in-place restore does, and its cache saves to the same bytes."""
+    """A GPU's restore (tensors read into padded float16 buffers by two reader threads, hashed in file
+    order by a third, copied to the device through MLX's Load primitive as on CUDA, cast there when the
+    cache is not float16), forced here on the CPU, continues the conversation exactly as the CPU's
+    in-place restore does, and its cache saves to the same bytes."""
+    import engine.device_upload as device_upload
     import engine.sessions as sessions
     e = start(tiny_gguf, cache_mib=64, dtype=dtype)
     try:
@@ -63,6 +65,7 @@ def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_
         outs, files = [], []
         for gpu in (False, True):
             monkeypatch.setattr(sessions, "on_gpu", lambda: gpu)
+            monkeypatch.setattr(device_upload, "on_cuda", lambda: gpu)
             r = e.call(RestoreSession(str(src), conversation="A"))
             out, _ = ask(e, more, "A", n=5, temperature=0.0)
             assert out.cached_tokens > 0.9 * r.restored_tokens > 0      # the follow-up read the restored K/V

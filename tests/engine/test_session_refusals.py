@@ -120,7 +120,13 @@ def test_every_header_byte_flipped_is_refused_in_one_line(conv):
     assert all("\n" not in o for o in outcomes)
 
 
-def test_data_flips_and_truncations_are_refused(conv):
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu-restore", "gpu-restore-forced"])
+def test_data_flips_and_truncations_are_refused(conv, monkeypatch, gpu_path):
+    """Both restore paths (the GPU's reader/hasher/upload pipeline forced here on the CPU) hash every
+    data byte and refuse each flip and truncation."""
+    import engine.device_upload as device_upload
+    monkeypatch.setattr(sessions, "on_gpu", lambda: gpu_path)
+    monkeypatch.setattr(device_upload, "on_cuda", lambda: gpu_path)
     raw = conv["raw"]
     (n,) = struct.unpack("<Q", raw[:8])
     positions = range(8 + n, len(raw), max(1, (len(raw) - 8 - n) // 300))

@@ -1,0 +1,48 @@
+"""engine/device_upload.py: host buffers into MLX arrays through MLX's Load primitive (the CUDA path,
+run here on the CPU, where mx.load of a file object reads into the array's memory the same way)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import device_upload
+from engine.device_upload import to_device
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32, np.uint32])
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (1, 4, 300, 64)])
+def test_the_load_path_gives_the_buffer_s_values_shape_and_dtype(dtype, shape):
+    rng = np.random.default_rng(sum(shape))
+    buf = (rng.standard_normal(shape) * 1000).astype(dtype)
+    a = to_device(buf, via_load=True)
+    assert tuple(a.shape) == shape and np.dtype(str(a.dtype).split(".")[-1]) == np.dtype(dtype)
+    assert np.array_equal(np.array(a), buf)
+
+
+def test_a_large_buffer_is_copied_in_pieces_and_arrives_whole(monkeypatch):
+    """Above COPY_MIN_PIECE x 2 the host copy is split across threads: every byte still lands once, in
+    its place (a pattern with no repeats at the piece size catches a shifted or doubled piece)."""
+    monkeypatch.setattr(device_upload, "COPY_MIN_PIECE", 1 << 16)
+    buf = np.arange(1_000_003, dtype=np.int32).reshape(1, -1)
+    calls = []
+    real = device_upload._copy
+
+    def spy(dst, src):
+        calls.append(len(src))
+        real(dst, src)
+    monkeypatch.setattr(device_upload, "_copy", spy)
+    a = to_device(buf, via_load=True)
+    assert calls and max(calls) == buf.nbytes
+    assert np.array_equal(np.array(a), buf)
+
+
+def test_a_non_contiguous_buffer_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="C-contiguous"):
+        to_device(np.zeros((4, 4), np.float16)[:, ::2], via_load=True)
+
+
+def test_off_cuda_it_is_mx_array():
+    buf = np.ones((2, 3), np.float16)
+    a = to_device(buf)
+    assert isinstance(a, mx.array) and np.array_equal(np.array(a), buf)
