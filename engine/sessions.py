@@ -53,6 +53,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from . import half_cast
 from .device import compute_dtype, on_gpu
 from .errors import SessionFileError, SessionOverwriteRefused
 
@@ -309,7 +310,7 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
     # GPU) is written straight from its own memory (no copy at all), a batch of blocks per writev.
     # Either way each write is up to STAGING_BYTES, in file order. A writer thread writes and a
     # hashing thread hashes one batch while this thread casts the next into the other staging
-    # buffer (numpy's cast, xxhash and write(2) release the GIL), so the three overlap.
+    # buffer (half_cast's numpy ops, xxhash and write(2) release the GIL), so the three overlap.
     size = min(STAGING_BYTES // 2, max(g.head_dim, data_end // 2))
     stagings = [np.empty(size, np.float16), np.empty(size, np.float16)]
     cur = 0
@@ -357,8 +358,7 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
                         else:
                             t = time.perf_counter()
                             dst = stagings[cur][fill:fill + block.size]
-                            casting.append(casters.submit(np.copyto, dst.reshape(block.shape), block,
-                                                          casting="unsafe"))
+                            casting.append(casters.submit(half_cast.cast, dst.reshape(block.shape), block))
                             prof.cast_ms += (time.perf_counter() - t) * 1e3
                             pending.append(dst)
                             fill += block.size
@@ -798,16 +798,16 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         elif in_place:
             # float32 (the CPU's compute dtype): one tensor at a time through two buffers, a reader
             # thread reading and hashing the next tensor while this one is cast into the cache's array.
-            # read(2), xxhash and numpy's cast release the GIL.
+            # read(2), xxhash and half_cast's numpy ops release the GIL.
             stagings = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
 
             def cast(dst: np.ndarray, src: np.ndarray) -> None:
-                # Two halves on two threads (numpy's half cast is scalar code and releases the GIL): the
-                # cast is most of a float32 restore's own work.
+                # Two halves on two threads (half_cast's numpy ops release the GIL): the cast is most of
+                # a float32 restore's own work.
                 t = time.perf_counter()
                 cut = _halves(src)
-                half = casters.submit(np.copyto, dst[cut[0]], src[cut[0]], casting="unsafe")
-                np.copyto(dst[cut[1]], src[cut[1]], casting="unsafe")
+                half = casters.submit(half_cast.cast, dst[cut[0]], src[cut[0]])
+                half_cast.cast(dst[cut[1]], src[cut[1]])
                 half.result()
                 prof.cast_ms += (time.perf_counter() - t) * 1e3
 
