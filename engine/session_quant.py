@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from .device_upload import to_device
 from .errors import SessionFileError
 from .kv_format import KVFormat, describe_label, format_of_label
 
@@ -175,7 +176,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 off += got
             if padded is not None:
                 t = time.perf_counter()
-                arrays.append(mx.array(padded))
+                arrays.append(to_device(padded))     # on CUDA: device memory, not managed pages
                 prof.build_ms += (time.perf_counter() - t) * 1e3
             if progress and (k % step == 0 or k == total - 1):
                 progress(k + 1, total)

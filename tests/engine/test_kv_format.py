@@ -63,7 +63,11 @@ def test_quantized_kv_parks_with_its_real_bytes(tiny_gguf_wide, bits):
     assert r2.cached_tokens >= ra.prompt_tokens                    # resumed from the parked K/V
 
 
-def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_path):
+@pytest.mark.parametrize("upload", ["mx.array", "load-primitive"])
+def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_path, monkeypatch, upload):
+    """load-primitive: the restore's arrays come through MLX's Load primitive, as on CUDA (forced)."""
+    import engine.device_upload as device_upload
+    monkeypatch.setattr(device_upload, "on_cuda", lambda: upload == "load-primitive")
     a = [{"role": "user", "content": words(50)}]
     e8 = start(tiny_gguf_wide, kv_bits=8)
     r1 = gen(e8, a)
