@@ -1,13 +1,15 @@
 """Does attention cost more the first time it sees a shape? (a diagnostic for bench/turns.py on CUDA)
 
-    python bench/sdpa_probe.py
+    python bench/sdpa_probe.py [--turns]
 
 Llama-1B's heads (32 query, 8 K/V, head 64, float16 on a GPU), L new queries over K keys, causal:
 ms per call (evaluated), for MLX's fused `mx.fast.scaled_dot_product_attention` ("fused") and the
 engine's explicit form for short chunks (engine/attention.py, "explicit"), over (a) the same shape
 10 times, (b) a new (L, K) pair every call, as each turn of a returning conversation is, (c) one
 query (a decode step) at a new K every call, (d) (b) with an explicit mask array, and (e) the
-prefill chunk sizes, repeated, to show where the explicit form stops paying.
+prefill chunk sizes, repeated, to show where the explicit form stops paying; (f) a returning turn's
+33 queries over 53, 2,033 and 8,033 keys, the explicit form with the grouped heads stacked as rows
+(the default) against broadcasting each K/V head over its group (before session 4).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import attention  # noqa: E402
 from engine.attention import explicit_attention  # noqa: E402
 
 DT = mx.float16 if mx.default_device() == mx.gpu else mx.float32
@@ -30,6 +33,15 @@ def fused(q, k, m):
 
 def explicit(q, k, m):
     return explicit_attention(q, k, k, scale=0.125, mask=m)
+
+
+def explicit_broadcast(q, k, m):
+    """The explicit form before session 4: each K/V head broadcast over its query group."""
+    attention.GQA_AS_ROWS = False
+    try:
+        return explicit_attention(q, k, k, scale=0.125, mask=m)
+    finally:
+        attention.GQA_AS_ROWS = True
 
 
 def timed(fn, shape, mask, n=10):
@@ -52,8 +64,18 @@ def _inputs(L, K, mask):
     return q, k, m
 
 
+def returning_turns() -> None:
+    for K in (53, 2033, 8033):
+        for fn_name, fn in [("explicit (rows)", explicit), ("explicit (broadcast)", explicit_broadcast)]:
+            med, worst, first = timed(fn, lambda i, K=K: (33, K), "causal", n=20)
+            print(f"returning turn (L 33, K {K}) {fn_name}: median {med:.3f} ms, max {worst:.2f} ms")
+
+
 def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}, {DT}")
+    if "--turns" in sys.argv[1:]:            # (f) alone
+        returning_turns()
+        return
     for fn_name, fn in [("explicit", explicit), ("fused", fused)]:   # explicit first: it needs no plan
         t = time.perf_counter()
         mx.eval(fn(*_inputs(33, 2033, "causal")))
@@ -72,6 +94,7 @@ def main() -> None:
                 continue
             med, worst, first = timed(fn, shape, mask)
             print(f"{name} {fn_name}: median {med:.3f} ms, max {worst:.2f} ms, first {first:.2f} ms")
+    returning_turns()
 
 
 if __name__ == "__main__":

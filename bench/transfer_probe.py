@@ -56,6 +56,9 @@ def main() -> None:
     # Python file object serving our buffer, and from MLX's own reader of a safetensors file.
     report("to_device (Load from a buffer), 8 MiB pieces, + device op",
            timed(lambda: mx.eval([to_device(p) + 0 for p in pieces])))
+    report("to_device, one array, + device op", timed(lambda: mx.eval(to_device(host) + 0)))
+    quarters = np.split(host, 4)
+    report("to_device, 64 MiB pieces, + device op", timed(lambda: mx.eval([to_device(p) + 0 for p in quarters])))
     st_dir = tempfile.mkdtemp(dir=os.environ.get("PROBE_DIR"))
     st_path = os.path.join(st_dir, "pieces.safetensors")
     mx.save_safetensors(st_path, {f"p{i}": mx.array(p) for i, p in enumerate(pieces)})

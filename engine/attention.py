@@ -30,14 +30,24 @@ EXPLICIT_MAX_QUERIES = 64          # a returning turn's new message; the engine'
 EXPLICIT_MAX_SCORES = 1 << 26      # heads x queries x keys: 256 MB of float32 scores at most
 
 
+GQA_AS_ROWS = True                 # False: the grouped heads as a broadcast batch axis (the A/B in bench/trace_run.py)
+
+
 def explicit_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
     """softmax(q k^T * scale + mask) v with grouped K/V heads; q (B, Hq, L, D), k/v (B, Hk, K, D).
     mask: None, "causal" (the L queries are the last L of the K positions), a bool array (True =
-    attend) or an additive array. The softmax runs in float32 (precise), as the fused kernels do."""
+    attend) or an additive array. The softmax runs in float32 (precise), as the fused kernels do.
+
+    The query heads that share a K/V head are stacked as rows, (B, Hk, rep * L, D), so each matmul
+    reads a K/V head once as a plain (K, D) operand instead of broadcasting it over the group."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
-    q = (q * scale).reshape(b, hk, hq // hk, n_q, d)
-    scores = q @ k[:, :, None].swapaxes(-1, -2)                  # (B, Hk, rep, L, K)
+    rep = hq // hk
+    q = q * scale
+    if GQA_AS_ROWS:
+        scores = (q.reshape(b, hk, rep * n_q, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, n_q, n_k)
+    else:
+        scores = q.reshape(b, hk, rep, n_q, d) @ k[:, :, None].swapaxes(-1, -2)     # (B, Hk, rep, L, K)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
@@ -49,7 +59,11 @@ def explicit_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, m
         else:
             scores = scores + mask
     weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ v[:, :, None]).reshape(b, hq, n_q, v.shape[-1])
+    if GQA_AS_ROWS:
+        out = weights.reshape(b, hk, rep * n_q, n_k) @ v
+    else:
+        out = weights @ v[:, :, None]
+    return out.reshape(b, hq, n_q, v.shape[-1])
 
 
 def use_explicit(q: mx.array, k: mx.array) -> bool:

@@ -17,15 +17,22 @@ def _qkv(b, hq, hk, n_q, n_k, d, seed=0):
             mx.random.normal((b, hk, n_k, d)))
 
 
+@pytest.fixture(params=[True, False], ids=["gqa-as-rows", "gqa-broadcast"])
+def gqa_form(request, monkeypatch):
+    """Both forms of the grouped heads (the default stacks them as rows; the other is the A/B arm)."""
+    monkeypatch.setattr(attention, "GQA_AS_ROWS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("hq,hk,n_q,n_k", [(4, 2, 3, 3), (4, 2, 5, 40), (9, 3, 33, 300), (8, 8, 64, 64), (32, 8, 2, 700)])
-def test_causal_matches_fused(hq, hk, n_q, n_k):
+def test_causal_matches_fused(hq, hk, n_q, n_k, gqa_form):
     q, k, v = _qkv(1, hq, hk, n_q, n_k, 16)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     got = attention.explicit_attention(q, k, v, scale=0.25, mask="causal")
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 
 
-def test_array_masks_match_fused():
+def test_array_masks_match_fused(gqa_form):
     q, k, v = _qkv(2, 4, 2, 6, 20, 8, seed=1)
     allowed = mx.array(np.random.default_rng(0).random((6, 20)) > 0.3) | mx.eye(6, 20, k=14).astype(mx.bool_)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=allowed)
