@@ -64,11 +64,33 @@ def _inputs(L, K, mask):
     return q, k, m
 
 
+def _padded(L, K, pad):
+    """Inputs over K rounded up to `pad` keys, the extra keys masked off (a bool mask array)."""
+    Kp = -(-K // pad) * pad
+    q = mx.random.normal((1, 32, L, 64)).astype(DT)
+    k = mx.random.normal((1, 8, Kp, 64)).astype(DT)
+    cols = mx.arange(Kp)[None]
+    m = (cols <= mx.arange(K - L, K)[:, None]) & (cols < K)
+    mx.eval(q, k, m)
+    return q, k, m
+
+
 def returning_turns() -> None:
     for K in (53, 2033, 8033):
         for fn_name, fn in [("explicit (rows)", explicit), ("explicit (broadcast)", explicit_broadcast)]:
             med, worst, first = timed(fn, lambda i, K=K: (33, K), "causal", n=20)
             print(f"returning turn (L 33, K {K}) {fn_name}: median {med:.3f} ms, max {worst:.2f} ms")
+        med, worst, _ = timed(explicit, lambda i, K=K: (33, K), None, n=20)
+        print(f"returning turn (L 33, K {K}) explicit (rows), no mask (what the mask costs): median {med:.3f} ms")
+        for pad in (8, 64):
+            q, k, m = _padded(33, K, pad)
+            xs = []
+            for _ in range(20):
+                t = time.perf_counter()
+                mx.eval(explicit(q, k, m))
+                xs.append((time.perf_counter() - t) * 1e3)
+            print(f"returning turn (L 33, K {K}) explicit (rows), keys padded to a multiple of {pad}: "
+                  f"median {statistics.median(xs):.3f} ms, max {max(xs):.2f} ms")
 
 
 def main() -> None:
