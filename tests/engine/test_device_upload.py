@@ -24,6 +24,7 @@ def test_a_large_buffer_is_copied_in_pieces_and_arrives_whole(monkeypatch):
     """Above COPY_MIN_PIECE x 2 the host copy is split across threads: every byte still lands once, in
     its place (a pattern with no repeats at the piece size catches a shifted or doubled piece)."""
     monkeypatch.setattr(device_upload, "COPY_MIN_PIECE", 1 << 16)
+    monkeypatch.setattr(device_upload, "_copiers", None)
     buf = np.arange(1_000_003, dtype=np.int32).reshape(1, -1)
     calls = []
     real = device_upload._copy
@@ -34,6 +35,7 @@ def test_a_large_buffer_is_copied_in_pieces_and_arrives_whole(monkeypatch):
     monkeypatch.setattr(device_upload, "_copy", spy)
     a = to_device(buf, via_load=True)
     assert calls and max(calls) == buf.nbytes
+    assert device_upload._copiers is not None           # the body went through the copy threads
     assert np.array_equal(np.array(a), buf)
 
 
