@@ -19,7 +19,10 @@ Cost (default): what the vector costs when on, against the same engine with it o
   layer of one token, evaluated per token, median over many iterations; and for one prefill chunk.
 
   --steering-op portable: the steering runs as mx.compile'd MLX ops on any backend instead of the
-  GPU kernel; compiled-kernel: the kernel's call is traced by mx.compile (A/Bs on one GPU).
+  GPU kernel; compiled-kernel: the kernel's call is traced by mx.compile; residual-add: the steered
+  blocks take their fused path but only add (the wrapper's own cost, the floor). --shader FILE: the
+  kernel built from another body (A/Bs on one GPU). The forward's table also times its graph building
+  alone (host), which is where a custom kernel call's cost shows.
 
   --random-shape llama1b|smollm2: the model is a random-weight Q8_0 GGUF of that shape
   (bench/shapes.py, EOS ignored); the vector is the shipped SmolLM2 one for smollm2 (same width and
