@@ -384,7 +384,10 @@ def main() -> int:
     import engine.steering as steering
     if args.steering_op == "portable":
         steering._BACKEND = "portable"
-    steering.COMPILE_KERNEL_CALLS = args.steering_op == "compiled-kernel"
+    if args.steering_op == "compiled-kernel":
+        import mlx.core as mx
+        plain_fused = steering.fused_steerer
+        steering.fused_steerer = lambda vec, scale, mode: mx.compile(plain_fused(vec, scale, mode))
     if args.steering_op == "residual-add":
         steering.fused_steerer = lambda vec, scale, mode: (lambda h, res: h + res)
     if args.shader:

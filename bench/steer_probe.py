@@ -44,9 +44,7 @@ def main() -> int:
     forms = {"residual add (floor)": lambda x, r: x + r}
     backend = steering.active_backend()
     forms[f"fused_steerer ({backend})"] = steering.fused_steerer(v, scale, "project")
-    steering.COMPILE_KERNEL_CALLS = True
-    forms["fused_steerer, call under mx.compile"] = steering.fused_steerer(v, scale, "project")
-    steering.COMPILE_KERNEL_CALLS = False
+    forms["fused_steerer, call under mx.compile"] = mx.compile(steering.fused_steerer(v, scale, "project"))
     if backend != "portable":
         kernel = steering._get_kernel(backend, residual=True)
         kw = steering.metal_call_args(h, v, scale, "project")

@@ -207,7 +207,6 @@ def _cuda_usable() -> bool:
 
 
 _BACKEND: str | None = None
-COMPILE_KERNEL_CALLS = False
 
 
 def active_backend() -> str:
@@ -303,20 +302,14 @@ def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array,
 
     def run_kernel(h: mx.array, res: mx.array) -> mx.array:
         key = (h.shape, h.dtype, res.shape, res.dtype)
-        fn = calls.get(key)
-        if fn is None:
+        kw = calls.get(key)
+        if kw is None:
             _check_fused(h, res, width)
             if h.size == 0:
                 return h + res
-            kw = metal_call_args(h, v, scale, mode)
+            kw = calls[key] = metal_call_args(h, v, scale, mode)
             del kw["inputs"]
-
-            def call(h, res, v, s, kw=kw):
-                return kernel(inputs=[h, res, v, s], **kw)[0]
-            # COMPILE_KERNEL_CALLS: the call traced once per shape by mx.compile, so a decode step
-            # replays the kernel node instead of rebuilding its arguments (an A/B in bench/cvec.py).
-            fn = calls[key] = mx.compile(call) if COMPILE_KERNEL_CALLS else call
-        return fn(h, res, v, s_arr)
+        return kernel(inputs=[h, res, v, s_arr], **kw)[0]
     return run_kernel
 
 
