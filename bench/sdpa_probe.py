@@ -8,8 +8,9 @@ engine's explicit form for short chunks (engine/attention.py, "explicit"), over 
 10 times, (b) a new (L, K) pair every call, as each turn of a returning conversation is, (c) one
 query (a decode step) at a new K every call, (d) (b) with an explicit mask array, and (e) the
 prefill chunk sizes, repeated, to show where the explicit form stops paying; (f) a returning turn's
-33 queries over 53, 2,033 and 8,033 keys, the explicit form with the grouped heads stacked as rows
-(the default) against broadcasting each K/V head over its group (before session 4).
+33 queries over 53, 2,033 and 8,033 keys: the explicit form as it runs, without its mask, and over
+keys padded to a multiple of 8 (what engine/attention.py now does). The broadcast form these rows
+replaced is in bench/gpu.md, session 4 (commit f149c6c has both).
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import attention  # noqa: E402
 from engine.attention import explicit_attention  # noqa: E402
 
 DT = mx.float16 if mx.default_device() == mx.gpu else mx.float32
@@ -33,15 +33,6 @@ def fused(q, k, m):
 
 def explicit(q, k, m):
     return explicit_attention(q, k, k, scale=0.125, mask=m)
-
-
-def explicit_broadcast(q, k, m):
-    """The explicit form before session 4: each K/V head broadcast over its query group."""
-    attention.GQA_AS_ROWS = False
-    try:
-        return explicit_attention(q, k, k, scale=0.125, mask=m)
-    finally:
-        attention.GQA_AS_ROWS = True
 
 
 def timed(fn, shape, mask, n=10):
@@ -77,9 +68,8 @@ def _padded(L, K, pad):
 
 def returning_turns() -> None:
     for K in (53, 2033, 8033):
-        for fn_name, fn in [("explicit (rows)", explicit), ("explicit (broadcast)", explicit_broadcast)]:
-            med, worst, first = timed(fn, lambda i, K=K: (33, K), "causal", n=20)
-            print(f"returning turn (L 33, K {K}) {fn_name}: median {med:.3f} ms, max {worst:.2f} ms")
+        med, worst, first = timed(explicit, lambda i, K=K: (33, K), "causal", n=20)
+        print(f"returning turn (L 33, K {K}) explicit (rows): median {med:.3f} ms, max {worst:.2f} ms")
         med, worst, _ = timed(explicit, lambda i, K=K: (33, K), None, n=20)
         print(f"returning turn (L 33, K {K}) explicit (rows), no mask (what the mask costs): median {med:.3f} ms")
         for pad in (8, 64):

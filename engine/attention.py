@@ -23,14 +23,12 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .device import on_cuda
 
 EXPLICIT_MAX_QUERIES = 64          # a returning turn's new message; the engine's first prefill chunks
 EXPLICIT_MAX_SCORES = 1 << 26      # heads x queries x keys: 256 MB of float32 scores at most
-
-
-GQA_AS_ROWS = True                 # False: the grouped heads as a broadcast batch axis (the A/B in bench/trace_run.py)
 
 
 def explicit_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask) -> mx.array:
@@ -43,11 +41,7 @@ def explicit_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, m
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     rep = hq // hk
-    q = q * scale
-    if GQA_AS_ROWS:
-        scores = (q.reshape(b, hk, rep * n_q, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, n_q, n_k)
-    else:
-        scores = q.reshape(b, hk, rep, n_q, d) @ k[:, :, None].swapaxes(-1, -2)     # (B, Hk, rep, L, K)
+    scores = ((q * scale).reshape(b, hk, rep * n_q, d) @ k.swapaxes(-1, -2)).reshape(b, hk, rep, n_q, n_k)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
@@ -59,11 +53,7 @@ def explicit_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, m
         else:
             scores = scores + mask
     weights = mx.softmax(scores, axis=-1, precise=True)
-    if GQA_AS_ROWS:
-        out = weights.reshape(b, hk, rep * n_q, n_k) @ v
-    else:
-        out = weights @ v[:, :, None]
-    return out.reshape(b, hq, n_q, v.shape[-1])
+    return (weights.reshape(b, hk, rep * n_q, n_k) @ v).reshape(b, hq, n_q, v.shape[-1])
 
 
 def use_explicit(q: mx.array, k: mx.array) -> bool:
@@ -94,7 +84,6 @@ def _padded_kv(cache, keys, values, mask, n_q: int):
     extra cells, when that is possible: cuBLAS's matmuls and the softmax run on aligned rows (the
     scores of 33 queries over 8,033 keys took twice as long as over 8,040, bench/gpu.md session 4).
     The extra cells hold zeros or K/V this model computed and trimmed: finite, and masked to weight 0."""
-    from mlx_lm.models.cache import KVCache
     n_k = keys.shape[2]
     n_pad = -(-n_k // KEY_ALIGN) * KEY_ALIGN
     if (not PAD_KEYS or n_pad == n_k or not isinstance(mask, str) or mask != "causal" or type(cache) is not KVCache

@@ -8,6 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lm.models.cache import KVCache
+
 from engine import attention
 
 
@@ -17,22 +19,15 @@ def _qkv(b, hq, hk, n_q, n_k, d, seed=0):
             mx.random.normal((b, hk, n_k, d)))
 
 
-@pytest.fixture(params=[True, False], ids=["gqa-as-rows", "gqa-broadcast"])
-def gqa_form(request, monkeypatch):
-    """Both forms of the grouped heads (the default stacks them as rows; the other is the A/B arm)."""
-    monkeypatch.setattr(attention, "GQA_AS_ROWS", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("hq,hk,n_q,n_k", [(4, 2, 3, 3), (4, 2, 5, 40), (9, 3, 33, 300), (8, 8, 64, 64), (32, 8, 2, 700)])
-def test_causal_matches_fused(hq, hk, n_q, n_k, gqa_form):
+def test_causal_matches_fused(hq, hk, n_q, n_k):
     q, k, v = _qkv(1, hq, hk, n_q, n_k, 16)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     got = attention.explicit_attention(q, k, v, scale=0.25, mask="causal")
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 
 
-def test_array_masks_match_fused(gqa_form):
+def test_array_masks_match_fused():
     q, k, v = _qkv(2, 4, 2, 6, 20, 8, seed=1)
     allowed = mx.array(np.random.default_rng(0).random((6, 20)) > 0.3) | mx.eye(6, 20, k=14).astype(mx.bool_)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=allowed)
@@ -95,7 +90,6 @@ def test_keys_padded_to_alignment_give_the_exact_attention(n_hist, n_new):
     """The wrapper attends over the cache's buffer rounded up to KEY_ALIGN keys with the extra cells
     masked off; finite junk in those cells (trimmed tokens) changes nothing, and the mask is built
     once per shape for all layers."""
-    from mlx_lm.models.cache import KVCache
     mx.random.seed(n_hist)
     hq, hk, d = 8, 2, 16
     cache = KVCache()
@@ -120,7 +114,6 @@ def test_keys_padded_to_alignment_give_the_exact_attention(n_hist, n_new):
 
 
 def test_keys_are_not_padded_past_the_buffer_or_for_other_masks():
-    from mlx_lm.models.cache import KVCache
     cache = KVCache()
     k = mx.zeros((1, 2, 7, 4))
     keys, values = cache.update_and_fetch(k, k)
