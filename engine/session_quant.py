@@ -162,18 +162,16 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         total, step = len(hdr.specs), max(1, len(hdr.specs) // 20)
         dtypes = {st: dt for _, st, dt in _PARTS}
         for k, spec in enumerate(hdr.specs):
+            off = hdr.data_start + spec.start
             if spec.name == "tokens":
-                padded, bufs = None, [tokens]
+                padded = None
+                complete = S._read_hashed(fd, tokens, off, digest, prof) == tokens.nbytes
             else:
                 # Read each head straight into its place in the padded buffer the cache keeps.
                 padded = np.zeros((1, g.n_kv_heads, cells, spec.shape[3]), dtypes[spec.dtype])
-                bufs = [padded[0, h, :n, :] for h in range(g.n_kv_heads)]
-            off = hdr.data_start + spec.start
-            for buf in bufs:
-                got = S._read_hashed(fd, buf, off, digest, prof)
-                if got != buf.nbytes:
-                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-                off += got
+                complete = S._read_heads(fd, padded, off, n, digest, prof)
+            if not complete:
+                raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
             if padded is not None:
                 t = time.perf_counter()
                 arrays.append(to_device(padded))     # on CUDA: device memory, not managed pages

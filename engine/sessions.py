@@ -552,16 +552,28 @@ def _readinto_exact(fd: int, buf: np.ndarray, off: int) -> int:
 
 
 def _read_hashed(fd: int, buf: np.ndarray, off: int, digest, prof: RestoreProfile) -> int:
-    """Read buf's bytes from off (timed) and, when they all came, hash them. Returns the bytes read."""
+    """Read buf's bytes from off (timed) and, when they all came and a digest is given, hash them.
+    Returns the bytes read."""
     t = time.perf_counter()
     got = _readinto_exact(fd, buf, off)
     prof.read_ms += (time.perf_counter() - t) * 1e3
     prof.reads += 1
-    if got == buf.nbytes:
+    if got == buf.nbytes and digest is not None:
         t = time.perf_counter()
         digest.update(buf)
         prof.checksum_ms += (time.perf_counter() - t) * 1e3
     return got
+
+
+def _read_heads(fd: int, buf: np.ndarray, off: int, n: int, digest, prof: RestoreProfile) -> bool:
+    """A (1, heads, n, dim) tensor stored from `off` into buf[0, :, :n, :] (buf may be padded past n),
+    a read per head, each hashed in file order unless digest is None. False when the file ran short."""
+    for h in range(buf.shape[1]):
+        part = buf[0, h, :n, :]
+        if _read_hashed(fd, part, off, digest, prof) != part.nbytes:
+            return False
+        off += part.nbytes
+    return True
 
 
 def _read_raw_header(name: str, fd: int, size: int) -> bytes:
@@ -778,15 +790,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             return view
 
         def read_heads(spec: TensorSpec, buf: np.ndarray) -> bool:
-            """Tensor `spec` into buf[0, :, :n, :], a read per head (hashed in file order)."""
-            off = hdr.data_start + spec.start
-            for h in range(g.n_kv_heads):
-                part = buf[0, h, :n, :]
-                got = _read_hashed(fd, part, off, digest, prof)
-                if got != part.nbytes:
-                    return False
-                off += got
-            return True
+            return _read_heads(fd, buf, hdr.data_start + spec.start, n, digest, prof)
 
         kv = hdr.specs[1:]
         total, step = len(kv), max(1, len(kv) // 20)
@@ -866,17 +870,8 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
     total, step = len(kv), max(1, len(kv) // 20)
     ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
 
-    def read(k: int) -> bool:
-        t = time.perf_counter()
-        buf, off = ring[k % len(ring)], hdr.data_start + kv[k].start
-        for h in range(g.n_kv_heads):
-            part = buf[0, h, :n, :]
-            if _readinto_exact(fd, part, off) != part.nbytes:
-                return False
-            off += part.nbytes
-        prof.read_ms += (time.perf_counter() - t) * 1e3     # summed over the reader threads
-        prof.reads += g.n_kv_heads
-        return True
+    def read(k: int) -> bool:          # unhashed: the hashing thread takes the buffers in file order
+        return _read_heads(fd, ring[k % len(ring)], hdr.data_start + kv[k].start, n, None, prof)
 
     def hash_after(k: int, got) -> bool:
         if not got.result():
