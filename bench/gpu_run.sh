@@ -2,7 +2,7 @@
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
-# same-call A/Bs cacheab, cvecab, cvecvariants, turnsab, turnspad, engineab, and decodeprobe). spec needs the real
+# same-call A/Bs cacheab, cvecab, cvecvariants, turnsab, engineab, and decodeprobe). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -44,12 +44,6 @@ for step in $STEPS; do
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
           --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 --steering-op $v \
           > "$OUT/cvec_${CVEC_SHAPE:-smollm2}_$1${2:+_registers}.txt" 2>&1; done ;;
-    turnspad) # a returning turn's keys padded to a multiple of 8 (default) or not, same call; a short
-      # run first takes a fresh machine's first-process costs (the model's build, MLX's kernel JIT)
-      timeout ${WARM_TIMEOUT:-150} $py bench/turns.py --random-shape llama1b --rounds 1 --histories 20 8000 > "$OUT/turns_warm.txt" 2>&1
-      for m in --no-pad-keys ""; do
-        timeout ${TURNS_TIMEOUT:-200} $py bench/trace_run.py --every 600 $m bench/turns.py --random-shape llama1b \
-          --rounds ${TURNS_ROUNDS:-8} > "$OUT/turns_pad${m:-on}.txt" 2>&1; done ;;
     turnsab) # a returning turn's first-step merge on/off, same command
       for m in "" --no-merge; do
         timeout ${TURNS_TIMEOUT:-200} $py bench/trace_run.py --every 600 $m bench/turns.py --random-shape llama1b \

@@ -1,7 +1,7 @@
 """Run a bench script with the engine's log on, a stack dump every N seconds, and chosen GPU-only
 engine features turned off, to find where a slow run spends its time (used on the H200).
 
-    python bench/trace_run.py [--every 20] [--no-explicit-attention] [--no-warm-up] [--no-merge] [--no-pad-keys] -- bench/turns.py ARGS...
+    python bench/trace_run.py [--every 20] [--no-explicit-attention] [--no-warm-up] [--no-merge] -- bench/turns.py ARGS...
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ def main() -> None:
     ap.add_argument("--no-explicit-attention", action="store_true")
     ap.add_argument("--no-warm-up", action="store_true")
     ap.add_argument("--no-merge", action="store_true", help="prefill a turn's new tokens apart from its first step")
-    ap.add_argument("--no-pad-keys", action="store_true",
-                    help="explicit attention over exactly the cached keys (no rounding up to an aligned count)")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -30,8 +28,6 @@ def main() -> None:
     from engine import attention, model_loader
     if a.no_explicit_attention:
         attention.needed = lambda: False
-    if a.no_pad_keys:
-        attention.PAD_KEYS = False
     if a.no_merge:
         from engine import generate
         generate.first_step_merge_limit = lambda chunk: 0

@@ -111,9 +111,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reply-tokens", type=int, default=8)
     ap.add_argument("--cache-mib", type=int, default=4096)
-    ap.add_argument("--alternate-pad-keys", action="store_true",
-                    help="odd rounds with the explicit attention's keys padded to a multiple of 8, even rounds "
-                         "without (engine/attention.py PAD_KEYS): an A/B in one process, with a table per arm")
     args = ap.parse_args()
     histories = sorted(set(args.histories))
 
@@ -142,17 +139,11 @@ def main() -> int:
         msgs.append({"role": "assistant", "content": r.text})
         convs[h] = msgs
         print(f"conversation {h}: {r.prompt_tokens} prompt tokens", file=sys.stderr, flush=True)
-    from engine import attention
     ttft = {h: [] for h in histories}
-    arm = []                                        # per kept round: keys padded (True) or not
     cached = {h: [] for h in histories}
     phase_ms: dict = {}
     for rnd in range(args.rounds + 1):              # round 0: warm-up, dropped
         order = histories[rnd % len(histories):] + histories[:rnd % len(histories)]
-        if args.alternate_pad_keys:
-            attention.PAD_KEYS = rnd % 2 == 1       # read by the engine thread at each call; turns are sequential
-            if rnd:
-                arm.append(attention.PAD_KEYS)
         for h in order:
             chat(engine, title(rnd * len(histories) + histories.index(h)), 2, "title")
             convs[h].append({"role": "user", "content": f"And what happened in year {rnd + 1}?"})
@@ -225,20 +216,6 @@ def main() -> int:
         p, c = cached[h][-1]
         print(f"| {h} | {p} / {c} | {spread(ttft[h])} | {spread(ratios)} | {prompt[h]:.2f} "
               f"| {alone[h][0]:.2f} / {alone[h][1]:.2f} |")
-    if args.alternate_pad_keys:
-        print("\nthe same turns split by round (alternating in this process): explicit attention's keys "
-              "padded to a multiple of 8 or not\n")
-        print(f"| history | padded: ttft ms | padded: ttft / ttft({base}) | not padded: ttft ms "
-              f"| not padded: ttft / ttft({base}) |")
-        print("|---|---|---|---|---|")
-        for h in histories:
-            cells = []
-            for on in (True, False):
-                xs = [a for a, k in zip(ttft[h], arm) if k == on]
-                rs = [a / b for a, b, k in zip(ttft[h], ttft[base], arm) if k == on]
-                cells += [spread(xs), spread(rs)]
-            print(f"| {h} | " + " | ".join(cells) + " |")
-        attention.PAD_KEYS = True
     print("\nwhere a parked turn's time goes (engine thread, ms, medians over the rounds):\n")
     names = ["build", "take_kv", "prefill", "clear_cache", "first_token"]
     print("| history | " + " | ".join(names) + " |")

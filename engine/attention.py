@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from .device import on_cuda
 
@@ -61,42 +60,9 @@ def use_explicit(q: mx.array, k: mx.array) -> bool:
     return 1 < n_q <= EXPLICIT_MAX_QUERIES and q.shape[1] * n_q * k.shape[2] <= EXPLICIT_MAX_SCORES
 
 
-PAD_KEYS = True                    # False: attend over exactly the cached keys (the A/B in bench/trace_run.py)
-KEY_ALIGN = 8                      # keys per row of the scores, rounded up to this
-_masks: dict = {}                  # (queries, keys, padded keys) -> the causal mask, shared by a pass's layers
-
-
-def _padded_causal(n_q: int, n_k: int, n_pad: int) -> mx.array:
-    """(n_q, n_pad) bool: query i (the last n_q of n_k positions) sees keys 0..n_k - n_q + i, never the
-    padding. One array per shape, reused by every layer of a pass (the last few shapes kept)."""
-    key = (n_q, n_k, n_pad)
-    m = _masks.get(key)
-    if m is None:
-        if len(_masks) >= 8:
-            _masks.clear()
-        cols = mx.arange(n_pad)[None]
-        m = _masks[key] = (cols <= mx.arange(n_k - n_q, n_k)[:, None]) & (cols < n_k)
-    return m
-
-
-def _padded_kv(cache, keys, values, mask, n_q: int):
-    """The cache's own buffers over the cached keys rounded up to KEY_ALIGN, with a mask that hides the
-    extra cells, when that is possible: cuBLAS's matmuls and the softmax run on aligned rows (the
-    scores of 33 queries over 8,033 keys took twice as long as over 8,040, bench/gpu.md session 4).
-    The extra cells hold zeros or K/V this model computed and trimmed: finite, and masked to weight 0."""
-    n_k = keys.shape[2]
-    n_pad = -(-n_k // KEY_ALIGN) * KEY_ALIGN
-    if (not PAD_KEYS or n_pad == n_k or not isinstance(mask, str) or mask != "causal" or type(cache) is not KVCache
-            or cache.keys is None or cache.offset != n_k or cache.keys.shape[2] < n_pad
-            or cache.keys.shape[:2] != keys.shape[:2] or cache.values.shape[:2] != values.shape[:2]):
-        return keys, values, mask
-    return cache.keys[..., :n_pad, :], cache.values[..., :n_pad, :], _padded_causal(n_q, n_k, n_pad)
-
-
 def _wrap(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if sinks is None and not hasattr(cache, "bits") and use_explicit(queries, keys):
-            keys, values, mask = _padded_kv(cache, keys, values, mask, queries.shape[2])
             return explicit_attention(queries, keys, values, scale=scale, mask=mask)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     scaled_dot_product_attention.strata_original = original

@@ -8,8 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm.models.cache import KVCache
-
 from engine import attention
 
 
@@ -83,42 +81,3 @@ def test_forced_install_keeps_the_forward_pass(tiny_gguf):
     finally:
         attention.uninstall(model)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("n_hist,n_new", [(50, 20), (61, 3), (256, 33), (8, 64)])
-def test_keys_padded_to_alignment_give_the_exact_attention(n_hist, n_new):
-    """The wrapper attends over the cache's buffer rounded up to KEY_ALIGN keys with the extra cells
-    masked off; finite junk in those cells (trimmed tokens) changes nothing, and the mask is built
-    once per shape for all layers."""
-    mx.random.seed(n_hist)
-    hq, hk, d = 8, 2, 16
-    cache = KVCache()
-    cache.update_and_fetch(mx.random.normal((1, hk, n_hist + 5, d)), mx.random.normal((1, hk, n_hist + 5, d)))
-    cache.trim(5)                                    # 5 stale cells past the offset, as after a rollback
-    q = mx.random.normal((1, hq, n_new, d))
-    keys, values = cache.update_and_fetch(mx.random.normal((1, hk, n_new, d)), mx.random.normal((1, hk, n_new, d)))
-    n_k = n_hist + n_new
-    junk = cache.keys.shape[2] - n_k
-    if junk:
-        cache.keys[..., n_k:, :] = 1e4               # finite junk beyond the keys in use
-        cache.values[..., n_k:, :] = -1e4
-    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask="causal")
-    wrapped = attention._wrap(lambda *a, **k: pytest.fail("the explicit path was not taken"))
-    attention._masks.clear()
-    got = wrapped(q, keys, values, cache, scale=0.25, mask="causal")
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
-    n_pad = -(-n_k // attention.KEY_ALIGN) * attention.KEY_ALIGN
-    assert list(attention._masks) == ([(n_new, n_k, n_pad)] if n_pad != n_k else [])
-    wrapped(q, keys, values, cache, scale=0.25, mask="causal")
-    assert len(attention._masks) == (1 if n_pad != n_k else 0)     # reused, not rebuilt
-
-
-def test_keys_are_not_padded_past_the_buffer_or_for_other_masks():
-    cache = KVCache()
-    k = mx.zeros((1, 2, 7, 4))
-    keys, values = cache.update_and_fetch(k, k)
-    assert attention._padded_kv(cache, keys, values, "causal", 3)[0].shape[2] == 8
-    cache.keys = cache.keys[..., :7, :]              # no room in the buffer
-    assert attention._padded_kv(cache, keys, values, "causal", 3)[0].shape[2] == 7
-    arr = mx.ones((3, 7), mx.bool_)
-    assert attention._padded_kv(cache, keys, values, arr, 3)[2] is arr
