@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/cache.py [--model PATH] [--history 2000] [--repeats 3] [--session-tokens 2048]
     .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
+                                    [--fresh-names] [--new-process N]
 
 1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
    request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
@@ -22,6 +23,9 @@
    instead of over the same file (on ext4 a rename over an existing file writes the data back first).
    After the rounds, a restore then one decode step on the restored K/V, the step timed on its own
    (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device).
+   --new-process N: then N rounds of restores each into a new process that has just loaded the model
+   (what session files are for), Strata as shipped, Strata without its K/V memory touched at load
+   (engine/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.
 
 --random-shape makes (once, reused from the temp folder) a random-weight Q8_0 GGUF of a named shape with
 bench/shapes.py (its small BPE vocabulary; nothing downloaded): llama1b = Llama-3.2-1B's 16 layers x 2048, 32/8 heads
@@ -157,7 +161,7 @@ def first_step(engine) -> float:
 
 
 def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: int, folder: Path,
-                   fresh_names: bool = False) -> dict:
+                   fresh_names: bool = False, new_process: int = 0) -> dict:
     """Strata's save (no sync, sync) and restore vs llama.cpp's save and load, alternated. fresh_names:
     every save (both engines) goes to a new file name, the last one deleted before, untimed: a new
     session's save, without the file system's work of replacing an existing file."""
@@ -233,9 +237,77 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         out["first"].append(first_step(engine))
     print(f"  a decode step right after a restore: {[round(x, 1) for x in out['first']]} ms", file=sys.stderr)
     out["why_not"] = why_not
+    if new_process:
+        out["new"] = new_process_restores(model, s_path, l_path if llm is not None else None, n, new_process,
+                                          threads, engine.options)
     for p in (s_path, l_path):
         p.unlink(missing_ok=True)
     return out
+
+
+def new_process_restores(model: Path, s_path: Path, l_path: Path | None, n: int, repeats: int, threads: int,
+                         options) -> dict:
+    """The restore a session file is for: into a process that has just loaded the model. Each round
+    starts a new process per engine (this script with --child-restore), in rotating order: Strata as
+    shipped, Strata without the K/V memory touched at load (engine/kv_reserve.py off), llama.cpp (its
+    context made, which allocates and clears its K/V, then llama_state_seq_load_file). Each child
+    reports its engine's own restore time (Strata: the RestoreSession result's restore_ms; llama.cpp:
+    the load call); loading the model is not timed."""
+    import json
+    import subprocess
+    kinds = ["strata", "strata-untouched"] + (["llama"] if l_path is not None else [])
+    out: dict = {k: [] for k in kinds}
+    for k in range(repeats):
+        for kind in kinds[k % len(kinds):] + kinds[:k % len(kinds)]:
+            path = l_path if kind == "llama" else s_path
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child-restore", kind, str(path), "--model",
+                   str(model), "--session-tokens", str(n), "--threads", str(threads),
+                   "--context", str(options.context_length or 0)]
+            if options.dtype:
+                cmd += ["--dtype", options.dtype]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            line = [x for x in r.stdout.splitlines() if x.startswith("{")]
+            if r.returncode != 0 or not line:
+                raise RuntimeError(f"--child-restore {kind} failed: {r.stderr.strip()[-400:]}")
+            out[kind].append(json.loads(line[-1])["ms"])
+        print(f"  new process {k + 1}: " + ", ".join(f"{kind} {out[kind][-1]:.1f}" for kind in kinds) + " ms",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def child_restore(kind: str, path: str, model: str, n: int, threads: int, context: int, dtype: str | None) -> int:
+    """One restore in this new process (--child-restore); prints {"ms": ...}."""
+    import json
+    if kind == "llama":
+        llama_cpp, why_not = llama_cpp_or_reason()
+        if llama_cpp is None:
+            print(why_not, file=sys.stderr)
+            return 2
+        llm = llama_cpp.Llama(model_path=model, n_ctx=max(n + 64, 512), n_batch=512, n_threads=threads, verbose=False)
+        buf = (llama_cpp.llama_token * (n + 16))()
+        n_out = ctypes.c_size_t(0)
+        t0 = time.perf_counter()
+        read = llama_cpp.llama_state_seq_load_file(llm._ctx.ctx, path.encode(), 0, buf, n + 16, ctypes.byref(n_out))
+        ms = (time.perf_counter() - t0) * 1e3
+        if read <= 0 or n_out.value != n:
+            print("llama_state_seq_load_file failed", file=sys.stderr)
+            return 2
+    else:
+        from engine import kv_reserve
+        from engine.engine import Engine, EngineOptions, RestoreSession, Status
+        if kind == "strata-untouched":
+            kv_reserve.touch = lambda *a, **k: kv_reserve.Reserved.none("off for this measurement")
+        engine = Engine(EngineOptions(model=model, dtype=dtype, context_length=context or None)).start()
+        if not engine.call(Status()).model:
+            print(f"the model did not load: {model}", file=sys.stderr)
+            return 2
+        r = engine.call(RestoreSession(path))
+        ms = r.restore_ms
+        if r.restored_tokens != n:
+            print(f"restored {r.restored_tokens} tokens, not {n}", file=sys.stderr)
+            return 2
+    print(json.dumps({"ms": ms}), flush=True)
+    os._exit(0)         # the engine thread never ends (mlx at-exit abort, see engine.run_forever)
 
 
 def session_rows(n: int, res: dict) -> list[tuple]:
@@ -253,6 +325,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}",
              f"{lb / ls / 1e6:.2f} / {lb / ll / 1e6:.2f}", "", ""),
+            *new_process_rows(n, res, ll),
             ("session file bytes", f"{b:,}", f"{lb:,}", f"{b / lb:.3f}x", ""),
             ("session file bytes per token", f"{b / n:,.1f}", f"{lb / n:,.1f}", f"{b / lb:.3f}x",
              "<= 1x " + ("MET" if b <= lb else "MISSED")),
@@ -262,10 +335,25 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             (f"session save, {n} tokens, no fsync (ms)", fmt(save), "skipped", "", ""),
             (f"session save with fsync (ms)", fmt(sync), "skipped", "", ""),
             (f"session restore, {n} tokens (ms)", fmt(load), "skipped", "", ""),
+            *new_process_rows(n, res, None),
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}", "skipped", "", ""),
             ("session file bytes per token", f"{b / n:,.1f}", "skipped", "", ""),
         ]
+    return rows
+
+
+def new_process_rows(n: int, res: dict, in_process_llama: float | None) -> list[tuple]:
+    new = res.get("new")
+    if not new:
+        return []
+    ll = med(new["llama"]) if new.get("llama") else None
+    rows = []
+    for kind, label in (("strata", "as shipped"), ("strata-untouched", "K/V memory not touched at load")):
+        ms = med(new[kind])
+        rows.append((f"session restore into a new process, {label} (ms)", fmt(ms), fmt(ll) if ll else "skipped",
+                     f"{ms / ll:.2f}x" if ll else "", ("<= 2x " + ("MET" if ms / ll <= 2 else "MISSED"))
+                     if ll and kind == "strata" else ""))
     return rows
 
 
@@ -311,7 +399,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     ap.add_argument("--fresh-names", action="store_true",
                     help="each save (both engines) to a new file name instead of over the last one")
+    ap.add_argument("--new-process", type=int, default=0, metavar="N",
+                    help="also N rounds of restores, each into a new process that has just loaded the model")
+    ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_restore:
+        return child_restore(*args.child_restore, args.model, args.session_tokens, args.threads, args.context,
+                             args.dtype)
     if args.repeats < 1 or args.session_tokens < 1:
         print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
         return 2
@@ -361,7 +456,7 @@ def main() -> int:
         print(f"filling {len(ids)} tokens of K/V ({args.fill}) ...", file=sys.stderr, flush=True)
         fill_live(on, ids, args.fill)
         fill = {"random": "random K/V values", "prefill": "read by the model"}[args.fill]
-    res = session_rounds(on, model, ids, args.repeats, args.threads, tmp, args.fresh_names)
+    res = session_rounds(on, model, ids, args.repeats, args.threads, tmp, args.fresh_names, args.new_process)
     compute = str(on.dtype).removeprefix("mlx.core.")
     on.stop()
     rows += session_rows(len(ids), res)
@@ -383,6 +478,8 @@ def main() -> int:
     print(f"\nraw: save {[round(x, 1) for x in res['save']]} (sync {[round(x, 1) for x in res['save_sync']]}) vs "
           f"{[round(x, 1) for x in res['l_save']]}, restore {[round(x, 1) for x in res['load']]} vs "
           f"{[round(x, 1) for x in res['l_load']]}")
+    for kind, xs in (res.get("new") or {}).items():
+        print(f"raw, restores into new processes, {kind}: {[round(x, 1) for x in xs]}")
     for line in notes:
         print(line)
     try:

@@ -7,11 +7,16 @@ kernel faults in page by page and zeroes. A restored session's 94 MB float32 cac
 of building alone, several times llama.cpp's whole 12 ms restore (bench/README.md, issue 18). With a
 32 MiB mmap threshold and a 256 MiB trim threshold the arrays live on the heap, and a conversation
 evicted or replaced leaves memory the next one reuses without faults (`bench/allocator_probe.py`:
-the restore's build 22.8 ms with the setting, 48.0 ms without).
+the restore's build 22.8 ms with the setting, 48.0 ms without). The engine thread allocates from its
+own arena, whose 64 MiB heaps glibc unmaps as soon as one is wholly free, whatever the trim threshold;
+a top pad of 64 MiB keeps them (glibc's heap_trim keeps a heap when the pad is at least a heap's
+size), so K/V memory touched at load (kv_reserve.py) is still there for a restore: a restore into a
+new process 27 ms with it, 45 ms without, 68 ms with nothing touched (bench/README.md, session 5).
 
-The cost is memory malloc holds after a free instead of returning it; `held_free_bytes()` reports
-it and the memory guard counts it as available (this process's next allocation reuses it), and a
-stopping engine hands it back (`release_freed_memory`).
+The cost is memory malloc holds after a free instead of returning it: at most what the engine thread
+held at its peak (the live and parked conversations, which the conversation cache bounds).
+`held_free_bytes()` reports it and the memory guard counts it as available (this process's next
+allocation reuses it), and a stopping engine hands it back (`release_freed_memory`).
 Model weights (one mmap'd file, or arrays far above 32 MiB) are not affected.
 """
 from __future__ import annotations
@@ -22,7 +27,8 @@ import sys
 
 MMAP_THRESHOLD = 32 << 20      # glibc's own ceiling for its dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # <malloc.h>
+TOP_PAD = 64 << 20             # >= a thread arena's heap (HEAP_MAX_SIZE, 64 MiB on 64-bit): none is unmapped
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3     # <malloc.h>
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -54,12 +60,18 @@ def keep_freed_memory() -> str:
         return "allocator: left as is (not glibc)"
     if not _applied:
         ok = _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
-            _LIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and \
+            _LIBC.mallopt(_M_TOP_PAD, TOP_PAD) == 1
         if not ok:
             return "allocator: glibc refused the thresholds; left as is"
         _applied = True
     return (f"allocator: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, freed memory kept up to "
-            f"{TRIM_THRESHOLD >> 20} MiB at its top (K/V arrays reused without page faults)")
+            f"{TRIM_THRESHOLD >> 20} MiB at its top and in whole thread heaps (K/V arrays reused without page faults)")
+
+
+def keeps_freed_memory() -> bool:
+    """Whether keep_freed_memory() took effect in this process (freed K/V memory is reused, not returned)."""
+    return _applied
 
 
 def release_freed_memory() -> None:

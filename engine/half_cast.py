@@ -7,9 +7,11 @@ and float ops that numpy runs with SIMD, on chunks small enough to stay in cache
 half the time. Both directions are checked against numpy on every float16 value, and float32 -> float16
 on every rounding boundary (tests/engine/test_half_cast.py).
 
-    float16 -> float32: (bits & 0x7fff) << 13, read as float32 and multiplied by 2**112, is exact for
-        zeros, subnormals and normals; inf and NaN (exponent 31) get exponent 255 and keep their
-        payload; then the sign.
+    float16 -> float32: the bits sign-extended to 32, shifted left by 13 and masked to the sign and the
+        15 bits below bit 28 are the float16's sign, exponent and mantissa at float32's places; read as
+        float32 and multiplied by 2**112 that is exact for zeros, subnormals and normals, signs
+        included; inf and NaN (exponent 31) come out at or past 2**16 and get exponent 255, keeping
+        their payload.
     float32 -> float16: round to nearest even. Normals: (a - (112 << 23) + 0xfff + odd) >> 13, the
         carry rounding up into the exponent (to inf past 65504, as numpy); below 2**-14 the FPU's own
         rounding does it (a + 0.5f, minus 0.5f's bits); at or past 2**16 inf, and NaN as numpy writes it
@@ -19,8 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-CHUNK = 1 << 17                     # elements per pass: the temporaries stay in L2
+CHUNK = 1 << 18                     # elements per pass: fewer numpy calls; the temporaries stay near L2
 _MAGIC_UP = np.float32(2.0 ** 112)
+_WIDE_KEEP = np.int32(-0x70002000)  # 0x8FFFE000: the sign bit and the 15 bits below bit 28
+_EXP31 = np.int32(0x0F800000)       # float16's exponent 31 (inf, NaN), shifted into place
+_TO_EXP255 = np.int32(0x70000000)   # ... made float32's exponent 255, the payload kept
 _HALF = np.float32(0.5)
 _HALF_BITS = np.uint32(0x3F000000)
 _NORMAL_MIN = np.uint32(113 << 23)  # 2**-14, float16's smallest normal, as float32 bits
@@ -46,26 +51,47 @@ def _flat_pairs(dst: np.ndarray, src: np.ndarray):
     return None
 
 
+def _as_rows(a: np.ndarray):
+    """a as a (rows, tokens, dim) view (the leading axes merged, the last contiguous), or None when
+    that needs a copy. A padded cache's (1, heads, n, dim) slice is such a view."""
+    if a.ndim < 2 or a.strides[-1] != a.itemsize:
+        return None
+    v = a.view()
+    try:
+        v.shape = (-1, a.shape[-2], a.shape[-1])
+    except AttributeError:          # the leading axes do not merge without a copy
+        return None
+    return v
+
+
 def _f16_to_f32(dst: np.ndarray, src: np.ndarray) -> None:
-    u16 = src.view(np.uint16)
-    out = dst.view(np.uint32)
-    n = len(src)
-    t = np.empty(min(n, CHUNK), np.uint32)
-    s = np.empty(min(n, CHUNK), np.uint32)
-    for a in range(0, n, CHUNK):
-        b = min(n, a + CHUNK)
-        tt, ss, o = t[:b - a], s[:b - a], out[a:b]
-        np.copyto(tt, u16[a:b])
-        np.bitwise_and(tt, 0x8000, out=ss)
-        np.left_shift(ss, 16, out=ss)
-        np.bitwise_and(tt, 0x7FFF, out=tt)
-        special = tt.max() >= 0x7C00
-        np.left_shift(tt, 13, out=tt)
-        np.multiply(tt.view(np.float32), _MAGIC_UP, out=o.view(np.float32))
-        if special:
-            sel = tt >= (0x7C00 << 13)
-            o[sel] = tt[sel] | _F32_INF
-        np.bitwise_or(o, ss, out=o)
+    """dst, src: the same shape, 1-D contiguous or (rows, tokens, dim) with the last axis contiguous;
+    chunks (along the tokens) keep the temporary in cache."""
+    s16, o32 = src.view(np.int16), dst.view(np.int32)
+    if s16.ndim == 1:
+        t = np.empty(min(len(s16), CHUNK), np.int32)
+        for a in range(0, len(s16), CHUNK):
+            b = min(len(s16), a + CHUNK)
+            _widen(o32[a:b], s16[a:b], t[:b - a])
+        return
+    rows, n, d = s16.shape
+    step = max(1, CHUNK // (rows * d))
+    t = np.empty((rows, min(step, n), d), np.int32)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        _widen(o32[:, a:b], s16[:, a:b], t[:, :b - a])
+
+
+def _widen(o: np.ndarray, s16: np.ndarray, tt: np.ndarray) -> None:
+    """o (float32 bits as int32) = s16 (float16 bits as int16), through tt: five numpy passes."""
+    np.copyto(tt, s16)                              # sign-extended: the sign lands on bit 31
+    np.left_shift(tt, 13, out=tt)
+    np.bitwise_and(tt, _WIDE_KEEP, out=tt)          # sign, then exponent and mantissa at float32's places
+    f = o.view(np.float32)
+    np.multiply(tt.view(np.float32), _MAGIC_UP, out=f)
+    if f.max() >= 65536.0 or f.min() <= -65536.0:   # only inf and NaN (exponent 31) land there
+        sel = (tt & _EXP31) == _EXP31
+        o[sel] = tt[sel] | _TO_EXP255
 
 
 @np.errstate(invalid="ignore")          # NaN + 0.5 below: its result is overwritten
@@ -116,6 +142,13 @@ def cast(dst: np.ndarray, src: np.ndarray) -> None:
     if pairs is None:
         np.copyto(dst, src, casting="unsafe")
         return
-    fn = _f16_to_f32 if src.dtype == np.float16 else _f32_to_f16
+    if src.dtype == np.float16:
+        rows = _as_rows(dst), _as_rows(src)
+        if rows[0] is not None and rows[1] is not None:
+            _f16_to_f32(*rows)
+            return
+        for d, s in pairs:
+            _f16_to_f32(d, s)
+        return
     for d, s in pairs:
-        fn(d, s)
+        _f32_to_f16(d, s)

@@ -76,6 +76,7 @@ class RequestHandlers:
             self.dist.after_load(self)
         self.n_ctx = n_ctx
         self.conversations.clear()
+        reserved = self._touch_kv_memory(info, dtype)
         self.facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                                 info=dict(info.__dict__), n_ctx=n_ctx, model_hash=self.model_hash,
                                 distributed=self.dist.status() if self.dist is not None else None)
@@ -85,6 +86,7 @@ class RequestHandlers:
         self._log(f"weights: {info.load_note}")
         self._log(memory_line)
         self._log(f"K/V: {self.kv_fmt.describe()}")
+        self._log(reserved.note)
         if self.dist is not None:
             self._log(self.dist.describe())
         if vector is not None:
@@ -92,6 +94,17 @@ class RequestHandlers:
         if steering_error:
             self._log(f"control vector refused: {steering_error}; serving without it")
         return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.facts)
+
+    def _touch_kv_memory(self, info, dtype):
+        """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
+        creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
+        from . import kv_reserve
+        from .device import on_gpu
+        if on_gpu():
+            return kv_reserve.Reserved.none("the K/V lives in GPU memory")
+        if self.dist is not None or self.kv_fmt.quantized:
+            return kv_reserve.Reserved.none("distributed or quantized K/V")
+        return kv_reserve.touch(self.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype, admit=self.guard.admit)
 
     def _require_model(self) -> None:
         if self.model is None:

@@ -808,17 +808,13 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             stagings = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
 
             def cast(dst: np.ndarray, src: np.ndarray) -> None:
-                # Two halves on two threads (half_cast's numpy ops release the GIL): the cast is most of
-                # a float32 restore's own work.
+                # Whole, on this thread: the cast is bound by memory bandwidth, and halves on two threads
+                # measured slower on 2 vCPUs that also run the reader and MLX's zeroing (bench/README.md).
                 t = time.perf_counter()
-                cut = _halves(src)
-                half = casters.submit(half_cast.cast, dst[cut[0]], src[cut[0]])
-                half_cast.cast(dst[cut[1]], src[cut[1]])
-                half.result()
+                half_cast.cast(dst, src)
                 prof.cast_ms += (time.perf_counter() - t) * 1e3
 
-            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool, \
-                    ThreadPoolExecutor(1, thread_name_prefix="session-cast") as casters:
+            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
                 ahead = pool.submit(read_heads, kv[0], stagings[0])
                 try:
                     for k, spec in enumerate(kv):
@@ -912,12 +908,6 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
             for f in (*reads.values(), *hashes.values()):
                 f.cancel() or f.exception()                  # never leave a read running on a closed fd
     return arrays
-
-
-def _halves(a: np.ndarray) -> tuple[tuple, tuple]:
-    """Index tuples splitting a (1, heads, n, dim) array in two equal halves along its tokens."""
-    t = a.shape[2] // 2
-    return (slice(None), slice(None), slice(0, t)), (slice(None), slice(None), slice(t, None))
 
 
 def check_memory(name: str, n: int, need: int, admit) -> None:

@@ -1,0 +1,77 @@
+"""engine/kv_reserve.py: one context's K/V touched at load on the CPU stays with malloc (glibc), so a
+restore's arrays come from resident memory; the size follows the context, capped, in mlx-lm's steps."""
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from engine import allocator, kv_reserve
+
+glibc_only = pytest.mark.skipif(allocator._LIBC is None, reason="glibc's mallopt/mallinfo2 only (Linux with glibc)")
+
+
+def test_the_plan_is_the_context_s_k_v_in_whole_steps_capped():
+    # SmolLM2-135M: 30 layers x 3 K/V heads x 64, float32: 46,080 B a token
+    assert kv_reserve.plan(4096, 30, 3, 64, 4) == (4096, 4096 * 46080)
+    assert kv_reserve.plan(1000, 30, 3, 64, 4) == (1024, 1024 * 46080)          # up to mlx-lm's step
+    cells, nbytes = kv_reserve.plan(8192, 30, 3, 64, 4, cap=256 << 20)
+    assert cells % 256 == 0 and nbytes <= 256 << 20 and nbytes + 256 * 46080 > 256 << 20
+    assert kv_reserve.plan(0, 30, 3, 64, 4) == (0, 0)
+
+
+def test_the_memory_guard_can_say_no():
+    allocator.keep_freed_memory()
+    r = kv_reserve.touch(512, 2, 2, 16, mx.float32, admit=lambda n: (False, "needs too much"))
+    if not allocator.keeps_freed_memory():
+        assert r.tokens == 0 and "returns freed memory" in r.note
+        return
+    assert r.tokens == 0 and r.nbytes == 0 and "the memory guard says no: needs too much" in r.note
+
+
+@glibc_only
+def test_touched_memory_stays_with_malloc_on_a_thread_of_its_own():
+    """On a thread (the engine's: glibc gives it its own arena, whose whole-free 64 MiB heaps it would
+    unmap) the touched bytes are still held free by malloc afterwards, and the next arrays of a
+    restore's sizes reuse them: the held bytes go down by about what was allocated."""
+    allocator.keep_freed_memory()
+    out = {}
+
+    def engine_thread():
+        before = allocator.held_free_bytes()
+        r = kv_reserve.touch(1024, 48, 4, 64, mx.float32, admit=lambda n: (True, "ok"))   # 96 MiB
+        out["reserved"] = r
+        out["held"] = allocator.held_free_bytes() - before
+        arrays = [mx.zeros((1, 4, 768, 64), mx.float32) for _ in range(48)]          # 36 MiB, a restore's
+        mx.eval(arrays)
+        out["after_use"] = allocator.held_free_bytes() - before
+        del arrays
+        mx.clear_cache()
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    r = out["reserved"]
+    assert r.tokens == 1024 and r.nbytes == 96 << 20 and "96.0 MiB touched at load" in r.note
+    assert out["held"] >= r.nbytes * 0.9
+    assert out["held"] - out["after_use"] >= (36 << 20) * 0.9      # carved from the touched memory
+
+
+@glibc_only
+def test_a_model_load_touches_its_context_s_k_v_and_says_so(tiny_gguf_wide):
+    """A LoadModel on the CPU logs the touched K/V (its context's, capped); a quantized K/V format
+    does not touch (its arrays are other sizes)."""
+    from engine.engine import Engine, EngineOptions, LoadModel
+    from engine.events import Log
+    for bits, want in ((16, "touched at load"), (8, "not touched at load (distributed or quantized K/V)")):
+        eng = Engine(EngineOptions(context_length=512, kv_bits=bits)).start()
+        try:
+            h = eng.submit(LoadModel(str(tiny_gguf_wide)))     # head size 32: 8-bit K/V allowed
+            lines = [e.line for e in h.events() if isinstance(e, Log) and e.line.startswith("K/V memory:")]
+            h.result()
+        finally:
+            eng.stop()
+        assert len(lines) == 1 and want in lines[0], lines
+        if bits == 16:
+            assert "(512 tokens of float32 K/V" in lines[0]
