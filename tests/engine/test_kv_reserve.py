@@ -2,8 +2,6 @@
 restore's arrays come from resident memory; the size follows the context, capped, in mlx-lm's steps."""
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import pytest
 
@@ -30,31 +28,43 @@ def test_the_memory_guard_can_say_no():
     assert r.tokens == 0 and r.nbytes == 0 and "the memory guard says no: needs too much" in r.note
 
 
+_PROBE = r"""
+import json, threading
+import mlx.core as mx
+from engine import allocator, kv_reserve
+allocator.keep_freed_memory()
+out = {}
+
+def engine_thread():
+    before = allocator.held_free_bytes()
+    r = kv_reserve.touch(1024, 48, 4, 64, mx.float32, admit=lambda n: (True, "ok"))    # 96 MiB
+    out.update(tokens=r.tokens, nbytes=r.nbytes, note=r.note, held=allocator.held_free_bytes() - before)
+    arrays = [mx.zeros((1, 4, 768, 64), mx.float32) for _ in range(48)]              # 36 MiB, a restore's
+    mx.eval(arrays)
+    out["after_use"] = allocator.held_free_bytes() - before
+
+t = threading.Thread(target=engine_thread)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+
+
 @glibc_only
 def test_touched_memory_stays_with_malloc_on_a_thread_of_its_own():
-    """On a thread (the engine's: glibc gives it its own arena, whose whole-free 64 MiB heaps it would
-    unmap) the touched bytes are still held free by malloc afterwards, and the next arrays of a
-    restore's sizes reuse them: the held bytes go down by about what was allocated."""
-    allocator.keep_freed_memory()
-    out = {}
-
-    def engine_thread():
-        before = allocator.held_free_bytes()
-        r = kv_reserve.touch(1024, 48, 4, 64, mx.float32, admit=lambda n: (True, "ok"))   # 96 MiB
-        out["reserved"] = r
-        out["held"] = allocator.held_free_bytes() - before
-        arrays = [mx.zeros((1, 4, 768, 64), mx.float32) for _ in range(48)]          # 36 MiB, a restore's
-        mx.eval(arrays)
-        out["after_use"] = allocator.held_free_bytes() - before
-        del arrays
-        mx.clear_cache()
-
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join()
-    r = out["reserved"]
-    assert r.tokens == 1024 and r.nbytes == 96 << 20 and "96.0 MiB touched at load" in r.note
-    assert out["held"] >= r.nbytes * 0.9
+    """In a new process (nothing held before), on a thread of its own (the engine's: glibc gives it its
+    own arena, whose wholly free 64 MiB heaps it would unmap) the touched bytes are still held free by
+    malloc afterwards, and the next arrays of a restore's sizes are carved from them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == 1024 and out["nbytes"] == 96 << 20 and "96.0 MiB touched at load" in out["note"]
+    assert out["held"] >= out["nbytes"] * 0.9
     assert out["held"] - out["after_use"] >= (36 << 20) * 0.9      # carved from the touched memory
 
 
