@@ -56,12 +56,10 @@ def _as_rows(a: np.ndarray):
     that needs a copy. A padded cache's (1, heads, n, dim) slice is such a view."""
     if a.ndim < 2 or a.strides[-1] != a.itemsize:
         return None
-    v = a.view()
     try:
-        v.shape = (-1, a.shape[-2], a.shape[-1])
-    except AttributeError:          # the leading axes do not merge without a copy
+        return np.reshape(a, (-1, a.shape[-2], a.shape[-1]), copy=False)
+    except ValueError:              # the leading axes do not merge without a copy
         return None
-    return v
 
 
 def _f16_to_f32(dst: np.ndarray, src: np.ndarray) -> None:

@@ -9,6 +9,12 @@ import numpy as np
 import pytest
 
 from engine import attention
+from engine.device import on_gpu
+
+# On the H200 (MLX's CUDA backend) the explicit float32 matmuls and the fused kernel differ by up to
+# 1.1e-4 on values of ~0.1 at 700 keys (s5-run7): cuBLAS's float32 matmul precision, not the algorithm,
+# which the CPU checks to 1e-5.
+TOL = dict(rtol=2e-3, atol=5e-4) if on_gpu() else dict(rtol=1e-4, atol=1e-5)
 
 
 def _qkv(b, hq, hk, n_q, n_k, d, seed=0):
@@ -22,7 +28,7 @@ def test_causal_matches_fused(hq, hk, n_q, n_k):
     q, k, v = _qkv(1, hq, hk, n_q, n_k, 16)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     got = attention.explicit_attention(q, k, v, scale=0.25, mask="causal")
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(got), np.array(want), **TOL)
 
 
 def test_array_masks_match_fused():
@@ -30,10 +36,10 @@ def test_array_masks_match_fused():
     allowed = mx.array(np.random.default_rng(0).random((6, 20)) > 0.3) | mx.eye(6, 20, k=14).astype(mx.bool_)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=allowed)
     np.testing.assert_allclose(np.array(attention.explicit_attention(q, k, v, scale=0.3, mask=allowed)),
-                               np.array(want), rtol=1e-4, atol=1e-5)
+                               np.array(want), **TOL)
     additive = mx.where(allowed, 0.0, -1e9)
     np.testing.assert_allclose(np.array(attention.explicit_attention(q, k, v, scale=0.3, mask=additive)),
-                               np.array(want), rtol=1e-4, atol=1e-5)
+                               np.array(want), **TOL)
 
 
 def test_only_short_chunks_take_the_explicit_path():

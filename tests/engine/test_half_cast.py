@@ -76,3 +76,16 @@ def test_chunk_edges_and_other_dtypes_and_layouts_fall_back_to_numpy(monkeypatch
     assert ints.tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="shapes differ"):
         half_cast.cast(np.empty(3, np.float16), np.empty(4, np.float32))
+
+
+def test_widening_in_chunks_of_rows_and_per_block_when_rows_do_not_merge(monkeypatch):
+    """float16 -> float32 works on (rows, tokens, dim) views in chunks along the tokens; a layout whose
+    leading axes do not merge into rows (every other head here) goes block by block."""
+    monkeypatch.setattr(half_cast, "CHUNK", 1000)
+    rng = np.random.default_rng(9)
+    src = rng.standard_normal((2, 4, 37, 16)).astype(np.float16)
+    src[0, 1, 3, 5], src[1, 2, 36, 0] = np.inf, np.nan                # specials in one chunk, not the others
+    for dst in (np.full((2, 4, 64, 16), 7, np.float32)[:, :, :37, :],         # rows merge (padded cache)
+                np.full((2, 8, 37, 16), 7, np.float32)[:, ::2]):              # rows do not merge
+        half_cast.cast(dst, src)
+        assert np.array_equal(dst.view(np.uint32), src.astype(np.float32).view(np.uint32))

@@ -32,6 +32,7 @@ _PROBE = r"""
 import json, threading
 import mlx.core as mx
 from engine import allocator, kv_reserve
+mx.set_default_device(mx.cpu)           # host memory, where the engine touches it (the CPU backend)
 allocator.keep_freed_memory()
 out = {}
 
@@ -71,10 +72,12 @@ def test_touched_memory_stays_with_malloc_on_a_thread_of_its_own():
 @glibc_only
 def test_a_model_load_touches_its_context_s_k_v_and_says_so(tiny_gguf_wide):
     """A LoadModel on the CPU logs the touched K/V (its context's, capped); a quantized K/V format
-    does not touch (its arrays are other sizes)."""
+    does not touch (its arrays are other sizes), nor does a GPU (the K/V is in device memory)."""
     from engine.engine import Engine, EngineOptions, LoadModel
     from engine.events import Log
-    for bits, want in ((16, "touched at load"), (8, "not touched at load (distributed or quantized K/V)")):
+    from engine.device import on_gpu
+    cpu_want = "the K/V lives in GPU memory" if on_gpu() else "touched at load"
+    for bits, want in ((16, cpu_want), (8, "not touched at load")):
         eng = Engine(EngineOptions(context_length=512, kv_bits=bits)).start()
         try:
             h = eng.submit(LoadModel(str(tiny_gguf_wide)))     # head size 32: 8-bit K/V allowed
@@ -83,5 +86,5 @@ def test_a_model_load_touches_its_context_s_k_v_and_says_so(tiny_gguf_wide):
         finally:
             eng.stop()
         assert len(lines) == 1 and want in lines[0], lines
-        if bits == 16:
+        if bits == 16 and not on_gpu():
             assert "(512 tokens of float32 K/V" in lines[0]
