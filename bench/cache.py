@@ -410,6 +410,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     ap.add_argument("--fresh-names", action="store_true",
                     help="each save (both engines) to a new file name instead of over the last one")
+    ap.add_argument("--cache-mib", type=int, default=1024, help="the parking engine's conversation cache (MiB)")
+    ap.add_argument("--cache-slots", type=int, default=4, help="... and its number of parked conversations")
     ap.add_argument("--new-process", type=int, default=0, metavar="N",
                     help="also N rounds of restores, each into a new process that has just loaded the model")
     ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -435,7 +437,7 @@ def main() -> int:
         return 2
 
     t_bench = time.perf_counter()
-    on = Engine(EngineOptions(model=str(model), cache_mib=1024, cache_slots=4, dtype=args.dtype,
+    on = Engine(EngineOptions(model=str(model), cache_mib=args.cache_mib, cache_slots=args.cache_slots, dtype=args.dtype,
                               context_length=max(4096, args.session_tokens + 1024))).start()
     if not on.call(Status()).model:
         print(f"the model did not load: {model}", file=sys.stderr)
