@@ -230,7 +230,9 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
                 continue
             fn()
         print(f"  round {k + 1}: save {out['save'][-1]:.1f} (sync {out['save_sync'][-1]:.1f}) restore "
-              f"{out['load'][-1]:.1f} ms (the engine's own {out['load_own'][-1]:.1f})" + (f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms"
+              f"{out['load'][-1]:.1f} ms (the engine's own {out['load_own'][-1]:.1f}: " + ", ".join(
+                  f"{k.removesuffix('_ms')} {v:.1f}" for k, v in out["load_prof"][-1].items()
+                  if k.endswith("_ms") and k != "header_ms") + ")" + (f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms"
                                              if llm is not None else ""), file=sys.stderr, flush=True)
     # Apart from the rounds (a decode step between a restore and the next save would change what the
     # save finds): restore, then one decode step on the restored K/V, timed on its own.
@@ -412,6 +414,8 @@ def main() -> int:
                     help="each save (both engines) to a new file name instead of over the last one")
     ap.add_argument("--cache-mib", type=int, default=1024, help="the parking engine's conversation cache (MiB)")
     ap.add_argument("--cache-slots", type=int, default=4, help="... and its number of parked conversations")
+    ap.add_argument("--mlx-cache-limit", type=int, default=None, metavar="MIB",
+                    help="mx.set_cache_limit before the engine starts (how much freed memory MLX keeps for reuse)")
     ap.add_argument("--new-process", type=int, default=0, metavar="N",
                     help="also N rounds of restores, each into a new process that has just loaded the model")
     ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -437,6 +441,9 @@ def main() -> int:
         return 2
 
     t_bench = time.perf_counter()
+    if args.mlx_cache_limit is not None:
+        import mlx.core as mx
+        mx.set_cache_limit(args.mlx_cache_limit << 20)
     on = Engine(EngineOptions(model=str(model), cache_mib=args.cache_mib, cache_slots=args.cache_slots, dtype=args.dtype,
                               context_length=max(4096, args.session_tokens + 1024))).start()
     if not on.call(Status()).model:

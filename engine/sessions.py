@@ -864,6 +864,10 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
     n, cells = hdr.n_tokens, padded_cells(hdr.n_tokens)
     kv = hdr.specs[1:]
     total, step = len(kv), max(1, len(kv) // 20)
+    # Device buffers from MLX's cache (what an evicted conversation freed) made the uploads slower than
+    # new ones from CUDA's pool on the H200: 8,192 tokens of Llama-1B 86-103 ms after evictions against
+    # 57-66 ms with nothing cached (bench/gpu.md, session 5). So a restore starts from an empty cache.
+    mx.clear_cache()
     ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
 
     def read(k: int) -> bool:          # unhashed: the hashing thread takes the buffers in file order
