@@ -11,7 +11,7 @@ the restore's build 22.8 ms with the setting, 48.0 ms without). The engine threa
 own arena, whose 64 MiB heaps glibc unmaps as soon as one is wholly free, whatever the trim threshold;
 a top pad of 64 MiB keeps them (glibc's heap_trim keeps a heap when the pad is at least a heap's
 size), so K/V memory touched at load (kv_reserve.py) is still there for a restore: a restore into a
-new process 27 ms with it, 45 ms without, 68 ms with nothing touched (bench/README.md, session 5).
+new process 25 ms with it, 45 ms without it, 67 ms with nothing touched (bench/README.md, session 5).
 
 The cost is memory malloc holds after a free instead of returning it: at most what the engine thread
 held at its peak (the live and parked conversations, which the conversation cache bounds).

@@ -6,9 +6,10 @@ Why: a session restored into a new process -- what session files are for -- need
 page per 4 KiB: ~45 ms of a ~95 ms restore on the project's 2-vCPU VM, against 3.5 ms on pages the
 process has touched before (bench/README.md, issue 18). llama.cpp pays the same cost when its context is
 created: it allocates and clears the whole K/V buffer for n_ctx tokens, and its restore reads into it.
-This does the same at load: it allocates the arrays a restore of `tokens` would, in the cache's dtype,
-lets MLX zero them and frees them. With glibc's thresholds raised (engine/allocator.py) the freed
-memory stays with malloc, and the next K/V arrays of this thread are carved from it without faults.
+This does the same at load: it allocates the arrays a restore of the whole context would (capped), in
+the cache's dtype, lets MLX zero them and frees them. With glibc's thresholds raised
+(engine/allocator.py) the freed memory stays with malloc, and the next K/V arrays of this thread are
+carved from it without faults.
 
 Only on the CPU with glibc (elsewhere the allocator keeps nothing: a no-op), and only what the memory
 guard admits. The bytes stay counted as available (allocator.held_free_bytes), so parking and the

@@ -30,9 +30,11 @@ validated before anything is allocated, the memory guard is asked for the bytes 
 on the CPU the MLX arrays the cache keeps (padded as mlx-lm pads) are allocated first and filled in
 place through numpy views: a float16 cache by reading each head straight into it, a float32 cache by
 reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
-and casting it once into the array (half_cast: numpy's result, about twice as fast). On a GPU two reader
-threads read tensors into a ring of padded host buffers, a third hashes them in file order, and each is
-copied into device memory through MLX's Load primitive (device_upload.to_device).
+and casting it once into the array on this thread (half_cast: numpy's result, ~3x as fast); the
+memory is resident when the engine touched one context's K/V at load (kv_reserve.py). On a GPU MLX's
+buffer cache is emptied first, two reader threads read tensors into a ring of padded host buffers, a
+third hashes them in file order, and each is copied into device memory through MLX's Load primitive
+(device_upload.to_device).
 """
 from __future__ import annotations
 
