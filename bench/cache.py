@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/cache.py [--model PATH] [--history 2000] [--repeats 3] [--session-tokens 2048]
     .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
-                                    [--fresh-names] [--new-process N]
+                                    [--fresh-names] [--new-process N] [--cache-mib M --cache-slots S]
+                                    [--mlx-cache-limit MIB]
 
 1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
    request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
@@ -229,11 +230,12 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
             if fn is llama and llm is None:
                 continue
             fn()
+        parts = ", ".join(f"{name.removesuffix('_ms')} {v:.1f}" for name, v in out["load_prof"][-1].items()
+                          if name.endswith("_ms") and name != "header_ms")
+        theirs = f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms" if llm is not None else ""
         print(f"  round {k + 1}: save {out['save'][-1]:.1f} (sync {out['save_sync'][-1]:.1f}) restore "
-              f"{out['load'][-1]:.1f} ms (the engine's own {out['load_own'][-1]:.1f}: " + ", ".join(
-                  f"{k.removesuffix('_ms')} {v:.1f}" for k, v in out["load_prof"][-1].items()
-                  if k.endswith("_ms") and k != "header_ms") + ")" + (f"; llama.cpp save {out['l_save'][-1]:.1f} load {out['l_load'][-1]:.1f} ms"
-                                             if llm is not None else ""), file=sys.stderr, flush=True)
+              f"{out['load'][-1]:.1f} ms (the engine's own {out['load_own'][-1]:.1f}: {parts}){theirs}",
+              file=sys.stderr, flush=True)
     # Apart from the rounds (a decode step between a restore and the next save would change what the
     # save finds): restore, then one decode step on the restored K/V, timed on its own.
     for k in range(repeats):
@@ -330,7 +332,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}",
              f"{lb / ls / 1e6:.2f} / {lb / ll / 1e6:.2f}", "", ""),
-            *new_process_rows(n, res, ll),
+            *new_process_rows(n, res),
             ("session file bytes", f"{b:,}", f"{lb:,}", f"{b / lb:.3f}x", ""),
             ("session file bytes per token", f"{b / n:,.1f}", f"{lb / n:,.1f}", f"{b / lb:.3f}x",
              "<= 1x " + ("MET" if b <= lb else "MISSED")),
@@ -341,7 +343,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             (f"session save with fsync (ms)", fmt(sync), "skipped", "", ""),
             (f"session restore, {n} tokens (ms)", fmt(load), "skipped", "", ""),
             own_row(res, b),
-            *new_process_rows(n, res, None),
+            *new_process_rows(n, res),
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}", "skipped", "", ""),
             ("session file bytes per token", f"{b / n:,.1f}", "skipped", "", ""),
@@ -356,7 +358,7 @@ def own_row(res: dict, nbytes: int) -> tuple:
     return ("the engine's own restore time, ms (GB/s)", f"{fmt(own)} ({nbytes / own / 1e6:.2f})", "", "", "")
 
 
-def new_process_rows(n: int, res: dict, in_process_llama: float | None) -> list[tuple]:
+def new_process_rows(n: int, res: dict) -> list[tuple]:
     new = res.get("new")
     if not new:
         return []
