@@ -86,6 +86,39 @@ class _NpyView(io.RawIOBase):
         return done
 
 
+_NP_OF = {mx.float16: np.float16, mx.float32: np.float32, mx.int16: np.int16, mx.int32: np.int32,
+          mx.int64: np.int64, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64}
+
+
+def host_view(a: mx.array, keep_on_device: bool | None = None) -> np.ndarray:
+    """A numpy view of an MLX array's values, to read on the host (a session save), that leaves `a`
+    where it lives. On MLX's CUDA backend (0.32) any host read of an array's memory moves its buffer
+    into CUDA managed memory for good (Buffer::raw_ptr -> move_to_unified_memory,
+    mlx/backend/cuda/allocator.cpp), so a saved conversation's K/V would be read back to the device by
+    page faults at its next step. There the view is of a device copy made for the read (its bits as
+    unsigned integers times 1: exact, NaN payloads too) and `a` stays in device memory. Elsewhere it
+    is `a`'s own memory. ``keep_on_device`` forces the choice (tests)."""
+    if not (on_cuda() if keep_on_device is None else keep_on_device):
+        mx.eval(a)
+        return np.asarray(a)
+    bits = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}.get(a.itemsize)
+    if bits is None or a.dtype == mx.bool_:
+        copy = a * 1 if a.dtype != mx.bool_ else a | False
+        mx.eval(copy)
+        return np.asarray(copy)
+    copy = mx.view(a, bits) * 1
+    mx.eval(copy)
+    out = np.asarray(copy)
+    return out if a.dtype == bits else out.view(_NP_OF.get(a.dtype, out.dtype))
+
+
+def drop_host_copies() -> None:
+    """After host_view's reads on CUDA: MLX's buffer cache would hand the managed buffers of those
+    copies to later device allocations (its cache matches sizes, not memory kinds), so empty it."""
+    if on_cuda():
+        mx.clear_cache()
+
+
 def to_device(buf: np.ndarray, via_load: bool | None = None) -> mx.array:
     """An evaluated MLX array on the default device holding a copy of buf (C-contiguous, any shape;
     float16/float32/int32 and the other dtypes .npy and MLX share). ``via_load`` forces the path (the

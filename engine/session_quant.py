@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from .device_upload import to_device
+from .device_upload import host_view, to_device
 from .errors import SessionFileError
 from .kv_format import KVFormat, describe_label, format_of_label
 
@@ -111,8 +111,7 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool = True,
             for parts in (c.keys, c.values):
                 for arr in parts:
                     t = time.perf_counter()
-                    mx.eval(arr)
-                    src = np.asarray(arr)               # a view of the cache's memory: no cast, no copy
+                    src = host_view(arr)                # the cache's memory (a device copy on CUDA)
                     prof.cast_ms += (time.perf_counter() - t) * 1e3
                     pieces = [src[0, h, :n, :] for h in range(g.n_kv_heads)]   # each contiguous
                     t = time.perf_counter()

@@ -58,7 +58,7 @@ import xxhash
 
 from . import half_cast
 from .device import compute_dtype, on_gpu
-from .device_upload import to_device
+from .device_upload import drop_host_copies, host_view, to_device
 from .errors import SessionFileError, SessionOverwriteRefused
 
 FORMAT = "strata-session"
@@ -196,11 +196,11 @@ class ParsedHeader:
 # ---------------------------------------------------------------------------------------- save
 
 def _np_view(a) -> np.ndarray:
-    """A numpy view of an evaluated MLX array (no copy for float32/float16; bfloat16 goes through float32)."""
+    """A numpy view of an MLX array's values (no copy for float32/float16 on the CPU; bfloat16 goes
+    through float32; on CUDA a device copy, so the live K/V stays in device memory: host_view)."""
     if a.dtype not in (mx.float32, mx.float16):
         a = a.astype(mx.float32)
-    mx.eval(a)
-    return np.asarray(a)
+    return host_view(a)
 
 
 def _blocks(src: np.ndarray, n: int, max_elems: int):
@@ -416,6 +416,7 @@ def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: 
         digest.update(tokens)
         _write_all(fd, tokens, prof)
         body(fd, digest)
+        drop_host_copies()                      # CUDA: the device copies body read (host_view)
         # The checksum replaces its placeholder: same width, so nothing else moves.
         os.pwrite(fd, digest.hexdigest().encode(), 8 + len(_PREFIX))
         if sync:

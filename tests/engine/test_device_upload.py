@@ -48,3 +48,19 @@ def test_off_cuda_it_is_mx_array():
     buf = np.ones((2, 3), np.float16)
     a = to_device(buf)
     assert isinstance(a, mx.array) and np.array_equal(np.array(a), buf)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32, mx.uint32])
+def test_host_view_reads_a_copy_when_asked_and_the_values_are_exact(dtype):
+    """host_view on CUDA reads a device copy (the live array's buffer must not be moved into managed
+    memory by a host read); the copy is exact, -0.0 and NaN included. Forced here on any backend."""
+    from engine.device_upload import host_view
+    vals = np.array([[-0.0, 1.5, np.nan, -2.25, 65504.0, 6e-8]], np.float32)
+    a = mx.array(vals.astype(np.float16) if dtype == mx.float16 else vals).astype(dtype) if dtype != mx.uint32 \
+        else mx.array(np.arange(12, dtype=np.uint32).reshape(2, 6))
+    mx.eval(a)
+    own = np.asarray(a)
+    copy = host_view(a, keep_on_device=True)
+    plain = host_view(a, keep_on_device=False)
+    assert copy.tobytes() == own.tobytes() == plain.tobytes()       # bit for bit, sign of zero and NaN kept
+    assert not np.shares_memory(copy, own) and np.shares_memory(plain, own)

@@ -52,7 +52,8 @@ def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_
     """A GPU's restore (tensors read into padded float16 buffers by two reader threads, hashed in file
     order by a third, copied to the device through MLX's Load primitive as on CUDA, cast there when the
     cache is not float16), forced here on the CPU, continues the conversation exactly as the CPU's
-    in-place restore does, and its cache saves to the same bytes."""
+    in-place restore does, and its cache saves to the same bytes (the save reading device copies, as
+    on CUDA: device_upload.host_view)."""
     import engine.device_upload as device_upload
     import engine.sessions as sessions
     e = start(tiny_gguf, cache_mib=64, dtype=dtype)
