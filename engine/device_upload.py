@@ -86,30 +86,19 @@ class _NpyView(io.RawIOBase):
         return done
 
 
-_NP_OF = {mx.float16: np.float16, mx.float32: np.float32, mx.int16: np.int16, mx.int32: np.int32,
-          mx.int64: np.int64, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64}
-
-
 def host_view(a: mx.array, keep_on_device: bool | None = None) -> np.ndarray:
     """A numpy view of an MLX array's values, to read on the host (a session save), that leaves `a`
     where it lives. On MLX's CUDA backend (0.32) any host read of an array's memory moves its buffer
     into CUDA managed memory for good (Buffer::raw_ptr -> move_to_unified_memory,
     mlx/backend/cuda/allocator.cpp), so a saved conversation's K/V would be read back to the device by
     page faults at its next step. There the view is of a device copy made for the read (its bits as
-    unsigned integers times 1: exact, NaN payloads too) and `a` stays in device memory. Elsewhere it
-    is `a`'s own memory. ``keep_on_device`` forces the choice (tests)."""
-    if not (on_cuda() if keep_on_device is None else keep_on_device):
-        mx.eval(a)
-        return np.asarray(a)
-    bits = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}.get(a.itemsize)
-    if bits is None or a.dtype == mx.bool_:
-        copy = a * 1 if a.dtype != mx.bool_ else a | False
-        mx.eval(copy)
-        return np.asarray(copy)
-    copy = mx.view(a, bits) * 1
-    mx.eval(copy)
-    out = np.asarray(copy)
-    return out if a.dtype == bits else out.view(_NP_OF.get(a.dtype, out.dtype))
+    unsigned integers times 1, viewed back: exact, NaN payloads too) and `a` stays in device memory.
+    Elsewhere, or with ``keep_on_device=False`` (an array nobody keeps), it is `a`'s own memory."""
+    if on_cuda() if keep_on_device is None else keep_on_device:
+        bits = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
+        a = mx.view(mx.view(a, bits) * 1, a.dtype)
+    mx.eval(a)
+    return np.asarray(a)
 
 
 def drop_host_copies() -> None:

@@ -196,11 +196,12 @@ class ParsedHeader:
 # ---------------------------------------------------------------------------------------- save
 
 def _np_view(a) -> np.ndarray:
-    """A numpy view of an MLX array's values (no copy for float32/float16 on the CPU; bfloat16 goes
-    through float32; on CUDA a device copy, so the live K/V stays in device memory: host_view)."""
-    if a.dtype not in (mx.float32, mx.float16):
-        a = a.astype(mx.float32)
-    return host_view(a)
+    """A numpy view of an MLX array's values (no copy for float32/float16 on the CPU; on CUDA a device
+    copy, so the live K/V stays in device memory: host_view). bfloat16 goes through float32, an array
+    of its own that needs no second copy."""
+    if a.dtype in (mx.float32, mx.float16):
+        return host_view(a)
+    return host_view(a.astype(mx.float32), keep_on_device=False)
 
 
 def _blocks(src: np.ndarray, n: int, max_elems: int):
