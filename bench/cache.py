@@ -3,7 +3,7 @@
     .venv/bin/python bench/cache.py [--model PATH] [--history 2000] [--repeats 3] [--session-tokens 2048]
     .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
                                     [--fresh-names] [--new-process N] [--cache-mib M --cache-slots S]
-                                    [--mlx-cache-limit MIB]
+                                    [--mlx-cache-limit MIB] [--save-reads-live] [--restore-keeps-cache]
 
 1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
    request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
@@ -23,7 +23,9 @@
    --fresh-names: every save (both engines') to a new file name, the last one deleted first (untimed),
    instead of over the same file (on ext4 a rename over an existing file writes the data back first).
    After the rounds, a restore then one decode step on the restored K/V, the step timed on its own
-   (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device).
+   (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device),
+   and a save then one decode step (what reading the K/V for the file leaves behind).
+   --save-reads-live, --restore-keeps-cache: A/B switches for two GPU choices (see --help).
    --new-process N: then N rounds of restores each into a new process that has just loaded the model
    (what session files are for), Strata as shipped, Strata without its K/V memory touched at load
    (engine/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.
@@ -242,6 +244,14 @@ def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: i
         engine.call(RestoreSession(str(s_path)))
         out["first"].append(first_step(engine))
     print(f"  a decode step right after a restore: {[round(x, 1) for x in out['first']]} ms", file=sys.stderr)
+    # And after a save: what reading the K/V for the file leaves behind (on MLX's CUDA backend a host read
+    # of an array moves it into managed memory, device_upload.host_view).
+    out["after_save"] = []
+    for k in range(repeats):
+        s_path = fresh(s_path)
+        engine.call(SaveSession(str(s_path), sync=False))
+        out["after_save"].append(first_step(engine))
+    print(f"  a decode step right after a save: {[round(x, 1) for x in out['after_save']]} ms", file=sys.stderr)
     out["why_not"] = why_not
     if new_process:
         out["new"] = new_process_restores(model, s_path, l_path if llm is not None else None, n, new_process,
@@ -330,6 +340,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
              "<= 2x " + ("MET" if load / ll <= 2 else "MISSED")),
             own_row(res, b),
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
+            ("a decode step right after a save (ms)", fmt(med(res["after_save"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}",
              f"{lb / ls / 1e6:.2f} / {lb / ll / 1e6:.2f}", "", ""),
             *new_process_rows(n, res),
@@ -345,6 +356,7 @@ def session_rows(n: int, res: dict) -> list[tuple]:
             own_row(res, b),
             *new_process_rows(n, res),
             ("the restored K/V's first decode step (ms)", fmt(med(res["first"])), "", "", ""),
+            ("a decode step right after a save (ms)", fmt(med(res["after_save"])), "", "", ""),
             ("save / restore GB/s", f"{b / save / 1e6:.2f} / {b / load / 1e6:.2f}", "skipped", "", ""),
             ("session file bytes per token", f"{b / n:,.1f}", "skipped", "", ""),
         ]
@@ -418,6 +430,12 @@ def main() -> int:
     ap.add_argument("--cache-slots", type=int, default=4, help="... and its number of parked conversations")
     ap.add_argument("--mlx-cache-limit", type=int, default=None, metavar="MIB",
                     help="mx.set_cache_limit before the engine starts (how much freed memory MLX keeps for reuse)")
+    ap.add_argument("--save-reads-live", action="store_true",
+                    help="A/B: a save reads the live K/V's own memory on MLX's CUDA backend (moving it into managed "
+                         "memory) instead of a device copy (device_upload.COPY_FOR_HOST_READS off)")
+    ap.add_argument("--restore-keeps-cache", action="store_true",
+                    help="A/B: a GPU restore does not empty MLX's buffer cache first "
+                         "(sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE off)")
     ap.add_argument("--new-process", type=int, default=0, metavar="N",
                     help="also N rounds of restores, each into a new process that has just loaded the model")
     ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -443,6 +461,12 @@ def main() -> int:
         return 2
 
     t_bench = time.perf_counter()
+    if args.save_reads_live:
+        import engine.device_upload
+        engine.device_upload.COPY_FOR_HOST_READS = False
+    if args.restore_keeps_cache:
+        import engine.sessions
+        engine.sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE = False
     if args.mlx_cache_limit is not None:
         import mlx.core as mx
         mx.set_cache_limit(args.mlx_cache_limit << 20)

@@ -853,6 +853,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
 
 
 GPU_BUFFERS = 4          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
+CLEAR_CACHE_BEFORE_GPU_RESTORE = True   # bench/cache.py --restore-keeps-cache: off, an A/B
 GPU_READERS = 2          # threads reading the file into them (one reader is below the page cache's speed)
 
 
@@ -871,7 +872,8 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
     # Device buffers from MLX's cache (what an evicted conversation freed) made the uploads slower than
     # new ones from CUDA's pool on the H200: 8,192 tokens of Llama-1B 86-103 ms after evictions against
     # 57-66 ms with nothing cached (bench/gpu.md, session 5). So a restore starts from an empty cache.
-    mx.clear_cache()
+    if CLEAR_CACHE_BEFORE_GPU_RESTORE:
+        mx.clear_cache()
     ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
 
     def read(k: int) -> bool:          # unhashed: the hashing thread takes the buffers in file order
