@@ -1,6 +1,7 @@
 """Where a decode-speed gap between Strata and raw mlx-lm sits (a diagnostic for bench/engine.py).
 
     python bench/decode_probe.py --random-shape llama1b [--rounds 10] [--gen 128] [--prompt-tokens 512]
+                                 [--paths raw,request]
 
 Alternating, in one process, decode tok/s (tokens after the first / time from first to last) of:
   raw:        mlx-lm's generate_step, its own model object, the main thread (bench/engine.py's raw);
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--paths", default="raw,raw@engine-model,decode,request",
+                    help="comma-separated, raw first (fewer paths: each pair of runs closer in time)")
     a = ap.parse_args()
     if a.rounds < 1 or a.gen < 2 or a.prompt_tokens < 2:
         print("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2", file=sys.stderr)
@@ -69,7 +72,10 @@ def main() -> int:
         "decode": lambda: engine.call(Call(lambda e: engine_decode(e, ids, a.gen))).value,
         "request": lambda: engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=a.gen))).decode_tps,
     }
-    names = list(runs)
+    names = a.paths.split(",")
+    if names[0] != "raw" or not set(names) <= set(runs):
+        print(f"--paths: raw first, then any of {', '.join(list(runs)[1:])}", file=sys.stderr)
+        return 2
     out = {k: [] for k in names}
     for r in range(a.rounds + 1):
         for name in (names if r % 2 == 0 else names[::-1]):
