@@ -408,3 +408,55 @@ def test_cuda_fused_residual_parity(rows, dtype, mode):
             tol = tol + np.abs(ref) * (2.0 ** -10 if dtype == mx.float16 else 2.0 ** -7)
         err = np.abs(got - ref)
         assert np.all(err <= tol), f"max err {err.max():.3e}, worst ratio {(err / tol).max():.2f}"
+
+
+# ------------------------------------------------------------------ the norm form (and the next block's input norm)
+def _rms_ref(y: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    y64 = y.astype(np.float64)
+    return w.astype(np.float64) * y64 / np.sqrt(np.mean(y64 * y64, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 2048])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_norm_parity(rows, dtype, mode):
+    # On every backend: the norm form's first output is the residual form's exactly (the same body),
+    # its second is the row's RMSNorm: against float64 within the dtype's rounding (two roundings to
+    # the dtype, as MLX's rms_norm does: x * normalizer, then times the weight) and, on the CPU's
+    # portable path, bit for bit mx.fast.rms_norm.
+    rng = np.random.default_rng(rows + 1)
+    eps = 1e-5
+    for d in (2048, 576, 1000):
+        h, v = _make(rows, d, seed=rows * 3 + d, batch=True)
+        res = rng.standard_normal(h.shape).astype(np.float32)
+        hm, rm = mx.array(h).astype(dtype), mx.array(res).astype(dtype)
+        w = mx.array((0.5 + rng.random(d)).astype(np.float32)).astype(dtype)
+        y, normed = steering.fused_norm_steerer(mx.array(v), 2.0, mode, w, eps)(hm, rm)
+        want_y = steering.fused_steerer(mx.array(v), 2.0, mode)(hm, rm)
+        mx.eval(y, normed, want_y)
+        assert y.dtype == normed.dtype == dtype and y.shape == normed.shape == hm.shape
+        assert np.array_equal(np.array(y.astype(mx.float32)), np.array(want_y.astype(mx.float32)))
+        y_in = np.array(y.astype(mx.float32))
+        got = np.array(normed.astype(mx.float32)).astype(np.float64)
+        ref = _rms_ref(y_in, np.array(w.astype(mx.float32)), eps)
+        ulp = {mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7, mx.float32: 2.0 ** -22}[dtype]
+        err = np.abs(got - ref)
+        tol = 3 * ulp * np.abs(ref) + 1e-6 * np.abs(ref).max()
+        assert np.all(err <= tol), f"d {d}: max err {err.max():.3e}, worst ratio {(err / tol).max():.2f}"
+        stock = np.array(mx.fast.rms_norm(y, w, eps).astype(mx.float32))
+        if not (METAL or CUDA):
+            assert np.array_equal(got, stock)
+        else:      # another reduction order: at most one rounding step of the dtype apart
+            assert np.allclose(got, stock, rtol=2 * ulp, atol=1e-6 * float(np.abs(stock).max()))
+
+
+def test_norm_form_spec_and_refusals():
+    spec = steering.kernel_spec("cuda", residual=True, norm=True)
+    assert spec["input_names"] == ["h", "res", "vec", "scale", "norm_w", "eps"]
+    assert spec["output_names"] == ["out", "normed"]
+    assert "#define CVEC_NORM 1" in spec["header"] and "#define CVEC_RESIDUAL 1" in spec["header"]
+    assert "cvec_rsqrt" in steering.METAL_SHIM and "cvec_rsqrt" in steering.CUDA_SHIM
+    with pytest.raises(ValueError):
+        steering.kernel_spec("cuda", residual=False, norm=True)
+    with pytest.raises(ValueError):
+        steering.fused_norm_steerer(mx.zeros((64,)), 1.0, "project", mx.ones((63,)), 1e-5)
