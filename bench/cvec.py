@@ -22,9 +22,7 @@ Cost (default): what the vector costs when on, against the same engine with it o
   GPU kernel; compiled-kernel: the kernel's call is traced by mx.compile; residual-add: the steered
   blocks take their fused path but only add (the wrapper's own cost, the floor). --shader FILE: the
   kernel built from another body (A/Bs on one GPU). The forward's table also times its graph building
-  alone (host), which is where a custom kernel call's cost shows. By default a steered block's kernel
-  also computes the next block's input norm (steering.FUSE_NEXT_NORM); --no-norm-fusion: not (the
-  form before, an A/B).
+  alone (host), which is where a custom kernel call's cost shows.
 
   --random-shape llama1b|smollm2: the model is a random-weight Q8_0 GGUF of that shape
   (bench/shapes.py, EOS ignored); the vector is the shipped SmolLM2 one for smollm2 (same width and
@@ -382,13 +380,8 @@ def main() -> int:
                          "call under mx.compile (A/Bs against the plain kernel call); residual-add: a steered "
                          "block does its last residual add and no steering (the wrapper's own cost, a floor)")
     ap.add_argument("--shader", default=None, help="build the GPU kernel from this body instead of shaders/cvec.metal")
-    ap.add_argument("--no-norm-fusion", action="store_true",
-                    help="a steered block's kernel does not norm for the next block (the form before; "
-                         "implied by the other --steering-op forms)")
     args = ap.parse_args()
     import engine.steering as steering
-    if args.no_norm_fusion or args.steering_op in ("compiled-kernel", "residual-add"):
-        steering.FUSE_NEXT_NORM = False
     if args.steering_op == "portable":
         steering._BACKEND = "portable"
     if args.steering_op == "compiled-kernel":

@@ -2,7 +2,7 @@
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
-# same-call A/Bs cacheab, cacheswitch, cachereaders, cvecab, cvecnorm, cvecvariants, turnsab, engineab, decodeprobe and decodepairs). spec needs the real
+# same-call A/Bs cacheab, cacheswitch, cvecab, cvecvariants, turnsab, engineab, decodeprobe and decodepairs). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -36,10 +36,6 @@ for step in $STEPS; do
       i=0; for v in "" --save-reads-live --restore-keeps-cache ""; do i=$((i+1))
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
           --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_${i}${v:-_default}.txt" 2>&1; done ;;
-    cachereaders) # a GPU restore's reader threads: 2 (default) and 4, alternating runs
-      i=0; for v in "" "--gpu-readers 4" "" "--gpu-readers 4"; do i=$((i+1))
-        timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
-          --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_r${i}${v:+_readers4}.txt" 2>&1; done ;;
     decodepairs) # raw mlx-lm and a whole request only, so each pair of runs is close in time
       for s in llama1b smollm2; do
         timeout ${PROBE_TIMEOUT:-150} $py bench/decode_probe.py --random-shape $s --rounds ${ROUNDS:-30} --paths raw,request \
@@ -51,11 +47,6 @@ for step in $STEPS; do
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \
           --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 --steering-op $op \
           > "$OUT/cvec_${CVEC_SHAPE:-smollm2}_$op.txt" 2>&1; done ;;
-    cvecnorm) # the steering kernel norming for the next block (default) against the kernel alone, both shapes, twice
-      for s in ${CVEC_SHAPES:-smollm2 llama1b}; do for v in "" --no-norm-fusion "" --no-norm-fusion; do
-        timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape $s --repeat 8 --prompt-tokens 512 \
-          --decode-tokens 128 --steps 60 --chunk 512 --chunks 8 --kernel-iters 100 $v \
-          >> "$OUT/cvec_${s}_norm${v:-on}.txt" 2>&1; done; done ;;
     cvecvariants) # the steering kernel against its floor (the block's plain residual add) and the registers variant
       for v in "auto" "residual-add" "auto --shader bench/kernels/cvec_registers.metal"; do set -- $v
         timeout ${CVEC_TIMEOUT:-120} $py bench/cvec.py --random-shape ${CVEC_SHAPE:-smollm2} --repeat 8 --prompt-tokens 512 \

@@ -181,7 +181,6 @@ class ControlVector:
         self.directions = {il: mx.array(v) for il, v in self._np.items()}
         self._steerers: dict = {}
         self._fused: dict = {}
-        self._fused_norm: dict = {}
         self._fingerprint = self._compute_fingerprint()
 
     # -- loading -----------------------------------------------------------------------------
@@ -290,20 +289,6 @@ class ControlVector:
                 return h + res
             from engine.steering import fused_steerer
             fn = self._fused[layer] = fused_steerer(vec, self.scale, self.mode)
-        return fn(h, res)
-
-    def apply_residual_norm(self, h, res, layer: int, norm):
-        """(y, norm(y)) with y = apply(h + res, layer): one kernel on a GPU that also computes the next
-        block's input RMSNorm (`norm`, an nn.RMSNorm)."""
-        key = (layer, id(norm), id(norm.weight))
-        fn = self._fused_norm.get(key)
-        if fn is None:
-            vec = self.directions.get(layer)
-            if vec is None:
-                y = h + res
-                return y, norm(y)
-            from engine.steering import fused_norm_steerer
-            fn = self._fused_norm[key] = fused_norm_steerer(vec, self.scale, self.mode, norm.weight, norm.eps)
         return fn(h, res)
 
     def apply(self, h, layer: int):

@@ -90,7 +90,7 @@ def _steer_portable(h: mx.array, vec: mx.array, scale: float, mode: str) -> mx.a
 # machine without a GPU; only the call itself needs one.
 # --------------------------------------------------------------------------------------------
 # Metal: the body's names are Metal's own; only the shared array's address space is a macro.
-METAL_SHIM = "#define CVEC_SHARED threadgroup\n#define cvec_rsqrt(x) metal::rsqrt(x)\n"
+METAL_SHIM = "#define CVEC_SHARED threadgroup\n"
 
 # CUDA: MLX's cuda_kernel puts the body inside a generated __global__ function (inputs as
 # `const T*`, outputs as `T*`, template ints/bools as constexpr, dtypes as `using`), so the shim
@@ -106,7 +106,6 @@ typedef unsigned long long ulong;
 #define simdgroup_index_in_threadgroup (threadIdx.x >> 5)
 #define simdgroups_per_threadgroup (blockDim.x >> 5)
 #define threadgroup_barrier(flags) __syncthreads()
-#define cvec_rsqrt(x) rsqrtf(x)
 __device__ __forceinline__ float simd_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -115,27 +114,21 @@ __device__ __forceinline__ float simd_sum(float x) {
 
 
 RESIDUAL_INPUT_NAMES = ("h", "res", "vec", "scale")
-NORM_INPUT_NAMES = RESIDUAL_INPUT_NAMES + ("norm_w", "eps")
-NORM_OUTPUT_NAMES = ("out", "normed")
 
 
-def kernel_spec(backend: str = "metal", residual: bool = False, norm: bool = False) -> dict:
+def kernel_spec(backend: str = "metal", residual: bool = False) -> dict:
     """Keyword arguments for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (documented names).
-    ``residual``: the fused form, steering h + res (the block's last residual add) in one kernel;
-    ``norm`` (with residual): also the next block's input RMSNorm of the result, a second output."""
+    ``residual``: the fused form, steering h + res (the block's last residual add) in one kernel."""
     if CVEC_METAL_SOURCE is None:
         raise RuntimeError(f"{SHADER_NAME} not found in {shaders_dir()}")
     if backend not in ("metal", "cuda"):
         raise ValueError(f"no kernel for backend {backend!r}")
-    if norm and not residual:
-        raise ValueError("the norm form is a form of the residual one")
     return dict(
-        name=KERNEL_NAME + ("_res" if residual else "") + ("_norm" if norm else ""),
-        input_names=list(NORM_INPUT_NAMES if norm else RESIDUAL_INPUT_NAMES if residual else INPUT_NAMES),
-        output_names=list(NORM_OUTPUT_NAMES if norm else OUTPUT_NAMES),
+        name=KERNEL_NAME + ("_res" if residual else ""),
+        input_names=list(RESIDUAL_INPUT_NAMES if residual else INPUT_NAMES),
+        output_names=list(OUTPUT_NAMES),
         source=CVEC_METAL_SOURCE,
-        header=(METAL_SHIM if backend == "metal" else CUDA_SHIM) + ("#define CVEC_RESIDUAL 1\n" if residual else "")
-        + ("#define CVEC_NORM 1\n" if norm else ""),
+        header=(METAL_SHIM if backend == "metal" else CUDA_SHIM) + ("#define CVEC_RESIDUAL 1\n" if residual else ""),
         ensure_row_contiguous=True,
     )
 
@@ -160,10 +153,10 @@ def _scale_array(scale: float) -> mx.array:
     return a
 
 
-def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str, outputs: int = 1) -> dict:
+def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str) -> dict:
     """Keyword arguments for calling the kernel object (documented names: inputs, template,
     grid, threadgroup, output_shapes, output_dtypes). ``grid`` counts threads (dispatchThreads);
-    the same arguments serve the CUDA build. ``outputs``: 2 for the norm form (out, normed)."""
+    the same arguments serve the CUDA build."""
     d = int(h.shape[-1])
     rows = h.size // d if d else 0
     tg = threads_per_row(d)
@@ -172,19 +165,19 @@ def metal_call_args(h: mx.array, vec: mx.array, scale: float, mode: str, outputs
         template=[("T", h.dtype), ("D", d), ("TG", tg), ("PROJECT", mode == "project")],
         grid=(rows * tg, 1, 1),
         threadgroup=(tg, 1, 1),
-        output_shapes=[tuple(h.shape)] * outputs,
-        output_dtypes=[h.dtype] * outputs,
+        output_shapes=[tuple(h.shape)],
+        output_dtypes=[h.dtype],
     )
 
 
 _kernels: dict[str, object] = {}
 
 
-def _get_kernel(backend: str, residual: bool = False, norm: bool = False):
-    k = _kernels.get((backend, residual, norm))
+def _get_kernel(backend: str, residual: bool = False):
+    k = _kernels.get((backend, residual))
     if k is None:
         make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-        k = _kernels[(backend, residual, norm)] = make(**kernel_spec(backend, residual, norm))
+        k = _kernels[(backend, residual)] = make(**kernel_spec(backend, residual))
     return k
 
 
@@ -320,66 +313,6 @@ def fused_steerer(vec: mx.array, scale: float, mode: str) -> Callable[[mx.array,
     return run_kernel
 
 
-_portable_norm: dict = {}
-
-
-def _portable_norm_fn(mode: str, eps: float):
-    """The portable norm form: the block's add, the steering and mx.fast.rms_norm in one compiled
-    function (one per mode and eps: rms_norm takes eps as a number)."""
-    fn = _portable_norm.get((mode, eps))
-    if fn is None:
-        ref = _add_ref if mode == "add" else _project_ref
-
-        def run(h, res, v, s, w):
-            y = ref(h + res, v, s)
-            return y, mx.fast.rms_norm(y, w, eps)
-        fn = _portable_norm[(mode, eps)] = mx.compile(run)
-    return fn
-
-
-def fused_norm_steerer(vec: mx.array, scale: float, mode: str, norm_w: mx.array,
-                       eps: float) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
-    """(h, res) -> (y, rms_norm(y, norm_w, eps)) with y = steer(h + res): ``fused_steerer`` plus the
-    next block's input norm, one kernel on a GPU. The next block takes the normed row instead of
-    running its own norm kernel (SteeredLayer's hand-off), so a steered layer costs one custom-kernel
-    call in place of the block's add and that norm. norm_w must have h's dtype (as the model's own
-    norm weights do; MLX's rms_norm would otherwise promote)."""
-    if mode not in ("add", "project"):
-        raise ValueError(f"steering mode {mode!r} is not 'add' or 'project'")
-    backend = _BACKEND or active_backend()
-    v = vec if vec.dtype == mx.float32 else vec.astype(mx.float32)
-    width = int(v.shape[0])
-    if norm_w.shape != (width,):
-        raise ValueError(f"steering: norm weight {tuple(norm_w.shape)} and vec ({width},) differ")
-    if backend == "portable":
-        s = mx.array(scale, dtype=mx.float32)
-        fn = _portable_norm_fn(mode, float(eps))
-
-        def run_portable(h: mx.array, res: mx.array) -> tuple[mx.array, mx.array]:
-            _check_fused(h, res, width)
-            return fn(h, res, v, s, norm_w)
-        return run_portable
-    kernel = _get_kernel(backend, residual=True, norm=True)
-    unnormed = fused_steerer(vec, scale, mode)       # for what the kernel does not take
-    s_arr = _scale_array(float(scale))
-    eps_arr = mx.array([eps], dtype=mx.float32)
-    calls: dict = {}
-
-    def run_kernel(h: mx.array, res: mx.array) -> tuple[mx.array, mx.array]:
-        key = (h.shape, h.dtype, res.shape, res.dtype)
-        kw = calls.get(key)
-        if kw is None:
-            _check_fused(h, res, width)
-            if h.size == 0 or norm_w.dtype != h.dtype:
-                y = unnormed(h, res)
-                return y, mx.fast.rms_norm(y, norm_w, eps)
-            kw = calls[key] = metal_call_args(h, v, scale, mode, outputs=2)
-            del kw["inputs"]
-        out, normed = kernel(inputs=[h, res, v, s_arr, norm_w, eps_arr], **kw)
-        return out, normed
-    return run_kernel
-
-
 def warm_up(vector, dtype) -> float:
     """Compile (and run once) the steering op for `vector`'s width, mode and scale in `dtype`, on
     one row and on two (the portable path traces per shape; the kernel compiles once per dtype and
@@ -390,12 +323,9 @@ def warm_up(vector, dtype) -> float:
         return 0.0
     layer, vec = next(iter(vector.directions.items()))
     outs = []
-    norm = nn.RMSNorm(vec.shape[0])
-    norm.weight = norm.weight.astype(dtype)
     for rows in (1, 2):
         z = mx.zeros((1, rows, vec.shape[0]), dtype=dtype)
-        outs += [vector.apply(z, layer), vector.apply_residual(z, z, layer),
-                 *vector.apply_residual_norm(z, z, layer, norm)]
+        outs += [vector.apply(z, layer), vector.apply_residual(z, z, layer)]
     mx.eval(outs)
     return time.perf_counter() - t0
 
@@ -409,15 +339,11 @@ class SteeringState:
 
     Off (or no vector): the wrappers return the block output untouched, no extra op."""
 
-    __slots__ = ("speed_projection", "vector", "next_norms", "handoff")
+    __slots__ = ("speed_projection", "vector")
 
     def __init__(self, vector=None, speed_projection: bool = False):
         self.vector = vector
         self.speed_projection = speed_projection
-        # install() fills next_norms: block i -> block i+1's input norm, where i+1 is a fusable block.
-        # handoff: (i+1, y, normed) from a steered block i whose kernel also normed y for block i+1.
-        self.next_norms: dict = {}
-        self.handoff: tuple | None = None
 
     @property
     def active(self) -> bool:
@@ -453,32 +379,16 @@ class SteeredLayer(nn.Module):
 
     def __call__(self, x, *args, **kwargs):
         st = self.steering_state
-        i = self.layer_index
-        ho = st.handoff
-        steered = st.speed_projection and st.vector is not None and st.vector.steers(i)
-        if ho is None and not steered:
+        if not st.speed_projection or st.vector is None or not st.vector.steers(self.layer_index):
             return self.block(x, *args, **kwargs)
-        st.handoff = None
-        # The previous (steered) block's kernel normed x for this block: used only for that very array.
-        normed = ho[2] if ho is not None and ho[0] == i and ho[1] is x else None
         b = self.block
-        if type(b).__call__ not in _FUSABLE_CALLS:
-            out = b(x, *args, **kwargs)
-            return st.vector.apply(out, i) if steered else out
-        # mlx-lm's pre-norm block, step for step, with its last residual add done by the steering
-        # kernel (a steered block costs no extra kernel launch), which also norms its output for the
-        # next block when that one is fusable too (then that block skips its input norm).
-        r = b.self_attn(b.input_layernorm(x) if normed is None else normed, *args, **kwargs)
-        h = x + r
-        res = b.mlp(b.post_attention_layernorm(h))
-        if not steered:
-            return h + res
-        nxt = st.next_norms.get(i) if FUSE_NEXT_NORM else None
-        if nxt is None:
-            return st.vector.apply_residual(h, res, i)
-        y, y_normed = st.vector.apply_residual_norm(h, res, i, nxt)
-        st.handoff = (i + 1, y, y_normed)
-        return y
+        if type(b).__call__ in _FUSABLE_CALLS:
+            # mlx-lm's pre-norm block, step for step, with its last residual add done by the
+            # steering kernel: a steered block costs no extra kernel launch.
+            r = b.self_attn(b.input_layernorm(x), *args, **kwargs)
+            h = x + r
+            return st.vector.apply_residual(h, b.mlp(b.post_attention_layernorm(h)), self.layer_index)
+        return st.vector.apply(b(x, *args, **kwargs), self.layer_index)
 
 
 def _fusable_calls() -> set:
@@ -495,7 +405,6 @@ def _fusable_calls() -> set:
 
 
 _FUSABLE_CALLS = _fusable_calls()
-FUSE_NEXT_NORM = True       # the steering kernel also norms for the next block (bench/cvec.py --no-norm-fusion: off)
 
 
 def _layers_owner(model: nn.Module):
@@ -507,15 +416,6 @@ def _layers_owner(model: nn.Module):
     raise TypeError("install: the model keeps no list of blocks at model.model.layers or model.layers")
 
 
-def _input_norm(layer) -> nn.Module | None:
-    """A fusable block's input RMSNorm, if it is one the kernel can compute (weight and eps)."""
-    b = layer.block if isinstance(layer, SteeredLayer) else layer
-    norm = getattr(b, "input_layernorm", None)
-    if type(b).__call__ not in _FUSABLE_CALLS or not isinstance(norm, nn.RMSNorm):
-        return None
-    return norm
-
-
 def install(model: nn.Module, state: SteeringState) -> None:
     """Wrap every block in place (idempotent: an installed model gets the new state)."""
     owner = _layers_owner(model)
@@ -525,6 +425,3 @@ def install(model: nn.Module, state: SteeringState) -> None:
             block.steering_state = state
         else:
             layers[i] = SteeredLayer(block, i, state)
-    state.handoff = None
-    state.next_norms = {i: norm for i in range(len(layers) - 1)
-                        if _input_norm(layers[i]) is not None and (norm := _input_norm(layers[i + 1])) is not None}

@@ -14,29 +14,18 @@
 // the row is x = h + res, the block's last residual add, rounded to T as the unfused add is; the
 // steered block then costs no extra kernel at all (the add is replaced, not followed).
 //
-// Norm form (the header also defines CVEC_NORM; two more inputs, `norm_w` (D,) dtype T and `eps`
-// float32 (1,), and a second output `normed`): after `out`, the row's RMSNorm as MLX's rms_norm
-// computes it (normalizer in fp32 over the row as rounded to T, then w * T(x * normalizer) in T),
-// the next block's input norm. That block then skips its own norm kernel, so a steered layer costs
-// one custom-kernel call in place of an add and a norm.
-//
 // project: out = h - s (h.v) v   (dot in fp32: per-thread strided partials, simd_sum, then the
 //                                 per-simdgroup partials reduced by simdgroup 0)
 // add:     out = h + s d
 // One body, two backends: engine/steering.py prepends a shim header. METAL_SHIM defines
 // CVEC_SHARED as `threadgroup`; CUDA_SHIM (for mx.fast.cuda_kernel) defines it as `__shared__` and
-// maps the Metal names used here (thread indices, simd_sum, threadgroup_barrier, uint/ulong; both
-// shims define cvec_rsqrt) onto
+// maps the Metal names used here (thread indices, simd_sum, threadgroup_barrier, uint/ulong) onto
 // CUDA's. Keep to those names, or add them to both shims.
 // Status: the CUDA build is compiled and checked against a float64 reference on an NVIDIA H200
 // (tests/engine/test_steering_kernels.py, see bench/gpu.md). The Metal build has NEVER been compiled or
 // run anywhere (no Mac in the CI that wrote it); the same test runs it on a Mac.
 
 CVEC_SHARED float cvec_partials[32];
-#ifdef CVEC_NORM
-// Its own shared array, so no thread can overwrite the dot product's total while another reads it.
-CVEC_SHARED float cvec_squares[32];
-#endif
 
 #ifdef CVEC_RESIDUAL
 #define CVEC_X(i) float(static_cast<T>(h[i] + res[i]))
@@ -76,31 +65,3 @@ if (PROJECT) {
 for (uint j = tid; j < uint(D); j += uint(TG)) {
     out[base + j] = static_cast<T>(CVEC_X(base + j) + coef * vec[j]);
 }
-
-#ifdef CVEC_NORM
-// Each thread reads back only what it wrote: no barrier needed before this loop.
-float sq = 0.0f;
-for (uint j = tid; j < uint(D); j += uint(TG)) {
-    const float y = float(out[base + j]);
-    sq += y * y;
-}
-sq = simd_sum(sq);
-if (thread_index_in_simdgroup == 0) {
-    cvec_squares[simdgroup_index_in_threadgroup] = sq;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-if (simdgroup_index_in_threadgroup == 0) {
-    float p = (thread_index_in_simdgroup < simdgroups_per_threadgroup)
-                  ? cvec_squares[thread_index_in_simdgroup]
-                  : 0.0f;
-    p = simd_sum(p);
-    if (thread_index_in_simdgroup == 0) {
-        cvec_squares[0] = p;
-    }
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-const float normalizer = cvec_rsqrt(cvec_squares[0] / float(D) + eps[0]);
-for (uint j = tid; j < uint(D); j += uint(TG)) {
-    normed[base + j] = norm_w[j] * static_cast<T>(float(out[base + j]) * normalizer);
-}
-#endif

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gguf
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama
@@ -400,66 +399,6 @@ def test_steering_with_kv_cache_matches_full_forward(tmp_path):
     rest = [model(TOKENS[:, i:i + 1], cache=cache) for i in range(5, TOKENS.shape[1])]
     got = np.concatenate([np.array(first)] + [np.array(r) for r in rest], axis=1)
     assert np.allclose(got, full, atol=1e-4)
-
-
-class _CountingNorm(nn.RMSNorm):
-    calls = 0
-
-    def __call__(self, x):
-        type(self).calls += 1
-        return super().__call__(x)
-
-
-@pytest.mark.parametrize("mode", ["project", "add"])
-def test_steering_kernel_norms_for_the_next_block(tmp_path, monkeypatch, mode):
-    # A steered block whose next block is a stock pre-norm one hands that block its input norm
-    # (computed by the steering op): the next block's own norm is not called, and the logits are those
-    # of the unfused chain (bit for bit on the CPU's portable path), with a cache too.
-    from engine import steering
-    n_layer = 6
-    model = _tiny_model(n_layer, seed=3)
-    cv, _ = _vector(tmp_path, n_layer, mode, scale=2.0, layer_range=(1, 4))
-    state = SteeringState(cv, speed_projection=True)
-    install(model, state)
-    assert sorted(state.next_norms) == [0, 1, 2, 3, 4]          # block 5 is the last: no next block
-    spy = _CountingNorm(N_EMBD, eps=1e-5)
-    spy.weight = model.model.layers[3].block.input_layernorm.weight
-    model.model.layers[3].block.input_layernorm = spy
-    install(model, state)                                        # the spy is now block 3's input norm
-    assert state.next_norms[2] is spy
-
-    _CountingNorm.calls = 0
-    fused = _logits(model)
-    assert _CountingNorm.calls == 0 and state.handoff is None    # taken from block 2's kernel, consumed
-    monkeypatch.setattr(steering, "FUSE_NEXT_NORM", False)
-    unfused = _logits(model)
-    assert _CountingNorm.calls == 1
-    assert np.array_equal(fused, unfused)
-    monkeypatch.setattr(steering, "FUSE_NEXT_NORM", True)
-    cache = model.make_cache()
-    parts = [model(TOKENS[:, :5], cache=cache)] + [model(TOKENS[:, i:i + 1], cache=cache)
-                                                   for i in range(5, TOKENS.shape[1])]
-    assert np.allclose(np.concatenate([np.array(p) for p in parts], axis=1), fused, atol=1e-4)
-
-
-def test_a_stale_handoff_is_never_used(tmp_path):
-    # The hand-off is for the very array the steered block returned, at the next index only.
-    n_layer = 4
-    model = _tiny_model(n_layer)
-    cv, _ = _vector(tmp_path, n_layer, "project", scale=2.0, layer_range=(1, 1))
-    state = SteeringState(cv, speed_projection=True)
-    install(model, state)
-    h = model.model.embed_tokens(TOKENS)
-    mask = create_attention_mask(h, None)
-    y = model.model.layers[1](h, mask)
-    assert state.handoff is not None and state.handoff[1] is y
-    other = y + 0                                               # same values, another array
-    want = np.array(model.model.layers[2].block(other, mask))
-    got = np.array(model.model.layers[2](other, mask))
-    assert state.handoff is None and np.array_equal(got, want)
-    y = model.model.layers[1](h, mask)
-    got = np.array(model.model.layers[3](y, mask))              # not the next index: its own norm
-    assert np.array_equal(got, np.array(model.model.layers[3].block(y, mask)))
 
 
 # ------------------------------------------------------------------ llama.cpp accepts the file
