@@ -4,6 +4,7 @@
     .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
                                     [--fresh-names] [--new-process N] [--cache-mib M --cache-slots S]
                                     [--mlx-cache-limit MIB] [--save-reads-live] [--restore-keeps-cache]
+                                    [--gpu-readers N]
 
 1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
    request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
@@ -436,6 +437,8 @@ def main() -> int:
     ap.add_argument("--restore-keeps-cache", action="store_true",
                     help="A/B: a GPU restore does not empty MLX's buffer cache first "
                          "(sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE off)")
+    ap.add_argument("--gpu-readers", type=int, default=None, metavar="N",
+                    help="A/B: reader threads of a GPU restore (sessions.GPU_READERS; its ring grows to N + 2 buffers)")
     ap.add_argument("--new-process", type=int, default=0, metavar="N",
                     help="also N rounds of restores, each into a new process that has just loaded the model")
     ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -464,6 +467,10 @@ def main() -> int:
     if args.save_reads_live:
         import engine.device_upload
         engine.device_upload.COPY_FOR_HOST_READS = False
+    if args.gpu_readers:
+        import engine.sessions
+        engine.sessions.GPU_READERS = args.gpu_readers
+        engine.sessions.GPU_BUFFERS = max(engine.sessions.GPU_BUFFERS, args.gpu_readers + 2)
     if args.restore_keeps_cache:
         import engine.sessions
         engine.sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE = False
