@@ -852,9 +852,11 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     return restored(tokens, cache, key, hdr, size, ms, prof)
 
 
-GPU_BUFFERS = 4          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
+GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
 CLEAR_CACHE_BEFORE_GPU_RESTORE = True   # bench/cache.py --restore-keeps-cache: off, an A/B
-GPU_READERS = 2          # threads reading the file into them (one reader is below the page cache's speed)
+# Threads reading the file into them: one reader is below the page cache's speed, and 4 restored
+# 8,192 tokens of Llama-1B on the H200 in 64.9 / 68.1 ms against 70.1-70.2 with 2 (bench/gpu.md, session 6).
+GPU_READERS = 4
 
 
 def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: RestoreProfile, name: str,
