@@ -26,7 +26,7 @@
    After the rounds, a restore then one decode step on the restored K/V, the step timed on its own
    (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device),
    and a save then one decode step (what reading the K/V for the file leaves behind).
-   --save-reads-live, --restore-keeps-cache: A/B switches for two GPU choices (see --help).
+   --save-reads-live, --restore-keeps-cache, --gpu-readers N: A/B switches for GPU choices (see --help).
    --new-process N: then N rounds of restores each into a new process that has just loaded the model
    (what session files are for), Strata as shipped, Strata without its K/V memory touched at load
    (engine/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.

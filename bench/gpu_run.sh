@@ -36,10 +36,10 @@ for step in $STEPS; do
       i=0; for v in "" --save-reads-live --restore-keeps-cache ""; do i=$((i+1))
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
           --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_${i}${v:-_default}.txt" 2>&1; done ;;
-    cachereaders) # a GPU restore's reader threads: 2 (default) and 4, alternating runs
-      i=0; for v in "" "--gpu-readers 4" "" "--gpu-readers 4"; do i=$((i+1))
+    cachereaders) # a GPU restore's reader threads: 4 (the default since session 6) and 2, alternating runs
+      i=0; for v in "" "--gpu-readers 2" "" "--gpu-readers 2"; do i=$((i+1))
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
-          --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_r${i}${v:+_readers4}.txt" 2>&1; done ;;
+          --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_r${i}${v:+_readers2}.txt" 2>&1; done ;;
     decodepairs) # raw mlx-lm and a whole request only, so each pair of runs is close in time
       for s in llama1b smollm2; do
         timeout ${PROBE_TIMEOUT:-150} $py bench/decode_probe.py --random-shape $s --rounds ${ROUNDS:-30} --paths raw,request \

@@ -853,10 +853,11 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
 
 
 GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
-CLEAR_CACHE_BEFORE_GPU_RESTORE = True   # bench/cache.py --restore-keeps-cache: off, an A/B
-# Threads reading the file into them: one reader is below the page cache's speed, and 4 restored
-# 8,192 tokens of Llama-1B on the H200 in 64.9 / 68.1 ms against 70.1-70.2 with 2 (bench/gpu.md, session 6).
+# Threads reading the file into them: one reader is below the page cache's speed; with 4, 8,192 tokens
+# of Llama-1B restored on the H200 in 62.1-68.1 ms (three runs), with 2 in 60.8-70.2 (four runs; bench/gpu.md,
+# session 6): within the machine's spread, but 2 of 3 runs at >= 4 GB/s against 1 of 4.
 GPU_READERS = 4
+CLEAR_CACHE_BEFORE_GPU_RESTORE = True   # bench/cache.py --restore-keeps-cache: off, an A/B
 
 
 def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: RestoreProfile, name: str,
