@@ -3,8 +3,7 @@
     .venv/bin/python bench/cache.py [--model PATH] [--history 2000] [--repeats 3] [--session-tokens 2048]
     .venv/bin/python bench/cache.py --session-only [--fill random|prefill] [--random-shape llama1b|smollm2]
                                     [--fresh-names] [--new-process N] [--cache-mib M --cache-slots S]
-                                    [--mlx-cache-limit MIB] [--save-reads-live] [--restore-keeps-cache]
-                                    [--gpu-readers N]
+                                    [--mlx-cache-limit MIB] [--gpu-readers N]
 
 1. A/B/A (skipped with --session-only): conversation A with --history tokens, then a short chat-title
    request B (other system prompt), then A's next turn. Time to first token of A's turn with parking
@@ -26,7 +25,7 @@
    After the rounds, a restore then one decode step on the restored K/V, the step timed on its own
    (what the next turn pays for the restored memory's first use; on a GPU, pages moving to the device),
    and a save then one decode step (what reading the K/V for the file leaves behind).
-   --save-reads-live, --restore-keeps-cache, --gpu-readers N: A/B switches for GPU choices (see --help).
+   --gpu-readers N: a GPU restore's reader threads (an A/B against the default, 4).
    --new-process N: then N rounds of restores each into a new process that has just loaded the model
    (what session files are for), Strata as shipped, Strata without its K/V memory touched at load
    (engine/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.
@@ -431,12 +430,6 @@ def main() -> int:
     ap.add_argument("--cache-slots", type=int, default=4, help="... and its number of parked conversations")
     ap.add_argument("--mlx-cache-limit", type=int, default=None, metavar="MIB",
                     help="mx.set_cache_limit before the engine starts (how much freed memory MLX keeps for reuse)")
-    ap.add_argument("--save-reads-live", action="store_true",
-                    help="A/B: a save reads the live K/V's own memory on MLX's CUDA backend (moving it into managed "
-                         "memory) instead of a device copy (device_upload.COPY_FOR_HOST_READS off)")
-    ap.add_argument("--restore-keeps-cache", action="store_true",
-                    help="A/B: a GPU restore does not empty MLX's buffer cache first "
-                         "(sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE off)")
     ap.add_argument("--gpu-readers", type=int, default=None, metavar="N",
                     help="A/B: reader threads of a GPU restore (sessions.GPU_READERS; its ring grows to N + 2 buffers)")
     ap.add_argument("--new-process", type=int, default=0, metavar="N",
@@ -449,6 +442,9 @@ def main() -> int:
                              args.dtype)
     if args.repeats < 1 or args.session_tokens < 1:
         print("--repeats and --session-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.gpu_readers is not None and not 1 <= args.gpu_readers <= 64:
+        print("--gpu-readers must be 1 to 64", file=sys.stderr)
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="strata-bench-cache-"))
     if args.random_shape:
@@ -464,16 +460,10 @@ def main() -> int:
         return 2
 
     t_bench = time.perf_counter()
-    if args.save_reads_live:
-        import engine.device_upload
-        engine.device_upload.COPY_FOR_HOST_READS = False
     if args.gpu_readers:
         import engine.sessions
         engine.sessions.GPU_READERS = args.gpu_readers
         engine.sessions.GPU_BUFFERS = max(engine.sessions.GPU_BUFFERS, args.gpu_readers + 2)
-    if args.restore_keeps_cache:
-        import engine.sessions
-        engine.sessions.CLEAR_CACHE_BEFORE_GPU_RESTORE = False
     if args.mlx_cache_limit is not None:
         import mlx.core as mx
         mx.set_cache_limit(args.mlx_cache_limit << 20)

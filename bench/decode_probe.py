@@ -24,6 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+PATHS = ("raw", "raw@engine-model", "decode", "request")     # the runs main() alternates
+
+
 def engine_decode(e, ids, gen):
     from engine.generate import StepStats, decode, prefill
     from engine.sampling import SamplingParams
@@ -46,11 +49,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--paths", default="raw,raw@engine-model,decode,request",
+    ap.add_argument("--paths", default=",".join(PATHS),
                     help="comma-separated, raw first (fewer paths: each pair of runs closer in time)")
     a = ap.parse_args()
     if a.rounds < 1 or a.gen < 2 or a.prompt_tokens < 2:
         print("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2", file=sys.stderr)
+        return 2
+    names = a.paths.split(",")
+    if names[0] != "raw" or not set(names) <= set(PATHS):       # checked before the model is built
+        print(f"--paths: raw first, then any of {', '.join(PATHS[1:])}", file=sys.stderr)
         return 2
     from bench.engine import prompt_ids, run_mlx_lm
     from bench.shapes import build_random_model, ignore_eos
@@ -72,10 +79,6 @@ def main() -> int:
         "decode": lambda: engine.call(Call(lambda e: engine_decode(e, ids, a.gen))).value,
         "request": lambda: engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=a.gen))).decode_tps,
     }
-    names = a.paths.split(",")
-    if names[0] != "raw" or not set(names) <= set(runs):
-        print(f"--paths: raw first, then any of {', '.join(list(runs)[1:])}", file=sys.stderr)
-        return 2
     out = {k: [] for k in names}
     for r in range(a.rounds + 1):
         for name in (names if r % 2 == 0 else names[::-1]):

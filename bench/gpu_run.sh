@@ -2,7 +2,7 @@
 # The whole H200 measurement in one go (bench/gpu.md): run from the repo root with PYTHONPATH set to
 # the installed wheels and this tree; OUT names a folder for the logs (default ./gpu-out).
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
-# same-call A/Bs cacheab, cacheswitch, cachereaders, cvecab, cvecvariants, turnsab, engineab, decodeprobe and decodepairs). spec needs the real
+# same-call A/Bs cacheab, cachereaders, cvecab, cvecvariants, turnsab, engineab, decodeprobe and decodepairs). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -32,10 +32,6 @@ for step in $STEPS; do
       for s in llama1b smollm2; do for m in "" --no-merge; do
         timeout ${ENGINE_TIMEOUT:-150} $py bench/trace_run.py --every 600 $m bench/engine.py --random-shape $s --prompt-tokens 512 \
           --gen 128 --rounds ${ROUNDS:-12} --no-llama > "$OUT/engine_${s}_merge${m:-on}.txt" 2>&1; done; done ;;
-    cacheswitch) # session files: the save's device copies and the restore's cache clear, each switched off once
-      i=0; for v in "" --save-reads-live --restore-keeps-cache ""; do i=$((i+1))
-        timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \
-          --repeats ${CACHE_REPEATS:-10} --fresh-names $v > "$OUT/cache_${i}${v:-_default}.txt" 2>&1; done ;;
     cachereaders) # a GPU restore's reader threads: 4 (the default since session 6) and 2, alternating runs
       i=0; for v in "" "--gpu-readers 2" "" "--gpu-readers 2"; do i=$((i+1))
         timeout ${CACHE_TIMEOUT:-150} $py bench/cache.py --session-only --random-shape llama1b --session-tokens 8192 \

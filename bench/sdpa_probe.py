@@ -9,7 +9,8 @@ engine's explicit form for short chunks (engine/attention.py, "explicit"), over 
 query (a decode step) at a new K every call, (d) (b) with an explicit mask array, and (e) the
 prefill chunk sizes, repeated, to show where the explicit form stops paying; (f) a returning turn's
 33 queries over 53, 2,033 and 8,033 keys: the explicit form as it runs, without its mask, and over
-keys padded to a multiple of 8 (what engine/attention.py now does). The broadcast form these rows
+keys padded to a multiple of 8 (session 4's engine did that; it was slower end to end and removed in
+session 5, bench/gpu.md). The broadcast form these rows
 replaced is in bench/gpu.md, session 4 (commit f149c6c has both).
 """
 from __future__ import annotations

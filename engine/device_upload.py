@@ -22,7 +22,6 @@ from .device import on_cuda
 COPY_THREADS = 4                # the host copy into MLX's buffer, split: one thread copies ~5 GB/s
 COPY_MIN_PIECE = 2 << 20        # below this a split costs more than it saves
 _copiers: ThreadPoolExecutor | None = None
-COPY_FOR_HOST_READS = True      # host_view on CUDA reads a device copy (bench/cache.py --save-reads-live: off, an A/B)
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -95,7 +94,7 @@ def host_view(a: mx.array, keep_on_device: bool | None = None) -> np.ndarray:
     page faults at its next step. There the view is of a device copy made for the read (its bits as
     unsigned integers times 1, viewed back: exact, NaN payloads too) and `a` stays in device memory.
     Elsewhere, or with ``keep_on_device=False`` (an array nobody keeps), it is `a`'s own memory."""
-    if (on_cuda() and COPY_FOR_HOST_READS) if keep_on_device is None else keep_on_device:
+    if on_cuda() if keep_on_device is None else keep_on_device:
         bits = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
         a = mx.view(mx.view(a, bits) * 1, a.dtype)
     mx.eval(a)
@@ -105,7 +104,7 @@ def host_view(a: mx.array, keep_on_device: bool | None = None) -> np.ndarray:
 def drop_host_copies() -> None:
     """After host_view's reads on CUDA: MLX's buffer cache would hand the managed buffers of those
     copies to later device allocations (its cache matches sizes, not memory kinds), so empty it."""
-    if on_cuda() and COPY_FOR_HOST_READS:
+    if on_cuda():
         mx.clear_cache()
 
 

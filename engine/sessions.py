@@ -32,7 +32,7 @@ place through numpy views: a float16 cache by reading each head straight into it
 reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
 and casting it once into the array on this thread (half_cast: numpy's result, ~3x as fast); the
 memory is resident when the engine touched one context's K/V at load (kv_reserve.py). On a GPU MLX's
-buffer cache is emptied first, two reader threads read tensors into a ring of padded host buffers, a
+buffer cache is emptied first, four reader threads read tensors into a ring of padded host buffers, a
 third hashes them in file order, and each is copied into device memory through MLX's Load primitive
 (device_upload.to_device).
 """
@@ -857,7 +857,6 @@ GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed
 # of Llama-1B restored on the H200 in 62.1-68.1 ms (three runs), with 2 in 60.8-70.2 (four runs; bench/gpu.md,
 # session 6): within the machine's spread, but 2 of 3 runs at >= 4 GB/s against 1 of 4.
 GPU_READERS = 4
-CLEAR_CACHE_BEFORE_GPU_RESTORE = True   # bench/cache.py --restore-keeps-cache: off, an A/B
 
 
 def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: RestoreProfile, name: str,
@@ -874,9 +873,9 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
     total, step = len(kv), max(1, len(kv) // 20)
     # Device buffers from MLX's cache (what an evicted conversation freed) made the uploads slower than
     # new ones from CUDA's pool on the H200: 8,192 tokens of Llama-1B 86-103 ms after evictions against
-    # 57-66 ms with nothing cached (bench/gpu.md, session 5). So a restore starts from an empty cache.
-    if CLEAR_CACHE_BEFORE_GPU_RESTORE:
-        mx.clear_cache()
+    # 57-66 ms with nothing cached (bench/gpu.md, session 5; 74.5 against 70.1 ms without the clear in
+    # session 6). So a restore starts from an empty cache.
+    mx.clear_cache()
     ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
 
     def read(k: int) -> bool:          # unhashed: the hashing thread takes the buffers in file order
