@@ -26,6 +26,10 @@ class Conversations:
     def held(self) -> list[KVEntry]:
         return ([self.live] if self.live is not None else []) + list(self.parking.entries)
 
+    def held_bytes(self) -> int:
+        """K/V bytes held, live and parked."""
+        return sum(e.nbytes() for e in self.held())
+
     def clear(self) -> None:
         """A new model: nothing held is valid any more."""
         self.live = None

@@ -12,9 +12,11 @@ The Qt app runs `engine.run_forever()` inside its QThread instead of `start()`.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from typing import Any, Callable
 
 # mlx-lm makes MLX streams (its generation stream) when first imported. Imported here, with the engine
@@ -36,6 +38,20 @@ class _Stop:
     pass
 
 
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _quiet_at_exit() -> None:
+    """At interpreter exit, let no engine thread be inside MLX for its idle-time work: MLX 0.32 aborts
+    the process ("terminate called without an active exception") when the exit tears its streams down
+    under a running evaluation, and a script may well exit right after its last result."""
+    for engine in list(_ENGINES):
+        engine._idle_work = False
+        if engine._topping_up:
+            engine.idle.wait(10)
+
+
 class Engine(RequestHandlers):
     def __init__(self, options: EngineOptions | None = None):
         from .memory_guard import MemoryGuard
@@ -43,6 +59,13 @@ class Engine(RequestHandlers):
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.stopped = threading.Event()
+        # Set while the engine waits for a request with nothing else to do (no idle-time K/V top-up
+        # running): benches wait for it before timing a peer in the same process.
+        self.idle = threading.Event()
+        self.kv_topup = None                      # kv_reserve.TopUp on the CPU, set at each model load
+        self._idle_work = True                    # False from interpreter exit on (_quiet_at_exit)
+        self._topping_up = False
+        _ENGINES.add(self)
         self._handle: Handle | None = None        # the request being served (for its log lines)
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
@@ -72,6 +95,7 @@ class Engine(RequestHandlers):
         if self.dist is not None and self.dist.broken:   # distributed hook: the ring is gone, answer now
             handle.emit(Failed(self.dist.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
+        self.idle.clear()
         self._queue.put(handle)
         return handle
 
@@ -84,6 +108,12 @@ class Engine(RequestHandlers):
         for a front end's per-request checks that must not queue behind a generation (the server's
         model id). Anything else goes through Status."""
         return self.facts
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the engine waits for a request with its idle-time work done (True), or for
+        `timeout` (False). For a caller that has the results it waited for: a request submitted from
+        another thread meanwhile may still be queued."""
+        return self.idle.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(_Stop())
@@ -110,7 +140,7 @@ class Engine(RequestHandlers):
             self._serve(self.startup)
         while True:
             # distributed hook: a follower rank serves rank 0's requests instead of its own queue.
-            item = self._queue.get() if self.dist is None or self.dist.rank == 0 else self._follow()
+            item = self._next_request() if self.dist is None or self.dist.rank == 0 else self._follow()
             if isinstance(item, _Stop):
                 if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
                     self.dist.stop_followers()
@@ -145,6 +175,30 @@ class Engine(RequestHandlers):
             handle.emit(Failed(err.message, err.code))
         finally:
             self._handle = None
+
+    def _next_request(self):
+        """The next queued request; while there is none, the K/V top-up's steps (kv_reserve.TopUp)."""
+        topup = self.kv_topup
+        self._topping_up = True
+        try:
+            if topup is not None and self._idle_work and self._queue.empty() \
+                    and topup.wanted(self.conversations.held_bytes()):
+                while self._queue.empty() and self._idle_work:
+                    done = topup.step()
+                    if done:
+                        self._log(done)
+                        break
+                topup.release()             # a request came first: what was touched so far is free again
+        except Exception as e:              # an optimisation: never worth the engine thread
+            topup.release()
+            self.kv_topup = None
+            self._log(f"K/V memory: idle-time top-up stopped ({e!r})")
+        finally:
+            self._topping_up = False
+        self.idle.set()
+        item = self._queue.get()
+        self.idle.clear()
+        return item
 
     def _follow(self):
         """A follower rank's next request: rank 0's, as a handle nobody waits on (or _Stop)."""

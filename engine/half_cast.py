@@ -92,6 +92,40 @@ def _widen(o: np.ndarray, s16: np.ndarray, tt: np.ndarray) -> None:
         o[sel] = tt[sel] | _TO_EXP255
 
 
+def widen_bits(bits: np.ndarray, src: np.ndarray) -> None:
+    """A float16 -> float32 cast in two halves, for two threads (a restore's reader and the engine):
+    this first half sets bits (int32, src's shape, both C-contiguous) to src's float16 bits at float32's
+    places, before the 2**112 scale; finish() does the rest."""
+    if bits.shape != src.shape or bits.dtype != np.int32 or src.dtype != np.float16 or \
+            not (bits.flags.c_contiguous and src.flags.c_contiguous):
+        raise ValueError(f"widen_bits: int32 and float16 arrays of one shape, contiguous "
+                         f"({bits.dtype}{bits.shape} vs {src.dtype}{src.shape})")
+    np.copyto(bits, src.view(np.int16))             # sign-extended: the sign lands on bit 31
+    np.left_shift(bits, 13, out=bits)
+    np.bitwise_and(bits, _WIDE_KEEP, out=bits)
+
+
+def has_inf_or_nan(src: np.ndarray) -> bool:
+    """Whether a float16 array (C-contiguous) holds inf or NaN (exponent 31), in chunks that stay in cache."""
+    u16 = src.view(np.uint16).reshape(-1)
+    probe = np.empty(min(len(u16), CHUNK), np.uint16)
+    for a in range(0, len(u16), CHUNK):
+        b = min(len(u16), a + CHUNK)
+        np.bitwise_and(u16[a:b], 0x7C00, out=probe[:b - a])
+        if int(probe[:b - a].max()) == 0x7C00:
+            return True
+    return False
+
+
+def finish(dst: np.ndarray, bits: np.ndarray, src: np.ndarray) -> None:
+    """The second half of widen_bits' cast: dst (float32, bits' shape, any strides) = src's float16
+    values, from bits. One pass (and the inf/NaN probe of src), two more where src has inf or NaN."""
+    np.multiply(bits.view(np.float32), _MAGIC_UP, out=dst)
+    if has_inf_or_nan(src):
+        sel = (bits & _EXP31) == _EXP31
+        dst.view(np.int32)[sel] = bits[sel] | _TO_EXP255
+
+
 @np.errstate(invalid="ignore")          # NaN + 0.5 below: its result is overwritten
 def _f32_to_f16(dst: np.ndarray, src: np.ndarray) -> None:
     x32 = src.view(np.uint32)

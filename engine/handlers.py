@@ -100,11 +100,16 @@ class RequestHandlers:
         creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
         from . import kv_reserve
         from .device import on_gpu
+        self.kv_topup = None
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")
         if self.dist is not None or self.kv_fmt.quantized:
             return kv_reserve.Reserved.none("distributed or quantized K/V")
-        return kv_reserve.touch(self.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype, admit=self.guard.admit)
+        reserved = kv_reserve.touch(self.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
+                                    admit=self.guard.admit)
+        # ... and touched again in idle time once restores or prefills have used it (engine._next_request)
+        self.kv_topup = kv_reserve.TopUp.of(reserved, admit=self.guard.admit)
+        return reserved
 
     def _require_model(self) -> None:
         if self.model is None:

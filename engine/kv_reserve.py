@@ -14,6 +14,13 @@ carved from it without faults.
 Only on the CPU with glibc (elsewhere the allocator keeps nothing: a no-op), and only what the memory
 guard admits. The bytes stay counted as available (allocator.held_free_bytes), so parking and the
 guard see no loss; a stopping engine gives them back (allocator.release_freed_memory).
+
+Later, between requests (TopUp): once the K/V held has used up a quarter or more of those free bytes
+(a restore, a long prefill), the engine touches them again in its idle time, one array at a time
+between looks at its queue, so the next restore in this process also writes to resident pages. A
+request that arrives meanwhile waits for one array at most (~1-8 MiB) and the top-up stops there.
+Without it a second restore in one process, while parking keeps the conversation it replaced, took
+71-292 ms on fresh pages against 26-28 ms on reused ones (bench/README.md, session 6).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from . import allocator
 
 STEP = 256                              # mlx-lm's KVCache grows in steps of this many cells
 CAP_BYTES = allocator.TRIM_THRESHOLD    # what malloc is allowed to keep free anyway
+LOW_WATER = 0.75                        # a top-up starts when less than this share of the reserve is free
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,9 @@ class Reserved:
     nbytes: int
     ms: float
     note: str               # the engine's log line
+    shape: tuple = ()       # one array's shape, (1, K/V heads, tokens, head size)
+    count: int = 0          # arrays touched (K and V of every layer)
+    dtype: object = None
 
     @classmethod
     def none(cls, why: str) -> "Reserved":
@@ -69,6 +80,62 @@ def touch(n_ctx: int, n_layer: int, n_kv_heads: int, head_dim: int, dtype, admit
     del arrays
     mx.clear_cache()                    # MLX's own buffer cache keeps 32 MB; the rest goes to malloc
     ms = (time.perf_counter() - t) * 1e3
-    return Reserved(cells, nbytes, ms, f"K/V memory: {nbytes / (1 << 20):.1f} MiB touched at load ({cells} "
-                                       f"tokens of {str(dtype).removeprefix('mlx.core.')} K/V, {ms:.0f} ms): "
-                                       f"restores and prefills up to that length write to resident pages")
+    note = (f"K/V memory: {nbytes / (1 << 20):.1f} MiB touched at load ({cells} tokens of "
+            f"{str(dtype).removeprefix('mlx.core.')} K/V, {ms:.0f} ms): restores and prefills up to that "
+            f"length write to resident pages")
+    return Reserved(cells, nbytes, ms, note, shape=(1, n_kv_heads, cells, head_dim), count=2 * n_layer, dtype=dtype)
+
+
+class TopUp:
+    """The reserve touched at load, touched again in the engine's idle time once it is used up
+    (see the module's docstring). Engine thread only: the arrays must come from its malloc arena."""
+
+    def __init__(self, reserved: Reserved, admit=None):
+        self.reserved = reserved
+        self.admit = admit
+        self._held: list = []
+        self._t0 = 0.0
+        # The K/V the engine held when the reserve was last whole. malloc's own count of free bytes
+        # (mallinfo2) is no measure of it: it spans every arena and also counts what loading the
+        # weights left free on other threads.
+        self._base = 0
+        self._next_base = 0
+
+    @classmethod
+    def of(cls, reserved: Reserved, admit=None) -> "TopUp | None":
+        return cls(reserved, admit) if reserved.count and allocator.keeps_freed_memory() else None
+
+    def wanted(self, held: int) -> bool:
+        """Whether the K/V held (`held` bytes, live and parked) has grown by a quarter of the reserve
+        or more since it was last whole, and the memory guard lets that much be touched again. K/V
+        freed meanwhile (evicted, replaced) went back to malloc resident, so it counts as reserve."""
+        self._base = min(self._base, held)
+        grown = held - self._base
+        if grown < self.reserved.nbytes * (1 - LOW_WATER):
+            return False
+        if self.admit is not None and not self.admit(min(grown, self.reserved.nbytes))[0]:
+            return False
+        self._next_base = held
+        return True
+
+    def step(self) -> str | None:
+        """Touch one array more. When all are held, free them (to malloc, resident) and return the
+        log line; None while some are left."""
+        if not self._held:
+            self._t0 = time.perf_counter()
+        a = mx.zeros(self.reserved.shape, self.reserved.dtype)
+        mx.eval(a)
+        self._held.append(a)
+        if len(self._held) < self.reserved.count:
+            return None
+        self.release()
+        self._base = self._next_base
+        ms = (time.perf_counter() - self._t0) * 1e3
+        return (f"K/V memory: {self.reserved.nbytes / (1 << 20):.1f} MiB touched again in idle time "
+                f"({ms:.0f} ms): the next restore writes to resident pages")
+
+    def release(self) -> None:
+        """Free what this top-up holds (a request arrived, or it is done): resident free memory."""
+        if self._held:
+            self._held.clear()
+            mx.clear_cache()            # MLX's own buffer cache would keep some; malloc should have them

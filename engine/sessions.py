@@ -29,9 +29,10 @@ open, and O_NONBLOCK keeps a file swapped for a FIFO in between from blocking), 
 validated before anything is allocated, the memory guard is asked for the bytes the K/V will take, and
 on the CPU the MLX arrays the cache keeps (padded as mlx-lm pads) are allocated first and filled in
 place through numpy views: a float16 cache by reading each head straight into it, a float32 cache by
-reading each tensor into a staging buffer (a reader thread reads the next one meanwhile), hashing it
-and casting it once into the array on this thread (half_cast: numpy's result, ~3x as fast); the
-memory is resident when the engine touched one context's K/V at load (kv_reserve.py). On a GPU MLX's
+a reader thread reading each tensor into a staging buffer, hashing it and doing the first half of its
+cast while this thread does the second half of the one before into the array (half_cast: numpy's
+result, bit for bit). The memory is resident: the engine touched one context's K/V at load and
+touches it again in idle time once restores and prefills have used it (kv_reserve.py). On a GPU MLX's
 buffer cache is emptied first, four reader threads read tensors into a ring of padded host buffers, a
 third hashes them in file order, and each is copied into device memory through MLX's Load primitive
 (device_upload.to_device).
@@ -163,7 +164,7 @@ class RestoreProfile:
     header_ms: float = 0.0      # open, header read, validation, memory guard
     read_ms: float = 0.0        # read(2) (float32: in the reader thread, overlapping the cast)
     checksum_ms: float = 0.0
-    cast_ms: float = 0.0        # float16 -> compute dtype into the padded buffer (a copy when the same)
+    cast_ms: float = 0.0        # float16 -> compute dtype into the padded buffer (float32: both threads' shares)
     build_ms: float = 0.0       # allocating the cache's MLX arrays (CPU) or copying into them, the cache objects
     reads: int = 0
     cast: str = ""
@@ -806,32 +807,42 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
         elif in_place:
-            # float32 (the CPU's compute dtype): one tensor at a time through two buffers, a reader
-            # thread reading and hashing the next tensor while this one is cast into the cache's array.
-            # read(2), xxhash and half_cast's numpy ops release the GIL.
-            stagings = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
+            # float32 (the CPU's compute dtype): the cast in two halves on two threads, one tensor at
+            # a time through two buffers. A reader thread reads the next tensor, hashes it and widens
+            # its float16 bits to float32's places (half_cast.widen_bits), while this thread scales the
+            # one before into the cache's array (half_cast.finish). read(2), xxhash and numpy's ops
+            # release the GIL. For 2,048 SmolLM2 tokens the engine's own restore took 22.6-23.6 ms so,
+            # against 25.8-37.6 with the whole cast on this thread (bench/README.md, session 7).
+            staging = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
+            bits = [np.empty(staging[0].shape, np.int32) for _ in range(2)]
+            widen_ms = [0.0]                    # the reader's share of the cast (prof is this thread's)
 
-            def cast(dst: np.ndarray, src: np.ndarray) -> None:
-                # Whole, on this thread: the cast is bound by memory bandwidth, and halves on two threads
-                # measured slower on 2 vCPUs that also run the reader and MLX's zeroing (bench/README.md).
+            def read_widened(spec: TensorSpec, j: int) -> bool:
+                if not read_heads(spec, staging[j]):
+                    return False
                 t = time.perf_counter()
-                half_cast.cast(dst, src)
-                prof.cast_ms += (time.perf_counter() - t) * 1e3
+                half_cast.widen_bits(bits[j], staging[j])
+                widen_ms[0] += (time.perf_counter() - t) * 1e3
+                return True
 
             with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
-                ahead = pool.submit(read_heads, kv[0], stagings[0])
+                ahead = pool.submit(read_widened, kv[0], 0)
                 try:
                     for k, spec in enumerate(kv):
                         if not ahead.result():
                             raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
                         # the other buffer is free: the tensor it held is in place
-                        ahead = pool.submit(read_heads, kv[k + 1], stagings[(k + 1) % 2]) if k + 1 < total else None
-                        cast(dest(k)[:, :, :n, :], stagings[k % 2])                 # the one cast
+                        ahead = pool.submit(read_widened, kv[k + 1], (k + 1) % 2) if k + 1 < total else None
+                        target = dest(k)[:, :, :n, :]
+                        t = time.perf_counter()
+                        half_cast.finish(target, bits[k % 2], staging[k % 2])
+                        prof.cast_ms += (time.perf_counter() - t) * 1e3
                         if progress and (k % step == 0 or k == total - 1):
                             progress(k + 1, total)
                 finally:
                     if ahead is not None:
                         ahead.cancel() or ahead.exception()   # never leave a read running on a closed fd
+            prof.cast_ms += widen_ms[0]
         else:
             arrays = _read_to_device(fd, hdr, g, digest, prof, name, progress)
     except OSError as e:

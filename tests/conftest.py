@@ -45,6 +45,17 @@ def tiny_gguf_wide(tiny_dir) -> Path:
                            n_head=2, n_head_kv=2, n_ff=128, seed=2)
 
 
+@pytest.fixture(scope="session")
+def big_kv_gguf(tmp_path_factory) -> Path:
+    """A model whose K/V is large but cheap to compute, so a child process builds a 32 MiB session in
+    seconds on a slow CPU: 32 layers x 32 K/V heads x head_dim 128 (K+V 16 KiB per token per layer in
+    fp16 on disk, 32 KiB fp32 in memory) on an 16-wide residual stream (the projections are tiny).
+    64 prompt tokens -> ~32.5 MB of K/V in the file; mlx-lm allocates 256 cells, 256 MiB in memory."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("bigkv") / "big-kv.gguf", arch="llama", n_layer=32, n_embd=16,
+                           n_head=32, n_head_kv=32, head_dim=128, n_ff=16, seed=4)
+
+
 @pytest.fixture(autouse=True)
 def strata_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "strata-home"

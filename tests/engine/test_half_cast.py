@@ -89,3 +89,34 @@ def test_widening_in_chunks_of_rows_and_per_block_when_rows_do_not_merge(monkeyp
                 np.full((2, 8, 37, 16), 7, np.float32)[:, ::2]):              # rows do not merge
         half_cast.cast(dst, src)
         assert np.array_equal(dst.view(np.uint32), src.astype(np.float32).view(np.uint32))
+
+
+def test_the_cast_in_two_halves_is_numpy_s_for_every_float16_value_into_a_padded_slice():
+    """widen_bits (a restore's reader thread) then finish (the engine thread), into the first cells of
+    a padded cache array: every float16 value, inf and NaN payloads included, bit for bit as numpy;
+    the padding untouched. And without inf or NaN the fix-up pass finds nothing to do."""
+    heads, n, cells, dim = 4, 256, 384, 64                  # 4 * 256 * 64 = every float16 bit pattern
+    src = ALL_HALF_BITS.view(np.float16).reshape(1, heads, n, dim).copy()
+    padded = np.full((1, heads, cells, dim), 7, np.float32)
+    bits = np.empty(src.shape, np.int32)
+    half_cast.widen_bits(bits, src)
+    half_cast.finish(padded[:, :, :n, :], bits, src)
+    want = _numpy(np.float32, src)
+    assert np.array_equal(padded[:, :, :n, :].view(np.uint32), want.view(np.uint32))
+    assert (padded[:, :, n:, :] == 7).all()
+    assert half_cast.has_inf_or_nan(src)
+    finite = np.random.default_rng(5).standard_normal((1, heads, n, dim)).astype(np.float16)
+    assert not half_cast.has_inf_or_nan(finite)
+    half_cast.widen_bits(bits, finite)
+    half_cast.finish(padded[:, :, :n, :], bits, finite)
+    assert np.array_equal(padded[:, :, :n, :], finite.astype(np.float32))
+    one = finite.copy()
+    one[0, 3, 200, 5] = -np.inf                             # a single special value
+    assert half_cast.has_inf_or_nan(one)
+
+
+def test_the_first_half_refuses_what_it_cannot_take():
+    src = np.zeros((2, 8), np.float16)
+    for bad in (np.zeros((2, 8), np.int64), np.zeros((2, 9), np.int32), np.zeros((8, 4), np.int32).T):
+        with pytest.raises(ValueError, match="widen_bits"):
+            half_cast.widen_bits(bad, src)

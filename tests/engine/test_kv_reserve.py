@@ -90,3 +90,109 @@ def test_a_model_load_touches_its_context_s_k_v_and_says_so(tiny_gguf_wide):
         assert len(lines) == 1 and want in lines[0], lines
         if bits == 16 and not on_gpu():
             assert "(512 tokens of float32 K/V" in lines[0]
+
+
+def _reserve(nbytes: int = 4 << 20) -> kv_reserve.Reserved:
+    return kv_reserve.Reserved(256, nbytes, 0.0, "", shape=(1, 2, 256, 16), count=4, dtype=mx.float32)
+
+
+def test_a_top_up_is_wanted_once_a_quarter_of_the_reserve_is_held_and_the_guard_agrees():
+    asked = []
+    guard_says = [True]
+
+    def admit(n):
+        asked.append(n)
+        return guard_says[0], "the guard's reason"
+    t = kv_reserve.TopUp(_reserve(4 << 20), admit=admit)
+    assert not t.wanted(0) and not t.wanted((1 << 20) - 1) and asked == []      # under a quarter
+    guard_says[0] = False
+    assert not t.wanted(3 << 20) and asked == [3 << 20]                        # the guard says no
+    guard_says[0] = True
+    assert t.wanted(9 << 20) and asked[-1] == 4 << 20                          # never more than the reserve
+    while t.step() is None:
+        pass
+    assert not t.wanted(9 << 20)                 # whole again at 9 MiB held: the growth since is what counts
+    assert t.wanted(12 << 20)
+    assert not kv_reserve.TopUp(_reserve(), admit=admit).wanted(1 << 19)
+
+
+def test_k_v_freed_meanwhile_counts_as_reserve():
+    t = kv_reserve.TopUp(_reserve(4 << 20))
+    assert t.wanted(8 << 20)
+    while t.step() is None:
+        pass
+    assert not t.wanted(2 << 20)                 # 6 MiB freed (evicted, replaced): back with malloc
+    assert not t.wanted(2 << 20 | 1 << 19)
+    assert t.wanted(3 << 20)                     # 1 MiB held more than the lowest point since
+
+
+def test_a_top_up_touches_the_reserve_one_array_a_step_and_a_release_frees_what_it_holds():
+    t = kv_reserve.TopUp(_reserve())
+    assert t.step() is None and t.step() is None and len(t._held) == 2
+    t.release()
+    assert t._held == []
+    lines = [t.step() for _ in range(4)]
+    assert lines[:3] == [None] * 3 and "4.0 MiB touched again in idle time" in lines[3] and t._held == []
+
+
+@glibc_only
+@pytest.mark.skipif(mx.cuda.is_available() or mx.metal.is_available(),
+                    reason="the top-up is for host memory the CPU backend's K/V comes from (on a GPU the K/V is "
+                           "device memory and nothing is touched)")
+def test_the_engine_tops_the_reserve_up_in_idle_time_after_a_long_prompt(tiny_gguf, caplog):
+    """A prompt that leaves more than a quarter of the touched K/V held: once the reply is done the
+    engine touches the reserve again before it waits for the next request, says so, and is idle
+    after; the next request is served as before."""
+    import logging
+
+    from engine.api import SamplingParams
+    from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel
+    caplog.set_level(logging.INFO, logger="strata")
+    eng = Engine(EngineOptions(context_length=1024)).start()
+    try:
+        eng.call(LoadModel(str(tiny_gguf)))
+        assert eng.kv_topup is not None and eng.wait_idle(30)
+        assert not [m for m in caplog.messages if "touched again" in m]
+        prompt = " ".join(f"w{i % 10}" for i in range(300))
+        r = eng.call(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=2, temperature=0.0)))
+        assert r.prompt_tokens > 300
+        assert eng.wait_idle(60)
+        lines = [m for m in caplog.messages if "touched again in idle time" in m]
+        assert len(lines) == 1, caplog.messages[-5:]
+        again = eng.call(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=2, temperature=0.0)))
+        assert again.text == r.text
+    finally:
+        eng.stop()
+
+
+_EXIT_DURING_TOP_UP = r"""
+import sys, time
+from engine.engine import Engine, EngineOptions, GenerateRequest
+from engine.sampling import SamplingParams
+engine = Engine(EngineOptions(model=sys.argv[1], cache_mib=0)).start()
+engine.startup.result()
+tok = engine.tokenizer
+ids = tok.encode("The little boat left the harbor early in the morning. " * 20)[:64]
+engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
+deadline = time.monotonic() + 30
+while not engine._topping_up and time.monotonic() < deadline:     # the top-up after the reply
+    pass
+print("exiting while topping up" if engine._topping_up else "no top-up seen", flush=True)
+sys.exit(0)
+"""
+
+
+@glibc_only
+@pytest.mark.skipif(mx.cuda.is_available() or mx.metal.is_available(),
+                    reason="the top-up is for host memory the CPU backend's K/V comes from")
+def test_a_script_that_exits_during_the_idle_time_top_up_exits_cleanly(big_kv_gguf):
+    """A script exits right after its last result, while the engine thread touches 256 MiB of K/V
+    memory again: the exit waits for that step to end instead of MLX aborting the process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _EXIT_DURING_TOP_UP, str(big_kv_gguf)], capture_output=True,
+                          text=True, timeout=240, cwd=root)
+    assert "exiting while topping up" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 0, done.stderr[-2000:]

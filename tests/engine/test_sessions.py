@@ -24,7 +24,6 @@ import pytest
 from engine.engine import RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.sessions import read_header
-from gguf_factory import write_tiny_gguf
 from test_parking import A_SYSTEM, ask, held, start, words
 
 REPO = Path(__file__).resolve().parents[2]
@@ -224,16 +223,6 @@ def test_the_good_file_restores_and_a_refused_file_exits_2_on_the_cli(matrix, ti
 
 
 # ------------------------------------------------------------------------------- big caches, in children
-
-@pytest.fixture(scope="module")
-def big_kv_gguf(tmp_path_factory) -> Path:
-    """A model whose K/V is large but cheap to compute, so a child process builds a 32 MiB session in
-    seconds on a slow CPU: 32 layers x 32 K/V heads x head_dim 128 (K+V 16 KiB per token per layer in
-    fp16 on disk, 32 KiB fp32 in memory) on an 16-wide residual stream (the projections are tiny).
-    64 prompt tokens -> ~32.5 MB of K/V in the file; mlx-lm allocates 256 cells, 256 MiB in memory."""
-    return write_tiny_gguf(tmp_path_factory.mktemp("bigkv") / "big-kv.gguf", arch="llama", n_layer=32, n_embd=16,
-                           n_head=32, n_head_kv=32, head_dim=128, n_ff=16, seed=4)
-
 
 CHILD = r"""
 import gc, json, os, sys, threading, time
