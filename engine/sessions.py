@@ -58,7 +58,7 @@ import numpy as np
 import xxhash
 
 from . import half_cast
-from .device import compute_dtype, on_gpu
+from .device import compute_dtype, on_cuda, on_gpu
 from .device_upload import drop_host_copies, host_view, to_device
 from .errors import SessionFileError, SessionOverwriteRefused
 
@@ -196,13 +196,15 @@ class ParsedHeader:
 
 # ---------------------------------------------------------------------------------------- save
 
-def _np_view(a) -> np.ndarray:
+def _np_view(a, n: int) -> np.ndarray:
     """A numpy view of an MLX array's values (no copy for float32/float16 on the CPU; on CUDA a device
-    copy, so the live K/V stays in device memory: host_view). bfloat16 goes through float32, an array
-    of its own that needs no second copy."""
+    copy, so the live K/V stays in device memory: host_view). On CUDA the copy is of the n cells in use
+    only: a padded copy (up to 4x that) kept whole while a batch of its blocks was in flight, and the
+    save's peak RSS grew by half the K/V it wrote (test_no_shadow_copy_while_saving on the H200).
+    bfloat16 goes through float32, an array of its own that needs no second copy."""
     if a.dtype in (mx.float32, mx.float16):
-        return host_view(a)
-    return host_view(a.astype(mx.float32), keep_on_device=False)
+        return host_view(a[:, :, :n, :] if on_cuda() else a)
+    return host_view(a[:, :, :n, :].astype(mx.float32), keep_on_device=False)
 
 
 def _blocks(src: np.ndarray, n: int, max_elems: int):
@@ -354,7 +356,7 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
             for i, c in enumerate(cache):
                 for j, arr in enumerate((c.keys, c.values)):
                     t = time.perf_counter()
-                    src = _np_view(arr)
+                    src = _np_view(arr, n)
                     prof.cast_ms += (time.perf_counter() - t) * 1e3
                     for block in _blocks(src, n, size):
                         if pending_bytes + 2 * block.size > STAGING_BYTES or fill + block.size > size:
