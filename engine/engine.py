@@ -190,7 +190,8 @@ class Engine(RequestHandlers):
                         break
                 topup.release()             # a request came first: what was touched so far is free again
         except Exception as e:              # an optimisation: never worth the engine thread
-            topup.release()
+            if topup is not None:
+                topup.release()
             self.kv_topup = None
             self._log(f"K/V memory: idle-time top-up stopped ({e!r})")
         finally:

@@ -197,11 +197,10 @@ class ParsedHeader:
 # ---------------------------------------------------------------------------------------- save
 
 def _np_view(a, n: int) -> np.ndarray:
-    """A numpy view of an MLX array's values (no copy for float32/float16 on the CPU; on CUDA a device
-    copy, so the live K/V stays in device memory: host_view). On CUDA the copy is of the n cells in use
-    only: a padded copy (up to 4x that) kept whole while a batch of its blocks was in flight, and the
-    save's peak RSS grew by half the K/V it wrote (test_no_shadow_copy_while_saving on the H200).
-    bfloat16 goes through float32, an array of its own that needs no second copy."""
+    """A numpy view of an MLX array's values: no copy for float32/float16 on the CPU. On CUDA a device
+    copy, so that the live K/V stays in device memory (host_view), of the n cells in use only: a padded
+    copy is up to 4x the bytes the save reads, each held while a batch of its blocks is in flight.
+    bfloat16 goes through float32 (its first n cells), an array of its own that needs no second copy."""
     if a.dtype in (mx.float32, mx.float16):
         return host_view(a[:, :, :n, :] if on_cuda() else a)
     return host_view(a[:, :, :n, :].astype(mx.float32), keep_on_device=False)
