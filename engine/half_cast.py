@@ -80,16 +80,26 @@ def _f16_to_f32(dst: np.ndarray, src: np.ndarray) -> None:
         _widen(o32[:, a:b], s16[:, a:b], t[:, :b - a])
 
 
-def _widen(o: np.ndarray, s16: np.ndarray, tt: np.ndarray) -> None:
-    """o (float32 bits as int32) = s16 (float16 bits as int16), through tt: five numpy passes."""
+def _to_f32_places(tt: np.ndarray, s16: np.ndarray) -> None:
+    """tt (int32) = s16's float16 bits (as int16) at float32's places, before the 2**112 scale."""
     np.copyto(tt, s16)                              # sign-extended: the sign lands on bit 31
     np.left_shift(tt, 13, out=tt)
     np.bitwise_and(tt, _WIDE_KEEP, out=tt)          # sign, then exponent and mantissa at float32's places
+
+
+def _fix_inf_nan(o: np.ndarray, tt: np.ndarray) -> None:
+    """o (float32 bits as int32, scaled from tt): inf and NaN (exponent 31) get exponent 255, payload kept."""
+    sel = (tt & _EXP31) == _EXP31
+    o[sel] = tt[sel] | _TO_EXP255
+
+
+def _widen(o: np.ndarray, s16: np.ndarray, tt: np.ndarray) -> None:
+    """o (float32 bits as int32) = s16 (float16 bits as int16), through tt: five numpy passes."""
+    _to_f32_places(tt, s16)
     f = o.view(np.float32)
     np.multiply(tt.view(np.float32), _MAGIC_UP, out=f)
     if f.max() >= 65536.0 or f.min() <= -65536.0:   # only inf and NaN (exponent 31) land there
-        sel = (tt & _EXP31) == _EXP31
-        o[sel] = tt[sel] | _TO_EXP255
+        _fix_inf_nan(o, tt)
 
 
 def widen_bits(bits: np.ndarray, src: np.ndarray) -> None:
@@ -100,9 +110,7 @@ def widen_bits(bits: np.ndarray, src: np.ndarray) -> None:
             not (bits.flags.c_contiguous and src.flags.c_contiguous):
         raise ValueError(f"widen_bits: int32 and float16 arrays of one shape, contiguous "
                          f"({bits.dtype}{bits.shape} vs {src.dtype}{src.shape})")
-    np.copyto(bits, src.view(np.int16))             # sign-extended: the sign lands on bit 31
-    np.left_shift(bits, 13, out=bits)
-    np.bitwise_and(bits, _WIDE_KEEP, out=bits)
+    _to_f32_places(bits, src.view(np.int16))
 
 
 def has_inf_or_nan(src: np.ndarray) -> bool:
@@ -122,8 +130,7 @@ def finish(dst: np.ndarray, bits: np.ndarray, src: np.ndarray) -> None:
     values, from bits. One pass (and the inf/NaN probe of src), two more where src has inf or NaN."""
     np.multiply(bits.view(np.float32), _MAGIC_UP, out=dst)
     if has_inf_or_nan(src):
-        sel = (bits & _EXP31) == _EXP31
-        dst.view(np.int32)[sel] = bits[sel] | _TO_EXP255
+        _fix_inf_nan(dst.view(np.int32), bits)
 
 
 @np.errstate(invalid="ignore")          # NaN + 0.5 below: its result is overwritten

@@ -49,7 +49,7 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_path, monkeypatch, dtype):
-    """A GPU's restore (tensors read into padded float16 buffers by two reader threads, hashed in file
+    """A GPU's restore (tensors read into padded float16 buffers by reader threads, hashed in file
     order by a third, copied to the device through MLX's Load primitive as on CUDA, cast there when the
     cache is not float16), forced here on the CPU, continues the conversation exactly as the CPU's
     in-place restore does, and its cache saves to the same bytes (the save reading device copies, as
