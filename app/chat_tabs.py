@@ -2,8 +2,6 @@
 every change saved to the Store. A new chat takes the config selected in the Configs pane."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 
@@ -60,7 +58,7 @@ class ChatTabs(QTabWidget):
         index = self.addTab(view, chat.title)
         self._set_tab_title(view, chat.title)
         self.setCurrentIndex(index)
-        emit(self.view_added, view)
+        self.view_added.emit(view)
         if persist:
             self.store.save_chat(chat, index)
         view.input.setFocus()

@@ -2,8 +2,6 @@
 Stop / Regenerate / Edit-and-resend / Copy actions. Replies stream in from the engine thread."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import html
 import re
 
@@ -31,10 +29,10 @@ class PromptEdit(QPlainTextEdit):
             if e.modifiers() & Qt.KeyboardModifier.ShiftModifier:
                 self.insertPlainText("\n")
             else:
-                emit(self.submitted)
+                self.submitted.emit()
             return
         if e.key() == Qt.Key.Key_Escape:
-            emit(self.escaped)
+            self.escaped.emit()
             return
         super().keyPressEvent(e)
 
@@ -136,7 +134,7 @@ class ChatView(QWidget):
         current = self.preset
         if self.chat.config.get("preset") not in (None, current.id):
             self.chat.config["preset"] = current.id      # its config was deleted: Default now
-            emit(self.changed)
+            self.changed.emit()
         self.preset_box.blockSignals(True)
         self.preset_box.clear()
         for p in self.presets.all():
@@ -150,11 +148,11 @@ class ChatView(QWidget):
         self.chat.config["preset"] = p.id
         self.preset_box.setCurrentIndex(max(0, self.preset_box.findData(p.id)))
         self.projection.setChecked(p.speed_projection)      # the config's default; the toggle still rules
-        emit(self.changed)
+        self.changed.emit()
 
     def _on_projection(self, on: bool) -> None:
         self.chat.config["speed_projection"] = on
-        emit(self.changed)
+        self.changed.emit()
 
     @property
     def conversation(self) -> str:
@@ -236,7 +234,7 @@ class ChatView(QWidget):
         if self._n_streamed > 1:
             dt = time.perf_counter() - self._t_first
             if dt > 0:
-                emit(self.live_speed, (self._n_streamed - 1) / dt)
+                self.live_speed.emit((self._n_streamed - 1) / dt)
         cursor = QTextCursor(self.transcript.document())
         cursor.setPosition(self._tail)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
@@ -270,7 +268,7 @@ class ChatView(QWidget):
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
         self.chat.messages.append({"role": "user", "content": text})
-        emit(self.changed)
+        self.changed.emit()
         self._generate()
 
     def regenerate(self) -> None:
@@ -280,7 +278,7 @@ class ChatView(QWidget):
             self.chat.messages.pop()
         if not self.chat.messages:
             return
-        emit(self.changed)
+        self.changed.emit()
         self._generate()
 
     def edit(self, index: int) -> None:
@@ -308,7 +306,7 @@ class ChatView(QWidget):
         for m in reversed(self.chat.messages):
             if m["role"] == "assistant":
                 QGuiApplication.clipboard().setText(m["content"])
-                emit(self.message, "Copied the reply")
+                self.message.emit("Copied the reply")
                 return
 
     def _on_anchor(self, url: QUrl) -> None:
@@ -319,10 +317,10 @@ class ChatView(QWidget):
             return
         if kind == "copycode" and 0 <= n < len(self._code):
             QGuiApplication.clipboard().setText(self._code[n])
-            emit(self.message, "Copied the code block")
+            self.message.emit("Copied the code block")
         elif kind == "copy" and 0 <= n < len(self.chat.messages):
             QGuiApplication.clipboard().setText(self.chat.messages[n]["content"])
-            emit(self.message, "Copied the message")
+            self.message.emit("Copied the message")
         elif kind == "edit":
             self.edit(n)
 
@@ -401,10 +399,10 @@ class ChatView(QWidget):
         self.chat.messages.append({"role": "assistant", "content": text})
         self._finish()
         self.last_result = result
-        emit(self.changed)
-        emit(self.stats, result)
+        self.changed.emit()
+        self.stats.emit(result)
         if result.finish_reason == "cancelled":
-            emit(self.message, "Stopped")
+            self.message.emit("Stopped")
         if self.chat.title == DEFAULT_TITLE and sum(m["role"] == "assistant" for m in self.chat.messages) == 1:
             self.request_title()
 
@@ -420,8 +418,8 @@ class ChatView(QWidget):
         self._finish()
         if partial:
             self.chat.messages.append({"role": "assistant", "content": partial})
-            emit(self.changed)
-        emit(self.message, note)
+            self.changed.emit()
+        self.message.emit(note)
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:
@@ -444,8 +442,8 @@ class ChatView(QWidget):
     def set_title(self, title: str) -> None:
         if title != self.chat.title:
             self.chat.title = title
-            emit(self.title_changed, title)
-            emit(self.changed)
+            self.title_changed.emit(title)
+            self.changed.emit()
 
 
 def clean_title(text: str) -> str:

@@ -9,8 +9,6 @@ Requests and results are engine/api.py's (plain Python): `done` carries the type
 """
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import logging
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal
@@ -49,28 +47,28 @@ class Request(QObject):
 
     def _callback(self, event) -> None:
         """Called on the engine thread for each event: hand it to the GUI thread, nothing else."""
-        emit(self._event, event)
+        self._event.emit(event)
 
     def _deliver(self, event) -> None:
         from engine.events import Done, Failed, Log, Progress, Token
         if isinstance(event, Token):
-            emit(self.token, event.text)
+            self.token.emit(event.text)
         elif isinstance(event, Progress):
-            emit(self.progress, event.stage, event.done, event.total)
+            self.progress.emit(event.stage, event.done, event.total)
         elif isinstance(event, Log):
-            emit(self.log, event.line)
+            self.log.emit(event.line)
         elif isinstance(event, Done):
             self.result = event.result
-            emit(self.done, self.result)
-            emit(self.finished)
+            self.done.emit(self.result)
+            self.finished.emit()
         elif isinstance(event, Failed):
             self.fail(event.message, event.code, event.reason)
 
     def fail(self, message: str, code=None, reason: str = "") -> None:
         """Failed: `code` is an engine.errors.ErrorCode (None: refused before it reached the engine)."""
         self.error, self.error_code, self.error_reason = message, code, reason
-        emit(self.failed, message)
-        emit(self.finished)
+        self.failed.emit(message)
+        self.finished.emit()
 
 
 class EngineThread(QThread):
@@ -97,9 +95,9 @@ class EngineThread(QThread):
                                                **self._opts))
         except Exception as e:  # noqa: BLE001 - shown in the window, not a traceback
             log.exception("engine start failed")
-            emit(self.crashed, f"the engine could not start: {type(e).__name__}: {e}")
+            self.crashed.emit(f"the engine could not start: {type(e).__name__}: {e}")
             return
-        emit(self.ready)
+        self.ready.emit()
         self.engine.run_forever()
 
     def stop(self, timeout_ms: int = 10000) -> None:
@@ -147,7 +145,7 @@ class EngineClient(QObject):
         pending, self._pending = self._pending, []
         for req, make in pending:
             self._send(req, make)
-        emit(self.ready)
+        self.ready.emit()
 
     def _submit(self, kind: str, make) -> Request:
         req = Request(kind, self)
@@ -163,7 +161,7 @@ class EngineClient(QObject):
 
     def _on_log(self, line: str) -> None:
         if line.startswith(("parked ", "evicted ", "not parked")):
-            emit(self.kv_changed)
+            self.kv_changed.emit()
 
     def _send(self, req: Request, make) -> None:
         try:

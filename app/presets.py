@@ -7,8 +7,6 @@ renamed or deleted. Every other config is a row of the `presets` table in the ch
 """
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -146,7 +144,7 @@ class PresetManager(QObject):
                 raise ValueError(f"unknown config field {k!r}")
             setattr(p, k, v)
         self.store.save_preset(p.id, p.name, p.data())
-        emit(self.changed)
+        self.changed.emit()
         return p
 
     def duplicate(self, pid: str) -> Preset:
@@ -163,13 +161,13 @@ class PresetManager(QObject):
         if reason:
             raise ValueError(reason)
         self.store.save_preset(pid, name.strip(), p.data())
-        emit(self.changed)
+        self.changed.emit()
 
     def delete(self, pid: str) -> None:
         if pid == DEFAULT_ID:
             raise ValueError("the Default config cannot be deleted")
         self.store.delete_preset(pid)
-        emit(self.changed)
+        self.changed.emit()
 
     def update(self, p: Preset) -> None:
         """Store a config's values (Default's go to the settings' sampling defaults)."""
@@ -184,7 +182,7 @@ class PresetManager(QObject):
             if reason:
                 raise ValueError(reason)
             self.store.save_preset(p.id, p.name, p.data())
-        emit(self.changed)
+        self.changed.emit()
 
 
 class PresetDialog(QDialog):
@@ -353,7 +351,7 @@ class PresetPane(QWidget):
         self.error.setVisible(bool(text))
 
     def _new_chat(self) -> None:
-        emit(self.new_chat_requested, self.current_id() or DEFAULT_ID)
+        self.new_chat_requested.emit(self.current_id() or DEFAULT_ID)
 
     def new_preset(self) -> Preset:
         p = self.manager.create()

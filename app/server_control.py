@@ -7,8 +7,6 @@ time on a helper thread; the latest wish wins. `state` is emitted after each cha
 """
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import logging
 import threading
 
@@ -69,16 +67,16 @@ class ServerControl(QObject):
         try:
             server = start_server(engine, host, int(port), key)
         except Exception as e:  # noqa: BLE001 - StrataError's one line ("cannot listen on ..."), or the like
-            emit(self._started, config, None, str(e) or type(e).__name__)
+            self._started.emit(config, None, str(e) or type(e).__name__)
             return
-        emit(self._started, config, server, "")
+        self._started.emit(config, server, "")
 
     def _stop_worker(self, server) -> None:
         try:
             server.stop()
         except Exception:  # noqa: BLE001
             log.exception("server stop failed")
-        emit(self._stopped)
+        self._stopped.emit()
 
     def _on_started(self, config, server, error: str) -> None:
         self.busy = False
@@ -104,7 +102,7 @@ class ServerControl(QObject):
 
     def _report(self) -> None:
         host, port = (self.config[0], self.server.port) if self.server is not None else ("", 0)
-        emit(self.state, {"running": self.server is not None, "host": host, "port": port, "error": self.error,
+        self.state.emit({"running": self.server is not None, "host": host, "port": port, "error": self.error,
                           "busy": self.busy})
 
     def shutdown(self, timeout: float = 10.0) -> None:

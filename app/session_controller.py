@@ -3,8 +3,6 @@ vector a file needs), open files from the command line, Finder, another launch o
 a model is loaded), and the drag-and-drop that brings them."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import dataclasses
 from pathlib import Path
 
@@ -84,8 +82,8 @@ class SessionController(QObject):
             again = " (read again)" if r.reread else ""
             self.status.showMessage(f"Saved {Path(path).name}{again}: {r.session_bytes / (1 << 20):.1f} "
                                     f"MiB in {r.save_ms:.0f} ms", 8000)
-            emit(self.status_changed)
-            emit(self.saved, path)
+            self.status_changed.emit()
+            self.saved.emit(path)
         req.done.connect(done)
         req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"Session not saved: {m}")))
         return req
@@ -113,7 +111,7 @@ class SessionController(QObject):
             self.tell(f"{name} was not restored: {m}")
             if req.error_code == ErrorCode.SESSION_REFUSED and req.error_reason == SessionRefusal.STEERING:
                 self._offer_vector(path, m)
-            emit(self.refused, m)
+            self.refused.emit(m)
         req.failed.connect(refused)
         return req
 
@@ -154,8 +152,8 @@ class SessionController(QObject):
         steer = "speed projection on" if r.speed_projection else "speed projection off"
         view.add_note(f"restored {r.restored_tokens} tokens in {r.restore_ms:.0f} ms "
                       f"from {Path(path).name} ({steer})")
-        emit(self.status_changed)
-        emit(self.restored, view)
+        self.status_changed.emit()
+        self.restored.emit(view)
 
     # ---- opening files -----------------------------------------------------------------------------
     def open_file(self, path: str) -> None:

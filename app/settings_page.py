@@ -3,8 +3,6 @@ control vectors, sampling defaults, model folders. Saved with QSettings once the
 cache values and the precision."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 import copy
 
 from PySide6.QtCore import Qt, Signal
@@ -287,5 +285,5 @@ class SettingsPage(QDialog):
     def _commit(self, new: Settings) -> None:
         self.clear_error()
         self.save(new)
-        emit(self.saved, new, self.old)
+        self.saved.emit(new, self.old)
         self.accept()

@@ -18,7 +18,6 @@ from PySide6.QtCore import QLockFile, QObject, Signal
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 
 from . import paths
-from .qt_compat import emit
 
 # How long a second launch keeps trying while the first one is still starting (tests shorten it).
 HANDOVER_TIMEOUT_S = float(os.environ.get("STRATA_HANDOVER_TIMEOUT_S", "10"))
@@ -77,9 +76,9 @@ class SingleInstance(QObject):
                 sock.write(b"ok\n")
                 sock.flush()
                 sock.disconnectFromServer()
-                emit(self.activated)
+                self.activated.emit()
                 if files:
-                    emit(self.files_received, files)
+                    self.files_received.emit(files)
             sock.readyRead.connect(read)
             sock.disconnected.connect(sock.deleteLater)
             if sock.bytesAvailable():

@@ -5,8 +5,6 @@ SessionController (app/session_controller.py), ChatTabs (app/chat_tabs.py), Serv
 (app/server_control.py); what is left here is the engine status refresh and applying saved settings."""
 from __future__ import annotations
 
-from .qt_compat import emit
-
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -233,7 +231,7 @@ class MainWindow(QMainWindow):
         self.last_status = s
         self.library.set_engine_budget(s.load_budget)
         self.status.show_status(s)
-        emit(self.status_updated, s)
+        self.status_updated.emit(s)
 
     # ---- settings ----------------------------------------------------------------------------
     def open_settings(self) -> SettingsPage:
@@ -245,7 +243,7 @@ class MainWindow(QMainWindow):
 
     def _on_settings_saved(self, new: settings_mod.Settings, old: settings_mod.Settings) -> None:
         self.settings = new
-        emit(self.presets.changed)            # Default is the sampling defaults
+        self.presets.changed.emit()            # Default is the sampling defaults
         if server_config(new) != server_config(old):
             self.apply_server_settings()
         if new.model_folders != old.model_folders:
@@ -268,7 +266,7 @@ class MainWindow(QMainWindow):
             if self.settings.server_enabled and not self._closed:
                 self.settings.server_enabled = False          # it stays off until turned on again
                 self.save_settings(self.settings)
-        emit(self.server_state, st)
+        self.server_state.emit(st)
 
     # ---- shutdown ----------------------------------------------------------------------------
     def closeEvent(self, e) -> None:  # noqa: N802

@@ -79,19 +79,3 @@ def send_and_wait(qtbot, view, text: str) -> dict:
         view.input.setPlainText(text)
         view.send_input()
     return blocker.args[0]
-
-
-@pytest.fixture(autouse=True)
-def _bool_refcounts(request):
-    """PySide6 6.12 drops a reference to True/False in emit() and disconnect() (see app/qt_compat.py);
-    pytest-qt's waitSignal calls both. Give back what a Qt test lost so the interpreter survives."""
-    import ctypes
-    import sys
-    if "qtbot" not in request.fixturenames and request.node.get_closest_marker("gui") is None:
-        yield
-        return
-    before = {b: sys.getrefcount(b) for b in (True, False)}
-    yield
-    for b, n in before.items():
-        for _ in range(max(0, n - sys.getrefcount(b))):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(b))
