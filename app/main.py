@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata-app", description="Strata: local LLM chat")
     parser.add_argument("--self-test", action="store_true", help="load a model, generate, save+restore, exit")
     parser.add_argument("--model", help="model file for --self-test (default: the default model)")
+    parser.add_argument("--soak-tokens", type=int, default=0, metavar="N",
+                        help="--self-test also streams N tokens and checks the Qt binding kept its references")
     parser.add_argument("--fetch-default-model", action="store_true",
                         help="fetch the default model (no window); exit 0 when the verified model is in place")
     parser.add_argument("files", nargs="*", help="session files or models to open")
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return fetch_headless()      # into engine.paths' models folder: the one the window uses
     if args.self_test:
         from .self_test import run_self_test
-        return run_self_test(args.model)
+        return run_self_test(args.model, soak_tokens=max(0, args.soak_tokens))
     app = make_app([sys.argv[0], *qt_args])
     from .paths import AppPaths
     from .single_instance import SingleInstance

@@ -1,7 +1,11 @@
 """`strata-app --self-test`: the bundle's smoke test. Loads a model through the app's engine thread,
 generates a few tokens, saves and restores a session in a temp folder, prints what happened and
 returns 0 (all good) or 1. Works offscreen (QT_QPA_PLATFORM=offscreen). With no --model and no default
-model yet, it fetches the default model first (as `--fetch-default-model` does)."""
+model yet, it fetches the default model first (as `--fetch-default-model` does).
+
+It also checks the bundled Qt binding: the app's Qt calls 20,000 times (app/binding_check.py) and, with
+`--soak-tokens N`, N tokens streamed through the engine thread's signals, losing no reference to
+None/True/False (a leaking PySide6 aborted the app)."""
 from __future__ import annotations
 
 import os
@@ -11,15 +15,23 @@ import time
 from pathlib import Path
 
 
-def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
+def run_self_test(model: str | None, timeout_s: float = 300.0, soak_tokens: int = 0) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from PySide6.QtCore import QCoreApplication, QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
+    from PySide6.QtWidgets import QApplication
 
     from .engine_thread import EngineClient, EngineThread
 
     from .main import set_identity
-    app = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
+    app = QApplication.instance() or QApplication(sys.argv[:1])
     set_identity(app)
+    from .binding_check import reference_loss
+    loss = reference_loss(20_000)
+    print(f"self-test: Qt binding: {loss.iterations} rounds of the app's Qt calls lost {loss.none} references "
+          f"to None, {loss.true} to True, {loss.false} to False")
+    if loss.worst > 64:
+        print("self-test: FAIL: the Qt binding loses references (the app would abort)")
+        return 1
     if model is None:
         from engine.models import default_model_path
         model = str(default_model_path())
@@ -76,6 +88,8 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
                   f"{restored.restore_ms:.0f} ms")
             if not restored.restored_tokens:
                 raise RuntimeError("restore session: no tokens restored")
+        if soak_tokens > 0:
+            _soak(client, wait, soak_tokens)
     except Exception as e:  # noqa: BLE001 - the verdict line, not a traceback
         print(f"self-test: FAIL: {e}")
         ok = False
@@ -84,3 +98,23 @@ def run_self_test(model: str | None, timeout_s: float = 300.0) -> int:
     print("self-test: OK" if ok else "self-test: FAILED")
     del app
     return 0 if ok else 1
+
+
+def _soak(client, wait, tokens: int) -> None:
+    """Stream `tokens` tokens through the engine thread's signals, in replies of up to 500, and check
+    that the interpreter kept its references to None, True and False meanwhile."""
+    def refs():
+        return sys.getrefcount(None), sys.getrefcount(True), sys.getrefcount(False)
+    streamed = [0]
+    start, t0 = refs(), time.perf_counter()
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    while streamed[0] < tokens:
+        req = client.generate(msgs, {"max_tokens": 500, "temperature": 1.0, "seed": streamed[0]},
+                              conversation=f"soak-{streamed[0] % 3}")
+        req.token.connect(lambda _t: streamed.__setitem__(0, streamed[0] + 1))
+        wait(req, "soak")
+    lost = [b - a for b, a in zip(start, refs())]
+    print(f"self-test: soak: {streamed[0]} tokens streamed in {time.perf_counter() - t0:.0f} s; references lost "
+          f"(None, True, False): {lost}")
+    if max(lost) > 256:
+        raise RuntimeError(f"soak: the Qt binding lost references {lost}")

@@ -57,22 +57,26 @@ def test_objects_of_a_dead_worker_are_refused_not_confused(tiny_gguf):
 
 
 def test_qt_deps_names_missing_libraries_and_their_packages(tmp_path):
-    """A plugin linked against a library that is not there: ldd says so, and the line names the package."""
+    """A plugin linked against a library that is not there: ldd says so, and the line names the package.
+    The library's soname is one no system has: with a real name (libxcb-keysyms.so.1) ldd found the
+    machine's own copy once the README's apt-get line had been run, and the test failed there."""
     from app import qt_deps
     if not sys.platform.startswith("linux") or shutil.which("gcc") is None or shutil.which("ldd") is None:
         pytest.skip("needs Linux with gcc and ldd")
+    soname = "libxcb-strata-absent.so.1"
     (tmp_path / "dep.c").write_text("int dep(void) { return 1; }\n")
     (tmp_path / "plugin.c").write_text("int dep(void); int plugin(void) { return dep(); }\n")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libxcb-keysyms.so.1", "-o",
-                    str(tmp_path / "libxcb-keysyms.so.1"), str(tmp_path / "dep.c")], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o",
+                    str(tmp_path / soname), str(tmp_path / "dep.c")], check=True)
     plugins = tmp_path / "Qt" / "plugins" / "platforms"
     plugins.mkdir(parents=True)
     (tmp_path / "Qt" / "lib").mkdir()
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(plugins / "libqxcb.so"), str(tmp_path / "plugin.c"),
-                    str(tmp_path / "libxcb-keysyms.so.1")], check=True)
-    (tmp_path / "libxcb-keysyms.so.1").unlink()
+                    str(tmp_path / soname)], check=True)
+    (tmp_path / soname).unlink()
     missing = qt_deps.missing_libraries(tmp_path / "Qt")
-    assert missing == ["libxcb-keysyms.so.1"]
-    assert qt_deps.install_line(missing).endswith("apt-get install -y libxcb-keysyms1")
+    assert missing == [soname]
+    assert qt_deps.install_line(missing).endswith("apt-get install -y libxcb-strata-absent1")
+    assert qt_deps.install_line(["libxcb-keysyms.so.1"]).endswith("apt-get install -y libxcb-keysyms1")
     assert qt_deps.debian_package("libxcb-icccm.so.4") == "libxcb-icccm4"
     assert qt_deps.debian_package("libxcb-foo.so.2") == "libxcb-foo2"
