@@ -1,18 +1,36 @@
-"""The chat tabs: one ChatView per stored chat, in the stored order; new, close, rename, move, and
-every change saved to the Store. A new chat takes the config selected in the Configs pane."""
+"""The chat tabs: one ChatView per open chat, in the stored order; new, close, rename, move, and every
+change saved to the Store. A new chat takes the config selected in the Configs pane.
+
+Closing a tab only closes it: the chat stays in the store (`open` cleared) and the chat library
+(app/chat_library.py) reopens it with `open_chat`. A chat whose reply is still finishing when its tab
+closes keeps its view (hidden) until the reply ends, so the reply is saved; reopening it meanwhile
+brings that same view back. Only an empty "New chat" is dropped when its tab closes. Deleting
+(`delete_chat`) is the library's, and `restore_chat` undoes it.
+
+Each time a chat's messages change, its `updated` (last used) is now and its `model` the loaded
+model's file name (`model_path`, set by the window)."""
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 
-from .chat_view import ChatView
+from .chat_view import DEFAULT_TITLE, ChatView
 from .presets import DEFAULT_ID
 from .store import Chat
 
 
+def _signature(chat: Chat) -> tuple:
+    return tuple((m["role"], m["content"]) for m in chat.messages)
+
+
 class ChatTabs(QTabWidget):
-    """`view_added(view)` fires for each new tab's ChatView (the window connects its signals)."""
+    """`view_added(view)` fires for each new tab's ChatView (the window connects its signals);
+    `library_changed` whenever a chat was saved, closed, opened, renamed, deleted or restored."""
     view_added = Signal(object)
+    library_changed = Signal()
 
     def __init__(self, store, client, presets, selected_preset, parent: QWidget | None = None):
         super().__init__(parent, movable=True, tabsClosable=True, documentMode=True)
@@ -20,7 +38,11 @@ class ChatTabs(QTabWidget):
         self.client = client
         self.presets = presets
         self.selected_preset = selected_preset     # () -> the Configs pane's selected id, or ""
+        self.model_path = lambda: ""               # () -> the loaded model's path ('' = none); the window's
         self.closed = False                        # set at shutdown: nothing is saved after it
+        self._seen: dict[str, tuple] = {}          # chat id -> its messages when last saved
+        self._closing: dict[str, ChatView] = {}    # closed tabs whose requests are still finishing
+        self._deleted: set[str] = set()            # deleted chats: a late reply must not save them back
         self.tabCloseRequested.connect(self.close_tab)
         self.tabBarDoubleClicked.connect(self.rename_tab)
         self.tabBar().tabMoved.connect(lambda *_: self.save_order())
@@ -29,8 +51,8 @@ class ChatTabs(QTabWidget):
         self.setCornerWidget(self.new_tab_btn, Qt.Corner.TopRightCorner)
 
     def open_stored(self) -> None:
-        """The stored chats, in order; a first chat when there are none."""
-        for chat in self.store.chats():
+        """The chats that had a tab, in order; a first chat when there are none."""
+        for chat in self.store.chats(open_only=True):
             self.add_chat_tab(chat, persist=False)
         if self.count() == 0:
             self.new_tab()
@@ -40,6 +62,10 @@ class ChatTabs(QTabWidget):
 
     def current_view(self) -> ChatView | None:
         return self.currentWidget()
+
+    def view_for(self, chat_id: str) -> ChatView | None:
+        """The tab showing chat `chat_id`, or None."""
+        return next((v for v in self.views() if v.chat.id == chat_id), None)
 
     def new_tab(self, chat: Chat | None = None, preset_id: str | None = None) -> ChatView:
         """A new chat using config `preset_id` (default: the one selected in the Configs list)."""
@@ -52,21 +78,35 @@ class ChatTabs(QTabWidget):
         return {"preset": preset.id, "speed_projection": preset.speed_projection}
 
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
+        chat.open = True
+        self._deleted.discard(chat.id)
         view = ChatView(chat, self.client, self.presets)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
         index = self.addTab(view, chat.title)
         self._set_tab_title(view, chat.title)
+        self._seen[chat.id] = _signature(chat)
         self.setCurrentIndex(index)
         self.view_added.emit(view)
         if persist:
             self.store.save_chat(chat, index)
+            self.library_changed.emit()
         view.input.setFocus()
         return view
 
     def _persist(self, view: ChatView) -> None:
-        if not self.closed:
-            self.store.save_chat(view.chat, self.indexOf(view))
+        chat = view.chat
+        if self.closed or chat.id in self._deleted:
+            return
+        sig = _signature(chat)
+        if sig != self._seen.get(chat.id):        # a message came or went: the chat was used now
+            self._seen[chat.id] = sig
+            chat.updated = time.time()
+            model = self.model_path()
+            if model:
+                chat.model = Path(model).name
+        self.store.save_chat(chat, self.indexOf(view))      # -1 (closing): its stored position
+        self.library_changed.emit()
 
     def _set_tab_title(self, view: ChatView, title: str) -> None:
         i = self.indexOf(view)
@@ -74,18 +114,64 @@ class ChatTabs(QTabWidget):
             self.setTabText(i, title if len(title) <= 28 else title[:27] + "…")
             self.setTabToolTip(i, title)
 
+    # ---- close, reopen ------------------------------------------------------------------------
     def close_tab(self, index: int) -> None:
+        """Close the tab (its reply stopped); the chat stays in the library. An empty new chat goes."""
         view = self.widget(index)
         if view is None:
             return
         view.stop()
         self.removeTab(index)
-        self.store.delete_chat(view.chat.id)
-        view.deleteLater()
+        chat = view.chat
+        pending = [r for r in (view.request, view.title_request) if r is not None]
+        if not pending and not chat.messages and chat.title == DEFAULT_TITLE:
+            self.store.delete_chat(chat.id)
+            self._seen.pop(chat.id, None)
+            view.deleteLater()
+        else:
+            chat.open = False
+            self.store.set_open(chat.id, False)
+            if pending:
+                # The stopped reply (and a title being written) still arrive: keep the view until then.
+                self._closing[chat.id] = view
+                for r in pending:
+                    r.finished.connect(lambda v=view: self._release(v))
+            else:
+                view.deleteLater()
         self.save_order()
+        self.library_changed.emit()
         if self.count() == 0:
             self.new_tab()
 
+    def _release(self, view: ChatView) -> None:
+        """A closed tab's request ended: drop its view once nothing of it is in flight."""
+        if self._closing.get(view.chat.id) is view and view.request is None and view.title_request is None:
+            del self._closing[view.chat.id]
+            view.deleteLater()
+
+    def open_chat(self, chat_id: str) -> ChatView | None:
+        """Show chat `chat_id`: focus its tab, or open it in a new one (None: no such chat)."""
+        view = self.view_for(chat_id)
+        if view is None:
+            view = self._closing.pop(chat_id, None)
+            if view is not None:                 # closed while finishing a reply: the same view back
+                index = self.addTab(view, "")
+                self._set_tab_title(view, view.chat.title)
+                self.setCurrentIndex(index)
+            else:
+                chat = self.store.chat(chat_id)
+                if chat is None:
+                    return None
+                view = self.add_chat_tab(chat, persist=False)
+            view.chat.open = True
+            self.store.set_open(chat_id, True)
+            self.save_order()
+            self.library_changed.emit()
+        self.setCurrentWidget(view)
+        view.input.setFocus()
+        return view
+
+    # ---- rename, delete, undo -----------------------------------------------------------------
     def rename_tab(self, index: int) -> None:
         view = self.widget(index)
         if view is None:
@@ -93,6 +179,42 @@ class ChatTabs(QTabWidget):
         title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=view.chat.title)
         if ok and title.strip():
             view.set_title(title.strip())
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        """Rename a chat, open or not."""
+        title = title.strip()
+        if not title:
+            return
+        view = self.view_for(chat_id) or self._closing.get(chat_id)
+        if view is not None:
+            view.set_title(title)                # saved through its `changed`
+        else:
+            self.store.rename(chat_id, title)
+            self.library_changed.emit()
+
+    def delete_chat(self, chat_id: str) -> Chat | None:
+        """Delete a chat for good (its tab closed first); returns it for `restore_chat` (undo)."""
+        gone = self.store.chat(chat_id)
+        if gone is None:
+            return None
+        self._deleted.add(chat_id)
+        view = self.view_for(chat_id)
+        if view is not None:
+            self.close_tab(self.indexOf(view))
+        finishing = self._closing.pop(chat_id, None)
+        if finishing is not None:                # its late reply has nowhere to go now
+            finishing.deleteLater()
+        self.store.delete_chat(chat_id)
+        self._seen.pop(chat_id, None)
+        self.library_changed.emit()
+        return gone
+
+    def restore_chat(self, chat: Chat) -> ChatView | None:
+        """Undo `delete_chat`: the chat back with all its messages, in a tab again if it had one."""
+        self._deleted.discard(chat.id)
+        self.store.restore_chat(chat)
+        self.library_changed.emit()
+        return self.open_chat(chat.id) if chat.open else None
 
     def save_order(self) -> None:
         if not self.closed:
