@@ -9,9 +9,10 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QMainWindow, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QMainWindow, QSplitter, QTabWidget, QVBoxLayout, QWidget
 
 from . import settings as settings_mod
+from .chat_library import ChatLibrary
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
 from .engine_thread import EngineClient, EngineThread
@@ -63,6 +64,8 @@ class MainWindow(QMainWindow):
         self.models = self.library.models
         self.preset_pane = PresetPane(self.presets, models_dir=self.paths.models_dir)
         self.tabs = ChatTabs(self.store, self.client, self.presets, self.preset_pane.current_id)
+        self.tabs.model_path = lambda: self.library.model_path     # recorded with each chat's messages
+        self.chat_library = ChatLibrary(self.tabs)                 # every chat: search, open, delete, export
         self.sessions = SessionController(self.paths, self.client, self.tabs, self.library, lambda: self.settings,
                                           self.save_settings, self.status, self.message_bar.show_message, self)
         self._build_layout()
@@ -86,7 +89,10 @@ class MainWindow(QMainWindow):
         cl.addWidget(self.message_bar)
         cl.addWidget(self.tabs, 1)
         left = QSplitter(Qt.Orientation.Vertical)
-        left.addWidget(self.models)
+        self.side = QTabWidget(documentMode=True)      # the chat library and the model list, one at a time
+        self.side.addTab(self.chat_library, "Chats")
+        self.side.addTab(self.models, "Models")
+        left.addWidget(self.side)
         left.addWidget(self.preset_pane)
         left.setStretchFactor(0, 3)
         left.setStretchFactor(1, 2)
@@ -123,6 +129,7 @@ class MainWindow(QMainWindow):
         act(c, "Regenerate", lambda: self.current_view() and self.current_view().regenerate(), "Ctrl+R")
         act(c, "Copy Reply", lambda: self.current_view() and self.current_view().copy_last(), "Ctrl+Shift+C")
         act(c, "Rename Chat…", lambda: self.tabs.rename_tab(self.tabs.currentIndex()))
+        act(c, "Find Chat…", self.find_chat, "Ctrl+Shift+F")
 
     def _connect_signals(self) -> None:
         self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
@@ -187,6 +194,11 @@ class MainWindow(QMainWindow):
 
     def new_tab(self, chat: Chat | None = None, preset_id: str | None = None) -> ChatView:
         return self.tabs.new_tab(chat, preset_id)
+
+    def find_chat(self) -> None:
+        """Chat > Find Chat: the chat library shown, its search field focused."""
+        self.side.setCurrentWidget(self.chat_library)
+        self.chat_library.focus_search()
 
     def save_settings(self, s: settings_mod.Settings) -> None:
         """The window's settings are `s` from now on, saved."""
