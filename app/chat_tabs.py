@@ -145,9 +145,13 @@ class ChatTabs(QTabWidget):
 
     def _release(self, view: ChatView) -> None:
         """A closed tab's request ended: drop its view once nothing of it is in flight."""
-        if self._closing.get(view.chat.id) is view and view.request is None and view.title_request is None:
+        if self._closing.get(view.chat.id) is not view:
+            return
+        if view.request is None and view.title_request is None:
             del self._closing[view.chat.id]
             view.deleteLater()
+        elif view.title_request is not None:     # the stopped reply asked for a title: wait for it too
+            view.title_request.finished.connect(lambda v=view: self._release(v))
 
     def open_chat(self, chat_id: str) -> ChatView | None:
         """Show chat `chat_id`: focus its tab, or open it in a new one (None: no such chat)."""
