@@ -1,6 +1,10 @@
 """Render a message into a QTextDocument at a cursor: Markdown prose (Qt's own parser) and fenced
 code blocks highlighted with Pygments, each with a "Copy code" link. Colours come from the palette
-(the code style is picked by whether the palette is dark)."""
+(the code style is picked by whether the palette is dark).
+
+A single line break inside a paragraph is kept, as chat apps do (Markdown itself would join the lines:
+a poem became one paragraph): `keep_line_breaks` turns it into a line separator (U+2028, a break
+within the paragraph, no paragraph spacing) wherever the next line does not start a block of its own."""
 from __future__ import annotations
 
 import html
@@ -10,6 +14,55 @@ from PySide6.QtGui import QPalette, QTextCursor, QTextDocument
 from PySide6.QtWidgets import QApplication
 
 FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.S | re.M)
+LINE_BREAK = "\u2028"          # Qt: a line break inside the paragraph (HTML's <br>)
+# A line that starts a block of its own (or ends one), so the line break before it stays Markdown's:
+# list items, headings, quotes, fences, setext underlines / rules, tables, HTML, indented code.
+_BLOCK_START = re.compile(r" {0,3}(?:[-*+][ \t]|\d{1,9}[.)](?:[ \t]|$)|#{1,6}(?:[ \t]|$)|>|```|~~~|\||<"
+                          r"|=+[ \t]*$|-+[ \t]*$|(?:[*_-][ \t]*){3,}$)")
+_TABLE_DELIM = re.compile(r" {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
+_FENCE_LINE = re.compile(r" {0,3}(?:```|~~~)")
+_QUOTE = re.compile(r"( {0,3}(?:>[ \t]?)*)(.*)", re.S)       # (the quote markers, the rest)
+_HEADING = re.compile(r" {0,3}#{1,6}(?:[ \t]|$)")
+_RULE = re.compile(r" {0,3}(?:=+|-+|(?:[*_-][ \t]*){3,})[ \t]*$")    # a rule or a setext underline
+_INDENTED = re.compile(r"(?: {4}|\t)")
+
+
+def keep_line_breaks(md: str) -> str:
+    """`md` with each single line break inside a paragraph (or a quote's) made a real one (LINE_BREAK).
+    Left alone: blank lines (paragraphs), lines inside fenced or indented code, heading, rule and table
+    lines, a break already hard (two spaces or a backslash), and the break before a line that starts a
+    block."""
+    lines = md.split("\n")
+    out: list[str] = []
+    in_fence = in_indented = joined = False
+    prev_blank = True
+    for i, line in enumerate(lines):
+        if joined:                              # the rest of a joined line: no quote marker, no indent
+            line = _QUOTE.match(line).group(2).lstrip(" \t")
+        if _FENCE_LINE.match(line):
+            in_fence = not in_fence
+        elif not in_fence:
+            if prev_blank and _INDENTED.match(line):
+                in_indented = True
+            elif line.strip() and not _INDENTED.match(line):
+                in_indented = False
+        joined = i + 1 < len(lines) and not in_fence and not in_indented and _joins(line, lines[i + 1])
+        out.append(line + (LINE_BREAK if joined else "\n" if i + 1 < len(lines) else ""))
+        prev_blank = not line.strip()
+    return "".join(out)
+
+
+def _joins(line: str, nxt: str) -> bool:
+    """Whether the break between `line` and `nxt` is a soft break inside a paragraph: the same quote
+    depth, neither blank, `line` no heading, rule or fence, `nxt` no start of a block, no table."""
+    (q1, line), (q2, nxt) = _QUOTE.match(line).groups(), _QUOTE.match(nxt).groups()
+    if q1.count(">") != q2.count(">") or not line.strip() or not nxt.strip():
+        return False
+    if line.endswith(("  ", "\\")) or _FENCE_LINE.match(line) or _HEADING.match(line) or _RULE.match(line):
+        return False
+    if _BLOCK_START.match(nxt) or _TABLE_DELIM.match(nxt) or ("|" in line and "|" in nxt):
+        return False
+    return True
 
 
 def split_blocks(text: str) -> list[tuple[str, str, str]]:
@@ -54,7 +107,7 @@ def insert_message_body(cursor: QTextCursor, text: str, code_store: list[str]) -
     for kind, lang, body in split_blocks(text):
         if kind == "md":
             if body.strip():
-                cursor.insertMarkdown(body, QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
+                cursor.insertMarkdown(keep_line_breaks(body), QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
             continue
         code_store.append(body)
         label = html.escape(lang or "code")
