@@ -21,7 +21,7 @@ from PySide6.QtWidgets import QApplication
 
 
 class FileOpenQueue(QObject):
-    """Turns QFileOpenEvents (macOS Finder, the Dock) into window.open_file; installed as an event
+    """Turns QFileOpenEvents (macOS Finder, the Dock) into window.sessions.open_file; installed as an event
     filter on the QApplication. Files that arrive before the window exists are queued."""
 
     def __init__(self, parent=None):
@@ -41,13 +41,13 @@ class FileOpenQueue(QObject):
         if self.window is None:
             self.pending.append(path)
         else:
-            self.window.open_file(path)
+            self.window.sessions.open_file(path)
 
     def set_window(self, window) -> None:
         self.window = window
         pending, self.pending = self.pending, []
         for p in pending:        # requests queue behind the model load on the engine thread
-            window.open_file(p)
+            window.sessions.open_file(p)
 
 
 def set_identity(app) -> None:

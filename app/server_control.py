@@ -1,9 +1,11 @@
 """The settings page's server toggle: the OpenAI-compatible server (engine.frontends.server) on the app's own
 engine, started and stopped off the GUI thread.
 
-`apply(config)` says what is wanted: (host, port, api_key) or None for off. Starts and stops run one at a
-time on a helper thread; the latest wish wins. `state` is emitted after each change:
-{"running": bool, "host", "port", "error": "" or the one-line reason it is off}.
+It follows the settings: the engine's readiness and each change of a server key apply
+`server_config(settings)`. `apply(config)` says what is wanted: (host, port, api_key) or None for off.
+Starts and stops run one at a time on a helper thread; the latest wish wins. `state` is emitted after
+each change: {"running": bool, "host", "port", "error": "" or the one-line reason it is off}. A start
+that fails is told on the bus and turns the setting off (it stays off until turned on again).
 """
 from __future__ import annotations
 
@@ -15,14 +17,19 @@ from PySide6.QtCore import QObject, Qt, Signal
 log = logging.getLogger("strata.app")
 
 
+SERVER_KEYS = ("server_enabled", "server_host", "server_port", "server_api_key")
+
+
 class ServerControl(QObject):
     state = Signal(object)
     _started = Signal(object, object, str)     # (config, ServerThread or None, error)
     _stopped = Signal()
 
-    def __init__(self, engine_getter, parent: QObject | None = None):
+    def __init__(self, client, settings, bus, parent: QObject | None = None):
         super().__init__(parent)
-        self.engine = engine_getter              # () -> engine.engine.Engine or None
+        self.client = client
+        self.settings = settings
+        self.bus = bus
         self.wanted: tuple | None = None
         self.config: tuple | None = None         # what the running server serves
         self.server = None
@@ -31,6 +38,15 @@ class ServerControl(QObject):
         self.closed = False
         self._started.connect(self._on_started, Qt.ConnectionType.QueuedConnection)
         self._stopped.connect(self._on_stopped, Qt.ConnectionType.QueuedConnection)
+        client.ready.connect(self.apply_settings)
+        settings.changed.connect(lambda key: key in SERVER_KEYS and self.apply_settings())
+
+    def engine(self):
+        """The app's engine once it is ready, else None."""
+        return self.client.thread.engine if self.client.is_ready else None
+
+    def apply_settings(self) -> None:
+        self.apply(server_config(self.settings))
 
     @property
     def running(self) -> bool:
@@ -88,6 +104,9 @@ class ServerControl(QObject):
             self.error = error
             if self.wanted == config:
                 self.wanted = None               # a failed start leaves it off
+            self.bus.tell(f"The local server is off: {error}")
+            if self.settings.server_enabled:
+                self.settings.set("server_enabled", False)      # it stays off until turned on again
         else:
             self.error = ""
             self.server, self.config = server, config

@@ -1,15 +1,21 @@
 """The app's settings, persisted with QSettings (an INI file in the data folder, so STRATA_HOME isolates tests).
 
+`Settings` is the value (a dataclass); `SettingsService` is the one object the app holds it in: every
+change goes through `update(new)` or `set(key, value)`, is saved, and emits `changed(key)` once for each
+dotted key that changed ("cache_mib", "sampling.temperature", "steering.files"). The parts of the app
+listen to the keys they care about; nobody compares old and new settings themselves.
+
 Nothing here is a second definition: the sampling fields and their defaults are engine/sampling.py's
 table (`APP_FIELDS`), the cache defaults engine/limits.py's, the data folder engine/paths.py's (handed in
 as an `AppPaths`)."""
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QObject, QSettings, Signal
 
 from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
@@ -18,6 +24,7 @@ from .paths import AppPaths
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 KV_BITS = (16, 8, 4)         # engine/kv_format.py's BITS (that module imports mlx: not imported here)
+THEMES = ("system", "light", "dark")
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Settings:
     server_host: str = "127.0.0.1"
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key
+    theme: str = "system"                 # system | light | dark (app/theme.py)
     sampling: Sampling = field(default_factory=Sampling)
     steering: Steering = field(default_factory=Steering)
 
@@ -134,6 +142,8 @@ def load(paths: AppPaths | None = None) -> Settings:
         setattr(s, f.name, _coerce(q.value(key), getattr(s, f.name)))
     if s.kv_bits not in KV_BITS:
         s.kv_bits = 16      # a hand-edited value the engine would refuse at start: the default instead
+    if s.theme not in THEMES:
+        s.theme = "system"
     for f in fields(Sampling):
         setattr(s.sampling, f.name, _coerce(q.value(f"sampling/{f.name}"), getattr(s.sampling, f.name)))
     for f in fields(Steering):
@@ -166,3 +176,84 @@ def save(s: Settings, paths: AppPaths | None = None) -> None:
     for old in _OLD_KEYS.values():
         q.remove(old)
     q.sync()
+
+
+def changed_keys(old: Settings, new: Settings) -> list[str]:
+    """The dotted keys whose values differ: a section's fields one by one ("steering.files")."""
+    keys = []
+    for f in fields(Settings):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if is_dataclass(a):
+            keys += [f"{f.name}.{g.name}" for g in fields(a) if getattr(a, g.name) != getattr(b, g.name)]
+        elif a != b:
+            keys.append(f.name)
+    return keys
+
+
+_FIELDS = frozenset(f.name for f in fields(Settings))
+
+
+class SettingsService(QObject):
+    """The app's one settings object. Read it like a `Settings` (`service.cache_mib`,
+    `service.steering.files`) or take a copy to edit (`snapshot()`); change it with `update(new)` or
+    `set("sampling.temperature", 0.3)`. Each change is saved at once (with `paths`; None saves nothing,
+    for tests of a page alone) and `changed(key)` fires for each dotted key that changed, in field order."""
+    changed = Signal(str)
+
+    def __init__(self, value: Settings | None = None, paths: AppPaths | None = None, persist: bool = True,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self._paths = paths
+        self._persist = persist
+        self._value = value if value is not None else load(paths)
+
+    @property
+    def value(self) -> Settings:
+        """The current settings (read them; change them through update/set)."""
+        return self._value
+
+    def __getattr__(self, name: str):
+        # Only reached for names the QObject does not have: the Settings fields.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._value, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _FIELDS:
+            raise AttributeError(f"settings change through set({name!r}, value) or update(new), which save and "
+                                 "tell the listeners")
+        super().__setattr__(name, value)
+
+    def snapshot(self) -> Settings:
+        """A copy to edit and hand back to `update`."""
+        return copy.deepcopy(self._value)
+
+    def get(self, key: str):
+        obj = self._value
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def set(self, key: str, value) -> list[str]:
+        """Change one dotted key ("server_enabled", "steering.files")."""
+        new = self.snapshot()
+        *head, last = key.split(".")
+        obj = new
+        for part in head:
+            obj = getattr(obj, part)
+        if not hasattr(obj, last):
+            raise KeyError(key)
+        setattr(obj, last, value)
+        return self.update(new)
+
+    def update(self, new: Settings) -> list[str]:
+        """Make `new` the settings: save them and emit `changed` for each key that differs. Returns the keys."""
+        keys = changed_keys(self._value, new)
+        if not keys:
+            return []
+        self._value = copy.deepcopy(new)
+        if self._persist:
+            save(self._value, self._paths)
+        for key in keys:
+            self.changed.emit(key)
+        return keys

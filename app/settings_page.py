@@ -1,20 +1,23 @@
 """The settings page: conversation cache (checked by the engine's memory guard) and K/V cache precision,
-control vectors, sampling defaults, model folders. Saved with QSettings once the engine accepted the
-cache values and the precision."""
+control vectors, sampling defaults, model folders, the local server, the appearance. Whole numbers are
+typed, not clamped: a value out of range or not a number is refused with a message next to its field and
+nothing is saved. The rest goes to the SettingsService (app/settings.py) once the engine accepted the
+cache values and the precision; the parts of the app that care hear it from the service's `changed`."""
 from __future__ import annotations
 
 import copy
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QIntValidator
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
                                QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QVBoxLayout, QWidget)
 
 from engine.limits import SLOTS_MAX
 
-from . import settings as settings_mod
 from .sampling_form import SamplingForm, spin
-from .settings import Settings
+from .settings import Settings, SettingsService
+from .theme import THEMES
 
 
 KV_BITS_CHOICES = (("16-bit (default)", 16), ("8-bit", 8), ("4-bit", 4))
@@ -29,28 +32,108 @@ KV_BITS_TIP = ("How the engine stores each token's keys and values. 8-bit takes 
                "Session files keep the format they were saved with and restore only while this setting matches "
                "it. A model whose head size cannot take 8- or 4-bit is refused with the reason.")
 
+# Where a person changes the precision: what a hint names (the CLI's --kv-bits is no use in the window)
+KV_BITS_CONTROL = "Settings > K/V cache precision"
+
+
+def refusal_hint(code, reason: str) -> str:
+    """What to add to an engine refusal shown in the window, from its code and reason (never its text):
+    a session of another K/V precision names the setting to change."""
+    from engine.errors import ErrorCode, SessionRefusal
+    if code == ErrorCode.SESSION_REFUSED and reason == SessionRefusal.KV_FORMAT:
+        return f". To restore it, set {KV_BITS_CONTROL} to the file's precision, then restore it again."
+    return ""
+
+
+class NumberField(QWidget):
+    """A whole number typed as text, checked against its range when the page is saved, never clamped
+    or cut while typing: `problem()` says what is wrong ("" when nothing), shown in `message` next to
+    the field. `value()`/`setValue()`/`minimum()`/`maximum()` as a spin box has them."""
+
+    def __init__(self, lo: int, hi: int, value: int, unit: str = "", label: str = "", parent=None):
+        super().__init__(parent)
+        self.lo, self.hi, self.unit, self.label = lo, hi, unit, label
+        self.edit = QLineEdit(str(value), objectName="numberEdit")
+        self.edit.setMaximumWidth(110)
+        self.message = QLabel(wordWrap=True, visible=False, objectName="fieldError")
+        self.message.setStyleSheet("color: #c62828;")
+        self.edit.textEdited.connect(lambda _t: self.show_problem(""))
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.edit)
+        if unit:
+            lay.addWidget(QLabel(unit.strip()))
+        lay.addWidget(self.message, 1)
+
+    def lineEdit(self) -> QLineEdit:  # noqa: N802 - as QSpinBox names it
+        return self.edit
+
+    def text(self) -> str:
+        return self.edit.text()
+
+    def minimum(self) -> int:
+        return self.lo
+
+    def maximum(self) -> int:
+        return self.hi
+
+    def setValue(self, value: int) -> None:  # noqa: N802
+        self.edit.setText(str(int(value)))
+        self.show_problem("")
+
+    def value(self) -> int | None:
+        """The number typed, or None when it is not a whole number (out-of-range values are kept: see problem)."""
+        state, _, _ = QIntValidator(-(1 << 31), (1 << 31) - 1).validate(self.edit.text().strip(), 0)
+        try:
+            return int(self.edit.text().strip()) if state == QIntValidator.State.Acceptable else None
+        except ValueError:
+            return None
+
+    def problem(self) -> str:
+        text = self.edit.text().strip()
+        v = self.value()
+        if v is None:
+            return f"{text!r} is not a whole number" if text else "a number is needed"
+        if not self.lo <= v <= self.hi:
+            return f"must be {self.lo} to {self.hi}{self.unit}; got {text}{self.unit}"
+        return ""
+
+    def show_problem(self, text: str) -> None:
+        self.message.setText(text)
+        self.message.setVisible(bool(text))
+
+    def check(self) -> str:
+        """Show this field's problem next to it; returns it ("" when the value is good)."""
+        p = self.problem()
+        self.show_problem(p)
+        return p
+
 
 class SettingsPage(QDialog):
     saved = Signal(object, object)       # (new Settings, old Settings)
 
-    def __init__(self, current: Settings, client, status=None, parent: QWidget | None = None,
-                 save=None):
+    def __init__(self, settings: SettingsService | Settings, client, status=None, parent: QWidget | None = None):
+        """`settings`: the app's SettingsService (a plain Settings gets its own service, saved to the
+        default data folder: a page alone in a test)."""
         super().__init__(parent)
-        self.save = save or settings_mod.save      # (Settings) -> None
+        if not isinstance(settings, SettingsService):
+            settings = SettingsService(settings, parent=self)
+        self.settings = settings
         self.setWindowTitle("Strata Settings")
         self.client = client
         self.status = status               # the last engine.api.EngineStatus, or None
         self._drop_confirmed: tuple[int, int] | None = None
-        self.old = current
-        s = copy.deepcopy(current)
+        self.old = settings.snapshot()
+        s = copy.deepcopy(self.old)
         self.error = QLabel(wordWrap=True, visible=False, objectName="settingsError")
 
-        # Conversation cache: the field holds only what the engine takes (engine.limits: 0..half of RAM)
+        # Conversation cache: the range is what the engine takes (engine.limits: 0..half of RAM)
         self.cache_range = self._cache_range(status)
-        self.cache_mib = spin(0, self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22,
-                               min(max(s.cache_mib, 0), self.cache_range.max_mib or 1 << 22), 256, suffix=" MiB")
+        top = self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22
+        self.cache_mib = NumberField(0, top, s.cache_mib, " MiB")
         self.cache_mib.setToolTip(f"Conversation cache cap: {self.cache_range.describe()}; 0 turns it off")
-        self.cache_slots = spin(1, SLOTS_MAX, s.cache_slots)
+        self.cache_slots = NumberField(1, SLOTS_MAX, s.cache_slots)
+        self.cache_slots.setToolTip(f"How many conversations are kept parked: 1 to {SLOTS_MAX}")
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
         # K/V precision (engine/kv_format.py): the engine checks it against the loaded model's head size
         self.kv_bits = QComboBox(objectName="kvBits", toolTip=KV_BITS_TIP)
@@ -77,8 +160,8 @@ class SettingsPage(QDialog):
         cv_row.addWidget(self.cv_scale)
         cv_row.addWidget(add_cv)
         cv_row.addWidget(rm_cv)
-        self.layer_from = spin(0, 999, st.layer_from)
-        self.layer_to = spin(0, 999, st.layer_to)
+        self.layer_from = NumberField(0, 999, st.layer_from)
+        self.layer_to = NumberField(0, 999, st.layer_to)
         layers = QHBoxLayout()
         layers.addWidget(self.layer_from)
         layers.addWidget(QLabel("to"))
@@ -106,13 +189,13 @@ class SettingsPage(QDialog):
         # The OpenAI-compatible server
         self.server_on = QCheckBox("Serve the loaded model over the OpenAI API", checked=s.server_enabled)
         self.server_host = QLineEdit(s.server_host, placeholderText="127.0.0.1")
-        self.server_port = spin(1, 65535, s.server_port)
+        self.server_port = NumberField(1, 65535, s.server_port)
         self.server_key = QLineEdit(s.server_api_key, placeholderText="none (no key needed)")
         self.server_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.server_url = QLabel(wordWrap=True, textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
         for w in (self.server_host, self.server_key):
             w.textChanged.connect(self._update_server_url)
-        self.server_port.valueChanged.connect(self._update_server_url)
+        self.server_port.edit.textChanged.connect(self._update_server_url)
         self.server_on.toggled.connect(self._update_server_url)
         srv = QGroupBox("Local server (OpenAI-compatible)")
         f = QFormLayout(srv)
@@ -137,6 +220,14 @@ class SettingsPage(QDialog):
         row.addWidget(rm_f)
         fl.addLayout(row)
 
+        # Appearance (app/theme.py)
+        self.theme = QComboBox(objectName="theme")
+        for label, value in THEMES:
+            self.theme.addItem(label, value)
+        self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
+        look = QGroupBox("Appearance")
+        QFormLayout(look).addRow("Theme", self.theme)
+
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
         self.buttons.accepted.connect(self.submit)
         self.buttons.rejected.connect(self.reject)
@@ -146,6 +237,7 @@ class SettingsPage(QDialog):
         right.addWidget(steer)
         right.addWidget(fold)
         right.addWidget(srv)
+        right.addWidget(look)
         right.addStretch(1)
         cols = QHBoxLayout()
         cols.addLayout(left)
@@ -178,7 +270,7 @@ class SettingsPage(QDialog):
 
     def _update_server_url(self) -> None:
         host = self.server_host.text().strip() or "127.0.0.1"
-        url = f"http://{f'[{host}]' if ':' in host else host}:{self.server_port.value()}/v1"
+        url = f"http://{f'[{host}]' if ':' in host else host}:{self.server_port.text().strip()}/v1"
         note = "" if host in ("127.0.0.1", "localhost", "::1") or self.server_key.text() else \
             " — reachable from other machines without a key: set one"
         self.server_url.setText((f"Clients use {url}" if self.server_on.isChecked() else f"Off ({url} when on)") + note)
@@ -198,8 +290,19 @@ class SettingsPage(QDialog):
         if d:
             self.folders.addItem(d)
 
+    def number_fields(self) -> dict[str, NumberField]:
+        return {"Cap": self.cache_mib, "Slots": self.cache_slots, "Layers from": self.layer_from,
+                "Layers to": self.layer_to, "Port": self.server_port}
+
+    def check_fields(self) -> str:
+        """Each number field's problem shown next to it; the first one, named, or ""."""
+        problems = [f"{name} {p}" for name, w in self.number_fields().items() if (p := w.check())]
+        return problems[0] if problems else ""
+
     def values(self) -> Settings:
-        s = copy.deepcopy(self.old)
+        """The page's values over the current settings (a key the page does not show, like the model
+        loaded meanwhile, stays as it is now). The number fields must be checked first."""
+        s = self.settings.snapshot()
         s.cache_mib, s.cache_slots = self.cache_mib.value(), self.cache_slots.value()
         s.kv_bits = int(self.kv_bits.currentData())
         s.steering.files = [tuple(self.cv_list.item(i).data(256)) for i in range(self.cv_list.count())]
@@ -211,6 +314,7 @@ class SettingsPage(QDialog):
         s.server_enabled, s.server_port = self.server_on.isChecked(), self.server_port.value()
         s.server_host, s.server_api_key = self.server_host.text().strip() or "127.0.0.1", self.server_key.text().strip()
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
+        s.theme = self.theme.currentData()
         return s
 
     def show_error(self, text: str) -> None:
@@ -224,6 +328,10 @@ class SettingsPage(QDialog):
 
     def submit(self) -> None:
         """Ask the engine to accept the cache values; save everything only if it does."""
+        problem = self.check_fields()
+        if problem:
+            self.show_error(problem)
+            return
         new = self.values()
         if not (new.steering.direction == "per-layer" or new.steering.direction.startswith("single:")):
             self.show_error(f"direction {new.steering.direction!r} is not 'per-layer' or 'single:L'")
@@ -284,6 +392,6 @@ class SettingsPage(QDialog):
 
     def _commit(self, new: Settings) -> None:
         self.clear_error()
-        self.save(new)
+        self.settings.update(new)
         self.saved.emit(new, self.old)
         self.accept()

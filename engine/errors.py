@@ -29,6 +29,7 @@ class SessionRefusal(str, Enum):
     FILE = "file"                # the file: missing, corrupt, another model, another steering...
     OVERWRITE = "overwrite"      # the save would replace a longer conversation: ask, then save with force
     STEERING = "steering"        # saved with another steering setting: load the vector it names, then retry
+    KV_FORMAT = "kv_format"      # saved with another K/V precision: switch the engine's (--kv-bits / Settings)
 
     def __str__(self) -> str:
         return self.value
@@ -103,6 +104,12 @@ class SessionSteeringRefused(SessionFileError):
     """A session file saved with another steering setting than the engine can apply now; the message
     names the control vector it needs (SessionSteering reads it from the file)."""
     reason = SessionRefusal.STEERING.value
+
+
+class SessionFormatRefused(SessionFileError):
+    """A session file holding another K/V precision than the engine runs (never converted); the
+    message names both. How to switch is the front end's to say (the CLI's flag, the app's setting)."""
+    reason = SessionRefusal.KV_FORMAT.value
 
 
 class RequestError(StrataError):

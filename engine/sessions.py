@@ -60,7 +60,7 @@ import xxhash
 from . import half_cast
 from .device import compute_dtype, on_cuda, on_gpu
 from .device_upload import drop_host_copies, host_view, to_device
-from .errors import SessionFileError, SessionOverwriteRefused
+from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused
 
 FORMAT = "strata-session"
 VERSION = 2
@@ -716,10 +716,10 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
         # Refused, not converted: widening 8-bit codes or re-quantizing them would give a K/V that
         # no engine run produced.
         from .kv_format import describe_label, format_of_label
-        fmt = format_of_label(theirs)
-        hint = f" (restore it with --kv-bits {fmt.bits})" if fmt is not None else ""
-        raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
-                               f"{describe_label(ours)}{hint}")
+        if format_of_label(theirs) is None:
+            raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
+                                   f"{describe_label(ours)}")
+        raise SessionFormatRefused(f"{name} holds {describe_label(theirs)}; this engine runs {describe_label(ours)}")
     if fp.get("steering") != str(expected["steering"]):
         raise SessionFileError(f"{name} was saved with another steering setting "
                                f"({_steer_label(fp.get('steering'))}; now {_steer_label(expected['steering'])})")

@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_spec(args.spec)          # a bad value exits 2 before the model loads
         return args.fn(args)
     except StrataError as e:
-        print(f"strata: {e}", file=sys.stderr)
+        # A session of another K/V precision: the command line's way to switch is the flag
+        hint = " (restore it with the --kv-bits it was saved with)" if getattr(e, "reason", "") == "kv_format" else ""
+        print(f"strata: {e}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

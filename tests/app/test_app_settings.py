@@ -47,8 +47,9 @@ def test_app_settings_round_trip(qtbot, window, app_home):
     assert blocker.args[0].parking["cap_bytes"] == 512 << 20 and blocker.args[0].parking["slots"] == 3
 
 
-def test_app_settings_cache_field_holds_only_the_valid_range(qtbot, window):
-    """engine.limits' range (0..half of RAM) is the field's range: no negative, nothing past the guard."""
+def test_app_settings_cache_field_refuses_what_is_outside_the_valid_range(qtbot, window):
+    """engine.limits' range (0..half of RAM) is the field's range: a negative or a value past the guard
+    is refused next to the field (never rewritten to another number), and nothing is saved."""
     from PySide6.QtCore import Qt
     from engine.limits import machine_cache_range
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS) as blocker:
@@ -59,16 +60,16 @@ def test_app_settings_cache_field_holds_only_the_valid_range(qtbot, window):
     field = page.cache_mib
     assert (field.minimum(), field.maximum()) == (0, top)
     assert f"0 to {top} MiB" in page.guard.text() and f"0 to {top} MiB" in field.toolTip()
-    field.setFocus()
-    field.lineEdit().selectAll()
-    qtbot.keyClicks(field.lineEdit(), "-5")
-    qtbot.keyClick(field.lineEdit(), Qt.Key.Key_Tab)
-    assert "-" not in field.text() and field.value() == 5        # the minus sign is not taken
-    field.setValue(4_000_000)                                    # ~4 TB: held at the limit
-    assert field.value() == top
-    field.lineEdit().selectAll()
-    qtbot.keyClicks(field.lineEdit(), str(top * 10))
-    assert field.value() <= top
+    from app import settings
+    saved = settings.load().cache_mib
+    for typed in ("-5", "4000000", str(top * 10)):              # ~4 TB: past the guard
+        field.lineEdit().selectAll()
+        qtbot.keyClicks(field.lineEdit(), typed)
+        qtbot.keyClick(field.lineEdit(), Qt.Key.Key_Tab)
+        assert field.text() == typed and field.value() == int(typed)      # kept as typed
+        page.submit()
+        assert field.message.isVisible() and field.message.text() == f"must be 0 to {top} MiB; got {typed} MiB"
+        assert page.isVisible() and settings.load().cache_mib == saved
     page.reject()
 
 
@@ -190,7 +191,7 @@ def test_app_drop_gguf_links_into_models(qtbot, idle_window, tmp_path, tiny_mode
     src = tmp_path / "dropped.gguf"
     shutil.copyfile(tiny_model, src)
     with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):
-        window.add_model_file(src, how="link")
+        window.library.add_model_file(src, how="link")
     from app import paths
     assert (paths.models_dir() / "dropped.gguf").is_symlink()
     qtbot.waitUntil(lambda: window.models.tree.topLevelItemCount() == 2)

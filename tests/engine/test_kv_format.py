@@ -229,8 +229,7 @@ def test_crafted_quantized_files_with_a_valid_checksum_are_refused(q_conv):
         "16-bit layout name": (edit(lambda h: h["__metadata__"].update(
             kv_layout="mlx-kvcache (batch, kv_heads, tokens, head_dim)")), ": incompatible K/V layout"),
         "fingerprint says 8 bits": (edit(lambda h: h["__metadata__"].update(kv_dtype="q8g32", **{"fp.kv_format": "q8g32"})),
-                                    "holds 8-bit K/V (group 32); this engine runs 4-bit K/V (group 32) "
-                                    "(restore it with --kv-bits 8)"),
+                                    "holds 8-bit K/V (group 32); this engine runs 4-bit K/V (group 32)"),
         "fingerprint names no format": (edit(lambda h: h["__metadata__"].update(**{"fp.kv_format": "q9"})),
                                         "holds K/V format 'q9'; this engine runs 4-bit K/V"),
     }
