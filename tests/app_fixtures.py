@@ -55,7 +55,7 @@ def open_window(qtbot, **kw):
 def window(qtbot, app_home):
     from app.window import MainWindow  # noqa: F401
     w = open_window(qtbot)
-    with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS):
         w.show()
     yield w
     w.close()

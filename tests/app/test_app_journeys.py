@@ -43,13 +43,13 @@ def configure(*, vector: Path | None, speed_projection: bool, **app) -> None:
 
 def launch(qtbot):
     w = open_window(qtbot)
-    with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS):
         w.show()
     return w
 
 
 def save(qtbot, w, view, path: Path) -> dict:
-    req = w.save_session(view, str(path))
+    req = w.sessions.save_session(view, str(path))
     with qtbot.waitSignal(req.finished, timeout=REPLY_TIMEOUT_MS):
         pass
     assert req.error is None, req.error
@@ -57,8 +57,8 @@ def save(qtbot, w, view, path: Path) -> dict:
 
 
 def restore(qtbot, w, path: Path):
-    with qtbot.waitSignal(w.tab_restored, timeout=REPLY_TIMEOUT_MS) as blocker:
-        w.open_file(str(path))
+    with qtbot.waitSignal(w.sessions.restored, timeout=REPLY_TIMEOUT_MS) as blocker:
+        w.sessions.open_file(str(path))
     return blocker.args[0]
 
 
@@ -137,14 +137,14 @@ def test_a_file_needing_a_vector_not_loaded_is_refused_naming_it_and_offers_it(q
     again = launch(qtbot)
     try:
         n = again.tabs.count()
-        with qtbot.waitSignal(again.session_refused, timeout=REPLY_TIMEOUT_MS) as blocker:
-            again.open_file(str(path))
+        with qtbot.waitSignal(again.sessions.refused, timeout=REPLY_TIMEOUT_MS) as blocker:
+            again.sessions.open_file(str(path))
         reason = blocker.args[0]
         assert "saved with another steering setting" in reason and tiny_vector.name in reason, reason
         assert again.tabs.count() == n
         qtbot.waitUntil(lambda: again.message_bar.action.isVisible(), timeout=REPLY_TIMEOUT_MS)
         assert again.message_bar.action.text() == "Load it and restore"
-        with qtbot.waitSignal(again.tab_restored, timeout=REPLY_TIMEOUT_MS) as blocker:
+        with qtbot.waitSignal(again.sessions.restored, timeout=REPLY_TIMEOUT_MS) as blocker:
             again.message_bar.action.click()
         view = blocker.args[0]
         assert view.projection.isChecked()
@@ -177,10 +177,10 @@ def test_open_at_launch_and_finder_opens_wait_for_the_model(qtbot, app_home, tmp
     w = start_window(app, [str(first)])             # `strata-app first.stratasession`
     qtbot.addWidget(w)
     restored, refused = [], []
-    w.tab_restored.connect(restored.append)
-    w.session_refused.connect(refused.append)
+    w.sessions.restored.connect(restored.append)
+    w.sessions.refused.connect(refused.append)
     try:
-        assert not w.model_path                          # the model is still loading
+        assert not w.library.model_path                          # the model is still loading
         QApplication.sendEvent(app, QFileOpenEvent(str(second)))   # Finder double-click meanwhile
         qtbot.waitUntil(lambda: len(restored) == 2 or bool(refused), timeout=LOAD_TIMEOUT_MS)
         assert refused == []
@@ -197,10 +197,10 @@ def test_a_second_launch_hands_its_file_to_the_first(qtbot, app_home, tmp_path):
     instance = SingleInstance()
     assert instance.acquire() and instance.listen()
     w = launch(qtbot)
-    instance.files_received.connect(lambda fs: [w.open_file(f) for f in fs])
+    instance.files_received.connect(lambda fs: [w.sessions.open_file(f) for f in fs])
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", STRATA_HOME=str(app_home), PYTHONPATH=str(REPO))
     try:
-        with qtbot.waitSignal(w.tab_restored, timeout=REPLY_TIMEOUT_MS) as blocker:
+        with qtbot.waitSignal(w.sessions.restored, timeout=REPLY_TIMEOUT_MS) as blocker:
             proc = subprocess.Popen([sys.executable, "-m", "app.main", str(path)], cwd=REPO, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out, _ = proc.communicate(timeout=60)
@@ -243,7 +243,7 @@ def test_save_a_chat_carried_over_from_before_a_restart(qtbot, app_home, tmp_pat
     try:
         view = again.views()[0]
         assert view.chat.messages[0]["content"] == "A chat from yesterday"
-        req = again.save_session(view, str(tmp_path / "yesterday.stratasession"))
+        req = again.sessions.save_session(view, str(tmp_path / "yesterday.stratasession"))
         stages, shown = [], []
         req.progress.connect(lambda st, d, t: (stages.append((st, d, t)), shown.append(view.task_visible())))
         with qtbot.waitSignal(req.finished, timeout=REPLY_TIMEOUT_MS):

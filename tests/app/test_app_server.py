@@ -32,7 +32,7 @@ def set_server(qtbot, window, on: bool, port: int = 8484, key: str = "") -> dict
     page.server_on.setChecked(on)
     page.server_port.setValue(port)
     page.server_key.setText(key)
-    with qtbot.waitSignal(window.server_state, timeout=REPLY_TIMEOUT_MS,
+    with qtbot.waitSignal(window.server.state, timeout=REPLY_TIMEOUT_MS,
                           check_params_cb=lambda st: st["running"] == on or bool(st["error"])) as blocker:
         page.submit()
     return blocker.args[0]
@@ -106,10 +106,10 @@ def test_app_server_on_at_start_and_closed_with_the_window(qtbot, app_home):
     s.server_enabled, s.server_port = True, port
     settings.save(s)
     w = open_window(qtbot)
-    with qtbot.waitSignal(w.server_state, timeout=LOAD_TIMEOUT_MS, check_params_cb=lambda st: st["running"]):
+    with qtbot.waitSignal(w.server.state, timeout=LOAD_TIMEOUT_MS, check_params_cb=lambda st: st["running"]):
         w.show()
     try:
-        qtbot.waitUntil(lambda: bool(w.model_path), timeout=LOAD_TIMEOUT_MS)
+        qtbot.waitUntil(lambda: bool(w.library.model_path), timeout=LOAD_TIMEOUT_MS)
         with client(port) as http:
             assert http.get("/models").json()["data"][0]["id"].startswith("tiny-llama")
     finally:

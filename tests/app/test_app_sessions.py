@@ -36,7 +36,7 @@ def make_session(qtbot, window, path) -> list[dict]:
     send_and_wait(qtbot, view, "Keep this conversation")
     with qtbot.waitSignal(window.status_updated, timeout=REPLY_TIMEOUT_MS):  # title call done, status in
         pass
-    req = window.save_session(view, str(path))
+    req = window.sessions.save_session(view, str(path))
     with qtbot.waitSignal(req.finished, timeout=REPLY_TIMEOUT_MS):
         pass
     assert req.error is None, req.error
@@ -50,7 +50,7 @@ def test_app_drop_session_file_opens_tab(qtbot, window, tmp_path, onto):
     messages = make_session(qtbot, window, path)
     n = window.tabs.count()
     target = window if onto == "window" else window.tabs.tabBar()
-    with qtbot.waitSignal(window.tab_restored, timeout=REPLY_TIMEOUT_MS) as blocker:
+    with qtbot.waitSignal(window.sessions.restored, timeout=REPLY_TIMEOUT_MS) as blocker:
         ev = drop_files(target, [path])
     assert ev.isAccepted()
     view = blocker.args[0]
@@ -70,7 +70,7 @@ def test_app_drop_corrupt_session_is_refused(qtbot, window, tmp_path):
     bad = tmp_path / "broken.stratasession"
     bad.write_bytes(b"this is not a session file at all" * 10)
     n = window.tabs.count()
-    with qtbot.waitSignal(window.session_refused, timeout=REPLY_TIMEOUT_MS) as blocker:
+    with qtbot.waitSignal(window.sessions.refused, timeout=REPLY_TIMEOUT_MS) as blocker:
         drop_files(window, [bad])
     reason = blocker.args[0]
     assert reason and "Traceback" not in reason

@@ -31,7 +31,7 @@ def soak_home(app_home):
 def test_soak_streams_20000_tokens_without_an_abort(qtbot, soak_home, tmp_path, monkeypatch, tiny_model):
     from local_index import WHEEL_NAME, LocalIndex, make_wheel
     w = open_window(qtbot)
-    with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS):
         w.show()
 
     streamed = [0]

@@ -38,12 +38,12 @@ def test_config_speculative_setting_reaches_the_engine(qtbot, window):
 # ---- a draft model (issue 15): the tiny model as its own draft (same vocabulary) ------------------------
 def test_a_config_with_a_draft_model_drafts_and_the_status_bar_shows_it(qtbot, window, tiny_model):
     presets = window.presets
-    cfg = presets.create("Drafted", speculative=f"draft:{window.model_path}", **GREEDY)
+    cfg = presets.create("Drafted", speculative=f"draft:{window.library.model_path}", **GREEDY)
     plain = presets.create("Plain", **GREEDY)
     r0 = send_and_wait(qtbot, window.new_tab(preset_id=plain.id), TEXT)
     view = window.new_tab(preset_id=cfg.id)
     r1 = send_and_wait(qtbot, view, TEXT)
-    assert r1.speculative == f"draft:{window.model_path}" and r1.drafted_tokens > 0
+    assert r1.speculative == f"draft:{window.library.model_path}" and r1.drafted_tokens > 0
     assert r1.tokens == r0.tokens                        # greedy: the draft changes the speed, not the reply
     assert f"{r1.accepted_tokens}/{r1.drafted_tokens} drafts accepted" in window.status.speed.text()
 
@@ -56,13 +56,13 @@ def test_a_refused_draft_model_shows_the_engines_reason_in_the_chat(qtbot, windo
     from engine import speculative
     counter = itertools.count()
     monkeypatch.setattr(speculative, "vocab_hash", lambda _g: str(next(counter)))
-    cfg = window.presets.create("Bad draft", speculative=f"draft:{window.model_path}", **GREEDY)
+    cfg = window.presets.create("Bad draft", speculative=f"draft:{window.library.model_path}", **GREEDY)
     view = window.new_tab(preset_id=cfg.id)
     with qtbot.waitSignal(view.message, timeout=60_000) as blocker:
         view.input.setPlainText("hello")
         view.send_input()
     note = blocker.args[0]
-    name = window.model_path.rsplit("/", 1)[-1]
+    name = window.library.model_path.rsplit("/", 1)[-1]
     assert note.startswith(f"Generation failed: draft model {name} has another vocabulary"), note
 
 
@@ -93,7 +93,7 @@ def test_8bit_kv_set_in_settings_serves_a_chat_and_holds_at_the_next_launch(qtbo
 
     from app import settings
     w = open_window(qtbot)
-    with qtbot.waitSignal(w.model_loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS):
         w.show()
     assert engine_status(qtbot, w).kv_bits == 16
     page = w.open_settings()
@@ -107,7 +107,7 @@ def test_8bit_kv_set_in_settings_serves_a_chat_and_holds_at_the_next_launch(qtbo
     w.close()
     # the next launch starts the engine with it
     w2 = open_window(qtbot)
-    with qtbot.waitSignal(w2.model_loaded, timeout=LOAD_TIMEOUT_MS):
+    with qtbot.waitSignal(w2.library.loaded, timeout=LOAD_TIMEOUT_MS):
         w2.show()
     assert engine_status(qtbot, w2).kv_bits == 8
     assert send_and_wait(qtbot, w2.new_tab(), "Again.").generated_tokens > 0

@@ -62,7 +62,7 @@ def test_the_settings_page_and_a_config_dialog_use_the_same_form(qapp_ready, app
     s = settings.load()
     page = SettingsPage(s, fake_client, status_reading())
     store = Store(app_home / "chats.sqlite3")
-    manager = PresetManager(store, lambda: s, lambda _s: None)
+    manager = PresetManager(store, settings.SettingsService(s, persist=False))
     dlg = PresetDialog(manager, manager.default())
     for w in (page, dlg):
         qapp_ready.addWidget(w)
@@ -96,12 +96,15 @@ def test_settings_page_sends_the_cache_limits_and_saves_once_the_engine_took_the
 def test_settings_page_without_cache_changes_asks_the_engine_nothing(qapp_ready, app_home, fake_client):
     from app import settings
     from app.settings_page import SettingsPage
-    saved = []
-    page = SettingsPage(settings.load(), fake_client, status_reading(), save=saved.append)
+    service = settings.SettingsService(settings.load(), persist=False)
+    changed = []
+    service.changed.connect(changed.append)
+    page = SettingsPage(service, fake_client, status_reading())
     qapp_ready.addWidget(page)
     page.sampling_form.temperature.setValue(0.1)
     page.submit()
-    assert fake_client.calls == [] and saved[0].sampling.temperature == pytest.approx(0.1)
+    assert fake_client.calls == [] and service.sampling.temperature == pytest.approx(0.1)
+    assert changed == ["sampling.temperature"]
 
 
 def test_settings_page_shows_the_engines_refusal_and_saves_nothing(qapp_ready, app_home, fake_client):
@@ -219,10 +222,11 @@ def presets(qapp_ready, app_home):
     from app import settings
     from app.presets import PresetManager
     from app.store import Store
-    holder = {"s": settings.load()}
+    service = settings.SettingsService(settings.load(), persist=False)
     store = Store(app_home / "chats.sqlite3")
-    manager = PresetManager(store, lambda: holder["s"], lambda s: holder.update(s=s, saved=True))
-    manager.holder = holder
+    manager = PresetManager(store, service)
+    service.changed.connect(lambda key: manager.changed_keys.append(key))
+    manager.changed_keys = []
     yield manager
     store.close()
 
@@ -252,8 +256,8 @@ def test_editing_default_in_its_dialog_edits_the_settings_sampling_defaults(qapp
     dlg.sampling_form.max_tokens.setValue(77)
     dlg.speed.setChecked(False)
     dlg.submit()
-    s = presets.holder["s"]
-    assert presets.holder.get("saved") and s.sampling.max_tokens == 77 and s.steering.speed_projection is False
+    s = presets.settings
+    assert presets.changed_keys and s.sampling.max_tokens == 77 and s.steering.speed_projection is False
     assert presets.default().max_tokens == 77
 
 
@@ -307,7 +311,7 @@ def test_a_configs_draft_model_choice_round_trips(qapp_ready, presets, tmp_path,
     answer["path"] = str(draft)
     dflt.spec.setCurrentIndex(dflt.spec.findData(PICK_DRAFT))
     dflt.submit()
-    assert presets.holder["s"].speculative == f"draft:{draft}" and presets.default().speculative == f"draft:{draft}"
+    assert presets.settings.speculative == f"draft:{draft}" and presets.default().speculative == f"draft:{draft}"
 
 
 # ---- the status bar ----------------------------------------------------------------------------------
@@ -335,9 +339,9 @@ def test_session_files_opened_before_a_model_wait_for_it(qapp_ready, idle_window
     told = []
     w.sessions.tell = lambda text, *a: told.append(text)
     session = tmp_path / "a.stratasession"
-    w.open_file(str(session))
+    w.sessions.open_file(str(session))
     assert w.sessions.pending_files == [str(session)] and fake.calls == []
-    w.open_file(str(tmp_path / "notes.txt"))
+    w.sessions.open_file(str(tmp_path / "notes.txt"))
     assert told and "notes.txt: Strata opens .stratasession sessions and .gguf models" in told[-1]
     w.library.model_path = "loaded.gguf"
     w.library.loaded.emit("loaded.gguf")
