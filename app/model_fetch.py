@@ -121,9 +121,10 @@ class FetchDialog(QDialog):
         self.bar = QProgressBar(minimum=0, maximum=1000, textVisible=True)
         self.error = QLabel(wordWrap=True, objectName="fetchError",
                             textInteractionFlags=Qt.TextInteractionFlag.TextSelectableByMouse)
+        # Fetch (Retry) is what Return presses: the other buttons never take the default with focus.
         self.fetch_btn = QPushButton("Fetch", clicked=self.begin, default=True)
-        self.cancel_btn = QPushButton("Cancel", clicked=self.cancel)
-        self.close_btn = QPushButton("Not now", clicked=self.reject)
+        self.cancel_btn = QPushButton("Cancel", clicked=self.cancel, autoDefault=False)
+        self.close_btn = QPushButton("Not now", clicked=self.reject, autoDefault=False)
         row = QHBoxLayout()
         row.addStretch(1)
         for b in (self.cancel_btn, self.close_btn, self.fetch_btn):
@@ -159,6 +160,9 @@ class FetchDialog(QDialog):
         self.fetch_btn.setText("Retry" if state == "failed" else "Fetch")
         self.close_btn.setVisible(not running)
         self.close_btn.setText("Close" if state == "failed" else "Not now")
+        if not running:
+            self.fetch_btn.setDefault(True)
+            self.fetch_btn.setFocus()
         self.adjustSize()
 
     def begin(self) -> None:

@@ -1,17 +1,23 @@
-"""The left pane: models found in the models folder and the user's folders, with their metadata."""
+"""The left pane: models found in the models folder and the user's folders, with their metadata.
+
+Columns fit their text, measured in each cell's own font (the loaded model's row is bold), whenever
+the rows or that font change. Arch, Params and Context are hidden at first (in the row's tooltip;
+the header's context menu shows them), so that Name, Quant, Size and Needs fit the pane uncut at a
+window width of 1024 px; Name takes the width left."""
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QFont
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout,
-                               QWidget)
+from PySide6.QtGui import QAction, QFont, QFontMetrics
+from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
+                               QTreeWidgetItem, QVBoxLayout, QWidget)
 
 from .gguf_meta import ModelMeta, read_meta
 
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
+HIDDEN_AT_FIRST = ("Arch", "Params", "Context")    # in the row's tooltip; the header's menu shows them
 
 
 def memory_budget(engine_budget: dict | None):
@@ -63,6 +69,16 @@ class ModelList(QWidget):
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
+        header = self.tree.header()
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)      # Name: the width left
+        header.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        for c, name in enumerate(COLUMNS[1:], 1):
+            show = QAction(f"Show {name}", header, checkable=True, checked=name not in HIDDEN_AT_FIRST)
+            show.toggled.connect(lambda on, c=c: (self.tree.setColumnHidden(c, not on), self.fit_columns()))
+            header.addAction(show)
+            self.tree.setColumnHidden(c, name in HIDDEN_AT_FIRST)
         self.tree.itemDoubleClicked.connect(lambda it, _c: self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole)))
         self.load_btn = QPushButton("Load", clicked=self._load_selected)
         self.refresh_btn = QPushButton("Refresh", clicked=self.refresh)
@@ -96,15 +112,33 @@ class ModelList(QWidget):
             it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
                                   str(m.context_length or "?"), needs])
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
-            it.setToolTip(0, m.path + (f"\n{m.error}" if m.error else ""))
+            about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
+                     f"context {m.context_length or '?'} tokens\n{m.path}" + (f"\n{m.error}" if m.error else ""))
+            for c in range(len(COLUMNS) - 1):
+                it.setToolTip(c, about)
             it.setToolTip(len(COLUMNS) - 1, needs_tip)
             self.tree.addTopLevelItem(it)
-        for c in range(len(COLUMNS)):
-            self.tree.resizeColumnToContents(c)
-        self.tree.setColumnWidth(0, min(self.tree.columnWidth(0), 170))
         self.empty.setVisible(not metas)
-        self.mark_current(self.current)
+        self.mark_current(self.current)            # fits the columns to the fonts it sets
         self.scanned.emit()
+
+    def column_text_width(self, c: int) -> int:
+        """The width column `c` needs to show its header and every cell's text uncut (each in its font)."""
+        style = self.tree.style()
+        pad = 2 * (style.pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin, None, self.tree) + 1)
+        head = self.tree.header()
+        need = (QFontMetrics(head.font()).horizontalAdvance(COLUMNS[c])
+                + 2 * style.pixelMetric(QStyle.PixelMetric.PM_HeaderMargin, None, head))
+        for i in range(self.tree.topLevelItemCount()):
+            it = self.tree.topLevelItem(i)
+            need = max(need, QFontMetrics(it.font(c)).horizontalAdvance(it.text(c)) + pad)
+        return need + 4
+
+    def fit_columns(self) -> None:
+        """Every column but Name as wide as its text needs (Name stretches over the width left)."""
+        for c in range(1, len(COLUMNS)):
+            if not self.tree.isColumnHidden(c):
+                self.tree.setColumnWidth(c, self.column_text_width(c))
 
     def paths(self) -> list[str]:
         return [self.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) for i in range(self.tree.topLevelItemCount())]
@@ -118,6 +152,7 @@ class ModelList(QWidget):
             f.setBold(on)
             for c in range(len(COLUMNS)):
                 it.setFont(c, f)
+        self.fit_columns()
 
     def _load_selected(self) -> None:
         it = self.tree.currentItem()

@@ -51,6 +51,7 @@ class SessionController(QObject):
         self.tabs = tabs
         self.library = library
         self.pending_files: list[str] = []   # session files waiting for the model load
+        self._opening: set[str] = set()      # session files opened and being restored
 
     # ---- save ------------------------------------------------------------------------------------
     def save_session_dialog(self) -> None:
@@ -146,9 +147,18 @@ class SessionController(QObject):
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         title = Path(path).stem if Path(path).stem else DEFAULT_TITLE
         chat = chat or Chat()
+        # The request's system prompt came from the original tab's config, which never showed it as a
+        # message: the restored tab takes a config with that prompt (its requests add it again, the
+        # same follow-up); with none, the prompt stays the chat's first message (not shown either).
+        config = self.tabs.chat_config()
+        if messages and messages[0]["role"] == "system":
+            same = self._config_with_system_prompt(messages[0]["content"], config.get("preset"))
+            if same is not None:
+                config = self.tabs.chat_config(same)
+                messages = messages[1:]
         chat.title, chat.messages = title or first[:30], messages
         # The tab's toggle is the file's setting: its follow-ups extend the restored K/V.
-        chat.config = dict(self.tabs.chat_config(), session=path, speed_projection=bool(r.speed_projection))
+        chat.config = dict(config, session=path, speed_projection=bool(r.speed_projection))
         view = self.tabs.add_chat_tab(chat)
         steer = "speed projection on" if r.speed_projection else "speed projection off"
         view.add_note(f"restored {r.restored_tokens} tokens in {r.restore_ms:.0f} ms "
@@ -156,17 +166,44 @@ class SessionController(QObject):
         self.status_changed.emit()
         self.restored.emit(view)
 
+    def _config_with_system_prompt(self, prompt: str, preferred: str | None) -> str | None:
+        """The id of a config whose system prompt is `prompt`: `preferred` when it is, else the first."""
+        presets = self.tabs.presets
+        found = [p.id for p in presets.all() if p.system_prompt and p.system_prompt == prompt]
+        return preferred if preferred in found else (found[0] if found else None)
+
+    def open_view(self, path: str) -> ChatView | None:
+        """The open tab restored from session file `path`, if there is one."""
+        want = Path(path).resolve()
+        for view in self.tabs.views():
+            p = view.chat.config.get("session")
+            if p and Path(p).resolve() == want:
+                return view
+        return None
+
     # ---- opening files -----------------------------------------------------------------------------
     def open_file(self, path: str) -> None:
         """A file from the command line, Finder, the Dock, another launch or a drop: a session is
-        restored once a model is loaded (queued until then), a model is added."""
+        restored once a model is loaded (queued until then), a model is added. A session file a tab
+        was restored from already brings that tab to the front (each hand-off opened another)."""
         p = Path(path)
         if p.suffix.lower() == SESSION_EXTENSION:
+            view = self.open_view(str(p))
+            if view is not None:
+                self.tabs.setCurrentWidget(view)
+                self.bus.say(f"{p.name} is already open in this tab", 8000)
+                return
+            key = str(p.resolve())
+            if key in self._opening:
+                self.bus.say(f"{p.name} is already being restored", 8000)
+                return
             if not self.library.model_path:
-                self.pending_files.append(str(p))
+                if str(p) not in self.pending_files:
+                    self.pending_files.append(str(p))
                 self.bus.say(f"{p.name} opens when the model is loaded", 8000)
                 return
-            self.restore_session(str(p))
+            self._opening.add(key)
+            self.restore_session(str(p)).finished.connect(lambda: self._opening.discard(key))
         elif p.suffix.lower() == ".gguf":
             self.library.add_model_file(p)
         else:
