@@ -56,7 +56,8 @@ class ChatView(QWidget):
         self.title_request = None      # the title's side request in flight (tests follow its result)
         self.streaming: str | None = None
         self.edit_index: int | None = None
-        self.notes: list[str] = []     # lines shown under the transcript (e.g. "restored N tokens")
+        self.notes: list[str] = []     # lines shown in the transcript (e.g. "restored N tokens")
+        self._note_at: list[int] = []  # each note's place: the number of messages before it
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
@@ -92,6 +93,7 @@ class ChatView(QWidget):
         tl.addWidget(self.task_cancel)
         self.preset_box = QComboBox(toolTip="The config (system prompt, sampling, context) this chat uses")
         self.preset_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.preset_box.setMaximumWidth(220)      # a long config name must not widen the window
         self._fill_presets()
         self.preset_box.activated.connect(lambda i: self.set_preset(self.preset_box.itemData(i)))
         presets.changed.connect(self._fill_presets)
@@ -197,11 +199,22 @@ class ChatView(QWidget):
         doc.clear()
         self._code = []
         cursor = QTextCursor(doc)
+        # A note stays where it was made: after the messages there were then (a note added later
+        # takes the message count of the first render that shows it).
+        del self._note_at[len(self.notes):]
+        self._note_at += [len(self.chat.messages)] * (len(self.notes) - len(self._note_at))
+        n = len(self.chat.messages)
         for i, m in enumerate(self.chat.messages):
+            for note, at in zip(self.notes, self._note_at):
+                if at == i:
+                    self._insert_note(cursor, note)
+            if m["role"] == "system":
+                continue               # a restored file's system prompt: the original never showed it
             self._insert_header(cursor, i, m["role"])
             insert_message_body(cursor, m["content"], self._code)
-        for note in self.notes:
-            self._insert_note(cursor, note)
+        for note, at in zip(self.notes, self._note_at):
+            if at >= n:
+                self._insert_note(cursor, note)
         if self.streaming is not None:
             self._insert_header(cursor, len(self.chat.messages), "assistant", streaming=True)
             self._tail = cursor.position()
