@@ -121,7 +121,7 @@ class LocalIndex:
             ctx.load_cert_chain(tls.cert, tls.key)
             self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
             self.scheme = "https"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     @property
     def url(self) -> str:
