@@ -113,7 +113,9 @@ def spec_summary(res) -> str:
 
 
 def cmd_models(args) -> int:
+    from ..index_fetch import clean_stale
     from ..models import default_model_path, fetch_default, list_models
+    clean_stale(default_model_path().parent)    # what a killed fetch left (its process is gone)
     if args.action == "fetch-default":
         if args.if_missing and default_model_path().exists():
             return 0
