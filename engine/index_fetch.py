@@ -292,12 +292,35 @@ class _Watch:
                 return
 
 
+def _resolve(watch: _Watch, host: str, port: int, timeout: float) -> list:
+    """socket.getaddrinfo on a helper thread: a resolver that hangs cannot hold a cancel or the timeout."""
+    done, result = threading.Event(), {}
+
+    def run():
+        try:
+            result["ok"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except Exception as e:  # noqa: BLE001 - raised again on the fetch's thread
+            result["error"] = e
+        done.set()
+    threading.Thread(target=run, name="strata-fetch-dns", daemon=True).start()
+    started = time.monotonic()
+    while not done.wait(0.05):
+        watch.check()
+        if time.monotonic() - started >= timeout:
+            raise TimeoutError(f"resolving {host} timed out after {timeout:g} s")
+    if "error" in result:
+        raise result["error"]
+    return result["ok"]
+
+
 def _connect(watch: _Watch, address: tuple, timeout: float, source_address=None, *args) -> socket.socket:
-    """socket.create_connection, but the connect itself polls the cancel flag."""
+    """socket.create_connection, but the name lookup and the connect poll the cancel flag."""
     host, port = address
     last: Exception | None = None
     watch.check()
-    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+    if timeout is None or timeout is socket._GLOBAL_DEFAULT_TIMEOUT:   # noqa: SLF001 - urllib passes ours
+        timeout = timeout_s()
+    for family, kind, proto, _, addr in _resolve(watch, host, port, timeout):
         sock = socket.socket(family, kind, proto)
         try:
             watch.add(sock)

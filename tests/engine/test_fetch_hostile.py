@@ -602,6 +602,29 @@ def test_silent_server_times_out(wheel_bytes):
         refused(fetch(index.url), "timed out", max_s=2.5)
 
 
+@pytest.mark.parametrize("cancel", [False, True], ids=["timeout", "cancel"])
+def test_hanging_name_lookup(cancel, wheel_bytes, monkeypatch):
+    """A resolver that never answers: the timeout (or Cancel) ends the lookup, which runs aside."""
+    import socket
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def hang(host, *a, **kw):
+        if host == "index.strata.test":
+            release.wait(30)
+        return real("127.0.0.1", *a, **kw)
+    monkeypatch.setattr(socket, "getaddrinfo", hang)
+    flag = threading.Event()
+    if cancel:
+        threading.Timer(0.2, flag.set).start()
+    try:
+        out = fetch("http://index.strata.test:9/simple", cancelled=flag.is_set)
+    finally:
+        release.set()
+    refused(out, "model download cancelled" if cancel else "resolving index.strata.test timed out after 0.5 s",
+            max_s=1.5)
+
+
 @pytest.mark.parametrize("stage", ["index", "download", "extract"])
 def test_cancel_in_every_stage(stage, tmp_path, gguf):
     big = make_wheel(tmp_path / WHEEL_NAME, gguf).read_bytes()
