@@ -89,9 +89,12 @@ def test_app_file_open_event_is_queued_until_window(qtbot, app_home, tmp_path):
     files.window, files.pending = None, []
     opened = []
 
-    class FakeWindow:
+    class FakeSessions:
         def open_file(self, p):
             opened.append(p)
+
+    class FakeWindow:
+        sessions = FakeSessions()
 
     target = str(tmp_path / "x.stratasession")
     QApplication.sendEvent(app, QFileOpenEvent(target))
