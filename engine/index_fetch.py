@@ -182,6 +182,11 @@ def _origin(url: str) -> tuple[str, str, int] | None:
         return None
 
 
+def _shown(url: str) -> str:
+    """`url` for a message: anything that could be user info (before an '@' in the authority) masked."""
+    return re.sub(r"^([^:/?#]*:(?://)?)[^/?#]*@", r"\1***@", url) if "@" in url else url
+
+
 def split_url(url: object, what: str) -> tuple[str, str | None]:
     """(`url` without its user info, the Basic Authorization header that user info gives, or None).
 
@@ -198,7 +203,7 @@ def split_url(url: object, what: str) -> tuple[str, str | None]:
             _remember_secret(userinfo.partition(":")[2])
             _remember_secret(urllib.parse.unquote(userinfo.partition(":")[2]))
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
-        raise FetchError(f"{what} holds spaces or control characters: {url}")
+        raise FetchError(f"{what} holds spaces or control characters: {_shown(url)}")
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port                                   # noqa: B018 - raises ValueError on a bad port
@@ -209,11 +214,13 @@ def split_url(url: object, what: str) -> tuple[str, str | None]:
         shown = f"a {scheme}: URL" if scheme else "a URL without a scheme"
         raise FetchError(f"{what} is {shown}; only http(s) URLs are fetched")
     if not parts.hostname:
-        raise FetchError(f"{what} has no host: {url}")
+        raise FetchError(f"{what} has no host: {_shown(url)}")
     if parts.username is not None or parts.password is not None:
         user = urllib.parse.unquote(parts.username or "")
         password = urllib.parse.unquote(parts.password or "")
-        auth = "Basic " + base64.b64encode(f"{user}:{password}".encode("utf-8")).decode("ascii")
+        encoded = base64.b64encode(f"{user}:{password}".encode("utf-8")).decode("ascii")
+        _remember_secret(encoded)
+        auth = "Basic " + encoded
         parts = parts._replace(netloc=parts.netloc.rpartition("@")[2])
         url = urllib.parse.urlunsplit(parts)
     return url, auth

