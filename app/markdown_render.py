@@ -37,9 +37,11 @@ def keep_line_breaks(md: str) -> str:
     in_fence = in_indented = joined = False
     prev_blank = True
     for i, line in enumerate(lines):
-        if joined:                              # the rest of a joined line: no quote marker, no indent
+        if joined and not line[:1].isalpha():   # the rest of a joined line: no quote marker, no indent
             line = _QUOTE.match(line).group(2).lstrip(" \t")
-        if _FENCE_LINE.match(line):
+        if line[:1].isalpha():
+            in_indented = False
+        elif _FENCE_LINE.match(line):
             in_fence = not in_fence
         elif not in_fence:
             if prev_blank and _INDENTED.match(line):
@@ -55,6 +57,8 @@ def keep_line_breaks(md: str) -> str:
 def _joins(line: str, nxt: str) -> bool:
     """Whether the break between `line` and `nxt` is a soft break inside a paragraph: the same quote
     depth, neither blank, `line` no heading, rule or fence, `nxt` no start of a block, no table."""
+    if line[:1].isalpha() and nxt[:1].isalpha():        # prose (most lines): no marker, no block start
+        return not line.endswith(("  ", "\\")) and not ("|" in line and "|" in nxt)
     (q1, line), (q2, nxt) = _QUOTE.match(line).groups(), _QUOTE.match(nxt).groups()
     if q1.count(">") != q2.count(">") or not line.strip() or not nxt.strip():
         return False
