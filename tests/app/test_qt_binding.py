@@ -1,5 +1,7 @@
 """The Qt binding keeps its references: the app's Qt calls 20,000 times lose no reference to None,
-True or False (PySide6-Essentials 6.12.0 lost one per call and the app aborted within a thousand)."""
+True or False. PySide6-Essentials 6.12.0 on CPython 3.11 lost 748 references to None and 250 to True in
+50 rounds of app/binding_check.py's calls (2026-12-01), and the interpreter aborted ("bool_dealloc")
+before 300; the app died the same way within a thousand streamed tokens."""
 from __future__ import annotations
 
 import sys
