@@ -51,7 +51,7 @@ FORMATS = {"markdown": (to_markdown, ".md"), "json": (to_json, ".json")}
 
 def file_name(chat: Chat, fmt: str) -> str:
     """A file name for the export: the title without characters file systems refuse."""
-    stem = re.sub(r'[\\/:*?"<>|\x00-\x1f]+', " ", chat.title).strip(" .") or "chat"
+    stem = re.sub(r'[\\/:*?"<>|\x00-\x1f\s]+', " ", chat.title).strip(" .") or "chat"
     return stem[:80] + FORMATS[fmt][1]
 
 

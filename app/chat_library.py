@@ -72,9 +72,10 @@ class ChatLibrary(QWidget):
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.empty = QLabel("No chat matches.", visible=False, alignment=Qt.AlignmentFlag.AlignCenter)
 
-        self.open_btn = QPushButton("Open", clicked=lambda: self.open_chat(self.current_id()))
-        self.rename_btn = QPushButton("Rename…", clicked=lambda: self.rename_dialog(self.current_id()))
-        self.delete_btn = QPushButton("Delete…", clicked=lambda: self.delete_dialog(self.current_id()))
+        # Tool buttons: narrower than push buttons, so the side pane stays narrow (the window fits 1024 px)
+        self.open_btn = QToolButton(text="Open", clicked=lambda: self.open_chat(self.current_id()))
+        self.rename_btn = QToolButton(text="Rename…", clicked=lambda: self.rename_dialog(self.current_id()))
+        self.delete_btn = QToolButton(text="Delete…", clicked=lambda: self.delete_dialog(self.current_id()))
         self.export_btn = QToolButton(text="Export", popupMode=QToolButton.ToolButtonPopupMode.InstantPopup)
         export_menu = QMenu(self.export_btn)
         export_menu.addAction("Markdown…", lambda: self.export_dialog(self.current_id(), "markdown"))
@@ -114,6 +115,8 @@ class ChatLibrary(QWidget):
         return self.store.search(self.search.text())
 
     def refresh(self) -> None:
+        if self.tabs.closed:                     # the window shut down: the store is closed
+            return
         keep = self.current_id()
         rows = self.summaries()
         self.tree.clear()
