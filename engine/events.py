@@ -28,6 +28,16 @@ class Log:
 
 
 @dataclass
+class KVChanged:
+    """The held conversations changed during a request (a park, an eviction, a take): the parking
+    figures as they are now (parking.Parking.status()), and for a reply its prompt and cached tokens."""
+    parking: dict
+    conversation: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
 class Done:
     result: Any = None      # the request's typed result (engine/api.py: Generation, EngineStatus, ...)
 
@@ -45,7 +55,7 @@ class Failed:
         return EngineError(self.code, self.message, self.reason)
 
 
-Event = Token | Progress | Log | Done | Failed
+Event = Token | Progress | Log | KVChanged | Done | Failed
 
 
 class Handle:

@@ -32,47 +32,123 @@ def _stream():
 
 
 FIRST_CHUNK = 16   # tokens in the first prefill chunk
+# On the CPU a prefill chunk of a 135M model can take a minute on a busy 2-vCPU machine (SmolLM2
+# reads ~7 tokens/s there), so a chunk is stepped through layer by layer (one mx.eval per layer's K/V:
+# the same kernels, the same numbers, only the host waits in between): the cancel flag is read after
+# every layer and a progress report goes out whenever PROGRESS_S has passed. Chunks are also capped so
+# that one layer's share of a chunk takes at most LAYER_TARGET_S (measured, per model: PrefillPace),
+# which keeps both a progress report and a cancel within about a second on any machine, while a
+# fast machine keeps the full-size chunks (the cap only binds where a chunk takes many seconds).
+PROGRESS_S = 0.5
+LAYER_TARGET_S = 0.5
 
 
-def chunk_sizes(total: int, chunk: int, first: int = FIRST_CHUNK) -> list[int]:
-    """The prefill schedule: 16, 16, 32, 64, ... (each chunk as large as all before it) up to `chunk`.
+def chunk_sizes(total: int, chunk: int, first: int = FIRST_CHUNK, cap: int = 0) -> list[int]:
+    """The prefill schedule: 16, 16, 32, 64, ... (each chunk as large as all before it) up to `chunk`
+    (and `cap`, a power of two, when a chunk of that size would take too long: PrefillPace).
     Small first chunks put the first progress report (and the first chance to cancel) within a
     moment of the start even on a slow machine; doubling reaches full-size chunks after a few steps,
     and the running totals (16, 32, 64, ..., 512, 1024) stay on mlx-lm's 256-cell cache steps, so the
-    K/V is allocated as with full-size chunks. Fixed, not timed: the same prompt is always computed
-    the same way (replies repeat with a seed)."""
+    K/V is allocated as with full-size chunks."""
     sizes, n = [], 0
     while n < total:
-        size = min(max(n, first), chunk) if chunk > 0 else total
-        sizes.append(min(size, total - n))
+        sizes.append(next_chunk(n, total, chunk, first, cap))
         n += sizes[-1]
     return sizes
 
 
+def next_chunk(done: int, total: int, chunk: int, first: int = FIRST_CHUNK, cap: int = 0) -> int:
+    """The size of the chunk after `done` of `total` tokens (see chunk_sizes)."""
+    if chunk <= 0:
+        return total - done
+    size = min(max(done, first), chunk)
+    if cap > 0 and size > cap:
+        size = cap
+        if done:                      # a smaller chunk keeps the totals on its own multiples
+            size = min(size, done & -done)
+    return max(1, min(size, total - done))
+
+
+class PrefillPace:
+    """A model's measured prefill speed (the engine keeps one per load): the chunk cap that keeps one
+    layer's share of a chunk under LAYER_TARGET_S. Timing decides only the size of a chunk on a machine
+    where a full chunk is slow; the schedule on a fast one is the fixed 16, 16, 32, ... of chunk_sizes."""
+
+    def __init__(self, n_layers: int = 1):
+        self.n_layers = max(1, n_layers)
+        self.s_per_token = 0.0        # the latest chunk's seconds per token (0: not measured yet)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if tokens >= 4 and seconds > 0:
+            self.s_per_token = seconds / tokens
+
+    def cap(self) -> int:
+        """The largest power-of-two chunk whose layers take LAYER_TARGET_S each (0: no cap known)."""
+        if not self.s_per_token:
+            return 0
+        fit = int(self.n_layers * LAYER_TARGET_S / self.s_per_token)
+        return 1 << max(2, fit.bit_length() - 1) if fit >= 4 else 4
+
+
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
-            progress: Callable[[int, int], None] | None = None, cancelled=lambda: False) -> None:
+            progress: Callable[[int, int], None] | None = None, cancelled=lambda: False,
+            pace: PrefillPace | None = None, layerwise: bool | None = None) -> None:
     """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
-    `progress(0, total)` comes first, then one call per chunk."""
+    `progress(0, total)` comes first, then one call per chunk (and, on a slow machine, calls from
+    within a chunk every PROGRESS_S). `pace`: the model's remembered speed (a throwaway one if None).
+    `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes)."""
+    from .errors import Cancelled
     done = 0
     # The doubling start is for progress on a slow machine (the CPU: ~50 ms per 16 SmolLM2 tokens).
     # On a GPU a full chunk takes milliseconds and the small ones only add syncs and launches (an
     # H200: prefill 0.84-1.0x raw mlx-lm with them), so chunks are full-size from the first.
-    first = chunk if on_gpu() else FIRST_CHUNK
+    gpu = on_gpu()
+    first = chunk if gpu else FIRST_CHUNK
+    if layerwise is None:
+        layerwise = not gpu
+    if pace is None:
+        pace = PrefillPace(len(cache))
+    total = len(tokens)
     if progress and tokens:
-        progress(0, len(tokens))
-    for size in chunk_sizes(len(tokens), chunk, first):
+        progress(0, total)
+    last_report = time.perf_counter()
+    while done < total:
         if cancelled():
-            from .errors import Cancelled
             raise Cancelled("cancelled")
+        size = next_chunk(done, total, chunk, first, 0 if gpu else pace.cap())
         part = tokens[done:done + size]
+        t0 = time.perf_counter()
         with mx.stream(_stream()):
-            model(mx.array(part)[None], cache=cache)
-            mx.eval([c.state for c in cache])
+            if not layerwise:
+                model(mx.array(part)[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            else:
+                # What each layer's cache held before this chunk: put back on a cancel mid-chunk for the
+                # layers not yet computed (references only; each is let go just before its layer runs,
+                # so the K/V update can still reuse its buffer in place).
+                before = [dict(vars(c)) for c in cache]
+                model(mx.array(part)[None], cache=cache)
+                n = len(cache)
+                for i, c in enumerate(cache):
+                    before[i] = None
+                    mx.eval(c.state)
+                    if i + 1 < n and cancelled():
+                        for j, d in enumerate(cache):
+                            if before[j] is None:
+                                d.trim(len(part))
+                            else:
+                                vars(d).update(before[j])
+                        raise Cancelled("cancelled")
+                    if progress and time.perf_counter() - last_report >= PROGRESS_S and i + 1 < n:
+                        last_report = time.perf_counter()
+                        progress(done + len(part) * (i + 1) // n, total)
+        pace.record(len(part), time.perf_counter() - t0)
         fed.extend(part)
         done += len(part)
         if progress:
-            progress(done, len(tokens))
-    if len(tokens) >= chunk:
+            last_report = time.perf_counter()
+            progress(done, total)
+    if total >= chunk:
         # as mlx-lm does after a prefill: a full chunk's activations go back to the system. Not
         # after a turn's few new tokens, where it only costs time (~1.4 ms on an H200).
         mx.clear_cache()
@@ -155,7 +231,8 @@ class Reply:
 
 def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n_vocab: int, max_tokens: int,
           chunk: int, on_token: Callable[[int, str], None], on_progress: Callable[[int, int], None],
-          cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None) -> Reply:
+          cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None,
+          pace: PrefillPace | None = None, layerwise: bool | None = None) -> Reply:
     """Extend `entry` (its K/V holds tokens[:reuse]) with the rest of the prompt, then decode a reply.
 
     Text goes out through `on_token(id, text)` as it is decoded, a possible stop string's start
@@ -173,7 +250,8 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     ahead = new[:len(new) - n_merged]
     if ahead or not pending:
         prefill(model, entry.cache, ahead, entry.tokens, chunk=chunk,
-                progress=on_progress if len(ahead) > 1 else None, cancelled=cancelled)
+                progress=on_progress if len(ahead) > 1 else None, cancelled=cancelled, pace=pace,
+                layerwise=layerwise)
     t_prefill = time.perf_counter()
     sp = sampling
     out_ids: list[int] = []

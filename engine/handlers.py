@@ -15,7 +15,7 @@ from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineS
                   Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
                   SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
 from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused
-from .events import Handle, Progress, Token
+from .events import Handle, KVChanged, Progress, Token
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -167,6 +167,15 @@ class RequestHandlers:
         return (self.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
                 or tok.encode(text, add_bos=add_bos))
 
+    def _prefill_pace(self):
+        """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
+        from request to request and started afresh for each model."""
+        from .generate import PrefillPace
+        pace = getattr(self, "_pace", None)
+        if pace is None or pace[0] is not self.model:
+            pace = self._pace = (self.model, PrefillPace(self.info.n_layer if self.info else 1))
+        return pace[1]
+
     def _take_kv(self, tokens: list[int], owner: str = ""):
         """The K/V to extend for `tokens` (engine/conversations.py) under the current K/V identity."""
         return self.conversations.take(tokens, owner, self.cache_key(), self.make_cache)
@@ -199,6 +208,8 @@ class RequestHandlers:
             entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
         if not req.side:
             self.conversations.live = entry     # from here on the live K/V is `entry`
+        if self.parking is not None:            # the status bar's figures while the reply runs
+            handle.emit(KVChanged(self.parking.status(), req.conversation, len(tokens), reuse))
         entry.messages = list(req.messages or [])
         cancelled = lambda: handle.cancelled  # noqa: E731
         max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
@@ -207,8 +218,10 @@ class RequestHandlers:
                   n_vocab=self.info.n_vocab, max_tokens=max_tokens, chunk=self.options.prefill_chunk,
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
-                  cancelled=cancelled, steps=steps, stats=stats)
+                  cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
+                  layerwise=self.dist is None)
         entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": r.text}] if req.messages else [])
+        self._spec_done(req, drafter, spec, r)
         self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
                   f"{stats.decode_tps:.1f} tok/s, finish {r.finish}" + spec.log_suffix())
@@ -238,13 +251,39 @@ class RequestHandlers:
     def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled):
         from . import speculative
         spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
+        verdicts = getattr(self, "_verdicts", None)
+        if verdicts is None:
+            verdicts = self._verdicts = speculative.Verdicts()
         if drafter is None:
             return spec, None
         sp = req.sampling
+        key = self._spec_key(drafter, sp)
+        spec.plain_tps_hint = verdicts.plain_tps.get(str(self.model_path), 0.0)
+        if key is not None:
+            why = verdicts.slower(key)
+            if why:     # measured slower in an earlier reply: plain from the start, saying why
+                spec.stopped = f"off for this model and draft: slower than plain decoding in an earlier reply ({why})"
+                return spec, None
+            spec.speedup_hint = verdicts.speedup(key)
         return spec, speculative.decode(
             self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
             processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
             seed=sp.seed, cancelled=cancelled)
+
+    def _spec_key(self, drafter, sampling):
+        """The Verdicts key of a draft-model request (None for lookup: its drafts depend on the text)."""
+        path = getattr(drafter, "path", None)
+        return None if path is None else (str(self.model_path), str(path), sampling.temperature > 0)
+
+    def _spec_done(self, req, drafter, spec, result) -> None:
+        """Remember what this reply measured: the plain decode speed, and a draft pair's verdict."""
+        verdicts = self._verdicts
+        if drafter is None or (spec.stopped and not spec.passes):
+            if result.finish != "cancelled" and len(result.tokens) > 8:
+                verdicts.note_plain(str(self.model_path), result.stats.decode_tps)
+        key = self._spec_key(drafter, req.sampling) if drafter is not None else None
+        if key is not None and spec.passes:
+            verdicts.record(key, spec)
 
     # ---- settings, status --------------------------------------------------------------------
     def _configure(self, req: Configure) -> EngineStatus:
@@ -385,7 +424,8 @@ class RequestHandlers:
         entry = KVEntry([], self.make_cache(), self.cache_key(), messages=list(req.messages),
                         owner=req.conversation)
         prefill(self.model, entry.cache, tokens, entry.tokens, chunk=self.options.prefill_chunk,
-                progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled)
+                progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
+                pace=self._prefill_pace(), layerwise=self.dist is None)
         self.conversations.make_live(entry)
         return entry
 

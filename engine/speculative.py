@@ -23,11 +23,26 @@ cancel), closing the generator trims the K/V back to the tokens actually deliver
 session files hold only accepted, delivered tokens.
 
 Never slower: the first PLAIN_FIRST passes of a request are plain one-token steps, timing the
-baseline. After each verify pass the last WINDOW drafting passes are judged: tokens/s below the
-fastest plain pass (or, with no baseline, acceptance below MIN_ACCEPTANCE) and the request stops
-speculating and finishes in the ordinary (pipelined) decode loop. A pass with no n-gram match is a
-plain one-token step (without the plain loop's pipelining); after MAX_IDLE of them in a row the
-request also finishes in the plain loop. The reply's `speculation_stopped` says which rule fired.
+baseline. From the MIN_JUDGE-th drafting pass on, the last (up to WINDOW) drafting passes are judged
+after each verify pass: tokens/s below the plain baseline (the fastest plain pass, or this model's
+plain decode speed from an earlier reply when that is faster; with no baseline, acceptance below
+MIN_ACCEPTANCE) and the request stops speculating and finishes in the ordinary (pipelined) decode
+loop. A pass with no n-gram match is a plain one-token step (without the plain loop's pipelining);
+after MAX_IDLE of them in a row the request also finishes in the plain loop. The reply's
+`speculation_stopped` says which rule fired.
+
+Verdicts are remembered per target model + draft model + greedy/sampled (`Verdicts`, held by the
+engine): once speculation with a draft model was slower than plain decoding, later replies with that
+pair decode plain from the start and say so, instead of paying for the trial again. (Lookup drafts
+depend on the text, so lookup is judged per request only.)
+
+A draft model that lacks much of the conversation (a restored or parked chat, another tab's turn)
+reads it first only when that pays: with `gap` tokens to read at the draft's measured seconds per
+prompt token (its first SIZE_PROBE tokens are read to measure it), the read must cost less than what
+speculation can save in this reply, min(tokens left, SAVING_HORIZON) x the plain pass time x
+(1 - 1/S), S being the pair's measured speedup from earlier replies (ASSUMED_SPEEDUP before there is
+one). Otherwise the reply finishes in the plain loop, and `speculation_stopped` says what the read
+would have cost.
 """
 from __future__ import annotations
 
@@ -40,7 +55,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from .device import on_gpu
-from .errors import RequestError
+from .errors import Cancelled, RequestError
 
 # Prompt lookup: the longest suffix n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before
 # proposes the tokens that followed it. n = 1 matches are mostly noise on chat text; longer than 4
@@ -58,11 +73,20 @@ MODEL_DRAFT = 4            # draft model: each drafted token also costs a draft-
 # the plain passes' (the fastest plain pass: noise on a busy machine errs towards speculating less);
 # without a plain timing, once acceptance falls below MIN_ACCEPTANCE.
 WINDOW = 8
+MIN_JUDGE = 3              # drafting passes before the first judgement (a slow draft costs little)
 MIN_ACCEPTANCE = 0.25
 PLAIN_FIRST = 2            # the first passes of a request are plain: they time the baseline
 # Passes without any draft (no n-gram match) are plain decode steps, minus the plain loop's
 # pipelining: after this many in a row the request finishes in the plain loop.
 MAX_IDLE = 32
+# The draft's catch-up rule (module docstring): gaps up to FREE_GAP tokens are read without asking.
+FREE_GAP = 32
+SIZE_PROBE = 16
+SAVING_HORIZON = 256
+ASSUMED_SPEEDUP = 2.0
+# Tests of the drafting mechanics (tiny models, where speculation never pays) turn these two off.
+REMEMBER = True            # keep verdicts across replies
+CATCH_UP_RULE = True       # the draft's catch-up rule
 
 
 @dataclass
@@ -97,6 +121,9 @@ class SpecStats:
     idle: int = 0                    # consecutive passes without a draft
     recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (drafted, accepted, seconds)
     plain_s: float = 0.0             # the fastest plain one-token pass (0: none timed yet)
+    plain_tps_hint: float = 0.0      # this model's plain decode tok/s from an earlier reply (0: none)
+    slower: bool = False             # stopped because speculating was slower than plain decoding
+    speedup_hint: float = 0.0        # this model + draft's speedup measured in an earlier reply (0: none)
 
     def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
         self.drafted += drafted
@@ -107,21 +134,30 @@ class SpecStats:
     def record_plain(self, seconds: float) -> None:
         self.plain_s = seconds if not self.plain_s else min(self.plain_s, seconds)
 
+    def plain_tps(self) -> float:
+        """The plain decoding speed speculation must beat (0: not known)."""
+        return max(1.0 / self.plain_s if self.plain_s else 0.0, self.plain_tps_hint)
+
+    def spec_tps(self) -> float:
+        t = sum(x[2] for x in self.recent)
+        return (sum(x[1] for x in self.recent) + len(self.recent)) / t if t > 0 else 0.0
+
     def too_low(self) -> str:
         """Why speculation should stop now ('' = keep going)."""
-        if len(self.recent) < WINDOW:
+        if len(self.recent) < MIN_JUDGE:
             return ""
         d = sum(x[0] for x in self.recent)
         a = sum(x[1] for x in self.recent)
-        t = sum(x[2] for x in self.recent)
-        if self.plain_s and t > 0:
-            spec_tps, plain_tps = (a + len(self.recent)) / t, 1.0 / self.plain_s
+        n = len(self.recent)
+        plain_tps, spec_tps = self.plain_tps(), self.spec_tps()
+        if plain_tps and spec_tps:
             if spec_tps < plain_tps:
+                self.slower = True
                 return (f"{spec_tps:.1f} tok/s speculating vs {plain_tps:.1f} plain over the last "
-                        f"{WINDOW} drafts (accepted {a}/{d})")
+                        f"{n} drafts (accepted {a}/{d})")
             return ""
-        if d > 0 and a / d < MIN_ACCEPTANCE:
-            return f"acceptance {a}/{d} over the last {WINDOW} drafts"
+        if n >= WINDOW and d > 0 and a / d < MIN_ACCEPTANCE:
+            return f"acceptance {a}/{d} over the last {n} drafts"
         return ""
 
     @property
@@ -137,6 +173,34 @@ class SpecStats:
     def result(self) -> dict:
         return {"speculative": self.mode, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": round(self.rate, 4), "speculation_stopped": self.stopped}
+
+
+class Verdicts:
+    """What earlier replies measured, per (target, draft, greedy/sampled): plain decode tok/s per target,
+    and for each pair whether speculating was slower (then later replies skip it) or its speedup."""
+
+    def __init__(self):
+        self.plain_tps: dict[str, float] = {}      # target -> plain decode tok/s of its latest plain reply
+        self.pairs: dict[tuple, dict] = {}         # key -> {"slower": why} or {"speedup": x}
+
+    def note_plain(self, target: str, tps: float) -> None:
+        if tps > 0:
+            self.plain_tps[target] = tps
+
+    def slower(self, key) -> str:
+        """Why this pair is off ('' = try it)."""
+        return self.pairs.get(key, {}).get("slower", "") if REMEMBER else ""
+
+    def speedup(self, key) -> float:
+        return self.pairs.get(key, {}).get("speedup", 0.0)
+
+    def record(self, key, spec: "SpecStats") -> None:
+        if spec.slower:
+            self.pairs[key] = {"slower": spec.stopped}
+        elif spec.passes >= MIN_JUDGE and not spec.stopped:
+            plain = spec.plain_tps()
+            if plain > 0:
+                self.pairs[key] = {"speedup": spec.spec_tps() / plain}
 
 
 # ---- drafters ---------------------------------------------------------------------------------
@@ -185,29 +249,52 @@ class DraftModel:
         self.cache = make_prompt_cache(model)
         self.fed: list[int] = []
         self.draft_len = MODEL_DRAFT
+        from .generate import PrefillPace
+        self.pace = PrefillPace(len(self.cache))   # its prompt-reading speed (the catch-up rule)
+        self.catchup_s = 0.0                       # time the last propose spent reading a gap
 
-    def _catch_up(self, context: list[int]) -> mx.array:
-        """Feed the draft model the context it lacks; logits for the token after `context`."""
+    def _common(self, context: list[int]) -> int:
         n = 0
         m = min(len(self.fed), len(context) - 1)    # always evaluate at least the last token
         while n < m and self.fed[n] == context[n]:
             n += 1
+        return n
+
+    def gap(self, context: list[int]) -> int:
+        """How many tokens of `context` the draft would read before drafting."""
+        return len(context) - self._common(context)
+
+    def read(self, context: list[int], upto: int, cancelled=lambda: False) -> None:
+        """Read context[:upto] into the draft's K/V (timed into `pace`; generate.Cancelled on a cancel)."""
+        from .generate import prefill
+        n = self._common(context)
+        if len(self.fed) > n:
+            for c in self.cache:
+                c.trim(len(self.fed) - n)
+            del self.fed[n:]
+        if upto > n:
+            t0 = time.perf_counter()
+            prefill(self.model, self.cache, context[n:upto], self.fed, pace=self.pace, cancelled=cancelled)
+            self.catchup_s += time.perf_counter() - t0
+
+    def _catch_up(self, context: list[int]) -> mx.array:
+        """Feed the draft model the context it lacks; logits for the token after `context`."""
+        if self.gap(context) > 2:                   # a long gap (a new prompt): chunked, timed
+            self.read(context, len(context) - 1)
+        n = self._common(context)
         if len(self.fed) > n:
             for c in self.cache:
                 c.trim(len(self.fed) - n)
             del self.fed[n:]
         rest = context[n:]
-        for i in range(0, len(rest) - 1, 512):      # long gaps (a new prompt) in chunks
-            part = rest[i:min(i + 512, len(rest) - 1)]
-            self.model(mx.array(part)[None], cache=self.cache)
-            self.fed.extend(part)
-        logits = self.model(mx.array(rest[-1:])[None], cache=self.cache)[0, -1]
-        self.fed.append(rest[-1])
+        logits = self.model(mx.array(rest)[None], cache=self.cache)[0, -1]
+        self.fed.extend(rest)
         return logits
 
     def propose(self, context: list[int], k: int, target_dist=None) -> tuple[list[int], list | None]:
         """k draft tokens; with sampling, also the draft distributions they were drawn from."""
         k = min(k, self.draft_len)
+        self.catchup_s = 0.0
         logits = self._catch_up(context)
         out, dists = [], []
         for i in range(k):
@@ -317,6 +404,29 @@ def verify(logits: mx.array, draft: list[int], dist=None, draft_dists: list | No
 
 
 # ---- the loop ---------------------------------------------------------------------------------
+def _draft_gap_too_costly(drafter: DraftModel, context: list[int], left: int, spec: SpecStats,
+                          cancelled) -> str:
+    """The catch-up rule (module docstring): '' when the draft may read what it lacks of `context`
+    (read here, the first SIZE_PROBE tokens measuring its speed when that is not known yet), else why
+    not. generate's Cancelled on a cancel."""
+    gap = drafter.gap(context)
+    if not CATCH_UP_RULE or gap <= FREE_GAP or not spec.plain_tps():
+        return ""
+    have = len(context) - gap
+    if not drafter.pace.s_per_token:
+        drafter.read(context, have + SIZE_PROBE, cancelled)
+        gap -= SIZE_PROBE
+    cost = gap * drafter.pace.s_per_token
+    speedup = spec.speedup_hint or ASSUMED_SPEEDUP
+    saving = min(left, SAVING_HORIZON) / spec.plain_tps() * max(0.0, 1.0 - 1.0 / speedup)
+    if cost > saving:
+        return (f"the draft model would read {gap} tokens of the conversation first (~{cost:.1f} s) "
+                f"to save at most ~{saving:.1f} s in this reply")
+    drafter.read(context, len(context) - 1, cancelled)
+    return ""
+
+
+
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampling, processors,
            max_tokens: int, stats, spec: SpecStats, drafter, seed: int | None = None,
            cancelled=lambda: False) -> Iterator[int]:
@@ -328,6 +438,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     dist = target_distribution(sampling) if sampling.temperature > 0 else None
     pending = last_token
     delivered = 0
+    gap_checked = not isinstance(drafter, DraftModel)
     try:
         while delivered < max_tokens:
             if cancelled():
@@ -340,11 +451,23 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                 spec.stopped = f"no draft in {MAX_IDLE} tokens"
                 break
             room = max_tokens - delivered - 1     # the pass itself yields one token beyond the drafts
+            if not gap_checked and room > 0 and delivered >= PLAIN_FIRST:
+                gap_checked = True
+                try:
+                    why = _draft_gap_too_costly(drafter, context, max_tokens - delivered, spec,
+                                                cancelled)
+                except Cancelled:
+                    return
+                if why:
+                    spec.stopped = why
+                    break
             draft, draft_dists = [], None
             t0 = time.perf_counter()
+            catchup = 0.0
             if room > 0 and delivered >= PLAIN_FIRST:
                 if isinstance(drafter, DraftModel):
                     draft, draft_dists = drafter.propose(context, room, dist)
+                    catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
                 else:
                     draft, draft_dists = drafter.propose(context, room)
             inputs = [pending] + draft
@@ -360,7 +483,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     rows.append(row)
                 logits = mx.concatenate(rows, axis=0)
             n_ok, nxt = verify(logits, draft, dist, draft_dists)
-            seconds = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0 - catchup
             if draft:
                 spec.record(len(draft), n_ok, seconds)
                 spec.idle = 0

@@ -211,3 +211,48 @@ def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
     assert events[0].line == "error: cancelled"
     st = engine.call(Status())
     assert st.live_tokens == first.prompt_tokens + first.generated_tokens - 1
+
+
+# ---- issue 27 (item 8): prefill on a slow CPU: chunks capped by measured time, stepped layer by layer --------
+def test_prefill_chunks_are_capped_by_the_measured_pace_and_stay_aligned():
+    from engine.generate import PrefillPace, chunk_sizes, next_chunk
+    assert chunk_sizes(2000, 512, cap=64)[:7] == [16, 16, 32, 64, 64, 64, 64]
+    assert sum(chunk_sizes(2000, 512, cap=64)) == 2000
+    assert chunk_sizes(100, 512, cap=4096) == chunk_sizes(100, 512)      # a fast machine: the fixed schedule
+    # a cap that shrinks mid-way: the next chunk keeps the running total on its own multiples
+    assert next_chunk(96, 1000, 512, cap=64) == 32 and next_chunk(128, 1000, 512, cap=64) == 64
+    pace = PrefillPace(n_layers=30)
+    assert pace.cap() == 0                               # nothing measured: no cap
+    pace.record(16, 16 * 0.1)                            # 0.1 s a token (SmolLM2 on a busy 2-vCPU box)
+    assert pace.cap() == 128                             # 30 layers x 0.5 s / 0.1 s = 150 -> 128
+    pace.record(16, 16 * 10.0)                           # a model that reads 0.1 token/s
+    assert pace.cap() == 4
+
+
+def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine):
+    """Layer-by-layer stepping reads the cancel flag after each layer: a cancel inside a chunk puts the
+    layers back as they were before it, and the conversation continues as if only the whole chunks were read."""
+    from engine.engine import Call
+    from engine.errors import Cancelled
+    from engine.generate import prefill
+
+    def run(e):
+        toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": " ".join(
+            f"hill{i} stands" for i in range(40))}]))
+        cache, fed, calls = e.make_cache(), [], []
+
+        def cancelled():             # true on the check after the first layer of the third chunk
+            calls.append(1)
+            return len(calls) == 2 + 1 + 1 + 1 + 1
+        with pytest.raises(Cancelled):
+            prefill(e.model, cache, toks[:-1], fed, chunk=512, cancelled=cancelled, layerwise=True)
+        assert fed == toks[:32] and all(c.offset == 32 for c in cache)
+        prefill(e.model, cache, toks[32:-1], fed, chunk=512, layerwise=True)
+        ref_cache, ref_fed = e.make_cache(), []
+        prefill(e.model, ref_cache, toks[:-1], ref_fed, chunk=512, layerwise=False)
+        import mlx.core as mx
+        n = len(fed)
+        return fed == ref_fed and all(a.offset == b.offset == n for a, b in zip(cache, ref_cache)) and all(
+            mx.allclose(x[..., :n, :], y[..., :n, :], atol=1e-5).item()
+            for a, b in zip(cache, ref_cache) for x, y in zip(a.state, b.state) if hasattr(x, "shape"))
+    assert engine.call(Call(run)).value

@@ -43,6 +43,29 @@ def tiny_engine(tiny_gguf):
     return start(tiny_gguf, cache_mib=0)
 
 
+@pytest.fixture(autouse=True)
+def no_verdicts(monkeypatch):
+    """The drafting mechanics are tested reply after reply on one engine: a pair found slower in one test
+    must not stop the next from drafting, nor may a draft on a tiny model (where drafting never pays)
+    be kept from reading the prompt. The tests of those rules ask for them (`verdicts`)."""
+    monkeypatch.setattr(speculative, "REMEMBER", False)
+    monkeypatch.setattr(speculative, "CATCH_UP_RULE", False)
+
+
+@pytest.fixture
+def verdicts(no_verdicts, monkeypatch):
+    monkeypatch.setattr(speculative, "REMEMBER", True)
+    monkeypatch.setattr(speculative, "CATCH_UP_RULE", True)
+
+
+@pytest.fixture(scope="module")
+def slow_draft(tiny_dir):
+    """The tiny model's vocabulary in a far larger model: a draft that costs more than it saves."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tiny_dir / "tiny-llama-slow-draft.gguf", arch="llama", n_layer=8, n_embd=512,
+                           n_head=8, n_head_kv=4, n_ff=2048, seed=5)
+
+
 def test_parse_spec():
     assert speculative.parse_spec("off").kind == "off"
     assert speculative.parse_spec(None).kind == "off"
@@ -146,6 +169,16 @@ def test_never_slower_rule():
     for _ in range(speculative.WINDOW):
         slow.record(3, 3, 1.5)                                # all accepted, yet 2.7 tok/s < 3.3
     assert "speculating vs" in slow.too_low()
+    # issue 27: judged early (from the MIN_JUDGE-th drafting pass), against the faster of the plain pass
+    # and the plain decode speed an earlier reply measured
+    early = speculative.SpecStats("draft:x")
+    early.record_plain(0.3)
+    early.plain_tps_hint = 5.5
+    for _ in range(speculative.MIN_JUDGE - 1):
+        early.record(4, 4, 1.0)
+    assert early.too_low() == ""
+    early.record(4, 4, 1.0)                                   # 5 tok/s: faster than 3.3, slower than 5.5
+    assert early.too_low().startswith("5.0 tok/s speculating vs 5.5 plain over the last 3") and early.slower
 
 
 def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, monkeypatch):
@@ -421,3 +454,32 @@ def test_smollm2_with_a_requantized_copy_as_draft(real_model):
     spec = gen(engine, msgs, f"draft:{draft}", n=24)
     assert spec.tokens == plain.tokens
     assert spec.accepted_tokens > 0.5 * spec.drafted_tokens > 0, spec
+
+
+# ---- issue 27 (item 6): a draft that makes replies slower is switched off, and stays off -----------------
+def test_a_slower_draft_is_stopped_early_and_the_next_reply_does_not_try_it_again(tiny_gguf, slow_draft, verdicts):
+    engine = start(tiny_gguf, cache_mib=0)
+    msgs = [{"role": "user", "content": "hi there"}]                 # a gap the draft reads without asking
+    plain = gen(engine, msgs, "off", n=40)
+    first = gen(engine, msgs, f"draft:{slow_draft}", n=40)
+    assert first.tokens == plain.tokens                              # greedy: the same reply either way
+    assert "speculating vs" in first.speculation_stopped, first.speculation_stopped
+    assert 0 < first.drafted_tokens <= speculative.MODEL_DRAFT * speculative.MIN_JUDGE
+    second = gen(engine, [{"role": "user", "content": "and again"}], f"draft:{slow_draft}", n=40)
+    assert second.drafted_tokens == 0
+    assert second.speculation_stopped.startswith("off for this model and draft: slower than plain decoding")
+    # sampled replies are judged apart (acceptance differs); lookup is judged per request
+    assert gen(engine, msgs, "lookup", n=8).speculative == "lookup"
+
+
+def test_the_draft_does_not_read_a_long_conversation_first_when_that_costs_more_than_it_saves(tiny_gguf, slow_draft,
+                                                                                               verdicts):
+    """A restored or parked chat the draft never saw: reading it all before drafting would cost more than
+    a short reply can win back, so the reply decodes plain and says why."""
+    engine = start(tiny_gguf, cache_mib=64)
+    msgs = [{"role": "user", "content": words(300, 3)}]
+    plain = gen(engine, msgs, "off", n=8)
+    r = gen(engine, msgs, f"draft:{slow_draft}", n=8)
+    assert r.tokens == plain.tokens and r.drafted_tokens == 0
+    assert r.speculation_stopped.startswith("the draft model would read"), r.speculation_stopped
+    assert r.cached_tokens > 0                                       # the target itself read nothing again
