@@ -16,6 +16,7 @@ from .markdown_render import insert_message_body
 from .store import Chat
 
 DEFAULT_TITLE = "New chat"
+LIMIT_NOTE = "The reply stopped at the token limit"
 RENDER_INTERVAL_MS = 60
 
 
@@ -44,6 +45,7 @@ class ChatView(QWidget):
     message = Signal(str)              # a line for the status bar
     progress = Signal(str, object, object)
     live_speed = Signal(float)         # tok/s of the reply streaming in this tab
+    live_figures = Signal(object)      # `live` changed: the figures of the reply in flight
 
     def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
@@ -61,7 +63,10 @@ class ChatView(QWidget):
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
+        self._t_sent = 0.0
         self._n_streamed = 0
+        # The reply in flight's figures for the status bar (tps, ttft_ms, prompt/cached tokens); {} when idle
+        self.live: dict = {}
         self._code: list[str] = []
         self._tail = 0
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
@@ -122,9 +127,11 @@ class ChatView(QWidget):
 
     def _update_buttons(self) -> None:
         has_reply = any(m["role"] == "assistant" for m in self.chat.messages)
+        # A question left without its reply (stopped while the prompt was read, or failed) can be asked again.
+        unanswered = bool(self.chat.messages) and self.chat.messages[-1]["role"] == "user"
         self.stop_btn.setEnabled(self.busy)
         self.send_btn.setEnabled(not self.busy)
-        self.regen_btn.setEnabled(not self.busy and has_reply)
+        self.regen_btn.setEnabled(not self.busy and (has_reply or unanswered))
         self.copy_btn.setEnabled(has_reply)
 
     # ---- config (preset) ----------------------------------------------------------------------
@@ -247,7 +254,9 @@ class ChatView(QWidget):
         if self._n_streamed > 1:
             dt = time.perf_counter() - self._t_first
             if dt > 0:
-                self.live_speed.emit((self._n_streamed - 1) / dt)
+                self.live["tps"] = (self._n_streamed - 1) / dt
+                self.live_speed.emit(self.live["tps"])
+                self.live_figures.emit(dict(self.live))
         cursor = QTextCursor(self.transcript.document())
         cursor.setPosition(self._tail)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
@@ -280,6 +289,7 @@ class ChatView(QWidget):
         if self.edit_index is not None:
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
+            self._drop_reply_notes()
         self.chat.messages.append({"role": "user", "content": text})
         self.changed.emit()
         self._generate()
@@ -291,6 +301,7 @@ class ChatView(QWidget):
             self.chat.messages.pop()
         if not self.chat.messages:
             return
+        self._drop_reply_notes()
         self.changed.emit()
         self._generate()
 
@@ -380,6 +391,10 @@ class ChatView(QWidget):
                                    speculative=self.preset.speculative)
         self.request = req
         self._n_streamed = 0
+        self._t_sent = time.perf_counter()
+        self.live = {"tps": None, "ttft_ms": None}
+        self.live_figures.emit(dict(self.live))
+        req.kv.connect(self._on_kv)
         req.token.connect(self._on_token)
         req.progress.connect(self.progress)
         self.track(req, self.TASKS["prefill"])
@@ -394,15 +409,25 @@ class ChatView(QWidget):
         if self._n_streamed == 0:
             self._t_first = time.perf_counter()
             self.task_row.hide()          # the prompt is read: the reply itself shows progress now
+            # from Send (as the person waited); the engine's own figure replaces it when the reply ends
+            self.live["ttft_ms"] = (self._t_first - self._t_sent) * 1e3
+            self.live_figures.emit(dict(self.live))
         self._n_streamed += 1
         self.streaming += text
         if not self._render_timer.isActive():
             self._render_timer.start()
 
+    def _on_kv(self, ev) -> None:
+        """engine.events.KVChanged as this reply took its K/V: its prompt and cached tokens."""
+        if self.request is not None:
+            self.live.update(prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens)
+            self.live_figures.emit(dict(self.live))
+
     def _finish(self) -> None:
         self._render_timer.stop()
         self.streaming = None
         self.request = None
+        self.live = {}
         self.render_all()
         self._update_buttons()
 
@@ -412,6 +437,9 @@ class ChatView(QWidget):
         self.chat.messages.append({"role": "assistant", "content": text})
         self._finish()
         self.last_result = result
+        if result.finish_reason == "length":
+            self.add_note(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
+                          "Max tokens in the chat's config, for a longer reply.")
         self.changed.emit()
         self.stats.emit(result)
         if result.finish_reason == "cancelled":
@@ -433,6 +461,17 @@ class ChatView(QWidget):
             self.chat.messages.append({"role": "assistant", "content": partial})
             self.changed.emit()
         self.message.emit(note)
+
+    def _drop_reply_notes(self) -> None:
+        """The token-limit notes of replies that are gone (regenerated, edited away)."""
+        at = getattr(self, "_note_at", None)
+        n = len(self.chat.messages)
+        keep = [i for i, t in enumerate(self.notes)
+                if not (t.startswith(LIMIT_NOTE) and (at is None or i >= len(at) or at[i] > n))]
+        if len(keep) != len(self.notes):
+            self.notes[:] = [self.notes[i] for i in keep]
+            if at is not None:
+                at[:] = [at[i] for i in keep if i < len(at)]
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:

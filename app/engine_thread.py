@@ -24,6 +24,7 @@ class Request(QObject):
     token = Signal(str)
     progress = Signal(str, object, object)
     log = Signal(str)
+    kv = Signal(object)                 # engine.events.KVChanged: parking figures as the request took its K/V
     done = Signal(object)
     failed = Signal(str)
     finished = Signal()
@@ -50,13 +51,15 @@ class Request(QObject):
         self._event.emit(event)
 
     def _deliver(self, event) -> None:
-        from engine.events import Done, Failed, Log, Progress, Token
+        from engine.events import Done, Failed, KVChanged, Log, Progress, Token
         if isinstance(event, Token):
             self.token.emit(event.text)
         elif isinstance(event, Progress):
             self.progress.emit(event.stage, event.done, event.total)
         elif isinstance(event, Log):
             self.log.emit(event.line)
+        elif isinstance(event, KVChanged):
+            self.kv.emit(event)
         elif isinstance(event, Done):
             self.result = event.result
             self.done.emit(self.result)
@@ -125,9 +128,13 @@ def _steering_config(spec):
 
 class EngineClient(QObject):
     """The UI's handle on the engine thread. `kv_changed` says the held conversations may have changed
-    (a park, an eviction, a restore, a request that took or made K/V): time to ask for the status."""
+    (a park, an eviction, a restore, a request that took or made K/V): time to ask for the status.
+    `kv_state` carries the parking figures the engine sends as a reply takes its K/V (the engine's
+    typed KVChanged event: the status bar is right while the reply runs, before a Status could be
+    answered behind it)."""
     ready = Signal()
     kv_changed = Signal()
+    kv_state = Signal(object)          # engine.events.KVChanged
 
     def __init__(self, thread: EngineThread, parent: QObject | None = None):
         super().__init__(parent)
@@ -152,16 +159,12 @@ class EngineClient(QObject):
         req.finished.connect(req.deleteLater)
         if kind in ("generate", "save", "restore", "load", "configure"):
             req.finished.connect(self.kv_changed)
-        req.log.connect(self._on_log)
+        req.kv.connect(self.kv_state)
         if self._ready:
             self._send(req, make)
         else:
             self._pending.append((req, make))
         return req
-
-    def _on_log(self, line: str) -> None:
-        if line.startswith(("parked ", "evicted ", "not parked")):
-            self.kv_changed.emit()
 
     def _send(self, req: Request, make) -> None:
         try:

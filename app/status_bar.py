@@ -75,21 +75,38 @@ class StatusBar(QStatusBar):
     def show_live(self, tps: float) -> None:
         self.speed.setText(f"{tps:.1f} tok/s (streaming)")
 
+    def show_streaming(self, live: dict) -> None:
+        """A reply in flight (ChatView.live): its figures so far, never the previous reply's."""
+        tps, ttft = live.get("tps"), live.get("ttft_ms")
+        self.speed.setText(f"{tps:.1f} tok/s (streaming)" if tps else "– tok/s (streaming)")
+        self.ttft.setText(f"ttft {ttft:.0f} ms" if ttft is not None else "ttft … (reading the prompt)")
+        if live.get("prompt_tokens"):
+            self.cached.setText(f"cached {live.get('cached_tokens', 0)}/{live['prompt_tokens']} tokens")
+        else:
+            self.cached.setText("cached –")
+
     def show_result(self, r) -> None:
         """`r`: a reply's engine.api.Generation."""
         spec = ""
         if r.speculative != "off":     # speculative decoding: its acceptance
             spec = f" · {r.accepted_tokens}/{r.drafted_tokens} drafts accepted"
+            if r.speculation_stopped and not r.drafted_tokens:
+                spec = " · speculation off"
+        self.speed.setToolTip("Decode speed of the last reply" + (
+            f"\nSpeculation stopped: {r.speculation_stopped}" if r.speculation_stopped else ""))
         self.speed.setText(f"{r.decode_tps:.1f} tok/s{spec}")
         self.ttft.setText(f"ttft {r.ttft_ms:.0f} ms")
         self.cached.setText(f"cached {r.cached_tokens}/{r.prompt_tokens} tokens")
 
-    def show_status(self, s) -> None:
-        """`s`: engine.api.EngineStatus."""
-        p = s.parking or {}
+    def show_parking(self, p: dict) -> None:
+        """`p`: parking.Parking.status() (from a Status or the engine's KVChanged event)."""
         if p:
             self.parked.setText(f"parked {p.get('entries', 0)} · {mib(p.get('bytes', 0))} / "
                                 f"{mib(p.get('cap_bytes', 0))} MiB")
+
+    def show_status(self, s) -> None:
+        """`s`: engine.api.EngineStatus."""
+        self.show_parking(s.parking or {})
         m = s.memory
         if s.memory_unavailable:
             self.memory.setText(f"memory: {s.memory_unavailable}")

@@ -143,6 +143,7 @@ class MainWindow(QMainWindow):
     def _connect_signals(self) -> None:
         self.engine_thread.crashed.connect(self.bus.error)
         self.client.kv_changed.connect(self._status_soon)
+        self.client.kv_state.connect(lambda ev: self.status.show_parking(ev.parking))
         self.server.state.connect(self.status.show_server)
         self.settings.changed.connect(self._on_setting)
         # A load: the title and status first, then the session files waiting for it
@@ -158,7 +159,7 @@ class MainWindow(QMainWindow):
 
     def _on_view_added(self, view: ChatView) -> None:
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
-        view.live_speed.connect(lambda tps, v=view: self.current_view() is v and self.status.show_live(tps))
+        view.live_figures.connect(lambda live, v=view: self.current_view() is v and self.status.show_streaming(live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
         for w in (view.input.viewport(), view.transcript.viewport()):
             w.installEventFilter(self.sessions)
@@ -190,8 +191,10 @@ class MainWindow(QMainWindow):
             self.show_tab_figures(view)
 
     def show_tab_figures(self, view: ChatView) -> None:
-        """The status bar's reply figures are the tab's own: its last reply's, or none yet."""
-        if view.last_result:
+        """The status bar's reply figures are the tab's own: its reply in flight's, its last reply's, or none yet."""
+        if view.busy and view.live:
+            self.status.show_streaming(view.live)
+        elif view.last_result:
             self.status.show_result(view.last_result)
         else:
             self.status.clear_result()
