@@ -42,7 +42,7 @@ class ChatTabs(QTabWidget):
         self.closed = False                        # set at shutdown: nothing is saved after it
         self._seen: dict[str, tuple] = {}          # chat id -> its messages when last saved
         self._closing: dict[str, ChatView] = {}    # closed tabs whose requests are still finishing
-        self._deleted: set[str] = set()            # deleted chats: a late reply must not save them back
+        self._dropped: set[ChatView] = set()       # views of deleted chats finishing: never saved again
         self.tabCloseRequested.connect(self.close_tab)
         self.tabBarDoubleClicked.connect(self.rename_tab)
         self.tabBar().tabMoved.connect(lambda *_: self.save_order())
@@ -79,7 +79,6 @@ class ChatTabs(QTabWidget):
 
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
         chat.open = True
-        self._deleted.discard(chat.id)
         view = ChatView(chat, self.client, self.presets)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
@@ -96,7 +95,7 @@ class ChatTabs(QTabWidget):
 
     def _persist(self, view: ChatView) -> None:
         chat = view.chat
-        if self.closed or chat.id in self._deleted:
+        if self.closed or view in self._dropped:
             return
         sig = _signature(chat)
         if sig != self._seen.get(chat.id):        # a message came or went: the chat was used now
@@ -144,11 +143,15 @@ class ChatTabs(QTabWidget):
             self.new_tab()
 
     def _release(self, view: ChatView) -> None:
-        """A closed tab's request ended: drop its view once nothing of it is in flight."""
-        if self._closing.get(view.chat.id) is not view:
+        """A closed tab's request ended: drop its view once nothing of it is in flight (unless it was
+        reopened meanwhile, or already dropped)."""
+        closing = self._closing.get(view.chat.id) is view
+        if not closing and view not in self._dropped:
             return
         if view.request is None and view.title_request is None:
-            del self._closing[view.chat.id]
+            if closing:
+                del self._closing[view.chat.id]
+            self._dropped.discard(view)
             view.deleteLater()
         elif view.title_request is not None:     # the stopped reply asked for a title: wait for it too
             view.title_request.finished.connect(lambda v=view: self._release(v))
@@ -201,13 +204,12 @@ class ChatTabs(QTabWidget):
         gone = self.store.chat(chat_id)
         if gone is None:
             return None
-        self._deleted.add(chat_id)
         view = self.view_for(chat_id)
         if view is not None:
             self.close_tab(self.indexOf(view))
         finishing = self._closing.pop(chat_id, None)
-        if finishing is not None:                # its late reply has nowhere to go now
-            finishing.deleteLater()
+        if finishing is not None:                # its late reply is never saved; the view goes when it ends
+            self._dropped.add(finishing)
         self.store.delete_chat(chat_id)
         self._seen.pop(chat_id, None)
         self.library_changed.emit()
@@ -215,7 +217,6 @@ class ChatTabs(QTabWidget):
 
     def restore_chat(self, chat: Chat) -> ChatView | None:
         """Undo `delete_chat`: the chat back with all its messages, in a tab again if it had one."""
-        self._deleted.discard(chat.id)
         self.store.restore_chat(chat)
         self.library_changed.emit()
         return self.open_chat(chat.id) if chat.open else None

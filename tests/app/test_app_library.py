@@ -481,6 +481,7 @@ def test_journey_closing_a_tab_mid_reply_still_saves_the_chat(qtbot, window):
     with qtbot.waitSignal(view.request.finished, timeout=REPLY_TIMEOUT_MS):
         window.tabs.close_tab(window.tabs.indexOf(view))
         assert window.tabs.view_for(chat.id) is None and window.tabs.current_view() is other
+        assert window.tabs._closing == {chat.id: view}
     # The view stays until the stopped reply (and a title it asked for) ended, then goes
     qtbot.waitUntil(lambda: chat.id not in window.tabs._closing, timeout=REPLY_TIMEOUT_MS)
     stored = window.store.chat(chat.id)
@@ -488,3 +489,27 @@ def test_journey_closing_a_tab_mid_reply_still_saves_the_chat(qtbot, window):
     assert stored.messages[0] == {"role": "user", "content": "Count to twenty"}
     assert stored.messages == chat.messages and stored.title == chat.title      # what arrived, saved
     _listed(qtbot, window.chat_library, chat.id)
+
+
+def test_journey_deleting_a_chat_mid_reply_leaves_nothing_and_undo_restores_what_was_saved(qtbot, window):
+    view = window.current_view()
+    chat_id = view.chat.id
+    window.new_tab()
+    window.tabs.setCurrentWidget(view)
+    view.input.setPlainText("Count to twenty")
+    view.send_input()
+    req = view.request
+    with qtbot.waitSignal(req.finished, timeout=REPLY_TIMEOUT_MS):
+        gone = window.chat_library.delete_chat(chat_id)
+        assert gone.messages == [{"role": "user", "content": "Count to twenty"}]
+        assert window.tabs._dropped == {view} and window.tabs.view_for(chat_id) is None
+    # The deleted chat's view lives on until its stopped reply (and a title it asked for) ended;
+    # what arrived is never saved back
+    assert chat_id not in window.tabs._closing
+    qtbot.waitUntil(lambda: not window.tabs._dropped, timeout=REPLY_TIMEOUT_MS)
+    assert window.store.chat(chat_id) is None and chat_id not in window.chat_library.ids()
+    window.chat_library.undo_delete()
+    back = window.tabs.view_for(chat_id)
+    assert back is not None and back.chat.messages == gone.messages
+    assert send_and_wait(qtbot, back, "Go on").generated_tokens >= 1
+    assert [m["role"] for m in window.store.chat(chat_id).messages] == ["user", "user", "assistant"]
