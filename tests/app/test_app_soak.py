@@ -68,7 +68,7 @@ def test_soak_streams_20000_tokens_without_an_abort(qtbot, soak_home, tmp_path, 
         while streamed[0] < TARGET_TOKENS:
             view = views[rounds % len(views)]
             w.tabs.setCurrentWidget(view)                     # a tab switch every round
-            step = rounds % 5
+            step = (rounds // 2) % 5                          # each of the two tabs takes each step
             if step == 0:
                 reply(view, lambda: view.send(f"Message {rounds}: go on."))
             elif step == 1:
