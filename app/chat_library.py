@@ -108,7 +108,9 @@ class ChatLibrary(QWidget):
         self._refresh_timer = QTimer(self, singleShot=True, interval=0)
         self._refresh_timer.timeout.connect(self.refresh)
         tabs.library_changed.connect(self._refresh_timer.start)
+        tabs.currentChanged.connect(lambda _i: self._follow_current())
         self.refresh()
+        self._follow_current()
 
     # ---- the list ----------------------------------------------------------------------------
     def summaries(self) -> list[ChatSummary]:
@@ -136,6 +138,8 @@ class ChatLibrary(QWidget):
             if s.id == keep:
                 self.tree.setCurrentItem(item)
         self.empty.setVisible(not rows and bool(self.search.text().strip()))
+        if not (self.tree.hasFocus() or self.search.hasFocus()):
+            self._follow_current()               # not browsing the list: it shows the chat in front
         self._update_buttons()
 
     def ids(self) -> list[str]:
@@ -153,6 +157,12 @@ class ChatLibrary(QWidget):
         item = self.item_for(chat_id)
         if item is not None:
             self.tree.setCurrentItem(item)
+
+    def _follow_current(self) -> None:
+        """The current tab's chat is the selected one (when listed)."""
+        view = self.tabs.current_view()
+        if view is not None:
+            self.select(view.chat.id)
 
     def current_id(self) -> str:
         item = self.tree.currentItem()

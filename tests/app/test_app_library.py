@@ -199,6 +199,7 @@ def test_closing_a_tab_keeps_the_chat_and_the_library_reopens_it(qtbot, idle_win
     item = lib.item_for(cid)
     assert item.text(0) == "Zebra food" and item.text(2).startswith("today ")
     assert not item.font(0).bold() and lib.item_for(other.chat.id).font(0).bold()    # open chats in bold
+    assert lib.current_id() == other.chat.id                            # the chat in front is selected
     # Enter on the item opens it in a tab, with its messages
     lib.tree.setFocus()
     lib.select(cid)
