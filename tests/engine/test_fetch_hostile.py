@@ -623,7 +623,7 @@ def test_hanging_name_lookup(cancel, wheel_bytes, monkeypatch):
     finally:
         release.set()
     refused(out, "model download cancelled" if cancel else "resolving index.strata.test timed out after 0.5 s",
-            max_s=1.5)
+            max_s=2.5)
 
 
 @pytest.mark.parametrize("stage", ["index", "download", "extract"])
@@ -653,7 +653,7 @@ def test_cancel_in_every_stage(stage, tmp_path, gguf):
         ended = time.perf_counter()
     refused(out, "model download cancelled", max_bytes=len(big) + len(gguf))
     assert out.message == "model download cancelled"
-    assert ended - fired[0] < 1.0, f"the cancel took {ended - fired[0]:.2f} s"
+    assert ended - fired[0] < 1.5, f"the cancel took {ended - fired[0]:.2f} s"
 
 
 # ---- credentials in the index URL -----------------------------------------------------------------
