@@ -92,7 +92,10 @@ def test_fresh_launch_restores_a_plain_chat_with_default_settings(qtbot, app_hom
         assert "speed projection off" in view.transcript_text()
         follow = send_and_wait(qtbot, view, "Go on")
         assert follow.speed_projection is False and follow.cached_tokens > 0
-        # The same file restores again later, after a steered request in another tab.
+        # The same file restores again later, after a steered request in another tab (its first tab
+        # closed: while that tab is open, opening the file again only brings it to the front).
+        assert again.sessions.open_view(str(path)) is view
+        again.tabs.close_tab(again.tabs.indexOf(view))
         other = again.new_tab()
         other.projection.setChecked(True)
         send_and_wait(qtbot, other, "Steered again")
