@@ -16,8 +16,11 @@ Every failure is a ModelFileError of one line naming the file.
 from __future__ import annotations
 
 import mmap
+import os
 import re
+import stat
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +32,34 @@ MAX_KEY_LEN = 1 << 16
 MAX_DIMS = 4                  # GGML_MAX_DIMS
 MAX_ARRAY = 1 << 28           # > any real vocabulary or merges list, < what would exhaust memory
 DEFAULT_ALIGNMENT = 32
+SCAN_SECONDS = 10.0           # per file: a real header (a 256k vocabulary) scans in well under a second
+
+
+def _kind_of(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def open_regular(path: Path):
+    """`path` opened for reading (binary, buffered) when, after following links, it is a regular file;
+    else ModelFileError of one line. Opened without blocking (a FIFO's open would wait for a writer)
+    and checked on the open descriptor, so nothing can swap the file in between."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ModelFileError(f"{path.name} is not a model file: it is {_kind_of(mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 # GGUF value types: id -> (name, fixed size or None for strings/arrays)
 _U8, _I8, _U16, _I16, _U32, _I32, _F32, _BOOL, _STR, _ARR, _U64, _I64, _F64 = range(13)
@@ -148,8 +179,8 @@ def scan_header(path: Path) -> HeaderScan:
     """Validate `path`'s header (the magic is already checked); ModelFileError on the first problem."""
     name = path.name
     try:
-        with open(path, "rb") as f:
-            size = path.stat().st_size
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             if size < 24:
                 raise ModelFileError(f"{name} is truncated or corrupt: {size} bytes, a GGUF header needs at least 24")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -168,6 +199,12 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
         raise ModelFileError(f"{name}: GGUF version {version} is not supported (2 and 3 are)")
     c = _Cursor(buf, name, endian)
     c.pos = 8
+    deadline = time.monotonic() + SCAN_SECONDS
+
+    def in_time(j: int) -> None:
+        if j & 0xFFFF == 0 and time.monotonic() > deadline:
+            raise ModelFileError(f"{name}: the header takes longer than {SCAN_SECONDS:.0f} s to read "
+                                 f"(at byte {c.pos}); not a model file")
     n_tensors = c.unpack("Q", "tensor count")
     n_kv = c.unpack("Q", "key/value count")
     # The smallest KV is 8 (key length) + 1 (key) + 4 (type) + 1 (a uint8); the smallest tensor info
@@ -179,6 +216,7 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
     scan = HeaderScan(version)
     alignment = DEFAULT_ALIGNMENT
     for i in range(n_kv):
+        in_time(i)
         key = c.string(f"key #{i}", MAX_KEY_LEN)
         if key in scan.kv_types:
             raise c.fail(f"key '{key[:80]}' appears twice")
@@ -196,6 +234,7 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
                 raise c.fail(f"'{key[:80]}' claims {count} elements, more than the file holds")
             if etype == _STR:
                 for j in range(count):
+                    in_time(j)
                     c.skip_string(f"'{key[:80]}'[{j}]")
             else:
                 c.pos += count * elem
@@ -221,6 +260,7 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
     sizes = {int(k): v for k, v in GGML_QUANT_SIZES.items()}
     infos = []
     for i in range(n_tensors):
+        in_time(i)
         tname = c.string(f"tensor #{i} name", MAX_KEY_LEN)
         n_dims = c.unpack("I", f"n_dims of tensor '{tname[:80]}'")
         if not 1 <= n_dims <= MAX_DIMS:

@@ -28,7 +28,9 @@ reports in its status (``load_budget``), or the guard's reading until the engine
 from __future__ import annotations
 
 import math
+import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +42,8 @@ PREFILL_CHUNK = 512
 KV_STEP = 256                 # mlx-lm's KVCache grows in steps of 256 tokens
 MIN_CONTEXT = 256
 GROUP = 32
+MAX_COUNT = 1 << 40           # no hyperparameter (context, width, heads, vocabulary) comes near this
+HEADER_SECONDS = 10.0         # per file: a real header (a 256k vocabulary) reads in well under a second
 
 # GGML type id -> (name, bits per value as held in MLX, or None = dense in the compute dtype)
 _TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
@@ -75,16 +79,33 @@ class GGUFHeader:
         return str(self.metadata.get("general.architecture", ""))
 
     def arch_int(self, suffix: str, default: int = 0) -> int:
-        v = self.metadata.get(f"{self.architecture}.{suffix}", default)
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise ModelFileError(f"{self.path.name}: bad '{self.architecture}.{suffix}'") from None
+        """An `<arch>.<suffix>` count: a whole number from 0 to MAX_COUNT (a float one is taken when it is
+        whole; inf, NaN, fractions, negatives and absurd sizes are refused in one line)."""
+        key = f"{self.architecture}.{suffix}"
+        v = self.metadata.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ModelFileError(f"{self.path.name}: '{key}' is not a number")
+        if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+            raise ModelFileError(f"{self.path.name}: '{key}' is {v!r}, not a whole number")
+        if not 0 <= v <= MAX_COUNT:
+            raise ModelFileError(f"{self.path.name}: '{key}' is {int(v)}: out of range (0 to {MAX_COUNT})")
+        return int(v)
 
 
 class _Reader:
-    def __init__(self, f):
-        self.f = f
+    """Reads with every length checked against the bytes left in the file, no recursion (arrays of
+    arrays are refused, as engine/gguf_header.py does) and a deadline (HEADER_SECONDS)."""
+
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+        self.deadline = time.monotonic() + HEADER_SECONDS
+
+    def left(self) -> int:
+        return self.size - self.f.tell()
+
+    def in_time(self, i: int) -> None:
+        if i & 0xFFFF == 0 and time.monotonic() > self.deadline:
+            raise ValueError(f"the header takes longer than {HEADER_SECONDS:.0f} s to read")
 
     def unpack(self, fmt: str):
         size = struct.calcsize(fmt)
@@ -95,7 +116,7 @@ class _Reader:
 
     def string(self) -> str:
         n = self.unpack("<Q")
-        if n > 1 << 24:
+        if n > 1 << 24 or n > self.left():
             raise ValueError("implausible string length")
         return self.f.read(n).decode("utf-8", "replace")
 
@@ -108,13 +129,23 @@ class _Reader:
         if vtype == 9:
             itype, n = self.unpack("<I"), self.unpack("<Q")
             if itype in _SCALARS:
-                self.f.seek(struct.calcsize(_SCALARS[itype]) * n, 1)
+                span = struct.calcsize(_SCALARS[itype]) * n
+                if span > self.left():
+                    raise ValueError(f"an array of {n} elements is longer than the file")
+                self.f.seek(span, 1)
             elif itype == 8:
-                for _ in range(n):
-                    self.f.seek(self.unpack("<Q"), 1)
+                if n * 8 > self.left():
+                    raise ValueError(f"an array of {n} strings is longer than the file")
+                for i in range(n):
+                    self.in_time(i)
+                    m = self.unpack("<Q")
+                    if m > self.left():
+                        raise ValueError("implausible string length")
+                    self.f.seek(m, 1)
+            elif itype == 9:
+                raise ValueError("an array of arrays (not supported)")
             else:
-                for _ in range(n):
-                    self.value(itype)
+                raise ValueError(f"unknown GGUF array element type {itype}")
             return n
         raise ValueError(f"unknown GGUF value type {vtype}")
 
@@ -139,34 +170,48 @@ def read_header(path: str | Path) -> GGUFHeader:
 
 
 def _read_header(p: Path) -> GGUFHeader:
+    from .gguf_header import _KIND_TEXT, _TYPE_NAMES, _kind_ok, expected_kind, open_regular
     try:
-        with open(p, "rb") as f:
+        with open_regular(p) as f:         # a FIFO, a device or a folder: refused, never waited on
             if f.read(4) != b"GGUF":
                 raise ModelFileError(f"{p.name} is not a GGUF file")
-            r = _Reader(f)
+            r = _Reader(f, os.fstat(f.fileno()).st_size)
             version = r.unpack("<I")
             if version < 2:
                 raise ModelFileError(f"{p.name}: GGUF version {version} is too old")
             n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
-            if n_tensors > 1 << 24 or n_kv > 1 << 24:
+            if n_tensors > 1 << 24 or n_kv > 1 << 24 or (n_tensors + n_kv) * 13 > r.left():
                 raise ValueError("implausible tensor or key count")
             meta = {}
-            for _ in range(n_kv):
+            for i in range(n_kv):
+                r.in_time(i)
                 key = r.string()
-                meta[key] = r.value(r.unpack("<I"))
+                vtype = r.unpack("<I")
+                etype = None
+                if vtype == 9:                 # peek the element type, for the key's type check
+                    etype = r.unpack("<I")
+                    r.f.seek(-4, 1)
+                meta[key] = r.value(vtype)
+                kind = expected_kind(key)
+                if kind is not None and not _kind_ok(kind, vtype, etype):
+                    got = _TYPE_NAMES.get(vtype, str(vtype)) + (f" of {_TYPE_NAMES.get(etype, etype)}"
+                                                                 if etype is not None else "")
+                    raise ModelFileError(f"{p.name}: metadata '{key[:80]}' must be "
+                                         f"{_KIND_TEXT[kind]}, the file has {got}")
             tensors = []
-            for _ in range(n_tensors):
+            for i in range(n_tensors):
+                r.in_time(i)
                 name = r.string()
                 n_dims = r.unpack("<I")
                 if n_dims > 8:
-                    raise ValueError(f"tensor '{name}' has {n_dims} dimensions")
+                    raise ValueError(f"tensor '{name[:80]}' has {n_dims} dimensions")
                 shape = tuple(r.unpack("<Q") for _ in range(n_dims))
                 ggml_type = r.unpack("<I")
                 r.unpack("<Q")  # data offset
                 tensors.append(TensorInfo(name, ggml_type, shape))
     except OSError as e:
         raise ModelFileError(f"cannot read {p}: {e.strerror or e}") from None
-    except (ValueError, struct.error, UnicodeDecodeError) as e:
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise ModelFileError(f"{p.name} is truncated or corrupt ({e})") from None
     return GGUFHeader(p, meta, tuple(tensors))
 

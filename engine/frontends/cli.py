@@ -149,9 +149,9 @@ def cmd_models_estimate(args) -> int:
     if args.context is not None and args.context < 1:
         raise StrataError("--context must be >= 1")
     path = resolve_model(args.path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise StrataError(f"model file not found: {path}")
-    h = me.read_header(path)
+    h = me.read_header(path)         # a FIFO, device or folder is refused by name, never waited on
     from ..device import compute_dtype_name
     dtype = args.dtype or compute_dtype_name()
     n_ctx = me.default_context(h, args.context)
