@@ -90,6 +90,7 @@ class EngineThread(QThread):
                           kv_bits=kv_bits)
         self._steering = steering
         self.engine = None
+        self._stop_asked = False
 
     def run(self) -> None:
         try:
@@ -100,10 +101,15 @@ class EngineThread(QThread):
             log.exception("engine start failed")
             self.crashed.emit(f"the engine could not start: {type(e).__name__}: {e}")
             return
+        if self._stop_asked:            # a quit while the engine was starting (stop() saw no engine yet)
+            return
         self.ready.emit()
         self.engine.run_forever()
 
     def stop(self, timeout_ms: int = 10000) -> None:
+        # The flag first, the engine second (run() sets them in the other order): a stop during start-up
+        # is seen by one of the two, and the thread ends either way (Qt aborts the process otherwise).
+        self._stop_asked = True
         if self.engine is not None:
             self.engine.stop()          # queues the stop marker; run_forever returns after the current request
         self.wait(timeout_ms)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject
+from PySide6.QtCore import QEvent, QObject, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
@@ -85,6 +86,23 @@ def start_window(app: QApplication, files: list[str], app_paths=None):
     return window
 
 
+def quit_on_signals(app: QApplication, window) -> None:
+    """SIGTERM and SIGHUP (a logout, `kill`) close the window as Quit does: the chats saved, a reply
+    stopped, a model fetch cancelled and its temporary folder removed, the engine thread stopped. Qt's
+    event loop runs no Python code by itself, so a timer gives the interpreter a moment to run the
+    handler. (QApplication.closeAllWindows would stop at the fetch dialog, whose close box cancels.)"""
+    def handler(signum, _frame):
+        logging.getLogger("strata.app").info("signal %d: quitting", signum)
+        window.close()
+        app.quit()
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            signal.signal(sig, handler)
+    app._signal_timer = QTimer(app, interval=200)
+    app._signal_timer.timeout.connect(lambda: None)
+    app._signal_timer.start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="strata-app", description="Strata: local LLM chat")
     parser.add_argument("--self-test", action="store_true", help="load a model, generate, save+restore, exit")
@@ -131,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     queue = app._strata_files
     instance.files_received.connect(lambda fs: [queue.open_file(f) for f in fs])
     window = start_window(app, args.files, app_paths)
+    quit_on_signals(app, window)
     instance.activated.connect(lambda: (window.showNormal(), window.raise_(), window.activateWindow()))
     try:
         return app.exec()

@@ -210,5 +210,9 @@ class FetchDialog(QDialog):
             return
         super().reject()
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 5.0) -> None:
+        """Cancel a fetch and wait for it to remove its temporary folder (every stage honours Cancel
+        within about a second), so a quit or a SIGTERM leaves nothing in models/."""
         self.fetch.cancel()
+        if self.fetch.thread is not None:
+            self.fetch.thread.join(wait_s)

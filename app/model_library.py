@@ -5,6 +5,7 @@ It listens to the settings: new model folders refresh the list, a new control ve
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 import threading
@@ -17,6 +18,8 @@ from .bus import MessageBus
 from .model_list import ModelList
 from .paths import AppPaths
 from .settings import SettingsService
+
+log = logging.getLogger("strata.app")
 
 # The steering keys a load depends on (speed_projection is a request's choice: the engine is configured)
 RELOAD_KEYS = ("steering.files", "steering.layer_from", "steering.layer_to", "steering.mode",
@@ -43,6 +46,11 @@ class ModelLibrary(QObject):
         self._scan_first = True
         self._reload_due = False
         self._loading_steering = copy.deepcopy(settings.steering)   # what the engine loads with (the last sent)
+        # A fetch killed by a signal or a crash left its temporary folder in models/: removed at start-up
+        # (engine.index_fetch is plain Python: no mlx)
+        from engine.index_fetch import clean_stale
+        for name in clean_stale(paths.models_dir):
+            log.info("removed %s, left by an earlier fetch that did not finish", name)
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
