@@ -157,6 +157,7 @@ class Engine(RequestHandlers):
 
     def _serve(self, handle: Handle) -> None:
         self._handle = handle
+        failed = None
         try:
             if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
                 raise Cancelled("cancelled")  # cancelled while it waited: it must not park, take or read K/V
@@ -165,16 +166,25 @@ class Engine(RequestHandlers):
         except StrataError as e:
             self._log(f"error: {e}")
             err = EngineError.of(e)
-            handle.emit(Failed(err.message, err.code, err.reason))
+            failed = Failed(err.message, err.code, err.reason)
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
             # The live K/V may be half-updated by what failed: the next request recomputes instead.
             if isinstance(handle.request, (GenerateRequest, RestoreSession)) and self.conversations is not None:
                 self.conversations.drop_suspect(self.info.n_vocab if self.info else 0)
             err = EngineError.of(e)
-            handle.emit(Failed(err.message, err.code))
+            failed = Failed(err.message, err.code)
         finally:
             self._handle = None
+        if failed is not None:
+            # The failed work's MLX arrays (a refused load's weights, held by the exception's frames)
+            # are freed here, on this thread, before the caller hears of it: a CLI exits right after a
+            # refusal, and MLX arrays freed under the interpreter's exit abort the process ("terminate
+            # called without an active exception", exit 134 instead of 2).
+            if isinstance(handle.request, (LoadModel, RestoreSession)):   # rare, and they hold the most
+                import gc
+                gc.collect()
+            handle.emit(failed)
 
     def _next_request(self):
         """The next queued request; while there is none, the K/V top-up's steps (kv_reserve.TopUp)."""
