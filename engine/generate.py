@@ -79,7 +79,9 @@ class PrefillPace:
         self.s_per_token = 0.0        # the latest chunk's seconds per token (0: not measured yet)
 
     def record(self, tokens: int, seconds: float) -> None:
-        if tokens >= 4 and seconds > 0:
+        # Not from a turn's few new tokens, whose pass costs more per token than a chunk's: a full-size
+        # first chunk (16), or a chunk of the capped size where the cap is smaller.
+        if seconds > 0 and tokens >= min(FIRST_CHUNK, self.cap() or FIRST_CHUNK):
             self.s_per_token = seconds / tokens
 
     def cap(self) -> int:

@@ -127,3 +127,22 @@ def test_a_reply_cut_at_the_token_limit_says_so_in_the_chat(qtbot, window):
         view.regenerate()
     again = blocker.args[0]
     assert view.transcript_text().count(LIMIT_NOTE) == (again.finish_reason == "length")
+
+
+# ---- item 6: a draft model that makes replies slower is switched off, and the chat's next reply skips it ----
+def test_a_draft_model_slower_than_plain_decoding_is_switched_off_and_stays_off(qtbot, window, slow_model):
+    """The slow model (same vocabulary, far larger) as the tiny model's draft: every drafting pass costs
+    more than the tokens it wins. The first reply stops speculating (or never starts reading the prompt
+    into the draft); the next one decodes plain from the start, and the status bar says so."""
+    greedy = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=24)
+    plain_cfg = window.presets.create("Plain", **greedy)
+    drafted_cfg = window.presets.create("Drafted", speculative=f"draft:{slow_model}", **greedy)
+    plain = send_and_wait(qtbot, window.new_tab(preset_id=plain_cfg.id), "the cat sat on the mat")
+    view = window.new_tab(preset_id=drafted_cfg.id)
+    first = send_and_wait(qtbot, view, "the cat sat on the mat")
+    assert first.tokens == plain.tokens                     # greedy: speculation changes the speed only
+    assert first.speculation_stopped, first
+    second = send_and_wait(qtbot, view, "and then?")
+    assert second.drafted_tokens == 0 and second.speculation_stopped, second
+    assert "speculation off" in window.status.speed.text()
+    assert second.speculation_stopped in window.status.speed.toolTip()

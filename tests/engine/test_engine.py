@@ -223,6 +223,8 @@ def test_prefill_chunks_are_capped_by_the_measured_pace_and_stay_aligned():
     assert next_chunk(96, 1000, 512, cap=64) == 32 and next_chunk(128, 1000, 512, cap=64) == 64
     pace = PrefillPace(n_layers=30)
     assert pace.cap() == 0                               # nothing measured: no cap
+    pace.record(5, 5 * 0.1)
+    assert pace.cap() == 0                               # a turn's few new tokens are not a chunk's pace
     pace.record(16, 16 * 0.1)                            # 0.1 s a token (SmolLM2 on a busy 2-vCPU box)
     assert pace.cap() == 128                             # 30 layers x 0.5 s / 0.1 s = 150 -> 128
     pace.record(16, 16 * 10.0)                           # a model that reads 0.1 token/s
