@@ -323,8 +323,10 @@ def vocab_hash(gguf) -> str:
     return h.hexdigest()
 
 
-def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda s: None) -> DraftModel:
-    """Load a draft GGUF beside the target, refusing one whose vocabulary differs (by name)."""
+def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda s: None,
+               admit=None) -> DraftModel:
+    """Load a draft GGUF beside the target, refusing one whose vocabulary differs (by name);
+    `admit(path)` (the engine's memory estimate and guard) runs before any tensor is read."""
     from .gguf_file import open_gguf
     from .model_loader import load_model
     from .models import resolve_model
@@ -337,6 +339,8 @@ def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda 
         n_d = len(g.get("tokenizer.ggml.tokens") or [])
         raise RequestError(f"draft model {p.name} has another vocabulary than {target_gguf_path.name} "
                            f"({n_d} vs {n_t} tokens, token lists differ): it cannot draft for it")
+    if admit is not None:
+        admit(p)
     model, info = load_model(g, dtype=dtype)
     log(f"draft model: {p.name} ({info.architecture}, {info.n_layer} layers, "
         f"{info.n_params / 1e6:.0f}M params), same vocabulary as the target")
