@@ -45,28 +45,33 @@ _cache: dict[tuple[str, int, float], ModelMeta] = {}
 
 
 def read_meta(path: str | Path) -> ModelMeta:
+    """The row of `path`; a file that cannot be read (not a regular file, a bad header) gets `error`,
+    one line, and its file name as its name. Never raises."""
     p = Path(path)
     try:
         st = p.stat()
-    except OSError as e:
-        return ModelMeta(str(p), p.stem, error=e.strerror or str(e))
-    key = (str(p.resolve()), st.st_size, st.st_mtime)
+        key = (str(p.resolve()), st.st_size, st.st_mtime)
+    except (OSError, RuntimeError) as e:       # RuntimeError: a symlink loop (Python 3.11)
+        return ModelMeta(str(p), p.name, error=f"cannot read {p.name}: {getattr(e, 'strerror', None) or e}")
     if key in _cache:
         return _cache[key]
     meta = ModelMeta(str(p), p.stem, size_bytes=st.st_size)
     try:
         h = read_header(p)        # the engine's header reader (plain Python: no mlx, no tensor data)
-    except StrataError as e:
-        meta.error = str(e)
-    else:
         kv = h.metadata
         arch = h.architecture or "?"
+        context_length = h.arch_int("context_length", 0)
+    except StrataError as e:
+        meta.name, meta.error = p.name, str(e)
+    else:
         meta.architecture = arch
-        meta.name = str(kv.get("general.name") or p.stem)
-        meta.context_length = int(kv.get(f"{arch}.context_length", 0) or 0)
+        meta.name = str(kv.get("general.name") or p.stem)[:200]
+        meta.context_length = context_length
         ft = kv.get("general.file_type")
         meta.quantization = _FILE_TYPES.get(ft, f"type {ft}") if ft is not None else _guess_quant(p.name)
         meta.n_params = sum(t.n_elements for t in h.tensors)
+    if len(_cache) >= 1024:
+        _cache.clear()
     _cache[key] = meta
     return meta
 

@@ -26,6 +26,84 @@ RELOAD_KEYS = ("steering.files", "steering.layer_from", "steering.layer_to", "st
                "steering.direction")
 
 
+COPY_PREFIX = ".strata-copy-"      # a copy in progress: .strata-copy-<pid>-<name>.part in the models folder
+
+
+def checked_model_source(src: Path) -> Path:
+    """Where `src` leads (links followed) when that is a regular file with a readable GGUF header
+    (engine/memory_estimate.py: no FIFO or device is ever waited on or read); else ValueError of one
+    line."""
+    from engine.errors import StrataError
+    from engine.memory_estimate import read_header
+    try:
+        real = Path(src).resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot read {Path(src).name}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        read_header(real)
+    except StrataError as e:
+        raise ValueError(str(e)) from None
+    return real
+
+
+def copy_model_file(src: Path, dest: Path, chunk: int = 8 << 20) -> None:
+    """Copy the model `src` to `dest` through a `.part` file that is removed on any failure: only a
+    regular file with a GGUF header (checked_model_source), no more bytes than it had when opened
+    (a file that grows while copied is refused), and only when the disk has room for it."""
+    from engine.gguf_header import open_regular
+    real = checked_model_source(src)
+    part = dest.with_name(f"{COPY_PREFIX}{os.getpid()}-{dest.name}.part")
+    try:
+        with open_regular(real) as f:
+            size = os.fstat(f.fileno()).st_size
+            free = shutil.disk_usage(dest.parent).free
+            if size + (64 << 20) > free:
+                raise ValueError(f"the models folder's disk has {free >> 20} MiB free; the model needs "
+                                 f"{size >> 20} MiB")
+            with open(part, "xb") as out:
+                left = size
+                while left > 0:
+                    data = f.read(min(chunk, left))
+                    if not data:
+                        raise ValueError(f"{src.name} became shorter while it was copied")
+                    out.write(data)
+                    left -= len(data)
+                if f.read(1):
+                    raise ValueError(f"{src.name} grew while it was copied")
+        if os.path.lexists(dest):
+            raise ValueError(f"{dest.name} is already in the models folder")
+        os.replace(part, dest)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def remove_stale_copies(models_dir: Path) -> list[str]:
+    """The `.part` files of copies whose process is gone (killed mid-copy); their names."""
+    gone = []
+    try:
+        entries = list(Path(models_dir).glob(f"{COPY_PREFIX}*.part"))
+    except OSError:
+        return gone
+    for p in entries:
+        pid = p.name[len(COPY_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue                        # its process is alive
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            p.unlink()
+            gone.append(p.name)
+        except OSError:
+            pass
+    return gone
+
+
 class ModelLibrary(QObject):
     """Owns the ModelList widget (`models`) and the loaded model's path (`model_path`). `loaded(path)`
     fires once a load (or a reload) finished. Reports go to the bus; dialogs are parented to `parent`
@@ -44,6 +122,7 @@ class ModelLibrary(QObject):
         self.model_path = ""
         self.fetch_dialog = None
         self._scan_first = True
+        self._told_bad: dict[str, str] = {}        # files of the model folders already named as bad
         self._reload_due = False
         self._loading_steering = copy.deepcopy(settings.steering)   # what the engine loads with (the last sent)
         # A fetch killed by a signal or a crash left its temporary folder in models/: removed at start-up
@@ -51,6 +130,8 @@ class ModelLibrary(QObject):
         from engine.index_fetch import clean_stale
         for name in clean_stale(paths.models_dir):
             log.info("removed %s, left by an earlier fetch that did not finish", name)
+        for name in remove_stale_copies(paths.models_dir):
+            log.info("removed %s, left by a model copy that did not finish", name)
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
@@ -86,13 +167,20 @@ class ModelLibrary(QObject):
 
     def _after_scan(self) -> None:
         """The first scan picks what to load: the settings' model, else the first one found, else the
-        offer to fetch the default model."""
+        offer to fetch the default model. A file that cannot be loaded is skipped (its row says why)
+        and named once in a message."""
+        bad = {p: e for p, e in self.models.errors.items() if p not in self._told_bad}
+        self._told_bad.update(bad)
         if not self._scan_first:
+            if bad:
+                self._tell_bad(bad, any_loadable=True)
             return
         self._scan_first = False
-        available = self.models.paths()
+        available = self.models.loadable_paths()
+        if bad:
+            self._tell_bad(bad, any_loadable=bool(available))
         wanted = self.settings.model
-        if wanted and Path(wanted).exists():
+        if wanted and Path(wanted).exists() and wanted not in self.models.errors:
             self.load_model(wanted)
         elif available:
             self.load_model(available[0])
@@ -100,6 +188,19 @@ class ModelLibrary(QObject):
             QTimer.singleShot(0, self.offer_default_model)
         else:
             self.bus.say("No model: fetch the default one (File menu) or drop a .gguf here", 0)
+
+    def _tell_bad(self, bad: dict[str, str], any_loadable: bool) -> None:
+        """One line for the files of the model folders that cannot be loaded: the reason when there is
+        one file, the names when there are more (each row's tooltip has its reason)."""
+        if len(bad) == 1:
+            text = next(iter(bad.values()))
+        else:
+            names = ", ".join(Path(p).name for p in list(bad)[:5]) + (", …" if len(bad) > 5 else "")
+            text = f"{len(bad)} files in the model folders cannot be loaded (their rows say why): {names}"
+        if any_loadable:
+            self.bus.say(text, 15000)          # the other models still load; the message bar stays free
+        else:
+            self.bus.tell(text)
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_model(self, path: str):
@@ -173,34 +274,32 @@ class ModelLibrary(QObject):
             if how is None:
                 return
         dest = self.paths.models_dir / src.name
-        if dest.exists():
+        if os.path.lexists(dest):
             self.bus.tell(f"{dest.name} is already in the models folder")
             return
         if how == "link":
             try:
-                os.symlink(src.resolve(), dest)
-            except OSError as e:
-                self.bus.tell(f"Could not link {src.name}: {e.strerror}")
+                real = checked_model_source(src)
+                os.symlink(real, dest)
+            except (OSError, ValueError) as e:
+                self.bus.tell(f"Could not link {src.name}: {getattr(e, 'strerror', None) or e}")
                 return
             self._on_copied(str(dest), "")
             return
         self.bus.busy.emit("Copying model")
 
         def work():
-            part = dest.with_name(dest.name + ".part")
             try:
-                shutil.copyfile(src, part)
-                os.replace(part, dest)
+                copy_model_file(src, dest)
                 self._copied.emit(str(dest), "")
-            except OSError as e:
-                part.unlink(missing_ok=True)
-                self._copied.emit(str(dest), e.strerror or str(e))
+            except Exception as e:  # noqa: BLE001 -- one line on the message bar; nothing left behind
+                self._copied.emit(str(dest), getattr(e, "strerror", None) or str(e) or type(e).__name__)
         threading.Thread(target=work, name="strata-copy", daemon=True).start()
 
     def _on_copied(self, path: str, error: str) -> None:
         self.bus.idle.emit()
         if error:
-            self.bus.tell(f"Could not copy {Path(path).name}: {error}")
+            self.bus.tell(f"Could not add {Path(path).name}: {error}")
             return
         self.bus.say(f"Added {Path(path).name}")
         self.models.refresh()

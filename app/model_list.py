@@ -6,6 +6,8 @@ the header's context menu shows them), so that Name, Quant, Size and Needs fit t
 window width of 1024 px; Name takes the width left."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -18,6 +20,9 @@ from .gguf_meta import ModelMeta, read_meta
 
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
 HIDDEN_AT_FIRST = ("Arch", "Params", "Context")    # in the row's tooltip; the header's menu shows them
+FILE_SECONDS = 5.0          # one file's header read (and estimate) past this is listed as not read
+MAX_FILES = 2000            # files listed per folder (a folder of a million .gguf names stays cheap)
+log = logging.getLogger("strata.app")
 
 
 def memory_budget(engine_budget: dict | None):
@@ -40,20 +45,75 @@ def memory_needs(path: Path, budget) -> tuple[str, str]:
         fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), budget)
     except StrataError as e:
         return "?", str(e)
+    except Exception as e:  # noqa: BLE001 -- one file's surprise stays on its row, with a log line
+        log.warning("model list: %s: %s: %s", Path(path).name, type(e).__name__, e)
+        return "?", f"{Path(path).name}: cannot estimate ({type(e).__name__})"
     text = me.gib(fit.estimate.total_bytes)
     return (text if fit.fits else f"{text} (too big)"), fit.line()
 
 
 def find_models(folders: list[Path]) -> list[Path]:
+    """The `*.gguf` entries of `folders`, each once (by where it resolves to), up to MAX_FILES per
+    folder. Nothing is opened: an entry that is not a regular file (a FIFO, a folder, a link to a
+    device or in a loop) is listed too, and its row says why it cannot be loaded."""
     seen, out = set(), []
     for d in folders:
-        if d.is_dir():
-            for p in sorted(d.glob("*.gguf")):
+        try:
+            if not Path(d).is_dir():
+                continue
+            found = sorted(Path(d).glob("*.gguf"))[:MAX_FILES]
+        except (OSError, RuntimeError) as e:
+            log.warning("model list: cannot list %s: %s", d, e)
+            continue
+        for p in found:
+            try:
                 r = p.resolve()
-                if r not in seen:
-                    seen.add(r)
-                    out.append(p)
+            except (OSError, RuntimeError):    # a symlink loop: listed under its own name
+                r = p
+            if r not in seen:
+                seen.add(r)
+                out.append(p)
     return out
+
+
+def _read_row(p: Path, budget) -> tuple[ModelMeta, tuple[str, str]]:
+    meta = read_meta(p)
+    if meta.error:
+        return meta, ("?", meta.error)
+    needs = memory_needs(p, budget)
+    if needs[0] == "?":            # the header reads but cannot be estimated (a negative K/V length...)
+        meta = dataclasses.replace(meta, error=needs[1])
+    return meta, needs
+
+
+def scan_models(folders: list[Path], budget, file_seconds: float = FILE_SECONDS
+                ) -> list[tuple[ModelMeta, tuple[str, str]]]:
+    """A row (metadata, (needs, tooltip)) per model file. Each file is read on a thread of its own
+    that gets `file_seconds`: one that takes longer (a hung disk, a file that reads forever) is listed
+    as not read and the scan goes on. Nothing in one file stops the others; each bad file's reason is
+    logged once."""
+    rows = []
+    for p in find_models(folders):
+        box: list = []
+
+        def work(p=p, box=box):
+            try:
+                box.append(_read_row(p, budget))
+            except Exception as e:  # noqa: BLE001 -- the row says it, the scan goes on
+                box.append((ModelMeta(str(p), p.name, error=f"{p.name}: cannot read ({type(e).__name__}: "
+                                                              f"{str(e)[:200]})"), ("?", "")))
+        t = threading.Thread(target=work, name="strata-model-read", daemon=True)
+        t.start()
+        t.join(file_seconds)
+        if box:
+            row = box[0]
+        else:
+            row = (ModelMeta(str(p), p.name, error=f"{p.name}: not read: it takes longer than "
+                                                   f"{file_seconds:g} s"), ("?", ""))
+        if row[0].error:
+            log.warning("model list: %s", row[0].error)
+        rows.append(row)
+    return rows
 
 
 class ModelList(QWidget):
@@ -66,6 +126,7 @@ class ModelList(QWidget):
         super().__init__(parent)
         self.folders = folders
         self.current: str = ""
+        self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
@@ -102,18 +163,31 @@ class ModelList(QWidget):
         engine_budget = self.engine_budget
 
         def scan():
-            budget = memory_budget(engine_budget)           # one memory reading for the whole list
-            self._scanned.emit([(read_meta(p), memory_needs(p, budget)) for p in find_models(folders)])
+            try:
+                budget = memory_budget(engine_budget)       # one memory reading for the whole list
+            except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
+                log.warning("model list: no memory reading: %s", e)
+                budget = None
+            self._scanned.emit(scan_models(folders, budget))
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
     def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()
+        self.errors = {m.path: m.error for m, _ in metas if m.error}
         for m, (needs, needs_tip) in metas:
-            it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
-                                  str(m.context_length or "?"), needs])
+            if m.error:         # listed with its reason (the name column has the width left)
+                it = QTreeWidgetItem([f"{m.name} — cannot be loaded", "?", "?", "?", m.size_label(), "?",
+                                      "—"])
+                it.setForeground(0, self.palette().brush(self.palette().ColorGroup.Disabled,
+                                                         self.palette().ColorRole.Text))
+                about = f"{m.path}\n{m.error}"
+                needs_tip = m.error
+            else:
+                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
+                                      str(m.context_length or "?"), needs])
+                about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
+                         f"context {m.context_length or '?'} tokens\n{m.path}")
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
-            about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
-                     f"context {m.context_length or '?'} tokens\n{m.path}" + (f"\n{m.error}" if m.error else ""))
             for c in range(len(COLUMNS) - 1):
                 it.setToolTip(c, about)
             it.setToolTip(len(COLUMNS) - 1, needs_tip)
@@ -142,6 +216,10 @@ class ModelList(QWidget):
 
     def paths(self) -> list[str]:
         return [self.tree.topLevelItem(i).data(0, Qt.ItemDataRole.UserRole) for i in range(self.tree.topLevelItemCount())]
+
+    def loadable_paths(self) -> list[str]:
+        """The listed files whose header was read (the others' rows say why not)."""
+        return [p for p in self.paths() if p not in self.errors]
 
     def mark_current(self, path: str) -> None:
         self.current = path

@@ -79,7 +79,7 @@ class Preset(Sampling):
                 value = data[f.name]
                 setattr(p, f.name, value if isinstance(default, bool) and isinstance(value, bool)
                         else type(default)(value))
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 pass
         return p
 

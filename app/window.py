@@ -81,10 +81,8 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._connect_signals()
 
-        if self.store.moved_aside is not None:
-            self.bus.info.emit(
-                f"The chat database could not be read ({self.store.error}); it was moved aside to "
-                f"{self.store.moved_aside} and a new one was started.")
+        if self.store.notice:       # a locked, foreign or corrupt database: what was kept and where
+            self.bus.info.emit(self.store.notice)
         self.tabs.open_stored()
         self.library.refresh()
         if start_engine:

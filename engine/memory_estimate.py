@@ -118,7 +118,7 @@ class _Reader:
         n = self.unpack("<Q")
         if n > 1 << 24 or n > self.left():
             raise ValueError("implausible string length")
-        return self.f.read(n).decode("utf-8", "replace")
+        return self.f.read(n).decode("utf-8")          # strict, as engine/gguf_header.py
 
     def value(self, vtype: int):
         """Scalars and strings as values; arrays skipped and returned as their length."""

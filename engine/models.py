@@ -30,13 +30,22 @@ def default_model_path() -> Path:
 
 
 def list_models(extra_dirs: list[str] | tuple = ()) -> list[Path]:
+    """The `*.gguf` entries of the models folder (and `extra_dirs`), each once. Nothing is opened here
+    (a FIFO or a link to a device is refused by name when loaded); a symlink loop is listed as itself."""
     seen, out = set(), []
     for d in [models_dir(), *map(Path, extra_dirs)]:
-        if d.is_dir():
-            for p in sorted(d.glob("*.gguf")):
-                if p.resolve() not in seen:
-                    seen.add(p.resolve())
-                    out.append(p)
+        try:
+            found = sorted(d.glob("*.gguf")) if d.is_dir() else []
+        except OSError:
+            continue
+        for p in found:
+            try:
+                r = p.resolve()
+            except (OSError, RuntimeError):        # RuntimeError: a symlink loop (Python 3.11)
+                r = p
+            if r not in seen:
+                seen.add(r)
+                out.append(p)
     return out
 
 

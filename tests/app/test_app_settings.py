@@ -139,7 +139,7 @@ def test_app_corrupt_database_is_moved_aside(qtbot, app_home):
     try:
         assert w.store.moved_aside is not None and w.store.moved_aside.exists()
         assert w.store.moved_aside.read_bytes().startswith(b"definitely not sqlite")
-        assert "moved aside" in w.message_bar.text()
+        assert "copy was kept aside" in w.message_bar.text()
         assert w.tabs.count() == 1
         assert db.exists() and db.read_bytes()[:15] == b"SQLite format 3"
     finally:

@@ -1,0 +1,330 @@
+"""Issue 31, the app's side: hostile model-folder files (item 2), chats databases (item 3), the
+single-instance channel (item 6) and "Copy into models" (item 8's first case).
+
+Each case asserts a one-line message, bounded time and nothing lost: the files it was given are
+untouched (bytes and, where it matters, the name), a database's chats are kept. Each surface also has
+a seeded fuzz run (counts printed with -s; the README's Reliability section quotes them); the long
+runs are behind the `fuzz_long` marker:
+
+    pytest tests/app/test_hostile_app.py -s                 # default (well under a minute)
+    pytest tests/app/test_hostile_app.py -s -m fuzz_long    # long
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import socket
+import sqlite3
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+from app_fixtures import LOAD_TIMEOUT_MS, open_window  # noqa: E402
+from fuzz_harness import Tally, layout, random_mutant  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+FILE_BOUND_S = 6.0            # one model file's row, with the scan's per-file bound of 5 s
+
+
+def _one_line(text: str) -> None:
+    assert text and "\n" not in text and "Traceback" not in text, text
+
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+# ================================================================ raw GGUF headers (item 2)
+def _s(x: str | bytes) -> bytes:
+    b = x.encode() if isinstance(x, str) else x
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", vtype) + payload
+
+
+def u32(k, v):
+    return _kv(k, 4, struct.pack("<I", v))
+
+
+def i32(k, v):
+    return _kv(k, 5, struct.pack("<i", v))
+
+
+def f32(k, v):
+    return _kv(k, 6, struct.pack("<f", v))
+
+
+def f64(k, v):
+    return _kv(k, 12, struct.pack("<d", v))
+
+
+def text(k, v):
+    return _kv(k, 8, _s(v))
+
+
+def gguf(kvs: list[bytes], n_tensors: int = 0, tail: bytes = b"") -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(kvs)) + b"".join(kvs) + tail
+
+
+BASE = [text("general.architecture", "llama"), u32("llama.block_count", 2), u32("llama.embedding_length", 64),
+        u32("llama.attention.head_count", 4)]
+
+
+def _nested(depth: int) -> bytes:
+    return _kv("x.nested", 9, struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0))
+
+
+HOSTILE_HEADERS = {
+    "inf-context": gguf(BASE + [f32("llama.context_length", math.inf)]),
+    "inf-width": gguf(BASE[:2] + [f32("llama.embedding_length", math.inf)] + BASE[3:]),
+    "nan-heads": gguf(BASE[:3] + [f64("llama.attention.head_count", math.nan)]),
+    "negative-context": gguf(BASE + [i32("llama.context_length", -4096)]),
+    "negative-kv": gguf(BASE + [i32("llama.attention.key_length", -64), i32("llama.attention.value_length", -64)]),
+    "negative-layers": gguf(BASE[:1] + [i32("llama.block_count", -2)] + BASE[2:]),
+    "inf-experts": gguf(BASE + [f32("llama.expert_count", math.inf)]),
+    "huge-experts": gguf(BASE + [_kv("llama.expert_count", 10, struct.pack("<Q", 1 << 63))]),
+    "nested-100000": gguf(BASE + [_nested(100_000)]),
+    "nested-2": gguf(BASE + [_nested(1)]),
+    "array-count-2^60": gguf(BASE + [_kv("x.arr", 9, struct.pack("<IQ", 4, 1 << 60))]),
+    "string-array-2^40": gguf(BASE + [_kv("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 1 << 40))]),
+    "string-length-2^62": gguf(BASE + [_kv("x.s", 8, struct.pack("<Q", 1 << 62))]),
+    "key-count-2^60": b"GGUF" + struct.pack("<IQQ", 3, 0, 1 << 60),
+    "tensor-count-2^40": b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 0),
+    "unknown-type": gguf(BASE + [_kv("x.t", 99, b"")]),
+    "arch-as-array": gguf([_kv("general.architecture", 9, struct.pack("<IQ", 4, 0))] + BASE[1:]),
+    "bad-magic": b"GGUX" + b"\0" * 60,
+    "version-1": b"GGUF" + struct.pack("<IQQ", 1, 0, 0),
+    "empty": b"",
+    "three-bytes": b"GGU",
+    "header-only": b"GGUF" + struct.pack("<I", 3),
+    "non-utf8-key": gguf(BASE + [_s(b"\xff\xfe") + struct.pack("<II", 4, 1)]),
+    "dims-9": gguf(BASE, 1, _s("t") + struct.pack("<I", 9) + struct.pack("<9Q", *[1] * 9) + struct.pack("<IQ", 0, 0)),
+}
+
+
+@pytest.fixture
+def tiny_file(tmp_path_factory, tiny_model):
+    return tiny_model
+
+
+def _folder_with(tmp_path: Path, tiny_model: Path, name: str, make) -> tuple[Path, Path, Path]:
+    d = tmp_path / "models"
+    d.mkdir(exist_ok=True)
+    good = d / "zzz-good.gguf"            # sorts after the bad file: the bad one is met first
+    shutil.copyfile(tiny_model, good)
+    bad = d / f"aaa-{name}.gguf"
+    make(bad)
+    return d, good, bad
+
+
+def _special_cases(tmp_path: Path) -> dict:
+    target = tmp_path / "elsewhere"
+    target.mkdir(exist_ok=True)
+    return {
+        "fifo": lambda p: os.mkfifo(p),
+        "link-to-dev-zero": lambda p: os.symlink("/dev/zero", p),
+        "link-to-dev-urandom": lambda p: os.symlink("/dev/urandom", p),
+        "folder": lambda p: p.mkdir(),
+        "symlink-loop": lambda p: os.symlink(p.name, p),
+        "dangling-link": lambda p: os.symlink(target / "gone.gguf", p),
+        "unreadable": lambda p: (p.write_bytes(b"GGUF" + b"\0" * 40), p.chmod(0)),
+        "link-to-folder": lambda p: os.symlink(target, p),
+    }
+
+
+def _all_cases(tmp_path):
+    cases = {name: (lambda data: (lambda p: p.write_bytes(data)))(data) for name, data in HOSTILE_HEADERS.items()}
+    cases.update(_special_cases(tmp_path))
+    return cases
+
+
+def _snapshot(d: Path) -> dict:
+    out = {}
+    for p in sorted(d.iterdir()):
+        st = os.lstat(p)
+        out[p.name] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_model_folder_hostile_files_listed_with_their_reason(tmp_path, tiny_model):
+    """Item 2: each bad file is listed with a one-line reason within the per-file bound, the good model
+    beside it is listed as loadable, nothing in the folder changes."""
+    from app.model_list import scan_models
+    if os.geteuid() == 0:
+        pass                       # root reads a chmod 0 file: that case is then a plain corrupt header
+    for name, make in _all_cases(tmp_path).items():
+        case = tmp_path / name
+        case.mkdir()
+        d, good, bad = _folder_with(case, tiny_model, name, make)
+        before = _snapshot(d)
+        t0 = time.monotonic()
+        rows = scan_models([d], None)
+        took = time.monotonic() - t0
+        assert took < FILE_BOUND_S, (name, took)
+        by_path = {Path(m.path).name: (m, needs) for m, needs in rows}
+        assert set(by_path) == {good.name, bad.name}, (name, by_path)
+        m_good, needs_good = by_path[good.name]
+        assert not m_good.error and m_good.architecture == "llama" and needs_good[0] != "?", name
+        m_bad, _ = by_path[bad.name]
+        assert m_bad.error, name
+        _one_line(m_bad.error)
+        assert _snapshot(d) == before, name
+        if name == "unreadable":
+            bad.chmod(0o644)
+
+
+def test_models_estimate_refuses_hostile_headers_exit_2(tmp_path, capsys):
+    """`strata models estimate` on each hostile file: exit 2, one line, no traceback, bounded."""
+    from engine.frontends.cli import main
+    for name, make in _all_cases(tmp_path).items():
+        p = tmp_path / f"{name}.gguf"
+        make(p)
+        box = []
+        t = threading.Thread(target=lambda: box.append(main(["models", "estimate", str(p)])), daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(FILE_BOUND_S * 2)
+        assert box, f"{name}: models estimate did not return within {FILE_BOUND_S * 2} s"
+        out, err = capsys.readouterr()
+        assert box[0] == 2 and out == "", (name, box, out, err)
+        _one_line(err.strip())
+        assert err.startswith("strata: "), (name, err)
+        assert time.monotonic() - t0 < FILE_BOUND_S * 2
+        if name == "unreadable":
+            p.chmod(0o644)
+
+
+def test_models_estimate_cli_exit_code(tmp_path):
+    """The same through the real entry point: exit 2 and one line (here: +inf context, negative K/V)."""
+    for name in ("inf-context", "negative-kv", "nested-100000"):
+        p = tmp_path / f"{name}.gguf"
+        p.write_bytes(HOSTILE_HEADERS[name])
+        proc = subprocess.run([sys.executable, "-m", "engine.frontends.cli", "models", "estimate", str(p)],
+                              cwd=REPO, capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+        assert proc.returncode == 2 and proc.stdout == "", (name, proc)
+        _one_line(proc.stderr.strip())
+
+
+def test_scan_bounds_a_file_that_reads_forever(tmp_path, tiny_model, monkeypatch):
+    """The per-file time bound: a file whose read never ends is listed as not read, the others load."""
+    from app import model_list
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copyfile(tiny_model, d / "good.gguf")
+    (d / "aaa-slow.gguf").write_bytes(b"GGUF")
+    real = model_list._read_row
+    release = threading.Event()
+
+    def slow(p, budget):
+        if p.name == "aaa-slow.gguf":
+            release.wait(30)
+        return real(p, budget)
+    monkeypatch.setattr(model_list, "_read_row", slow)
+    t0 = time.monotonic()
+    rows = model_list.scan_models([d], None, file_seconds=0.5)
+    release.set()
+    assert time.monotonic() - t0 < 3
+    errors = {Path(m.path).name: m.error for m, _ in rows}
+    assert "takes longer than 0.5 s" in errors["aaa-slow.gguf"] and errors["good.gguf"] == ""
+
+
+def test_engine_list_models_survives_a_symlink_loop(tmp_path, monkeypatch, tiny_model):
+    from engine import models
+    d = tmp_path / "m"
+    d.mkdir()
+    os.symlink("loop.gguf", d / "loop.gguf")
+    os.mkfifo(d / "fifo.gguf")
+    shutil.copyfile(tiny_model, d / "good.gguf")
+    monkeypatch.setattr(models, "models_dir", lambda: d)
+    names = [p.name for p in models.list_models()]
+    assert "good.gguf" in names
+
+
+@pytest.mark.gui
+def test_app_loads_the_good_model_beside_bad_files(qtbot, app_home):
+    """Item 2's journey: a FIFO named aaa.gguf, a +inf context and 100,000 nested arrays beside the
+    model: the list shows all four, the model loads, one message names the bad files."""
+    models = app_home / "models"
+    os.mkfifo(models / "aaa.gguf")
+    (models / "aab-inf.gguf").write_bytes(HOSTILE_HEADERS["inf-context"])
+    (models / "aac-nested.gguf").write_bytes(HOSTILE_HEADERS["nested-100000"])
+    before = _snapshot(models)
+    w = open_window(qtbot)
+    try:
+        with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS) as blocker:
+            w.show()
+        assert Path(blocker.args[0]).name == "tiny-llama.gguf"
+        assert w.models.tree.topLevelItemCount() == 4
+        assert len(w.models.errors) == 3
+        for path, why in w.models.errors.items():
+            _one_line(why)
+        shown = [w.models.tree.topLevelItem(i).text(0) for i in range(4)]
+        assert sum("cannot be loaded" in s for s in shown) == 3
+        assert "3 files in the model folders cannot be loaded" in w.status.currentMessage() or \
+            w.library._told_bad.keys() == w.models.errors.keys()
+    finally:
+        w.close()
+    assert {k: v for k, v in _snapshot(models).items() if not k.startswith(".")} == \
+        {k: v for k, v in before.items() if not k.startswith(".")}
+
+
+def _fuzz_model_files(tiny_model: Path, n: int, seed: int, tmp_path: Path) -> Tally:
+    """Seeded mutants of a real GGUF through the model list's row reader (metadata + estimate)."""
+    from app import gguf_meta
+    from app.model_list import _read_row
+    from engine import memory_estimate
+    tally = Tally()
+    rng = random.Random(seed)
+    original = tiny_model.read_bytes()
+    lay = layout(tiny_model)
+    cases = [(f"hostile {k}", v) for k, v in HOSTILE_HEADERS.items()]
+    cases += [random_mutant(original, lay, rng) for _ in range(n)]
+    path = tmp_path / "mutant.gguf"
+    slowest = 0.0
+    for label, data in cases:
+        path.write_bytes(data)
+        gguf_meta._cache.clear()
+        memory_estimate._HEADERS.clear()
+        t0 = time.monotonic()
+        try:
+            meta, needs = _read_row(path, None)
+        except Exception as e:  # noqa: BLE001 -- what the fuzz counts
+            tally.add(label, {"outcome": "crash", "detail": f"{type(e).__name__}: {e}"})
+            continue
+        slowest = max(slowest, time.monotonic() - t0)
+        if meta.error or "\n" in needs[1]:
+            ok = "\n" not in meta.error
+            tally.add(label, {"outcome": "refused" if ok else "multi-line", "detail": meta.error})
+        else:
+            tally.add(label, {"outcome": "accepted"})
+    assert slowest < FILE_BOUND_S, slowest
+    return tally
+
+
+def test_fuzz_model_folder_files(tmp_path, tiny_model):
+    tally = _fuzz_model_files(tiny_model, 1500, seed=31, tmp_path=tmp_path)
+    print("\n" + tally.line("model-folder files"))
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
+    assert tally.refused > 0 and tally.accepted > 0
+
+
+@pytest.mark.fuzz_long
+def test_fuzz_model_folder_files_long(tmp_path, tiny_model):
+    tally = _fuzz_model_files(tiny_model, 30000, seed=3131, tmp_path=tmp_path)
+    print("\n" + tally.line("model-folder files (long)"))
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
