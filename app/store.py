@@ -20,6 +20,7 @@ blob title) are read as the defaults, never raised.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -93,6 +94,10 @@ def chat_config(text) -> dict:
         if key in cfg and (not isinstance(cfg[key], kind) or (kind is str and "\x00" in cfg[key])):
             del cfg[key]
     return cfg
+
+
+def _lenient_text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
 
 
 def _text(v, default: str = "") -> str:
@@ -187,6 +192,8 @@ class Store:
         except sqlite3.Error as e:
             self.error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             kind = _error_kind(e)
+        except UnicodeDecodeError:                 # SQLite's own message quotes bytes that are not UTF-8
+            self.error, kind = "its schema or pages hold bytes that are not text", "corrupt"
         except OSError as e:                       # the folder cannot be made
             self.error, kind = e.strerror or str(e), "unusable"
         if kind == "corrupt":
@@ -196,8 +203,9 @@ class Store:
     def _open(self, path: Path) -> sqlite3.Connection:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
+        db.text_factory = _lenient_text           # a stored byte that is not UTF-8 is read as U+FFFD
         try:
-            row = db.execute("PRAGMA quick_check").fetchone()
+            row = db.execute("PRAGMA integrity_check(1)").fetchone()     # indexes against their tables too
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {str(row[0] if row else 'no answer')[:200]}")
             self._check_shape(db)                 # before anything is written to it
@@ -288,11 +296,13 @@ class Store:
         this session's changes are not saved."""
         self.persistent = False
         mem = sqlite3.connect(":memory:")
+        mem.text_factory = _lenient_text
         got = False
         if kind == "locked":
             try:
                 src = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
                                       timeout=BUSY_TIMEOUT_S)
+                src.text_factory = _lenient_text
                 try:
                     self._check_shape(src)
                     src.backup(mem)
@@ -302,6 +312,7 @@ class Store:
             except (ForeignDatabase, sqlite3.Error, OSError, ValueError):
                 mem.close()
                 mem = sqlite3.connect(":memory:")
+                mem.text_factory = _lenient_text
         mem.execute("PRAGMA foreign_keys=ON")
         mem.executescript(SCHEMA)
         self._migrate(mem)
@@ -326,8 +337,17 @@ class Store:
             db.execute("UPDATE chats SET updated=created WHERE updated=0")
         exists = db.execute("SELECT 1 FROM sqlite_master WHERE name='chats_fts'").fetchone()
         if exists:
-            self.fts = True
-            return
+            try:
+                db.execute("INSERT INTO chats_fts(chats_fts) VALUES('integrity-check')")
+                self.fts = True
+                return
+            except sqlite3.DatabaseError as e:
+                if "no such module" in str(e):     # an SQLite built without FTS5: search uses LIKE
+                    self.fts = False
+                    return
+                log.warning("chat database: the search index is damaged (%s); it is built again", e)
+            with db:                               # derived data: rebuilt from the chats below
+                db.execute("DROP TABLE chats_fts")
         try:
             with db:
                 db.execute(FTS_SCHEMA)
@@ -340,7 +360,7 @@ class Store:
 
     @staticmethod
     def _body(db: sqlite3.Connection, chat_id: str) -> str:
-        return "\n".join(c for (c,) in db.execute(
+        return "\n".join(_text(c) for (c,) in db.execute(
             "SELECT content FROM messages WHERE chat_id=? ORDER BY idx", (chat_id,)))
 
     @staticmethod
@@ -494,3 +514,34 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    # ---- failures after the start (a disk error, damage found later): one line, never raised ----
+    on_error = None                      # called with a one-line message (the window shows it)
+    _told_failure = False
+
+    def _failed(self, what: str, e: Exception) -> None:
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        log.warning("chat database: %s failed: %s", what, first)
+        if not self._told_failure and self.on_error is not None:
+            self._told_failure = True
+            self.on_error(f"The chat database {self.path} failed ({first}); changes may not be saved. "
+                          f"Restart Strata to check it.")
+
+
+def _guarded(fn, default):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kw):
+        try:
+            return fn(self, *args, **kw)
+        except (sqlite3.Error, UnicodeDecodeError) as e:
+            self._failed(fn.__name__, e)
+            return default()
+    return wrapper
+
+
+for _name, _default in (("chats", list), ("chat", lambda: None), ("save_chat", lambda: None),
+                        ("set_order", lambda: None), ("set_open", lambda: None), ("rename", lambda: None),
+                        ("delete_chat", lambda: None), ("restore_chat", lambda: None), ("library", list),
+                        ("search", list), ("presets", list), ("save_preset", lambda: None),
+                        ("delete_preset", lambda: None), ("close", lambda: None)):
+    setattr(Store, _name, _guarded(getattr(Store, _name), _default))

@@ -81,6 +81,7 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._connect_signals()
 
+        self.store.on_error = self.bus.tell        # a failure after the start: one line, once
         if self.store.notice:       # a locked, foreign or corrupt database: what was kept and where
             self.bus.info.emit(self.store.notice)
         self.tabs.open_stored()

@@ -328,3 +328,366 @@ def test_fuzz_model_folder_files_long(tmp_path, tiny_model):
     tally = _fuzz_model_files(tiny_model, 30000, seed=3131, tmp_path=tmp_path)
     print("\n" + tally.line("model-folder files (long)"))
     assert not tally.crashes, "\n".join(tally.crashes[:5])
+
+
+# ================================================================ chats databases (item 3)
+def _good_db(path: Path, n_chats: int = 3) -> list[str]:
+    """A Strata database with chats and a preset, written by the Store itself; the chat ids."""
+    from app.store import Chat, Store
+    st = Store(path)
+    ids = []
+    for i in range(n_chats):
+        c = Chat(title=f"kept {i}", messages=[{"role": "user", "content": f"zebra {i}"},
+                                              {"role": "assistant", "content": "stripes"}],
+                 config={"preset": "default"})
+        st.save_chat(c)
+        ids.append(c.id)
+    st.save_preset("p1", "Terse", {"temperature": 0.5})
+    st.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    st.close()
+    return ids
+
+
+def _db_digest(path: Path) -> dict:
+    return {s: _digest(Path(str(path) + s)) for s in ("", "-wal") if Path(str(path) + s).exists()}
+
+
+FOREIGN = {
+    "chats-without-title": "CREATE TABLE chats (id TEXT PRIMARY KEY, name TEXT, position INTEGER, config TEXT, "
+                           "created REAL); INSERT INTO chats VALUES ('a', 'theirs', 0, '{}', 1);",
+    "foreign-presets": "CREATE TABLE chats (id TEXT PRIMARY KEY, title TEXT NOT NULL, position INTEGER NOT NULL, "
+                       "config TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL); "
+                       "CREATE TABLE presets (key TEXT, value BLOB); INSERT INTO presets VALUES ('x', X'00');",
+    "chats-is-a-view": "CREATE TABLE t (id, title, position, config, created); "
+                       "CREATE VIEW chats AS SELECT * FROM t;",
+    "other-tables-only": "CREATE TABLE invoices (id INTEGER PRIMARY KEY, amount REAL); "
+                         "INSERT INTO invoices VALUES (1, 9.5);",
+    "chats-not-keyed": "CREATE TABLE chats (id TEXT, title TEXT, position INTEGER, config TEXT, created REAL);",
+    "fts-of-another-shape": "CREATE TABLE chats (id TEXT PRIMARY KEY, title TEXT NOT NULL, position INTEGER NOT "
+                            "NULL, config TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL); "
+                            "CREATE TABLE chats_fts (a, b);",
+}
+
+
+def test_foreign_database_left_alone_and_chats_kept_beside(tmp_path):
+    """A valid SQLite file of another shape at the chats path: never altered, named in one line; the
+    chats go to chats-strata.sqlite3, the same file at the next start."""
+    from app.store import Chat, Store
+    for name, sql in FOREIGN.items():
+        db = tmp_path / name / "chats.sqlite3"
+        db.parent.mkdir()
+        con = sqlite3.connect(db)
+        con.executescript(sql)
+        con.commit()
+        con.close()
+        before = _db_digest(db)
+        t0 = time.monotonic()
+        st = Store(db)
+        assert time.monotonic() - t0 < 5
+        _one_line(st.notice)
+        assert "is not a Strata chat database" in st.notice and "left as it is" in st.notice, st.notice
+        assert st.path.name == "chats-strata.sqlite3" and st.persistent
+        assert st.chats() == [] and st.presets() == []
+        st.save_chat(Chat(title="mine"))
+        st.close()
+        assert _db_digest(db) == before, name
+        st = Store(db)                            # the next start: the same database beside it
+        assert [c.title for c in st.chats()] == ["mine"] and st.path.name == "chats-strata.sqlite3"
+        st.close()
+        assert _db_digest(db) == before, name
+        assert sorted(p.name for p in db.parent.iterdir() if ".corrupt-" in p.name) == []
+
+
+BAD_VALUES = [
+    ("UPDATE presets SET data='1e999'", None),
+    ("UPDATE presets SET data='{\"temperature\": 1e999, \"max_tokens\": 1e999}'", None),
+    ("UPDATE presets SET data='{\"max_tokens\": 100000000000000000000000000000000000000000000000000000000}'", None),
+    ("UPDATE presets SET data='{\"temperature\": NaN, \"top_p\": Infinity, \"system_prompt\": [1]}'", None),
+    ("UPDATE presets SET data=?", "[" * 100_000 + "]" * 100_000),
+    ("UPDATE presets SET data=X'fffe00', name=X'00ff'", None),
+    ("UPDATE presets SET data=7, name=5", None),
+    ("UPDATE chats SET config='[1,2]'", None),
+    ("UPDATE chats SET config='{\"preset\": [1,2], \"session\": 5, \"speed_projection\": \"yes\"}'", None),
+    ("UPDATE chats SET config='{\"session\": \"a\\u0000b\"}'", None),
+    ("UPDATE chats SET config=?", '{"a":' * 50_000 + "1" + "}" * 50_000),
+    ("UPDATE chats SET title=X'00ff', model=5, created='yesterday', updated='1e999'", None),
+    ("UPDATE chats SET title=3.5, open='maybe'", None),
+    ("UPDATE messages SET content=X'ff00', role=7", None),
+    ("UPDATE messages SET content=12", None),
+    ("UPDATE chats SET config=?", "x" * (2 << 20)),
+]
+
+
+def test_bad_values_in_a_strata_database_read_as_defaults(tmp_path):
+    """A preset whose data holds 1e999, a chat whose config is [1,2], blobs and numbers where text
+    belongs, 100,000-deep JSON: every chat and preset still reads, nothing is raised, nothing moved."""
+    from app.presets import Preset
+    from app.store import Store
+    for i, (sql, arg) in enumerate(BAD_VALUES):
+        db = tmp_path / f"v{i}" / "chats.sqlite3"
+        db.parent.mkdir()
+        ids = _good_db(db)
+        con = sqlite3.connect(db)
+        con.execute(sql, (arg,) if arg is not None else ())
+        con.commit()
+        con.close()
+        st = Store(db)
+        assert st.notice == "" and st.path == db, sql
+        chats = st.chats()
+        assert sorted(c.id for c in chats) == sorted(ids), sql
+        for c in chats:
+            assert isinstance(c.title, str) and isinstance(c.config, dict)
+            assert all(isinstance(m["content"], str) and isinstance(m["role"], str) for m in c.messages)
+            assert isinstance(c.config.get("session", ""), str) and "\x00" not in c.config.get("session", "")
+        assert len(st.library()) == len(ids) and isinstance(st.search("zebra"), list)
+        for pid, name, data in st.presets():
+            p = Preset.from_data(pid, name, data)
+            assert all(math.isfinite(v) for v in (p.temperature, p.top_p) if isinstance(v, float))
+        st.save_chat(chats[0])                    # and it writes
+        st.close()
+
+
+@pytest.mark.gui
+def test_app_starts_on_each_hostile_database(qtbot, app_home):
+    """Item 3's start-up cases on the real window: it opens (no traceback, no exit), shows one line
+    where something was not as it should be, and the user's file is untouched or copied aside."""
+    from app import paths
+    db = paths.AppPaths.default().db_path
+    cases = [("chats-without-title", FOREIGN["chats-without-title"], "not a Strata chat database"),
+             ("foreign-presets", FOREIGN["foreign-presets"], "not a Strata chat database"),
+             ("preset-1e999", None, ""), ("config-[1,2]", None, "")]
+    for name, sql, expect in cases:
+        for p in db.parent.glob("chats*"):
+            p.unlink()
+        if sql is not None:
+            con = sqlite3.connect(db)
+            con.executescript(sql)
+            con.commit()
+            con.close()
+        else:
+            _good_db(db)
+            con = sqlite3.connect(db)
+            con.execute("UPDATE presets SET data='1e999'" if name == "preset-1e999" else "UPDATE chats SET config='[1,2]'")
+            con.commit()
+            con.close()
+        before = _db_digest(db)
+        w = open_window(qtbot, start_engine=False)
+        try:
+            if expect:
+                _one_line(w.message_bar.text())
+                assert expect in w.message_bar.text(), (name, w.message_bar.text())
+                assert _db_digest(db) == before
+            else:
+                assert w.message_bar.text() == "" and w.tabs.count() >= 3, name
+            assert len(w.presets.all()) >= 1
+        finally:
+            w.close()
+
+
+_LOCKER = r"""
+import sqlite3, sys, time
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+if sys.argv[2] == "exclusive-mode":
+    con.execute("PRAGMA locking_mode=EXCLUSIVE")
+con.execute("BEGIN EXCLUSIVE")
+con.execute("UPDATE chats SET title=title")
+print("locked", flush=True)
+sys.stdin.readline()
+con.execute("ROLLBACK")
+"""
+
+
+@pytest.mark.parametrize("how", ["write-transaction", "exclusive-mode"])
+def test_locked_database_left_alone_and_named(tmp_path, how):
+    """A healthy database another process holds locked: never renamed nor replaced; the app starts
+    within the busy timeout, says the database is in use, and shows its chats where it can read them."""
+    from app.store import Chat, Store
+    db = tmp_path / "chats.sqlite3"
+    ids = _good_db(db)
+    locker = subprocess.Popen([sys.executable, "-c", _LOCKER, str(db), how], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        st = Store(db)
+        assert time.monotonic() - t0 < 10
+        _one_line(st.notice)
+        assert "in use by another program (locked)" in st.notice and "not saved" in st.notice
+        assert not st.persistent and st.moved_aside is None
+        if how == "write-transaction":              # WAL: readers go on while another process writes
+            assert sorted(c.id for c in st.chats()) == sorted(ids)
+        st.save_chat(Chat(title="this session"))  # works (in memory), never raises
+        st.close()
+        assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt" in p.name) == []
+    finally:
+        locker.stdin.write("\n")
+        locker.stdin.flush()
+        locker.wait(30)
+    st = Store(db)                                # the lock gone: the same file, every chat there
+    assert st.notice == "" and sorted(c.id for c in st.chats()) == sorted(ids)
+    st.close()
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "garbage":
+        path.write_bytes(b"definitely not sqlite " * 200)
+    elif how == "truncated":
+        path.write_bytes(bytes(data[:len(data) // 2 + 100]))
+    elif how == "header":
+        data[16:24] = b"\xff" * 8              # page size and format bytes
+        path.write_bytes(bytes(data))
+    elif how == "pages":
+        for off in range(4096, len(data), 997):
+            data[off] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "header", "pages"])
+def test_corrupt_database_copied_aside_and_user_told(tmp_path, how):
+    from app.store import Chat, Store
+    db = tmp_path / "chats.sqlite3"
+    _good_db(db)
+    _corrupt(db, how)
+    original = db.read_bytes()
+    st = Store(db)
+    _one_line(st.notice)
+    assert st.moved_aside is not None and st.moved_aside.read_bytes() == original
+    assert "a copy was kept aside" in st.notice and str(st.moved_aside) in st.notice
+    st.save_chat(Chat(title="new"))
+    st.close()
+    assert Store(db).chats()[0].title == "new"
+
+
+def test_unusable_database_path_left_alone(tmp_path):
+    """The path is a folder (or cannot be opened): left as it is, chats in memory, one line."""
+    from app.store import Chat, Store
+    db = tmp_path / "chats.sqlite3"
+    db.mkdir()
+    (db / "keep.txt").write_text("mine")
+    st = Store(db)
+    _one_line(st.notice)
+    assert not st.persistent and "left as it is" in st.notice
+    st.save_chat(Chat(title="x"))
+    st.close()
+    assert (db / "keep.txt").read_text() == "mine"
+
+
+def _db_mutant(src: bytes, rng: random.Random, path: Path) -> str:
+    """One seeded hostile database at `path`: byte damage, hostile values, or a schema change."""
+    path.write_bytes(src)
+    for s in ("-wal", "-shm"):
+        Path(str(path) + s).unlink(missing_ok=True)
+    kind = rng.choice(["bytes", "bytes", "values", "values", "values", "schema", "truncate"])
+    if kind == "bytes":
+        data = bytearray(src)
+        for _ in range(rng.randint(1, 12)):
+            i = rng.randrange(len(data))
+            data[i] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+        return kind
+    if kind == "truncate":
+        path.write_bytes(src[:rng.randrange(len(src))])
+        return kind
+    con = sqlite3.connect(path)
+    try:
+        if kind == "values":
+            hostile = [None, 1e308, -1, 1 << 62, "1e999", "NaN", "[1,2]", "{}", "null", b"\xff\x00", "",
+                       "x" * rng.choice([1, 1000, 300_000]), "[" * 5000, '{"preset": {"a": 1}}',
+                       '{"temperature": 1e999}', '{"session": "\\u0000"}', "\x00", 3.5, '"text"']
+            table, cols = rng.choice([("chats", ["title", "config", "model", "created", "updated", "open",
+                                                 "position"]),
+                                      ("messages", ["role", "content", "idx"]),
+                                      ("presets", ["name", "data", "position"])])
+            for _ in range(rng.randint(1, 4)):
+                col = rng.choice(cols)
+                try:
+                    con.execute(f"UPDATE {table} SET {col}=? WHERE rowid IN (SELECT rowid FROM {table} "
+                                f"ORDER BY random() LIMIT 1)", (rng.choice(hostile),))
+                except sqlite3.Error:
+                    pass
+        else:
+            sql = rng.choice([
+                "ALTER TABLE chats RENAME COLUMN title TO name",
+                "ALTER TABLE presets RENAME TO old_presets",
+                "DROP TABLE messages",
+                "DROP TABLE chats_fts",
+                "ALTER TABLE messages RENAME COLUMN content TO body",
+                "CREATE TABLE extra (a)",
+                "DROP TABLE presets; CREATE TABLE presets (a, b)",
+                "ALTER TABLE chats RENAME TO c2; CREATE VIEW chats AS SELECT * FROM c2",
+                "DELETE FROM chats_fts",
+                "DROP TABLE chats; DROP TABLE messages; DROP TABLE presets; DROP TABLE chats_fts",
+            ])
+            try:
+                con.executescript(sql)
+            except sqlite3.Error:
+                pass
+        con.commit()
+    finally:
+        con.close()
+    return kind
+
+
+def _fuzz_databases(n: int, seed: int, tmp_path: Path) -> Tally:
+    from app.presets import Preset
+    from app.store import Chat, Store
+    tally = Tally()
+    rng = random.Random(seed)
+    src_path = tmp_path / "src.sqlite3"
+    _good_db(src_path, n_chats=4)
+    src = src_path.read_bytes()
+    for i in range(n):
+        d = tmp_path / f"f{i % 4}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        db = d / "chats.sqlite3"
+        kind = _db_mutant(src, rng, db)
+        given = db.read_bytes()
+        label = f"db #{i} ({kind})"
+        t0 = time.monotonic()
+        later: list[str] = []
+        try:
+            st = Store(db)
+            st.on_error = later.append
+            st.chats()
+            st.library()
+            st.search("zebra stripes")
+            for pid, name, data in st.presets():
+                Preset.from_data(pid, name, data)
+            st.save_chat(Chat(title="fuzz", messages=[{"role": "user", "content": "hi"}]))
+            st.close()
+        except Exception as e:  # noqa: BLE001 -- what the fuzz counts
+            tally.add(label, {"outcome": "crash", "detail": f"{type(e).__name__}: {e}"})
+            continue
+        problem = ""
+        if time.monotonic() - t0 > 10:
+            problem = "slow"
+        elif "\n" in st.notice or any("\n" in m for m in later):
+            problem = "multi-line notice"
+        elif st.moved_aside is not None and st.moved_aside.read_bytes() != given:
+            problem = "the copy aside differs from the file"
+        elif st.moved_aside is None and st.path != db and db.read_bytes() != given:
+            problem = "a foreign file was altered"
+        if problem:
+            tally.add(label, {"outcome": "crash", "detail": problem})
+        else:
+            tally.add(label, {"outcome": "refused" if st.notice or later else "accepted"})
+            tally.failed_later = getattr(tally, "failed_later", 0) + bool(later)
+    return tally
+
+
+def test_fuzz_chats_databases(tmp_path):
+    tally = _fuzz_databases(300, seed=31, tmp_path=tmp_path)
+    print("\n" + tally.line("chats databases").replace("refused", "named (notice)").replace("accepted", "opened")
+          + f", {getattr(tally, 'failed_later', 0)} failed after opening (one line)")
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
+    assert tally.refused > 0 and tally.accepted > 0
+
+
+@pytest.mark.fuzz_long
+def test_fuzz_chats_databases_long(tmp_path):
+    tally = _fuzz_databases(5000, seed=3131, tmp_path=tmp_path)
+    print("\n" + tally.line("chats databases (long)").replace("refused", "named (notice)").replace("accepted", "opened")
+          + f", {getattr(tally, 'failed_later', 0)} failed after opening (one line)")
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
