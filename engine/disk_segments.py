@@ -1,0 +1,199 @@
+"""The disk tier's file format (engine/disk_tier.py): one file per conversation, a run of append-only
+segments, each checksummed on its own.
+
+A segment holds the K/V of the tokens a turn added (tokens [start, start + n)):
+
+    64-byte fixed part   magic "STRKVSG1", version (u32), JSON length (u32), n tokens (u32),
+                         K/V length (u64), head digest (16), K/V digest (16), 4 zero bytes
+    JSON                 key, fingerprint (engine/handlers.py session_fingerprint), start, owner, messages
+    tokens               int32, n
+    K/V                  the session file's tensor table (engine/sessions.py `layout`) for n tokens,
+                         minus its `tokens`: per layer K then V, float16 (1, kv_heads, n, head_dim), or
+                         the 8/4-bit codes, scales and biases as held (engine/session_quant.py)
+
+The head digest (xxh3-128) covers the fixed part (digests read as zeros), the JSON and the tokens; the
+K/V digest covers the K/V. So a scan reads only the small parts and checks them; a restore checks the
+K/V it reads. A torn segment (a write cut by a kill or a power cut: short, or its digest wrong) ends
+the conversation's valid run: it falls back to its last whole segment. Every field is checked for
+type and range before anything is allocated (a hostile cache folder costs a log line, never the engine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .sessions import Geometry, TensorSpec, layout, validate_messages
+
+MAGIC = b"STRKVSG1"
+VERSION = 1
+SUFFIX = ".kvseg"
+_FIXED = struct.Struct("<8sIIIQ16s16s4x")      # 64 bytes
+FIXED_BYTES = _FIXED.size
+MAX_JSON = 16 << 20                # fingerprint and messages: far below this
+MAX_TOKENS = 1 << 22               # per segment (a context is far below)
+_NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4")}
+_ZERO16 = b"\0" * 16
+_FP_INTS = {"n_layer": 4096, "n_kv_heads": 4096, "head_dim": 65536}
+
+
+class SegmentError(Exception):
+    """A segment that is not whole or not ours; the message is one line."""
+
+
+@dataclass
+class Segment:
+    offset: int            # of its fixed part in the file
+    end: int               # byte after its K/V
+    start: int             # first token index
+    tokens: np.ndarray     # int32 (n,)
+    meta: dict             # key, fp, start, owner, messages
+    kv_offset: int
+    kv_len: int
+    kv_digest: bytes
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+def geometry(fp: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> Geometry:
+    """The K/V geometry a fingerprint names, checked for type and range (SegmentError)."""
+    for k, hi in _FP_INTS.items():
+        v = fp.get(k)
+        if not isinstance(v, str) or not v.isdigit() or not 1 <= int(v) <= hi:
+            raise SegmentError(f"bad {k} {str(v)[:20]!r}")
+    from .kv_format import format_of_label
+    if format_of_label(fp.get("kv_format")) is None:
+        raise SegmentError(f"bad K/V format {str(fp.get('kv_format'))[:20]!r}")
+    return Geometry.of(fp, n_vocab, n_ctx)
+
+
+def kv_specs(n: int, g: Geometry) -> list[TensorSpec]:
+    """The K/V tensors of n tokens, offsets from the start of the segment's K/V."""
+    specs = layout(n, g)
+    base = specs[0].end
+    return [TensorSpec(s.name, s.dtype, s.shape, s.start - base, s.end - base) for s in specs[1:]]
+
+
+def kv_bytes(n: int, g: Geometry) -> int:
+    specs = kv_specs(n, g)
+    return specs[-1].end if specs else 0
+
+
+def header_json(meta: dict) -> bytes:
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def segment_bytes(json_len: int, n: int, g: Geometry) -> int:
+    return FIXED_BYTES + json_len + 4 * n + kv_bytes(n, g)
+
+
+def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
+    """The segment's pieces in file order (the digests computed here: a writer thread calls it)."""
+    tokens = np.ascontiguousarray(tokens, dtype="<i4")
+    kv_digest = xxhash.xxh3_128()
+    kv_len = 0
+    for a in kv:
+        kv_digest.update(a)
+        kv_len += a.nbytes
+    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_json), len(tokens), kv_len, _ZERO16, _ZERO16)
+    head = xxhash.xxh3_128()
+    head.update(fixed)
+    head.update(meta_json)
+    head.update(tokens)
+    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_json), len(tokens), kv_len, head.digest(), kv_digest.digest())
+    return [fixed, meta_json, tokens, *kv]
+
+
+def _pread(fd: int, n: int, off: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), off + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _check_meta(meta, start: int, first: dict | None) -> dict:
+    if not isinstance(meta, dict):
+        raise SegmentError("its header is not an object")
+    key, fp, owner = meta.get("key"), meta.get("fp"), meta.get("owner", "")
+    if not isinstance(key, str) or not 0 < len(key) < 4096:
+        raise SegmentError("bad key")
+    if not isinstance(owner, str) or len(owner) > 4096:
+        raise SegmentError("bad owner")
+    if not isinstance(fp, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fp.items()):
+        raise SegmentError("bad fingerprint")
+    if meta.get("start") != start or type(meta.get("start")) is not int:
+        raise SegmentError(f"starts at token {str(meta.get('start'))[:20]}, expected {start}")
+    why = validate_messages(meta.get("messages", []))
+    if why:
+        raise SegmentError(why)
+    if first is not None and (key != first["key"] or fp != first["fp"]):
+        raise SegmentError("its key differs from the first segment's")
+    return meta
+
+
+def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
+    """The file's whole segments in order (head digests checked; K/V digests are checked when read),
+    and why the run ended early (None: it ran to the end of the file)."""
+    segs: list[Segment] = []
+    off, start, first = 0, 0, None
+    while off < size:
+        try:
+            if size - off < FIXED_BYTES:
+                raise SegmentError(f"torn at byte {off} ({size - off} bytes of a segment)")
+            raw = _pread(fd, FIXED_BYTES, off)
+            magic, version, jlen, n, kv_len, hd, kd = _FIXED.unpack(raw)
+            if magic != MAGIC:
+                raise SegmentError(f"not a segment at byte {off}")
+            if version != VERSION:
+                raise SegmentError(f"segment version {version} (this Strata reads {VERSION})")
+            if not 0 < jlen <= MAX_JSON or not 0 < n <= MAX_TOKENS:
+                raise SegmentError(f"bad lengths at byte {off}")
+            end = off + FIXED_BYTES + jlen + 4 * n + kv_len
+            if end > size:
+                raise SegmentError(f"torn at byte {off} (needs {end - size} more bytes)")
+            body = _pread(fd, jlen + 4 * n, off + FIXED_BYTES)
+            head = xxhash.xxh3_128()
+            head.update(_FIXED.pack(magic, version, jlen, n, kv_len, _ZERO16, _ZERO16))
+            head.update(body)
+            if head.digest() != hd:
+                raise SegmentError(f"checksum mismatch at byte {off}")
+            try:
+                meta = json.loads(body[:jlen])
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                raise SegmentError("unreadable header") from None
+            meta = _check_meta(meta, start, first)
+            g = geometry(meta["fp"])
+            if kv_len != kv_bytes(n, g):
+                raise SegmentError(f"K/V length {kv_len} does not match {n} tokens")
+            tokens = np.frombuffer(body[jlen:], dtype="<i4").copy()
+            segs.append(Segment(off, end, start, tokens, meta, off + FIXED_BYTES + jlen + 4 * n, kv_len, kd))
+            first = first or meta
+            off, start = end, start + n
+        except SegmentError as e:
+            return segs, str(e)
+    return segs, None
+
+
+def read_kv(fd: int, seg: Segment, g: Geometry) -> list[np.ndarray]:
+    """The segment's K/V tensors (numpy, file layout), its digest checked (SegmentError)."""
+    specs = kv_specs(seg.n, g)
+    buf = np.empty(seg.kv_len, np.uint8)
+    view = memoryview(buf)
+    got = 0
+    while got < seg.kv_len:
+        k = os.preadv(fd, [view[got:]], seg.kv_offset + got)
+        if k <= 0:
+            raise SegmentError(f"torn K/V at byte {seg.offset}")
+        got += k
+    if xxhash.xxh3_128(buf).digest() != seg.kv_digest:
+        raise SegmentError(f"K/V checksum mismatch in the segment at byte {seg.offset}")
+    return [buf[s.start:s.end].view(_NP[s.dtype]).reshape(s.shape) for s in specs]

@@ -1,0 +1,663 @@
+"""The disk tier under parking: conversations' K/V in the data folder's cache, found automatically.
+
+    RAM (live + parked, engine/parking.py)  --end of a turn, idle / an eviction / stop-->  disk (this module)
+    a prompt that extends a conversation on disk (same key, the parking prefix rule)  <--restore--
+
+Files: `<data folder>/cache/conversations/<id>.kvseg`, one per conversation, append-only segments
+(engine/disk_segments.py). A turn appends only the tokens it added; a new branch of the same
+conversation (Regenerate, Edit: the same owner) cuts the file back to the last segment boundary it
+shares and appends from there; a file of more than COMPACT_SEGMENTS segments is rewritten as one by
+the writer thread (into a temporary file renamed over it). Bounded by a cap in MiB: the least recently
+used files go first.
+
+Threads: everything here runs on the engine thread except `_Writer`, which owns the files. The engine
+thread copies the new tokens' K/V slice to host memory (numpy; float16 for 16-bit K/V, codes as held
+for 8/4-bit) in its idle time -- between requests, one layer at a time, abandoned when a request
+arrives -- or when parking evicts a conversation, and hands the copy to the writer thread, which
+hashes it and writes it (pwritev). Nothing happens on the decode path. The engine thread keeps the
+index (tokens, segment boundaries, sizes) and updates it when it queues a write, so it never waits
+for the disk except before a restore (the writer's queue drained first) and at stop.
+
+No fsync: a kill -9 leaves the written pages to the OS; a power cut may tear the last segment, which
+its checksum detects (the conversation falls back to its last whole segment). Files are validated
+field by field before anything is allocated; a file of another model, steering setting or K/V format
+(the key, then the full fingerprint) is never used.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import disk_segments as ds
+from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
+
+COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
+MIN_TOKENS = MIN_PREFIX_REUSE
+
+
+@dataclass
+class DiskEntry:
+    id: str
+    path: Path
+    key: str
+    owner: str
+    fp: dict
+    tokens: list[int]
+    bounds: list[tuple[int, int]]          # (token end, byte end) of each segment, as queued
+    messages: list = field(default_factory=list)
+    last_used: float = 0.0
+
+    _texts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        return self.bounds[-1][1] if self.bounds else 0
+
+    def text(self, tokenizer, skip: int = 0) -> str:
+        """decode(tokens[skip:]) as KVEntry.text gives it (kept until the tokens change): a follow-up
+        after a restart keeps this conversation's own token ids (Conversations.continue_tokens)."""
+        held = self._texts.get(skip)
+        if held is None or held[0] is not self.tokens:
+            held = (self.tokens, tokenizer.decode(self.tokens[skip:], skip_special=False))
+            self._texts[skip] = held
+        return held[1]
+
+
+@dataclass
+class WriteStats:
+    """What the last write put on disk against the file it went to (bench/cache.py reports it)."""
+    tokens: int = 0
+    bytes: int = 0
+    file_bytes: int = 0
+    kind: str = ""           # append | rewrite | compact
+    total_bytes: int = 0     # written since start
+
+
+class _Writer(threading.Thread):
+    """The one thread that writes, compacts and deletes cache files, in the order queued."""
+
+    def __init__(self, log: Callable[[str], None], failed: set, lock: threading.Lock):
+        super().__init__(name="strata-disk-writer", daemon=True)
+        self.q: queue.Queue = queue.Queue()
+        self.log, self.failed, self.lock = log, failed, lock
+
+    def run(self) -> None:
+        while True:
+            job = self.q.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception as e:  # noqa: BLE001 - a failed write drops that conversation, nothing else
+                eid = getattr(job, "entry_id", "")
+                with self.lock:
+                    self.failed.add(eid)
+                self.log(f"disk cache: {getattr(job, 'what', 'a job')} failed ({type(e).__name__}: {str(e)[:160]})")
+            finally:
+                self.q.task_done()
+
+
+class DiskTier:
+    def __init__(self, folder: Path, cap_mib: int, log: Callable[[str], None]):
+        self.folder = Path(folder)
+        self.cap_bytes = max(0, int(cap_mib)) * MIB
+        self.log = log
+        self.entries: dict[str, DiskEntry] = {}
+        self.stats = WriteStats()
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()
+        self._writer: _Writer | None = None
+        # The loaded model's context (use_model): fingerprint of a key, dtype, vocabulary, context, guard
+        self._fp_of: Callable[[str], dict | None] = lambda key: None
+        self._model: Callable[[], tuple] = lambda: (None, 1 << 31, 1 << 31, None)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.cap_bytes > 0
+
+    def use_model(self, fp_of: Callable[[str], dict | None], model: Callable[[], tuple]) -> None:
+        """`fp_of(key)`: the fingerprint K/V of that key must have (None: not the loaded model's);
+        `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit)."""
+        self._fp_of, self._model = fp_of, model
+
+    @property
+    def _dtype(self):
+        return self._model()[0]
+
+    @property
+    def _n_vocab(self) -> int:
+        return self._model()[1]
+
+    @property
+    def _n_ctx(self) -> int:
+        return self._model()[2]
+
+    @property
+    def _admit(self):
+        return self._model()[3]
+
+    def _start_writer(self) -> _Writer:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = _Writer(self.log, self._failed, self._lock)
+            self._writer.start()
+        return self._writer
+
+    def _queue(self, job) -> None:
+        self._start_writer().q.put(job)
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (before a restore, at stop; tests)."""
+        if self._writer is not None and self._writer.is_alive():
+            self._writer.q.join()
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None and self._writer.is_alive():
+            self._writer.q.put(None)
+            self._writer.join(10)
+        self._writer = None
+
+    def scan(self) -> None:
+        """Index the folder: each file's whole segments (head checksums checked, K/V checked at restore).
+        A file with no whole segment is dropped (one log line); a torn tail is cut at the next write."""
+        self.entries.clear()
+        if not self.enabled or not self.folder.is_dir():
+            return
+        for p in sorted(self.folder.iterdir()):
+            if p.name.startswith(".") and p.name.endswith(".tmp"):
+                _unlink(p)                              # a compaction killed midway
+                continue
+            if p.suffix != ds.SUFFIX:
+                continue
+            e = self._scan_file(p)
+            if e is not None:
+                self.entries[e.id] = e
+        self._evict_until(0)
+        if self.entries:
+            self.log(f"disk cache: {len(self.entries)} conversations, {self.used_bytes() / MIB:.1f} MiB "
+                     f"of {self.cap_bytes / MIB:.0f} MiB in {self.folder}")
+
+    def _scan_file(self, p: Path) -> DiskEntry | None:
+        try:
+            fd = _open_regular(p)
+        except OSError as e:
+            self.log(f"disk cache: {p.name} dropped ({e.strerror or e})")
+            return None
+        try:
+            st = os.fstat(fd)
+            segs, why = ds.scan(fd, st.st_size)
+        except OSError as e:
+            segs, why = [], f"unreadable ({e.strerror or e})"
+        finally:
+            os.close(fd)
+        if not segs:
+            self.log(f"disk cache: {p.name} dropped ({why or 'empty'})")
+            _unlink(p)
+            return None
+        if why:
+            self.log(f"disk cache: {p.name}: {why}; falling back to its last whole segment "
+                     f"({segs[-1].start + segs[-1].n} tokens)")
+        first, last = segs[0].meta, segs[-1].meta
+        tokens = np.concatenate([s.tokens for s in segs]).tolist()
+        return DiskEntry(p.stem, p, first["key"], last.get("owner", ""), first["fp"], tokens,
+                         [(s.start + s.n, s.end) for s in segs], last.get("messages", []), st.st_mtime)
+
+    # ---- figures ---------------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        return sum(e.size for e in self.entries.values())
+
+    def status(self) -> dict:
+        return {"enabled": self.enabled, "entries": len(self.entries), "bytes": self.used_bytes(),
+                "cap_bytes": self.cap_bytes, "folder": str(self.folder),
+                "last_write": {"tokens": self.stats.tokens, "bytes": self.stats.bytes,
+                               "file_bytes": self.stats.file_bytes, "kind": self.stats.kind},
+                "written_bytes": self.stats.total_bytes}
+
+    def set_cap(self, cap_mib: int) -> None:
+        """0 turns the tier off: nothing is read or written (the files stay until Clear, or until it is
+        turned on again and they are indexed anew)."""
+        was = self.enabled
+        self.cap_bytes = max(0, int(cap_mib)) * MIB
+        if not self.enabled:
+            self.flush()
+            self.entries.clear()
+        elif not was:
+            self.scan()
+        else:
+            self._evict_until(0)
+
+    # ---- removal ---------------------------------------------------------------------------------
+    def _remove(self, e: DiskEntry, why: str) -> None:
+        self.entries.pop(e.id, None)
+        path = e.path
+        job = lambda: _unlink(path)      # noqa: E731
+        job.what, job.entry_id = f"removing {path.name}", e.id
+        self._queue(job)
+        if why:
+            self.log(f"disk cache: removed {len(e.tokens)} tokens ({e.size / MIB:.1f} MiB) for {why}")
+
+    def drop(self, e: DiskEntry, why: str) -> None:
+        """A cached conversation that fails when used: removed, with a log line."""
+        self.log(f"disk cache: dropped {e.path.name} ({len(e.tokens)} tokens): {why}")
+        self._remove(e, "")
+
+    def clear(self) -> int:
+        """Every cached conversation removed (the settings page's Clear): the bytes freed."""
+        freed = self.used_bytes()
+        for e in list(self.entries.values()):
+            self._remove(e, "")
+        self.flush()
+        if self.folder.is_dir():        # files not indexed (another model's are indexed too): ours by name
+            for p in self.folder.iterdir():
+                if p.suffix == ds.SUFFIX or p.name.endswith(".tmp"):
+                    _unlink(p)
+        self.log(f"disk cache: cleared ({freed / MIB:.1f} MiB)")
+        return freed
+
+    def forget(self, owner: str) -> int:
+        """A deleted chat: its cached conversations removed. The number removed."""
+        gone = [e for e in self.entries.values() if owner and e.owner == owner]
+        for e in gone:
+            self._remove(e, f"its chat ({owner}) was deleted")
+        return len(gone)
+
+    def _evict_until(self, incoming: int, keep: DiskEntry | None = None) -> bool:
+        """Least recently used files out until `incoming` more bytes fit (never `keep`)."""
+        while self.used_bytes() + incoming > self.cap_bytes:
+            others = [e for e in self.entries.values() if e is not keep]
+            if not others:
+                return False
+            self._remove(min(others, key=lambda e: e.last_used), "the disk cap")
+        return True
+
+    def _drop_failed(self) -> None:
+        with self._lock:
+            failed, self._failed = set(self._failed), set()
+            if self._writer is not None:
+                self._writer.failed = self._failed
+        for eid in failed:
+            e = self.entries.get(eid)
+            if e is not None:
+                self._remove(e, "a failed write")
+
+    # ---- writing (engine thread: the copy; the writer thread: the bytes) -----------------------------
+    def unsaved(self, entry: KVEntry) -> bool:
+        """Whether `entry` holds tokens its file does not (or has no file)."""
+        if not self.enabled or len(entry.tokens) < MIN_TOKENS:
+            return False
+        e = self.entries.get(getattr(entry, "disk_id", ""))
+        return e is None or e.key != entry.key or e.tokens != entry.tokens
+
+    def persist(self, entry: KVEntry, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Queue a write of what `entry` holds that its file lacks. False when `stop()` said to give way
+        (a request came) before the copy was done, or the entry cannot be written."""
+        if not self.unsaved(entry):
+            return True
+        self._drop_failed()
+        fp = self._fp_of(entry.key)
+        if fp is None:
+            return False
+        try:
+            g = ds.geometry(fp)
+        except ds.SegmentError:
+            return False
+        n = len(entry.tokens)
+        e = self.entries.get(getattr(entry, "disk_id", ""))
+        if e is None and entry.owner:
+            e = next((x for x in self.entries.values() if x.owner == entry.owner and x.key == entry.key), None)
+        keep_tokens = keep_bytes = 0
+        if e is not None and e.key == entry.key:
+            p = common_prefix(e.tokens, entry.tokens)
+            if p == len(e.tokens):
+                keep_tokens, keep_bytes = e.bounds[-1]                       # the conversation goes on: append
+            elif e.owner and e.owner == entry.owner:
+                # a new branch of the same conversation: back to the last segment boundary it shares
+                for t_end, b_end in e.bounds:
+                    if t_end <= p:
+                        keep_tokens, keep_bytes = t_end, b_end
+            else:
+                e = None
+        else:
+            e = None
+        t0 = time.perf_counter()
+        kv = _host_copy(entry.cache, keep_tokens, n, g, stop)
+        if kv is None:
+            return False
+        copy_ms = (time.perf_counter() - t0) * 1e3
+        if e is None:
+            eid = secrets.token_hex(8)
+            e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [])
+        meta = ds.header_json({"key": entry.key, "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
+                               "messages": list(entry.messages)})
+        seg = ds.segment_bytes(len(meta), n - keep_tokens, g)
+        if keep_bytes + seg > self.cap_bytes:
+            self.log(f"disk cache: {n} tokens need {(keep_bytes + seg) / MIB:.1f} MiB, more than the whole cap "
+                     f"of {self.cap_bytes / MIB:.0f} MiB; not written")
+            if e.id in self.entries:
+                self._remove(e, "")
+            entry.disk_id = ""
+            return False
+        self.entries.pop(e.id, None)                # its old size must not count while room is made
+        self._evict_until(keep_bytes + seg)
+        e.tokens = list(entry.tokens)
+        e.bounds = [b for b in e.bounds if b[0] <= keep_tokens] + [(n, keep_bytes + seg)]
+        e.messages, e.owner, e.last_used = list(entry.messages), entry.owner or e.owner, time.time()
+        self.entries[e.id] = e
+        entry.disk_id = e.id
+        kind = "append" if keep_tokens else "rewrite"
+        tokens = np.asarray(entry.tokens[keep_tokens:], dtype="<i4")
+        path, file_bytes, stats, log = e.path, keep_bytes + seg, self.stats, self.log
+
+        def job() -> None:
+            t = time.perf_counter()
+            pieces = ds.encode(meta, tokens, kv)
+            written = _append(path, keep_bytes, pieces)
+            stats.tokens, stats.bytes, stats.file_bytes, stats.kind = len(tokens), written, file_bytes, kind
+            stats.total_bytes += written
+            log(f"disk cache: wrote {len(tokens)} tokens ({written / 1024:.0f} KiB, {kind}) to {path.name}, "
+                f"now {file_bytes / MIB:.2f} MiB; copy {copy_ms:.1f} ms (engine), write "
+                f"{(time.perf_counter() - t) * 1e3:.1f} ms (writer)")
+        job.what, job.entry_id = f"writing {path.name}", e.id
+        self._queue(job)
+        if len(e.bounds) > COMPACT_SEGMENTS:
+            self._compact(e, g)
+        return True
+
+    def _compact(self, e: DiskEntry, g) -> None:
+        """Queue the rewrite of e's segments as one (by the writer thread: it reads the file, not the engine)."""
+        meta = ds.header_json({"key": e.key, "fp": e.fp, "start": 0, "owner": e.owner, "messages": e.messages})
+        n = len(e.tokens)
+        size = ds.segment_bytes(len(meta), n, g)
+        e.bounds = [(n, size)]
+        path, stats, log = e.path, self.stats, self.log
+
+        def job() -> None:
+            fd = _open_regular(path)
+            try:
+                segs, why = ds.scan(fd, os.fstat(fd).st_size)
+                if why or sum(s.n for s in segs) != n:
+                    raise OSError(f"not whole before compaction ({why or 'tokens differ'})")
+                parts = [ds.read_kv(fd, s, g) for s in segs]
+            finally:
+                os.close(fd)
+            kv = [np.concatenate([p[i] for p in parts], axis=2) for i in range(len(parts[0]))]
+            tokens = np.concatenate([s.tokens for s in segs])
+            tmp = path.with_name(f".{path.stem}.compact.tmp")
+            written = _append(tmp, 0, ds.encode(meta, tokens, kv))
+            os.replace(tmp, path)
+            stats.bytes, stats.kind = written, "compact"
+            stats.total_bytes += written
+            log(f"disk cache: compacted {len(segs)} segments of {path.name} into one ({written / MIB:.2f} MiB)")
+        job.what, job.entry_id = f"compacting {path.name}", e.id
+        self._queue(job)
+
+    def idle_step(self, held: list[KVEntry], stop: Callable[[], bool]) -> None:
+        """The engine's idle time: the held conversations' new tokens copied and queued, newest first."""
+        if not self.enabled:
+            return
+        for entry in sorted(held, key=lambda x: -x.last_used):
+            if stop():
+                return
+            if self.unsaved(entry):
+                self.persist(entry, stop)
+
+    def persist_all(self, held: list[KVEntry]) -> None:
+        for entry in held:
+            try:
+                self.persist(entry)
+            except Exception as e:  # noqa: BLE001 - the cache is an optimisation
+                self.log(f"disk cache: not written ({type(e).__name__}: {str(e)[:120]})")
+
+    # ---- finding and restoring -------------------------------------------------------------------
+    def best(self, tokens: list[int], key: str) -> tuple[DiskEntry | None, int]:
+        """The file sharing the longest prefix with `tokens` under `key` (parking's prefix rule)."""
+        if not self.enabled:
+            return None, 0
+        self._drop_failed()
+        best, best_n = None, 0
+        for e in self.entries.values():
+            if e.key != key:
+                continue
+            n = common_prefix(e.tokens, tokens)
+            if n > best_n:
+                best, best_n = e, n
+        if best is None or best_n < min(MIN_PREFIX_REUSE, len(best.tokens)):
+            return None, 0
+        return best, best_n
+
+    def restore(self, e: DiskEntry, m: int, make_cache: Callable[[], list]) -> tuple[KVEntry, int] | None:
+        """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged)."""
+        import mlx.core as mx
+
+        from . import kv_format
+        from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
+        from .errors import SessionFileError
+        t0 = time.perf_counter()
+        self.flush()
+        expected = self._fp_of(e.key)
+        try:
+            if expected is None:
+                raise SessionFileError("not the loaded model's")
+            # model, geometry, tokenizer, template, K/V format, steering: the session files' check
+            check_fingerprint(e.path.name, {f"fp.{k}": v for k, v in e.fp.items()}, expected)
+            g = ds.geometry(e.fp, self._n_vocab, self._n_ctx)
+            fd = _open_regular(e.path)
+            try:
+                segs, why = ds.scan(fd, os.fstat(fd).st_size)
+                segs = [s for s in segs if s.start < m]
+                if not segs or segs[0].meta["key"] != e.key or segs[0].meta["fp"] != e.fp:
+                    raise SessionFileError(f"changed on disk ({why or 'another conversation'})")
+                m = min(m, segs[-1].start + segs[-1].n)
+                tokens = np.concatenate([s.tokens for s in segs])[:m]
+                if len(tokens) < m or m >= self._n_ctx or int(tokens.min()) < 0 \
+                        or int(tokens.max()) >= self._n_vocab:
+                    raise SessionFileError("its token ids do not fit this model")
+                if g.kv == "float16":
+                    need = restore_bytes(m, g, np.dtype(_np_dtype(self._dtype)).itemsize)
+                else:
+                    from .session_quant import restore_bytes as quant_bytes
+                    need = quant_bytes(m, g)
+                try:
+                    check_memory(e.path.name, m, need, self._admit)      # before any K/V is allocated
+                except SessionFileError as refused:
+                    self.log(f"disk cache: not restored: {refused}")
+                    return None
+                cells = padded_cells(m)
+                specs = ds.kv_specs(m, g)
+                outs = [np.zeros((*s.shape[:2], cells, s.shape[3]),
+                                 _np_dtype(self._dtype) if (g.kv == "float16") else ds._NP[s.dtype]) for s in specs]
+                whole = 0
+                for s in segs:
+                    try:
+                        parts = ds.read_kv(fd, s, g)
+                    except ds.SegmentError as err:
+                        self.log(f"disk cache: {e.path.name}: {err}; falling back to its last whole segment "
+                                 f"({whole} tokens)")
+                        break
+                    k = min(s.n, m - s.start)
+                    for out, part in zip(outs, parts):
+                        out[:, :, s.start:s.start + k, :] = part[:, :, :k, :]
+                    whole = s.start + k
+            finally:
+                os.close(fd)
+            if whole < min(MIN_PREFIX_REUSE, m):
+                raise SessionFileError("no whole segment left")
+            m = whole
+        except (SessionFileError, ds.SegmentError, OSError, ValueError) as err:
+            msg = str(err)
+            self.log(f"disk cache: {e.path.name} dropped ({msg[:200]})")
+            self._remove(e, "")
+            return None
+        cache = make_cache()
+        arrays = [mx.array(o) for o in outs]
+        if g.kv == "float16":
+            arrays = [a.astype(self._dtype) if a.dtype != self._dtype else a for a in arrays]
+            for i, c in enumerate(cache):
+                c.state = (arrays[2 * i], arrays[2 * i + 1], m)
+        else:
+            fmt = kv_format.format_of_label(g.kv)
+            for i, c in enumerate(cache):
+                a = arrays[6 * i:6 * i + 6]
+                c.state = (tuple(a[:3]), tuple(a[3:]), m, fmt.group, fmt.bits)
+        mx.eval([kv_format.arrays_of(c) for c in cache])
+        entry = KVEntry(tokens[:m].tolist(), cache, e.key, messages=list(e.messages) if m == len(e.tokens) else [],
+                        owner=e.owner)
+        entry.disk_id = e.id
+        entry.restored_from_disk = m
+        e.last_used = time.time()
+        self.log(f"disk cache: restored {m} tokens from {e.path.name} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        return entry, m
+
+
+# ---- the engine's hooks (engine/engine.py, engine/handlers.py) ---------------------------------------
+def attach(engine) -> DiskTier | None:
+    """The engine's disk tier, made at start (none for a distributed rank: each holds some layers only)."""
+    from .limits import check_disk_mib
+    from .paths import data_dir
+    if engine.dist is not None:
+        return None
+    try:
+        cap = check_disk_mib(engine.options.disk_mib, "--conversation-disk-mib")
+    except Exception as e:  # noqa: BLE001 - a bad setting from elsewhere: off, with a log line
+        engine._log(f"disk cache: off ({e})")
+        cap = 0
+    engine.options.disk_mib = cap
+    folder = Path(engine.options.disk_dir) if engine.options.disk_dir else data_dir() / "cache" / "conversations"
+    disk = DiskTier(folder, cap, engine._log)
+
+    def fp_of(key: str) -> dict | None:
+        parts = key.split("|")
+        if engine.info is None or len(parts) < 2 or parts[0] != engine.model_hash:
+            return None
+        fp = engine.session_fingerprint("" if parts[1] == "no-steering" else parts[1])
+        fp["kv_format"] = parts[2] if len(parts) > 2 else "float16"
+        return {k: str(v) for k, v in fp.items()}
+
+    disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
+                                   engine.n_ctx or 1 << 31, engine.guard.admit))
+    if cap:
+        folder.mkdir(parents=True, exist_ok=True)
+        disk.scan()
+    engine.conversations.disk = disk
+    engine.conversations.parking.on_evict = disk.persist
+    return disk
+
+
+def idle(engine) -> None:
+    """The engine waits for a request: the held conversations' new tokens go to disk, one layer's
+    copy at a time, until a request comes."""
+    disk = engine.disk
+    if disk is None or not disk.enabled or engine.model is None:
+        return
+    engine._topping_up = True           # MLX work: interpreter exit waits for it (engine._quiet_at_exit)
+    try:
+        disk.idle_step(engine.conversations.held(),
+                       stop=lambda: not engine._queue.empty() or not engine._idle_work)
+    except Exception as e:  # noqa: BLE001 - an optimisation: never worth the engine thread
+        engine._log(f"disk cache: idle-time write failed ({type(e).__name__}: {str(e)[:160]})")
+    finally:
+        engine._topping_up = False
+
+
+def stop(engine) -> None:
+    """The engine stops: what the held conversations lack on disk is written, and the writer drained."""
+    disk = engine.disk
+    if disk is None:
+        return
+    if disk.enabled and engine.model is not None:
+        disk.persist_all(engine.conversations.held())
+    disk.close()
+
+
+def clear_request(engine):
+    if engine.disk is not None:
+        engine.disk.clear()
+    return engine.status()
+
+
+def forget_request(engine, req):
+    if engine.disk is not None:
+        engine.disk.forget(req.conversation)
+    if engine.conversations is not None and req.conversation:
+        for e in list(engine.conversations.parking.entries):
+            if e.owner == req.conversation:
+                engine.conversations.parking.drop(e, "its chat was deleted")
+    return engine.status()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _np_dtype(dtype):
+    import mlx.core as mx
+    return np.float16 if dtype == mx.float16 else np.float32
+
+
+def _host_copy(cache: list, a: int, b: int, g, stop: Callable[[], bool]) -> list[np.ndarray] | None:
+    """Cells [a, b) of every layer's K/V as numpy host arrays in the segment's order (16-bit K/V as
+    float16, quantized as held), one layer at a time; None when `stop()` says a request is waiting."""
+    import mlx.core as mx
+
+    from . import kv_format
+    out: list[np.ndarray] = []
+    for c in cache[:g.n_layer]:
+        if stop():
+            return None
+        arrays = kv_format.arrays_of(c)
+        if not arrays or c.offset < b:
+            raise ValueError("the conversation's K/V holds fewer cells than its tokens")
+        sl = [x[..., a:b, :] for x in arrays]
+        if g.kv == "float16":
+            sl = [s.astype(mx.float16) for s in sl]
+        sl = [mx.contiguous(s) for s in sl]
+        mx.eval(sl)
+        out += [np.array(s, copy=True) for s in sl]
+    return out
+
+
+def _append(path: Path, at: int, pieces: list) -> int:
+    """The pieces written at byte `at` of path (cut there first): the bytes written."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size < at:
+            raise OSError(f"{path.name} is shorter ({size} bytes) than its last whole segment ends ({at})")
+        if size != at:
+            os.ftruncate(fd, at)
+        views = [memoryview(p).cast("B") for p in pieces]
+        total = sum(len(v) for v in views)
+        off = at
+        while views:
+            k = os.pwritev(fd, views[:512], off)
+            off += k
+            while views and k >= len(views[0]):
+                k -= len(views[0])
+                views.pop(0)
+            if views and k:
+                views[0] = views[0][k:]
+        return total
+    finally:
+        os.close(fd)
+
+
+def _open_regular(p: Path) -> int:
+    from .errors import SessionFileError
+    from .sessions import _open_regular as open_regular
+    try:
+        return open_regular(p)
+    except SessionFileError as e:
+        raise OSError(str(e)) from None
+
+
+def _unlink(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
