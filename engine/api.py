@@ -12,7 +12,9 @@ with, and the typed error a failed one reports. Plain Python (no MLX): the app i
 | GenerateRequest    | Generation      | a reply (streamed as Token events), K/V kept for the conversation   |
 | SaveSession        | SessionSaved    | a conversation's tokens and K/V to a file                           |
 | RestoreSession     | SessionRestored | a session file back as the live conversation                        |
-| Configure          | EngineStatus    | K/V format, parking cap and slots, the speed-projection default     |
+| Configure          | EngineStatus    | K/V format, parking cap and slots, the disk tier's cap, the speed-projection default |
+| ClearDiskCache     | EngineStatus    | every conversation in the disk tier removed                         |
+| ForgetConversation | EngineStatus    | a deleted chat's K/V dropped (disk tier and parking)                |
 | Status             | EngineStatus    | model facts (path, info, context, hash), conversations, memory      |
 | CountTokens        | TokenCount      | how many tokens messages (or a prompt) make with the model's template |
 | SessionSteering    | SessionSteeringInfo | the control vector a session file was saved with             |
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
-from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB
 from .sampling import SamplingParams
 
 
@@ -46,6 +48,8 @@ class EngineOptions:
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
     kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
+    disk_mib: int = DEFAULT_DISK_MIB          # the disk tier under parking (engine/disk_tier.py), 0 = off
+    disk_dir: str | None = None               # its folder (None: the data folder's cache/conversations)
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -60,6 +64,10 @@ class GenerateRequest:
     side: bool = False                        # a side request (titles, counts): never parks, takes or
                                               # evicts a conversation's K/V; projection off unless asked
     speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
+    constraint: Any = None                    # constraints.ConstraintSpec: the reply must match it
+                                              # (response_format json_object/json_schema, forced tool calls)
+    tools: list[dict] | None = None           # the chat template's `tools` (OpenAI function tools;
+                                              # engine/tool_calls.py prepares them and the messages)
 
 
 @dataclass
@@ -97,6 +105,7 @@ class Configure:
     cache_mib: int | None = None
     cache_slots: int | None = None
     speed_projection: bool | None = None      # the default of requests that name none
+    disk_mib: int | None = None               # the disk tier's cap (0 = off: nothing more is written)
 
 
 @dataclass
@@ -105,10 +114,22 @@ class Status:
 
 
 @dataclass
+class ClearDiskCache:
+    """Every conversation in the disk tier removed (the settings page's Clear) -> EngineStatus."""
+
+
+@dataclass
+class ForgetConversation:
+    """A deleted chat: its conversation's K/V dropped from the disk tier and from parking -> EngineStatus."""
+    conversation: str
+
+
+@dataclass
 class CountTokens:
     """The prompt's length in tokens as a GenerateRequest with these messages (or prompt) would make it."""
     messages: list[dict] | None = None
     prompt: str | None = None
+    tools: list[dict] | None = None           # as GenerateRequest.tools
 
 
 @dataclass
@@ -163,6 +184,7 @@ class Generation(Result):
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
     speculation_stopped: str | None = None
+    restored_from_disk: int = 0               # of cached_tokens, how many the disk tier restored
 
 
 @dataclass
@@ -196,6 +218,7 @@ class EngineStatus(Result):
     speed_projection_default: bool = True
     kv_bits: int = 16
     distributed: dict | None = None
+    disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder
 
 
 @dataclass

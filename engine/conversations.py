@@ -21,6 +21,7 @@ class Conversations:
         self.parking = parking
         self.live: KVEntry | None = None
         self._log = log
+        self.disk = None            # the disk tier under parking (engine/disk_tier.DiskTier), or None
 
     # ---- what is held ------------------------------------------------------------------------
     def held(self) -> list[KVEntry]:
@@ -50,6 +51,8 @@ class Conversations:
         if entry is self.live:
             self.live = None
             self._log(f"dropped the live conversation of {len(entry.tokens)} tokens: {why}")
+        elif not isinstance(entry, KVEntry):        # a disk tier entry (engine/disk_tier.DiskEntry)
+            self.disk.drop(entry, why)
         else:
             self.parking.drop(entry, why)
 
@@ -80,7 +83,14 @@ class Conversations:
         one, or a new one. The caller makes it live.
 
         `owner` names the conversation: a new branch of it (Regenerate, Edit and resend) takes its
-        own K/V back and trims it instead of keeping the old branch in a second slot."""
+        own K/V back and trims it instead of keeping the old branch in a second slot.
+
+        A conversation on disk (engine/disk_tier.py) sharing a longer prefix than anything held in RAM
+        is restored instead (the same prefix rule)."""
+        if self.disk is not None and self.disk.enabled:
+            got = self._take_from_disk(tokens, owner, key, make_cache)
+            if got is not None:
+                return got
         live, parking = self.live, self.parking
         if live is not None and live.key == key:
             n = common_prefix(live.tokens, tokens)
@@ -110,6 +120,24 @@ class Conversations:
             return entry, n
         return KVEntry([], make_cache(), key), 0
 
+    def _take_from_disk(self, tokens: list[int], owner: str, key: str, make_cache) -> tuple[KVEntry, int] | None:
+        """The disk tier's conversation for `tokens` when it shares more than RAM holds (else None)."""
+        in_ram = [e for e in self.held() if e.key == key]
+        ram = max((common_prefix(e.tokens, tokens) for e in in_ram), default=0)
+        found, m = self.disk.best(tokens, key)
+        if found is None or m <= ram:
+            return None
+        got = self.disk.restore(found, m, make_cache)
+        if got is None:
+            return None
+        if self.live is not None and self.parking.enabled:
+            self.parking.park(self.live)
+        self.live = None
+        for e in list(self.parking.entries):    # the same conversation's older K/V: superseded
+            if owner and e.owner == owner and e.key == key:
+                self.parking.drop(e, "superseded by its copy on disk")
+        return got
+
     def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: str) -> list[int] | None:
         """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
@@ -122,7 +150,9 @@ class Conversations:
         give this one an unnatural tokenization)."""
         candidates = []
         best, best_n = None, 0
-        for e in self.held():                     # whole entries first: a string comparison each
+        on_disk = [e for e in self.disk.entries.values() if e.key == key] \
+            if self.disk is not None and self.disk.enabled else []
+        for e in self.held() + on_disk:           # whole entries first: a string comparison each
             if e.key != key or not e.tokens:
                 continue
             starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id

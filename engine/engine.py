@@ -26,7 +26,8 @@ from typing import Any, Callable
 import mlx_lm.generate  # noqa: F401,E402
 
 from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
-                  GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status)
+                  GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
+                  ClearDiskCache, ForgetConversation)
 from .errors import Cancelled, EngineError, ErrorCode, RequestError, StrataError
 from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
@@ -69,6 +70,7 @@ class Engine(RequestHandlers):
         self._handle: Handle | None = None        # the request being served (for its log lines)
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
+        self.disk = None                          # disk_tier.DiskTier under parking, made on the engine thread
         self.model = self.tokenizer = self.info = self.model_path = self.template = None
         self.model_hash = ""
         self.facts: ModelFacts | None = None      # what is loaded, one immutable value (Engine.model_facts)
@@ -134,6 +136,8 @@ class Engine(RequestHandlers):
             self._log(f"conversation cache: {note}")
         self.options.cache_mib, self.options.cache_slots = cap, slots
         self.conversations = Conversations(Parking(cap, slots, self.guard, self._log), self._log)
+        from . import disk_tier
+        self.disk = disk_tier.attach(self)
         self._clean_session_folder()
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
@@ -144,6 +148,7 @@ class Engine(RequestHandlers):
             if isinstance(item, _Stop):
                 if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
                     self.dist.stop_followers()
+                disk_tier.stop(self)                # what the held conversations lack on disk, written
                 release_freed_memory()
                 self.stopped.set()
                 if threading.current_thread() is self._thread:
@@ -187,7 +192,11 @@ class Engine(RequestHandlers):
             handle.emit(failed)
 
     def _next_request(self):
-        """The next queued request; while there is none, the K/V top-up's steps (kv_reserve.TopUp)."""
+        """The next queued request; while there is none, the disk tier's writes (disk_tier.idle) and
+        the K/V top-up's steps (kv_reserve.TopUp)."""
+        if self.disk is not None and self._idle_work and self._queue.empty():
+            from .disk_tier import idle
+            idle(self)
         topup = self.kv_topup
         self._topping_up = True
         try:
@@ -227,6 +236,7 @@ class Engine(RequestHandlers):
             self._handle.emit(Log(line))
 
     def _dispatch(self, handle: Handle):
+        from . import disk_tier as disk_requests
         req = handle.request
         handlers = {
             GenerateRequest: lambda: self._generate(req, handle),
@@ -239,6 +249,8 @@ class Engine(RequestHandlers):
             SessionSteering: lambda: self._session_steering(req),
             CaptureStates: lambda: self._capture(req, handle),
             Call: lambda: CallResult(req.fn(self)),
+            ClearDiskCache: lambda: disk_requests.clear_request(self),
+            ForgetConversation: lambda: disk_requests.forget_request(self, req),
         }
         serve = handlers.get(type(req))
         if serve is None:

@@ -35,6 +35,7 @@ class KVChanged:
     conversation: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    restored_from_disk: int = 0     # of cached_tokens, how many the disk tier restored (engine/disk_tier.py)
 
 
 @dataclass

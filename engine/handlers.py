@@ -208,8 +208,9 @@ class RequestHandlers:
             entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
         if not req.side:
             self.conversations.live = entry     # from here on the live K/V is `entry`
+        from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
         if self.parking is not None:            # the status bar's figures while the reply runs
-            handle.emit(KVChanged(self.parking.status(), req.conversation, len(tokens), reuse))
+            handle.emit(KVChanged(self.parking.status(), req.conversation, len(tokens), reuse, from_disk))
         entry.messages = list(req.messages or [])
         cancelled = lambda: handle.cancelled  # noqa: E731
         max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
@@ -229,7 +230,7 @@ class RequestHandlers:
                                     cached_tokens=reuse, generated_tokens=len(r.tokens),
                                     ttft_ms=round(stats.ttft_ms, 2), prefill_tps=round(stats.prefill_tps, 2),
                                     decode_tps=round(stats.decode_tps, 2), finish_reason=r.finish,
-                                    speed_projection=self.steering.active)
+                                    speed_projection=self.steering.active, restored_from_disk=from_disk)
 
     # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
     def _spec_drafter(self, req: GenerateRequest):
@@ -295,6 +296,11 @@ class RequestHandlers:
             self.parking.set_limits(cap, slots)
             self.options.cache_mib, self.options.cache_slots = cap, slots
             self._log(f"conversation cache: {cap} MiB, {slots} slots")
+        if req.disk_mib is not None and self.disk is not None:
+            from .limits import check_disk_mib
+            self.options.disk_mib = check_disk_mib(req.disk_mib)
+            self.disk.set_cap(self.options.disk_mib)
+            self._log(f"conversation disk cache: {self.options.disk_mib} MiB")
         if req.speed_projection is not None:
             self.options.speed_projection = bool(req.speed_projection)
         if req.kv_bits is not None:
@@ -337,6 +343,7 @@ class RequestHandlers:
             speed_projection_default=self.options.speed_projection,
             kv_bits=self.options.kv_bits,
             distributed=self.dist.status() if self.dist is not None else None,
+            disk=self.disk.status() if getattr(self, "disk", None) is not None else None,
         )
 
     def _count_tokens(self, req: CountTokens) -> TokenCount:

@@ -18,6 +18,10 @@ SLOTS_MAX = 64
 # The defaults, defined here only: EngineOptions, the CLI flags, the app's settings and EngineThread read them.
 DEFAULT_CACHE_MIB = 1024
 DEFAULT_CACHE_SLOTS = 4
+# The disk tier under parking (engine/disk_tier.py): conversations' K/V in the data folder's cache, 0 = off.
+# 4 GiB holds about 22 conversations of 8,000 SmolLM2 tokens at 16-bit K/V (23,040 B/token).
+DEFAULT_DISK_MIB = 4096
+DISK_MIB_MAX = 1 << 20          # 1 TiB: a bound on typing, not a recommendation
 
 
 class CacheLimitError(RequestError):
@@ -93,3 +97,16 @@ def within_range(mib: object, slots: object, limits: CacheRange) -> tuple[int, i
         n = min(max(slots if isinstance(slots, int) else 1, 1), SLOTS_MAX)
         notes.append(f"{e}: using {n}")
     return cap, n, "; ".join(notes) or None
+
+
+def check_disk_mib(mib: object, what: str = "the conversation disk cache") -> int:
+    """The disk tier's cap: a whole number of MiB, 0 (off) to DISK_MIB_MAX; else CacheLimitError."""
+    try:
+        value = int(mib)                                   # type: ignore[arg-type]
+        if value != mib and not isinstance(mib, str):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise CacheLimitError(f"{what} must be a whole number of MiB, 0 (off) to {DISK_MIB_MAX}; got {mib!r}") from None
+    if not 0 <= value <= DISK_MIB_MAX:
+        raise CacheLimitError(f"{what} must be 0 (off) to {DISK_MIB_MAX} MiB; got {value} MiB")
+    return value

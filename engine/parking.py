@@ -39,6 +39,8 @@ class KVEntry:
     # checks its rendered text against it without decoding the whole conversation again.
     _texts: dict = field(default_factory=dict, repr=False, compare=False)
     owner: str = ""        # the conversation it belongs to (a request's `conversation` label)
+    disk_id: str = ""      # its file in the disk tier (engine/disk_tier.py), "" when none yet
+    restored_from_disk: int = 0   # tokens just restored from the disk tier (reported once by the reply)
 
     def nbytes(self) -> int:
         from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
@@ -101,6 +103,8 @@ class Parking:
         self.guard = guard
         self.log = log
         self.entries: list[KVEntry] = []
+        # Called with an entry about to be evicted (the disk tier writes what it lacks: engine/disk_tier.py)
+        self.on_evict: Callable[[KVEntry], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -203,6 +207,11 @@ class Parking:
 
     def _evict_one(self, why: str) -> None:
         victim = min(self.entries, key=lambda e: e.last_used)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(victim)
+            except Exception as e:  # noqa: BLE001 - the disk tier is an optimisation; eviction goes on
+                self.log(f"disk cache: not written ({type(e).__name__}: {str(e)[:120]})")
         self.entries.remove(victim)
         self.log(f"evicted {len(victim.tokens)} tokens ({victim.nbytes() / MIB:.1f} MiB) for {why}")
 

@@ -10,7 +10,7 @@ import logging
 import sys
 
 from ..errors import StrataError
-from ..limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SLOTS_MAX
+from ..limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, SLOTS_MAX
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="RAM for parked conversations' K/V, 0 (off) to half of this machine's RAM")
     p.add_argument("--conversation-cache-slots", type=int, default=DEFAULT_CACHE_SLOTS,
                    help=f"parked conversations, 1 to {SLOTS_MAX}")
+    p.add_argument("--conversation-disk-mib", type=int, default=DEFAULT_DISK_MIB,
+                   help="disk for conversations' K/V under parking (the data folder's cache/conversations; "
+                        f"found again after an eviction or a restart), 0 = off; default {DEFAULT_DISK_MIB}")
     p.add_argument("--control-vector", action="append", default=[], metavar="FILE")
     p.add_argument("--control-vector-scaled", action="append", default=[], metavar="FILE:SCALE")
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))
@@ -38,6 +41,8 @@ def check_engine_flags(args) -> None:
     from ..limits import check_cache_mib, check_cache_slots
     check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
     check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
+    from ..limits import check_disk_mib
+    check_disk_mib(args.conversation_disk_mib, what="--conversation-disk-mib")
     if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
         # (too large a context is refused by the memory estimate at load, with the numbers)
         raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")
@@ -58,19 +63,25 @@ def engine_options(args):
     return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
                          steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
-                         kv_bits=args.kv_bits)
+                         kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib)
 
 
-def start_engine(args):
-    """An engine with the model loaded, or EngineError with the start-up load's own message."""
+def start_engine(args, wait: bool = True):
+    """An engine with the model loaded, or EngineError with the start-up load's own message.
+    wait=False: the engine with its start-up load under way (then `loaded(engine)` waits for it)."""
     from ..engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     engine = Engine(engine_options(args)).start()
-    loaded = engine.startup.result()            # the start-up load's ModelLoaded, or its EngineError
-    if loaded.steering_error:
+    return loaded(engine) if wait else engine
+
+
+def loaded(engine):
+    """`engine` once its start-up load is done, or EngineError (StrataError) with the load's message."""
+    result = engine.startup.result()            # the start-up load's ModelLoaded, or its EngineError
+    if result.steering_error:
         # On the command line the vector was asked for explicitly: refuse rather than run without it.
-        raise StrataError(loaded.steering_error)
+        raise StrataError(result.steering_error)
     return engine
 
 
