@@ -691,3 +691,257 @@ def test_fuzz_chats_databases_long(tmp_path):
     print("\n" + tally.line("chats databases (long)").replace("refused", "named (notice)").replace("accepted", "opened")
           + f", {getattr(tally, 'failed_later', 0)} failed after opening (one line)")
     assert not tally.crashes, "\n".join(tally.crashes[:5])
+
+
+# ================================================================ the single-instance channel (item 6)
+@pytest.fixture
+def channel(qtbot, tmp_path, monkeypatch):
+    """A listening SingleInstance of its own data folder; send(bytes) -> (reply, files, activated)."""
+    from app import single_instance
+    from app.main import make_app
+    make_app()
+    monkeypatch.setattr(single_instance, "LINE_SECONDS", 1.0)
+    inst = single_instance.SingleInstance(tmp_path / "data")
+    (tmp_path / "data").mkdir()
+    assert inst.acquire() and inst.listen()
+    addr = inst.server.fullServerName()
+    got: dict = {"files": [], "activated": 0}
+    inst.files_received.connect(lambda fs: got["files"].append(fs))
+    inst.activated.connect(lambda: got.__setitem__("activated", got["activated"] + 1))
+
+    def send(data: bytes, timeout: float = 5.0, close_write: bool = False):
+        got["files"].clear()
+        got["activated"] = 0
+        box: list = []
+
+        def client():
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            try:
+                s.connect(addr)
+                try:
+                    s.sendall(data)
+                except OSError:            # the server closed early (a refused over-long line)
+                    pass
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    reply += chunk
+                box.append(reply)
+            except OSError as e:
+                box.append(f"error {e}".encode())
+            finally:
+                s.close()
+        t = threading.Thread(target=client, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        qtbot.waitUntil(lambda: bool(box), timeout=int(timeout * 1000) + 2000)
+        qtbot.wait(20)                          # any signal the reply queued
+        return box[0], list(got["files"]), got["activated"], time.monotonic() - t0
+
+    yield send
+    inst.release()
+
+
+CHANNEL_HOSTILE = {
+    "files-int": b'{"files": 5}\n',
+    "files-string": b'{"files": "abcdefghij"}\n',
+    "deep-200k": b'{"files": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n",
+    "deep-object": b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"\n",
+    "not-json": b"hello\n",
+    "non-utf8": b'{"files": ["/\xff\xfe"]}\n',
+    "array": b"[]\n",
+    "null": b"null\n",
+    "files-ints": b'{"files": [1, 2]}\n',
+    "relative": b'{"files": ["chat.stratasession"]}\n',
+    "empty-path": b'{"files": [""]}\n',
+    "nul-in-path": b'{"files": ["/tmp/a\\u0000b"]}\n',
+    "too-many": (json.dumps({"files": [f"/tmp/{i}" for i in range(1000)]}) + "\n").encode(),
+    "empty-line": b"\n",
+    "nan": b'{"files": NaN}\n',
+}
+
+
+@pytest.mark.gui
+def test_single_instance_channel_refuses_hostile_lines(channel, caplog):
+    """{"files": 5}, 200,000-deep JSON, a string for the list (once: ten one-letter files)...: each
+    answered "refused" at once, one log line, no file opened, the window not raised."""
+    for name, data in CHANNEL_HOSTILE.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="strata.app"):
+            reply, files, activated, took = channel(data)
+        assert reply == b"refused\n" and files == [] and activated == 0, (name, reply, files)
+        assert took < 3, (name, took)
+        lines = [r.getMessage() for r in caplog.records if "single instance" in r.getMessage()]
+        assert len(lines) == 1, (name, lines)
+        _one_line(lines[0])
+
+
+@pytest.mark.gui
+def test_single_instance_channel_bounds_the_line(channel, caplog):
+    """No end of line within 1 MiB: refused without holding more; a line that never comes: closed
+    after LINE_SECONDS. A valid hand-over still works after them."""
+    from app.single_instance import MAX_LINE
+    with caplog.at_level(logging.WARNING, logger="strata.app"):
+        reply, files, _, took = channel(b"x" * (MAX_LINE + 4096))
+        assert reply == b"refused\n" and files == [] and took < 5
+        reply, files, _, took = channel(b'{"files": [')
+        assert reply == b"refused\n" and files == [] and 0.8 < took < 4
+    assert sum("single instance" in r.getMessage() for r in caplog.records) == 2
+    reply, files, activated, _ = channel(b'{"files": ["/tmp/a.stratasession"]}\n')
+    assert reply == b"ok\n" and files == [["/tmp/a.stratasession"]] and activated == 1
+    reply, files, activated, _ = channel(b"{}\n")
+    assert reply == b"ok\n" and files == [] and activated == 1
+
+
+def _fuzz_channel(send, n: int, seed: int) -> Tally:
+    tally = Tally()
+    rng = random.Random(seed)
+    atoms = [b"{", b"}", b"[", b"]", b'"files"', b":", b",", b'"/tmp/x"', b"5", b"null", b"true", b'"a"',
+             b"\\u0000", b"\xff", b"1e999", b"NaN", b" ", b'"'] + list(CHANNEL_HOSTILE.values())[:4]
+    valid = b'{"files": ["/tmp/a.stratasession", "/tmp/b.gguf"]}'
+    for i in range(n):
+        kind = rng.choice(["atoms", "bytes", "mutate"])
+        if kind == "atoms":
+            data = b"".join(rng.choice(atoms) for _ in range(rng.randint(1, 30)))
+        elif kind == "bytes":
+            data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
+        else:
+            b = bytearray(valid)
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            data = bytes(b)
+        data = data.split(b"\n")[0] + b"\n"
+        try:
+            msg = json.loads(data)
+            expect_ok = (isinstance(msg, dict) and isinstance(msg.get("files", []), list)
+                         and all(isinstance(f, str) and f.startswith("/") and "\x00" not in f
+                                 for f in msg.get("files", [])))
+        except (ValueError, RecursionError):
+            expect_ok = False
+        reply, files, activated, took = send(data)
+        label = f"channel #{i} ({kind}) {data[:60]!r}"
+        if took > 3 or reply not in (b"ok\n", b"refused\n"):
+            tally.add(label, {"outcome": "crash", "detail": f"{reply!r} after {took:.1f} s"})
+        elif (reply == b"ok\n") != expect_ok or (reply == b"refused\n" and (files or activated)):
+            tally.add(label, {"outcome": "crash", "detail": f"answered {reply!r}, files {files}"})
+        else:
+            tally.add(label, {"outcome": "accepted" if reply == b"ok\n" else "refused"})
+    return tally
+
+
+@pytest.mark.gui
+def test_fuzz_single_instance_channel(channel):
+    tally = _fuzz_channel(channel, 300, seed=31)
+    print("\n" + tally.line("single-instance channel"))
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
+    assert tally.refused > 0
+
+
+@pytest.mark.gui
+@pytest.mark.fuzz_long
+def test_fuzz_single_instance_channel_long(channel):
+    tally = _fuzz_channel(channel, 5000, seed=3131)
+    print("\n" + tally.line("single-instance channel (long)"))
+    assert not tally.crashes, "\n".join(tally.crashes[:5])
+
+
+# ================================================================ Copy into models (item 8, first case)
+def _models_listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_copy_into_models_refuses_what_is_not_a_model_file(tmp_path, tiny_model):
+    """A symlink to /dev/zero (5.6 GB copied before), a FIFO, a folder, a text file, a truncated GGUF:
+    refused in one line at once, nothing written, no .part; a real model copies."""
+    from app.model_library import copy_model_file
+    models = tmp_path / "models"
+    models.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    os.symlink("/dev/zero", src / "zero.gguf")
+    os.mkfifo(src / "fifo.gguf")
+    (src / "dir.gguf").mkdir()
+    (src / "notes.gguf").write_text("not a model")
+    (src / "inf.gguf").write_bytes(HOSTILE_HEADERS["inf-context"][:-3])
+    os.symlink("loop.gguf", src / "loop.gguf")
+    for name in ("zero.gguf", "fifo.gguf", "dir.gguf", "notes.gguf", "inf.gguf", "loop.gguf"):
+        t0 = time.monotonic()
+        with pytest.raises((ValueError, OSError)) as e:
+            copy_model_file(src / name, models / name)
+        assert time.monotonic() - t0 < 2, name
+        _one_line(str(e.value))
+        assert _models_listing(models) == [], (name, _models_listing(models))
+    copy_model_file(tiny_model, models / "tiny.gguf")
+    assert _digest(models / "tiny.gguf") == _digest(tiny_model) and _models_listing(models) == ["tiny.gguf"]
+
+
+def test_copy_into_models_bounds_size_and_cleans_up(tmp_path, tiny_model, monkeypatch):
+    """No room on the disk: refused before a byte is written; a file that grows while copied, or a
+    failure mid-copy: the .part is removed; a killed copy's .part is removed at the next start."""
+    from app import model_library
+    from app.model_library import COPY_PREFIX, copy_model_file, remove_stale_copies
+    models = tmp_path / "models"
+    models.mkdir()
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(model_library.shutil, "disk_usage",
+                        lambda p: real_usage(p)._replace(free=1 << 20))
+    with pytest.raises(ValueError, match="free"):
+        copy_model_file(tiny_model, models / "a.gguf")
+    monkeypatch.setattr(model_library.shutil, "disk_usage", real_usage)
+    assert _models_listing(models) == []
+    growing = tmp_path / "growing.gguf"
+    shutil.copyfile(tiny_model, growing)
+
+    class Grows:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def read(self, n):
+            data = self.f.read(n)
+            if not data and self.n == 0:      # past the size at open: more bytes appear
+                self.n = 1
+                return b"x"
+            return data
+    import engine.gguf_header as gh
+    real_regular = gh.open_regular
+    monkeypatch.setattr(gh, "open_regular", lambda p: Grows(real_regular(p)))
+    with pytest.raises(ValueError, match="grew"):
+        copy_model_file(growing, models / "g.gguf", chunk=4096)
+    monkeypatch.setattr(gh, "open_regular", real_regular)
+    assert _models_listing(models) == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (models / f"{COPY_PREFIX}{dead}-old.gguf.part").write_bytes(b"x" * 100)
+    (models / f"{COPY_PREFIX}{os.getppid()}-live.gguf.part").write_bytes(b"x")      # alive: kept
+    (models / "user-download.gguf.part").write_bytes(b"x")                            # not ours: kept
+    assert remove_stale_copies(models) == [f"{COPY_PREFIX}{dead}-old.gguf.part"]
+    assert _models_listing(models) == sorted([f"{COPY_PREFIX}{os.getppid()}-live.gguf.part",
+                                             "user-download.gguf.part"])
+
+
+@pytest.mark.gui
+def test_app_copy_of_a_link_to_dev_zero_is_refused(qtbot, idle_window, tmp_path):
+    window = idle_window
+    src = tmp_path / "zero.gguf"
+    os.symlink("/dev/zero", src)
+    before = _models_listing(window.paths.models_dir)
+    window.library.add_model_file(src, how="copy")
+    qtbot.waitUntil(lambda: "Could not add zero.gguf" in window.message_bar.text(), timeout=5000)
+    _one_line(window.message_bar.text())
+    assert "not a regular file" in window.message_bar.text()
+    assert _models_listing(window.paths.models_dir) == before
+    window.library.add_model_file(src, how="link")
+    assert "Could not link zero.gguf" in window.message_bar.text()
+    assert _models_listing(window.paths.models_dir) == before
