@@ -171,7 +171,7 @@ def first_step_merge_limit(chunk: int) -> int:
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler,
            processors, max_tokens: int, stats: StepStats, seed: int | None = None,
-           cancelled=lambda: False, pending: list[int] = ()) -> Iterator[int]:
+           cancelled=lambda: False, pending: list[int] = (), constraint=None) -> Iterator[int]:
     """Yield up to max_tokens sampled ids; `fed` always equals the tokens the cache holds.
 
     mlx-lm's order: step n+1's graph is built from the still-lazy token n and submitted
@@ -179,7 +179,14 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     Building step n+1 feeds token n to the cache, so `fed` takes token n as soon as its value is
     read, before it is handed out; the last token (n == max_tokens) is never fed. A consumer that
     stops early (EOS, a stop string, cancel) leaves the cache holding exactly `fed`.
-    `pending`: prompt tokens not yet in the cache, fed with `last_token` in the first step."""
+    `pending`: prompt tokens not yet in the cache, fed with `last_token` in the first step.
+    `constraint`: a compiled grammar (engine/constraints.py): its loop, the mask beside each pass."""
+    if constraint is not None:
+        from .constraints import decode_masked
+        yield from decode_masked(model, cache, last_token, fed, history=history, sampler=sampler,
+                                 processors=processors, max_tokens=max_tokens, stats=stats,
+                                 constraint=constraint, seed=seed, cancelled=cancelled, pending=pending)
+        return
     if seed is not None:
         mx.random.seed(seed)
     stream = _stream()
@@ -234,13 +241,14 @@ class Reply:
 def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n_vocab: int, max_tokens: int,
           chunk: int, on_token: Callable[[int, str], None], on_progress: Callable[[int, int], None],
           cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None,
-          pace: PrefillPace | None = None, layerwise: bool | None = None) -> Reply:
+          pace: PrefillPace | None = None, layerwise: bool | None = None, constraint=None) -> Reply:
     """Extend `entry` (its K/V holds tokens[:reuse]) with the rest of the prompt, then decode a reply.
 
     Text goes out through `on_token(id, text)` as it is decoded, a possible stop string's start
     held back until it is decided; EOS or a stop string ends with "stop", `max_tokens` with
     "length", a cancel with "cancelled". `steps`: a token iterator that replaces `decode`
-    (speculative decoding), built over the same `stats`."""
+    (speculative decoding), built over the same `stats`. `constraint`: the grammar of `decode`'s
+    tokens (engine/constraints.py; `steps` carries its own)."""
     from .tokenizer import StreamDecoder
     stats = stats or StepStats()
     new = tokens[reuse:-1]
@@ -263,7 +271,8 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     held = ""   # text held back while it could still be the start of a stop string
     for token in steps or decode(model, entry.cache, tokens[-1], entry.tokens, history=tokens,
                                  sampler=sp.sampler(n_vocab), processors=sp.processors(), max_tokens=max_tokens,
-                                 stats=stats, seed=sp.seed, cancelled=cancelled, pending=pending):
+                                 stats=stats, seed=sp.seed, cancelled=cancelled, pending=pending,
+                                 constraint=constraint):
         out_ids.append(token)
         if token in tokenizer.eos_ids:
             finish = "stop"

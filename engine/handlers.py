@@ -187,6 +187,10 @@ class RequestHandlers:
         self._require_model()
         req.sampling.validate()
         drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
+        constraint = None
+        if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
+            from .constraints import compile as compile_constraint
+            constraint = compile_constraint(req.constraint, self.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
         self.steering.speed_projection = self._projection(asked)
@@ -214,13 +218,14 @@ class RequestHandlers:
         entry.messages = list(req.messages or [])
         cancelled = lambda: handle.cancelled  # noqa: E731
         max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
-        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled)
+        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled,
+                                       constraint=constraint)
         r = reply(self.model, entry, tokens, reuse, tokenizer=self.tokenizer, sampling=req.sampling,
                   n_vocab=self.info.n_vocab, max_tokens=max_tokens, chunk=self.options.prefill_chunk,
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
-                  layerwise=self.dist is None)
+                  layerwise=self.dist is None, constraint=constraint)
         entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": r.text}] if req.messages else [])
         self._spec_done(req, drafter, spec, r)
         self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
@@ -249,7 +254,7 @@ class RequestHandlers:
             self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log)
         return self.draft
 
-    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled):
+    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled, constraint=None):
         from . import speculative
         spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
         verdicts = getattr(self, "_verdicts", None)
@@ -269,7 +274,7 @@ class RequestHandlers:
         return spec, speculative.decode(
             self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
             processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
-            seed=sp.seed, cancelled=cancelled)
+            seed=sp.seed, cancelled=cancelled, constraint=constraint)
 
     def _spec_key(self, drafter, sampling):
         """The Verdicts key of a draft-model request (None for lookup: its drafts depend on the text)."""

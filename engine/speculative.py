@@ -433,8 +433,11 @@ def _draft_gap_too_costly(drafter: DraftModel, context: list[int], left: int, sp
 
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampling, processors,
            max_tokens: int, stats, spec: SpecStats, drafter, seed: int | None = None,
-           cancelled=lambda: False) -> Iterator[int]:
-    """Like generate.decode (same arguments, same `fed` contract), drafting with `drafter`."""
+           cancelled=lambda: False, constraint=None) -> Iterator[int]:
+    """Like generate.decode (same arguments, same `fed` contract), drafting with `drafter`.
+    `constraint` (engine/constraints.py): drafts are cut at the grammar's first refused token (kept
+    for a draft model's sampled drafts: verification rejects it with certainty) and each verify row
+    is masked by the grammar after that row's draft prefix."""
     from . import generate
     if seed is not None:
         mx.random.seed(seed)
@@ -474,9 +477,19 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
                 else:
                     draft, draft_dists = drafter.propose(context, room)
+            if constraint is not None and draft:
+                n_keep = constraint.valid_prefix(draft)
+                if draft_dists is not None and n_keep < len(draft):
+                    n_keep += 1
+                draft = draft[:n_keep]
+                draft_dists = draft_dists[:n_keep] if draft_dists is not None else None
             inputs = [pending] + draft
             logits = model(mx.array(inputs)[None], cache=cache)[0]        # (k+1, V)
             fed.extend(inputs)
+            allowed = None
+            if constraint is not None:      # the rows' masks on the CPU while the pass runs
+                mx.async_eval(logits)
+                allowed, _ = constraint.draft_masks(draft, logits.shape[-1], keep_refused=True)
             if processors:
                 rows = []
                 for i in range(len(inputs)):
@@ -486,7 +499,11 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                         row = proc(ctx, row)
                     rows.append(row)
                 logits = mx.concatenate(rows, axis=0)
+            if allowed is not None:
+                logits = mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
             n_ok, nxt = verify(logits, draft, dist, draft_dists)
+            if constraint is not None:
+                constraint.advance_all(draft[:n_ok] + [nxt])
             seconds = time.perf_counter() - t0 - catchup
             if draft:
                 spec.record(len(draft), n_ok, seconds)
@@ -517,7 +534,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         n_vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         for t in generate.decode(model, cache, pending, fed, history=context, sampler=sampling.sampler(n_vocab),
                                  processors=processors, max_tokens=max_tokens - delivered, stats=sub,
-                                 seed=None, cancelled=cancelled):
+                                 seed=None, cancelled=cancelled, constraint=constraint):
             context.append(t)
             delivered += 1
             yield t
