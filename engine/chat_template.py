@@ -168,8 +168,10 @@ class _Budget:
 
 
 def render(source: str | None, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True, name: str = "") -> str:
-    """The rendered prompt, or RequestError in one line naming the template (`name`)."""
+           add_generation_prompt: bool = True, name: str = "", tools: list[dict] | None = None) -> str:
+    """The rendered prompt, or RequestError in one line naming the template (`name`). `tools`: the
+    template's `tools` variable (OpenAI's [{"type": "function", "function": {...}}]), left undefined
+    when None, as Hugging Face's apply_chat_template does (templates test `tools is defined`)."""
     label = name or ("the built-in ChatML template" if not source else "the model's chat template")
     budget = _Budget()
     previous = sys.gettrace()
@@ -177,8 +179,9 @@ def render(source: str | None, messages: list[dict], *, bos_token: str = "", eos
     try:
         template = _compile(source or CHATML)
         parts, total = [], 0
+        extra = {"tools": tools} if tools else {}
         for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       bos_token=bos_token, eos_token=eos_token):
+                                       bos_token=bos_token, eos_token=eos_token, **extra):
             total += len(chunk)
             if total > MAX_OUTPUT:
                 raise TemplateBudgetError(f"the output passed {MAX_OUTPUT >> 20} M characters")

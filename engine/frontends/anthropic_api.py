@@ -1,0 +1,348 @@
+"""Anthropic's Messages API on the same engine: `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+    client = anthropic.Anthropic(base_url="http://127.0.0.1:8484", api_key="unused")
+
+- `system` (a string or text blocks), `messages` with content blocks `text`, `tool_use` (assistant)
+  and `tool_result` (user; a string or text blocks, `is_error` noted), `tools` ({name, description,
+  input_schema}) and `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}, `name`,
+  `disable_parallel_tool_use`), `max_tokens` (required), `temperature`, `top_p`, `top_k`,
+  `stop_sequences`, `stream`. Tool calls go through engine/tool_calls.py exactly as in the OpenAI
+  API (the model's own template, its family's parser, a forced call under the grammar).
+- Any `model` name is served by the loaded model (agents ask for "claude-..." names); the reply
+  echoes the name asked for.
+- `usage`: `input_tokens` (the prompt tokens read this turn), `cache_read_input_tokens` (those taken
+  from held K/V: the live or a parked conversation), `cache_creation_input_tokens` 0, `output_tokens`.
+- Streaming: message_start, ping, content_block_start / content_block_delta (text_delta,
+  input_json_delta) / content_block_stop per block, message_delta (stop_reason, usage), message_stop;
+  an engine failure mid-stream is an `error` event.
+- Errors: {"type": "error", "error": {"type", "message"}} with the matching status.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..api import CountTokens, GenerateRequest
+from ..errors import StrataError
+from ..events import Done, Failed, Token
+from ..sampling import SamplingError
+from ..tool_calls import ToolError, new_call_id
+from .server import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+                     _sampling, chat_plan, engine_error)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+
+
+def _bad(message: str) -> APIError:
+    return APIError(400, message)
+
+
+# ---- request -> engine -----------------------------------------------------------------------------
+def _text_blocks(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, b in enumerate(content):
+            if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+                kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+                raise _bad(f"{where}[{j}]: blocks of type '{kind}' are not supported here (text only)")
+            out.append(b["text"])
+        return "\n".join(out) if where.endswith("system") else "".join(out)
+    raise _bad(f"{where} must be a string or a list of text blocks")
+
+
+def convert_messages(body: dict) -> list[dict]:
+    """Anthropic system + messages as OpenAI-form messages (tool_calls / role "tool")."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_blocks(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages: must be a non-empty list")
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise _bad(f"{where}.role: must be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"{where}.content: must be a string or a list of content blocks")
+        texts, tool_calls, results = [], [], []
+        for j, b in enumerate(content):
+            w = f"{where}.content.{j}"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("id"), str) or not b["id"] or not isinstance(b.get("name"), str):
+                    raise _bad(f"{w}: a tool_use block needs 'id', 'name' and 'input'")
+                if not isinstance(b.get("input", {}), dict):
+                    raise _bad(f"{w}.input: must be an object")
+                tool_calls.append({"id": b["id"], "type": "function",
+                                   "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+                calls.add(b["id"])
+            elif kind == "tool_result" and m["role"] == "user":
+                tid = b.get("tool_use_id")
+                if not isinstance(tid, str) or tid not in calls:
+                    raise _bad(f"{w}.tool_use_id: {str(tid)[:64]!r} answers no tool_use block of an earlier "
+                               "assistant message")
+                c = b.get("content", "")
+                text = _text_blocks(c, f"{w}.content") if c is not None else ""
+                if b.get("is_error"):
+                    text = f"Error: {text}"
+                results.append({"role": "tool", "tool_call_id": tid, "content": text})
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue                       # earlier reasoning is not shown to the model again
+            else:
+                raise _bad(f"{w}: content blocks of type '{kind}' are not supported in a {m['role']} message "
+                           "(text, tool_use, tool_result)")
+        if m["role"] == "assistant":
+            msg = {"role": "assistant", "content": "".join(texts)}
+            if tool_calls:
+                msg["tool_calls"] = tool_calls
+            out.append(msg)
+        else:
+            out.extend(results)
+            if texts or not results:
+                out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def convert_tools(body: dict) -> tuple[list | None, object, bool]:
+    """(OpenAI-form tools, OpenAI-form tool_choice, parallel allowed)."""
+    tools = body.get("tools")
+    out = None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools: must be a list")
+        out = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise _bad(f"tools.{i}: tools of type '{kind}' are not supported (custom tools only)")
+            if "input_schema" not in t:
+                raise _bad(f"tools.{i}.input_schema: Field required")
+            out.append({"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                          "parameters": t.get("input_schema")}})
+    choice = body.get("tool_choice")
+    parallel = True
+    if choice is None:
+        return out, None, parallel
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise _bad("tool_choice: must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice["type"]
+    if kind == "tool":
+        return out, {"type": "function", "function": {"name": choice.get("name")}}, parallel
+    return out, {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+def _anthropic_tool_error(e: ToolError) -> APIError:
+    msg = e.message.replace("tools[", "tools.").replace("].function.parameters", ".input_schema") \
+        .replace("].function.name", ".name").replace("'tool_choice'", "tool_choice")
+    return _bad(msg)
+
+
+def _usage(r) -> dict:
+    return {"input_tokens": r.prompt_tokens - r.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": r.cached_tokens, "output_tokens": r.generated_tokens}
+
+
+def _stop_reason(finish: str, calls: bool) -> str:
+    return "tool_use" if calls else ("max_tokens" if finish == "length" else "end_turn")
+
+
+def _sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# ---- routes ----------------------------------------------------------------------------------------
+def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
+
+    def prepare(body: dict):
+        from ..tool_calls import ToolError as _TE
+        messages = convert_messages(body)
+        tools, choice, parallel = convert_tools(body)
+        try:
+            return chat_plan(engine, formats, messages, tools, choice, parallel=parallel, volatile=volatile)
+        except _TE as e:
+            raise _anthropic_tool_error(e) from None
+
+    async def messages_endpoint(request: Request) -> Response:
+        try:
+            return await _messages(request)
+        except APIError as e:
+            return error_response(e)
+
+    async def _messages(request: Request) -> Response:
+        body = await _json_body(request)
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise _bad("max_tokens: Field required (an integer >= 1)" if max_tokens is None
+                       else "max_tokens: must be an integer >= 1")
+        stop = body.get("stop_sequences")
+        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+            raise _bad("stop_sequences: must be a list of strings")
+        sampling = _sampling({"max_tokens": max_tokens, "temperature": body.get("temperature"),
+                              "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": stop}, max_tokens)
+        try:
+            sampling.validate()
+        except (SamplingError, StrataError) as e:
+            raise _bad(str(e)) from None
+        messages, plan = prepare(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream: must be true or false")
+        model = body.get("model") if isinstance(body.get("model"), str) else _model_id(engine)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        bridge = _Bridge(engine, GenerateRequest(
+            messages=messages, sampling=sampling, conversation=f"http {mid}",
+            constraint=plan.constraint if plan is not None else None,
+            tools=plan.template_tools if plan is not None else None))
+        handle = bridge.handle
+        from ..tool_calls import StreamParser, finish_calls, parse
+
+        if not stream:
+            outcome = await _await_watching(request, handle, bridge.outcome())
+            if isinstance(outcome, Failed):
+                raise engine_error(outcome, "messages")
+            r = outcome.result
+            blocks, calls = [], []
+            text = r.text
+            if plan is not None and plan.active:
+                parsed = parse(r.text, plan.fmt, plan.tools)
+                calls = finish_calls(plan, parsed.calls)
+                text = parsed.content if calls else parsed.content
+            if text:
+                blocks.append({"type": "text", "text": text})
+            for c in calls:
+                blocks.append({"type": "tool_use", "id": new_call_id(prefix="toolu_"), "name": c.name,
+                               "input": c.arguments})
+            out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
+                   "stop_reason": _stop_reason(r.finish_reason, bool(calls)), "stop_sequence": None,
+                   "usage": _usage(r)}
+            if plan is not None and plan.note:
+                out["strata"] = {"tool_choice": plan.note}
+            return JSONResponse(out)
+
+        first = await _await_watching(request, handle, bridge.get())
+        if isinstance(first, Failed):
+            raise engine_error(first, "messages")
+        parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
+
+        async def events():
+            state = {"index": 0, "open": None, "calls": []}
+
+            def close():
+                if state["open"] is not None:
+                    state["open"] = None
+                    i = state["index"]
+                    state["index"] += 1
+                    return [_sse("content_block_stop", {"type": "content_block_stop", "index": i})]
+                return []
+
+            def emit(items):
+                lines = []
+                for kind, value in items:
+                    if kind == "text":
+                        if not value:
+                            continue
+                        if state["open"] != "text":
+                            lines += close()
+                            state["open"] = "text"
+                            lines.append(_sse("content_block_start", {
+                                "type": "content_block_start", "index": state["index"],
+                                "content_block": {"type": "text", "text": ""}}))
+                        lines.append(_sse("content_block_delta", {
+                            "type": "content_block_delta", "index": state["index"],
+                            "delta": {"type": "text_delta", "text": value}}))
+                        continue
+                    if not finish_calls(plan, state["calls"] + [value])[len(state["calls"]):]:
+                        continue
+                    state["calls"].append(value)
+                    lines += close()
+                    state["open"] = "tool_use"
+                    i = state["index"]
+                    lines.append(_sse("content_block_start", {
+                        "type": "content_block_start", "index": i,
+                        "content_block": {"type": "tool_use", "id": new_call_id(prefix="toolu_"),
+                                          "name": value.name, "input": {}}}))
+                    lines.append(_sse("content_block_delta", {
+                        "type": "content_block_delta", "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": value.arguments_json}}))
+                    lines += close()
+                return lines
+
+            yield _sse("message_start", {"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                          "output_tokens": 0}}})
+            yield _sse("ping", {"type": "ping"})
+            ev = first
+            while True:
+                if isinstance(ev, Token):
+                    text, ev = bridge.drain_tokens(ev)
+                    if text:
+                        for line in emit(parser.feed(text) if parser is not None else [("text", text)]):
+                            yield line
+                    if ev is None:
+                        ev = await bridge.get()
+                    continue
+                if isinstance(ev, Done):
+                    r = ev.result
+                    lines = emit(parser.finish()) if parser is not None else []
+                    for line in lines + close():
+                        yield line
+                    yield _sse("message_delta", {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": _stop_reason(r.finish_reason, bool(state["calls"])),
+                                  "stop_sequence": None},
+                        "usage": _usage(r)})
+                    yield _sse("message_stop", {"type": "message_stop"})
+                    return
+                if isinstance(ev, Failed):
+                    e = engine_error(ev, "messages")
+                    yield _sse("error", error_body(e.status, e.message))
+                    return
+                ev = await bridge.get()                # Progress
+
+        return _EngineStream(events(), handle)
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            messages, plan = prepare(body)
+            outcome = await _Bridge(engine, CountTokens(
+                messages=messages, tools=plan.template_tools if plan is not None else None)).outcome()
+            if isinstance(outcome, Failed):
+                raise engine_error(outcome, "messages")
+            return JSONResponse({"input_tokens": outcome.result.tokens})
+        except APIError as e:
+            return error_response(e)
+
+    _ = time
+    return [Route("/v1/messages", messages_endpoint, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
