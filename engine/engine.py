@@ -33,6 +33,7 @@ from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 
 log = logging.getLogger("strata")
+DRAFT_IDLE_S = 30.0     # a draft model no request used for this long is released (engine/handlers.py)
 
 
 class _Stop:
@@ -216,7 +217,22 @@ class Engine(RequestHandlers):
         finally:
             self._topping_up = False
         self.idle.set()
-        item = self._queue.get()
+        while True:
+            try:    # a loaded draft model waits DRAFT_IDLE_S for a request, then is released
+                item = self._queue.get(timeout=DRAFT_IDLE_S if self.draft is not None else None)
+                break
+            except queue.Empty:
+                self.idle.clear()
+                self._topping_up = True             # before _idle_work is read: see _quiet_at_exit
+                try:
+                    if self._idle_work:
+                        self._release_draft(f"no request used it for {DRAFT_IDLE_S:g} s")
+                except Exception as e:  # noqa: BLE001 -- never worth the engine thread
+                    self.draft = None
+                    self._log(f"draft model: release failed ({e!r})")
+                finally:
+                    self._topping_up = False
+                    self.idle.set()
         self.idle.clear()
         return item
 

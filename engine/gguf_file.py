@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,15 +52,26 @@ class GGUFFile:
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     p = Path(path)
-    if not p.exists():
+    try:
+        found = p.exists()
+    except OSError as e:                 # a name too long, ...
+        raise ModelFileError(f"cannot read {str(p)[:200]}: {e.strerror or e}") from None
+    if not found:
         raise ModelFileError(f"model file not found: {p}")
     if p.is_dir():
         raise ModelFileError(f"{p} is a folder, not a GGUF file")
     try:
-        with open(p, "rb") as f:
-            magic = f.read(4)
+        # Opened without blocking and checked by its descriptor: a FIFO (or a device, a socket) is
+        # refused at once rather than blocking the engine thread for good, or read without end.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ModelFileError(f"{p.name} is not a regular file (a FIFO, device or socket): not a GGUF file")
+            magic = os.read(fd, 4)
+        finally:
+            os.close(fd)
     except OSError as e:
-        raise ModelFileError(f"cannot read {p}: {e.strerror}") from None
+        raise ModelFileError(f"cannot read {p}: {e.strerror or e}") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{p.name} is not a GGUF file (bad magic {magic!r})")
     from .gguf_header import scan_header

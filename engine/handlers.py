@@ -37,6 +37,7 @@ class RequestHandlers:
 
         path = resolve_model(req.path)
         g = open_gguf(path)
+        self._release_draft("a model load")      # drafts for the old target; its memory counts for the fit
         handle.emit(Progress("load", 0, len(g.reader.tensors)))
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
@@ -85,6 +86,16 @@ class RequestHandlers:
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self._log(f"weights: {info.load_note}")
         self._log(memory_line)
+        asked = self.options.context_length
+        if asked and asked > n_ctx and info.context_length <= n_ctx:
+            # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
+            import logging
+
+            from .events import Log
+            note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
+                    f"using {n_ctx}")
+            logging.getLogger("strata").warning(note)
+            handle.emit(Log(note))
         self._log(f"K/V: {self.kv_fmt.describe()}")
         self._log(reserved.note)
         if self.dist is not None:
@@ -161,7 +172,8 @@ class RequestHandlers:
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         text = render(self.template, req.messages, bos_token=bos,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
-                      name=f"the chat template of {self.model_path.name}" if self.template else "")
+                      name=f"the chat template of {self.model_path.name}" if self.template else "",
+                      tools=getattr(req, "tools", None))
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return (self.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
@@ -247,12 +259,44 @@ class RequestHandlers:
         if mode.kind == "lookup":
             return speculative.LookupDrafter()
         from .models import resolve_model
-        path = resolve_model(mode.draft_path)
+        try:
+            path = resolve_model(mode.draft_path)
+        except OSError as e:                # a name too long for the file system, ...
+            raise RequestError(f"draft model: {e.strerror or e}") from None
         d = self.draft
-        if d is None or d.path != path or d.target_path != self.model_path:
-            self.draft = None
-            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log)
+        stale = d is None or d.path != path or d.target_path != self.model_path
+        del d
+        if stale:
+            self._release_draft("another draft asked for")   # its memory counts for the new one's fit
+            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log,
+                                                admit=self._admit_draft)
         return self.draft
+
+    def _admit_draft(self, path) -> None:
+        """A draft model goes through the load's memory estimate and guard (MemoryRefused, one line)."""
+        from .memory_estimate import fit_for_load, gpu_working_set
+        try:
+            _, line = fit_for_load(path, self.n_ctx, str(self.dtype).rsplit(".", 1)[-1], self.guard, gpu_working_set())
+        except MemoryRefused as e:
+            raise type(e)(f"draft model: {e}") from None
+        self._log(f"draft {line}")
+
+    def _release_draft(self, why: str) -> None:
+        """Drop the loaded draft model (no request uses it any more) and give its memory back."""
+        d, self.draft = getattr(self, "draft", None), None
+        if d is None:
+            return
+        name = d.path.name
+        del d
+        import gc
+
+        import mlx.core as mx
+
+        from .allocator import release_freed_memory
+        gc.collect()
+        mx.clear_cache()
+        release_freed_memory()
+        self._log(f"draft model {name} released ({why})")
 
     def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled, constraint=None):
         from . import speculative
@@ -353,7 +397,8 @@ class RequestHandlers:
 
     def _count_tokens(self, req: CountTokens) -> TokenCount:
         self._require_model()
-        return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt))))
+        return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
+                                                                 tools=req.tools))))
 
     def _session_steering(self, req: SessionSteering) -> SessionSteeringInfo:
         from .sessions import read_header

@@ -34,6 +34,7 @@ do not apply it.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class MoeSpec:
 def expert_count(g: GGUFFile) -> int:
     try:
         return int(g.arch_key("expert_count", 0) or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):      # OverflowError: inf
         raise ModelFileError(f"{g.path.name}: bad '{g.architecture}.expert_count'") from None
 
 
@@ -100,8 +101,10 @@ def moe_spec(g: GGUFFile) -> MoeSpec:
     try:
         n_used = int(g.arch_key("expert_used_count", 0) or 0)
         scale = float(g.arch_key("expert_weights_scale", 0.0) or 0.0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ModelFileError(f"{name}: bad '{arch}.expert_*' hyperparameters") from None
+    if not math.isfinite(scale):
+        raise ModelFileError(f"{name}: bad '{arch}.expert_weights_scale' ({scale})")
     if n_expert <= 0 or not 0 < n_used <= n_expert:
         raise ModelFileError(f"{name}: {arch} needs {arch}.expert_count > 0 and 0 < expert_used_count <= "
                              f"expert_count (got {n_expert} and {n_used})")

@@ -187,6 +187,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         a = arrays[6 * i:6 * i + 6]
         c.state = (tuple(a[:3]), tuple(a[3:]), n, fmt.group, fmt.bits)
     mx.eval(arrays)
+    S.check_finite(name, arrays, ("K codes", "K scales", "K biases", "V codes", "V scales", "V biases"))
     prof.build_ms += (time.perf_counter() - t) * 1e3
     ms = (time.perf_counter() - t0) * 1e3
     log(f"restored {n} tokens ({fmt.describe()}) from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, "

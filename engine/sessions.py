@@ -60,7 +60,7 @@ import xxhash
 from . import half_cast
 from .device import compute_dtype, on_cuda, on_gpu
 from .device_upload import drop_host_copies, host_view, to_device
-from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused
+from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
 
 FORMAT = "strata-session"
 VERSION = 2
@@ -716,9 +716,20 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
         # Refused, not converted: widening 8-bit codes or re-quantizing them would give a K/V that
         # no engine run produced.
         from .kv_format import describe_label, format_of_label
-        if format_of_label(theirs) is None:
+        fmt = format_of_label(theirs)
+        if fmt is None:
             raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
                                    f"{describe_label(ours)}")
+        from .kv_format import choose
+        try:
+            group = choose(fmt.bits, int(expected["head_dim"])).group
+        except (StrataError, ValueError, TypeError):
+            group = None
+        if fmt.quantized and group != fmt.group:
+            # No --kv-bits restores it: this model's head size decides the group of its quantized K/V.
+            raise SessionFileError(f"{name} holds {fmt.bits}-bit K/V in groups of {fmt.group}; this model's "
+                                   f"{fmt.bits}-bit K/V uses groups of {group} (its head size is "
+                                   f"{expected['head_dim']}), so no --kv-bits setting restores it")
         raise SessionFormatRefused(f"{name} holds {describe_label(theirs)}; this engine runs {describe_label(ours)}")
     if fp.get("steering") != str(expected["steering"]):
         raise SessionFileError(f"{name} was saved with another steering setting "
@@ -857,11 +868,28 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     for i, c in enumerate(cache):
         c.state = (arrays[2 * i], arrays[2 * i + 1], n)
     mx.eval(arrays)
+    check_finite(name, arrays, ("K", "V"))
     prof.build_ms += (time.perf_counter() - t) * 1e3
     ms = (time.perf_counter() - t0) * 1e3
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
     return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+def check_finite(name: str, arrays: list, parts: tuple[str, ...]) -> None:
+    """Refuse restored K/V (or quantized K/V's scales and biases) holding NaN or an infinity: a file
+    whose checksum was recomputed over such values would restore and generate token 0 or garbage.
+    One reduction per tensor, evaluated together on the device (the padding is zeros); integer codes
+    are skipped (every bit pattern is a value). `parts` names a layer's tensors in file order."""
+    checked = [(k, a) for k, a in enumerate(arrays) if mx.issubdtype(a.dtype, mx.floating)]
+    if not checked:
+        return
+    bad = mx.stack([mx.any(mx.logical_not(mx.isfinite(a))) for _, a in checked]).tolist()
+    if any(bad):
+        k = checked[bad.index(True)][0]
+        layer, part = divmod(k, len(parts))
+        raise SessionFileError(f"{name}: layer {layer}'s {parts[part]} holds NaN or infinite values "
+                               "(a damaged or crafted file): refused")
 
 
 GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed, copied to the device)

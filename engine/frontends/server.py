@@ -168,12 +168,19 @@ def _speculative(body: dict) -> str:
     try:
         if not isinstance(value, str):
             raise StrataError("speculative must be a string")
+        if len(value) > 300:             # a model name has at most 255 characters (draft_names.NAME_MAX)
+            raise StrataError(f"speculative is {len(value)} characters: off, lookup or draft:NAME, a model "
+                              "name from the models folder")
         mode = parse_spec(value)
     except StrataError as e:
         raise APIError(400, str(e), param="speculative", code="invalid_value") from None
-    if mode.kind == "draft" and ("/" in mode.draft_path or "\\" in mode.draft_path or mode.draft_path.startswith(".")):
-        raise APIError(400, "speculative draft: give a model name from the models folder, not a path",
-                       param="speculative", code="invalid_value")
+    if mode.kind == "draft":
+        # A name in the models folder only (engine/draft_names.py): the engine gets the file's path.
+        from .. import draft_names
+        try:
+            return f"draft:{draft_names.resolve(mode.draft_path)}"
+        except StrataError as e:
+            raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     return mode.label
 
 
@@ -215,14 +222,99 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _unsupported(body: dict) -> None:
-    if body.get("tools"):
-        raise APIError(400, "tool calling is not supported by this server", param="tools",
-                       code="unsupported_parameter")
+def _response_format(body: dict):
+    """`response_format` as a constraints.ConstraintSpec (None: text). OpenAI's shapes: {"type": "text"},
+    {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema", "strict"?,
+    "description"?}}; the schema is compiled here (llguidance, no tokenizer), so a bad one is a 400."""
+    from ..constraints import ConstraintError, ConstraintSpec
     fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format",
-                       code="unsupported_parameter")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        spec = ConstraintSpec.json_object()
+    elif kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                           param="response_format.json_schema", code="invalid_value")
+        name, strict = js.get("name"), js.get("strict", True)
+        if name is not None and not isinstance(name, str) or not isinstance(strict, (bool, type(None))):
+            raise APIError(400, "response_format.json_schema: 'name' must be a string and 'strict' true or false",
+                           param="response_format.json_schema", code="invalid_type")
+        spec = ConstraintSpec.json_schema(js.get("schema", {}), name=name, strict=strict is not False)
+    else:
+        raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema'",
+                       param="response_format", code="invalid_value")
+    try:
+        spec.check()
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=e.param or "response_format", code="invalid_json_schema") from None
+    return spec
+
+
+# ---- tool calls (engine/tool_calls.py) ------------------------------------------------------------
+def tool_error(e) -> APIError:
+    """A tool_calls.ToolError as OpenAI's 400."""
+    return APIError(400, e.message, param=e.param, code=e.code)
+
+
+class ToolFormats:
+    """The served model's tool-call family, from its chat template (read from the GGUF header, once
+    per model; the template's generation prompt says whether it opens a <think> block)."""
+
+    def __init__(self):
+        self.key, self.fmt = None, None
+
+    def get(self, engine):
+        from ..chat_template import render
+        from ..memory_estimate import read_header
+        from ..tool_calls import detect
+        facts = engine.model_facts()
+        key = (facts.model_path, facts.model_hash) if facts is not None else None
+        if self.fmt is None or key != self.key:
+            template, gen = None, ""
+            if facts is not None:
+                try:
+                    template = read_header(facts.model_path).metadata.get("tokenizer.chat_template")
+                    one = [{"role": "user", "content": "x"}]
+                    full = render(template, one, add_generation_prompt=True)
+                    gen = full[len(render(template, one, add_generation_prompt=False)):]
+                except Exception:  # noqa: BLE001 - the engine reports a bad template itself
+                    pass
+            self.key, self.fmt = key, detect(template if isinstance(template, str) else None, gen)
+        return self.fmt
+
+
+def chat_plan(engine, formats: ToolFormats, messages: list[dict], tools_in, choice_in, *,
+              parallel=True, volatile=()):
+    """(messages to render, ToolPlan or None) for checked OpenAI-form messages and raw tools/tool_choice.
+    ToolError on bad input."""
+    from ..tool_calls import check_tool_choice, check_tools, plan, strip_volatile, uses_tools
+    messages = strip_volatile(messages, volatile)
+    tools = check_tools(tools_in)
+    choice = check_tool_choice(choice_in, tools)
+    if not tools and not uses_tools(messages):
+        return messages, None
+    p = plan(formats.get(engine), messages, tools, choice, parallel=parallel)
+    return p.messages, p
+
+
+def _chat_message(text: str, finish: str, p) -> tuple[dict, str]:
+    """The assistant message (content, tool_calls) and finish_reason of a finished reply."""
+    from ..tool_calls import finish_calls, new_call_id, parse
+    if p is None or not p.active:
+        return {"role": "assistant", "content": text}, finish
+    parsed = parse(text, p.fmt, p.tools)
+    calls = finish_calls(p, parsed.calls)
+    if not calls:
+        return {"role": "assistant", "content": parsed.content}, finish
+    return ({"role": "assistant", "content": parsed.content or None,
+             "tool_calls": [{"id": c.id or new_call_id(p.fmt), "type": "function",
+                             "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]},
+            "tool_calls")
 
 
 # ---- engine bridge -----------------------------------------------------------------------------
@@ -371,17 +463,43 @@ def _plain(result) -> dict:
 
 
 def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
-               max_body_bytes: int = DEFAULT_MAX_BODY, allowed_origins: tuple[str, ...] = ()) -> Starlette:
+               max_body_bytes: int = DEFAULT_MAX_BODY, allowed_origins: tuple[str, ...] = (),
+               loading: str | None = None, volatile_lines=None) -> Starlette:
     """The OpenAI-compatible app over a started Engine. With `api_key`, every request needs
     `Authorization: Bearer <api_key>`. `host` is the address the server listens on (the Host and
-    Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413."""
+    Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413.
+    `loading`: the model of the engine's start-up load, listed as loading until it is done (the
+    engine thread is busy loading; this answers from the server's own state).
+    `volatile_lines`: regular expressions of system-prompt lines dropped before rendering (a
+    per-request header must not cost the conversation's K/V; None: tool_calls.DEFAULT_VOLATILE_LINES)."""
+    from ..tool_calls import DEFAULT_VOLATILE_LINES, ToolError
+    volatile = tuple(DEFAULT_VOLATILE_LINES if volatile_lines is None else volatile_lines)
+    formats = ToolFormats()
 
     def fingerprint() -> str:
         facts = engine.model_facts()
         return f"strata-{((facts.model_hash if facts else '') or 'none')[:12]}"
 
+    def still_loading() -> bool:
+        startup = getattr(engine, "startup", None)
+        return bool(loading) and engine.model_facts() is None and startup is not None \
+            and not startup.finished.is_set()
+
     async def list_models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": _models(engine)})
+        models = _models(engine)
+        if not models and still_loading():
+            from ..api import model_id
+            models = [{"id": model_id(loading), "object": "model", "created": 0, "owned_by": "strata",
+                       "status": "loading"}]
+        return JSONResponse({"object": "list", "data": models})
+
+    async def health(request: Request) -> Response:
+        """llama.cpp's /health: 200 {"status": "ok"} with a model loaded, else 503 in the API's shape."""
+        if engine.model_facts() is not None:
+            return JSONResponse({"status": "ok"})
+        if still_loading():
+            raise APIError(503, "the model is loading", type="unavailable_error", code="model_loading")
+        raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
 
     async def get_model(request: Request) -> Response:
         _check_model(engine, {"model": request.path_params["model"]})
@@ -393,9 +511,17 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
     async def generate(request: Request, chat: bool) -> Response:
         body = await _json_body(request)
         model_id = _check_model(engine, body)
+        plan = fmt = None
         if chat:
-            _unsupported(body)
-            messages, prompt, param = _messages(body), None, "messages"
+            fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
+            from ..tool_calls import openai_messages
+            try:
+                messages, plan = chat_plan(engine, formats, openai_messages(body.get("messages")), body.get("tools"),
+                                           body.get("tool_choice"), volatile=volatile,
+                                           parallel=_bool(body, "parallel_tool_calls", True))
+            except ToolError as e:
+                raise tool_error(e) from None
+            prompt, param = None, "messages"
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -424,9 +550,12 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        # A forced tool call (tool_choice 'required' or named) is decoded under its grammar.
+        constraint = (plan.constraint if plan is not None else None) or fmt
         bridge = _Bridge(engine, GenerateRequest(messages=messages, prompt=prompt, sampling=sampling,
                                                  speed_projection=speed, conversation=f"http {rid}",
-                                                 speculative=speculative))
+                                                 speculative=speculative, constraint=constraint,
+                                                 tools=plan.template_tools if plan is not None else None))
         handle = bridge.handle
 
         if not stream:
@@ -436,13 +565,14 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             model_id = model_id or _model_id(engine)
             res = outcome.result
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                          "logprobs": None, "finish_reason": _finish(res)}
+                message, finish = _chat_message(res.text, _finish(res), plan)
+                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": _finish(res)}
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": model_id, "system_fingerprint": fingerprint(),
-                                 "choices": [choice], "usage": _usage(res), "strata": _timings(res)})
+                                 "choices": [choice], "usage": _usage(res),
+                                 "strata": {**_timings(res), **({"tool_choice": plan.note} if plan and plan.note else {})}})
 
         # Streaming: wait for the engine to take the request (its first event) before answering, so
         # a refused request (prompt too long) still gets its status code and JSON error.
@@ -463,6 +593,27 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             return {"id": rid, "object": obj, "created": created, "model": model_id,
                     "system_fingerprint": fingerprint(), "choices": [c]}
 
+        from ..tool_calls import StreamParser, finish_calls, new_call_id
+        parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
+        calls_sent: list = []
+
+        def out(items):
+            """Parsed stream items as chunks: content deltas, and each call as delta.tool_calls."""
+            for kind, value in items:
+                if kind == "text":
+                    yield _sse(chunk(value))
+                    continue
+                if not finish_calls(plan, calls_sent + [value])[len(calls_sent):]:
+                    continue
+                k = len(calls_sent)
+                calls_sent.append(value)
+                for part in ({"index": k, "id": value.id or new_call_id(plan.fmt), "type": "function",
+                              "function": {"name": value.name, "arguments": ""}},
+                             {"index": k, "function": {"arguments": value.arguments_json}}):
+                    c = chunk(None)
+                    c["choices"][0]["delta"] = {"tool_calls": [part]}
+                    yield _sse(c)
+
         async def events():
             if chat:
                 yield _sse(chunk(None, role=True))
@@ -471,13 +622,20 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                 if isinstance(ev, Token):
                     text, ev = bridge.drain_tokens(ev)
                     if text:
-                        yield _sse(chunk(text))
+                        if parser is None:
+                            yield _sse(chunk(text))
+                        else:
+                            for line in out(parser.feed(text)):
+                                yield line
                     if ev is None:
                         ev = await bridge.get()
                     continue
                 if isinstance(ev, Done):
                     res = ev.result
-                    last = chunk(None, _finish(res))
+                    if parser is not None:
+                        for line in out(parser.finish()):
+                            yield line
+                    last = chunk(None, "tool_calls" if calls_sent else _finish(res))
                     last["strata"] = _timings(res)
                     yield _sse(last)
                     if include_usage:
@@ -542,6 +700,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result),
                              "messages": outcome.result.messages})
 
+    from .anthropic_api import routes as anthropic_routes
+
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
 
@@ -556,11 +716,14 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
 
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/sessions/save", save_session, methods=["POST"]),
         Route("/v1/sessions/restore", restore_session, methods=["POST"]),
+        *anthropic_routes(engine, formats, volatile),
     ]
     middleware = [Middleware(_RequestGuard, host=host, max_body_bytes=max_body_bytes,
                              allowed_origins=tuple(allowed_origins))]
@@ -687,8 +850,11 @@ class _BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            value = dict(scope.get("headers") or []).get(b"authorization", b"")
+            headers = dict(scope.get("headers") or [])
+            value = headers.get(b"authorization", b"")
             scheme, _, token = value.partition(b" ")
+            if b"x-api-key" in headers and not value:      # Anthropic's clients send the key this way
+                scheme, token = b"bearer", headers[b"x-api-key"]
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
                 err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
@@ -757,7 +923,7 @@ class ServerThread:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .launch import check_engine_flags, start_engine
+    from .launch import check_engine_flags, loaded, start_engine
     from ..errors import StrataError
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
@@ -772,17 +938,36 @@ def cmd_serve(args) -> int:
     if not loopback and not args.api_key:
         print(f"strata: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)
-    engine = start_engine(args)
+    # The server answers from the start: while the model loads, /v1/models lists it as loading and
+    # /health says 503 (from what the server holds; the engine thread is busy loading), and
+    # completions queue behind the load. A failed load stops the server and exits 2 with its line.
+    engine = start_engine(args, wait=False)
     app = create_app(engine, api_key=args.api_key, host=args.host,
-                     max_body_bytes=int(args.max_body_mib * (1 << 20)), allowed_origins=tuple(args.allow_origin))
+                     max_body_bytes=int(args.max_body_mib * (1 << 20)), allowed_origins=tuple(args.allow_origin),
+                     loading=engine.options.model)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"strata: serving {_models(engine)[0]['id']} at http://{host}:{sock.getsockname()[1]}/v1"
-          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                            lifespan="off", timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+    url = f"http://{host}:{sock.getsockname()[1]}/v1"
+
+    def await_load() -> None:
+        try:
+            loaded(engine)
+        except BaseException as e:  # noqa: BLE001 -- reported on the main thread
+            failure.append(e)
+            server.should_exit = True
+            return
+        print(f"strata: serving {_models(engine)[0]['id']} at {url}"
+              f"{' (API key required)' if args.api_key else ''}", file=sys.stderr)
+
+    threading.Thread(target=await_load, name="strata-await-load", daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        engine.stop()
+        if not failure:
+            engine.stop()
+    if failure:
+        raise failure[0]
     return 0

@@ -472,3 +472,94 @@ def test_seeded_mutations_are_refused_without_crash_hang_or_growth(conv):
     assert all("\n" not in o and o for o in outcomes)
     assert per_input < 2.0
     assert hwm() - before < 64 << 20
+
+
+# ------------------------------------------------------------------ issue 31 item 7: NaN/Inf K/V
+
+def _poisoned(raw: bytes, tensor: str, value: float, index: int = 3) -> bytes:
+    """`raw` with one float16 of `tensor` (a cell of the first head, within the tokens) set to `value`,
+    the checksum recomputed: only the finite check can refuse it."""
+    head, data = split(raw)
+    assert head[tensor]["dtype"] == "F16", head[tensor]
+    a = head[tensor]["data_offsets"][0]
+    d = bytearray(data)
+    d[a + 2 * index:a + 2 * index + 2] = np.float16(value).tobytes()
+    return assemble(head, bytes(d))
+
+
+@pytest.fixture(scope="module")
+def quant_files(tiny_gguf_wide, tmp_path_factory):
+    """8- and 4-bit session files (head size 32: groups of 32) with their engines."""
+    d = tmp_path_factory.mktemp("quant-refusals")
+    out = {}
+    for bits in (8, 4):
+        engine = start(tiny_gguf_wide, kv_bits=bits)
+        ask(engine, [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": words(30)}], "Q", n=6)
+        f = d / f"q{bits}.stratasession"
+        engine.call(SaveSession(str(f)))
+        out[bits] = (engine, f.read_bytes())
+    yield d, out
+    for engine, _ in out.values():
+        engine.stop()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_16_bit_k_v_with_nan_or_inf_is_refused(conv, value):
+    blobs = [_poisoned(conv["raw"], t, value) for t in ("k.0", "v.1")]
+    outcomes = restore_all(conv["engine"], conv["dir"] / "nan.stratasession", blobs)
+    assert outcomes == ["nan.stratasession: layer 0's K holds NaN or infinite values (a damaged or crafted "
+                        "file): refused",
+                        "nan.stratasession: layer 1's V holds NaN or infinite values (a damaged or crafted "
+                        "file): refused"], outcomes
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_quantized_scales_and_biases_with_nan_or_inf_are_refused(quant_files, bits, value):
+    d, files = quant_files
+    engine, raw = files[bits]
+    cases = {"k.0.s": "layer 0's K scales", "k.1.b": "layer 1's K biases", "v.2.s": "layer 2's V scales",
+             "v.0.b": "layer 0's V biases"}
+    outcomes = restore_all(engine, d / f"bad{bits}.stratasession", [_poisoned(raw, t, value) for t in cases])
+    for want, got in zip(cases.values(), outcomes):
+        assert got == f"bad{bits}.stratasession: {want} holds NaN or infinite values (a damaged or crafted file): " \
+                      "refused", got
+    assert restore_all(engine, d / f"good{bits}.stratasession", [raw]) == ["OK"]
+
+
+def test_a_nan_file_through_the_engine_keeps_the_live_conversation(conv):
+    engine, d = conv["engine"], conv["dir"]
+    bad = d / "nan-live.stratasession"
+    bad.write_bytes(_poisoned(conv["raw"], "v.0", float("nan")))
+    before = engine.call(Status())
+    with pytest.raises(StrataError, match=r"layer 0's V holds NaN or infinite values"):
+        engine.call(RestoreSession(str(bad)))
+    after = engine.call(Status())
+    assert (after.live_tokens, after.parking) == (before.live_tokens, before.parking)
+
+
+def test_a_q8g32_file_at_8_bits_names_the_group_not_a_flag(tmp_path):
+    """A file of 8-bit K/V in groups of 32 for a model whose 8-bit K/V uses groups of 64 (head size 64):
+    no --kv-bits restores it, and the refusal says why instead of '(restore it with --kv-bits 8)'."""
+    from gguf_factory import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "head64.gguf", arch="llama", n_layer=2, n_embd=128, n_head=2, n_head_kv=2,
+                            n_ff=128, seed=3)
+    engine = start(model, kv_bits=8)
+    try:
+        ask(engine, [{"role": "user", "content": words(20)}], "G", n=4)
+        f = tmp_path / "g64.stratasession"
+        engine.call(SaveSession(str(f)))
+        head, data = split(f.read_bytes())
+        meta = head["__metadata__"]
+        assert meta["kv_dtype"] == "q8g64"
+        assert meta["fp.kv_format"] == "q8g64"
+        meta.update({"kv_dtype": "q8g32", "fp.kv_format": "q8g32"})
+        crafted = tmp_path / "g32.stratasession"
+        crafted.write_bytes(assemble(head, data))
+        with pytest.raises(StrataError) as e:
+            engine.call(RestoreSession(str(crafted)))
+        msg = str(e.value)
+        assert "groups of 32" in msg and "groups of 64" in msg and "no --kv-bits setting restores it" in msg, msg
+        assert getattr(e.value, "reason", "") != "kv_format"       # the CLI adds no '--kv-bits' hint
+    finally:
+        engine.stop()
