@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
-from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
 from .sampling import SamplingParams
 
 
@@ -48,7 +48,10 @@ class EngineOptions:
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
     kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
-    disk_mib: int = DEFAULT_DISK_MIB          # the disk tier under parking (engine/disk_tier.py), 0 = off
+    # The disk tier under parking (engine/disk_tier.py), MiB, 0 = off. Off for an engine built in code (a
+    # bench, a test, an embedding: each starts cold unless it asks); the CLI, the server and the app pass
+    # their default, limits.DEFAULT_DISK_MIB.
+    disk_mib: int = 0
     disk_dir: str | None = None               # its folder (None: the data folder's cache/conversations)
 
 
