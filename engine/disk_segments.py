@@ -8,8 +8,10 @@ A segment holds the K/V of the tokens a turn added (tokens [start, start + n)):
     JSON                 key, fingerprint (engine/handlers.py session_fingerprint), start, owner, messages
     tokens               int32, n
     K/V                  the session file's tensor table (engine/sessions.py `layout`) for n tokens,
-                         minus its `tokens`: per layer K then V, float16 (1, kv_heads, n, head_dim), or
-                         the 8/4-bit codes, scales and biases as held (engine/session_quant.py)
+                         minus its `tokens`: per layer K then V (1, kv_heads, n, head_dim) in the cache's
+                         own precision (`store`: float32 on the CPU, float16 on a GPU: a restore gives
+                         back exactly the K/V the engine held, so a reply continues as it would have),
+                         or the 8/4-bit codes, scales and biases as held (engine/session_quant.py)
 
 The head digest (xxh3-128) covers the fixed part (digests read as zeros), the JSON and the tokens; the
 K/V digest covers the K/V. So a scan reads only the small parts and checks them; a restore checks the
@@ -36,7 +38,8 @@ _FIXED = struct.Struct("<8sIIIQ16s16s4x")      # 64 bytes
 FIXED_BYTES = _FIXED.size
 MAX_JSON = 16 << 20                # fingerprint and messages: far below this
 MAX_TOKENS = 1 << 22               # per segment (a context is far below)
-_NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4")}
+_NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4")}
+STORES = ("float16", "float32")    # how 16-bit-format K/V is stored (the cache's own dtype)
 _ZERO16 = b"\0" * 16
 _FP_INTS = {"n_layer": 4096, "n_kv_heads": 4096, "head_dim": 65536}
 
@@ -73,15 +76,20 @@ def geometry(fp: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> Geometry
     return Geometry.of(fp, n_vocab, n_ctx)
 
 
-def kv_specs(n: int, g: Geometry) -> list[TensorSpec]:
+def kv_specs(n: int, g: Geometry, store: str = "float16") -> list[TensorSpec]:
     """The K/V tensors of n tokens, offsets from the start of the segment's K/V."""
-    specs = layout(n, g)
-    base = specs[0].end
-    return [TensorSpec(s.name, s.dtype, s.shape, s.start - base, s.end - base) for s in specs[1:]]
+    specs = layout(n, g)[1:]
+    out, off = [], 0
+    for s in specs:
+        wide = store == "float32" and s.dtype == "F16" and g.kv == "float16"
+        size = (s.end - s.start) * (2 if wide else 1)
+        out.append(TensorSpec(s.name, "F32" if wide else s.dtype, s.shape, off, off + size))
+        off += size
+    return out
 
 
-def kv_bytes(n: int, g: Geometry) -> int:
-    specs = kv_specs(n, g)
+def kv_bytes(n: int, g: Geometry, store: str = "float16") -> int:
+    specs = kv_specs(n, g, store)
     return specs[-1].end if specs else 0
 
 
@@ -89,8 +97,8 @@ def header_json(meta: dict) -> bytes:
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def segment_bytes(json_len: int, n: int, g: Geometry) -> int:
-    return FIXED_BYTES + json_len + 4 * n + kv_bytes(n, g)
+def segment_bytes(json_len: int, n: int, g: Geometry, store: str = "float16") -> int:
+    return FIXED_BYTES + json_len + 4 * n + kv_bytes(n, g, store)
 
 
 def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
@@ -130,6 +138,8 @@ def _check_meta(meta, start: int, first: dict | None) -> dict:
         raise SegmentError("bad owner")
     if not isinstance(fp, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fp.items()):
         raise SegmentError("bad fingerprint")
+    if meta.get("store", "float16") not in STORES:
+        raise SegmentError("bad K/V precision")
     if meta.get("start") != start or type(meta.get("start")) is not int:
         raise SegmentError(f"starts at token {str(meta.get('start'))[:20]}, expected {start}")
     why = validate_messages(meta.get("messages", []))
@@ -172,7 +182,7 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
                 raise SegmentError("unreadable header") from None
             meta = _check_meta(meta, start, first)
             g = geometry(meta["fp"])
-            if kv_len != kv_bytes(n, g):
+            if kv_len != kv_bytes(n, g, meta.get("store", "float16")):
                 raise SegmentError(f"K/V length {kv_len} does not match {n} tokens")
             tokens = np.frombuffer(body[jlen:], dtype="<i4").copy()
             segs.append(Segment(off, end, start, tokens, meta, off + FIXED_BYTES + jlen + 4 * n, kv_len, kd))
@@ -185,7 +195,7 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
 
 def read_kv(fd: int, seg: Segment, g: Geometry) -> list[np.ndarray]:
     """The segment's K/V tensors (numpy, file layout), its digest checked (SegmentError)."""
-    specs = kv_specs(seg.n, g)
+    specs = kv_specs(seg.n, g, seg.meta.get("store", "float16"))
     buf = np.empty(seg.kv_len, np.uint8)
     view = memoryview(buf)
     got = 0

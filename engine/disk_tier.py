@@ -329,7 +329,8 @@ class DiskTier:
         else:
             e = None
         t0 = time.perf_counter()
-        kv = _host_copy(entry.cache, keep_tokens, n, g, stop)
+        store = _store_of(entry.cache)
+        kv = _host_copy(entry.cache, keep_tokens, n, g, store, stop)
         if kv is None:
             return False
         copy_ms = (time.perf_counter() - t0) * 1e3
@@ -337,8 +338,8 @@ class DiskTier:
             eid = secrets.token_hex(8)
             e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [])
         meta = ds.header_json({"key": entry.key, "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
-                               "messages": list(entry.messages)})
-        seg = ds.segment_bytes(len(meta), n - keep_tokens, g)
+                               "store": store, "messages": list(entry.messages)})
+        seg = ds.segment_bytes(len(meta), n - keep_tokens, g, store)
         if keep_bytes + seg > self.cap_bytes:
             self.log(f"disk cache: {n} tokens need {(keep_bytes + seg) / MIB:.1f} MiB, more than the whole cap "
                      f"of {self.cap_bytes / MIB:.0f} MiB; not written")
@@ -369,14 +370,16 @@ class DiskTier:
         job.what, job.entry_id = f"writing {path.name}", e.id
         self._queue(job)
         if len(e.bounds) > COMPACT_SEGMENTS:
-            self._compact(e, g)
+            self._compact(e, g, store)
         return True
 
-    def _compact(self, e: DiskEntry, g) -> None:
+    def _compact(self, e: DiskEntry, g, store: str) -> None:
         """Queue the rewrite of e's segments as one (by the writer thread: it reads the file, not the engine)."""
-        meta = ds.header_json({"key": e.key, "fp": e.fp, "start": 0, "owner": e.owner, "messages": e.messages})
+        meta = ds.header_json({"key": e.key, "fp": e.fp, "start": 0, "owner": e.owner, "store": store,
+                               "messages": e.messages})
         n = len(e.tokens)
-        size = ds.segment_bytes(len(meta), n, g)
+        size = ds.segment_bytes(len(meta), n, g, store)
+        specs = ds.kv_specs(1, g, store)
         e.bounds = [(n, size)]
         path, stats, log = e.path, self.stats, self.log
 
@@ -389,7 +392,8 @@ class DiskTier:
                 parts = [ds.read_kv(fd, s, g) for s in segs]
             finally:
                 os.close(fd)
-            kv = [np.concatenate([p[i] for p in parts], axis=2) for i in range(len(parts[0]))]
+            kv = [np.concatenate([p[i] for p in parts], axis=2).astype(ds._NP[specs[i].dtype], copy=False)
+                  for i in range(len(parts[0]))]
             tokens = np.concatenate([s.tokens for s in segs])
             tmp = path.with_name(f".{path.stem}.compact.tmp")
             written = _append(tmp, 0, ds.encode(meta, tokens, kv))
@@ -600,9 +604,17 @@ def _np_dtype(dtype):
     return np.float16 if dtype == mx.float16 else np.float32
 
 
-def _host_copy(cache: list, a: int, b: int, g, stop: Callable[[], bool]) -> list[np.ndarray] | None:
-    """Cells [a, b) of every layer's K/V as numpy host arrays in the segment's order (16-bit K/V as
-    float16, quantized as held), one layer at a time; None when `stop()` says a request is waiting."""
+def _store_of(cache: list) -> str:
+    """How 16-bit K/V is stored: in the cache's own precision (float32 on the CPU; bfloat16 widened)."""
+    import mlx.core as mx
+    from . import kv_format
+    arrays = kv_format.arrays_of(cache[0]) if cache else []
+    return "float16" if arrays and arrays[0].dtype == mx.float16 else "float32"
+
+
+def _host_copy(cache: list, a: int, b: int, g, store: str, stop: Callable[[], bool]) -> list[np.ndarray] | None:
+    """Cells [a, b) of every layer's K/V as numpy host arrays in the segment's order (16-bit K/V in
+    `store`, quantized as held), one layer at a time; None when `stop()` says a request is waiting."""
     import mlx.core as mx
 
     from . import kv_format
@@ -615,7 +627,7 @@ def _host_copy(cache: list, a: int, b: int, g, stop: Callable[[], bool]) -> list
             raise ValueError("the conversation's K/V holds fewer cells than its tokens")
         sl = [x[..., a:b, :] for x in arrays]
         if g.kv == "float16":
-            sl = [s.astype(mx.float16) for s in sl]
+            sl = [s.astype(mx.float16 if store == "float16" else mx.float32) for s in sl]
         sl = [mx.contiguous(s) for s in sl]
         mx.eval(sl)
         out += [np.array(s, copy=True) for s in sl]
