@@ -253,7 +253,8 @@ def test_bad_parameters_are_400(server, client):
              ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
               "messages[0].content"),
-             ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]
+             ({"messages": msgs, "tools": "f"}, "tools"),
+             ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name")]
     for body, param in cases:
         assert _error(httpx.post(url, json=body), 400)["param"] == param, body
     assert _error(httpx.post(f"{server.base_url}/completions", json={"prompt": [1, 2, 3]}), 400)["param"] == "prompt"
