@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 from starlette.requests import Request
@@ -234,7 +233,7 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
             if plan is not None and plan.active:
                 parsed = parse(r.text, plan.fmt, plan.tools)
                 calls = finish_calls(plan, parsed.calls)
-                text = parsed.content if calls else parsed.content
+                text = parsed.content
             if text:
                 blocks.append({"type": "text", "text": text})
             for c in calls:
@@ -343,6 +342,5 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
         except APIError as e:
             return error_response(e)
 
-    _ = time
     return [Route("/v1/messages", messages_endpoint, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
