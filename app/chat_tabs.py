@@ -211,6 +211,9 @@ class ChatTabs(QTabWidget):
         if finishing is not None:                # its late reply is never saved; the view goes when it ends
             self._dropped.add(finishing)
         self.store.delete_chat(chat_id)
+        forget = getattr(self.client, "forget_conversation", None)
+        if forget is not None:                   # its K/V goes too (the engine's disk tier and parking)
+            forget(f"chat-{chat_id}")
         self._seen.pop(chat_id, None)
         self.library_changed.emit()
         return gone

@@ -61,6 +61,7 @@ class ChatView(QWidget):
         self.notes: list[str] = []     # lines shown in the transcript (e.g. "restored N tokens")
         self._note_at: list[int] = []  # each note's place: the number of messages before it
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
+        self.disk_note = ""            # "restored from disk (N tokens)" when a reply's K/V came from the disk tier
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
         self._t_sent = 0.0
@@ -422,6 +423,9 @@ class ChatView(QWidget):
         if self.request is not None:
             self.live.update(prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens)
             self.live_figures.emit(dict(self.live))
+            if getattr(ev, "restored_from_disk", 0):
+                self.disk_note = f"restored from disk ({ev.restored_from_disk} tokens)"
+                self.message.emit(self.disk_note)
 
     def _finish(self) -> None:
         self._render_timer.stop()

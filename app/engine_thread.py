@@ -79,7 +79,8 @@ class EngineThread(QThread):
     crashed = Signal(str)
 
     def __init__(self, cache_mib: int = DEFAULT_CACHE_MIB, cache_slots: int = DEFAULT_CACHE_SLOTS, steering=None,
-                 speed_projection: bool = False, kv_bits: int = 16, parent: QObject | None = None):
+                 speed_projection: bool = False, kv_bits: int = 16, parent: QObject | None = None,
+                 disk_mib: int = 0):
         """`speed_projection`: the engine's default for requests that name none (the settings' "on by
         default"); the app's own requests always name theirs. `kv_bits`: the settings' K/V cache
         precision, in force from the first conversation (a model whose head size cannot take it is
@@ -87,7 +88,7 @@ class EngineThread(QThread):
         super().__init__(parent)
         self.setObjectName("strata-engine")
         self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
-                          kv_bits=kv_bits)
+                          kv_bits=kv_bits, disk_mib=disk_mib)
         self._steering = steering
         self.engine = None
         self._stop_asked = False
@@ -163,7 +164,7 @@ class EngineClient(QObject):
     def _submit(self, kind: str, make) -> Request:
         req = Request(kind, self)
         req.finished.connect(req.deleteLater)
-        if kind in ("generate", "save", "restore", "load", "configure"):
+        if kind in ("generate", "save", "restore", "load", "configure", "disk"):
             req.finished.connect(self.kv_changed)
         req.kv.connect(self.kv_state)
         if self._ready:
@@ -212,6 +213,27 @@ class EngineClient(QObject):
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
                              kv_bits=kv_bits)
         return self._submit("configure", make)
+
+    def configure_disk(self, disk_mib: int) -> Request:
+        """The disk tier's cap (engine/disk_tier.py), 0 = off."""
+        def make():
+            from engine.api import Configure
+            return Configure(disk_mib=disk_mib)
+        return self._submit("configure", make)
+
+    def clear_disk_cache(self) -> Request:
+        """Every conversation in the disk tier removed: result is the EngineStatus (its `disk` figures)."""
+        def make():
+            from engine.api import ClearDiskCache
+            return ClearDiskCache()
+        return self._submit("disk", make)
+
+    def forget_conversation(self, conversation: str) -> Request:
+        """A deleted chat: its K/V dropped from the disk tier and from parking."""
+        def make():
+            from engine.api import ForgetConversation
+            return ForgetConversation(conversation)
+        return self._submit("disk", make)
 
     def count_prompt_tokens(self, messages: list[dict]) -> Request:
         """How many tokens these messages make as a prompt (the model's template): result.tokens."""

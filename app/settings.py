@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QSettings, Signal
 
-from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
+from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB   # plain Python: no mlx
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 
 from .paths import AppPaths
@@ -63,6 +63,7 @@ _OLD_KEYS = {"steering/speed_projection": "steering/on_by_default"}
 class Settings:
     cache_mib: int = DEFAULT_CACHE_MIB
     cache_slots: int = DEFAULT_CACHE_SLOTS
+    disk_mib: int = DEFAULT_DISK_MIB      # the disk tier under parking (engine/disk_tier.py), 0 = off
     # K/V cache precision (engine/kv_format.py): 16, 8 or 4 bits per value. A settings file from before
     # it existed has no key and loads as 16, the format every older session file holds.
     kv_bits: int = 16

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.limits import SLOTS_MAX
+from engine.limits import DISK_MIB_MAX, SLOTS_MAX
 
 from .sampling_form import SamplingForm, spin
 from .settings import Settings, SettingsService
@@ -135,6 +135,17 @@ class SettingsPage(QDialog):
         self.cache_slots = NumberField(1, SLOTS_MAX, s.cache_slots)
         self.cache_slots.setToolTip(f"How many conversations are kept parked: 1 to {SLOTS_MAX}")
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
+        # The disk tier under parking (engine/disk_tier.py): its cap, what it holds, and Clear
+        self.disk_mib = NumberField(0, DISK_MIB_MAX, s.disk_mib, " MiB")
+        self.disk_mib.setToolTip("Conversations' K/V kept on disk (the data folder's cache), found again after "
+                                 "an eviction or a restart instead of reading the conversation again; 0 turns it off")
+        self.disk_used = QLabel(self._disk_text(status), objectName="diskUsed")
+        self.disk_clear = QPushButton("Clear", objectName="diskClear", clicked=self._clear_disk)
+        self.disk_clear.setEnabled(client is not None)
+        disk_row = QHBoxLayout()
+        disk_row.addWidget(self.disk_mib)
+        disk_row.addWidget(self.disk_used, 1)
+        disk_row.addWidget(self.disk_clear)
         # K/V precision (engine/kv_format.py): the engine checks it against the loaded model's head size
         self.kv_bits = QComboBox(objectName="kvBits", toolTip=KV_BITS_TIP)
         for label, bits in KV_BITS_CHOICES:
@@ -144,6 +155,7 @@ class SettingsPage(QDialog):
         f = QFormLayout(cache)
         f.addRow("Cap (0 = off)", self.cache_mib)
         f.addRow("Slots", self.cache_slots)
+        f.addRow("On disk (0 = off)", disk_row)
         f.addRow("K/V cache precision", self.kv_bits)
         f.addRow("Memory guard", self.guard)
 
@@ -268,6 +280,27 @@ class SettingsPage(QDialog):
                 f"({m['source']}); the cap may be {cls._cache_range(status).describe()}. "
                 f"Parked now: {p.get('entries', 0)} conversations, {p.get('bytes', 0) / (1 << 20):.1f} MiB.")
 
+    @staticmethod
+    def _disk_text(status) -> str:
+        d = status.disk if status is not None else None
+        if not d:
+            return "used: no reading yet"
+        return f"used {d['bytes'] / (1 << 20):.1f} MiB by {d['entries']} conversation(s)"
+
+    def _clear_disk(self) -> None:
+        """Every conversation on disk removed (the engine's ClearDiskCache); the used size shown again."""
+        if self.client is None:
+            return
+        self.disk_clear.setEnabled(False)
+        req = self.client.clear_disk_cache()
+        req.done.connect(self._disk_cleared)
+        req.failed.connect(lambda m: (self.disk_clear.setEnabled(True), self.show_error(m)))
+
+    def _disk_cleared(self, status) -> None:
+        self.status = status
+        self.disk_used.setText(self._disk_text(status))
+        self.disk_clear.setEnabled(True)
+
     def _update_server_url(self) -> None:
         host = self.server_host.text().strip() or "127.0.0.1"
         url = f"http://{f'[{host}]' if ':' in host else host}:{self.server_port.text().strip()}/v1"
@@ -291,7 +324,7 @@ class SettingsPage(QDialog):
             self.folders.addItem(d)
 
     def number_fields(self) -> dict[str, NumberField]:
-        return {"Cap": self.cache_mib, "Slots": self.cache_slots, "Layers from": self.layer_from,
+        return {"Cap": self.cache_mib, "Slots": self.cache_slots, "On disk": self.disk_mib, "Layers from": self.layer_from,
                 "Layers to": self.layer_to, "Port": self.server_port}
 
     def check_fields(self) -> str:
@@ -305,6 +338,7 @@ class SettingsPage(QDialog):
         s = self.settings.snapshot()
         s.cache_mib, s.cache_slots = self.cache_mib.value(), self.cache_slots.value()
         s.kv_bits = int(self.kv_bits.currentData())
+        s.disk_mib = self.disk_mib.value()
         s.steering.files = [tuple(self.cv_list.item(i).data(256)) for i in range(self.cv_list.count())]
         s.steering.layer_from, s.steering.layer_to = self.layer_from.value(), self.layer_to.value()
         s.steering.mode = self.mode.currentText()

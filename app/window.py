@@ -62,7 +62,8 @@ class MainWindow(QMainWindow):
         self.engine_thread = EngineThread(self.settings.cache_mib, self.settings.cache_slots,
                                           self.settings.steering,
                                           speed_projection=self.settings.steering.speed_projection,
-                                          kv_bits=self.settings.kv_bits, parent=self)
+                                          kv_bits=self.settings.kv_bits, parent=self,
+                                          disk_mib=self.settings.disk_mib)
         self.client = EngineClient(self.engine_thread, self)
         self.server = ServerControl(self.client, self.settings, self.bus, self)
 
@@ -237,6 +238,8 @@ class MainWindow(QMainWindow):
             self.client.configure(speed_projection=self.settings.steering.speed_projection)
         elif key == "theme":
             theme.apply(self.settings.theme)
+        elif key == "disk_mib":
+            self.client.configure_disk(self.settings.disk_mib)
         if key != "model" and self.client.is_ready:
             self._status_soon()                # e.g. the cache limits: the status bar's figures
 

@@ -294,6 +294,8 @@ class DiskTier:
         """Whether `entry` holds tokens its file does not (or has no file)."""
         if not self.enabled or len(entry.tokens) < MIN_TOKENS:
             return False
+        if getattr(entry, "disk_skip", -1) == len(entry.tokens):     # cleared: written again once it grows
+            return False
         e = self.entries.get(getattr(entry, "disk_id", ""))
         return e is None or e.key != entry.key or e.tokens != entry.tokens
 
@@ -585,6 +587,8 @@ def stop(engine) -> None:
 def clear_request(engine):
     if engine.disk is not None:
         engine.disk.clear()
+        for e in engine.conversations.held():       # held in RAM: not written back until they grow
+            e.disk_id, e.disk_skip = "", len(e.tokens)
     return engine.status()
 
 
@@ -592,6 +596,9 @@ def forget_request(engine, req):
     if engine.disk is not None:
         engine.disk.forget(req.conversation)
     if engine.conversations is not None and req.conversation:
+        live = engine.conversations.live
+        if live is not None and live.owner == req.conversation:
+            engine.conversations.drop(live, "its chat was deleted")
         for e in list(engine.conversations.parking.entries):
             if e.owner == req.conversation:
                 engine.conversations.parking.drop(e, "its chat was deleted")
