@@ -47,6 +47,7 @@ import platform
 import re
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -426,6 +427,59 @@ def print_table(rows, head=("metric", "Strata (MLX)", "llama.cpp", "ratio", "tar
         print("| " + " | ".join(row) + " |")
 
 
+def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None) -> int:
+    """--restart: returning to a conversation of each size after a restart, the disk tier
+    (engine/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes."""
+    import time as _time
+
+    from engine.api import Call, Status
+    from engine.engine import Engine, EngineOptions
+    rows = []
+    for n in sizes:
+        folder = Path(tempfile.mkdtemp(prefix="strata-bench-disk-"))
+
+        def start(disk_mib: int):
+            e = Engine(EngineOptions(model=str(model), disk_mib=disk_mib, disk_dir=str(folder), dtype=dtype)).start()
+            e.startup.result()
+            return e
+        e = start(4096)
+        tok = e.call(Call(lambda eng: eng.tokenizer)).value
+        first = [{"role": "user", "content": history_text(tok, n) + "\n\nSummarise this in one line."}]
+        r1, _ = chat(e, first, "bench", reply_tokens)
+        e.wait_idle(600)
+        e.call(Call(lambda eng: eng.disk.flush()))
+        d1 = e.call(Status()).disk
+        follow = first + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And in one word?"}]
+        r2, _ = chat(e, follow, "bench", reply_tokens)
+        e.wait_idle(600)
+        e.call(Call(lambda eng: eng.disk.flush()))
+        d2 = e.call(Status()).disk
+        e.stop()
+        again = follow + [{"role": "assistant", "content": r2.text}, {"role": "user", "content": "Thanks. Why?"}]
+        e = start(4096)                           # a restart: the disk tier finds the conversation
+        t = _time.perf_counter()
+        disk, _ = chat(e, again, "bench", 1)
+        disk_s = _time.perf_counter() - t
+        e.stop()
+        e = start(0)                              # a restart without it: the conversation read again
+        t = _time.perf_counter()
+        cold, _ = chat(e, again, "bench", 1)
+        cold_s = _time.perf_counter() - t
+        e.stop()
+        rows.append((n, disk.prompt_tokens, disk.restored_from_disk, disk.ttft_ms, cold.ttft_ms,
+                     cold.ttft_ms / max(disk.ttft_ms, 1e-6), d1["last_write"]["bytes"], d2["last_write"]["bytes"],
+                     d2["bytes"], disk_s, cold_s))
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"model {model.name}, dtype {dtype or 'default'}; first token after a restart (ms)")
+    print("| history | prompt | from disk | disk tier ttft | re-read ttft | speed-up | turn 1 written | "
+          "turn 2 written | file |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, p, rd, dt, ct, x, w1, w2, size, _, _ in rows:
+        print(f"| {n} | {p} | {rd} | {dt:.1f} | {ct:.1f} | {x:.1f}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB | "
+              f"{size / 1e6:.2f} MB |")
+    return 0
+
+
 def main() -> int:
     from engine.engine import Call, Engine, EngineOptions, Status
     from engine.models import default_model_path
@@ -457,7 +511,22 @@ def main() -> int:
                     help="also N rounds of restores, each into a new process that has just loaded the model")
     ap.add_argument("--child-restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     ap.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--restart", action="store_true",
+                    help="returning to a 2,000- and an 8,000-token conversation after a restart: the disk tier "
+                         "against reading it again (on a CPU 8,000 only with --restart-sizes)")
+    ap.add_argument("--restart-sizes", default=None, metavar="N,N",
+                    help="--restart: history sizes (default 2000,8000 on a GPU, 2000 on a CPU)")
     args = ap.parse_args()
+    if args.restart:
+        from engine.device import on_gpu
+        from engine.models import default_model_path as _default
+        sizes = [int(x) for x in (args.restart_sizes or ("2000,8000" if on_gpu() else "2000")).split(",")]
+        if args.random_shape:
+            from bench.shapes import build_random_model
+            model = build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
+        else:
+            model = Path(args.model) if args.model else _default()
+        return restart_bench(model, sizes, args.reply_tokens, args.dtype)
     if args.child_restore:
         return child_restore(*args.child_restore, args.model, args.session_tokens, args.threads, args.context,
                              args.dtype)
