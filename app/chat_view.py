@@ -439,11 +439,11 @@ class ChatView(QWidget):
         """`result`: engine.api.Generation."""
         text = result.text
         self.chat.messages.append({"role": "assistant", "content": text})
+        if result.finish_reason == "length":       # shown by _finish's render, under this reply
+            self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
+                              "Max tokens in the chat's config, for a longer reply.")
         self._finish()
         self.last_result = result
-        if result.finish_reason == "length":
-            self.add_note(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
-                          "Max tokens in the chat's config, for a longer reply.")
         self.changed.emit()
         self.stats.emit(result)
         if result.finish_reason == "cancelled":
