@@ -325,7 +325,7 @@ def test_fuzz_model_folder_files(tmp_path, tiny_model):
 
 @pytest.mark.fuzz_long
 def test_fuzz_model_folder_files_long(tmp_path, tiny_model):
-    tally = _fuzz_model_files(tiny_model, 30000, seed=3131, tmp_path=tmp_path)
+    tally = _fuzz_model_files(tiny_model, 20000, seed=3131, tmp_path=tmp_path)
     print("\n" + tally.line("model-folder files (long)"))
     assert not tally.crashes, "\n".join(tally.crashes[:5])
 
@@ -687,7 +687,7 @@ def test_fuzz_chats_databases(tmp_path):
 
 @pytest.mark.fuzz_long
 def test_fuzz_chats_databases_long(tmp_path):
-    tally = _fuzz_databases(5000, seed=3131, tmp_path=tmp_path)
+    tally = _fuzz_databases(2000, seed=3131, tmp_path=tmp_path)
     print("\n" + tally.line("chats databases (long)").replace("refused", "named (notice)").replace("accepted", "opened")
           + f", {getattr(tally, 'failed_later', 0)} failed after opening (one line)")
     assert not tally.crashes, "\n".join(tally.crashes[:5])
@@ -843,7 +843,7 @@ def test_fuzz_single_instance_channel(channel):
 @pytest.mark.gui
 @pytest.mark.fuzz_long
 def test_fuzz_single_instance_channel_long(channel):
-    tally = _fuzz_channel(channel, 5000, seed=3131)
+    tally = _fuzz_channel(channel, 3000, seed=3131)
     print("\n" + tally.line("single-instance channel (long)"))
     assert not tally.crashes, "\n".join(tally.crashes[:5])
 
