@@ -148,11 +148,19 @@ class EngineClient(QObject):
         self.thread = thread
         self._pending: list[tuple[Request, object]] = []
         self._ready = False
+        self._open: set[Request] = set()        # submitted, not finished (cancel_replies)
         thread.ready.connect(self._on_ready)
 
     @property
     def is_ready(self) -> bool:
         return self._ready
+
+    def cancel_replies(self) -> None:
+        """Cancel every reply and title request in flight or queued (the window is closing: a long
+        prompt being read must not keep the engine thread, which the engine now stops within a layer)."""
+        for req in list(self._open):
+            if req.kind == "generate":
+                req.cancel()
 
     def _on_ready(self) -> None:
         self._ready = True
@@ -163,6 +171,8 @@ class EngineClient(QObject):
 
     def _submit(self, kind: str, make) -> Request:
         req = Request(kind, self)
+        self._open.add(req)
+        req.finished.connect(lambda r=req: self._open.discard(r))
         req.finished.connect(req.deleteLater)
         if kind in ("generate", "save", "restore", "load", "configure", "disk"):
             req.finished.connect(self.kv_changed)

@@ -254,6 +254,7 @@ class MainWindow(QMainWindow):
         self.library.shutdown()
         self.server.shutdown()
         if self.engine_thread.isRunning():
+            self.client.cancel_replies()        # a reply or title being read must not hold the stop
             self.engine_thread.stop()
         if not self._closed:
             self._closed = True
