@@ -24,7 +24,8 @@ session files hold only accepted, delivered tokens.
 
 Never slower: the first PLAIN_FIRST passes of a request are plain one-token steps, timing the
 baseline. From the MIN_JUDGE-th drafting pass on, the last (up to WINDOW) drafting passes are judged
-after each verify pass: tokens/s below the plain baseline (the fastest plain pass, or this model's
+after each verify pass: tokens/s below the plain baseline (below EARLY_MARGIN of it while fewer than
+WINDOW passes are in) (the fastest plain pass, or this model's
 plain decode speed from an earlier reply when that is faster; with no baseline, acceptance below
 MIN_ACCEPTANCE) and the request stops speculating and finishes in the ordinary (pipelined) decode
 loop. A pass with no n-gram match is a plain one-token step (without the plain loop's pipelining);
@@ -74,6 +75,7 @@ MODEL_DRAFT = 4            # draft model: each drafted token also costs a draft-
 # without a plain timing, once acceptance falls below MIN_ACCEPTANCE.
 WINDOW = 8
 MIN_JUDGE = 3              # drafting passes before the first judgement (a slow draft costs little)
+EARLY_MARGIN = 0.8         # before a full WINDOW, stop only below this share of the plain speed (noise)
 MIN_ACCEPTANCE = 0.25
 PLAIN_FIRST = 2            # the first passes of a request are plain: they time the baseline
 # Passes without any draft (no n-gram match) are plain decode steps, minus the plain loop's
@@ -151,7 +153,7 @@ class SpecStats:
         n = len(self.recent)
         plain_tps, spec_tps = self.plain_tps(), self.spec_tps()
         if plain_tps and spec_tps:
-            if spec_tps < plain_tps:
+            if spec_tps < plain_tps * (1.0 if n >= WINDOW else EARLY_MARGIN):
                 self.slower = True
                 return (f"{spec_tps:.1f} tok/s speculating vs {plain_tps:.1f} plain over the last "
                         f"{n} drafts (accepted {a}/{d})")
