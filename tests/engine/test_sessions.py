@@ -89,8 +89,9 @@ def test_restore_in_a_fresh_process_continues_token_for_token(tiny_gguf, tmp_pat
     assert int(meta["n_tokens"]) == h and saved[1]["session_bytes"] == sess.stat().st_size
     for temperature, ref, extra in ((0.8, ref_sampled, ["--temperature", "0.8", "--seed", "13"]),
                                     (0.0, ref_greedy, [])):
+        # (the disk tier off: the first loop's process leaves its longer conversation on disk)
         out = json.loads(cli("generate", "--model", str(tiny_gguf), "--restore-session", str(sess),
-                             "--prompt", U3, "-n", "16", "--json", *extra).stdout)
+                             "--prompt", U3, "-n", "16", "--json", "--conversation-disk-mib", "0", *extra).stdout)
         # Nothing is re-evaluated: the follow-up reuses every saved token (the restored history ends
         # with A's last fed token; the follow-up's prompt extends it).
         assert out["cached_tokens"] == h, temperature
