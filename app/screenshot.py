@@ -1,7 +1,9 @@
 """Screenshots of the real app: `python -m app.screenshot OUTDIR [--model PATH] [--message TEXT]`.
 
 Opens the window, loads the model, sends one message, waits for the reply (and its title), then
-writes OUTDIR/main-window.png and OUTDIR/settings.png. Run it under Xvfb (xvfb-run) or offscreen.
+writes OUTDIR/main-window.png, OUTDIR/chat-library.png (the side list of chats, searched),
+OUTDIR/main-window-dark.png (Settings > Appearance: Dark) and OUTDIR/settings.png. Run it under Xvfb
+(xvfb-run) or offscreen.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ def main(argv=None) -> int:
     ap.add_argument("--message", default="Write a Python function that checks if a number is prime.")
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--search", default="", help="text typed into the chat library's search field")
     args = ap.parse_args(argv)
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -46,9 +49,23 @@ def main(argv=None) -> int:
         w.close()
         app.quit()
 
+    def save(widget, name):
+        widget.grab().save(str(out / name))
+        print("wrote", out / name)
+
+    def grab_library():
+        w.find_chat()
+        if args.search:
+            w.chat_library.search.setText(args.search)
+        QTimer.singleShot(500, lambda: (save(w, "chat-library.png"), grab_dark()))
+
+    def grab_dark():
+        w.settings.set("theme", "dark")
+        QTimer.singleShot(600, lambda: (save(w, "main-window-dark.png"), w.settings.set("theme", "light"),
+                                        grab_settings()))
+
     def after_reply(_r):
-        QTimer.singleShot(800, lambda: (w.grab().save(str(out / "main-window.png")),
-                                        print("wrote", out / "main-window.png"), grab_settings()))
+        QTimer.singleShot(800, lambda: (save(w, "main-window.png"), grab_library()))
 
     def on_loaded(_p):
         view = w.current_view()

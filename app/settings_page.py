@@ -64,6 +64,7 @@ class NumberField(QWidget):
         if unit:
             lay.addWidget(QLabel(unit.strip()))
         lay.addWidget(self.message, 1)
+        lay.addStretch(1)            # the field stays at the left when no message shows
 
     def lineEdit(self) -> QLineEdit:  # noqa: N802 - as QSpinBox names it
         return self.edit

@@ -40,7 +40,8 @@ def _palette(dark: bool) -> QPalette:
                          (R.Highlight, "#3d6fd6"), (R.HighlightedText, "#ffffff"), (R.BrightText, "#ff5555")):
         p.setColor(role, QColor(colour))
     for role in (R.WindowText, R.Text, R.ButtonText):
-        p.setColor(QPalette.ColorGroup.Disabled, role, QColor(mid))
+        # greyed-out text stays legible on a button (the border colour `mid` was near-invisible in dark)
+        p.setColor(QPalette.ColorGroup.Disabled, role, QColor("#8a8a8a" if dark else "#9a9a9a"))
     return p
 
 

@@ -238,6 +238,8 @@ class MainWindow(QMainWindow):
             self.client.configure(speed_projection=self.settings.steering.speed_projection)
         elif key == "theme":
             theme.apply(self.settings.theme)
+            for view in self.tabs.views():     # the transcripts' colours and code style follow the palette
+                view.render_all()
         elif key == "disk_mib":
             self.client.configure_disk(self.settings.disk_mib)
         if key != "model" and self.client.is_ready:

@@ -282,3 +282,23 @@ def test_settings_has_a_shortcut_on_every_platform(qapp_ready, idle_window):
     assert keys and all(keys)
     if not QKeySequence.keyBindings(QKeySequence.StandardKey.Preferences):     # Linux: none of its own
         assert keys == ["Ctrl+,"]
+
+
+def test_a_theme_switch_redraws_open_transcripts(qapp_ready, idle_window):
+    """A chat open when the theme changes is drawn again in it: its code block takes the dark code
+    style (light code colours on the dark palette were unreadable until the tab was re-rendered)."""
+    from app import theme
+    w = idle_window
+    view = w.current_view()
+    view.chat.messages[:] = [{"role": "user", "content": "code?"},
+                             {"role": "assistant", "content": "```python\ndef f(n):\n    return n\n```"}]
+    view.render_all()
+    w.settings.set("theme", "light")
+    light_html = view.transcript.toHtml()
+    w.settings.set("theme", "dark")
+    assert theme.current() == "dark"
+    dark_html = view.transcript.toHtml()
+    assert dark_html != light_html
+    # monokai's keyword colour (#66d9ef) is the dark code style's; the light one has none of it
+    assert "#66d9ef" in dark_html.lower() and "#66d9ef" not in light_html.lower()
+    w.settings.set("theme", "system")
