@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .sessions import Geometry, TensorSpec, layout, validate_messages
+from .sessions import Geometry, TensorSpec, layout, pread_exact, validate_messages
 
 MAGIC = b"STRKVSG1"
 VERSION = 1
@@ -118,16 +118,6 @@ def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
     return [fixed, meta_json, tokens, *kv]
 
 
-def _pread(fd: int, n: int, off: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = os.pread(fd, n - len(out), off + len(out))
-        if not chunk:
-            break
-        out += chunk
-    return bytes(out)
-
-
 def _check_meta(meta, start: int, first: dict | None) -> dict:
     if not isinstance(meta, dict):
         raise SegmentError("its header is not an object")
@@ -159,7 +149,7 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
         try:
             if size - off < FIXED_BYTES:
                 raise SegmentError(f"torn at byte {off} ({size - off} bytes of a segment)")
-            raw = _pread(fd, FIXED_BYTES, off)
+            raw = pread_exact(fd, FIXED_BYTES, off)
             magic, version, jlen, n, kv_len, hd, kd = _FIXED.unpack(raw)
             if magic != MAGIC:
                 raise SegmentError(f"not a segment at byte {off}")
@@ -170,7 +160,7 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
             end = off + FIXED_BYTES + jlen + 4 * n + kv_len
             if end > size:
                 raise SegmentError(f"torn at byte {off} (needs {end - size} more bytes)")
-            body = _pread(fd, jlen + 4 * n, off + FIXED_BYTES)
+            body = pread_exact(fd, jlen + 4 * n, off + FIXED_BYTES)
             head = xxhash.xxh3_128()
             head.update(_FIXED.pack(magic, version, jlen, n, kv_len, _ZERO16, _ZERO16))
             head.update(body)

@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from . import disk_segments as ds
-from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
+from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix, longest_prefix
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -429,16 +429,7 @@ class DiskTier:
         if not self.enabled:
             return None, 0
         self._drop_failed()
-        best, best_n = None, 0
-        for e in self.entries.values():
-            if e.key != key:
-                continue
-            n = common_prefix(e.tokens, tokens)
-            if n > best_n:
-                best, best_n = e, n
-        if best is None or best_n < min(MIN_PREFIX_REUSE, len(best.tokens)):
-            return None, 0
-        return best, best_n
+        return longest_prefix(self.entries.values(), key, tokens)
 
     def restore(self, e: DiskEntry, m: int, make_cache: Callable[[], list]) -> tuple[KVEntry, int] | None:
         """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged)."""

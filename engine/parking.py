@@ -87,6 +87,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def longest_prefix(entries, key, tokens: list[int]):
+    """(the entry under `key` whose tokens share the longest prefix with `tokens`, that length), or
+    (None, 0) below the reuse minimum: the one prefix rule of RAM parking and the disk tier. Entries
+    have `.key` and `.tokens`."""
+    best, best_n = None, 0
+    for e in entries:
+        if e.key != key:
+            continue
+        n = common_prefix(e.tokens, tokens)
+        if n > best_n:
+            best, best_n = e, n
+    if best is None or best_n < min(MIN_PREFIX_REUSE, len(best.tokens)):
+        return None, 0
+    return best, best_n
+
+
 def copy_prefix(cache: list, n: int, make_cache: Callable[[], list]) -> list:
     from . import kv_format
     fresh = make_cache()
@@ -159,14 +175,8 @@ class Parking:
 
     def take(self, tokens: list[int], key: str, make_cache: Callable[[], list]) -> tuple[KVEntry | None, int]:
         """The entry sharing the longest prefix with `tokens` (moved out if `tokens` extends it whole)."""
-        best, best_n = None, 0
-        for e in self.entries:
-            if e.key != key:
-                continue
-            n = common_prefix(e.tokens, tokens)
-            if n > best_n:
-                best, best_n = e, n
-        if best is None or best_n < min(MIN_PREFIX_REUSE, len(best.tokens)):
+        best, best_n = longest_prefix(self.entries, key, tokens)
+        if best is None:
             return None, 0
         t0 = time.perf_counter()
         if best_n == len(best.tokens):

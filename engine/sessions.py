@@ -247,13 +247,13 @@ def existing_tokens(path: Path) -> int | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        head = _pread_exact(fd, 8, 0)
+        head = pread_exact(fd, 8, 0)
         if len(head) < 8:
             return None
         (n,) = struct.unpack("<Q", head)
         if n == 0 or n > min(MAX_HEADER, size - 8):
             return None
-        meta = json.loads(_pread_exact(fd, n, 8)).get("__metadata__")
+        meta = json.loads(pread_exact(fd, n, 8)).get("__metadata__")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             return None
         return int(meta["n_tokens"])
@@ -536,7 +536,8 @@ def _open_regular(p: Path) -> int:
     return fd
 
 
-def _pread_exact(fd: int, n: int, off: int) -> bytes:
+def pread_exact(fd: int, n: int, off: int) -> bytes:
+    """Up to `n` bytes at `off` (fewer only at the end of the file): os.pread until done."""
     out = bytearray()
     while len(out) < n:
         chunk = os.pread(fd, n - len(out), off + len(out))
@@ -585,10 +586,10 @@ def _read_heads(fd: int, buf: np.ndarray, off: int, n: int, digest, prof: Restor
 def _read_raw_header(name: str, fd: int, size: int) -> bytes:
     if size < 8:
         raise SessionFileError(f"{name} is not a Strata session file (too short)")
-    (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0))
+    (n,) = struct.unpack("<Q", pread_exact(fd, 8, 0))
     if n < len(_PREFIX) or n > MAX_HEADER or n > size - 8:
         raise SessionFileError(f"{name} is not a Strata session file")
-    raw = _pread_exact(fd, n, 8)
+    raw = pread_exact(fd, n, 8)
     if len(raw) != n:
         raise SessionFileError(f"{name} is truncated")
     return raw

@@ -190,7 +190,8 @@ def tool_by_name(tools: list[dict], name: str) -> dict | None:
 
 
 # ---- request side: messages ---------------------------------------------------------------------------
-def _text(content, where: str) -> str:
+def content_text(content, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts (ToolError names `where` else)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -238,7 +239,7 @@ def openai_messages(messages, param: str = "messages") -> list[dict]:
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant", "tool"):
             raise ToolError(f"{where}: unknown role '{m['role'][:40]}'", f"{where}.role")
-        msg = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+        msg = {"role": role, "content": content_text(m.get("content"), f"{where}.content")}
         if role == "assistant" and m.get("tool_calls") is not None:
             tcs = m["tool_calls"]
             if not isinstance(tcs, list):

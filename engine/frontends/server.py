@@ -185,22 +185,11 @@ def _speculative(body: dict) -> str:
 
 
 def _content_text(content, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"messages[{i}]: content parts of type '{kind}' are not supported "
-                                    "(text only)", param=f"messages[{i}].content", code="unsupported_content")
-        return "".join(parts)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content", code="invalid_type")
+    from ..tool_calls import ToolError, content_text
+    try:
+        return content_text(content, f"messages[{i}].content")
+    except ToolError as e:
+        raise tool_error(e) from None
 
 
 def _messages(body: dict) -> list[dict]:
