@@ -427,9 +427,12 @@ def print_table(rows, head=("metric", "Strata (MLX)", "llama.cpp", "ratio", "tar
         print("| " + " | ".join(row) + " |")
 
 
-def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None) -> int:
+def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None, rounds: int = 1) -> int:
     """--restart: returning to a conversation of each size after a restart, the disk tier
-    (engine/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes."""
+    (engine/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes.
+    --restart-rounds R: R rounds per size, the two arms alternating (disk first, then re-read first),
+    each disk round from a copy of the folder as the two turns left it (so every round finds the
+    same files); medians with [min-max]."""
     import time as _time
 
     from engine.api import Call, Status
@@ -456,26 +459,42 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
         d2 = e.call(Status()).disk
         e.stop()
         again = follow + [{"role": "assistant", "content": r2.text}, {"role": "user", "content": "Thanks. Why?"}]
-        e = start(4096)                           # a restart: the disk tier finds the conversation
-        t = _time.perf_counter()
-        disk, _ = chat(e, again, "bench", 1)
-        disk_s = _time.perf_counter() - t
-        e.stop()
-        e = start(0)                              # a restart without it: the conversation read again
-        t = _time.perf_counter()
-        cold, _ = chat(e, again, "bench", 1)
-        cold_s = _time.perf_counter() - t
-        e.stop()
-        rows.append((n, disk.prompt_tokens, disk.restored_from_disk, disk.ttft_ms, cold.ttft_ms,
-                     cold.ttft_ms / max(disk.ttft_ms, 1e-6), d1["last_write"]["bytes"], d2["last_write"]["bytes"],
-                     d2["bytes"], disk_s, cold_s))
+        snap = Path(tempfile.mkdtemp(prefix="strata-bench-disk-snap-")) / "d"
+        shutil.copytree(folder, snap)
+        got = {"disk": [], "cold": []}
+        for r in range(rounds):
+            for kind in (("disk", "cold") if r % 2 == 0 else ("cold", "disk")):
+                if kind == "disk":                # a restart: the disk tier finds the conversation
+                    shutil.rmtree(folder, ignore_errors=True)
+                    shutil.copytree(snap, folder)
+                e = start(4096 if kind == "disk" else 0)   # 0: the conversation read again
+                t = _time.perf_counter()
+                res, _ = chat(e, again, "bench", 1)
+                wall = _time.perf_counter() - t
+                e.stop()
+                got[kind].append(res)
+                if rounds > 1:
+                    print(f"  {n} tokens, round {r + 1} {kind}: ttft {res.ttft_ms:.1f} ms, wall {wall * 1e3:.1f} ms, "
+                          f"prompt {res.prompt_tokens}, from disk {res.restored_from_disk}", flush=True)
+        dt = [x.ttft_ms for x in got["disk"]]
+        ct = [x.ttft_ms for x in got["cold"]]
+        ratios = [c / max(d, 1e-6) for d, c in zip(dt, ct)]
+        disk = got["disk"][0]
+        rows.append((n, disk.prompt_tokens, min(x.restored_from_disk for x in got["disk"]), dt, ct, ratios,
+                     d1["last_write"]["bytes"], d2["last_write"]["bytes"], d2["bytes"]))
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"model {model.name}, dtype {dtype or 'default'}; first token after a restart (ms)")
-    print("| history | prompt | from disk | disk tier ttft | re-read ttft | speed-up | turn 1 written | "
+        shutil.rmtree(snap.parent, ignore_errors=True)
+
+    def span(xs, f="{:.1f}"):
+        s = f.format(statistics.median(xs))
+        return s if len(xs) == 1 else f"{s} [{f.format(min(xs))}-{f.format(max(xs))}]"
+    print(f"model {model.name}, dtype {dtype or 'default'}; first token after a restart (ms)"
+          + (f"; {rounds} rounds, arms alternating, median [min-max]" if rounds > 1 else ""))
+    print("| history | prompt | from disk (tokens, least of the rounds) | disk tier ttft | re-read ttft | speed-up | turn 1 written | "
           "turn 2 written | file |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for n, p, rd, dt, ct, x, w1, w2, size, _, _ in rows:
-        print(f"| {n} | {p} | {rd} | {dt:.1f} | {ct:.1f} | {x:.1f}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB | "
+    for n, p, rd, dt, ct, x, w1, w2, size in rows:
+        print(f"| {n} | {p} | {rd} | {span(dt)} | {span(ct)} | {span(x)}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB | "
               f"{size / 1e6:.2f} MB |")
     return 0
 
@@ -516,6 +535,8 @@ def main() -> int:
                          "against reading it again (on a CPU 8,000 only with --restart-sizes)")
     ap.add_argument("--restart-sizes", default=None, metavar="N,N",
                     help="--restart: history sizes (default 2000,8000 on a GPU, 2000 on a CPU)")
+    ap.add_argument("--restart-rounds", type=int, default=1, metavar="R",
+                    help="--restart: rounds per size, disk tier and re-read alternating (medians [min-max])")
     args = ap.parse_args()
     if args.restart:
         from engine.device import on_gpu
@@ -526,7 +547,7 @@ def main() -> int:
             model = build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
         else:
             model = Path(args.model) if args.model else _default()
-        return restart_bench(model, sizes, args.reply_tokens, args.dtype)
+        return restart_bench(model, sizes, args.reply_tokens, args.dtype, max(1, args.restart_rounds))
     if args.child_restore:
         return child_restore(*args.child_restore, args.model, args.session_tokens, args.threads, args.context,
                              args.dtype)

@@ -2,6 +2,11 @@
 without, alternating on one engine.
 
     .venv/bin/python bench/grammar.py [--model PATH] [--rounds 3] [--max-tokens 48] [--temperature 0.8]
+    python bench/grammar.py --random-shape llama1b --rounds 20 --max-tokens 256     # a GPU, no model file
+
+--random-shape: a random-weight Q8_0 model of a named shape (bench/shapes.py) with the test factory's
+tiny byte-level vocabulary (a few hundred tokens, so the mask is cheaper to compute than over a real
+model's 49k-128k), EOS ignored after the warm-up so unmasked replies also run to --max-tokens.
 
 Each round runs an unmasked reply and a masked one (the order swapping from round to round) with
 the same prompt and sampling. The masked reply's schema is a JSON object whose one string must be
@@ -29,6 +34,8 @@ PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse kee
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
+    ap.add_argument("--random-shape", choices=("llama1b", "smollm2"), default=None,
+                    help="a random-weight Q8_0 model of this shape (the factory's tiny vocabulary) instead of --model")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -44,7 +51,13 @@ def main() -> None:
     from engine.models import DEFAULT_NAME, resolve_model
     from engine.sampling import SamplingParams
 
-    model = str(resolve_model(args.model or DEFAULT_NAME))
+    if args.random_shape:
+        import tempfile
+
+        from bench.shapes import build_random_model
+        model = str(build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes"))
+    else:
+        model = str(resolve_model(args.model or DEFAULT_NAME))
     eng = Engine(EngineOptions(model=model, kv_bits=args.kv_bits)).start()
     print(f"model {Path(model).name}, device {mx.default_device()}, mlx {mx.__version__}, "
           f"{args.max_tokens} tokens, temperature {args.temperature}, spec {args.spec}, K/V {args.kv_bits}-bit")
@@ -56,6 +69,9 @@ def main() -> None:
                                         conversation="bench-grammar", speculative=args.spec))
 
     run(True, 0)                        # warm-up: the grammar's tokenizer (once per model), kernels
+    if args.random_shape:               # after the grammar's tokenizer took its EOS: random weights emit it
+        from bench.shapes import ignore_eos
+        ignore_eos(eng)
     run(False, 0)
     rows = []
     for r in range(args.rounds):
