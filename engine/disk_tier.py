@@ -436,6 +436,7 @@ class DiskTier:
         import mlx.core as mx
 
         from . import kv_format
+        from .device_upload import to_device
         from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
         from .errors import SessionFileError
         t0 = time.perf_counter()
@@ -468,10 +469,10 @@ class DiskTier:
                 except SessionFileError as refused:
                     self.log(f"disk cache: not restored: {refused}")
                     return None
-                cells = padded_cells(m)
-                specs = ds.kv_specs(m, g)
-                outs = [np.zeros((*s.shape[:2], cells, s.shape[3]),
-                                 _np_dtype(self._dtype) if (g.kv == "float16") else ds._NP[s.dtype]) for s in specs]
+                # Each segment's tensors go to the device as they are read (device_upload: one DMA on
+                # CUDA, no managed-memory page faults); they are joined and padded to the cache's cells
+                # there, where a copy costs nothing next to the read.
+                pieces: list[list] = [[] for _ in ds.kv_specs(m, g)]
                 whole = 0
                 for s in segs:
                     try:
@@ -481,8 +482,8 @@ class DiskTier:
                                  f"({whole} tokens)")
                         break
                     k = min(s.n, m - s.start)
-                    for out, part in zip(outs, parts):
-                        out[:, :, s.start:s.start + k, :] = part[:, :, :k, :]
+                    for acc, part in zip(pieces, parts):
+                        acc.append(to_device(np.ascontiguousarray(part[:, :, :k, :])))
                     whole = s.start + k
             finally:
                 os.close(fd)
@@ -495,7 +496,14 @@ class DiskTier:
             self._remove(e, "")
             return None
         cache = make_cache()
-        arrays = [mx.array(o) for o in outs]
+        pad = padded_cells(m) - m
+        arrays = []
+        for acc in pieces:
+            a = acc[0] if len(acc) == 1 else mx.concatenate(acc, axis=2)
+            if pad:
+                a = mx.concatenate([a, mx.zeros((*a.shape[:2], pad, a.shape[3]), a.dtype)], axis=2)
+            arrays.append(a)
+        del pieces
         if g.kv == "float16":
             arrays = [a.astype(self._dtype) if a.dtype != self._dtype else a for a in arrays]
             for i, c in enumerate(cache):
