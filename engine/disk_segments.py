@@ -198,6 +198,15 @@ def _readers():
 
 def read_kv(fd: int, seg: Segment, g: Geometry) -> list[np.ndarray]:
     """The segment's K/V tensors (numpy, file layout), its digest checked (SegmentError)."""
+    parts, check = read_kv_unchecked(fd, seg, g)
+    check()
+    return parts
+
+
+def read_kv_unchecked(fd: int, seg: Segment, g: Geometry):
+    """(the segment's K/V tensors, check): `check()` raises SegmentError unless their digest matches.
+    The digest is computed on a reader thread meanwhile, so a restore sends the tensors to the device
+    while it runs (xxh3 over 264 MB takes ~20 ms); nothing may be used before check() returns."""
     specs = kv_specs(seg.n, g, seg.meta.get("store", "float16"))
     buf = np.empty(seg.kv_len, np.uint8)
     view = memoryview(buf)
@@ -219,6 +228,9 @@ def read_kv(fd: int, seg: Segment, g: Geometry) -> list[np.ndarray]:
         whole = all(_readers().map(lambda i: read(cuts[i], cuts[i + 1]), range(k)))
     if not whole:
         raise SegmentError(f"torn K/V at byte {seg.offset}")
-    if xxhash.xxh3_128(buf).digest() != seg.kv_digest:
-        raise SegmentError(f"K/V checksum mismatch in the segment at byte {seg.offset}")
-    return [buf[s.start:s.end].view(_NP[s.dtype]).reshape(s.shape) for s in specs]
+    digest = _readers().submit(lambda: xxhash.xxh3_128(buf).digest())
+
+    def check() -> None:
+        if digest.result() != seg.kv_digest:
+            raise SegmentError(f"K/V checksum mismatch in the segment at byte {seg.offset}")
+    return [buf[s.start:s.end].view(_NP[s.dtype]).reshape(s.shape) for s in specs], check

@@ -475,15 +475,17 @@ class DiskTier:
                 pieces: list[list] = [[] for _ in ds.kv_specs(m, g)]
                 whole = 0
                 for s in segs:
+                    k = min(s.n, m - s.start)
                     try:
-                        parts = ds.read_kv(fd, s, g)
+                        parts, check = ds.read_kv_unchecked(fd, s, g)
+                        sent = [to_device(np.ascontiguousarray(part[:, :, :k, :])) for part in parts]
+                        check()                 # the digest, computed while the tensors went out
                     except ds.SegmentError as err:
                         self.log(f"disk cache: {e.path.name}: {err}; falling back to its last whole segment "
                                  f"({whole} tokens)")
                         break
-                    k = min(s.n, m - s.start)
-                    for acc, part in zip(pieces, parts):
-                        acc.append(to_device(np.ascontiguousarray(part[:, :, :k, :])))
+                    for acc, a in zip(pieces, sent):
+                        acc.append(a)
                     whole = s.start + k
             finally:
                 os.close(fd)
