@@ -436,9 +436,14 @@ def _usage(r: Generation) -> dict:
                                 "acceptance_rate": r.acceptance_rate}} if r.speculative != "off" else {})}
 
 
-def _timings(r: Generation) -> dict:
+def _timings(r: Generation, asked: str | None = None) -> dict:
+    """The reply's figures; `asked` is the request's "speculative" as the client named it (the draft's
+    name, not the server's path to it, which is none of the client's business)."""
+    spec = r.speculative
+    if asked and spec.startswith("draft:") and str(asked).startswith("draft:"):
+        spec = asked
     return {"ttft_ms": r.ttft_ms, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps,
-            "speed_projection": r.speed_projection, "speculative": r.speculative,
+            "speed_projection": r.speed_projection, "speculative": spec,
             "drafted_tokens": r.drafted_tokens, "accepted_tokens": r.accepted_tokens,
             "acceptance_rate": r.acceptance_rate}
 
@@ -561,7 +566,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                  "created": created, "model": model_id, "system_fingerprint": fingerprint(),
                                  "choices": [choice], "usage": _usage(res),
-                                 "strata": {**_timings(res), **({"tool_choice": plan.note} if plan and plan.note else {})}})
+                                 "strata": {**_timings(res, body.get("speculative")), **({"tool_choice": plan.note} if plan and plan.note else {})}})
 
         # Streaming: wait for the engine to take the request (its first event) before answering, so
         # a refused request (prompt too long) still gets its status code and JSON error.
@@ -625,7 +630,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                         for line in out(parser.finish()):
                             yield line
                     last = chunk(None, "tool_calls" if calls_sent else _finish(res))
-                    last["strata"] = _timings(res)
+                    last["strata"] = _timings(res, body.get("speculative"))
                     yield _sse(last)
                     if include_usage:
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,

@@ -70,8 +70,10 @@ def test_tensor_parallel_greedy_equals_one_process(models, tmp_path):
     assert "tensor parallel over 2 ranks" in ranks.log(0)
     # Session files: each rank's K/V heads gathered into the single-process file, and scattered back.
     m = str(models["qwen3"])
-    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json"]
-    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json"]
+    # The disk tier off: each run starts cold, so every cached token comes from the session file
+    cold = ["--conversation-disk-mib", "0"]
+    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json", *cold]
+    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json", *cold]
     s_single, s_dist = tmp_path / "single.stratasession", tmp_path / "tp.stratasession"
     run_single([*first, "--save-session", str(s_single)])
     run_ranks(2, [*first, "--save-session", str(s_dist)], tmp_path, extra_env={"STRATA_DIST_MODE": "tensor"})
@@ -91,8 +93,9 @@ def test_real_model_pipeline_greedy(real_model, tmp_path):
 def test_session_portable_between_single_and_distributed(models, tmp_path, n):
     """A session saved by n ranks restores in one process and vice versa; the follow-up tokens agree."""
     m = str(models["llama"])
-    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json"]
-    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json"]
+    cold = ["--conversation-disk-mib", "0"]     # every run cold: each cached token from the session file
+    first = ["generate", "-m", m, "-p", "Tell me about the sea.", "-n", "6", "--json", *cold]
+    follow = ["generate", "-m", m, "-p", "And the sky?", "-n", "8", "--json", *cold]
     s_single, s_dist = tmp_path / "single.stratasession", tmp_path / "dist.stratasession"
     run_single([*first, "--save-session", str(s_single)])
     run_ranks(n, [*first, "--save-session", str(s_dist)], tmp_path)
@@ -124,7 +127,9 @@ def _serve(models, tmp_path, env=None):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            if _get(f"{base}/models", 1).status_code == 200:
+            # the server answers while the model loads (the model listed as "loading"): wait for it
+            r = _get(f"{base}/models", 1)
+            if r.status_code == 200 and r.json()["data"] and "status" not in r.json()["data"][0]:
                 return ranks, base
         except Exception:   # not listening yet
             pass

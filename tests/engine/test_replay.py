@@ -76,7 +76,7 @@ def test_replay_aba_json_lines(tiny_gguf, tmp_path):
 
 def test_replay_without_parking_rereads_a(tiny_gguf, tmp_path):
     p = cli("replay", script(tmp_path, aba_steps()), "--model", str(tiny_gguf), "--json",
-            "--conversation-cache-mib", "0")
+            "--conversation-cache-mib", "0", "--conversation-disk-mib", "0")     # neither RAM nor disk
     a1, a2, b, a3 = [json.loads(line) for line in p.stdout.splitlines()]
     assert a2["cached_tokens"] == held(Generation.from_dict(a1), 16)
     assert not any(e.startswith("parked") for e in b["events"])
