@@ -310,10 +310,16 @@ def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:
         i = text.find(s)
         if i >= 0:
             return text[:i], True
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
+    return text[:len(text) - partial_suffix(text, stops)], False
+
+
+def partial_suffix(text: str, markers) -> int:
+    """Length of the longest end of `text` that could start one of `markers`: what streaming holds back
+    until it is decided (stop strings here, tool-call markers in engine/tool_calls.py)."""
+    best = 0
+    for mk in markers:
+        for n in range(min(len(mk) - 1, len(text)), 0, -1):
+            if text.endswith(mk[:n]):
+                best = max(best, n)
                 break
-    return text[:len(text) - hold], False
+    return best

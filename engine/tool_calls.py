@@ -34,6 +34,8 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
+from .generate import partial_suffix
+
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANTHROPIC_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 MAX_TOOLS = 128
@@ -482,17 +484,6 @@ def _find_outside(text: str, marker: str, pos: int, spans) -> int:
         pos = inside
 
 
-def _partial_suffix(text: str, markers) -> int:
-    """Length of the longest end of `text` that could start one of `markers` (held back while streaming)."""
-    best = 0
-    for mk in markers:
-        for n in range(min(len(mk) - 1, len(text)), 0, -1):
-            if text.endswith(mk[:n]):
-                best = max(best, n)
-                break
-    return best
-
-
 def _decode_json_prefix(s: str):
     """(value, rest) of the JSON value at the start of s (after spaces), or None."""
     s = s.lstrip()
@@ -633,7 +624,7 @@ def _parse_harmony(text: str, names, final: bool) -> tuple[Parsed, int]:
             reasoning.append(body)
             continue
         if not (closed or final):
-            body = body[:len(body) - _partial_suffix(body, _HARMONY_MARKS)]
+            body = body[:len(body) - partial_suffix(body, _HARMONY_MARKS)]
         content.append(body)
     if final and "<|message|>" not in text and not text.startswith("<|") and "<|channel|>" not in text:
         content = [text]        # a reply without harmony markers at all (special tokens not decoded)
@@ -661,7 +652,7 @@ def _scan(text: str, fmt: ToolFormat, tools, final: bool) -> tuple[Parsed, bool]
             if i < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[:len(tail) - _partial_suffix(tail, (start,))]
+                    tail = tail[:len(tail) - partial_suffix(tail, (start,))]
                 content.append(tail)
                 break
             content.append(text[pos:i])

@@ -62,6 +62,18 @@ def window(qtbot, app_home):
 
 
 @pytest.fixture
+def wide_home(app_home, tiny_gguf_wide):
+    """app_home whose model has head size 32, the smallest that 8- and 4-bit K/V take."""
+    from app import settings
+    dest = app_home / "models" / tiny_gguf_wide.name
+    shutil.copyfile(tiny_gguf_wide, dest)
+    s = settings.load()
+    s.model = str(dest)
+    settings.save(s)
+    return app_home
+
+
+@pytest.fixture
 def idle_window(qtbot, app_home):
     w = open_window(qtbot, start_engine=False)
     yield w

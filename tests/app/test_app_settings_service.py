@@ -233,20 +233,6 @@ def test_a_kv_precision_refusal_names_the_setting_not_a_flag(qapp_ready, idle_wi
     assert "Settings >" not in w.message_bar.text()
 
 
-@pytest.fixture
-def wide_home(app_home, tiny_gguf_wide):
-    """app_home whose model has head size 32, the smallest that 8-bit K/V takes."""
-    import shutil
-
-    from app import settings
-    dest = app_home / "models" / tiny_gguf_wide.name
-    shutil.copyfile(tiny_gguf_wide, dest)
-    s = settings.load()
-    s.model = str(dest)
-    settings.save(s)
-    return app_home
-
-
 def test_a_16bit_session_after_switching_to_8bit_names_the_setting(qtbot, wide_home, tmp_path):
     """The journey of the issue: save at 16-bit, switch Settings to 8-bit, restore: the message names
     Settings > K/V cache precision, never --kv-bits."""

@@ -80,20 +80,6 @@ def engine_status(qtbot, window):
     return blocker.args[0]
 
 
-@pytest.fixture
-def wide_home(app_home, tiny_gguf_wide):
-    """app_home whose model has head size 32, the smallest that 8- and 4-bit K/V take."""
-    import shutil
-
-    from app import settings
-    dest = app_home / "models" / tiny_gguf_wide.name
-    shutil.copyfile(tiny_gguf_wide, dest)
-    s = settings.load()
-    s.model = str(dest)
-    settings.save(s)
-    return app_home
-
-
 def test_8bit_kv_set_in_settings_serves_a_chat_and_holds_at_the_next_launch(qtbot, wide_home):
     from app_fixtures import LOAD_TIMEOUT_MS, open_window
 
