@@ -9,7 +9,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention
+from . import archs, attention
 from .device import on_gpu
 from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
@@ -103,12 +103,38 @@ class ModelInfo:
     n_expert_used: int = 0
 
 
+def supported() -> tuple[str, ...]:
+    return SUPPORTED_ARCHITECTURES + archs.names()
+
+
 def model_args(g: GGUFFile):
     arch = g.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported():
         raise ModelFileError(f"{g.path.name}: architecture '{arch or '(none)'}' is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                             f"(supported: {', '.join(supported())})")
     check_hyperparameters(g)   # before anything is sized from them: one line for a bad value
+    common, head_dim = common_args(g)
+    plugin = archs.find(arch)
+    if plugin is not None:
+        return plugin.model_args(g, common, head_dim)
+    from . import moe
+    if moe.is_moe(g):
+        return moe.model_args(g, common, head_dim)[:2]
+    if arch == "llama":
+        from mlx_lm.models.llama import Model, ModelArgs
+        # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
+        # exactly MLX's "traditional" RoPE, so the rows need no un-permuting.
+        return Model, ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
+    if arch == "qwen2":
+        from mlx_lm.models.qwen2 import Model, ModelArgs
+        return Model, ModelArgs(**common)
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+    return Model, ModelArgs(**common, head_dim=head_dim)
+
+
+def common_args(g: GGUFFile) -> tuple[dict, int]:
+    """The hyperparameters every architecture has, as mlx-lm ModelArgs fields, and the head width."""
+    arch = g.architecture
     key = lambda s, d=None: g.arch_key(s, d)  # noqa: E731
     try:
         n_embd = int(key("embedding_length"))
@@ -125,20 +151,7 @@ def model_args(g: GGUFFile):
         )
     except (TypeError, ValueError):
         raise ModelFileError(f"{g.path.name}: missing or bad '{arch}.*' hyperparameters") from None
-    head_dim = int(key("attention.key_length", n_embd // n_head))
-    from . import moe
-    if moe.is_moe(g):
-        return moe.model_args(g, common, head_dim)[:2]
-    if arch == "llama":
-        from mlx_lm.models.llama import Model, ModelArgs
-        # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
-        # exactly MLX's "traditional" RoPE, so the rows need no un-permuting.
-        return Model, ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
-    if arch == "qwen2":
-        from mlx_lm.models.qwen2 import Model, ModelArgs
-        return Model, ModelArgs(**common)
-    from mlx_lm.models.qwen3 import Model, ModelArgs
-    return Model, ModelArgs(**common, head_dim=head_dim)
+    return common, int(key("attention.key_length", n_embd // n_head))
 
 
 def load_model(g: GGUFFile, *, dtype=mx.float32,
@@ -146,7 +159,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     """part: a pipeline_model.PipelinePart when this process holds only some layers (distributed)."""
     from . import moe, quants
     model_cls, args = model_args(g)
-    spec = moe.moe_spec(g) if moe.is_moe(g) else None
+    plugin = archs.find(g.architecture)
+    spec = moe.moe_spec(g) if plugin is None and moe.is_moe(g) else None
     t0 = time.perf_counter()
     weights: dict[str, mx.array] = {}
     qparams: dict[str, dict] = {}
@@ -154,7 +168,11 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     tensors = g.reader.tensors
     n_params = 0
     for i, t in enumerate(tensors):
-        name = mlx_name(t.name) or (moe.mlx_name(t.name, spec) if spec else None)
+        if plugin is not None:
+            name = None if plugin.own_names else mlx_name(t.name)
+            name = name or (plugin.tensor_name(t.name, args) if plugin.tensor_name else None)
+        else:
+            name = mlx_name(t.name) or (moe.mlx_name(t.name, spec) if spec else None)
         if name is not None and part is not None:   # distributed: another rank's tensor is never read
             name = part.local_name(name, args.tie_word_embeddings)
         if name is None:
@@ -175,6 +193,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
             progress(i + 1, len(tensors))
     if spec:
         moe.fix_weights(weights, qparams, spec)
+    if plugin is not None and plugin.fix_weights:
+        plugin.fix_weights(weights, qparams, g, args)
     model = model_cls(args) if part is None else part.build(model_cls, args)
     if qparams:
         nn.quantize(model, class_predicate=lambda path, module: qparams.get(path, False))
@@ -186,7 +206,10 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     model.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
     mx.eval(model.parameters())
     note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
-    if _apply_rope_factors(model, g, args):
+    if plugin is not None and plugin.after_load:
+        extra = plugin.after_load(model, g, args)
+        note += f"; {extra}" if extra else ""
+    elif _apply_rope_factors(model, g, args):
         note += "; RoPE frequency factors from rope_freqs.weight"
     if attention.install(model):
         note += "; short chunks: explicit attention (cuDNN plans fused attention per shape)"
