@@ -20,6 +20,9 @@ class Conversations:
     def __init__(self, parking: Parking, log: Callable[[str], None]):
         self.parking = parking
         self.live: KVEntry | None = None
+        # issue 34: conversations checked out by the batch (engine/batching.py), neither live nor
+        # parked while their replies run; each comes back whole (check_in) when its reply ends.
+        self.busy: list[KVEntry] = []
         self._log = log
         self.disk = None            # the disk tier under parking (engine/disk_tier.DiskTier), or None
 
@@ -28,13 +31,26 @@ class Conversations:
         return ([self.live] if self.live is not None else []) + list(self.parking.entries)
 
     def held_bytes(self) -> int:
-        """K/V bytes held, live and parked."""
-        return sum(e.nbytes() for e in self.held())
+        """K/V bytes held, live, parked and checked out by the batch."""
+        return sum(e.nbytes() for e in self.held() + self.busy)
 
     def clear(self) -> None:
         """A new model: nothing held is valid any more."""
         self.live = None
+        self.busy = []
         self.parking.clear()
+
+    def check_out(self, entry: KVEntry) -> None:
+        """issue 34: `entry` (just taken) joins the batch: not live, not parked, not taken again."""
+        if self.live is entry:
+            self.live = None
+        self.busy.append(entry)
+
+    def check_in(self, entry: KVEntry) -> None:
+        """issue 34: a batched reply ended: its conversation takes the engine as a lone reply's
+        would (the live one, if another, is parked)."""
+        self.busy = [e for e in self.busy if e is not entry]     # by identity: KVEntry's == compares arrays
+        self.make_live(entry)
 
     def make_live(self, entry: KVEntry) -> None:
         """`entry` takes the engine; the live conversation (if another) is parked."""
@@ -75,7 +91,9 @@ class Conversations:
 
     def summary(self) -> list[dict]:
         """One line of facts per held conversation (live first): owner, tokens, whether live."""
-        return [{"owner": e.owner, "tokens": len(e.tokens), "live": e is self.live} for e in self.held()]
+        busy = {id(e) for e in self.busy}
+        return [{"owner": e.owner, "tokens": len(e.tokens), "live": e is self.live or id(e) in busy}
+                for e in self.busy + self.held()]
 
     # ---- which K/V a prompt extends ----------------------------------------------------------
     def take(self, tokens: list[int], owner: str, key: str, make_cache: Callable[[], list]) -> tuple[KVEntry, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
@@ -194,7 +195,28 @@ class RequestHandlers:
 
     # ---- generation --------------------------------------------------------------------------
     def _generate(self, req: GenerateRequest, handle: Handle) -> Generation:
-        from .generate import StepStats, reply
+        from .generate import reply
+        turn = self._begin_turn(req, handle)
+        entry, tokens, reuse, stats = turn.entry, turn.tokens, turn.reuse, turn.stats
+        cancelled = lambda: handle.cancelled  # noqa: E731
+        spec, steps = self._spec_steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
+                                       constraint=turn.constraint)
+        r = reply(self.model, entry, tokens, reuse, tokenizer=self.tokenizer, sampling=req.sampling,
+                  n_vocab=self.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.options.prefill_chunk,
+                  on_token=lambda t, text: handle.emit(Token(t, text)),
+                  on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
+                  cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
+                  layerwise=self.dist is None, constraint=turn.constraint)
+        self._spec_done(req, turn.drafter, spec, r)
+        return self._end_turn(turn, r, spec)
+
+    # issue 34 (continuous batching, engine/batching.py): _generate split in two so a batched row
+    # prepares and finishes its turn exactly as a lone request does; `batched` checks the K/V out
+    # (engine/conversations.py `busy`) instead of making it the live one.
+    def _begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
+        """Everything before the reply's prefill: validation, the prompt's tokens, the K/V taken and
+        trimmed to what it reuses (a `Turn`)."""
+        from .generate import StepStats
         from .parking import KVEntry
         self._require_model()
         req.sampling.validate()
@@ -222,32 +244,32 @@ class RequestHandlers:
                 c.trim(c.offset - reuse)
         if reuse < len(entry.tokens):
             entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
-        if not req.side:
+        if batched and not req.side:
+            self.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
+        elif not req.side:
             self.conversations.live = entry     # from here on the live K/V is `entry`
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
         if self.parking is not None:            # the status bar's figures while the reply runs
             handle.emit(KVChanged(self.parking.status(), req.conversation, len(tokens), reuse, from_disk))
         entry.messages = list(req.messages or [])
-        cancelled = lambda: handle.cancelled  # noqa: E731
         max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
-        spec, steps = self._spec_steps(req, drafter, entry, tokens, max_tokens, stats, cancelled,
-                                       constraint=constraint)
-        r = reply(self.model, entry, tokens, reuse, tokenizer=self.tokenizer, sampling=req.sampling,
-                  n_vocab=self.info.n_vocab, max_tokens=max_tokens, chunk=self.options.prefill_chunk,
-                  on_token=lambda t, text: handle.emit(Token(t, text)),
-                  on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
-                  cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
-                  layerwise=self.dist is None, constraint=constraint)
-        entry.messages = list(req.messages or []) + ([{"role": "assistant", "content": r.text}] if req.messages else [])
-        self._spec_done(req, drafter, spec, r)
-        self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {reuse}), "
+        return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
+                    self.steering.active)
+
+    def _end_turn(self, turn: "Turn", r, spec=None) -> Generation:
+        """The reply's messages on its K/V entry, the log line and the Generation."""
+        req, stats, tokens = turn.req, turn.stats, turn.tokens
+        turn.entry.messages = list(req.messages or []) + (
+            [{"role": "assistant", "content": r.text}] if req.messages else [])
+        self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
-                  f"{stats.decode_tps:.1f} tok/s, finish {r.finish}" + spec.log_suffix())
-        return Generation.from_dict(spec.result(), tokens=r.tokens, text=r.text, prompt_tokens=len(tokens),
-                                    cached_tokens=reuse, generated_tokens=len(r.tokens),
+                  f"{stats.decode_tps:.1f} tok/s, finish {r.finish}" + (spec.log_suffix() if spec else ""))
+        return Generation.from_dict(spec.result() if spec else {}, tokens=r.tokens, text=r.text,
+                                    prompt_tokens=len(tokens), cached_tokens=turn.reuse,
+                                    generated_tokens=len(r.tokens),
                                     ttft_ms=round(stats.ttft_ms, 2), prefill_tps=round(stats.prefill_tps, 2),
                                     decode_tps=round(stats.decode_tps, 2), finish_reason=r.finish,
-                                    speed_projection=self.steering.active, restored_from_disk=from_disk)
+                                    speed_projection=turn.projection, restored_from_disk=turn.from_disk)
 
     # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
     def _spec_drafter(self, req: GenerateRequest):
@@ -545,6 +567,22 @@ class RequestHandlers:
         hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
         raise SessionSteeringRefused(f"{name} was saved with another steering setting (control vector "
                                f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}")
+
+
+@dataclass
+class Turn:
+    """One generate request between _begin_turn and _end_turn: its K/V entry (holding tokens[:reuse]),
+    the prompt's tokens, the reply's length cap and timing, and what was decided before any work."""
+    req: GenerateRequest
+    entry: object                   # parking.KVEntry
+    tokens: list[int]
+    reuse: int
+    max_tokens: int
+    stats: object                   # generate.StepStats
+    drafter: object = None
+    constraint: object = None
+    from_disk: int = 0
+    projection: bool = False        # the control vector applies to this turn's K/V
 
 
 def _vector_spec(raw: str | None) -> dict:
