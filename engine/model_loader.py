@@ -132,10 +132,16 @@ def model_args(g: GGUFFile):
     return Model, ModelArgs(**common, head_dim=head_dim)
 
 
+def _first(value):
+    """Layer 0's value of a per-layer array (Gemma 4's feed_forward_length, head_count_kv); the
+    architecture module reads the whole array."""
+    return value[0] if hasattr(value, "__len__") and not isinstance(value, str) and len(value) else value
+
+
 def common_args(g: GGUFFile) -> tuple[dict, int]:
     """The hyperparameters every architecture has, as mlx-lm ModelArgs fields, and the head width."""
     arch = g.architecture
-    key = lambda s, d=None: g.arch_key(s, d)  # noqa: E731
+    key = lambda s, d=None: _first(g.arch_key(s, d))  # noqa: E731
     try:
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
@@ -187,8 +193,9 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
         if mt.quantized:
             prefix = name.rsplit(".", 1)[0]
             weights[f"{prefix}.scales"] = mt.scales
-            weights[f"{prefix}.biases"] = mt.biases
-            qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits}
+            if mt.biases is not None:          # mxfp4 has none
+                weights[f"{prefix}.biases"] = mt.biases
+            qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits, "mode": mt.mode}
         if progress:
             progress(i + 1, len(tensors))
     if spec:

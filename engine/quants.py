@@ -14,6 +14,10 @@ Q5_1          d*q + m                 5-bit, scale d, bias m
 Q4_K / Q5_K   d*sc*q - dmin*m         4/5-bit, scale d*sc, bias -dmin*m
 ============  ======================  =========================================
 
+MXFP4 (gpt-oss's experts: 32 4-bit e2m1 values and one e8m0 exponent per block) is MLX's own
+``mode="mxfp4"`` format with group 32: the codes and exponent bytes are repacked, never decoded
+(``_convert_mxfp4``; bit-exact with gguf-py's decoder, tested).
+
 Q6_K, Q3_K and Q2_K use 16-element sub-blocks (MLX has no group size 16), so
 they are decoded with gguf-py's block decoders (``gguf.quants.Q6_K`` etc., the
 code behind ``gguf.quants.dequantize``) and requantized to 8-bit
@@ -59,6 +63,7 @@ class MlxTensor:
     bits: int | None  # 4, 5, 8 when quantized
     group_size: int | None  # 32
     note: str  # e.g. "Q4_K -> 4-bit affine g32 (exact)"
+    mode: str = "affine"  # MLX quantization mode: "affine" (scales+biases) or "mxfp4" (uint8 scales, no biases)
 
     @property
     def quantized(self) -> bool:
@@ -224,7 +229,10 @@ def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
         qtype = GGMLQuantizationType(int(t.tensor_type))
     except ValueError:
         qtype = None
-    if qtype is None or (qtype not in _DENSE and qtype not in _EXACT and qtype not in _REQUANT):
+    if qtype == T.MXFP4 and len(t.shape) >= 2:
+        return _convert_mxfp4(t)
+    if qtype is None or (qtype not in _DENSE and qtype not in _EXACT and qtype not in _REQUANT
+                         and qtype != T.MXFP4):
         raise UnsupportedTensorType(
             f"tensor '{name}' has type {_type_name(t)}, which Strata cannot read"
         )
@@ -299,6 +307,26 @@ def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
         s, b = s.astype(dtype), b.astype(dtype)
     return MlxTensor(w, s, b, _REQUANT_BITS, GROUP_SIZE,
                      f"{qtype.name} -> {_REQUANT_BITS}-bit affine g{GROUP_SIZE} (requantized)")
+
+
+def _convert_mxfp4(t) -> MlxTensor:
+    """GGUF MXFP4 -> MLX mxfp4, lossless. A GGUF block is 1 byte e (e8m0) then 16 bytes whose low
+    nibbles are values 0..15 and high nibbles values 16..31; a value is kvalues[q] * 2^(e-128) with
+    kvalues the e2m1 table doubled, i.e. e2m1(q) * 2^(e-127): MLX's mxfp4 with the same 4-bit codes
+    and the same exponent byte. Only the nibble order changes (MLX: byte k = v[2k] | v[2k+1] << 4).
+    Scales stay uint8 whatever the model dtype (MLX reads them as exponents)."""
+    shape = tuple(int(x) for x in reversed(list(t.shape)))  # MLX order
+    in_features = shape[-1]
+    if in_features % GROUP_SIZE:
+        raise ValueError(f"tensor '{t.name}': row width {in_features} is not a multiple of {GROUP_SIZE}")
+    blocks = np.asarray(t.data).reshape(-1, GGML_QUANT_SIZES[T.MXFP4][1])
+    qs = blocks[:, 1:]
+    lo, hi = _pack_4bit_pairs(qs[:, 0::2], qs[:, 1::2])
+    packed = np.concatenate([lo, hi], axis=1)
+    weight = mx.array(np.ascontiguousarray(packed).reshape(-1, in_features // 2).view(np.uint32)
+                      .reshape(*shape[:-1], in_features // 8))
+    scales = mx.array(np.ascontiguousarray(blocks[:, 0]).reshape(*shape[:-1], in_features // GROUP_SIZE))
+    return MlxTensor(weight, scales, None, 4, GROUP_SIZE, "MXFP4 -> mxfp4 g32 (exact)", mode="mxfp4")
 
 
 def summarize(notes: Iterable[str]) -> str:

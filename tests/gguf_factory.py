@@ -398,7 +398,8 @@ def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_hea
 
 # --------------------------------------------------------------------------- llama.cpp
 
-QUANT_FTYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K")
+QUANT_FTYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K",
+                "MXFP4_MOE")   # MXFP4_MOE: gpt-oss experts in MXFP4 (tests/gguf_factory_gpt_oss.py)
 
 _LLAMA_FTYPE_NAMES = {"Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 

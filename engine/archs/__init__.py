@@ -12,6 +12,9 @@ from typing import Any, Callable
 
 # GGUF general.architecture -> module under engine/archs/ (add a line per family)
 _MODULES: dict[str, str] = {
+    "gemma3": "gemma", "gemma4": "gemma",
+    "gpt-oss": "gpt_oss",
+    "qwen35": "qwen35", "qwen35moe": "qwen35",
 }
 
 
