@@ -146,6 +146,13 @@ class Engine(RequestHandlers):
         while True:
             # distributed hook: a follower rank serves rank 0's requests instead of its own queue.
             item = self._next_request() if self.dist is None or self.dist.rank == 0 else self._follow()
+            # issue 34: generate requests run as rows of one batch (engine/batching.py) while any is
+            # live; it hands back the first request that had to wait for the batch to end (or None).
+            from . import batching
+            while item is not None and batching.enabled(self) and batching.batchable(self, item):
+                item = batching.run(self, item)
+            if item is None:
+                continue
             if isinstance(item, _Stop):
                 if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
                     self.dist.stop_followers()

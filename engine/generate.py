@@ -94,18 +94,20 @@ class PrefillPace:
 
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False,
-            pace: PrefillPace | None = None, layerwise: bool | None = None) -> None:
+            pace: PrefillPace | None = None, layerwise: bool | None = None, first: int | None = None) -> None:
     """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
     `progress(0, total)` comes first, then one call per chunk (and, on a slow machine, calls from
     within a chunk every PROGRESS_S). `pace`: the model's remembered speed (a throwaway one if None).
     `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes)."""
+    from . import layer_cache
     from .errors import Cancelled
     done = 0
     # The doubling start is for progress on a slow machine (the CPU: ~50 ms per 16 SmolLM2 tokens).
     # On a GPU a full chunk takes milliseconds and the small ones only add syncs and launches (an
     # H200: prefill 0.84-1.0x raw mlx-lm with them), so chunks are full-size from the first.
     gpu = on_gpu()
-    first = chunk if gpu else FIRST_CHUNK
+    # `first`: the first chunk's size (a batched row's prefill, engine/batching.py, one chunk a call)
+    first = first or (chunk if gpu else FIRST_CHUNK)
     if layerwise is None:
         layerwise = not gpu
     if pace is None:
@@ -123,18 +125,24 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         with mx.stream(_stream()):
             if not layerwise:
                 model(mx.array(part)[None], cache=cache)
-                mx.eval([c.state for c in cache])
+                mx.eval(layer_cache.arrays(cache))
             else:
                 # What each layer's cache held before this chunk: put back on a cancel mid-chunk for the
                 # layers not yet computed (references only; each is let go just before its layer runs,
                 # so the K/V update can still reuse its buffer in place).
                 before = [dict(vars(c)) for c in cache]
+                # A cache with layers that cannot trim (a recurrent state, a window) is undone from a
+                # snapshot instead (engine/layer_cache.py); None for full K/V.
+                snap = layer_cache.snapshot(cache, len(fed))
                 model(mx.array(part)[None], cache=cache)
                 n = len(cache)
                 for i, c in enumerate(cache):
                     before[i] = None
-                    mx.eval(c.state)
+                    mx.eval(layer_cache.kind_of(c).arrays(c))
                     if i + 1 < n and cancelled():
+                        if snap is not None:
+                            layer_cache.rollback(cache, len(fed) + len(part), len(part), snap, lambda k: None)
+                            raise Cancelled("cancelled")
                         for j, d in enumerate(cache):
                             if before[j] is None:
                                 d.trim(len(part))
@@ -249,7 +257,6 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     "length", a cancel with "cancelled". `steps`: a token iterator that replaces `decode`
     (speculative decoding), built over the same `stats`. `constraint`: the grammar of `decode`'s
     tokens (engine/constraints.py; `steps` carries its own)."""
-    from .tokenizer import StreamDecoder
     stats = stats or StepStats()
     new = tokens[reuse:-1]
     # The prompt's last part (1..limit tokens; speculative steps start from a fully fed cache) goes in
@@ -262,44 +269,69 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
         prefill(model, entry.cache, ahead, entry.tokens, chunk=chunk,
                 progress=on_progress if len(ahead) > 1 else None, cancelled=cancelled, pace=pace,
                 layerwise=layerwise)
+        if ahead and hasattr(entry, "checkpoint"):
+            entry.checkpoint()      # the prompt read: a message boundary (engine/layer_cache.py's policy)
     t_prefill = time.perf_counter()
     sp = sampling
-    out_ids: list[int] = []
-    text = ""
-    stream = StreamDecoder(tokenizer)
-    finish = "length"
-    held = ""   # text held back while it could still be the start of a stop string
+    out = ReplyText(tokenizer, sp.stop, on_token)
     for token in steps or decode(model, entry.cache, tokens[-1], entry.tokens, history=tokens,
                                  sampler=sp.sampler(n_vocab), processors=sp.processors(), max_tokens=max_tokens,
                                  stats=stats, seed=sp.seed, cancelled=cancelled, pending=pending,
                                  constraint=constraint):
-        out_ids.append(token)
-        if token in tokenizer.eos_ids:
-            finish = "stop"
-            break
-        held += stream.push(token)
-        emit, stop_hit = split_stop(held, sp.stop)
-        if emit:
-            text += emit
-            on_token(token, emit)
-        held = held[len(emit):]
-        if stop_hit:
-            finish = "stop"
+        if out.push(token):
             break
     else:
         if cancelled():
-            finish = "cancelled"
-    if finish != "stop" or not sp.stop:
-        rest = held + stream.flush()
-        if rest:
-            text += rest
-            on_token(out_ids[-1] if out_ids else -1, rest)
-    t_end = time.perf_counter()
-    n_new = len(tokens) - reuse
-    stats.ttft_ms = ((stats.t_first or t_end) - stats.t_start) * 1e3
-    stats.prefill_tps = n_new / max(1e-9, (stats.t_first or t_prefill) - stats.t_start)
-    stats.decode_tps = (len(out_ids) - 1) / (t_end - stats.t_first) if len(out_ids) > 1 else 0.0
-    return Reply(out_ids, text, finish, stats)
+            out.finish = "cancelled"
+    return out.close(stats, len(tokens) - reuse, t_prefill)
+
+
+class ReplyText:
+    """One reply's tokens made text: EOS and stop strings end it, a possible stop string's start is
+    held back until decided, text goes out through `on_token(id, text)`. Used by `reply` and by a
+    batched row (engine/batching.py), which pushes its tokens one step at a time."""
+
+    def __init__(self, tokenizer, stops: list[str], on_token: Callable[[int, str], None]):
+        from .tokenizer import StreamDecoder
+        self.eos = tokenizer.eos_ids
+        self.stops = stops
+        self.on_token = on_token
+        self.stream = StreamDecoder(tokenizer)
+        self.out_ids: list[int] = []
+        self.text = ""
+        self.held = ""          # text held back while it could still be the start of a stop string
+        self.finish = "length"
+
+    def push(self, token: int) -> bool:
+        """Take the next token; True when the reply ends with it (EOS or a stop string)."""
+        self.out_ids.append(token)
+        if token in self.eos:
+            self.finish = "stop"
+            return True
+        self.held += self.stream.push(token)
+        emit, stop_hit = split_stop(self.held, self.stops)
+        if emit:
+            self.text += emit
+            self.on_token(token, emit)
+        self.held = self.held[len(emit):]
+        if stop_hit:
+            self.finish = "stop"
+            return True
+        return False
+
+    def close(self, stats: StepStats, n_new: int, t_prefill: float) -> "Reply":
+        """What is still held goes out (unless a stop string ended it); the timing figures."""
+        if self.finish != "stop" or not self.stops:
+            rest = self.held + self.stream.flush()
+            if rest:
+                self.text += rest
+                self.on_token(self.out_ids[-1] if self.out_ids else -1, rest)
+        t_end = time.perf_counter()
+        n_out = len(self.out_ids)
+        stats.ttft_ms = ((stats.t_first or t_end) - stats.t_start) * 1e3
+        stats.prefill_tps = n_new / max(1e-9, (stats.t_first or t_prefill) - stats.t_start)
+        stats.decode_tps = (n_out - 1) / (t_end - stats.t_first) if n_out > 1 else 0.0
+        return Reply(self.out_ids, self.text, self.finish, stats)
 
 
 def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:

@@ -339,11 +339,15 @@ class SteeringState:
 
     Off (or no vector): the wrappers return the block output untouched, no extra op."""
 
-    __slots__ = ("speed_projection", "vector")
+    __slots__ = ("speed_projection", "vector", "rows")
 
     def __init__(self, vector=None, speed_projection: bool = False):
         self.vector = vector
         self.speed_projection = speed_projection
+        # issue 34 (engine/batching.py): in a batched step of several conversations, a (B, 1, 1) bool
+        # array, True for the rows whose turn is steered (the others get the block's own output:
+        # stock); None outside a batch.
+        self.rows = None
 
     @property
     def active(self) -> bool:
@@ -382,6 +386,8 @@ class SteeredLayer(nn.Module):
         if not st.speed_projection or st.vector is None or not st.vector.steers(self.layer_index):
             return self.block(x, *args, **kwargs)
         b = self.block
+        if st.rows is not None:     # issue 34: a batch mixing steered and plain rows (selected, not blended)
+            return self._steer_rows(x, st, *args, **kwargs)
         if type(b).__call__ in _FUSABLE_CALLS:
             # mlx-lm's pre-norm block, step for step, with its last residual add done by the
             # steering kernel: a steered block costs no extra kernel launch.
@@ -389,6 +395,19 @@ class SteeredLayer(nn.Module):
             h = x + r
             return st.vector.apply_residual(h, b.mlp(b.post_attention_layernorm(h)), self.layer_index)
         return st.vector.apply(b(x, *args, **kwargs), self.layer_index)
+
+
+    def _steer_rows(self, x, st: SteeringState, *args, **kwargs):
+        """The steered and the plain output of one batched step, each row taking its own: a steered
+        row gets exactly what it gets alone (the same fused or unfused op), a plain row the block's."""
+        b = self.block
+        if type(b).__call__ in _FUSABLE_CALLS:
+            r = b.self_attn(b.input_layernorm(x), *args, **kwargs)
+            h = x + r
+            m = b.mlp(b.post_attention_layernorm(h))
+            return mx.where(st.rows, st.vector.apply_residual(h, m, self.layer_index), h + m)
+        out = b(x, *args, **kwargs)
+        return mx.where(st.rows, st.vector.apply(out, self.layer_index), out)
 
 
 def _fusable_calls() -> set:

@@ -1,0 +1,507 @@
+"""Continuous batching (issue 34): the live generate requests' decode steps as one forward pass.
+
+The engine thread runs `run(engine, first)` while any generate request is live. Each request is a
+`Row`: its turn is prepared and ended exactly as a lone request's (`_begin_turn`/`_end_turn` in
+engine/handlers.py), its conversation's K/V is taken from parking as a unit, checked out while the
+reply runs (`Conversations.check_out`) and given back whole (`check_in`), so what is parked, saved
+or written to the disk tier afterwards is the same as if it had run alone.
+
+How the K/V of several rows is stepped together: left padding, mlx-lm's `BatchKVCache`
+(mlx_lm/models/cache.py, the cache of mlx-lm's own BatchGenerator), rather than per-sequence caches
+merged at every step. Merging per step would copy every row's whole K/V into one padded array for
+each step (O(rows x context) per token), or run attention once per row (rows x layers small kernels
+a step: the launch overhead that batching exists to amortise on a GPU). Left padding copies a row's
+K/V once when it joins (`merge`/`extend`) and once when it leaves (`extract`, back to the plain
+`KVCache` that parking, sessions and the disk tier hold); in between a step is one model call with
+one (rows, 1) input, and mlx-lm's models already take BatchKVCache's per-row offsets (RoPE) and
+padding mask. Its cost: padding up to the longest row's length (memory, asked of the guard before a
+row joins) and the copies at join/leave. While one row is alone it runs on its own `KVCache`, the
+very path of a lone request (`generate.decode`'s step), so a lone request's numbers do not change.
+
+The schedule, one iteration:
+  1. queued requests are read without waiting: generate requests wait for a row (at most
+     `EngineOptions.max_sequences` rows, and the memory guard's yes); `Status` and `CountTokens`
+     are answered at once; a generate request that cannot be batched (speculative decoding, a
+     constraint, quantized K/V, a model whose cache is not a plain KVCache per layer) runs alone,
+     to its end, between two steps; anything else (a load, a save, a restore, ...) is a barrier:
+     nothing joins after it, and it is served once the rows have ended;
+  2. rows that ended leave (their K/V extracted and handed back); rows whose prompt is in join;
+  3. one decode step for every decoding row: the step after it is queued on the device before the
+     host reads this one's tokens (mlx-lm's pipelining), as `generate.decode` does;
+  4. one prefill chunk of the oldest row still reading its prompt (generate.prefill: the same
+     chunk schedule, layer-by-layer cancel and progress on the CPU), so a long prompt never stalls
+     the decoding rows for more than one chunk.
+Each row keeps its sampler, seed (its own key chain, the same draws as `mx.random.seed` gives a
+lone request), repetition penalty context, stop strings, cancel and control-vector setting (the
+steered rows are selected per row in engine/steering.py's SteeredLayer: a row without the vector
+gets the block's own output).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .api import CountTokens, GenerateRequest, Status
+from .errors import Cancelled, EngineError, StrataError
+from .events import Done, Failed, Handle, Progress, Token
+
+log = logging.getLogger("strata")
+
+QUICK = (Status, CountTokens)   # answered between two steps: they read, never change, what is held
+
+
+@dataclass
+class Counters:
+    """What the batches did since the engine started (engine.batch_counters; tests and benches read it
+    through a Call): batched steps, steps with several rows, the most rows in one step, rows served."""
+    steps: int = 0
+    shared_steps: int = 0
+    peak_rows: int = 0
+    rows: int = 0
+
+
+def counters(engine) -> Counters:
+    c = getattr(engine, "batch_counters", None)
+    if c is None:
+        c = engine.batch_counters = Counters()
+    return c
+
+
+# ---- which requests a batch takes ------------------------------------------------------------
+def enabled(engine) -> bool:
+    return getattr(engine.options, "max_sequences", 1) > 1 and engine.dist is None
+
+
+def batchable(engine, item) -> bool:
+    """A generate request that can be a row: plain decoding on a model whose K/V is a plain KVCache
+    per layer (16-bit; mlx-lm's BatchKVCache merges only those)."""
+    if not isinstance(item, Handle) or not isinstance(item.request, GenerateRequest) or engine.model is None:
+        return False
+    req = item.request
+    if req.constraint is not None or (req.speculative or "off") != "off":
+        return False        # the rule: speculation and constrained decoding run alone (between steps)
+    return plain_cache(engine)
+
+
+def plain_cache(engine) -> bool:
+    got = getattr(engine, "_batch_plain_cache", None)
+    if got is None or got[0] is not engine.model or got[1] != engine.options.kv_bits:
+        from mlx_lm.models.cache import KVCache
+        ok = not engine.kv_fmt.quantized and all(type(c) is KVCache for c in engine.make_cache())
+        got = engine._batch_plain_cache = (engine.model, engine.options.kv_bits, ok)
+    return got[2]
+
+
+# ---- one row -------------------------------------------------------------------------------------
+@dataclass(eq=False)        # rows compare by identity (`in`, remove): their fields hold MLX arrays
+class Row:
+    handle: Handle
+    turn: object                         # handlers.Turn
+    out: object                          # generate.ReplyText
+    todo: list[int]                      # prompt tokens still to prefill (the last one is fed by a step)
+    steered: bool
+    sampler: object
+    processors: list
+    key: mx.array | None = None          # a seeded sampling row's own key chain
+    ctx: mx.array | None = None          # the repetition penalty's context (prompt + reply so far)
+    done: int = 0                        # of `todo`, prefilled
+    n: int = 0                           # tokens generated
+    t_prefill: float = 0.0
+    ended: str = ""                      # "" while running; else why it leaves ("done", "cancelled", ...)
+    cache: list = field(default_factory=list)   # its own KVCache per layer until it joins the batch
+    last: mx.array | None = None         # its token of the last step built (lazy), for `ctx`
+
+    @property
+    def entry(self):
+        return self.turn.entry
+
+    @property
+    def owner(self) -> str:
+        return self.turn.req.conversation
+
+    def sample(self, logits: mx.array, first: bool) -> mx.array:
+        """This row's next token from its (1, vocab) logits, as generate.decode's step computes it."""
+        if self.processors:
+            if not first:
+                self.ctx = mx.concatenate([self.ctx, self.last.astype(mx.int32)])
+            for p in self.processors:
+                logits = p(self.ctx, logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if self.key is None:
+            y = self.sampler(logprobs)
+        else:
+            self.key, sub = mx.random.split(self.key)
+            y = self.sampler(logprobs, sub)
+        self.last = y
+        return y
+
+
+def seeded_sampler(sp, n_vocab: int):
+    """mlx-lm's sampler chain (make_sampler: top_p, min_p, top_k, then categorical) with the key given
+    per call: a row draws from its own seed's chain, the draws a lone request gets after
+    mx.random.seed(seed) (that seeds the process-wide key, which rows share)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    top_k = 0 if sp.top_k >= n_vocab else sp.top_k
+    temp = sp.temperature
+
+    def sample(logprobs, key):
+        if 0 < sp.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, sp.top_p)
+        if sp.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, sp.min_p, 1)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        return mx.random.categorical(logprobs * (1.0 / temp), key=key)
+    return sample
+
+
+# ---- the batch --------------------------------------------------------------------------------------
+class Batch:
+    """The rows stepping together and their K/V: the one row's own KVCache list while alone, else one
+    BatchKVCache per layer (row i of it is rows[i])."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.rows: list[Row] = []
+        self.cache: list | None = None
+        self.y: mx.array | None = None       # the last built step's tokens (lazy), one per row
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def length(self) -> int:
+        """Cells per row of the batch's K/V (the longest row, with padding)."""
+        if not self.rows:
+            return 0
+        c = self.cache[0]
+        return c.offset if len(self.rows) == 1 else c.size()
+
+    # -- membership (between steps) --
+    def leave(self, gone: list[Row]) -> None:
+        """Rows that ended give their K/V back as plain KVCache lists (trimmed to what they fed)."""
+        if not gone:
+            return
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        if len(self.rows) == 1:
+            self.rows[0].cache = self.cache
+        else:
+            for i, r in enumerate(self.rows):
+                if r in gone:
+                    r.cache = [c.extract(i) for c in self.cache]
+            if len(keep) == 1:          # alone again: its own KVCache, the lone request's path
+                self.rows[keep[0]].cache = [c.extract(keep[0]) for c in self.cache]
+                self.cache = self.rows[keep[0]].cache
+            elif keep:
+                idx = mx.array(keep)
+                for c in self.cache:
+                    c.filter(idx)
+        if self.y is not None:
+            self.y = self.y[mx.array(keep)] if keep else None
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+        for r in gone:
+            held = len(r.entry.tokens)
+            for c in r.cache:           # a step built after its last token fed one more: not held
+                if c.offset > held:
+                    c.trim(c.offset - held)
+            r.entry.cache = r.cache
+
+    def join(self, row: Row) -> None:
+        """A row whose prompt is in (all but its last token) steps from the next step on."""
+        from mlx_lm.models.cache import BatchKVCache
+        if not self.rows:
+            self.cache = row.cache
+        elif len(self.rows) == 1:
+            self.cache = [BatchKVCache.merge([a, b]) for a, b in zip(self.cache, row.cache)]
+        else:
+            for c, mine in zip(self.cache, row.cache):
+                c.extend(BatchKVCache.merge([mine]))
+        self.rows.append(row)
+
+    # -- one step --
+    def build(self, joined: list[Row]) -> mx.array:
+        """Queue one step for every row: from the previous step's (lazy) tokens, and a joining row's
+        last prompt token. Returns the step's tokens (lazy)."""
+        eng = self.engine
+        firsts = [r.turn.tokens[-1] for r in joined]
+        for r in joined:
+            r.entry.tokens.append(r.turn.tokens[-1])
+        parts = ([self.y] if self.y is not None else []) + ([mx.array(firsts)] if firsts else [])
+        inputs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        st = eng.steering
+        steered = [r.steered for r in self.rows]
+        from .generate import _stream
+        with mx.stream(_stream()):
+            if st is not None:
+                st.speed_projection = any(steered)
+                st.rows = mx.array(steered)[:, None, None] if len(self.rows) > 1 and any(steered) \
+                    and not all(steered) else None
+            try:
+                logits = eng.model(inputs[:, None], cache=self.cache)[:, -1, :]
+            finally:
+                if st is not None:
+                    st.rows = None
+            n_old = len(self.rows) - len(joined)
+            if all(_plain_greedy(r) for r in self.rows):
+                y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+            else:
+                y = mx.concatenate([r.sample(logits[i:i + 1], first=i >= n_old)
+                                    for i, r in enumerate(self.rows)])
+        mx.async_eval(y)
+        self.steps += 1
+        c = counters(eng)
+        c.steps += 1
+        c.shared_steps += len(self.rows) > 1
+        c.peak_rows = max(c.peak_rows, len(self.rows))
+        return y
+
+
+def _plain_greedy(row: Row) -> bool:
+    return row.turn.req.sampling.temperature == 0 and not row.processors
+
+
+# ---- the scheduler -----------------------------------------------------------------------------------
+class Scheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        self.batch = Batch(engine)
+        self.waiting: deque[Handle] = deque()
+        self.prefilling: list[Row] = []
+        self.barrier = None                  # the first queued request that waits for the rows to end
+        self.cap = max(1, int(engine.options.max_sequences))
+
+    @property
+    def busy_owners(self) -> set[str]:
+        return {r.owner for r in self.batch.rows + self.prefilling if r.owner}
+
+    def run(self, first: Handle):
+        """Serve generate requests as rows until none is live; returns the barrier (or None)."""
+        self.waiting.append(first)
+        while True:
+            self._read_queue()
+            self._admit()
+            gone = [r for r in self.batch.rows if r.ended]
+            self.batch.leave(gone)
+            for r in gone:
+                self._finish(r)
+            ready = [r for r in self.prefilling if r.done >= len(r.todo)]
+            for r in ready:
+                self.prefilling.remove(r)
+                self.batch.join(r)
+                r.t_prefill = time.perf_counter()
+            if self.batch.rows:
+                self._step(ready)
+            reading = [r for r in self.prefilling if r.done < len(r.todo)]
+            if reading:
+                self._prefill_chunk(reading[0])
+            if not self.batch.rows and not self.prefilling and not self.waiting:
+                return self.barrier
+
+    # -- the queue --
+    def _read_queue(self) -> None:
+        eng = self.engine
+        while self.barrier is None:
+            try:
+                item = eng._queue.get_nowait()
+            except queue.Empty:
+                return
+            if batchable(eng, item):
+                self.waiting.append(item)
+            elif isinstance(item, Handle) and isinstance(item.request, QUICK):
+                eng._serve(item)
+            elif isinstance(item, Handle) and isinstance(item.request, GenerateRequest) \
+                    and not (item.request.conversation and item.request.conversation in self.busy_owners):
+                self._alone(item)
+            else:
+                self.barrier = item
+
+    def _alone(self, handle: Handle) -> None:
+        """A request that runs alone (speculation, a constraint, ...): to its end, between two steps.
+        The rows' K/V is theirs (checked out), so it takes, parks and makes live as it always did."""
+        eng = self.engine
+        if self.batch.y is not None:
+            mx.eval(self.batch.y)
+        eng._serve(handle)
+
+    # -- joining --
+    def _admit(self) -> None:
+        eng = self.engine
+        skipped: deque[Handle] = deque()
+        while self.waiting and len(self.batch.rows) + len(self.prefilling) < self.cap:
+            h = self.waiting.popleft()
+            if h.cancelled:
+                eng._serve(h)           # cancelled while it waited: answered as the engine always does
+                continue
+            owner = h.request.conversation
+            if owner and owner in self.busy_owners:
+                skipped.append(h)       # its conversation is replying: the next turn waits for it
+                continue
+            row = self._start(h)
+            if row is None:
+                continue
+            if not self._fits(row):
+                self._give_back(row)
+                self.waiting.appendleft(h)      # tried again when a row has ended
+                break
+            self.prefilling.append(row)
+            counters(eng).rows += 1
+        self.waiting.extendleft(reversed(skipped))
+
+    def _start(self, h: Handle) -> Row | None:
+        """The request's turn prepared (engine/handlers.py _begin_turn); None when it failed."""
+        from .generate import ReplyText
+        eng = self.engine
+        req = h.request
+        eng._handle = h
+        try:
+            turn = eng._begin_turn(req, h, batched=True)
+        except Exception as e:  # noqa: BLE001 - one request's refusal, reported as the engine does
+            self._fail(h, e)
+            return None
+        finally:
+            eng._handle = None
+        sp = req.sampling
+        n_vocab = eng.info.n_vocab
+        seeded = sp.seed is not None and sp.temperature > 0
+        processors = sp.processors()
+        row = Row(handle=h, turn=turn, out=ReplyText(eng.tokenizer, sp.stop, lambda t, s: h.emit(Token(t, s))),
+                  todo=turn.tokens[turn.reuse:-1], steered=turn.projection,
+                  sampler=seeded_sampler(sp, n_vocab) if seeded else sp.sampler(n_vocab), processors=processors,
+                  key=mx.random.key(sp.seed) if seeded else None,
+                  ctx=mx.array(turn.tokens, dtype=mx.int32) if processors else None,
+                  cache=turn.entry.cache)
+        if row.todo and len(row.todo) > 1:
+            h.emit(Progress("prefill", 0, len(row.todo)))
+        return row
+
+    def _fits(self, row: Row) -> bool:
+        """The memory guard, asked before a row joins a running batch: its K/V at full length, padded
+        to the batch's, with the batch copied once as it grows (BatchKVCache.extend concatenates).
+        A request with nothing else running is not asked (a lone request never was)."""
+        eng = self.engine
+        live = len(self.batch.rows) + len(self.prefilling)
+        if live == 0:
+            return True
+        info = eng.info
+        itemsize = mx.zeros((), dtype=eng.dtype).itemsize
+        per_token = 2 * info.n_layer * info.n_head_kv * info.head_dim * itemsize
+        turn = row.turn
+        length = max(self.batch.length(), len(turn.tokens)) + turn.max_tokens
+        need = per_token * ((live + 1) * length + len(turn.tokens))
+        ok, why = eng.guard.admit(need)
+        if not ok:
+            eng._log(f"{turn.req.conversation or 'request'} waits for the batch: K/V {why}")
+        return ok
+
+    # -- prefill --
+    def _prefill_chunk(self, row: Row) -> None:
+        from .generate import FIRST_CHUNK, next_chunk, on_gpu, prefill
+        eng = self.engine
+        h = row.handle
+        total = len(row.todo)
+        gpu = on_gpu()
+        chunk = eng.options.prefill_chunk
+        pace = eng._prefill_pace()
+        size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
+        part = row.todo[row.done:row.done + size]
+        if eng.steering is not None:
+            eng.steering.speed_projection = row.steered
+        base = row.done
+        t0 = time.perf_counter()
+        try:
+            prefill(eng.model, row.cache, part, row.entry.tokens, chunk=chunk, first=size,
+                    progress=(lambda d, t: h.emit(Progress("prefill", base + d, total))) if total > 1 else None,
+                    cancelled=lambda: h.cancelled, layerwise=None if eng.dist is None else False)
+        except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
+            self.prefilling.remove(row)
+            if isinstance(e, StrataError):
+                self._give_back(row)
+            else:
+                self._drop(row)
+            self._fail(h, e)
+            return
+        pace.record(len(part), time.perf_counter() - t0)
+        row.done += len(part)
+
+    # -- decoding --
+    def _step(self, joined: list[Row]) -> None:
+        b = self.batch
+        stepped = [r for r in b.rows if r not in joined]     # the rows the previous step's tokens are for
+        prev = b.y
+        try:
+            b.y = b.build(joined)
+            values = prev.tolist() if prev is not None else []
+        except Exception as e:  # noqa: BLE001 - a failed step fails every row (their K/V is suspect)
+            log.exception("engine: batched step failed")
+            for r in b.rows:
+                r.ended = "failed"
+                self._drop(r)
+                self._fail(r.handle, e)
+            b.rows, b.cache, b.y = [], None, None
+            return
+        now = time.perf_counter()
+        for r, token in zip(stepped, values):
+            if r.ended:
+                continue
+            if r.handle.cancelled:
+                r.ended, r.out.finish = "cancelled", "cancelled"
+                continue
+            if r.n == 0:
+                r.turn.stats.t_first = now
+            r.n += 1
+            if r.n < r.turn.max_tokens:
+                r.entry.tokens.append(token)    # fed by the step just built (generate.decode's `fed`)
+            if r.out.push(token) or r.n >= r.turn.max_tokens:
+                r.ended = "done"
+        for r in joined:                        # nothing read for them yet; a cancel may come first
+            if r.handle.cancelled:
+                r.ended, r.out.finish = "cancelled", "cancelled"
+        if b.steps % 256 == 0:
+            mx.clear_cache()
+
+    def _finish(self, row: Row) -> None:
+        eng = self.engine
+        turn = row.turn
+        eng._handle = row.handle
+        try:
+            r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
+            result = eng._end_turn(turn, r)
+            self._give_back(row)
+        except Exception as e:  # noqa: BLE001
+            self._fail(row.handle, e)
+            return
+        finally:
+            eng._handle = None
+        row.handle.emit(Done(result))
+
+    def _give_back(self, row: Row) -> None:
+        """The row's conversation back to the engine as a lone reply leaves it (a side request's
+        throwaway K/V is let go)."""
+        if not row.turn.req.side:
+            self.engine.conversations.check_in(row.entry)
+
+    def _drop(self, row: Row) -> None:
+        """After an unexpected failure its K/V may be half-updated: not held any more."""
+        conv = self.engine.conversations
+        conv.busy = [e for e in conv.busy if e is not row.entry]
+
+    def _fail(self, h: Handle, e: Exception) -> None:
+        if isinstance(e, StrataError):
+            self.engine._log(f"error: {e}")
+        elif not isinstance(e, Cancelled):
+            log.error("engine: unexpected error in a batched request", exc_info=e)
+        err = EngineError.of(e)
+        h.emit(Failed(err.message, err.code, err.reason))
+
+
+def run(engine, first: Handle):
+    """The engine thread's batch loop (engine/engine.py run_forever): returns the first request that
+    had to wait for every row to end (a barrier), or None."""
+    return Scheduler(engine).run(first)
