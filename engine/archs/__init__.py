@@ -14,6 +14,7 @@ from typing import Any, Callable
 _MODULES: dict[str, str] = {
     "gemma3": "gemma", "gemma4": "gemma",
     "gpt-oss": "gpt_oss",
+    "granite": "granite", "olmo2": "olmo2", "mistral3": "mistral3", "phi3": "phi3",
     "qwen35": "qwen35", "qwen35moe": "qwen35",
 }
 

@@ -1,0 +1,45 @@
+"""OLMo 2 (GGUF architecture `olmo2`) on mlx-lm's `olmo2` class.
+
+The block has no pre-norms: attention reads the residual stream as it is, and RMSNorms sit after the
+attention (`post_attention_norm`) and after the MLP (`post_ffw_norm`), inside each residual branch.
+Q and K are RMS-normalized over the whole projection (weights n_head*head_dim and n_head_kv*head_dim
+wide, not per head) before RoPE. llama.cpp runs it with NEOX (rotate-half) RoPE on rows the converter
+did not permute: mlx-lm's default. The names other than those two norms are the common table's.
+OLMo 3 files also say `olmo2`, with sliding-window layers: refused until they are supported.
+"""
+from __future__ import annotations
+
+import re
+
+from . import Architecture
+
+_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def model_args(g, common: dict, head_dim: int):
+    from mlx_lm.models.olmo2 import Model, ModelArgs
+
+    from ..errors import ModelFileError
+    n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
+    if head_dim != n_embd // n_head:
+        # llama.cpp's olmo2 sizes heads as width / heads whatever key_length says
+        raise ModelFileError(f"{g.path.name}: head size {head_dim} is not width {n_embd} / {n_head} heads, "
+                             "which olmo2 needs")
+    if int(g.arch_key("attention.sliding_window", 0) or 0) > 0:
+        raise ModelFileError(f"{g.path.name}: olmo2 with sliding-window layers (OLMo 3) is not supported yet")
+    if str(g.arch_key("rope.scaling.type", "none")) not in ("none", ""):
+        raise ModelFileError(f"{g.path.name}: olmo2 RoPE scaling "
+                             f"'{g.arch_key('rope.scaling.type')}' is not supported")
+    if "output.weight" not in g.tensors():
+        raise ModelFileError(f"{g.path.name}: olmo2 needs an 'output.weight' tensor (llama.cpp requires it too)")
+    return Model, ModelArgs(**common, head_dim=head_dim)
+
+
+def tensor_name(gguf_name: str, args) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight)", gguf_name)
+    if m and m.group(2) in _NAMES:
+        return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+ARCH = Architecture(name="olmo2", model_args=model_args, tensor_name=tensor_name)

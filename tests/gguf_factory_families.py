@@ -1,0 +1,282 @@
+"""Tiny, real GGUF files of the smaller families of issue #29: granite, olmo2, mistral3, phi3.
+
+Each is laid out as llama.cpp's convert_hf_to_gguf.py writes a real checkpoint of the family, so
+llama.cpp (the oracle) loads it with its own graph for that architecture:
+
+* ``granite``   Granite 3.x: llama blocks with Q/K rows permuted (GraniteModel is a LlamaModel), and
+                the four multipliers as metadata: ``embedding_scale`` (embeddings times it),
+                ``residual_scale`` (each block's output times it before the residual add),
+                ``attention.scale`` (the softmax scale, in place of 1/sqrt(head_dim)) and
+                ``logit_scale`` (logits divided by it). Tied embeddings.
+* ``olmo2``     OLMo 2: no pre-norms; RMSNorm after attention (``post_attention_norm``) and after the
+                MLP (``post_ffw_norm``), both inside the residual branch; Q/K RMSNorm over the whole
+                projection (``attn_q_norm`` is n_head*head_dim wide, not head_dim); NEOX RoPE, no
+                permute; an untied ``output.weight`` (llama.cpp requires it for olmo2).
+* ``mistral3``  Ministral 3 (text): llama blocks with Q/K rows permuted, explicit head_dim, YaRN
+                (``rope.scaling.*``, ``yarn_log_multiplier`` = mscale_all_dim) and Llama-4 attention
+                temperature (``attention.temperature_scale`` = llama_4_scaling_beta). The original
+                context is kept small so both matter inside a short test.
+* ``phi3``      Phi-4-mini style: fused ``attn_qkv`` (Q, K, V rows stacked), fused ``ffn_up`` holding
+                the gate half then the up half (2*n_ff rows), partial RoPE (``rope.dimension_count`` <
+                head_dim), LongRoPE factors ``rope_factors_long``/``rope_factors_short`` with
+                ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``.
+
+The vocabulary is gguf_factory's trained byte-level BPE; the family's own control tokens take the
+three special ids (0-2) and the rest are appended after the merges, and each file carries a chat
+template typical of the family (FAMILIES[...].template) ending each turn with its own marker.
+Quantize with gguf_factory.quantize_with_llama (width 256 so llama.cpp really uses K-quants).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+import gguf
+import gguf_factory
+from gguf_factory import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, _encode, _llama_permute, _trained_vocab
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    specials: tuple[str, ...]   # control tokens: the first three are ids 0-2, the rest follow the merges
+    pre: str                    # tokenizer.ggml.pre, as the family's real files say it
+    bos: str
+    eos: str
+    add_bos: bool
+    end_of_turn: str            # the token a reply ends with under the template
+    template: str
+
+
+GRANITE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+)
+OLMO2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}{% if not loop.last %}"
+    "{{ '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% else %}{{ '<|assistant|>\n' + message['content'] + eos_token }}{% endif %}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}"
+)
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST]' + message['content'] + '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+FAMILIES: dict[str, Family] = {
+    "granite": Family("granite", ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"),
+                      "refact", "<|end_of_text|>", "<|end_of_text|>", False, "<|end_of_text|>", GRANITE_TEMPLATE),
+    "olmo2": Family("olmo2", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"),
+                    "dbrx", "<|endoftext|>", "<|endoftext|>", False, "<|endoftext|>", OLMO2_TEMPLATE),
+    "mistral3": Family("mistral3", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                    "[/SYSTEM_PROMPT]"),
+                       "tekken", "<s>", "</s>", True, "</s>", MISTRAL3_TEMPLATE),
+    "phi3": Family("phi3", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
+                   "gpt-4o", "<|endoftext|>", "<|endoftext|>", False, "<|end|>", PHI3_TEMPLATE),
+}
+
+# Family hyperparameters beyond the common ones (tests may override any of them).
+GRANITE_SCALES = dict(embedding_scale=2.0, residual_scale=0.5, attention_scale=1.0 / 32, logit_scale=0.5)
+MISTRAL3_ROPE = dict(rope_theta=1_000_000.0, yarn_factor=16.0, yarn_original_context=32, yarn_beta_fast=32.0,
+                     yarn_beta_slow=1.0, yarn_log_multiplier=1.0, temperature_scale=0.1)
+# Phi-4-mini's 4096 -> 131072 scaled down to 64 -> 4096: the oracle's 256-token context is past the
+# original, so llama.cpp runs the long factors, as Strata does for a file longer than its original context
+PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary=0.75, original_context=64, context_length=4096)
+
+
+def family_tokens(family: str) -> tuple[list[str], list[int]]:
+    """The family's vocabulary: (tokens in id order, token types)."""
+    spec = FAMILIES[family]
+    tokens, _ = _trained_vocab()
+    n_base = len(gguf_factory.SPECIAL_TOKENS)
+    toks = list(spec.specials[:n_base]) + list(tokens[n_base:]) + list(spec.specials[n_base:])
+    types = [TOKEN_TYPE_CONTROL if t in spec.specials else TOKEN_TYPE_NORMAL for t in toks]
+    return toks, types
+
+
+def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
+    spec = FAMILIES[family]
+    toks, types = family_tokens(family)
+    _, merges = _trained_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(spec.pre)
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(list(merges))
+    w.add_bos_token_id(toks.index(spec.bos))
+    w.add_eos_token_id(toks.index(spec.eos))
+    w.add_add_bos_token(spec.add_bos)
+    w.add_chat_template(spec.template)
+    return len(toks)
+
+
+def _weights(family: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n_vocab, tie, seed):
+    """GGUF tensor name -> float32 array in numpy (rows = outputs), as the converter writes them."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, std):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_w(n):
+        return (1.0 + normal((n,), 0.1)).astype(np.float32)
+
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    # The scales of gguf_factory.tiny_hf_weights: strong o/down so the blocks, not the input token's own
+    # embedding, decide the next token (with tied embeddings a weak block makes greedy repeat the input).
+    t = {"token_embd.weight": normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))}
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        q = normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        k = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        v = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        o = normal((n_embd, q_dim), 3.0 / np.sqrt(q_dim))
+        gate = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        up = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        down = normal((n_embd, n_ff), 4.0 / np.sqrt(n_ff))
+        if family in ("granite", "mistral3"):
+            # LlamaModel.modify_tensors: rotate-half rows -> adjacent pairs ("normal" RoPE in llama.cpp)
+            q, k = _llama_permute(q, n_head, n_head), _llama_permute(k, n_head, n_head_kv)
+        if family == "phi3":
+            t[p + "attn_norm.weight"] = norm_w(n_embd)
+            t[p + "attn_qkv.weight"] = np.concatenate([q, k, v], axis=0)
+            t[p + "attn_output.weight"] = o
+            t[p + "ffn_norm.weight"] = norm_w(n_embd)
+            t[p + "ffn_up.weight"] = np.concatenate([gate, up], axis=0)   # gate half first (LLM_FFN_SWIGLU)
+            t[p + "ffn_down.weight"] = down
+            continue
+        if family != "olmo2":
+            t[p + "attn_norm.weight"] = norm_w(n_embd)
+        t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"] = q, k, v
+        t[p + "attn_output.weight"] = o
+        if family == "olmo2":
+            t[p + "attn_q_norm.weight"] = norm_w(q_dim)
+            t[p + "attn_k_norm.weight"] = norm_w(kv_dim)
+            t[p + "post_attention_norm.weight"] = norm_w(n_embd)
+            t[p + "post_ffw_norm.weight"] = norm_w(n_embd)
+        else:
+            t[p + "ffn_norm.weight"] = norm_w(n_embd)
+        t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"] = gate, up, down
+    t["output_norm.weight"] = norm_w(n_embd)
+    if not tie:
+        t["output.weight"] = normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))
+    return t
+
+
+def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                      head_dim=None, context_length=2048, tensor_type="F16", seed=0, tie=None,
+                      name=None, **hp) -> Path:
+    """Write a tiny random-weight GGUF of `family` (see the module doc); `hp` overrides the family's
+    defaults (GRANITE_SCALES, MISTRAL3_ROPE, PHI3_ROPE). F16/Q8_0 here, other types: quantize_with_llama."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} not in {sorted(FAMILIES)}")
+    qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
+    if head_dim is None:
+        head_dim = n_embd // n_head
+    if tie is None:
+        tie = family in ("granite", "phi3")
+    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE}.get(family, {})
+    unknown = set(hp) - set(defaults)
+    if unknown:
+        raise ValueError(f"{family}: unknown hyperparameters {sorted(unknown)}")
+    hp = {**defaults, **hp}
+    if family == "phi3":
+        context_length = hp["context_length"]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_type(gguf.GGUFType.MODEL)
+    # not "phi3" in the name: llama.cpp's vocabulary loader gives a model whose name contains "phi3" or
+    # "phi-3" the Phi-3 SentencePiece special-token attributes (and looks up "</s>", absent here)
+    label = "Phi-4-mini-like" if family == "phi3" else family
+    w.add_name(name or f"Tiny {label} {n_layer}x{n_embd} seed {seed}")
+    w.add_size_label("tiny")
+    w.add_block_count(n_layer)
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5 if family == "mistral3" else 1e-6)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    n_vocab = _add_family_tokenizer(w, family)
+    tensors = _weights(family, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
+                       head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed)
+
+    if family == "granite":
+        w.add_rope_freq_base(10000.0)
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(head_dim)
+        w.add_embedding_scale(hp["embedding_scale"])
+        w.add_residual_scale(hp["residual_scale"])
+        w.add_attention_scale(hp["attention_scale"])
+        w.add_logit_scale(hp["logit_scale"])
+    elif family == "olmo2":
+        w.add_rope_freq_base(500000.0)
+    elif family == "mistral3":
+        w.add_rope_freq_base(hp["rope_theta"])
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(head_dim)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        if hp["yarn_factor"]:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(hp["yarn_factor"])
+            w.add_rope_scaling_orig_ctx_len(hp["yarn_original_context"])
+            w.add_rope_scaling_yarn_beta_fast(hp["yarn_beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(hp["yarn_beta_slow"])
+            w.add_rope_scaling_yarn_log_mul(hp["yarn_log_multiplier"])
+        if hp["temperature_scale"]:
+            w.add_attn_temperature_scale(hp["temperature_scale"])
+    elif family == "phi3":
+        rope_dim = int(head_dim * hp["partial_rotary"])
+        w.add_rope_freq_base(hp["rope_theta"])
+        w.add_rope_dimension_count(rope_dim)
+        orig = hp["original_context"]
+        if orig and orig < context_length:
+            # Phi3MiniModel.set_gguf_parameters for LongRoPE ("su"/"longrope") checkpoints
+            scale = context_length / orig
+            w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(orig))))
+            w.add_rope_scaling_orig_ctx_len(orig)
+            rng = np.random.default_rng(seed + 1)
+            # short factors near 1, long ones larger (as in real files): they must differ to be told apart
+            tensors["rope_factors_long.weight"] = (1.0 + rng.uniform(0, 40, rope_dim // 2)).astype(np.float32)
+            tensors["rope_factors_short.weight"] = (1.0 + rng.uniform(0, 0.5, rope_dim // 2)).astype(np.float32)
+
+    for gname, arr in tensors.items():
+        data, raw_dtype = _encode(arr, qtype)
+        if raw_dtype is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def writer(family: str) -> Callable[..., Path]:
+    """An arch_cases.ARCH_WRITERS writer: write(path, *, ftype="F16", seed=0) -> Path."""
+    def write(path, *, ftype: str = "F16", seed: int = 0) -> Path:
+        path = Path(path)
+        if ftype == "F16":
+            return write_family_gguf(path, family, tensor_type=ftype, seed=seed)
+        src = write_family_gguf(path.with_suffix(".f16.gguf"), family, tensor_type="F16", seed=seed)
+        return gguf_factory.quantize_with_llama(src, path, ftype)
+    return write
