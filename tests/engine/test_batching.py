@@ -1,0 +1,361 @@
+"""Continuous batching (issue 34, engine/batching.py): streams decoded together give what each gives
+alone, keep their own sampling, steering, stops and cancel, are parked as themselves and continue.
+
+The reference is the same model in an engine with max_sequences=1 (the lone-request path, unchanged),
+fed the same requests one after another. Batched engines are held at a gate (a Call that blocks the
+engine thread) while the requests are queued, so they really step together; the counters the batch
+keeps (engine.batch_counters) show how many rows shared a step. On the tiny models the batched greedy
+tokens are identical to the lone ones (measured: every stream, every token, 1-8 streams); for
+SmolLM2 see test_real_model_streams_match_alone_up_to_a_near_tie.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.control_vector import SteeringConfig, write_control_vector
+from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.events import Done, Progress, Token
+from engine.sampling import SamplingParams
+
+PROMPTS = [
+    "Once upon a time",
+    "The river flows past the old mill and on towards the sea, where the fishing boats wait for",
+    "Hi",
+    "A cat who learns to fly is a cat who",
+    "In the beginning the engine served one request at a time, and every other client waited in a long "
+    "queue behind it while the prompt of the first was read, token after token, chunk after chunk",
+    "Q: What is two plus two?\nA:",
+    "def fibonacci(n):\n    ",
+    "Tea is grown on hills,",
+]
+CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
+TIE_MARGIN = 0.6          # tests/engine/test_oracle.py's: a closer race has no single right answer
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("batch") / "tiny.gguf", arch="llama", n_layer=2, n_embd=64,
+                           seed=5, context_length=2048)
+
+
+@pytest.fixture(scope="module")
+def tiny4_vec(tmp_path_factory):
+    """A 4-layer tiny model and a strong control vector for it (as tests/engine/test_cvec_engine.py)."""
+    from gguf_factory import write_tiny_gguf
+    d = tmp_path_factory.mktemp("batch-cvec")
+    model = write_tiny_gguf(d / "tiny4.gguf", arch="llama", n_layer=4, n_embd=64, n_head=4, n_head_kv=2,
+                            n_ff=128, seed=5)
+    rng = np.random.default_rng(21)
+    vec = d / "strong.gguf"
+    write_control_vector(vec, {n: (rng.standard_normal(64) * 3.0).astype(np.float32) for n in range(1, 4)},
+                         model_hint="llama")
+    return model, vec
+
+
+def start(model, n, **kw) -> Engine:
+    eng = Engine(EngineOptions(model=str(model), max_sequences=n, **kw)).start()
+    assert eng.call(Status()).model is not None
+    return eng
+
+
+def counters(eng):
+    from engine.batching import counters as c
+    return eng.call(Call(lambda e: c(e))).value
+
+
+class Gate:
+    """Holds the engine thread (a Call waiting on an event) while requests are queued behind it."""
+
+    def __init__(self, eng):
+        self.open = threading.Event()
+        self.handle = eng.submit(Call(lambda e: self.open.wait(60)))
+
+    def release(self):
+        self.open.set()
+        self.handle.result(60)
+
+
+def together(eng, reqs, **submit_kw):
+    """Submit every request while the engine is held, then let them run as one batch."""
+    gate = Gate(eng)
+    handles = [eng.submit(r, **submit_kw) for r in reqs]
+    gate.release()
+    return handles
+
+
+def alone(eng, reqs):
+    return [eng.call(r, 300) for r in reqs]
+
+
+def requests(n, **kw):
+    # mixed prompt lengths (2 to 40 tokens) and reply lengths
+    return [GenerateRequest(prompt=PROMPTS[i], conversation=f"c{i}", sampling=greedy(30 + 3 * i), **kw)
+            for i in range(n)]
+
+
+# ---- identity with the lone path -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tiny):
+    eng = start(tiny, 1)
+    got = alone(eng, requests(8))
+    eng.stop()
+    return got
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_greedy_streams_equal_each_run_alone(tiny, reference, n):
+    eng = start(tiny, 8)
+    try:
+        results = [h.result(300) for h in together(eng, requests(n))]
+        c = counters(eng)
+    finally:
+        eng.stop()
+    for i, (r, ref) in enumerate(zip(results, reference)):
+        assert r.tokens == ref.tokens, f"stream {i} of {n}"
+        assert r.text == ref.text and r.finish_reason == ref.finish_reason
+        assert r.prompt_tokens == ref.prompt_tokens and r.generated_tokens == ref.generated_tokens
+    assert c.peak_rows == n and c.rows == n
+    assert (c.shared_steps > 0) == (n > 1)
+
+
+def test_cap_queues_the_rest_and_they_still_match(tiny, reference):
+    eng = start(tiny, 2)
+    try:
+        results = [h.result(300) for h in together(eng, requests(5))]
+        c = counters(eng)
+    finally:
+        eng.stop()
+    assert [r.tokens for r in results] == [r.tokens for r in reference[:5]]
+    assert c.peak_rows == 2 and c.rows == 5
+
+
+def test_seeded_sampling_and_penalties_are_each_rows_own(tiny):
+    """Each row draws from its own seed's key chain (a lone request seeds the process-wide one), so a
+    seeded row gives the lone request's tokens whatever else runs beside it."""
+    reqs = [GenerateRequest(prompt=PROMPTS[0], conversation="s0",
+                            sampling=SamplingParams(max_tokens=20, temperature=0.9, seed=1)),
+            GenerateRequest(prompt=PROMPTS[1], conversation="s1",
+                            sampling=SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, top_k=40, seed=2)),
+            GenerateRequest(prompt=PROMPTS[3], conversation="s2",
+                            sampling=SamplingParams(max_tokens=18, temperature=0.0, repetition_penalty=1.3)),
+            GenerateRequest(prompt=PROMPTS[5], conversation="s3",
+                            sampling=SamplingParams(max_tokens=14, temperature=1.0, min_p=0.05, seed=3,
+                                                    repetition_penalty=1.1))]
+    solo = start(tiny, 1)
+    try:
+        ref = alone(solo, reqs)
+    finally:
+        solo.stop()
+    eng = start(tiny, 8)
+    try:
+        got = [h.result(300) for h in together(eng, reqs)]
+        assert counters(eng).peak_rows == 4
+    finally:
+        eng.stop()
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.tokens == b.tokens, f"row {i}"
+
+
+def test_stop_strings_are_each_rows_own(tiny, reference):
+    # a stop string taken from each stream's own text: each stops where it would alone
+    reqs = []
+    for i in range(4):
+        text = reference[i].text
+        stop = text[4:7] if len(text) > 8 else "zzz"
+        reqs.append(GenerateRequest(prompt=PROMPTS[i], conversation=f"t{i}",
+                                    sampling=SamplingParams(max_tokens=12 + 5 * i, temperature=0.0, stop=[stop])))
+    eng = start(tiny, 8)
+    try:
+        got = [h.result(300) for h in together(eng, reqs)]
+    finally:
+        eng.stop()
+    for i, r in enumerate(got):
+        stop = reqs[i].sampling.stop[0]
+        full = reference[i].text
+        if stop in full:
+            assert r.finish_reason == "stop" and r.text == full[:full.index(stop)], f"row {i}"
+        else:
+            assert r.text == full
+
+
+# ---- steering, cancel, parking and the next turn ----------------------------------------------------
+def test_steered_and_plain_rows_cancel_and_next_turns(tiny4_vec):
+    """Four chats in one batch: one steered, one plain, one on the engine's default (steered), one
+    cancelled after 4 tokens. Each equals its lone run (the cancelled one up to where it stopped);
+    each is parked as itself, and its next turn reuses its whole history and matches the lone
+    engine's next turn."""
+    model, vec = tiny4_vec
+    cfg = SteeringConfig(files=((str(vec), 2.0),), mode="project")
+    first = [GenerateRequest(messages=CHATS[0], conversation="steered", speed_projection=True, sampling=greedy(16)),
+             GenerateRequest(messages=CHATS[0], conversation="plain", speed_projection=False, sampling=greedy(16)),
+             GenerateRequest(messages=CHATS[4], conversation="default", sampling=greedy(20)),
+             GenerateRequest(messages=CHATS[1], conversation="cancelled", sampling=greedy(40))]
+
+    def follow(rs):
+        out = []
+        for req, r in zip(first[:3], rs):
+            msgs = req.messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "And then?"}]
+            out.append(GenerateRequest(messages=msgs, conversation=req.conversation,
+                                       speed_projection=req.speed_projection, sampling=greedy(10)))
+        return out
+
+    solo = start(model, 1, steering=cfg, cache_mib=64)
+    try:
+        assert solo.call(Status()).steering_error is None
+        ref = alone(solo, first)
+        ref_next = alone(solo, follow(ref))
+    finally:
+        solo.stop()
+    assert ref[0].tokens != ref[1].tokens, "the vector must change the steered reply"
+
+    eng = start(model, 8, steering=cfg, cache_mib=64)
+    try:
+        seen = []
+
+        def cancel_after_4(ev, h=[]):
+            if isinstance(ev, Token):
+                seen.append(ev)
+                if len(seen) == 4:
+                    h[0].cancel()
+        gate = Gate(eng)
+        hs = [eng.submit(r) for r in first[:3]]
+        hc = eng.submit(first[3], callback=cancel_after_4)
+        cancel_after_4.__defaults__[0].append(hc)
+        gate.release()
+        got = [h.result(300) for h in hs]
+        cancelled = hc.result(300)
+        assert counters(eng).peak_rows == 4
+        held = {c["owner"]: c["tokens"] for c in eng.call(Status()).conversations}
+        nxt = [h.result(300) for h in together(eng, follow(got))]
+    finally:
+        eng.stop()
+    for i in range(3):
+        assert got[i].tokens == ref[i].tokens, first[i].conversation
+        assert got[i].speed_projection == ref[i].speed_projection
+    assert got[0].speed_projection and not got[1].speed_projection and got[2].speed_projection
+    assert cancelled.finish_reason == "cancelled"
+    assert 4 <= len(cancelled.tokens) < 40 and cancelled.tokens == ref[3].tokens[:len(cancelled.tokens)]
+    # parked as themselves: prompt + every generated token but the last one (never fed: max_tokens
+    # ended it), the cancelled one with what it fed
+    for i, r in enumerate(got):
+        assert held[first[i].conversation] == r.prompt_tokens + r.generated_tokens - 1
+    assert held["cancelled"] >= cancelled.prompt_tokens + len(cancelled.tokens) - 1
+    for i, (a, b) in enumerate(zip(nxt, ref_next)):
+        assert a.cached_tokens == got[i].prompt_tokens + got[i].generated_tokens - 1, first[i].conversation
+        assert a.cached_tokens == b.cached_tokens
+        assert a.tokens == b.tokens, first[i].conversation
+
+
+# ---- fairness: status while a batch runs, prefill between decode steps, the memory guard -------------
+def test_status_answers_and_a_long_prompt_does_not_stall_the_others(tiny):
+    eng = start(tiny, 8, prefill_chunk=64)
+    try:
+        order: list[tuple[str, object]] = []    # callbacks run on the engine thread: in engine order
+        a = eng.submit(GenerateRequest(prompt=PROMPTS[0], conversation="a", sampling=greedy(400)),
+                       callback=lambda ev: order.append(("a", ev)))
+        while not any(isinstance(ev, Token) for _, ev in order):
+            time.sleep(0.01)
+        long_prompt = " ".join(PROMPTS) * 3      # several prefill chunks
+        b = eng.submit(GenerateRequest(prompt=long_prompt, conversation="b", sampling=greedy(8)),
+                       callback=lambda ev: order.append(("b", ev)))
+        t0 = time.perf_counter()
+        st = eng.call(Status(), 30)
+        status_s = time.perf_counter() - t0
+        a_running = not a.finished.is_set()
+        rb = b.result(300)
+        ra = a.result(300)
+    finally:
+        eng.stop()
+    assert st.model and a_running
+    assert status_s < 5, f"Status took {status_s:.1f} s while a batch ran"
+    progress = [i for i, (who, ev) in enumerate(order) if who == "b" and isinstance(ev, Progress)]
+    assert len(progress) >= 3, "the long prompt was read in several chunks"
+    between = [ev for who, ev in order[progress[0]:progress[-1]] if who == "a" and isinstance(ev, Token)]
+    assert len(between) >= 2, "stream a kept decoding while b's prompt was read"
+    assert ra.generated_tokens == 400 and rb.generated_tokens == 8
+
+
+def test_memory_guard_refusal_makes_a_stream_wait_not_fail(tiny, reference):
+    from engine.memory_guard import MemoryGuard
+    eng = start(tiny, 8)
+    try:
+        # a reserve larger than any machine: every join is refused, so each request runs when alone
+        eng.call(Call(lambda e: setattr(e, "guard", MemoryGuard(reserve_bytes=1 << 62))))
+        results = [h.result(300) for h in together(eng, requests(3))]
+        c = counters(eng)
+    finally:
+        eng.stop()
+    assert [r.tokens for r in results] == [r.tokens for r in reference[:3]]
+    assert c.peak_rows == 1 and c.rows == 3
+
+
+def test_speculative_and_constrained_requests_run_alone_between_steps(tiny, reference):
+    from engine.constraints import ConstraintSpec
+    eng = start(tiny, 8)
+    solo = start(tiny, 1)
+    try:
+        spec = GenerateRequest(prompt=PROMPTS[6], conversation="spec", speculative="lookup", sampling=greedy(24))
+        json_req = GenerateRequest(messages=CHATS[5], conversation="json", sampling=greedy(24),
+                                   constraint=ConstraintSpec(kind="json_object"))
+        ref_spec, ref_json = alone(solo, [spec, json_req])
+        hs = together(eng, requests(3) + [spec, json_req])
+        got = [h.result(300) for h in hs]
+        c = counters(eng)
+    finally:
+        eng.stop()
+        solo.stop()
+    assert [r.tokens for r in got[:3]] == [r.tokens for r in reference[:3]]
+    assert got[3].tokens == ref_spec.tokens and got[4].tokens == ref_json.tokens
+    assert c.rows == 3 and c.peak_rows == 3
+
+
+# ---- the real model ----------------------------------------------------------------------------------
+@pytest.mark.real_model
+def test_real_model_streams_match_alone_up_to_a_near_tie(real_model):
+    """SmolLM2 (Q8_0), 4 chats of mixed length. A batched step multiplies a (rows, width) matrix where
+    a lone step multiplies a vector, and attends over padded keys under a mask: the sums may round
+    differently, so streams are compared as the oracle tests are, token for token up to the first
+    place where the lone run's own top-2 margin is below TIE_MARGIN."""
+    reqs = [GenerateRequest(messages=CHATS[i], conversation=f"r{i}", sampling=greedy(24)) for i in (0, 1, 4, 6)]
+    solo = start(real_model, 1)
+    try:
+        ref = alone(solo, reqs)
+        prompts = [solo.call(Call(lambda e, r=r: e.prompt_tokens(r))).value for r in reqs]
+    except BaseException:
+        solo.stop()
+        raise
+    eng = start(real_model, 8)
+    try:
+        got = [h.result(600) for h in together(eng, reqs)]
+        assert counters(eng).peak_rows == 4
+    finally:
+        eng.stop()
+    identical = 0
+    try:
+        for i, (a, b) in enumerate(zip(got, ref)):
+            if a.tokens == b.tokens:
+                identical += 1
+                continue
+            k = next(j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+            margin = solo.call(Call(lambda e, ids=prompts[i] + b.tokens[:k]: _top2_margin(e, ids))).value
+            assert margin < TIE_MARGIN, f"stream {i} differs at token {k} with a lone margin of {margin:.3f}"
+    finally:
+        solo.stop()
+    print(f"SmolLM2: {identical}/4 streams identical to their lone runs")
+
+
+def _top2_margin(engine, ids) -> float:
+    import mlx.core as mx
+    cache = engine.make_cache()
+    logits = engine.model(mx.array(ids)[None], cache=cache)[0, -1].astype(mx.float32)
+    top = np.sort(np.array(logits))[-2:]
+    return float(top[1] - top[0])
