@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 import gguf_factory
+import gguf_factory_gpt_oss
+import gguf_factory_qwen35
 
 
 def _dense(arch: str) -> Callable[..., Path]:
@@ -23,4 +25,7 @@ def _dense(arch: str) -> Callable[..., Path]:
 ARCH_WRITERS: dict[str, Callable[..., Path]] = {
     "llama": _dense("llama"),
     "qwen3": _dense("qwen3"),
+    "gpt-oss": gguf_factory_gpt_oss.write,
+    "qwen35": gguf_factory_qwen35.writer("qwen35"),
+    "qwen35moe": gguf_factory_qwen35.writer("qwen35moe"),
 }
