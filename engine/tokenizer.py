@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Regex, Tokenizer, pre_tokenizers
 
+from . import harmony
 from .errors import ModelFileError
 from .gguf_file import GGUFFile, text_hash
 
@@ -15,6 +16,12 @@ def _smollm_pre_tokenizer():
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
+
+
+def _gemma4_pre_tokenizer():
+    # llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4: runs of newlines apart from the rest ("[^\n]+|[\n]+"),
+    # merges never cross them (transformers' GemmaTokenizer splits nothing)
+    return pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
 
 
 # Pre-tokenizers llama.cpp knows by name that transformers' table does not cover.
@@ -28,6 +35,7 @@ class GGUFTokenizer:
     eos_ids: set[int]
     add_bos: bool
     fingerprint: str = ""
+    rendered: frozenset[int] = frozenset()   # special tokens decoded as text anyway (harmony's markers)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
@@ -37,7 +45,16 @@ class GGUFTokenizer:
         return ids
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
-        return self.backend.decode(ids, skip_special_tokens=skip_special)
+        if not (skip_special and self.rendered and not self.rendered.isdisjoint(ids)):
+            return self.backend.decode(ids, skip_special_tokens=skip_special)
+        parts, run = [], []
+        for i in ids:
+            if i in self.rendered:
+                parts += [self.backend.decode(run, skip_special_tokens=True), self.backend.id_to_token(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self.backend.decode(run, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or ""
@@ -79,9 +96,9 @@ def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     if gguf.get("tokenizer.ggml.tokens") is None:
         raise ModelFileError(f"{gguf.path.name}: missing tokenizer metadata 'tokenizer.ggml.tokens'")
     model_type = gguf.get("tokenizer.ggml.model")
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in ("gpt2", "llama", "gemma4"):
         raise ModelFileError(f"{gguf.path.name}: tokenizer type {model_type!r} is not supported "
-                             "(byte-level BPE 'gpt2' and SentencePiece 'llama' are)")
+                             "(byte-level BPE 'gpt2', SentencePiece 'llama' and Gemma 4's 'gemma4' are)")
     try:
         backend, _ = convert_gguf_tokenizer(gguf.architecture, _tokenizer_dict(gguf))
     except Exception as e:
@@ -89,6 +106,8 @@ def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     pre = gguf.get("tokenizer.ggml.pre")
     if pre in _EXTRA_PRE:
         backend.pre_tokenizer = _EXTRA_PRE[pre]()
+    if model_type == "gemma4":
+        backend.pre_tokenizer = _gemma4_pre_tokenizer()
     # Post-processors from the HF classes may add BOS/EOS; Strata adds BOS itself, as the GGUF says.
     backend.post_processor = None
 
@@ -101,17 +120,25 @@ def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     if eot is not None:
         eos_ids.add(int(eot))
     # Chat models end a turn with their template's end marker even when the GGUF's EOS is another token.
-    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<turn|>"):
         tid = backend.token_to_id(marker)
         if tid is not None and tid in special:
             eos_ids.add(tid)
+    rendered: frozenset[int] = frozenset()
+    if harmony.is_harmony_vocab(backend.token_to_id):
+        # gpt-oss: a reply ends at <|return|> or <|call|>; <|end|> only closes one channel's message
+        # (llama.cpp drops it from the end-of-generation set for this vocabulary too), and the
+        # channel markers stay in the text so the reasoning can be told from the reply (engine/harmony.py)
+        eos_ids.discard(backend.token_to_id("<|end|>"))
+        eos_ids.update(backend.token_to_id(t) for t in harmony.STOPS)
+        rendered = frozenset(i for i in map(backend.token_to_id, harmony.MARKERS) if i is not None)
     add_bos = gguf.get("tokenizer.ggml.add_bos_token")
     if add_bos is None:
         add_bos = model_type == "llama"
     n_vocab = len(gguf.get("tokenizer.ggml.tokens"))
     fp = text_hash(f"{model_type}|{pre}|{n_vocab}|{bos}|{eos}|" + "".join(gguf.get("tokenizer.ggml.tokens")[:4096]))
     return GGUFTokenizer(backend, int(bos) if bos is not None else None, eos_ids, bool(add_bos),
-                         fp)
+                         fp, rendered)
 
 
 class StreamDecoder:
