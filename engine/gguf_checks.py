@@ -11,6 +11,8 @@ import numbers
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import ModelFileError
 
 MAX_WIDTH = 1 << 17            # embedding / feed-forward width: 8x the largest current models
@@ -40,6 +42,16 @@ def _int(g, key: str, default=None, *, lo: int = 1, hi: int) -> int:
     value = g.arch_key(key, default)
     if value is None:
         raise ModelFileError(f"{g.path.name}: missing metadata '{g.architecture}.{key}'")
+    if hasattr(value, "__len__") and not isinstance(value, str) and len(value):
+        # a per-layer array (Gemma 4): every value checked, layer 0's is the one returned
+        values = [_int_value(g, key, v, lo, hi) for v in value]
+        return values[0]
+    return _int_value(g, key, value, lo, hi)
+
+
+def _int_value(g, key: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ModelFileError(f"{g.path.name}: '{g.architecture}.{key}' must be an integer, got {value!r:.40}")
     value = int(value)
@@ -116,9 +128,14 @@ def check_hyperparameters(g) -> Hyperparameters:
         raise bad("missing tensor 'token_embd.weight'")
     shape_is("token_embd.weight", n_embd, n_vocab)
     shape_is("output.weight", n_embd, n_vocab)
-    shape_is("blk.0.attn_q.weight", n_embd, n_head * head_dim)
-    shape_is("blk.0.attn_k.weight", n_embd, n_head_kv * head_dim)
-    shape_is("blk.0.attn_v.weight", n_embd, n_head_kv * head_dim)
+    head_dim0 = head_dim        # layer 0's head size: Gemma 4's sliding layers have their own
+    pattern = g.arch_key("attention.sliding_window_pattern")
+    if g.arch_key("attention.key_length_swa") is not None and hasattr(pattern, "__len__") \
+            and len(pattern) and bool(pattern[0]):
+        head_dim0 = _int(g, "attention.key_length_swa", hi=MAX_HEAD_DIM)
+    shape_is("blk.0.attn_q.weight", n_embd, n_head * head_dim0)
+    shape_is("blk.0.attn_k.weight", n_embd, n_head_kv * head_dim0)
+    shape_is("blk.0.attn_v.weight", n_embd, n_head_kv * head_dim0)
     shape_is("blk.0.attn_norm.weight", n_embd)
     shape_is("output_norm.weight", n_embd)
     up = tensors.get("blk.0.ffn_up.weight")

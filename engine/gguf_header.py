@@ -85,14 +85,14 @@ _GENERAL = {
 }
 # `<arch>.<suffix>` keys (any architecture prefix)
 _ARCH = {
-    "block_count": "int", "context_length": "int", "embedding_length": "int", "feed_forward_length": "int",
-    "attention.head_count": "int", "attention.head_count_kv": "int", "attention.key_length": "int",
+    "block_count": "int", "context_length": "int", "embedding_length": "int", "feed_forward_length": "int*",
+    "attention.head_count": "int", "attention.head_count_kv": "int*", "attention.key_length": "int",
     "attention.value_length": "int", "vocab_size": "int",
     "attention.layer_norm_rms_epsilon": "num", "rope.freq_base": "num",
 }
 _KIND_TEXT = {"str": "a string", "u32": "a uint32", "int": "an integer", "num": "a number",
               "flag": "a bool", "str[]": "an array of strings", "num[]": "an array of numbers",
-              "int[]": "an array of integers"}
+              "int[]": "an array of integers", "int*": "an integer or one per layer"}
 
 
 @dataclass
@@ -113,6 +113,8 @@ class HeaderScan:
 
 
 def _kind_ok(kind: str, vtype: int, etype: int | None) -> bool:
+    if kind == "int*":          # llama.cpp's get_key_or_arr: one value, or one per layer (Gemma 4)
+        return _kind_ok("int", vtype, etype) or _kind_ok("int[]", vtype, etype)
     if kind.endswith("[]"):
         if vtype != _ARR:
             return False
