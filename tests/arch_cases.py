@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import gguf_factory
+import gguf_factory_gemma
 import gguf_factory_gpt_oss
 import gguf_factory_qwen35
 
@@ -28,4 +29,6 @@ ARCH_WRITERS: dict[str, Callable[..., Path]] = {
     "gpt-oss": gguf_factory_gpt_oss.write,
     "qwen35": gguf_factory_qwen35.writer("qwen35"),
     "qwen35moe": gguf_factory_qwen35.writer("qwen35moe"),
+    "gemma3": gguf_factory_gemma.write_gemma3,
+    "gemma4": gguf_factory_gemma.write_gemma4,
 }
