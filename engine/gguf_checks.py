@@ -140,7 +140,10 @@ def check_hyperparameters(g) -> Hyperparameters:
     shape_is("output_norm.weight", n_embd)
     up = tensors.get("blk.0.ffn_up.weight")
     if up is not None and len(up.shape) == 2:          # dense FFN (MoE experts are 3-D)
-        shape_is("blk.0.ffn_up.weight", n_embd, n_ff)
+        # Phi-3's ffn_up holds the gate half and the up half (llama.cpp: {n_embd, 2 * n_ff})
+        shape_is("blk.0.ffn_up.weight", n_embd, 2 * n_ff if g.architecture == "phi3" else n_ff)
+    # a fused QKV projection (Phi-3): Q, K and V rows stacked
+    shape_is("blk.0.attn_qkv.weight", n_embd, (n_head + 2 * n_head_kv) * head_dim)
     rope = tensors.get("rope_freqs.weight")
     if rope is not None and math.prod(rope.shape) != head_dim // 2:
         raise bad(f"tensor 'rope_freqs.weight' has {math.prod(rope.shape)} factors, "
