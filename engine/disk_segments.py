@@ -203,6 +203,69 @@ def read_kv(fd: int, seg: Segment, g: Geometry) -> list[np.ndarray]:
     return parts
 
 
+RING_BUFFERS = 6         # host buffers in flight on a streamed read (read, hashed, handed on)
+
+
+def read_kv_streamed(fd: int, seg: Segment, g: Geometry, keep: int, send) -> None:
+    """The segment's K/V tensors, each cut to its first `keep` tokens, handed to `send(host_array)` in
+    file order on this thread as they arrive; raises SegmentError when the file is short or its digest is
+    wrong, which it knows only at the end: nothing `send` made may be used before this returns.
+
+    The session restore's scheme (engine/sessions.py `_read_to_device`): reader threads fill a small
+    ring of reused host buffers a tensor at a time, one thread hashes them in file order (xxh3 is a
+    stream, so the digest is the whole K/V's), and the caller's upload of tensor k overlaps the reads of
+    the next ones. A single buffer for the whole segment (264 MB at 8,000 tokens of Llama-1B) cost its
+    page faults and serialized the read before the upload (bench/gpu.md, session 9)."""
+    specs = kv_specs(seg.n, g, seg.meta.get("store", "float16"))
+    if not specs:
+        return
+    size = max(s.end - s.start for s in specs)
+    ring = [np.empty(size, np.uint8) for _ in range(min(RING_BUFFERS, len(specs)))]
+    digest = xxhash.xxh3_128()
+
+    def read(k: int) -> bool:
+        s, view = specs[k], memoryview(ring[k % len(ring)])
+        a, b = 0, s.end - s.start
+        while a < b:
+            n = os.preadv(fd, [view[a:b]], seg.kv_offset + s.start + a)
+            if n <= 0:
+                return False
+            a += n
+        return True
+
+    def hash_after(k: int, got) -> bool:
+        if not got.result():
+            return False
+        digest.update(memoryview(ring[k % len(ring)])[:specs[k].end - specs[k].start])
+        return True
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1, thread_name_prefix="disk-tier-hash") as hasher:
+        reads: dict = {}
+        hashes: dict = {}
+
+        def start(k: int) -> None:
+            reads[k] = _readers().submit(read, k)
+            hashes[k] = hasher.submit(hash_after, k, reads[k])       # FIFO: file order
+        for k in range(len(ring)):
+            start(k)
+        try:
+            for k, s in enumerate(specs):
+                if not reads.pop(k).result():
+                    raise SegmentError(f"torn K/V at byte {seg.offset}")
+                a = ring[k % len(ring)][:s.end - s.start].view(_NP[s.dtype]).reshape(s.shape)
+                send(a if keep >= seg.n else np.ascontiguousarray(a[:, :, :keep, :]))
+                if not hashes.pop(k).result():
+                    raise SegmentError(f"torn K/V at byte {seg.offset}")
+                if k + len(ring) < len(specs):
+                    start(k + len(ring))                       # its buffer is hashed and handed on
+        finally:
+            for f in (*reads.values(), *hashes.values()):
+                f.cancel() or f.exception()                    # never leave a read running on a closed fd
+    if digest.digest() != seg.kv_digest:
+        raise SegmentError(f"K/V checksum mismatch in the segment at byte {seg.offset}")
+
+
 def read_kv_unchecked(fd: int, seg: Segment, g: Geometry):
     """(the segment's K/V tensors, check): `check()` raises SegmentError unless their digest matches.
     The digest is computed on a reader thread meanwhile, so a restore sends the tensors to the device

@@ -473,13 +473,14 @@ class DiskTier:
                 # CUDA, no managed-memory page faults); they are joined and padded to the cache's cells
                 # there, where a copy costs nothing next to the read.
                 pieces: list[list] = [[] for _ in ds.kv_specs(m, g)]
+                # as the session restore does: uploads into buffers MLX cached were slower than into new ones
+                mx.clear_cache()
                 whole = 0
                 for s in segs:
                     k = min(s.n, m - s.start)
+                    sent: list = []
                     try:
-                        parts, check = ds.read_kv_unchecked(fd, s, g)
-                        sent = [to_device(np.ascontiguousarray(part[:, :, :k, :])) for part in parts]
-                        check()                 # the digest, computed while the tensors went out
+                        ds.read_kv_streamed(fd, s, g, k, lambda a: sent.append(to_device(a)))
                     except ds.SegmentError as err:
                         self.log(f"disk cache: {e.path.name}: {err}; falling back to its last whole segment "
                                  f"({whole} tokens)")
