@@ -25,7 +25,8 @@ def _gemma4_pre_tokenizer():
 
 
 # Pre-tokenizers llama.cpp knows by name that transformers' table does not cover.
-_EXTRA_PRE = {"smollm": _smollm_pre_tokenizer}
+# llama.cpp gives refact (Granite 3.x) the same two regexes as smollm
+_EXTRA_PRE = {"smollm": _smollm_pre_tokenizer, "refact": _smollm_pre_tokenizer}
 
 
 @dataclass

@@ -98,12 +98,19 @@ MISTRAL3_ROPE = dict(rope_theta=1_000_000.0, yarn_factor=16.0, yarn_original_con
 PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary=0.75, original_context=64, context_length=4096)
 
 
+# Merges of digit pairs, after the trained ones (which learnt none: the trainer splits digits one by one),
+# so that how a pre-tokenizer groups digits shows in the ids: "1234" is 1 2 3 4 under refact/tekken
+# (single digits) and 12 34 under dbrx/gpt-4o (up to three digits, then BPE).
+DIGIT_MERGES = (("1", "2"), ("3", "4"), ("2", "0"))
+
+
 def family_tokens(family: str) -> tuple[list[str], list[int]]:
     """The family's vocabulary: (tokens in id order, token types)."""
     spec = FAMILIES[family]
     tokens, _ = _trained_vocab()
     n_base = len(gguf_factory.SPECIAL_TOKENS)
-    toks = list(spec.specials[:n_base]) + list(tokens[n_base:]) + list(spec.specials[n_base:])
+    toks = (list(spec.specials[:n_base]) + list(tokens[n_base:]) + [a + b for a, b in DIGIT_MERGES]
+            + list(spec.specials[n_base:]))
     types = [TOKEN_TYPE_CONTROL if t in spec.specials else TOKEN_TYPE_NORMAL for t in toks]
     return toks, types
 
@@ -116,7 +123,7 @@ def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
     w.add_tokenizer_pre(spec.pre)
     w.add_token_list(toks)
     w.add_token_types(types)
-    w.add_token_merges(list(merges))
+    w.add_token_merges(list(merges) + [f"{a} {b}" for a, b in DIGIT_MERGES])
     w.add_bos_token_id(toks.index(spec.bos))
     w.add_eos_token_id(toks.index(spec.eos))
     w.add_add_bos_token(spec.add_bos)
