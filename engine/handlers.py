@@ -208,6 +208,9 @@ class RequestHandlers:
                   cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
                   layerwise=self.dist is None, constraint=turn.constraint)
         self._spec_done(req, turn.drafter, spec, r)
+        if steps is not None:
+            steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
+        entry.checkpoint()      # a finished reply is a message boundary (none for full K/V)
         return self._end_turn(turn, r, spec)
 
     # issue 34 (continuous batching, engine/batching.py): _generate split in two so a batched row
@@ -239,11 +242,9 @@ class RequestHandlers:
             entry, reuse = self._take_kv(tokens, req.conversation)
             entry.owner = req.conversation or entry.owner
         reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
-        for c in entry.cache:
-            if c.offset > reuse:
-                c.trim(c.offset - reuse)
-        if reuse < len(entry.tokens):
-            entry.tokens = entry.tokens[:reuse]     # a new list: its held text is dropped with it
+        # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
+        # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
+        reuse = entry.rewind(reuse, self.make_cache)
         if batched and not req.side:
             self.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
         elif not req.side:

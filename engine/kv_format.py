@@ -4,7 +4,7 @@ Quantized K/V uses MLX's affine quantization along head_dim: per group of `group
 a bias. Group 64 when head_dim allows it (SmolLM2: 30 layers x 3 K/V heads x 64 -> 11,520 B/token of
 8-bit codes + 720 B of float16 scales/biases = 12,240 B/token in a session file, vs 23,040 at 16 bit),
 else 32. Everything that touches the cache's arrays by layout (parking's byte count and prefix copy,
-session files) asks this module, so one place knows both layouts.
+session files) asks engine/layer_cache.py (the cache contract), the one place that knows the layouts.
 
 The live cache keeps float16 scales and biases (see HalfScaleQuantizedKVCache), and session files
 (engine/session_quant.py) store quantized K/V exactly as held (codes uint32, scales and biases
@@ -111,48 +111,47 @@ def _half_scale_cache_class():
 _HALF = None
 
 
-def make_cache(model, fmt: KVFormat) -> list:
-    from mlx_lm.models.cache import make_prompt_cache
+def half_scale_cache_class():
     global _HALF
-    if not fmt.quantized:
-        return make_prompt_cache(model)
     if _HALF is None:
         _HALF = _half_scale_cache_class()
-    return [_HALF(group_size=fmt.group, bits=fmt.bits) for _ in model.layers]
+    return _HALF
 
 
-def _is_quantized(c) -> bool:
-    return hasattr(c, "bits")
+def make_cache(model, fmt: KVFormat) -> list:
+    """The model's own per-layer caches (mlx-lm's make_prompt_cache), its full K/V layers quantized
+    when `fmt` says so (a sliding window or a recurrent state stays as the model made it: mlx-lm
+    cannot quantize those). Every layer must be a kind engine/layer_cache.py knows."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from . import layer_cache
+    cache = make_prompt_cache(model)
+    if fmt.quantized:
+        half = half_scale_cache_class()
+        cache = [half(group_size=fmt.group, bits=fmt.bits) if layer_cache.kind_of(c).name == "kv" else c
+                 for c in cache]
+    return layer_cache.check(cache)
 
 
+# The per-layer byte count, prefix copy and arrays now live in the cache contract
+# (engine/layer_cache.py); these names stay for callers of one layer.
 def nbytes(c) -> int:
-    """Bytes the layer's cache really holds in memory (allocated buffers: codes, scales, biases)."""
-    if getattr(c, "keys", None) is None:
-        return 0
-    if _is_quantized(c):
-        return sum(x.nbytes for x in (*c.keys, *c.values))
-    return c.keys.nbytes + c.values.nbytes
+    from . import layer_cache
+    return layer_cache.kind_of(c).nbytes(c)
 
 
 def copy_prefix(src, dst, n: int) -> None:
     """dst (an empty cache of the same kind) gets its own copy of src's first n cells."""
-    if n <= 0 or src.keys is None:
-        return
-    if _is_quantized(src):
-        keys = tuple(mx.array(x[..., :n, :]) for x in src.keys)
-        values = tuple(mx.array(x[..., :n, :]) for x in src.values)
-        dst.state = (keys, values, n, src.group_size, src.bits)
-    else:
-        dst.state = (mx.array(src.keys[..., :n, :]), mx.array(src.values[..., :n, :]), n)
+    from . import layer_cache
+    got = layer_cache.kind_of(src).copy_prefix(src, n)
+    if got is None:
+        raise ValueError(f"a {layer_cache.kind_of(src).name} cache cannot copy a prefix of {n}")
+    vars(dst).update(vars(got))
 
 
 def arrays_of(c) -> list:
     """The arrays to mx.eval after filling a cache."""
-    if getattr(c, "keys", None) is None:
-        return []
-    if _is_quantized(c):
-        return [*c.keys, *c.values]
-    return [c.keys, c.values]
+    from . import layer_cache
+    return layer_cache.kind_of(c).arrays(c)
 
 
 # ---- session files: engine/session_quant.py stores quantized K/V as held ------------------------

@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import mlx.core as mx
 
 MIB = 1 << 20
 # Reusing a handful of shared template tokens is not worth a copy (and would make "served from
@@ -41,11 +40,31 @@ class KVEntry:
     owner: str = ""        # the conversation it belongs to (a request's `conversation` label)
     disk_id: str = ""      # its file in the disk tier (engine/disk_tier.py), "" when none yet
     restored_from_disk: int = 0   # tokens just restored from the disk tier (reported once by the reply)
+    # layer_cache.Checkpoint list, oldest first: only for caches that cannot always be cut back
+    # (sliding windows, recurrent states; engine/layer_cache.py states the policy). Empty otherwise.
+    checkpoints: list = field(default_factory=list, repr=False, compare=False)
 
     def nbytes(self) -> int:
-        from .kv_format import nbytes   # 16-bit or quantized K/V: the buffers really held
+        from . import layer_cache   # the buffers really held, whatever the layers' kinds, and checkpoints
+        size = layer_cache.nbytes(self.cache) + sum(k.nbytes for k in self.checkpoints)
         # Distributed: each rank counts the whole model's K/V, so every rank evicts alike.
-        return sum(nbytes(c) for c in self.cache) * WHOLE_MODEL_LAYERS[0] // WHOLE_MODEL_LAYERS[1]
+        return size * WHOLE_MODEL_LAYERS[0] // WHOLE_MODEL_LAYERS[1]
+
+    def checkpoint(self) -> None:
+        """A message boundary: the cache holds exactly `tokens`. A checkpoint where the cache needs
+        them (layer_cache.add_checkpoint: none for full K/V)."""
+        from . import layer_cache
+        layer_cache.add_checkpoint(self.checkpoints, self.cache, len(self.tokens))
+
+    def rewind(self, n: int, make_cache: Callable[[], list]) -> int:
+        """Cut back to at most n tokens (trim, else the latest checkpoint at or before n, else
+        nothing): the tokens now held (<= n)."""
+        from . import layer_cache
+        held = len(self.tokens)
+        self.cache, m = layer_cache.rewind(self.cache, held, n, self.checkpoints, make_cache)
+        if m < held:
+            self.tokens = self.tokens[:m]       # a new list: its held text is dropped with it
+        return m
 
     def text(self, tokenizer, skip: int = 0) -> str:
         """decode(tokens[skip:], skip_special=False), paying only for tokens added since last time.
@@ -103,13 +122,11 @@ def longest_prefix(entries, key, tokens: list[int]):
     return best, best_n
 
 
-def copy_prefix(cache: list, n: int, make_cache: Callable[[], list]) -> list:
-    from . import kv_format
-    fresh = make_cache()
-    for src, dst in zip(cache, fresh):
-        kv_format.copy_prefix(src, dst, n)
-    mx.eval([kv_format.arrays_of(c) for c in fresh])
-    return fresh
+def copy_prefix(entry: KVEntry, n: int, make_cache: Callable[[], list]) -> tuple[list, int, list]:
+    """(a copy of the entry's first m <= n tokens' cache, m, the checkpoints that go with it):
+    m < n only for a cache that cannot copy that prefix (engine/layer_cache.py)."""
+    from . import layer_cache
+    return layer_cache.copy_prefix(entry.cache, len(entry.tokens), n, entry.checkpoints, make_cache)
 
 
 class Parking:
@@ -186,14 +203,17 @@ class Parking:
             return best, best_n
         best.last_used = time.monotonic()
         try:
-            cache = copy_prefix(best.cache, best_n, make_cache)
+            cache, m, checkpoints = copy_prefix(best, best_n, make_cache)
         except Exception as e:  # noqa: BLE001 - a broken entry must not fail every later request
             self.drop(best, f"its K/V could not be copied ({type(e).__name__}: {str(e)[:120]})")
             return None, 0
-        entry = KVEntry(best.tokens[:best_n], cache, key)
-        self.log(f"restored {best_n} of {len(best.tokens)} tokens (prefix copy) in "
+        if m < min(MIN_PREFIX_REUSE, best_n):
+            return None, 0          # no checkpoint near enough (a wrapped window, a recurrent state)
+        entry = KVEntry(best.tokens[:m], cache, key, checkpoints=checkpoints)
+        how = "prefix copy" if m == best_n else f"checkpoint at {m} of the {best_n} shared"
+        self.log(f"restored {m} of {len(best.tokens)} tokens ({how}) in "
                  f"{(time.perf_counter() - t0) * 1e3:.1f} ms")
-        return entry, best_n
+        return entry, m
 
     def drop(self, entry: KVEntry, why: str) -> None:
         """Remove a parked entry that failed when used; the request that wanted it recomputes."""

@@ -262,6 +262,17 @@ class DraftModel:
             n += 1
         return n
 
+    def _cut_to(self, n: int) -> int:
+        """Cut the draft's K/V back to at most n tokens (engine/layer_cache.py: a trim, or from
+        scratch for a draft whose cache cannot be cut back; it keeps no checkpoints): tokens held."""
+        if len(self.fed) > n:
+            from mlx_lm.models.cache import make_prompt_cache
+            from . import layer_cache
+            self.cache, n = layer_cache.rewind(self.cache, len(self.fed), n, [],
+                                               lambda: make_prompt_cache(self.model))
+            del self.fed[n:]
+        return len(self.fed)
+
     def gap(self, context: list[int]) -> int:
         """How many tokens of `context` the draft would read before drafting."""
         return len(context) - self._common(context)
@@ -269,11 +280,7 @@ class DraftModel:
     def read(self, context: list[int], upto: int, cancelled=lambda: False) -> None:
         """Read context[:upto] into the draft's K/V (timed into `pace`; generate.Cancelled on a cancel)."""
         from .generate import prefill
-        n = self._common(context)
-        if len(self.fed) > n:
-            for c in self.cache:
-                c.trim(len(self.fed) - n)
-            del self.fed[n:]
+        n = self._cut_to(self._common(context))
         if upto > n:
             t0 = time.perf_counter()
             prefill(self.model, self.cache, context[n:upto], self.fed, pace=self.pace, cancelled=cancelled)
@@ -283,11 +290,7 @@ class DraftModel:
         """Feed the draft model the context it lacks; logits for the token after `context`."""
         if self.gap(context) > 2:                   # a long gap (a new prompt): chunked, timed
             self.read(context, len(context) - 1)
-        n = self._common(context)
-        if len(self.fed) > n:
-            for c in self.cache:
-                c.trim(len(self.fed) - n)
-            del self.fed[n:]
+        n = self._cut_to(self._common(context))
         rest = context[n:]
         logits = self.model(mx.array(rest)[None], cache=self.cache)[0, -1]
         self.fed.extend(rest)
@@ -440,7 +443,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     `constraint` (engine/constraints.py): drafts are cut at the grammar's first refused token (kept
     for a draft model's sampled drafts: verification rejects it with certainty) and each verify row
     is masked by the grammar after that row's draft prefix."""
-    from . import generate
+    from . import generate, layer_cache
     if seed is not None:
         mx.random.seed(seed)
     context = list(history)
@@ -448,6 +451,15 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     pending = last_token
     delivered = 0
     gap_checked = not isinstance(drafter, DraftModel)
+    snap = None
+
+    def replay(k: int) -> None:
+        """Feed again the first k tokens the last verify pass fed (after its snapshot is restored)."""
+        start = snap.n
+        if k > 0:
+            model(mx.array(fed[start:start + k])[None], cache=cache)
+            mx.eval(layer_cache.arrays(cache))
+
     try:
         while delivered < max_tokens:
             if cancelled():
@@ -486,6 +498,10 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                 draft = draft[:n_keep]
                 draft_dists = draft_dists[:n_keep] if draft_dists is not None else None
             inputs = [pending] + draft
+            # A cache that cannot trim back (a recurrent state; a window the pass may wrap) is
+            # snapshotted first: rejected drafts are then undone by restoring the snapshot and feeding
+            # the accepted tokens again (layer_cache.rollback). None for full K/V: a trim, as before.
+            snap = layer_cache.snapshot(cache, len(fed))
             logits = model(mx.array(inputs)[None], cache=cache)[0]        # (k+1, V)
             fed.extend(inputs)
             allowed = None
@@ -517,8 +533,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     spec.idle += 1
             rejected = len(draft) - n_ok
             if rejected:
-                for c in cache:
-                    c.trim(rejected)
+                layer_cache.rollback(cache, len(fed), rejected, snap, replay)
                 del fed[len(fed) - rejected:]
             pending = nxt
             for t in draft[:n_ok] + [nxt]:
@@ -532,6 +547,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         if delivered >= max_tokens:
             return
         # Speculation stopped paying: finish in the ordinary decode loop (pipelined, no drafts).
+        snap = None                 # it leaves the cache holding exactly `fed`: nothing to undo after
         sub = generate.StepStats()
         n_vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         for t in generate.decode(model, cache, pending, fed, history=context, sampler=sampling.sampler(n_vocab),
@@ -545,6 +561,5 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         # not keep accepted drafts it never delivered.
         extra = len(fed) - len(context)
         if extra > 0:
-            for c in cache:
-                c.trim(extra)
+            layer_cache.rollback(cache, len(fed), extra, snap, replay)
             del fed[len(fed) - extra:]
