@@ -291,16 +291,23 @@ def chat_plan(engine, formats: ToolFormats, messages: list[dict], tools_in, choi
     return p.messages, p
 
 
-def _chat_message(text: str, finish: str, p) -> tuple[dict, str]:
-    """The assistant message (content, tool_calls) and finish_reason of a finished reply."""
+def _chat_message(text: str, finish: str, p, harmony: bool = False) -> tuple[dict, str]:
+    """The assistant message (content, tool_calls, and a harmony model's analysis channel as
+    reasoning_content) and finish_reason of a finished reply."""
     from ..tool_calls import finish_calls, new_call_id, parse
     if p is None or not p.active:
+        if harmony:
+            from ..harmony import split
+            ch = split(text)
+            return {"role": "assistant", "content": ch.content,
+                    **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
         return {"role": "assistant", "content": text}, finish
     parsed = parse(text, p.fmt, p.tools)
     calls = finish_calls(p, parsed.calls)
+    reasoning = {"reasoning_content": parsed.reasoning} if parsed.reasoning else {}
     if not calls:
-        return {"role": "assistant", "content": parsed.content}, finish
-    return ({"role": "assistant", "content": parsed.content or None,
+        return {"role": "assistant", "content": parsed.content, **reasoning}, finish
+    return ({"role": "assistant", "content": parsed.content or None, **reasoning,
              "tool_calls": [{"id": c.id or new_call_id(p.fmt), "type": "function",
                              "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]},
             "tool_calls")
@@ -559,7 +566,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             model_id = model_id or _model_id(engine)
             res = outcome.result
             if chat:
-                message, finish = _chat_message(res.text, _finish(res), plan)
+                message, finish = _chat_message(res.text, _finish(res), plan, formats.get(engine).name == "harmony")
                 choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": _finish(res)}
@@ -590,6 +597,16 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         from ..tool_calls import StreamParser, finish_calls, new_call_id
         parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
         calls_sent: list = []
+        # a harmony model's channels: analysis as delta.reasoning_content, the rest as delta.content
+        from ..harmony import ChannelStream
+        channels = ChannelStream() if chat and parser is None and formats.get(engine).name == "harmony" else None
+
+        def channel_chunks(items):
+            for kind, value in items:
+                c = chunk(value)
+                if kind == "reasoning":
+                    c["choices"][0]["delta"] = {"reasoning_content": value}
+                yield _sse(c)
 
         def out(items):
             """Parsed stream items as chunks: content deltas, and each call as delta.tool_calls."""
@@ -616,7 +633,10 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                 if isinstance(ev, Token):
                     text, ev = bridge.drain_tokens(ev)
                     if text:
-                        if parser is None:
+                        if channels is not None:
+                            for line in channel_chunks(channels.feed(text)):
+                                yield line
+                        elif parser is None:
                             yield _sse(chunk(text))
                         else:
                             for line in out(parser.feed(text)):
@@ -628,6 +648,9 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                     res = ev.result
                     if parser is not None:
                         for line in out(parser.finish()):
+                            yield line
+                    if channels is not None:
+                        for line in channel_chunks(channels.finish()):
                             yield line
                     last = chunk(None, "tool_calls" if calls_sent else _finish(res))
                     last["strata"] = _timings(res, body.get("speculative"))

@@ -38,6 +38,15 @@ def gdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gpt_oss")
 
 
+@pytest.fixture(scope="module")
+def f16_engine(gdir):
+    """One engine on the F16 file for the tests that need the whole engine (each start costs seconds)."""
+    from engine.engine import Engine, EngineOptions
+    eng = Engine(EngineOptions(model=str(_file(gdir, "F16")), cache_mib=0)).start()
+    yield eng
+    eng.stop()
+
+
 @functools.lru_cache(maxsize=None)
 def _file(d: Path, ftype: str) -> Path:
     dst = d / f"gpt-oss-{ftype}.gguf"
@@ -158,19 +167,14 @@ def _prompt_text(path: Path, prompt: str | None) -> str:
 
 
 @pytest.mark.oracle
-def test_prompt_ids_equal_llama_cpp(gdir):
+def test_prompt_ids_equal_llama_cpp(gdir, f16_engine):
     """The engine's own prompt path (template, tokenizer) against llama.cpp's tokenizer on the same
     text, special tokens included; and the harmony end-of-generation set."""
-    from engine.engine import Engine, EngineOptions
     lo = _oracle()
     path = _file(gdir, "F16")
     llm = lo.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
-    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
-    try:
-        ours = _prompt_tokens(eng, MESSAGES)
-        tok = _tokenizer(eng)
-    finally:
-        eng.stop()
+    ours = _prompt_tokens(f16_engine, MESSAGES)
+    tok = _tokenizer(f16_engine)
     text = _prompt_text(path, None)
     assert ours == llm.tokenize(text.encode(), add_bos=False, special=True)
     tail = [factory.token_id("<|start|>")] + tok.encode("assistant")    # the generation prompt
@@ -291,20 +295,15 @@ HARMONY_GRAMMAR = (r'start: <|channel|> "analysis" <|message|> /[a-z ]{3,30}/ <|
                    r'<|channel|> "final" <|message|> /[A-Za-z ]{3,30}/ <|return|>')
 
 
-def test_engine_reply_keeps_channels_and_ends_at_return(gdir):
+def test_engine_reply_keeps_channels_and_ends_at_return(f16_engine):
     """The real engine on the tiny model, its tokens forced into a harmony reply by a grammar (a
     random model does not speak harmony): the markers stay in the text, <|end|> does not end the reply,
     <|return|> does, and the text splits into the reasoning and the reply."""
     from engine.constraints import ConstraintSpec
-    from engine.engine import Engine, EngineOptions, GenerateRequest
+    from engine.engine import GenerateRequest
     from engine.sampling import SamplingParams
-    path = _file(gdir, "F16")
-    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
-    try:
-        r = eng.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=100, temperature=0.0),
-                                     constraint=ConstraintSpec.lark(HARMONY_GRAMMAR)))
-    finally:
-        eng.stop()
+    r = f16_engine.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=100, temperature=0.0),
+                                        constraint=ConstraintSpec.lark(HARMONY_GRAMMAR)))
     assert r.finish_reason == "stop" and r.tokens[-1] == factory.token_id("<|return|>")
     assert factory.token_id("<|end|>") in r.tokens
     assert r.text.startswith("<|channel|>analysis<|message|>") and "<|end|><|start|>assistant<|channel|>final" in r.text
@@ -336,3 +335,45 @@ def test_bad_files_are_refused_in_one_line(gdir, tmp_path):
         with pytest.raises(ModelFileError, match=match) as e:
             load_model(open_gguf(path))
         assert "\n" not in str(e.value) and str(e.value).startswith(path.name)
+
+
+def test_server_returns_the_analysis_channel_as_reasoning_content(gdir, f16_engine):
+    """The OpenAI server on the real engine, over HTTP with the openai client. A random model does
+    not write channels and the server takes no grammar, so the reasoning path is checked on the
+    engine's grammar-forced reply (the server's own message builder), and the HTTP journey checks that
+    plain and streamed replies carry the same parts, equal to the split of the engine's own text for
+    the same greedy request, and that the reply goes back as history (the gpt-oss template refuses
+    channel markers in an assistant's content)."""
+    import openai
+    from engine.constraints import ConstraintSpec
+    from engine.engine import GenerateRequest
+    from engine.frontends.server import ServerThread, _chat_message, create_app
+    from engine.sampling import SamplingParams
+    path, eng = _file(gdir, "F16"), f16_engine
+    srv = ServerThread(create_app(eng)).start()
+    client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        forced = eng.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=100, temperature=0.0),
+                                          constraint=ConstraintSpec.lark(HARMONY_GRAMMAR)))
+        ch = harmony.split(forced.text)
+        message, finish = _chat_message(forced.text, "stop", None, harmony=True)
+        assert message == {"role": "assistant", "content": ch.content, "reasoning_content": ch.reasoning}
+
+        raw = eng.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=12, temperature=0.0)))
+        want = harmony.split(raw.text)
+        r = client.chat.completions.create(model=path.stem, messages=MESSAGES, max_tokens=12, temperature=0)
+        got = r.choices[0].message
+        assert got.content == want.content and getattr(got, "reasoning_content", None) == (want.reasoning or None)
+        parts = {"reasoning_content": "", "content": ""}
+        for c in client.chat.completions.create(model=path.stem, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                stream=True):
+            if c.choices:
+                d = c.choices[0].delta
+                parts["content"] += d.content or ""
+                parts["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+        assert parts == {"reasoning_content": want.reasoning, "content": want.content}
+        history = MESSAGES + [{"role": "assistant", "content": got.content}, {"role": "user", "content": "And then?"}]
+        assert client.chat.completions.create(model=path.stem, messages=history, max_tokens=4, temperature=0).choices
+    finally:
+        client.close()
+        srv.stop()
