@@ -10,7 +10,8 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
   experts stay resident).
 * **K/V** -- n_layer x n_head_kv x (key_length + value_length) x the K/V dtype (= the compute dtype:
   mlx-lm's cache stores what the model computes) per token, for the context rounded up to mlx-lm's
-  256-token cache step.
+  256-token cache step. A hybrid recurrent model (Qwen3.5/3.6) keeps K/V in its attention layers only
+  and a fixed recurrent + convolution state per sequence in the others (engine/hybrid_layout.py).
 * **overhead** (stated, not measured per model) -- 300 MiB for the runtime (MLX, Python, tokenizer),
   plus what one prefill chunk of 512 tokens materialises: its logits (chunk x vocab, float32), the
   attention scores of one layer (chunk x n_head x context, compute dtype) and the FFN activations
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hybrid_layout
 from .errors import MemoryRefused, ModelFileError, StrataError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -233,6 +235,8 @@ class MemoryEstimate:
     kv_dtype: str
     fixed_overhead_bytes: int      # runtime + the context-independent part of one prefill chunk
     scores_bytes_per_token: int    # attention scores of one chunk, per token of context
+    state_bytes: int = 0           # recurrent + convolution states of a hybrid model (engine/hybrid_layout.py):
+                                   # fixed per sequence, whatever the context
 
     @property
     def kv_bytes(self) -> int:
@@ -244,17 +248,17 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+        return self.weights_bytes + self.kv_bytes + self.state_bytes + self.overhead_bytes
 
     def at_context(self, n_ctx: int) -> "MemoryEstimate":
         return MemoryEstimate(self.weights_bytes, self.kv_bytes_per_token, n_ctx, self.kv_dtype,
-                              self.fixed_overhead_bytes, self.scores_bytes_per_token)
+                              self.fixed_overhead_bytes, self.scores_bytes_per_token, self.state_bytes)
 
     def largest_context(self, budget_bytes: int, limit: int) -> int:
         """The largest context (a multiple of the 256-token cache step, <= limit) whose total fits
         in budget_bytes; 0 when not even MIN_CONTEXT fits."""
         per_token = self.kv_bytes_per_token + self.scores_bytes_per_token
-        room = budget_bytes - self.weights_bytes - self.fixed_overhead_bytes
+        room = budget_bytes - self.weights_bytes - self.fixed_overhead_bytes - self.state_bytes
         if room <= 0 or per_token <= 0:
             return 0
         n = min(limit, room // per_token) // KV_STEP * KV_STEP
@@ -263,8 +267,9 @@ class MemoryEstimate:
         return n if n >= MIN_CONTEXT else 0
 
     def line(self) -> str:
+        state = f" + recurrent state {gib(self.state_bytes)}" if self.state_bytes else ""
         return (f"needs {gib(self.total_bytes)}: weights {gib(self.weights_bytes)} + K/V {gib(self.kv_bytes)} "
-                f"({self.n_ctx} tokens, {self.kv_dtype}) + overhead {gib(self.overhead_bytes)}")
+                f"({self.n_ctx} tokens, {self.kv_dtype}){state} + overhead {gib(self.overhead_bytes)}")
 
 
 def _kv_slots(n_ctx: int) -> int:
@@ -305,10 +310,13 @@ def estimate(h: GGUFHeader, n_ctx: int, dtype: str = "float32") -> MemoryEstimat
     else:
         ffn_width = h.arch_int("feed_forward_length", 4 * n_embd)
     weights = sum(tensor_bytes(t, db) for t in h.tensors)
-    kv_per_token = n_layer * n_head_kv * (k_len + v_len) * db
+    hybrid = hybrid_layout.layout(h)        # Qwen3.5/3.6: K/V in the attention layers only, plus a fixed state
+    kv_layers = hybrid.n_attention if hybrid else n_layer
+    kv_per_token = kv_layers * n_head_kv * (k_len + v_len) * db
     chunk = PREFILL_CHUNK
     fixed = RUNTIME_OVERHEAD + chunk * n_vocab * 4 + chunk * 3 * ffn_width * db + chunk * 4 * n_embd * db
-    return MemoryEstimate(weights, kv_per_token, n_ctx, dtype, fixed, 2 * chunk * n_head * db)
+    return MemoryEstimate(weights, kv_per_token, n_ctx, dtype, fixed, 2 * chunk * n_head * db,
+                          hybrid.state_bytes(db) if hybrid else 0)
 
 
 @dataclass(frozen=True)
