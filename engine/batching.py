@@ -25,12 +25,12 @@ The schedule, one iteration:
      constraint, quantized K/V, a model whose cache is not a plain KVCache per layer) runs alone,
      to its end, between two steps; anything else (a load, a save, a restore, ...) is a barrier:
      nothing joins after it, and it is served once the rows have ended;
-  2. rows that ended leave (their K/V extracted and handed back); rows whose prompt is in join;
-  3. one decode step for every decoding row: the step after it is queued on the device before the
-     host reads this one's tokens (mlx-lm's pipelining), as `generate.decode` does;
-  4. one prefill chunk of the oldest row still reading its prompt (generate.prefill: the same
+  2. rows that ended leave (their K/V extracted and handed back);
+  3. one prefill chunk of the oldest row still reading its prompt (generate.prefill: the same
      chunk schedule, layer-by-layer cancel and progress on the CPU), so a long prompt never stalls
-     the decoding rows for more than one chunk.
+     the decoding rows for more than one chunk; rows whose prompt is in join;
+  4. one decode step for every decoding row: the step after it is queued on the device before the
+     host reads this one's tokens (mlx-lm's pipelining), as `generate.decode` does.
 Each row keeps its sampler, seed (its own key chain, the same draws as `mx.random.seed` gives a
 lone request), repetition penalty context, stop strings, cancel and control-vector setting (the
 steered rows are selected per row in engine/steering.py's SteeredLayer: a row without the vector
@@ -291,6 +291,10 @@ class Scheduler:
             self.batch.leave(gone)
             for r in gone:
                 self._finish(r)
+            # a prompt's chunk before the step: a prompt it completes is in that very step
+            reading = [r for r in self.prefilling if r.done < len(r.todo)]
+            if reading:
+                self._prefill_chunk(reading[0])
             ready = [r for r in self.prefilling if r.done >= len(r.todo)]
             for r in ready:
                 self.prefilling.remove(r)
@@ -298,9 +302,6 @@ class Scheduler:
                 r.t_prefill = time.perf_counter()
             if self.batch.rows:
                 self._step(ready)
-            reading = [r for r in self.prefilling if r.done < len(r.todo)]
-            if reading:
-                self._prefill_chunk(reading[0])
             if not self.batch.rows and not self.prefilling and not self.waiting:
                 return self.barrier
 
