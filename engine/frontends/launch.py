@@ -34,6 +34,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
                    help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
+    from ..limits import DEFAULT_MAX_SEQUENCES   # issue 34
+    p.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
+                   help=f"requests decoded together in one batch, the rest queue (default {DEFAULT_MAX_SEQUENCES}; "
+                        "1 = one at a time)")
 
 
 def check_engine_flags(args) -> None:
@@ -43,6 +47,9 @@ def check_engine_flags(args) -> None:
     check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
     from ..limits import check_disk_mib
     check_disk_mib(args.conversation_disk_mib, what="--conversation-disk-mib")
+    from ..limits import MAX_SEQUENCES_MAX      # issue 34
+    if not 1 <= args.max_sequences <= MAX_SEQUENCES_MAX:
+        raise StrataError(f"--max-sequences must be 1 to {MAX_SEQUENCES_MAX}; got {args.max_sequences}")
     if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
         # (too large a context is refused by the memory estimate at load, with the numbers)
         raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")
@@ -63,7 +70,8 @@ def engine_options(args):
     return EngineOptions(model=args.model or str(default_model_path()), context_length=args.ctx,
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
                          steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
-                         kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib)
+                         kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib,
+                         max_sequences=args.max_sequences)
 
 
 def start_engine(args, wait: bool = True):

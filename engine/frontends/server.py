@@ -5,7 +5,8 @@
 Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions, POST /v1/completions
 (streaming with SSE and not), POST /v1/sessions/save {"name", "messages"?, "force"?} and /v1/sessions/restore {"name": ...}.
 
-The engine serves one request at a time from its queue, so concurrent HTTP requests simply queue.
+Concurrent HTTP requests are decoded together, up to --max-sequences at once (engine/batching.py);
+the rest queue.
 Engine events reach the event loop through the handle's callback (`call_soon_threadsafe`), never by
 blocking the loop. A client that goes away - while queued, during prefill or mid-stream - cancels its
 request (`Handle.cancel()`), so the engine moves on to the next one.
