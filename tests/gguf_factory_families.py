@@ -185,9 +185,11 @@ def _weights(family: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim,
 
 def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
                       head_dim=None, context_length=2048, tensor_type="F16", seed=0, tie=None,
-                      name=None, **hp) -> Path:
+                      name=None, eot_boost: float = 0.0, **hp) -> Path:
     """Write a tiny random-weight GGUF of `family` (see the module doc); `hp` overrides the family's
-    defaults (GRANITE_SCALES, MISTRAL3_ROPE, PHI3_ROPE). F16/Q8_0 here, other types: quantize_with_llama."""
+    defaults (GRANITE_SCALES, MISTRAL3_ROPE, PHI3_ROPE). F16/Q8_0 here, other types: quantize_with_llama.
+    `eot_boost` scales the end-of-turn token's output row (the embedding when tied), so that a random
+    model ends its reply with it after a few tokens: the tests of stopping need a reply that ends."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} not in {sorted(FAMILIES)}")
     qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
@@ -224,6 +226,9 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
     n_vocab = _add_family_tokenizer(w, family)
     tensors = _weights(family, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
                        head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed)
+    if eot_boost:
+        eot = family_tokens(family)[0].index(FAMILIES[family].end_of_turn)
+        tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"][eot] *= eot_boost
 
     if family == "granite":
         w.add_rope_freq_base(10000.0)
