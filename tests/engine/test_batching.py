@@ -68,8 +68,11 @@ def start(model, n, **kw) -> Engine:
 
 
 def counters(eng):
+    """A copy of the engine's batch counters (engine/batching.Counters)."""
+    import dataclasses
+
     from engine.batching import counters as c
-    return eng.call(Call(lambda e: c(e))).value
+    return eng.call(Call(lambda e: dataclasses.replace(c(e)))).value
 
 
 class Gate:
@@ -359,3 +362,80 @@ def _top2_margin(engine, ids) -> float:
     logits = engine.model(mx.array(ids)[None], cache=cache)[0, -1].astype(mx.float32)
     top = np.sort(np.array(logits))[-2:]
     return float(top[1] - top[0])
+
+
+# ---- the server: N real HTTP clients streaming at once ------------------------------------------------
+def _streamed(client, content, max_tokens):
+    text = ""
+    for ch in client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
+                                             stream=True, temperature=0, max_tokens=max_tokens):
+        for c in ch.choices:
+            text += c.delta.content or ""
+    return text
+
+
+def test_server_streams_n_clients_at_once(tiny):
+    """Six openai clients stream at once (one more hangs up mid-stream): each gets the answer it gets
+    alone, the batch held them together, and /v1/models answers while they run."""
+    import httpx
+    import openai
+
+    from engine.frontends.server import ServerThread, create_app
+    eng = start(tiny, 8)
+    srv = ServerThread(create_app(eng)).start()
+    try:
+        c0 = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=300)
+        asks = [(PROMPTS[i], 40 + 4 * i) for i in range(6)]
+        alone_answers = [_streamed(c0, p, n) for p, n in asks]
+        assert len(set(alone_answers)) >= 4, alone_answers
+        before = counters(eng)
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(len(asks) + 2)
+        models_ms: list[float] = []
+
+        def worker(i):
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=300)
+            try:
+                barrier.wait()
+                results[i] = _streamed(c, *asks[i])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def quitter():         # reads 3 chunks of a long reply, then closes the connection
+            c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=300)
+            try:
+                barrier.wait()
+                s = c.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[7]}],
+                                              stream=True, temperature=0, max_tokens=1500)
+                for k, _ in enumerate(s):
+                    if k == 3:
+                        break
+                s.close()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(asks))]
+        threads.append(threading.Thread(target=quitter))
+        for t in threads:
+            t.start()
+        barrier.wait()
+        deadline = time.time() + 60
+        while len(results) < len(asks) and time.time() < deadline and len(models_ms) < 20:
+            t0 = time.perf_counter()
+            assert httpx.get(f"{srv.base_url}/models", timeout=30).status_code == 200
+            models_ms.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        after = counters(eng)
+        live = eng.call(Status(), 30)
+    finally:
+        srv.stop()
+        eng.stop()
+    assert not errors, errors
+    assert [results[i] for i in range(len(asks))] == alone_answers
+    assert after.peak_rows >= 4 and after.shared_steps > before.shared_steps
+    assert models_ms and max(models_ms) < 2000, models_ms
+    quit_entry = [c for c in live.conversations if c["tokens"] > 1000]
+    assert not quit_entry, "the client that hung up was cancelled, not decoded to 1,500 tokens"
