@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import gguf_factory
+import gguf_factory_families
 import gguf_factory_gemma
 import gguf_factory_gpt_oss
 import gguf_factory_qwen35
@@ -31,4 +32,8 @@ ARCH_WRITERS: dict[str, Callable[..., Path]] = {
     "qwen35moe": gguf_factory_qwen35.writer("qwen35moe"),
     "gemma3": gguf_factory_gemma.write_gemma3,
     "gemma4": gguf_factory_gemma.write_gemma4,
+    "granite": gguf_factory_families.writer("granite"),
+    "olmo2": gguf_factory_families.writer("olmo2"),
+    "mistral3": gguf_factory_families.writer("mistral3"),
+    "phi3": gguf_factory_families.writer("phi3"),
 }
