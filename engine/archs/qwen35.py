@@ -261,6 +261,11 @@ def fix_weights(weights: dict, qparams: dict, g, args: Qwen35Args) -> None:
         weights[la + "conv1d.weight"] = conv.reshape(s.conv_dim, s.d_conv, 1)
         if r > 1:
             _regroup_v_heads(weights, qparams, la, s, r, key_dim, name, i)
+    fix_moe_weights(weights, qparams)
+
+
+def fix_moe_weights(weights: dict, qparams: dict) -> None:
+    """The shared expert's gate vector as nn.Linear(n_embd, 1); fused expert gate/up stacks split."""
     for key in [k for k in weights if k.endswith(".shared_expert_gate.weight")]:
         if weights[key].ndim == 1:               # llama.cpp's {n_embd} vector -> nn.Linear(n_embd, 1)
             weights[key] = weights[key].reshape(1, -1)
