@@ -12,12 +12,21 @@ from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
                                QProgressBar, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
+from engine import harmony
+
 from .markdown_render import insert_message_body
 from .store import Chat
 
 DEFAULT_TITLE = "New chat"
 LIMIT_NOTE = "The reply stopped at the token limit"
 RENDER_INTERVAL_MS = 60
+
+
+def _assistant_message(text: str) -> dict:
+    """A reply as a message: a harmony reply's (gpt-oss) final channel is the content and its analysis
+    channel the reasoning (the template refuses channel markers in content); other text as it is."""
+    ch = harmony.split(text)
+    return {"role": "assistant", "content": ch.content, **({"reasoning": ch.reasoning} if ch.reasoning else {})}
 
 
 class PromptEdit(QPlainTextEdit):
@@ -60,6 +69,7 @@ class ChatView(QWidget):
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown in the transcript (e.g. "restored N tokens")
         self._note_at: list[int] = []  # each note's place: the number of messages before it
+        self._open_reasoning: set[int] = set()   # replies whose reasoning is shown (message indexes)
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
         self.disk_note = ""            # "restored from disk (N tokens)" when a reply's K/V came from the disk tier
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
@@ -219,6 +229,8 @@ class ChatView(QWidget):
             if m["role"] == "system":
                 continue               # a restored file's system prompt: the original never showed it
             self._insert_header(cursor, i, m["role"])
+            if m.get("reasoning"):
+                self._insert_reasoning(cursor, i, m["reasoning"])
             insert_message_body(cursor, m["content"], self._code)
         for note, at in zip(self.notes, self._note_at):
             if at >= n:
@@ -226,7 +238,7 @@ class ChatView(QWidget):
         if self.streaming is not None:
             self._insert_header(cursor, len(self.chat.messages), "assistant", streaming=True)
             self._tail = cursor.position()
-            insert_message_body(cursor, self.streaming, self._code)
+            self._insert_streaming(cursor)
         self._scroll_to_end()
 
     def _insert_header(self, cursor: QTextCursor, i: int, role: str, streaming: bool = False) -> None:
@@ -262,8 +274,30 @@ class ChatView(QWidget):
         cursor.setPosition(self._tail)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
-        insert_message_body(cursor, self.streaming, self._code)
+        self._insert_streaming(cursor)
         self._scroll_to_end()
+
+    def _insert_streaming(self, cursor: QTextCursor) -> None:
+        # a harmony reply (gpt-oss) streams its reasoning first: collapsed, the reply below it
+        ch = harmony.split(self.streaming, final=False)
+        if ch.reasoning:
+            self._insert_reasoning(cursor, len(self.chat.messages), ch.reasoning, streaming=not ch.content)
+        insert_message_body(cursor, ch.content, self._code)
+
+    def _insert_reasoning(self, cursor: QTextCursor, i: int, text: str, streaming: bool = False) -> None:
+        """A reply's reasoning (gpt-oss's analysis channel), apart from the reply: one muted line with
+        a Show/Hide link, the text itself only when opened (like a collapsed <think> block)."""
+        muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
+        opened = i in self._open_reasoning
+        words = len(text.split())
+        label = "Thinking\u2026" if streaming else "Reasoning"
+        cursor.insertHtml(f'<p><span style="color:{muted}; font-size:small">{label} ({words} words) &nbsp; '
+                          f'<a href="reasoning:{i}">{"Hide" if opened else "Show"}</a></span></p>')
+        if opened:
+            cursor.insertBlock()
+            body = html.escape(text.strip()).replace("\n", "<br>")
+            cursor.insertHtml(f'<p style="color:{muted}"><i>{body}</i></p>')
+        cursor.insertBlock()
 
     def _scroll_to_end(self) -> None:
         bar = self.transcript.verticalScrollBar()
@@ -348,11 +382,15 @@ class ChatView(QWidget):
             self.message.emit("Copied the message")
         elif kind == "edit":
             self.edit(n)
+        elif kind == "reasoning":
+            self._open_reasoning ^= {n}
+            self.render_all()
 
     # ---- generation --------------------------------------------------------------------------
     def request_messages(self) -> list[dict]:
         system = self.preset.system_prompt
-        msgs = [dict(m) for m in self.chat.messages]
+        # a reply's reasoning is shown, not sent back (gpt-oss's template drops past reasoning anyway)
+        msgs = [{k: v for k, v in m.items() if k != "reasoning"} for m in self.chat.messages]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
@@ -437,8 +475,7 @@ class ChatView(QWidget):
 
     def _on_done(self, result) -> None:
         """`result`: engine.api.Generation."""
-        text = result.text
-        self.chat.messages.append({"role": "assistant", "content": text})
+        self.chat.messages.append(_assistant_message(result.text))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
             self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
                               "Max tokens in the chat's config, for a longer reply.")
@@ -462,7 +499,7 @@ class ChatView(QWidget):
         partial = self.streaming
         self._finish()
         if partial:
-            self.chat.messages.append({"role": "assistant", "content": partial})
+            self.chat.messages.append(_assistant_message(partial))
             self.changed.emit()
         self.message.emit(note)
 
