@@ -13,7 +13,7 @@ import logging
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal
 
-from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS   # plain Python: no mlx
+from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT   # plain Python: no mlx
 
 log = logging.getLogger("strata.app")
 
@@ -79,7 +79,7 @@ class EngineThread(QThread):
     crashed = Signal(str)
 
     def __init__(self, cache_mib: int = DEFAULT_CACHE_MIB, cache_slots: int = DEFAULT_CACHE_SLOTS, steering=None,
-                 speed_projection: bool = False, kv_bits: int = 16, parent: QObject | None = None,
+                 speed_projection: bool = SPEED_PROJECTION_DEFAULT, kv_bits: int = 16, parent: QObject | None = None,
                  disk_mib: int = 0):
         """`speed_projection`: the engine's default for requests that name none (the settings' "on by
         default"); the app's own requests always name theirs. `kv_bits`: the settings' K/V cache

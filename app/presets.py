@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QLineEdit, QListWidget, QListWidgetItem, QMessageBox, QPushButton, QVBoxLayout,
                                QWidget)
 
+from engine.limits import SPEED_PROJECTION_DEFAULT
 from engine.sampling import APP_KEYS
 
 from .sampling_form import SamplingForm
@@ -49,7 +50,7 @@ class Preset(Sampling):
     speed projection of chats using it and their speculative decoding."""
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
-    speed_projection: bool = True
+    speed_projection: bool = SPEED_PROJECTION_DEFAULT
     speculative: str = "off"         # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
 
     @property

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QSettings, Signal
 
-from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB   # plain Python: no mlx
+from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB,   # plain Python: no mlx
+                           KV_BITS, SPEED_PROJECTION_DEFAULT)
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 
 from .paths import AppPaths
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-KV_BITS = (16, 8, 4)         # engine/kv_format.py's BITS (that module imports mlx: not imported here)
 THEMES = ("system", "light", "dark")
 
 
@@ -52,7 +52,7 @@ class Steering:
     layer_to: int = 0
     mode: str = "add"            # add | project
     direction: str = "per-layer"  # per-layer | single:L
-    speed_projection: bool = True  # new chats (the Default config) start with it on
+    speed_projection: bool = SPEED_PROJECTION_DEFAULT  # new chats (the Default config) start with it
 
 
 # Keys written by older versions: read when the new one is absent

@@ -13,14 +13,14 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.limits import DISK_MIB_MAX, SLOTS_MAX
+from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX
 
 from .sampling_form import SamplingForm, spin
 from .settings import Settings, SettingsService
 from .theme import THEMES
 
 
-KV_BITS_CHOICES = (("16-bit (default)", 16), ("8-bit", 8), ("4-bit", 4))
+KV_BITS_CHOICES = tuple((f"{b}-bit" + (" (default)" if b == 16 else ""), b) for b in KV_BITS)
 # What the engine does (engine/handlers.py _configure, engine/conversations.py, engine/sessions.py): the
 # format is part of a conversation's K/V identity, so held K/V is never converted, and a session file
 # is restored only by an engine running the format it holds.

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
-from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT
 from .sampling import SamplingParams
 
 
@@ -44,7 +44,7 @@ class EngineOptions:
     cache_mib: int = DEFAULT_CACHE_MIB        # conversation parking cap (0 = off)
     cache_slots: int = DEFAULT_CACHE_SLOTS
     steering: Any = None                      # control_vector.SteeringConfig or None
-    speed_projection: bool = True             # default of the per-request switch when a vector is loaded
+    speed_projection: bool = SPEED_PROJECTION_DEFAULT   # the per-request switch's default when a vector is loaded
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
     kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
@@ -222,7 +222,7 @@ class EngineStatus(Result):
     cache_mib_max: int = 0
     steering: str | None = None               # the loaded control vector, described
     steering_error: str | None = None         # why the configured one was refused
-    speed_projection_default: bool = True
+    speed_projection_default: bool = SPEED_PROJECTION_DEFAULT
     kv_bits: int = 16
     distributed: dict | None = None
     disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .errors import RequestError
-
-BITS = (16, 8, 4)
+from .limits import KV_BITS as BITS   # the one list of widths (plain Python: the app reads it too)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class KVFormat:
 
 def choose(bits: int, head_dim: int) -> KVFormat:
     if bits not in BITS:
-        raise RequestError(f"K/V bits must be one of 16, 8, 4 (got {bits})")
+        raise RequestError(f"K/V bits must be one of {', '.join(map(str, BITS))} (got {bits})")
     if bits == 16:
         return KVFormat(16)
     for g in (64, 32):

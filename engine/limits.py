@@ -26,6 +26,12 @@ DISK_MIB_MAX = 1 << 20          # 1 TiB: a bound on typing, not a recommendation
 # The CLI, the server and the app start from this; an engine built in code from 1 (one at a time).
 DEFAULT_MAX_SEQUENCES = 8
 MAX_SEQUENCES_MAX = 256
+# The K/V storage widths (engine/kv_format.py; 16 = unquantized): the CLI flag, Configure and the
+# settings page offer exactly these.
+KV_BITS = (16, 8, 4)
+# Whether a loaded control vector applies to requests that name no setting: EngineOptions, the CLI
+# flag, the app's settings, its Default config and EngineThread all start from this one value.
+SPEED_PROJECTION_DEFAULT = True
 
 
 class CacheLimitError(RequestError):

@@ -341,7 +341,7 @@ class SteeringState:
 
     __slots__ = ("speed_projection", "vector", "rows")
 
-    def __init__(self, vector=None, speed_projection: bool = False):
+    def __init__(self, vector=None, *, speed_projection: bool):     # the load says (EngineOptions' default)
         self.vector = vector
         self.speed_projection = speed_projection
         # issue 34 (engine/batching.py): in a batched step of several conversations, a (B, 1, 1) bool

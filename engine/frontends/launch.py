@@ -10,7 +10,8 @@ import logging
 import sys
 
 from ..errors import StrataError
-from ..limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, SLOTS_MAX
+from ..limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, KV_BITS, SLOTS_MAX,
+                      SPEED_PROJECTION_DEFAULT)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -28,10 +29,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("A", "B"))
     p.add_argument("--cvec-mode", choices=("add", "project"), default="add")
     p.add_argument("--cvec-dir", default="per-layer", help="per-layer | single:L")
-    p.add_argument("--speed-projection", choices=("on", "off"), default="on",
-                   help="apply the loaded control vector to requests (default on)")
+    p.add_argument("--speed-projection", choices=("on", "off"), default="on" if SPEED_PROJECTION_DEFAULT else "off",
+                   help="apply the loaded control vector to requests that name no setting")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
-    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=16,
                    help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
     from ..limits import DEFAULT_MAX_SEQUENCES   # issue 34
