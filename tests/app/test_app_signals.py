@@ -78,7 +78,7 @@ def test_a_signal_during_the_fetch_leaves_nothing(tmp_path, tiny_model, signum):
 
 def test_a_sigkilled_fetchs_folder_is_removed_at_the_next_start(qtbot, app_home):
     """A folder left by a process that is gone (SIGKILL, power cut) goes when the window starts."""
-    from engine.index_fetch import TEMP_PREFIX, _host_tag
+    from strata_fetch.index_fetch import TEMP_PREFIX, _host_tag
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     left = app_home / "models" / f"{TEMP_PREFIX}{dead.pid}-{_host_tag()}-abc123"

@@ -232,9 +232,9 @@ def test_spec_collects_packages(spec_tree):
 def test_spec_bundles_the_model_fetch(spec_tree):
     """The first-run fetch needs truststore (the system's certificates) in the frozen app, and no pip."""
     submodules = {s for call in _calls(spec_tree, "collect_submodules") for s in _strings(call)}
-    assert {"truststore", "engine", "app"} <= submodules
+    assert {"truststore", "engine", "app", "strata_fetch"} <= submodules
     assert importlib.util.find_spec("truststore") is not None
-    source = (ROOT / "engine" / "index_fetch.py").read_text(encoding="utf-8")
+    source = (ROOT / "strata_fetch" / "index_fetch.py").read_text(encoding="utf-8")
     assert "import truststore" in source and "sys.executable" not in source.split('"""', 2)[2]
 
 

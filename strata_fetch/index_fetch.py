@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import StrataError
+from engine.errors import StrataError
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 JSON_TYPE = "application/vnd.pypi.simple.v1+json"

