@@ -379,8 +379,8 @@ class RequestHandlers:
             from .kv_format import choose
             if self.info is not None:
                 choose(int(req.kv_bits), self.info.head_dim)      # refused here, before anything changes
-            elif int(req.kv_bits) not in (16, 8, 4):
-                choose(int(req.kv_bits), 64)
+            else:
+                choose(int(req.kv_bits), 64)      # no model yet: the width alone is checked
             self.options.kv_bits = int(req.kv_bits)
             if self.info is not None:
                 self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
