@@ -128,9 +128,10 @@ def write_tiny_qwen35_gguf(path, arch: str = "qwen35", *, n_layer=4, n_embd=256,
                            head_dim=128, n_ff=512, n_k_heads=2, n_v_heads=4, head_k_dim=64, d_conv=4,
                            n_rot=32, interval=4, n_expert=4, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256,
                            nextn=0, context_length=2048, tensor_type="F16", tie_embeddings=True, seed=0,
-                           rope_theta=1e7, router_std=3.0, name=None) -> Path:
+                           rope_theta=1e7, router_std=3.0, fused_gate_up=False, name=None) -> Path:
     """Write a tiny random-weight qwen35 / qwen35moe GGUF and return its path (tensor_type F32, F16,
-    BF16 or Q8_0; other types through gguf_factory.quantize_with_llama)."""
+    BF16 or Q8_0; other types through gguf_factory.quantize_with_llama). `fused_gate_up`: the experts'
+    gate and up stacks as one `ffn_gate_up_exps` (gate rows first), the same weights otherwise."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} not in {ARCHS}")
     if tensor_type not in gguf_factory._TENSOR_TYPES:
@@ -179,6 +180,10 @@ def write_tiny_qwen35_gguf(path, arch: str = "qwen35", *, n_layer=4, n_embd=256,
     tok = gguf_factory.tiny_tokenizer_fields("qwen2", pre="qwen35")
     tok["tokenizer.chat_template"] = CHAT_TEMPLATE
     gguf_factory._add_tokenizer(w, tok)
+    if fused_gate_up:
+        for gname in [k for k in t if k.endswith("ffn_gate_exps.weight")]:
+            up = t.pop(gname.replace("gate_exps", "up_exps"))
+            t[gname.replace("gate_exps", "gate_up_exps")] = np.concatenate([t.pop(gname), up], axis=1)
     for gname, arr in t.items():
         if gname.endswith(_F32_ALWAYS):
             w.add_tensor(gname, arr.astype(np.float32))

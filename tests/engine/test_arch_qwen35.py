@@ -277,3 +277,19 @@ def test_broken_files_are_refused_in_one_line(qdir):
             load_model(open_gguf(path))
         text = str(e.value)
         assert msg in text and "\n" not in text and path.name in text, (what, text)
+
+
+@pytest.mark.parametrize("tensor_type", ["F16", "Q8_0"])
+def test_fused_expert_gate_up_loads_like_the_separate_stacks(qdir, tensor_type):
+    """Newer converters write the experts' gate and up stacks as one `ffn_gate_up_exps` (gate rows
+    first; llama.cpp takes either): split at load, quantized halves kept quantized, the same model."""
+    from llama_oracle import _strata_model
+    kw = dict(seed=2, tensor_type=tensor_type)
+    sep = write_tiny_qwen35_gguf(qdir / f"sep-{tensor_type}.gguf", "qwen35moe", **kw)
+    fused = write_tiny_qwen35_gguf(qdir / f"fused-{tensor_type}.gguf", "qwen35moe", fused_gate_up=True, **kw)
+    assert "blk.0.ffn_gate_up_exps.weight" in open_gguf(fused).tensors()
+    ids = [398, 273, 114, 373, 309, 47, 259, 107]
+    a = strata_logits(sep, ids)
+    _strata_model.cache_clear()
+    b = strata_logits(fused, ids)
+    assert np.array_equal(a, b)
