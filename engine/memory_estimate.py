@@ -51,6 +51,7 @@ HEADER_SECONDS = 10.0         # per file: a real header (a 256k vocabulary) read
 _TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
           8: ("Q8_0", 8), 2: ("Q4_0", 4), 3: ("Q4_1", 4), 6: ("Q5_0", 5), 7: ("Q5_1", 5),
           12: ("Q4_K", 4), 13: ("Q5_K", 5), 14: ("Q6_K", 8), 11: ("Q3_K", 8), 10: ("Q2_K", 8)}
+_MXFP4 = 39        # gpt-oss's experts: held as MLX mxfp4 (engine/quants.py), not dequantized
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
@@ -221,6 +222,8 @@ def _read_header(p: Path) -> GGUFHeader:
 def tensor_bytes(t: TensorInfo, dtype_bytes: int) -> int:
     """Bytes of one tensor as engine/quants.py holds it in MLX."""
     n = t.n_elements
+    if t.ggml_type == _MXFP4 and len(t.shape) >= 2:
+        return n // 2 + n // GROUP          # MLX's mxfp4: 4-bit codes, one uint8 exponent a group, no biases
     name, bits = _TYPES.get(t.ggml_type, ("?", None))
     if bits is None or len(t.shape) < 2:
         return n * dtype_bytes

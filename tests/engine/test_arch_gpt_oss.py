@@ -130,6 +130,11 @@ def test_loads(gdir, ftype):
     else:
         assert isinstance(sw, SwitchLinear)
     assert model.model.layers[1].self_attn.sinks.shape == (4,)
+    # the memory estimate counts the weights as they are held (mxfp4 experts at 4.25 bits, not float32)
+    from mlx.utils import tree_flatten
+    from engine import memory_estimate as me
+    est = me.estimate(me.read_header(_file(gdir, ftype)), 4096, "float32")
+    assert est.weights_bytes == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 # --------------------------------------------------------------------------------------------
