@@ -314,8 +314,26 @@ def _regroup_v_heads(weights, qparams, la, s: Qwen35Shape, r: int, key_dim: int,
             weights[k] = _tiled_to_grouped(weights[k], 1, n_k, r)
 
 
+def _a_log_in_float32(model, g, args: Qwen35Args) -> bool:
+    """A_log back in float32 after a float16/bfloat16 load, as mlx-lm's own loader keeps it (its
+    cast_predicate): the decay exp(-exp(A_log) * softplus(.)) is sensitive to A_log's rounding (bf16:
+    ~0.4%), and it is a few values per layer. Read again from the file's ssm_a. True when it did."""
+    s = args.shape
+    r = s.n_v_heads // s.n_k_heads
+    changed = False
+    for i, layer in enumerate(model.layers):
+        if not layer.is_linear or layer.linear_attn.A_log.dtype == mx.float32:
+            continue
+        a = mx.array(g.tensors()[f"blk.{i}.ssm_a"].data).astype(mx.float32).reshape(-1)
+        a_log = mx.log(-a)
+        layer.linear_attn.A_log = _tiled_to_grouped(a_log, 0, s.n_k_heads, r) if r > 1 else a_log
+        changed = True
+    return changed
+
+
 def after_load(model, g, args: Qwen35Args) -> str:
     s = args.shape
+    f32 = _a_log_in_float32(model, g, args)
     n_attn = sum(not s.is_linear(i) for i in range(s.n_layer))
     note = (f"hybrid: {s.n_layer - n_attn} Gated DeltaNet + {n_attn} gated attention layers "
             f"(every {s.full_attention_interval}th), RoPE on {s.n_rot} of {args.head_dim} dims")
@@ -327,6 +345,8 @@ def after_load(model, g, args: Qwen35Args) -> str:
                  f"shared expert {m.n_ff_shexp} wide")
     if s.n_nextn:
         note += f"; {s.n_nextn} NextN/MTP block(s) not loaded into the main model"
+    if f32:
+        note += "; A_log kept in float32"
     return note
 
 

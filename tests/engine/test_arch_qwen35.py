@@ -293,3 +293,15 @@ def test_fused_expert_gate_up_loads_like_the_separate_stacks(qdir, tensor_type):
     _strata_model.cache_clear()
     b = strata_logits(fused, ids)
     assert np.array_equal(a, b)
+
+
+def test_a_log_stays_float32_in_a_half_precision_load(qdir):
+    """mlx-lm keeps A_log in float32 whatever the compute dtype (its cast_predicate); so does Strata."""
+    path = _file(qdir, "qwen35", "F16")
+    g = open_gguf(path)
+    model, info = load_model(g, dtype=mx.bfloat16)
+    assert "A_log kept in float32" in info.load_note
+    la = model.layers[1].linear_attn
+    assert la.A_log.dtype == mx.float32 and la.in_proj_qkv.weight.dtype == mx.bfloat16
+    ref, _ = load_model(g, dtype=mx.float32)
+    assert mx.array_equal(la.A_log, ref.layers[1].linear_attn.A_log)
