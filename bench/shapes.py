@@ -41,19 +41,31 @@ SHAPES: dict[str, Shape] = {
     # The tests' tiny model: the model's own work is next to nothing, so host work shows.
     "tiny": Shape(2, 64, 4, 2, 128, "tiny (2 x 64, 4/2 heads, ff 128)"),
 }
+# Qwen3.5-like hybrids (tests/gguf_factory_qwen35.py): three Gated DeltaNet layers in four, gated attention
+# in the fourth. "qwen35-0.8b" is close to Qwen3.5-0.8B (24 x 1024, 8/2 attention heads of 256, 16 DeltaNet
+# key and value heads of 128, ff 3584); "qwen35-tiny" is the tests' size, for CPU runs.
+HYBRID_SHAPES: dict[str, dict] = {
+    "qwen35-0.8b": dict(n_layer=24, n_embd=1024, n_head=8, n_head_kv=2, head_dim=256, n_ff=3584, n_k_heads=16,
+                        n_v_heads=16, head_k_dim=128, n_rot=64),
+    "qwen35-tiny": dict(n_layer=4, n_embd=256, n_head=2, n_head_kv=1, head_dim=128, n_ff=512, n_k_heads=2,
+                        n_v_heads=4, head_k_dim=64, n_rot=32),
+}
+CHOICES = (*SHAPES, *HYBRID_SHAPES)
 
 
 def build_random_model(name: str, folder: Path, *, context_length: int = 16384) -> Path:
     """Write (once; reused when the file exists) the Q8_0 random-weight GGUF of shape `name`."""
-    if name not in SHAPES:
-        raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
-    s = SHAPES[name]
+    if name not in CHOICES:
+        raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(CHOICES)}")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"random-{name}-q8_0-v3.gguf"
     if path.exists():
         return path
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    if name in HYBRID_SHAPES:
+        return _build_hybrid(name, path, context_length)
+    s = SHAPES[name]
     from tests import gguf_factory
     t0 = time.perf_counter()
     tmp = path.with_suffix(".part")
@@ -74,6 +86,36 @@ def build_random_model(name: str, folder: Path, *, context_length: int = 16384) 
                                      name=f"random {name}")
     finally:
         gguf_factory.tiny_hf_weights = make_weights
+    tmp.rename(path)
+    print(f"built {path.name} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    return path
+
+
+def _build_hybrid(name: str, path: Path, context_length: int) -> Path:
+    """A random Qwen3.5-like GGUF (Q8_0, the factory's tiny vocabulary, output rows of the control and
+    high byte tokens zeroed as for the dense shapes)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)             # the qwen35 factory imports gguf_factory by its own name
+    import gguf_factory
+    import gguf_factory_qwen35 as q
+    t0 = time.perf_counter()
+    tmp = path.with_suffix(".part")
+    make = q._tensors
+
+    def without_control_logits(*a, **kw):
+        t = make(*a, **kw)
+        n_special = len(gguf_factory.SPECIAL_TOKENS)
+        t["output.weight"][:n_special] = 0.0
+        t["output.weight"][n_special + 0x80:n_special + 0x100] = 0.0
+        return t
+    q._tensors = without_control_logits
+    try:
+        q.write_tiny_qwen35_gguf(tmp, "qwen35", tensor_type="Q8_0", tie_embeddings=False,
+                                 context_length=context_length, name=f"random {name}", **HYBRID_SHAPES[name])
+    finally:
+        q._tensors = make
     tmp.rename(path)
     print(f"built {path.name} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
