@@ -154,3 +154,33 @@ def test_refusals_name_the_problem(mdir):
     other = open_gguf(_file(mdir, "qwen35moe"))
     with pytest.raises(ModelFileError, match=r"does not match plain\.gguf \(architecture qwen35moe vs qwen35\)"):
         load_head(other, model, target_g=g)
+
+
+def test_a_sibling_mtp_file_gives_the_same_head(mdir):
+    """convert_hf_to_gguf's --mtp-only output (mtp-*.gguf): the head's block and the top-level tensors
+    only, the target's metadata. Loaded beside the target, it is the same head."""
+    src = _file(mdir, "qwen35")
+    r = gguf.GGUFReader(src)
+    sib = mdir / "mtp-tiny.gguf"
+    w = gguf.GGUFWriter(str(sib), "qwen35")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        if t.name.startswith("blk.4.") or not t.name.startswith("blk."):
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = open_gguf(src)
+    model, _ = load_model(g)
+    own, _ = load_head(g, model)
+    sibling, info = load_head(open_gguf(sib), model, target_g=g)
+    hidden = model.language_model.model(mx.array(PROMPT_IDS)[None])
+    nxt = mx.array(PROMPT_IDS[1:])[None]
+    assert mx.array_equal(own(hidden[:, :-1], nxt), sibling(hidden[:, :-1], nxt))
