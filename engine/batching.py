@@ -195,8 +195,9 @@ class Batch:
                 if r in gone:
                     r.cache = [c.extract(i) for c in self.cache]
             if len(keep) == 1:          # alone again: its own KVCache, the lone request's path
-                self.rows[keep[0]].cache = [c.extract(keep[0]) for c in self.cache]
-                self.cache = self.rows[keep[0]].cache
+                alone = self.rows[keep[0]]
+                alone.cache = alone.entry.cache = [c.extract(keep[0]) for c in self.cache]
+                self.cache = alone.cache
             elif keep:
                 idx = mx.array(keep)
                 for c in self.cache:
@@ -224,6 +225,11 @@ class Batch:
             for c, mine in zip(self.cache, row.cache):
                 c.extend(BatchKVCache.merge([mine]))
         self.rows.append(row)
+        if len(self.rows) > 1:
+            # the batch holds the only copy of each row's K/V until the row leaves (extract): the
+            # rows' own caches are let go, so a joining conversation is not held twice
+            for r in self.rows:
+                r.cache = r.entry.cache = []
 
     # -- one step --
     def build(self, joined: list[Row]) -> mx.array:
