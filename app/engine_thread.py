@@ -25,6 +25,7 @@ class Request(QObject):
     progress = Signal(str, object, object)
     log = Signal(str)
     kv = Signal(object)                 # engine.events.KVChanged: parking figures as the request took its K/V
+    kv_moved = Signal(object)           # engine.events.KVMoved: a conversation parked, refused, evicted, dropped
     done = Signal(object)
     failed = Signal(str)
     finished = Signal()
@@ -39,6 +40,7 @@ class Request(QObject):
         self.error: str | None = None
         self.error_code = None       # engine.errors.ErrorCode of a failure (None: failed before the engine)
         self.error_reason = ""
+        self.error_vector = None     # engine.errors.VectorSpec of a steering refusal: the vector the file needs
         self._event.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
 
     def cancel(self) -> None:
@@ -51,7 +53,7 @@ class Request(QObject):
         self._event.emit(event)
 
     def _deliver(self, event) -> None:
-        from engine.events import Done, Failed, KVChanged, Log, Progress, Token
+        from engine.events import Done, Failed, KVChanged, KVMoved, Log, Progress, Token
         if isinstance(event, Token):
             self.token.emit(event.text)
         elif isinstance(event, Progress):
@@ -60,16 +62,19 @@ class Request(QObject):
             self.log.emit(event.line)
         elif isinstance(event, KVChanged):
             self.kv.emit(event)
+        elif isinstance(event, KVMoved):
+            self.kv_moved.emit(event)
         elif isinstance(event, Done):
             self.result = event.result
             self.done.emit(self.result)
             self.finished.emit()
         elif isinstance(event, Failed):
-            self.fail(event.message, event.code, event.reason)
+            self.fail(event.message, event.code, event.reason, event.vector)
 
-    def fail(self, message: str, code=None, reason: str = "") -> None:
-        """Failed: `code` is an engine.errors.ErrorCode (None: refused before it reached the engine)."""
-        self.error, self.error_code, self.error_reason = message, code, reason
+    def fail(self, message: str, code=None, reason: str = "", vector=None) -> None:
+        """Failed: `code` is an engine.errors.ErrorCode (None: refused before it reached the engine);
+        `vector`: a steering refusal's engine.errors.VectorSpec."""
+        self.error, self.error_code, self.error_reason, self.error_vector = message, code, reason, vector
         self.failed.emit(message)
         self.finished.emit()
 
@@ -138,10 +143,12 @@ class EngineClient(QObject):
     (a park, an eviction, a restore, a request that took or made K/V): time to ask for the status.
     `kv_state` carries the parking figures the engine sends as a reply takes its K/V (the engine's
     typed KVChanged event: the status bar is right while the reply runs, before a Status could be
-    answered behind it)."""
+    answered behind it); `kv_moved` each park, refusal, eviction or drop as it happens (KVMoved, with
+    the conversation's bytes and the parking figures after it)."""
     ready = Signal()
     kv_changed = Signal()
     kv_state = Signal(object)          # engine.events.KVChanged
+    kv_moved = Signal(object)          # engine.events.KVMoved
 
     def __init__(self, thread: EngineThread, parent: QObject | None = None):
         super().__init__(parent)
@@ -177,6 +184,7 @@ class EngineClient(QObject):
         if kind in ("generate", "save", "restore", "load", "configure", "disk"):
             req.finished.connect(self.kv_changed)
         req.kv.connect(self.kv_state)
+        req.kv_moved.connect(self.kv_moved)
         if self._ready:
             self._send(req, make)
         else:
@@ -275,12 +283,4 @@ class EngineClient(QObject):
             from engine.api import RestoreSession
             return RestoreSession(path, speed_projection=speed_projection, conversation=conversation)
         return self._submit("restore", make)
-
-    def session_steering(self, path: str) -> Request:
-        """The steering a session file was saved with: result.spec is {} (none) or its files,
-        layer_range, mode and direction as the file names them."""
-        def make():
-            from engine.api import SessionSteering
-            return SessionSteering(path)
-        return self._submit("session-info", make)
 

@@ -111,32 +111,27 @@ class SessionController(QObject):
             self.bus.idle.emit()
             self.tell(f"{name} was not restored: {m}{refusal_hint(req.error_code, req.error_reason)}")
             if req.error_code == ErrorCode.SESSION_REFUSED and req.error_reason == SessionRefusal.STEERING:
-                self._offer_vector(path, m)
+                self._offer_vector(path, m, req.error_vector)
             self.refused.emit(m)
         req.failed.connect(refused)
         return req
 
-    def _offer_vector(self, path: str, message: str) -> None:
-        """Ask the file which vector it needs; when its files are here, offer to load it and retry."""
-        req = self.client.session_steering(path)
+    def _offer_vector(self, path: str, message: str, spec) -> None:
+        """The refusal names the vector the file needs (engine.errors.VectorSpec, None: none named):
+        when its files are here, offer to load it and retry."""
+        if spec is None or not all(Path(p).is_file() for p, _ in spec.files):
+            return
+        self.tell(f"{Path(path).name} was not restored: {message}", "Load it and restore",
+                  lambda: self.load_vector_and_restore(spec, path))
 
-        def got(r):
-            spec = r.spec or {}
-            files = [(str(p), float(sc)) for p, sc in spec.get("files") or []]
-            if not files or not all(Path(p).is_file() for p, _ in files):
-                return
-            self.tell(f"{Path(path).name} was not restored: {message}", "Load it and restore",
-                      lambda: self.load_vector_and_restore(spec, path))
-        req.done.connect(got)
-
-    def load_vector_and_restore(self, spec: dict, path: str):
-        """Make the file's control vector the configured one (saved in the settings), reload the
-        model with it, then restore the file."""
-        lr = spec.get("layer_range") or (0, 0)
+    def load_vector_and_restore(self, spec, path: str):
+        """Make the file's control vector (an engine.errors.VectorSpec) the configured one (saved in the
+        settings), reload the model with it, then restore the file."""
+        lr = spec.layer_range or (0, 0)
         s = self.settings.snapshot()
-        st = dataclasses.replace(s.steering, files=[(str(p), float(sc)) for p, sc in spec.get("files") or []],
-                                 layer_from=int(lr[0]), layer_to=int(lr[1]), mode=spec.get("mode", "add"),
-                                 direction=spec.get("direction", "per-layer"))
+        st = dataclasses.replace(s.steering, files=[(p, sc) for p, sc in spec.files],
+                                 layer_from=int(lr[0]), layer_to=int(lr[1]), mode=spec.mode,
+                                 direction=spec.direction)
         req = self.library.reload(st, "The control vector was not loaded", then=lambda: self.restore_session(path))
         self.settings.update(dataclasses.replace(s, steering=st))      # the library's own reload is this one
         return req

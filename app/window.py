@@ -144,6 +144,7 @@ class MainWindow(QMainWindow):
         self.engine_thread.crashed.connect(self.bus.error)
         self.client.kv_changed.connect(self._status_soon)
         self.client.kv_state.connect(lambda ev: self.status.show_parking(ev.parking))
+        self.client.kv_moved.connect(lambda ev: self.status.show_parking(ev.parking))   # a park/evict as it happens
         self.server.state.connect(self.status.show_server)
         self.settings.changed.connect(self._on_setting)
         # A load: the title and status first, then the session files waiting for it

@@ -67,6 +67,7 @@ class Conversations:
         if entry is self.live:
             self.live = None
             self._log(f"dropped the live conversation of {len(entry.tokens)} tokens: {why}")
+            self.parking.tell("dropped", entry, why)
         elif not isinstance(entry, KVEntry):        # a disk tier entry (engine/disk_tier.DiskEntry)
             self.disk.drop(entry, why)
         else:
@@ -77,6 +78,7 @@ class Conversations:
         with token ids outside the vocabulary would fail every later request. Drop them, with a log line."""
         if self.live is not None:
             self._log(f"dropped the live conversation's K/V ({len(self.live.tokens)} tokens) after an engine error")
+            self.parking.tell("dropped", self.live, "an engine error")
             self.live = None
 
         def sound(e) -> bool:
@@ -88,6 +90,7 @@ class Conversations:
             if not sound(e):
                 self.parking.entries.remove(e)
                 self._log(f"dropped a parked conversation ({len(e.tokens)} tokens) holding invalid token ids")
+                self.parking.tell("dropped", e, "invalid token ids")
 
     def summary(self) -> list[dict]:
         """One line of facts per held conversation (live first): owner, tokens, whether live."""

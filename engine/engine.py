@@ -137,6 +137,7 @@ class Engine(RequestHandlers):
             self._log(f"conversation cache: {note}")
         self.options.cache_mib, self.options.cache_slots = cap, slots
         self.conversations = Conversations(Parking(cap, slots, self.guard, self._log), self._log)
+        self.conversations.parking.on_event = self._emit
         from . import disk_tier
         self.disk = disk_tier.attach(self)
         self._clean_session_folder()
@@ -179,7 +180,7 @@ class Engine(RequestHandlers):
         except StrataError as e:
             self._log(f"error: {e}")
             err = EngineError.of(e)
-            failed = Failed(err.message, err.code, err.reason)
+            failed = Failed(err.message, err.code, err.reason, err.vector)
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
             log.exception("engine: unexpected error")
             # The live K/V may be half-updated by what failed: the next request recomputes instead.
@@ -255,8 +256,12 @@ class Engine(RequestHandlers):
 
     def _log(self, line: str) -> None:
         log.info(line)
+        self._emit(Log(line))
+
+    def _emit(self, event) -> None:
+        """An event for the request being served (a log line, a KVMoved); none is served: dropped."""
         if self._handle is not None:
-            self._handle.emit(Log(line))
+            self._handle.emit(event)
 
     def _dispatch(self, handle: Handle):
         from . import disk_tier as disk_requests

@@ -7,7 +7,9 @@ the message text (which is for people). Plain Python: the app imports it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 
 class ErrorCode(str, Enum):
@@ -35,6 +37,32 @@ class SessionRefusal(str, Enum):
         return self.value
 
 
+@dataclass(frozen=True)
+class VectorSpec:
+    """A control vector as a session file names it (its files with their scales, the layer range, the
+    mode and the direction): what a steering refusal carries, so a front end can offer to load it
+    without reading the file again."""
+    files: tuple[tuple[str, float], ...] = ()
+    layer_range: tuple[int, int] | None = None
+    mode: str = "add"
+    direction: str = "per-layer"
+
+    @classmethod
+    def of(cls, spec: dict) -> "VectorSpec | None":
+        """From the dict a session file's header holds (None when it names no files)."""
+        files = tuple((str(p), float(sc)) for p, sc in spec.get("files") or [])
+        if not files:
+            return None
+        lr = spec.get("layer_range")
+        return cls(files, (int(lr[0]), int(lr[1])) if lr else None, str(spec.get("mode") or "add"),
+                   str(spec.get("direction") or "per-layer"))
+
+    def describe(self) -> str:
+        names = ", ".join(f"{Path(p).name} x{sc:g}" for p, sc in self.files)
+        layers = f", layers {self.layer_range[0]}..{self.layer_range[1]}" if self.layer_range else ""
+        return f"{names} ({self.mode}{layers})"
+
+
 class StrataError(Exception):
     """A problem with the user's input (a file, a flag, a request) that the engine refuses cleanly."""
     error_code: ErrorCode = ErrorCode.BAD_REQUEST
@@ -48,14 +76,16 @@ class StrataError(Exception):
 
 
 class EngineError(StrataError):
-    """A failed request as its caller sees it: `code` (ErrorCode), `reason` and a one-line message."""
+    """A failed request as its caller sees it: `code` (ErrorCode), `reason` and a one-line message;
+    `vector`: for a steering refusal, the control vector the session file needs (as data)."""
 
-    def __init__(self, code: ErrorCode | str, message: str, reason: str = ""):
+    def __init__(self, code: ErrorCode | str, message: str, reason: str = "", vector: "VectorSpec | None" = None):
         super().__init__(message)
         self.code = ErrorCode(code)
         self.error_code = self.code
         self.reason = str(reason or "")
         self.message = str(self)
+        self.vector = vector
 
     @classmethod
     def of(cls, exc: BaseException) -> "EngineError":
@@ -63,7 +93,7 @@ class EngineError(StrataError):
         if isinstance(exc, EngineError):
             return exc
         if isinstance(exc, StrataError):
-            return cls(exc.error_code, str(exc), exc.reason)
+            return cls(exc.error_code, str(exc), exc.reason, vector=getattr(exc, "vector", None))
         return cls(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
@@ -102,8 +132,12 @@ class SessionOverwriteRefused(SessionFileError):
 
 class SessionSteeringRefused(SessionFileError):
     """A session file saved with another steering setting than the engine can apply now; the message
-    names the control vector it needs (SessionSteering reads it from the file)."""
+    names the control vector it needs, and `vector` carries it as data (None: the file names none)."""
     reason = SessionRefusal.STEERING.value
+
+    def __init__(self, message: str, vector: VectorSpec | None = None):
+        super().__init__(message)
+        self.vector = vector
 
 
 class SessionFormatRefused(SessionFileError):

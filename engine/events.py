@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Iterator
 
-from .errors import EngineError, ErrorCode
+from .errors import EngineError, ErrorCode, VectorSpec
 
 
 @dataclass
@@ -38,6 +39,32 @@ class KVChanged:
     restored_from_disk: int = 0     # of cached_tokens, how many the disk tier restored (engine/disk_tier.py)
 
 
+class KVMove(str, Enum):
+    """What happened to a held conversation's K/V (KVMoved.kind)."""
+    PARKED = "parked"            # it lost the engine and RAM parking took it
+    NOT_PARKED = "not_parked"    # it lost the engine and parking refused it (over the cap, the memory guard)
+    EVICTED = "evicted"          # parking let it go for a limit (slots, the cap, the guard's reserve)
+    DROPPED = "dropped"          # forgotten: it failed when used, or a newer copy superseded it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class KVMoved:
+    """A held conversation's K/V was parked, refused, evicted or dropped during a request: what a front
+    end reacts to (the app's status bar), never the log line that says the same for people."""
+    kind: KVMove
+    tokens: int                     # the conversation's tokens
+    nbytes: int                     # its K/V's bytes (what parking counts against its cap)
+    owner: str = ""                 # the conversation it belongs to (a request's `conversation`)
+    why: str = ""                   # for evicted / not parked / dropped: the limit or the failure
+    parking: dict = field(default_factory=dict)   # parking.Parking.status() after the move
+
+    def __post_init__(self):
+        self.kind = KVMove(self.kind)
+
+
 @dataclass
 class Done:
     result: Any = None      # the request's typed result (engine/api.py: Generation, EngineStatus, ...)
@@ -48,15 +75,16 @@ class Failed:
     message: str                                   # one line, for people
     code: ErrorCode = ErrorCode.BAD_REQUEST        # what a program branches on (never the message)
     reason: str = ""                               # finer kind, e.g. SessionRefusal.OVERWRITE: ask, then force
+    vector: VectorSpec | None = None               # SessionRefusal.STEERING: the control vector the file needs
 
     def __post_init__(self):
         self.code = ErrorCode(self.code)
 
     def error(self) -> EngineError:
-        return EngineError(self.code, self.message, self.reason)
+        return EngineError(self.code, self.message, self.reason, vector=self.vector)
 
 
-Event = Token | Progress | Log | KVChanged | Done | Failed
+Event = Token | Progress | Log | KVChanged | KVMoved | Done | Failed
 
 
 class Handle:

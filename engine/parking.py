@@ -138,6 +138,20 @@ class Parking:
         self.entries: list[KVEntry] = []
         # Called with an entry about to be evicted (the disk tier writes what it lacks: engine/disk_tier.py)
         self.on_evict: Callable[[KVEntry], None] | None = None
+        # Called with an events.KVMoved for each park, refusal, eviction and drop (the engine sends it
+        # to the request being served: front ends react to it, not to the log line beside it).
+        self.on_event: Callable | None = None
+
+    def tell(self, kind: str, entry: KVEntry, why: str = "", nbytes: int | None = None) -> None:
+        if self.on_event is None:
+            return
+        from .events import KVMoved
+        if nbytes is None:
+            try:
+                nbytes = entry.nbytes()
+            except Exception:  # noqa: BLE001 - K/V dropped after an engine error may not say its size
+                nbytes = 0
+        self.on_event(KVMoved(kind, len(entry.tokens), nbytes, entry.owner, why, self.status()))
 
     @property
     def enabled(self) -> bool:
@@ -167,12 +181,14 @@ class Parking:
         reason = self.guard.unavailable_reason() if self.guard else None
         if reason:
             self.log(f"not parked: {reason}")
+            self.tell("not_parked", entry, reason)
             return False
         size = entry.nbytes()
         if size > self.cap_bytes:
             # Alone larger than the cap: refusing it keeps everything else parked.
             self.log(f"not parked: {len(entry.tokens)} tokens need {size / MIB:.1f} MiB, "
                      f"more than the whole cap of {self.cap_bytes / MIB:.0f} MiB")
+            self.tell("not_parked", entry, "more than the whole cap", size)
             return False
         self._evict_until(lambda: self.total_bytes() + size <= self.cap_bytes and len(self.entries) < self.slots,
                           incoming=1)
@@ -182,12 +198,14 @@ class Parking:
             ok, why = self.guard.admit(0)
         if not ok:
             self.log(f"not parked: {why}")
+            self.tell("not_parked", entry, why, size)
             return False
         entry.last_used = time.monotonic()
         self.entries.append(entry)
         self.log(f"parked {len(entry.tokens)} tokens in {(time.perf_counter() - t0) * 1e3:.1f} ms "
                  f"(bytes={size}, {len(self.entries)} parked, {self.total_bytes() / MIB:.1f} of "
                  f"{self.cap_bytes / MIB:.0f} MiB)")
+        self.tell("parked", entry, nbytes=size)
         return True
 
     def take(self, tokens: list[int], key: str, make_cache: Callable[[], list]) -> tuple[KVEntry | None, int]:
@@ -220,6 +238,7 @@ class Parking:
         if entry in self.entries:
             self.entries.remove(entry)
         self.log(f"dropped a parked conversation of {len(entry.tokens)} tokens: {why}")
+        self.tell("dropped", entry, why)
 
     def take_owned(self, owner: str, key: str, tokens: list[int]) -> tuple[KVEntry | None, int]:
         """Move out `owner`'s own parked entry (same steering): a new branch of a conversation
@@ -244,6 +263,7 @@ class Parking:
                 self.log(f"disk cache: not written ({type(e).__name__}: {str(e)[:120]})")
         self.entries.remove(victim)
         self.log(f"evicted {len(victim.tokens)} tokens ({victim.nbytes() / MIB:.1f} MiB) for {why}")
+        self.tell("evicted", victim, why)
 
     def _evict_until(self, fits: Callable[[], bool], incoming: int = 0) -> None:
         while self.entries and not fits():

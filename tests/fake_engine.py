@@ -18,6 +18,7 @@ class Refusal:
     message: str
     code: str | None = None          # engine.errors.ErrorCode (None: refused before the engine)
     reason: str = ""
+    vector: object = None            # engine.errors.VectorSpec of a steering refusal
 
 
 # What each method answers when the test set nothing: the engine.api result with its defaults.
@@ -29,7 +30,6 @@ DEFAULTS = {
     "count_prompt_tokens": lambda: api.TokenCount(tokens=0),
     "save_session": lambda: api.SessionSaved(),
     "restore_session": lambda: api.SessionRestored(),
-    "session_steering": lambda: api.SessionSteeringInfo(spec={}),
 }
 
 
@@ -47,6 +47,7 @@ class FakeRequest(Request):
             self.error = answer.message
             self.error_code = None if answer.code is None else ErrorCode(answer.code)
             self.error_reason = answer.reason
+            self.error_vector = answer.vector
             self.failed.emit(answer.message)
         else:
             self.result = answer
@@ -97,5 +98,3 @@ class FakeClient(QObject):
     def restore_session(self, path, **kw):
         return self._call("restore_session", path, **kw)
 
-    def session_steering(self, path):
-        return self._call("session_steering", path)

@@ -350,22 +350,34 @@ def test_session_files_opened_before_a_model_wait_for_it(qapp_ready, idle_window
 
 
 def test_a_refused_restore_offers_the_vector_by_its_reason_not_its_words(qtbot, qapp_ready, idle_window, tmp_path):
-    """The vector offer follows the refusal's code and reason (SessionRefusal.STEERING): a file refusal
-    whose message happens to say "control vector ... load" asks nothing more of the engine."""
+    """The vector offer follows the refusal's code and reason (SessionRefusal.STEERING) and the vector
+    it carries as data (engine.errors.VectorSpec): a file refusal whose message happens to say "control
+    vector ... load" offers nothing, and a steering refusal's offer asks nothing more of the engine."""
     from fake_engine import FakeClient
-    from engine.errors import ErrorCode, SessionRefusal
+    from engine.errors import ErrorCode, SessionRefusal, VectorSpec
     w = idle_window
     fake = FakeClient()
     w.sessions.client = fake
-    w.sessions.tell = lambda *a: None
+    offers = []
+    w.sessions.tell = lambda message, action=None, *a: offers.append(action)
     session = str(tmp_path / "a.stratasession")
+    here = tmp_path / "v.gguf"
+    here.write_bytes(b"GGUF")
+    vector = VectorSpec(((str(here), 0.5),), (2, 5), "project", "per-layer")
     wording = "a.stratasession was saved with another steering setting (control vector ab12); load v.gguf"
-    fake.answers["restore_session"] = Refusal(wording, ErrorCode.SESSION_REFUSED, SessionRefusal.FILE)
+    fake.answers["restore_session"] = Refusal(wording, ErrorCode.SESSION_REFUSED, SessionRefusal.FILE, vector)
     with qtbot.waitSignal(w.sessions.refused, timeout=5000):
         w.sessions.restore_session(session)
-    assert fake.names() == ["restore_session"]
+    assert fake.names() == ["restore_session"] and offers == [None]
     fake.answers["restore_session"] = Refusal("saved with another steering setting", ErrorCode.SESSION_REFUSED,
-                                              SessionRefusal.STEERING)
+                                              SessionRefusal.STEERING, vector)
     with qtbot.waitSignal(w.sessions.refused, timeout=5000):
         w.sessions.restore_session(session)
-    assert fake.names() == ["restore_session", "restore_session", "session_steering"]
+    assert fake.names() == ["restore_session", "restore_session"]       # the file is not asked again
+    assert offers[1:] == [None, "Load it and restore"]
+    gone = VectorSpec(((str(tmp_path / "elsewhere.gguf"), 1.0),))
+    fake.answers["restore_session"] = Refusal("saved with another steering setting", ErrorCode.SESSION_REFUSED,
+                                              SessionRefusal.STEERING, gone)
+    with qtbot.waitSignal(w.sessions.refused, timeout=5000):
+        w.sessions.restore_session(session)
+    assert offers[3:] == [None]                 # its file is not on this machine: nothing to offer

@@ -492,6 +492,10 @@ def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_
         with pytest.raises(StrataError, match="saved with another steering setting") as err:
             stock.call(RestoreSession(str(on_file)))
         assert f"load {strong_vec.name} x2 (project)" in str(err.value)
+        # ... and carrying it as data: what the app offers to load, without reading the file again.
+        from engine.errors import SessionRefusal, VectorSpec
+        assert err.value.reason == SessionRefusal.STEERING
+        assert err.value.vector == VectorSpec(((str(strong_vec), 2.0),), None, "project", "per-layer")
         # A request that names a setting is held to it ...
         with pytest.raises(StrataError, match="saved with another steering setting"):
             eng.call(RestoreSession(str(off_file), speed_projection=True))
