@@ -15,7 +15,7 @@ from pathlib import Path
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
                   Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
                   SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
-from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused
+from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused, VectorSpec
 from .events import Handle, KVChanged, Progress, Token
 
 MAX_CHARS_PER_TOKEN = 32
@@ -564,10 +564,11 @@ class RequestHandlers:
             now = f"now {now}"
         if theirs == "none":
             raise SessionSteeringRefused(f"{name} was saved with another steering setting (no control vector; {now})")
-        named = _describe_vector(_vector_spec(spec))
+        needed = VectorSpec.of(_vector_spec(spec))      # the refusal carries it: the app offers it as is
+        named = needed.describe() if needed is not None else ""
         hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
         raise SessionSteeringRefused(f"{name} was saved with another steering setting (control vector "
-                               f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}")
+                                     f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}", needed)
 
 
 @dataclass
@@ -595,16 +596,6 @@ def _vector_spec(raw: str | None) -> dict:
     except ValueError:
         return {}
     return spec if isinstance(spec, dict) else {}
-
-
-def _describe_vector(spec: dict) -> str:
-    files = spec.get("files") or []
-    if not files:
-        return ""
-    names = ", ".join(f"{Path(str(p)).name} x{float(sc):g}" for p, sc in files)
-    lr = spec.get("layer_range")
-    layers = f", layers {lr[0]}..{lr[1]}" if lr else ""
-    return f"{names} ({spec.get('mode', 'add')}{layers})"
 
 
 def _load_budget(guard) -> dict | None:
