@@ -92,6 +92,19 @@ def _gguf_converter():
     return convert_gguf_tokenizer
 
 
+def _phi3_special_rstrip(backend: Tokenizer, model_name: str) -> Tokenizer:
+    """llama.cpp's vocabulary loader gives a model whose general.name contains "phi3" or "phi-3" (as Phi-3's
+    own tokenizer.json does) special tokens that eat the whitespace after them (RSTRIP), except <unk>, <s>
+    and <|endoftext|>: "<|user|>\nHi" is <|user|> then "Hi". The same flags on the added tokens here."""
+    if not any(k in model_name.lower() for k in ("phi-3", "phi3")):
+        return backend
+    import json
+    spec = json.loads(backend.to_str())
+    for t in spec.get("added_tokens", []):      # llama.cpp: every control and user-defined token
+        t["rstrip"] = t["content"] not in ("<unk>", "<s>", "<|endoftext|>")
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     convert_gguf_tokenizer = _gguf_converter()
     if gguf.get("tokenizer.ggml.tokens") is None:
@@ -111,6 +124,7 @@ def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
         backend.pre_tokenizer = _gemma4_pre_tokenizer()
     # Post-processors from the HF classes may add BOS/EOS; Strata adds BOS itself, as the GGUF says.
     backend.post_processor = None
+    backend = _phi3_special_rstrip(backend, str(gguf.get("general.name", "")))
 
     token_types = gguf.get("tokenizer.ggml.token_type")
     special = {i for i, t in enumerate(token_types) if t == 3} if token_types is not None else set()

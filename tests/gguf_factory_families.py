@@ -20,6 +20,8 @@ llama.cpp (the oracle) loads it with its own graph for that architecture:
                 the gate half then the up half (2*n_ff rows), partial RoPE (``rope.dimension_count`` <
                 head_dim), LongRoPE factors ``rope_factors_long``/``rope_factors_short`` with
                 ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``.
+* ``phi3-spm``  the same graph as a Phi-3/3.5-mini file: a SentencePiece vocabulary, full RoPE, no
+                LongRoPE, and a "Phi-3" name (llama.cpp right-strips whitespace after its special tokens).
 
 The vocabulary is gguf_factory's trained byte-level BPE; the family's own control tokens take the
 three special ids (0-2) and the rest are appended after the merges, and each file carries a chat
@@ -72,6 +74,12 @@ MISTRAL3_TEMPLATE = (
     "{% elif message['role'] == 'user' %}{{ '[INST]' + message['content'] + '[/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
+PHI3_SPM_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
 PHI3_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
@@ -87,6 +95,12 @@ FAMILIES: dict[str, Family] = {
                        "tekken", "<s>", "</s>", True, "</s>", MISTRAL3_TEMPLATE),
     "phi3": Family("phi3", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
                    "gpt-4o", "<|endoftext|>", "<|endoftext|>", False, "<|end|>", PHI3_TEMPLATE),
+    # Phi-3/3.5-mini: a SentencePiece vocabulary (<unk> <s> </s>, byte fallback, Phi's markers appended),
+    # full RoPE, no LongRoPE (the 4k files); named "Phi-3..." as older Phi-3 GGUFs are, which gives its
+    # special tokens llama.cpp's right-strip of the whitespace after them
+    "phi3-spm": Family("phi3", ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>",
+                                "<|system|>"),
+                       "default", "<s>", "<|endoftext|>", False, "<|end|>", PHI3_SPM_TEMPLATE),
 }
 
 # Family hyperparameters beyond the common ones (tests may override any of them).
@@ -96,6 +110,7 @@ MISTRAL3_ROPE = dict(rope_theta=1_000_000.0, yarn_factor=16.0, yarn_original_con
 # Phi-4-mini's 4096 -> 131072 scaled down to 64 -> 4096: the oracle's 256-token context is past the
 # original, so llama.cpp runs the long factors, as Strata does for a file longer than its original context
 PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary=0.75, original_context=64, context_length=4096)
+PHI3_SPM_ROPE = dict(PHI3_ROPE, partial_rotary=1.0, original_context=0)
 
 
 # Merges of digit pairs, after the trained ones (which learnt none: the trainer splits digits one by one),
@@ -107,6 +122,8 @@ DIGIT_MERGES = (("1", "2"), ("3", "4"), ("2", "0"))
 def family_tokens(family: str) -> tuple[list[str], list[int]]:
     """The family's vocabulary: (tokens in id order, token types)."""
     spec = FAMILIES[family]
+    if spec.pre == "default":
+        return _spm_tokens(spec)[:2]
     tokens, _ = _trained_vocab()
     n_base = len(gguf_factory.SPECIAL_TOKENS)
     toks = (list(spec.specials[:n_base]) + list(tokens[n_base:]) + [a + b for a, b in DIGIT_MERGES]
@@ -115,8 +132,33 @@ def family_tokens(family: str) -> tuple[list[str], list[int]]:
     return toks, types
 
 
+def _spm_tokens(spec: Family) -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece vocabulary (tokens, types, scores): <unk> <s> </s>, the 256 byte tokens, the pieces
+    gguf_factory_gemma trains (spaces as U+2581, scores minus the position), then the family's markers."""
+    import gguf_factory_gemma
+    pieces, _ = gguf_factory_gemma._pieces()
+    marks = list(spec.specials[3:])
+    toks = list(spec.specials[:3]) + [f"<0x{b:02X}>" for b in range(256)] + list(pieces) + marks
+    types = ([int(gguf.TokenType.UNKNOWN)] + [int(gguf.TokenType.CONTROL)] * 2 + [int(gguf.TokenType.BYTE)] * 256
+             + [int(gguf.TokenType.NORMAL)] * len(pieces) + [int(gguf.TokenType.CONTROL)] * len(marks))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0] * len(marks)
+    return toks, types, scores
+
+
 def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
     spec = FAMILIES[family]
+    if spec.pre == "default":
+        toks, types, scores = _spm_tokens(spec)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(toks.index(spec.bos))
+        w.add_eos_token_id(toks.index(spec.eos))
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(spec.add_bos)
+        w.add_chat_template(spec.template)
+        return len(toks)
     toks, types = family_tokens(family)
     _, merges = _trained_vocab()
     w.add_tokenizer_model("gpt2")
@@ -131,7 +173,7 @@ def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
     return len(toks)
 
 
-def _weights(family: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n_vocab, tie, seed):
+def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n_vocab, tie, seed):
     """GGUF tensor name -> float32 array in numpy (rows = outputs), as the converter writes them."""
     rng = np.random.default_rng(seed)
 
@@ -154,10 +196,10 @@ def _weights(family: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim,
         gate = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
         up = normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
         down = normal((n_embd, n_ff), 4.0 / np.sqrt(n_ff))
-        if family in ("granite", "mistral3"):
+        if arch in ("granite", "mistral3"):
             # LlamaModel.modify_tensors: rotate-half rows -> adjacent pairs ("normal" RoPE in llama.cpp)
             q, k = _llama_permute(q, n_head, n_head), _llama_permute(k, n_head, n_head_kv)
-        if family == "phi3":
+        if arch == "phi3":
             t[p + "attn_norm.weight"] = norm_w(n_embd)
             t[p + "attn_qkv.weight"] = np.concatenate([q, k, v], axis=0)
             t[p + "attn_output.weight"] = o
@@ -165,11 +207,11 @@ def _weights(family: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim,
             t[p + "ffn_up.weight"] = np.concatenate([gate, up], axis=0)   # gate half first (LLM_FFN_SWIGLU)
             t[p + "ffn_down.weight"] = down
             continue
-        if family != "olmo2":
+        if arch != "olmo2":
             t[p + "attn_norm.weight"] = norm_w(n_embd)
         t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"] = q, k, v
         t[p + "attn_output.weight"] = o
-        if family == "olmo2":
+        if arch == "olmo2":
             t[p + "attn_q_norm.weight"] = norm_w(q_dim)
             t[p + "attn_k_norm.weight"] = norm_w(kv_dim)
             t[p + "post_attention_norm.weight"] = norm_w(n_embd)
@@ -193,25 +235,27 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} not in {sorted(FAMILIES)}")
     qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
+    arch = FAMILIES[family].arch
     if head_dim is None:
         head_dim = n_embd // n_head
     if tie is None:
-        tie = family in ("granite", "phi3")
-    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE}.get(family, {})
+        tie = arch in ("granite", "phi3")
+    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE,
+                "phi3-spm": PHI3_SPM_ROPE}.get(family, {})
     unknown = set(hp) - set(defaults)
     if unknown:
         raise ValueError(f"{family}: unknown hyperparameters {sorted(unknown)}")
     hp = {**defaults, **hp}
-    if family == "phi3":
+    if arch == "phi3":
         context_length = hp["context_length"]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    w = gguf.GGUFWriter(str(path), family)
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.MODEL)
     # not "phi3" in the name: llama.cpp's vocabulary loader gives a model whose name contains "phi3" or
     # "phi-3" the Phi-3 SentencePiece special-token attributes (and looks up "</s>", absent here)
-    label = "Phi-4-mini-like" if family == "phi3" else family
+    label = {"phi3": "Phi-4-mini-like", "phi3-spm": "Phi-3-mini-like"}.get(family, family)
     w.add_name(name or f"Tiny {label} {n_layer}x{n_embd} seed {seed}")
     w.add_size_label("tiny")
     w.add_block_count(n_layer)
@@ -220,17 +264,17 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5 if family == "mistral3" else 1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if arch == "mistral3" else 1e-6)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     n_vocab = _add_family_tokenizer(w, family)
-    tensors = _weights(family, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
+    tensors = _weights(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
                        head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed)
     if eot_boost:
         eot = family_tokens(family)[0].index(FAMILIES[family].end_of_turn)
         tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"][eot] *= eot_boost
 
-    if family == "granite":
+    if arch == "granite":
         w.add_rope_freq_base(10000.0)
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(head_dim)
@@ -238,9 +282,9 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
         w.add_residual_scale(hp["residual_scale"])
         w.add_attention_scale(hp["attention_scale"])
         w.add_logit_scale(hp["logit_scale"])
-    elif family == "olmo2":
+    elif arch == "olmo2":
         w.add_rope_freq_base(500000.0)
-    elif family == "mistral3":
+    elif arch == "mistral3":
         w.add_rope_freq_base(hp["rope_theta"])
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(head_dim)
@@ -255,7 +299,7 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
             w.add_rope_scaling_yarn_log_mul(hp["yarn_log_multiplier"])
         if hp["temperature_scale"]:
             w.add_attn_temperature_scale(hp["temperature_scale"])
-    elif family == "phi3":
+    elif arch == "phi3":
         rope_dim = int(head_dim * hp["partial_rotary"])
         w.add_rope_freq_base(hp["rope_theta"])
         w.add_rope_dimension_count(rope_dim)

@@ -63,8 +63,11 @@ def _first_disagreement(ref: np.ndarray, ours: np.ndarray, start: int) -> tuple[
     return disagree.tolist(), (top2[:, 1] - top2[:, 0])[disagree].tolist()
 
 
-@pytest.mark.parametrize("ftype", ["F16", "Q8_0", "Q4_K_M"])
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+# every family in every type; the Phi-3 SentencePiece file (same graph as phi3) in F16
+PARITY_CASES = [(f, t) for f in FAMILY_NAMES if f != "phi3-spm" for t in ("F16", "Q8_0", "Q4_K_M")] + [("phi3-spm", "F16")]
+
+
+@pytest.mark.parametrize("family, ftype", PARITY_CASES)
 def test_family_greedy_and_logits_match_llama_cpp(files, family, ftype):
     path = files(family, ftype)
     llm = llama_cpp.cached_llama(path)
@@ -131,12 +134,13 @@ RENDERED = {
     "olmo2": "<|endoftext|><|system|>\nYou are brief.\n<|user|>\nTell me about the sea.\n<|assistant|>\n",
     "mistral3": "<s>[SYSTEM_PROMPT]You are brief.[/SYSTEM_PROMPT][INST]Tell me about the sea.[/INST]",
     "phi3": "<|system|>You are brief.<|end|><|user|>Tell me about the sea.<|end|><|assistant|>",
+    "phi3-spm": "<|system|>\nYou are brief.<|end|>\n<|user|>\nTell me about the sea.<|end|>\n<|assistant|>\n",
 }
 
 
 # The end-of-turn token's output row scaled so that the random model ends its reply within N_GEN tokens
 # (measured: after 6, 1, 5 and 1 tokens): a reply that ends is what shows the engine stops at the marker.
-EOT_BOOST = {"granite": 3.0, "olmo2": 5.0, "mistral3": 5.0, "phi3": 3.0}
+EOT_BOOST = {"granite": 3.0, "olmo2": 5.0, "mistral3": 5.0, "phi3": 3.0, "phi3-spm": 3.0}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
