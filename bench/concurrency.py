@@ -117,12 +117,21 @@ def strata_join(engine, prompts, join_prompt, gen_long, gen):
     from engine.sampling import SamplingParams
     tok = engine.tokenizer
     started = threading.Event()
+    decoding: set[int] = set()
+
+    def note(i):
+        def on(ev):
+            if isinstance(ev, Token):
+                decoding.add(i)
+                if len(decoding) == len(prompts):
+                    started.set()
+        return on
     hs = [engine.submit(GenerateRequest(prompt=tok.decode(p, skip_special=False), conversation=f"j{i}",
                                         sampling=SamplingParams(max_tokens=gen_long, temperature=0.0)),
-                        callback=(lambda ev: started.set() if isinstance(ev, Token) else None))
+                        callback=note(i))
           for i, p in enumerate(prompts)]
     started.wait(600)
-    time.sleep(0.2)         # the batch is decoding
+    time.sleep(0.2)         # every stream of the batch is decoding
     first = []
     t0 = time.perf_counter()
     h = engine.submit(GenerateRequest(prompt=tok.decode(join_prompt, skip_special=False), conversation="joiner",
