@@ -2,7 +2,7 @@
 
 Files: tests/gguf_factory_gpt_oss.py's tiny model (2 layers, width 256, 4 heads of 64, 4 experts
 top-2, sliding window 32 so the prompts below cross it, YaRN x32, sinks, biases everywhere): F16 and
-gguf-py MXFP4 experts written here, Q8_0 and MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) by llama.cpp's
+gguf-py MXFP4 experts written here, Q8_0, Q4_K_M and MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) by llama.cpp's
 own quantizer. No real gpt-oss file can be downloaded here; none was verified.
 
 * MXFP4 blocks convert to MLX's mxfp4 bit-exactly (gguf-py's decoder is the reference) and the
@@ -30,7 +30,7 @@ from engine.gguf_file import open_gguf
 from engine.model_loader import load_model
 from llama_oracle import strata_logits
 
-FTYPES = ("F16", "Q8_0", "MXFP4_MOE", "MXFP4_PY")
+FTYPES = ("F16", "Q8_0", "Q4_K_M", "MXFP4_MOE", "MXFP4_PY")
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +125,8 @@ def test_loads(gdir, ftype):
         assert isinstance(sw, QuantizedSwitchLinear) and sw.mode == "mxfp4" and sw.bits == 4
         assert sw.weight.dtype == mx.uint32 and sw.scales.dtype == mx.uint8
         assert "MXFP4 -> mxfp4 g32 (exact)" in info.load_note
-    elif ftype == "Q8_0":
-        assert isinstance(sw, QuantizedSwitchLinear) and (sw.mode, sw.bits) == ("affine", 8)
+    elif ftype in ("Q8_0", "Q4_K_M"):
+        assert isinstance(sw, QuantizedSwitchLinear) and (sw.mode, sw.bits) == ("affine", {"Q8_0": 8}.get(ftype, 4))
     else:
         assert isinstance(sw, SwitchLinear)
     assert model.model.layers[1].self_attn.sinks.shape == (4,)
@@ -144,13 +144,14 @@ def test_loads(gdir, ftype):
 # max |dlogit|, median |dlogit| over the teacher-forced positions). Measured here (the two prompts
 # below, 34+32 and 186+32 tokens, both past the 32-token window; 2026-12-01): F16 last <= 9.3e-4,
 # median <= 2.3e-4 (float rounding: llama.cpp's CPU runs F16 weights on F16 activations), greedy 64/64;
-# Q8_0 last <= 2.2e-2, median <= 4.5e-3, greedy 58/64; MXFP4_MOE last <= 2.7e-2, median <= 4.9e-3,
+# Q8_0 last <= 2.2e-2, median <= 4.5e-3, greedy 58/64; Q4_K_M (some Q6_K, requantized to 8 bits)
+# last <= 7.7e-2, median <= 6.8e-3, greedy 58/64; MXFP4_MOE last <= 2.7e-2, median <= 4.9e-3,
 # greedy 61/64; MXFP4_PY last <= 1.2e-2, median <= 2.5e-3, greedy 62/64 -- every disagreement where
 # llama.cpp's own top-2 margin is <= 0.13. The quantized spread is llama.cpp's 8-bit activation
 # quantization in its quantized matmuls (MXFP4 and Q8_0 weights are bit-exact in MLX, see above),
 # amplified by routing near-ties (one MXFP4_MOE position differs by 2.0 where an expert flips, as in
 # test_moe.py): no bound on the max. Tolerances: the measured figures with ~50% headroom.
-LOGIT_TOL = {"F16": (2e-3, 5e-4), "Q8_0": (4e-2, 8e-3), "MXFP4_MOE": (4e-2, 8e-3), "MXFP4_PY": (2.5e-2, 5e-3)}
+LOGIT_TOL = {"F16": (2e-3, 5e-4), "Q8_0": (4e-2, 8e-3), "Q4_K_M": (0.12, 0.012), "MXFP4_MOE": (4e-2, 8e-3)}
 TIE_MARGIN = 0.6   # as tests/engine/test_oracle.py
 N_GEN = 32
 PROMPTS = ["The little boat left the harbor early in the morning, when the sea was still and grey.",
@@ -202,7 +203,7 @@ def _tokenizer(eng):
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("ftype", FTYPES)
+@pytest.mark.parametrize("ftype", [f for f in FTYPES if f != "MXFP4_PY"])  # MXFP4_PY: the same conversion (measured above)
 def test_matches_llama_cpp(gdir, ftype):
     lo = _oracle()
     path = _file(gdir, ftype)
