@@ -213,3 +213,38 @@ def _rewrite_key(src, dst, key: str, value: int):
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+@pytest.mark.parametrize("family", ("granite", "olmo2", "mistral3", "phi3"))
+def test_control_vector_steers_like_llama_cpp(files, tmp_path, family):
+    """A control vector on block 1 (llama.cpp's cvec: added to the block's output, after Granite's scaled
+    residual and OLMo 2's post-norms): Strata's change to the logits equals llama.cpp's. Measured: the
+    vector moves logits by 3.3-10.8, Strata's change differs from llama.cpp's by 0.002-0.005."""
+    import mlx.core as mx
+
+    from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
+    from engine.model_loader import load_model
+    from engine.steering import SteeringState, install
+    if not llama_cpp.has_cvec():
+        pytest.skip("this llama-cpp-python exposes no llama_set_adapter_cvec")
+    path = files(family)
+    n_embd, n_layer = 256, 2
+    direction = (np.random.default_rng(5).standard_normal(n_embd) * 2.0).astype(np.float32)
+    cv = tmp_path / "cv.gguf"
+    write_control_vector(cv, {1: direction}, model_hint=FAMILIES[family].arch)
+    ids = _ids(path, PROMPTS[0])
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
+    try:
+        ref_plain = llama_cpp.logits(llm, ids)
+        assert llama_cpp.set_cvec(llm, direction, n_embd, 1, 1) == 0   # direction N at n_embd * (N - 1)
+        ref = llama_cpp.logits(llm, ids) - ref_plain
+    finally:
+        llm.close()
+    model = load_model(open_gguf(path))[0]
+    plain = np.array(model(mx.array(ids)[None])[0])
+    install(model, SteeringState(ControlVector.load(SteeringConfig(files=((str(cv), 1.0),), layer_range=(1, 1)),
+                                                    n_layer, n_embd), speed_projection=True))
+    ours = np.array(model(mx.array(ids)[None])[0]) - plain
+    print(f"{family}: cvec changes logits by up to {np.abs(ref).max():.3f}; Strata - llama.cpp {np.abs(ours - ref).max():.4f}")
+    assert np.abs(ref).max() > 20 * LOGIT_TOL["F16"][1], "the vector must matter in llama.cpp"
+    assert np.abs(ours - ref).max() < LOGIT_TOL["F16"][1], (family, float(np.abs(ours - ref).max()))
