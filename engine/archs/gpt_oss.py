@@ -19,6 +19,7 @@ MXFP4 experts stay MXFP4 on MLX's mxfp4 ``gather_qmm`` (engine/quants.py ``_conv
 """
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import ModelFileError
@@ -34,10 +35,10 @@ _BLOCK = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
-# every block must have these (name.kind); checked before anything is allocated
-_REQUIRED = tuple(f"{b}.{k}" for b in _BLOCK for k in ("weight",) + (("bias",) if b in (
-    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
-    "ffn_down_exps") else ())) + ("attn_sinks.weight",)
+_BIASED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+           "ffn_down_exps")
+# every block must have these; checked before anything is allocated
+_REQUIRED = tuple(f"{b}.weight" for b in _BLOCK) + tuple(f"{b}.bias" for b in _BIASED) + ("attn_sinks.weight",)
 
 
 def tensor_name(gguf_name: str, args) -> str | None:
@@ -67,7 +68,7 @@ def _float(g, key: str, default) -> float:
         v = float(g.arch_key(key, default))
     except (TypeError, ValueError):
         raise ModelFileError(f"{g.path.name}: bad 'gpt-oss.{key}'") from None
-    if not (v == v and abs(v) != float("inf")):
+    if not math.isfinite(v):
         raise ModelFileError(f"{g.path.name}: bad 'gpt-oss.{key}' ({v})")
     return v
 
@@ -91,6 +92,8 @@ def model_args(g, common: dict, head_dim: int):
     from mlx_lm.models.gpt_oss import Model, ModelArgs
     name = g.path.name
     n_layer = common["num_hidden_layers"]
+    if n_layer < 2:      # mlx-lm's model needs a sliding and a full block to build its two masks
+        raise ModelFileError(f"{name}: gpt-oss with {n_layer} block is not supported (2 or more are)")
     n_expert, n_used = _int(g, "expert_count", 0), _int(g, "expert_used_count", 0)
     if n_expert <= 0 or not 0 < n_used <= n_expert:
         raise ModelFileError(f"{name}: gpt-oss needs 0 < expert_used_count <= expert_count "
