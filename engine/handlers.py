@@ -39,6 +39,7 @@ class RequestHandlers:
         path = resolve_model(req.path)
         g = open_gguf(path)
         self._release_draft("a model load")      # drafts for the old target; its memory counts for the fit
+        self._mtp = None                         # an MTP head holds the old target (engine/mtp_spec.py)
         handle.emit(Progress("load", 0, len(g.reader.tensors)))
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
@@ -281,6 +282,8 @@ class RequestHandlers:
             return None
         if mode.kind == "lookup":
             return speculative.LookupDrafter()
+        if mode.kind == "mtp":
+            return self._mtp_drafter(mode.draft_path)
         from .models import resolve_model
         try:
             path = resolve_model(mode.draft_path)
@@ -294,6 +297,25 @@ class RequestHandlers:
             self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log,
                                                 admit=self._admit_draft)
         return self.draft
+
+    def _mtp_drafter(self, head_path: str | None):
+        """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
+        target (and head file) and kept; each request gets its own head K/V."""
+        from . import mtp_spec
+        if self.dist is not None:
+            raise RequestError("speculative mtp is not available on a distributed engine")
+        h = getattr(self, "_mtp", None)
+        if h is None or h.model is not self.model or h.head_path != head_path:
+            self._mtp = None
+            self._mtp = mtp_spec.load_mtp(self.model_path, self.model, self.dtype, head_path, self._log,
+                                          admit=self._admit_head)
+        return mtp_spec.MTPDrafter(self._mtp.head, self.model, self._mtp.path)
+
+    def _admit_head(self, nbytes: int) -> None:
+        """A sibling head file's tensors go through the memory guard (MemoryRefused, one line)."""
+        ok, line = self.guard.admit(nbytes)
+        if not ok:
+            raise MemoryRefused(f"mtp head: {line}")
 
     def _admit_draft(self, path) -> None:
         """A draft model goes through the load's memory estimate and guard (MemoryRefused, one line)."""
@@ -338,8 +360,9 @@ class RequestHandlers:
                 spec.stopped = f"off for this model and draft: slower than plain decoding in an earlier reply ({why})"
                 return spec, None
             spec.speedup_hint = verdicts.speedup(key)
+        # mtp: the target through the tap that keeps its hidden states (engine/mtp_spec.py)
         return spec, speculative.decode(
-            self.model, entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
+            getattr(drafter, "target", self.model), entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
             processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
             seed=sp.seed, cancelled=cancelled, constraint=constraint)
 

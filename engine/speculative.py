@@ -1,11 +1,13 @@
 """Speculative decoding: draft a few tokens cheaply, check them all in one forward pass of the target.
 
-Two drafters:
+Three drafters:
 * prompt lookup (`lookup`): the continuation of the most recent earlier occurrence of the last
   NGRAM_MAX..NGRAM_MIN tokens of the conversation (prompt + reply so far). No second model; it pays
   off when the reply repeats the prompt (editing, quoting, code rewrites).
 * a draft model (`draft:PATH`): a second, smaller GGUF with the same vocabulary, run unsteered with
   its own K/V, kept in step with the target's by trimming to the common prefix before each draft.
+* the model's own NextN/MTP head (`mtp`, `mtp:PATH`): drafts from the target's last hidden state
+  (engine/mtp_spec.py: the head, its K/V and the tap that keeps the target's hidden states).
 
 Verification (one target pass over [pending, d1..dk]):
 * greedy: accept drafts while they equal the target's argmax; then the target's own token. The
@@ -93,16 +95,18 @@ CATCH_UP_RULE = True       # the draft's catch-up rule
 
 @dataclass
 class SpecMode:
-    kind: str = "off"                # "off" | "lookup" | "draft"
-    draft_path: str | None = None
+    kind: str = "off"                # "off" | "lookup" | "draft" | "mtp"
+    draft_path: str | None = None    # draft: the draft GGUF; mtp: a sibling head file (None: found by name)
 
     @property
     def label(self) -> str:
-        return f"draft:{self.draft_path}" if self.kind == "draft" else self.kind
+        if self.kind in ("draft", "mtp") and self.draft_path:
+            return f"{self.kind}:{self.draft_path}"
+        return self.kind
 
 
 def parse_spec(text: str | None) -> SpecMode:
-    """'off' | 'lookup' | 'draft:PATH' (RequestError otherwise)."""
+    """'off' | 'lookup' | 'draft:PATH' | 'mtp' | 'mtp:PATH' (RequestError otherwise)."""
     t = (text or "off").strip()
     if t in ("off", "none", ""):
         return SpecMode()
@@ -110,7 +114,11 @@ def parse_spec(text: str | None) -> SpecMode:
         return SpecMode("lookup")
     if t.startswith("draft:") and t[6:].strip():
         return SpecMode("draft", t[6:].strip())
-    raise RequestError(f"speculative must be off, lookup or draft:PATH (got {text!r})")
+    if t == "mtp":
+        return SpecMode("mtp")
+    if t.startswith("mtp:") and t[4:].strip():
+        return SpecMode("mtp", t[4:].strip())
+    raise RequestError(f"speculative must be off, lookup or draft:PATH, or mtp[:PATH] (got {text!r})")
 
 
 @dataclass
@@ -489,6 +497,8 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                 if isinstance(drafter, DraftModel):
                     draft, draft_dists = drafter.propose(context, room, dist)
                     catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
+                elif getattr(drafter, "samples_drafts", False):     # the MTP head: drafts from q
+                    draft, draft_dists = drafter.propose(context, room, dist)
                 else:
                     draft, draft_dists = drafter.propose(context, room)
             if constraint is not None and draft:

@@ -1,5 +1,5 @@
-"""The NextN / multi-token-prediction head of a Qwen3.5 / Qwen3.6 GGUF (issue 36: loading only; the
-drafting loop is not here yet).
+"""The NextN / multi-token-prediction head of a Qwen3.5 / Qwen3.6 GGUF (issue 36). Drafting with it:
+engine/mtp_spec.py.
 
 The file counts the head in block_count and says how many with `{arch}.nextn_predict_layers` (llama.cpp
 supports one); its tensors sit under blk.{n_layer}: a full-attention Qwen3.5 block (attn_q doubled
@@ -65,13 +65,21 @@ class MTPHead(nn.Module):
     def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: Any = None) -> mx.array:
         """Logits for the token after `next_tokens` (B, L) given the target's normed hidden states
         (B, L, n_embd) at the positions before them."""
+        return self.logits(self.features(hidden, next_tokens, cache))
+
+    def features(self, hidden: mx.array, next_tokens: mx.array, cache: Any = None) -> mx.array:
+        """The head's own hidden states after its shared-head norm (B, L, n_embd): what a chained
+        draft step feeds back as `hidden` (as vLLM's Qwen3.5 MTP does for depth > 1)."""
         from mlx_lm.models.base import create_attention_mask
         lm = self._target.module
         embed = self.embed_tokens if "embed_tokens" in self else lm.model.embed_tokens
         x = mx.concatenate([self.enorm(embed(next_tokens)), self.hnorm(hidden)], axis=-1)
         x = self.eh_proj(x)
         x = self.layer(x, mask=create_attention_mask(x, cache), cache=cache)
-        x = (self.norm if "norm" in self else lm.model.norm)(x)
+        return (self.norm if "norm" in self else lm.model.norm)(x)
+
+    def logits(self, x: mx.array) -> mx.array:
+        lm = self._target.module
         if "lm_head" in self:
             return self.lm_head(x)
         return lm.model.embed_tokens.as_linear(x) if lm.args.tie_word_embeddings else lm.lm_head(x)

@@ -1,0 +1,222 @@
+"""Speculative decoding with the model's own NextN / MTP head (`--spec mtp`, `mtp:PATH`; issue 36).
+
+The head (engine/archs/qwen35_mtp.py) at target position p reads the target's final hidden state h_p
+(after the output norm) and the embedding of token p+1, and predicts token p+2. Its own K/V (one
+KVCache) holds one entry per target position it has read, so it is a drafter like a draft model but
+fed by the target's passes instead of by tokens alone:
+
+* `TargetTap` stands in for the target model in speculative.decode: it runs the inner model and the
+  output head itself (one pass, as mlx-lm's TextModel does) and keeps each position's hidden state.
+  Every pass goes through it: the plain first passes, each verify pass and the replay after a
+  rollback (which feeds the accepted tokens again: their hidden states are the verify pass's rows).
+* `MTPDrafter.propose`: first the head reads, in one pass, every target position it has not read
+  yet (the positions the last verify pass accepted, each with its next token, the last one's being
+  the token the target just chose): the last row's logits give draft 1. Drafts 2..N chain the head
+  on its own normed output (vLLM's Qwen3.5 MTP does the same for depth > 1). Those chained entries
+  are guesses: they are trimmed from the head's K/V before propose returns, so after every propose
+  the head holds exactly one entry per target position from its start to the target's last fed
+  token (`held == len(fed) - start`): nothing of a rejected draft stays, and a partial acceptance
+  adds only the accepted positions at the next propose.
+* The target's recurrent state (Gated DeltaNet layers) rolls back through engine/layer_cache.py
+  (snapshot before the verify pass, restore + replay), as for the other drafters: decode does that.
+* Sampled replies draw drafts from the head's distribution after the request's filters and hand those
+  distributions to verification (rejection sampling: the output follows the target's distribution).
+
+The head starts reading at the reply's first decode pass: the prompt's positions are not read by the
+head (their hidden states would need the prefill to keep the final hidden state of every token; its
+attention then covers the reply only, which may lower acceptance on long replies, never correctness).
+RoPE is relative, so a head K/V that starts at position 0 for the reply's first token attends exactly
+as one placed at the target's offsets.
+
+Control vectors wrap the target's blocks only (engine/steering.py): the head's block is its own,
+unsteered; it reads the steered target's hidden state, which is what the target continues from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .device import on_gpu
+from .errors import ModelFileError, RequestError
+
+# Tokens drafted per verify pass. Drafts beyond the first chain the head on its own output (what it was
+# not trained on), so acceptance falls with depth; on the CPU a verify pass over k+1 tokens costs more
+# than one over 1 (engine/speculative.py's LOOKUP_DRAFT_CPU note), so drafts stay short there.
+MTP_DRAFT_GPU = 3
+MTP_DRAFT_CPU = 2
+KEEP_ROWS = 64          # hidden states the tap keeps (positions); drafting needs the last verify pass's
+
+
+def _offset(cache) -> int:
+    """Tokens the target's cache holds (its full-attention layers' offset)."""
+    for c in cache or ():
+        off = getattr(c, "offset", None)
+        if isinstance(off, int):
+            return off
+    raise RuntimeError("the target's cache has no attention layer to count positions by")
+
+
+class TargetTap:
+    """The target model for speculative.decode: the same logits, and each position's final hidden state
+    kept in `rows` (position -> (1, n_embd))."""
+
+    def __init__(self, model):
+        self.model = model
+        self.rows: dict[int, mx.array] = {}
+
+    def __getattr__(self, name):            # args, layers, ...: the target's
+        return getattr(self.__dict__["model"], name)
+
+    def __call__(self, inputs: mx.array, cache=None, **kw):
+        lm = self.model.language_model
+        pos0 = _offset(cache)
+        h = lm.model(inputs, cache, **kw)
+        out = lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+        for i in range(h.shape[1]):
+            self.rows[pos0 + i] = h[:, i]
+        if len(self.rows) > KEEP_ROWS:
+            cut = pos0 + h.shape[1] - KEEP_ROWS
+            for p in [p for p in self.rows if p < cut]:
+                del self.rows[p]
+        return out
+
+
+class MTPDrafter:
+    """Drafts with a loaded head for one request (its K/V is the request's; the head is the engine's)."""
+    samples_drafts = True                   # speculative.decode hands it the target distribution
+
+    def __init__(self, head, model, path: Path, draft_len: int | None = None):
+        from mlx_lm.models.cache import KVCache
+        self.head, self.path = head, path
+        self.target = TargetTap(model)
+        self.cache = KVCache()
+        self.draft_len = draft_len or (MTP_DRAFT_GPU if on_gpu() else MTP_DRAFT_CPU)
+        self.start: int | None = None       # target position of the head's first entry
+        self.upto = 0                       # next target position the head has not read
+        self.head_passes = 0
+
+    @property
+    def held(self) -> int:
+        """Entries in the head's K/V."""
+        return self.cache.offset
+
+    def _read(self, context: list[int]) -> tuple[mx.array, mx.array]:
+        """Read every target position up to the last fed one (len(context) - 2; its next token is
+        context[-1]); (logits, normed hidden) of the last."""
+        from mlx_lm.models.cache import KVCache
+        rows = self.target.rows
+        last = len(context) - 2
+        if self.start is None or any(p not in rows for p in range(self.upto, last + 1)):
+            # first propose (or the rows lost: never in one request's run): start at the earliest
+            # position from which the tap holds every hidden state
+            p = last
+            while p - 1 in rows:
+                p -= 1
+            if last not in rows:
+                raise RuntimeError("the target's last pass did not go through the MTP tap")
+            self.cache, self.start, self.upto = KVCache(), p, p
+        h = mx.concatenate([rows[p] for p in range(self.upto, last + 1)], axis=0)[None]
+        nxt = mx.array(context[self.upto + 1:last + 2])[None]
+        x = self.head.features(h, nxt, cache=self.cache)
+        self.head_passes += 1
+        self.upto = last + 1
+        for p in [p for p in rows if p < self.upto - 1]:
+            del rows[p]
+        x = x[:, -1:]
+        return self.head.logits(x)[0, -1], x
+
+    def pick(self, logits: mx.array, target_dist):
+        """The drafted token (argmax, or sampled from the head's filtered distribution) and that distribution."""
+        if target_dist is None:
+            return int(mx.argmax(logits).item()), None
+        q = target_dist(logits[None])[0]
+        return int(mx.random.categorical(mx.log(q)).item()), q
+
+    def propose(self, context: list[int], k: int, target_dist=None) -> tuple[list[int], list | None]:
+        k = min(k, self.draft_len)
+        logits, x = self._read(context)
+        committed = self.cache.offset
+        out, dists = [], []
+        for i in range(k):
+            t, q = self.pick(logits, target_dist)
+            out.append(t)
+            if q is not None:
+                dists.append(q)
+            if i < k - 1:
+                x = self.head.features(x, mx.array([[t]]), cache=self.cache)
+                self.head_passes += 1
+                logits = self.head.logits(x)[0, -1]
+        extra = self.cache.offset - committed
+        if extra:
+            self.cache.trim(extra)          # chained guesses: the next propose reads the verified positions
+        return out, (dists if target_dist is not None else None)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+@dataclass
+class LoadedHead:
+    head: object
+    path: Path               # the file the head came from (the model's own, or a sibling)
+    model: object            # the target it is attached to (identity: a new load makes it stale)
+    head_path: str | None    # what the request named (None: the model's own or its sibling by name)
+    note: str
+
+
+def head_bytes(g, layer: int) -> int:
+    """Bytes of the head's own tensors (blk.{layer}.*) as the loader holds them (float16 upper bound for
+    unquantized ones counted by engine/memory_estimate.tensor_bytes)."""
+    from .memory_estimate import read_header, tensor_bytes
+    h = read_header(g.path)
+    return sum(tensor_bytes(t, 4) for t in h.tensors if t.name.startswith(f"blk.{layer}."))
+
+
+def find_head_file(model_path: Path, g) -> Path | None:
+    """The model's own file when it has a head; else a sibling mtp-*.gguf beside it, found by name:
+    one that names the model's file stem, else the only mtp-*.gguf there."""
+    if int(g.arch_key("nextn_predict_layers") or 0) > 0:
+        return model_path
+    sibs = sorted(p for p in model_path.parent.glob("mtp-*.gguf") if p.is_file())
+    named = [p for p in sibs if model_path.stem.lower() in p.stem.lower()]
+    if named:
+        return named[0]
+    return sibs[0] if len(sibs) == 1 else None
+
+
+def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=lambda s: None,
+             admit=None) -> LoadedHead:
+    """The head for the loaded target at `model_path`: from `head_path` (mtp:PATH), else the model's
+    own nextn.* tensors, else a sibling mtp-*.gguf. One-line refusals (RequestError / ModelFileError);
+    `admit(nbytes)` (the memory guard) runs before a sibling's tensors are read."""
+    from .archs.qwen35_mtp import load_head
+    from .gguf_file import open_gguf
+    from .models import resolve_model
+    target = open_gguf(model_path)
+    if target.architecture not in ("qwen35", "qwen35moe"):
+        raise RequestError(f"speculative mtp: {model_path.name} ({target.architecture}) has no NextN/MTP head "
+                           "support here (qwen35/qwen35moe only; Gemma 4's memory-shared head is not done)")
+    if head_path:
+        try:
+            p = resolve_model(head_path)
+        except OSError as e:
+            raise RequestError(f"mtp head: {e.strerror or e}") from None
+    else:
+        p = find_head_file(model_path, target)
+        if p is None:
+            raise RequestError(f"speculative mtp: {model_path.name} has no NextN head "
+                               f"({target.architecture}.nextn_predict_layers is 0) and no mtp-*.gguf beside it")
+    sibling = p.resolve() != model_path.resolve()
+    g = open_gguf(p) if sibling else target
+    if sibling and admit is not None:
+        from .archs.qwen35_mtp import check_matches
+        check_matches(g, target)               # refused by name before any byte is admitted
+        layer = int(g.arch_key("block_count") or 0) - int(g.arch_key("nextn_predict_layers") or 0)
+        admit(head_bytes(g, layer))
+    try:
+        head, info = load_head(g, model, dtype=dtype, target_g=target if sibling else None)
+    except ModelFileError as e:
+        raise ModelFileError(f"speculative mtp: {e}") from None
+    note = f"{info.note} ({p.name})"
+    log(f"MTP head: {note}")
+    return LoadedHead(head, p, model, head_path, note)
