@@ -203,9 +203,13 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     if plugin is not None and plugin.fix_weights:
         plugin.fix_weights(weights, qparams, g, args)
     model = model_cls(args) if part is None else part.build(model_cls, args)
+    if part is not None:        # distributed: this rank's blocks, renumbered from 0 (see PipelinePart)
+        qparams = part.localize(qparams)
     if qparams:
         nn.quantize(model, class_predicate=lambda path, module: qparams.get(path, False))
     weights = model.sanitize(weights)
+    if part is not None:
+        weights = part.localize(weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

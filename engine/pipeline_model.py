@@ -6,18 +6,33 @@ output head. The last position's logits are then summed over the group (the othe
 so the sum is exact) so that every rank holds the same logits and samples the same token: the
 followers run the engine's own generation loop in lockstep with rank 0.
 
-A rank builds the mlx-lm model with only its own layers (renumbered from 0) and reads only their
-tensors from the GGUF (plus the embeddings on the first rank, the norm and output head on the last,
-and the embeddings there too when the output is tied to them).
+A rank builds the mlx-lm model from the WHOLE model's arguments (so every block is configured by its
+absolute index: Gemma's sliding/global pattern, Qwen3.5's DeltaNet/attention pattern, gpt-oss's layer
+types), then keeps only its own blocks (renumbered from 0 in the parameter tree, the engine's caches
+and steering) and reads only their tensors from the GGUF (plus the embeddings on the first rank, the
+norm and output head on the last, the embeddings there too when the output is tied to them, and on
+every rank for Gemma 4, whose per-layer inputs come from the token embeddings).
+
+A step runs the mlx-lm model's own forward (embedding scale, per-layer-type masks, logit scaling and
+soft-capping stay mlx-lm's), with the other ranks' blocks stood in for by `_Skip`s for the length of
+the call: the skip just before this rank's blocks receives the hidden states from the previous rank,
+the skip just after them sends them on. The masks the forward builds from another rank's cache slot
+come from one of this rank's caches of the same kind (same offset, same window), which is what those
+layers would have held. Layers whose inputs cross ranks in another way than the hidden states (Gemma
+4's K/V-sharing layers read the K/V of an earlier layer) are kept on one rank (`split_for`).
 """
 from __future__ import annotations
 
-import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+
+_LAYER_RE = re.compile(r"(.*?model\.)layers\.(\d+)(\..*|)")
+_EMBED_RE = re.compile(r"(.*?model\.)embed_tokens\..*")
+_NORM_RE = re.compile(r"(.*?model\.)norm\..*")
+_HEAD_RE = re.compile(r"(.*\.)?lm_head\..*")
 
 
 def split_layers(n_layer: int, size: int) -> list[tuple[int, int]]:
@@ -33,6 +48,109 @@ def split_layers(n_layer: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
+def _shared_kv_floor(args) -> int | None:
+    """Gemma 4: the first layer that must share a rank with every layer after it (the K/V-sharing
+    layers read the K/V their source layer computed in the same step), or None."""
+    n_shared = int(getattr(args, "num_kv_shared_layers", 0) or 0)
+    types = getattr(args, "layer_types", None)
+    if n_shared <= 0 or not types:
+        return None
+    n = args.num_hidden_layers
+    first = n - n_shared
+    sources = [max(i for i in range(first) if types[i] == types[j]) for j in range(first, n)]
+    return min(sources)
+
+
+def split_for(args, size: int) -> list[tuple[int, int]]:
+    """The split of this model over `size` ranks: even, unless that would put a K/V-sharing layer on
+    another rank than its source (then the shared group goes whole to the last rank and the layers
+    before it are split evenly over the others). ValueError with one line when it cannot be."""
+    n = args.num_hidden_layers
+    split = split_layers(n, size)
+    lo = _shared_kv_floor(args)
+    if lo is None or all(not (lo < a < n) for a, _ in split):
+        return split
+    arch = getattr(args, "model_type", "this model")
+    if lo < size - 1:
+        raise ValueError(f"{arch}: its K/V-sharing layers read layers {lo}..{n - 1} on one rank, which leaves "
+                         f"{lo} layer(s) for the other {size - 1} rank(s); use fewer ranks")
+    return split_layers(lo, size - 1) + [(lo, n)]
+
+
+def text_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the module holding `layers`, `embed_tokens` and `norm`; the one holding `lm_head`)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        inner = getattr(owner, "model", None) if owner is not None else None
+        if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list):
+            return inner, owner
+    raise ValueError(f"{type(model).__module__}: no model.layers to split")
+
+
+class _Skip(nn.Module):
+    """Another rank's block, during a step: passes the hidden states through; the one just before this
+    rank's blocks receives them from the previous rank instead, the one just after sends them on.
+    Carries the few plain facts mlx-lm's forward and make_cache read off a block (its kind)."""
+    _FACTS = ("is_linear", "layer_type", "layer_idx", "is_sliding", "use_sliding")
+
+    def __init__(self, template: nn.Module, tuple_out: bool):
+        super().__init__()
+        for k in self._FACTS:
+            if hasattr(template, k):
+                setattr(self, k, getattr(template, k))
+        self.tuple_out = tuple_out
+        self.recv_from = None           # (rank, group, dtype): the previous rank's output replaces ours
+        self.send_to = None             # (rank, group): our input goes on to the next rank
+
+    def __call__(self, x, *args, **kwargs):
+        if self.recv_from is not None:
+            rank, group, dtype = self.recv_from
+            x = mx.distributed.recv(x.shape, dtype, rank, group=group)
+        if self.send_to is not None:
+            rank, group = self.send_to
+            # Evaluated now: the next rank waits for it, and nothing else on this rank depends on it.
+            mx.eval(mx.distributed.send(x, rank, group=group))
+        return (x, None, None) if self.tuple_out else x
+
+
+class _Zeros(nn.Module):
+    """Stands in for a module this rank does not hold (embeddings, norm, head): the right shape, no
+    parameters. What it computes is never used (the rank's logits are zeros in the all_sum)."""
+
+    def __init__(self, width: int, dtype, last_only: bool = False):
+        super().__init__()
+        self.width, self.dtype, self.last_only = width, dtype, last_only
+
+    def __call__(self, x):
+        if x.dtype in (mx.int32, mx.uint32, mx.int64):       # token ids (an embedding)
+            return mx.zeros(x.shape + (self.width,), dtype=self.dtype)
+        if self.last_only:
+            x = x[:, -1:]
+        return mx.zeros(x.shape[:-1] + (self.width,), dtype=self.dtype)
+
+    def as_linear(self, x):
+        return mx.zeros(x.shape[:-1] + (self.width,), dtype=self.dtype)
+
+
+class _LastNorm(nn.Module):
+    """The last rank's final norm on the last position only: the head then computes one row of logits
+    (what the engine reads) instead of one per prompt token."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def __call__(self, x):
+        return self.norm(x[:, -1:, :])
+
+
+@dataclass
+class _Plan:
+    """What a rank's model needs beyond its own blocks (a plain object: kept out of the parameter tree)."""
+    skips: dict = field(default_factory=dict)     # global index -> _Skip for every other rank's block
+    n_layer: int = 0
+    start: int = 0                                # this rank's first block (global index)
+
+
 @dataclass(frozen=True)
 class PipelinePart:
     """What one rank holds of the model."""
@@ -41,6 +159,7 @@ class PipelinePart:
     start: int          # first layer (global index)
     end: int            # one past the last layer
     n_layer: int
+    embed_everywhere: bool = False      # Gemma 4: every rank computes its blocks' per-layer inputs
 
     @property
     def first(self) -> bool:
@@ -53,34 +172,54 @@ class PipelinePart:
     def describe(self) -> str:
         return f"layers {self.start}..{self.end - 1}"
 
+    def _wants_embed(self, tied: bool) -> bool:
+        return self.first or (self.last and tied) or self.embed_everywhere
+
     def local_name(self, name: str, tied: bool) -> str | None:
-        """The mlx-lm parameter name on this rank, or None when another rank holds the tensor."""
-        m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        """The mlx-lm parameter name (still numbered globally: the architecture's fix_weights and
+        mlx-lm's sanitize read layer numbers) or None when another rank holds the tensor."""
+        m = _LAYER_RE.fullmatch(name)
         if m:
-            i = int(m.group(1))
-            return f"model.layers.{i - self.start}.{m.group(2)}" if self.start <= i < self.end else None
-        if name.startswith("model.embed_tokens."):
-            return name if self.first or (self.last and tied) else None
-        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.start <= int(m.group(2)) < self.end else None
+        if _EMBED_RE.fullmatch(name):
+            return name if self._wants_embed(tied) else None
+        if _NORM_RE.fullmatch(name) or _HEAD_RE.fullmatch(name):
             return name if self.last else None
         return name
 
+    def localize(self, named: dict) -> dict:
+        """Weights (or quantization parameters) by global name -> this rank's: its blocks renumbered
+        from 0, every other block dropped (an architecture's fix_weights may add entries for every block)."""
+        out = {}
+        for k, v in named.items():
+            m = _LAYER_RE.fullmatch(k)
+            if m is None:
+                out[k] = v
+            elif self.start <= int(m.group(2)) < self.end:
+                out[f"{m.group(1)}layers.{int(m.group(2)) - self.start}{m.group(3)}"] = v
+        return out
+
     def build(self, model_cls, args) -> nn.Module:
-        """The mlx-lm model with this rank's layers only and without the modules it does not need
-        (so no memory is spent on them and a strict weight load checks exactly this rank's part)."""
-        local = copy.copy(args)
-        local.num_hidden_layers = self.end - self.start
-        if getattr(local, "layer_types", None) is not None and len(local.layer_types) == args.num_hidden_layers:
-            local.layer_types = list(args.layer_types[self.start:self.end])
-        model = model_cls(local)
-        inner = model.model
+        """The mlx-lm model built as the whole one, then holding only this rank's blocks and without the
+        modules it does not need (no memory is spent on them: mlx-lm's initial weights are lazy and
+        never evaluated, and a strict weight load checks exactly this rank's part)."""
+        model = model_cls(args)
+        inner, head_owner = text_model(model)
+        layers = list(inner.layers)
+        if len(layers) != self.n_layer:
+            raise ValueError(f"{type(model).__module__}: {len(layers)} blocks, the file says {self.n_layer}")
+        tuple_out = getattr(args, "model_type", "") == "gemma4_text" or type(inner).__name__ == "Gemma4TextModel"
+        plan = _Plan({i: _Skip(layers[i], tuple_out) for i in range(self.n_layer)
+                      if not self.start <= i < self.end}, self.n_layer, self.start)
+        inner.layers = layers[self.start:self.end]
         tied = args.tie_word_embeddings
-        if not (self.first or (self.last and tied)):
+        if not self._wants_embed(tied):
             del inner["embed_tokens"]
         if not self.last:
             del inner["norm"]
-            if "lm_head" in model:
-                del model["lm_head"]
+            if "lm_head" in head_owner:
+                del head_owner["lm_head"]
+        model._pipeline_plan = plan
         return model
 
 
@@ -117,8 +256,16 @@ class _RankModel(nn.Module):
         return out[..., :-1]
 
 
+def _kind_key(c) -> tuple:
+    """Which caches answer a mask the same way: the same kind and, for a window, the same size."""
+    from . import layer_cache
+    name = layer_cache.kind_of(c).name
+    return ("kv" if name in ("kv", "kv_quant") else name, getattr(c, "max_size", None))
+
+
 class PipelineModel(_RankModel):
     """Callable like an mlx-lm model: (tokens (B, L), cache) -> logits (B, 1, vocab) of the last position.
+    `cache` holds this rank's blocks' caches only (whatever their kinds), in block order.
 
     Only the last position's logits are returned (and broadcast): the engine's prefill discards
     logits and its decode reads position -1."""
@@ -128,31 +275,91 @@ class PipelineModel(_RankModel):
         super().__init__(inner)
         self.compute_dtype = dtype
         self.part, self.group, self.vocab, self.hidden, self.tied = part, group, vocab, hidden, tied
+        self.text, self.head_owner = text_model(inner)
+        plan: _Plan = inner._pipeline_plan
+        p = part
+        if p.start > 0:
+            plan.skips[p.start - 1].recv_from = (p.rank - 1, group, dtype)
+        if p.end < plan.n_layer:
+            plan.skips[p.end].send_to = (p.rank + 1, group)
+        self.plan = plan
+        # The whole model's cache kinds by global index (mlx-lm's make_cache, run on the whole layout):
+        # a stand-in for another rank's slot is one of ours of the same kind.
+        with self._whole():
+            self.whole_template = list(super().make_cache())
+
+    # -- the whole model, for the length of a call -------------------------------------------------
+    def _whole(self):
+        model = self
+
+        class _Swap:
+            def __enter__(self):
+                t, plan, p = model.text, model.plan, model.part
+                self.saved = {"layers": t.layers}
+                own = list(t.layers)
+                t.layers = [plan.skips[i] if i in plan.skips else own[i - p.start] for i in range(plan.n_layer)]
+                for name, width in (("embed_tokens", model.hidden), ("norm", model.hidden)):
+                    self.saved[name] = t[name] if name in t else None
+                    if name not in t:
+                        setattr(t, name, _Zeros(width, model.compute_dtype))
+                self.saved["lm_head"] = model.head_owner["lm_head"] if "lm_head" in model.head_owner else None
+                if p.last:
+                    t.norm = _LastNorm(self.saved["norm"])
+                elif self.saved["lm_head"] is None:
+                    model.head_owner.lm_head = _Zeros(model.vocab, model.compute_dtype)
+                return self
+
+            def __exit__(self, *exc):
+                t = model.text
+                t.layers = self.saved["layers"]
+                for name, owner in (("embed_tokens", t), ("norm", t), ("lm_head", model.head_owner)):
+                    if self.saved[name] is not None:
+                        setattr(owner, name, self.saved[name])
+                    elif name in owner:
+                        del owner[name]
+                return False
+        return _Swap()
+
+    def make_cache(self) -> list:
+        """This rank's blocks' caches (the whole model's make_cache, cut to this rank's slots; Gemma 4's
+        K/V-sharing blocks have none)."""
+        with self._whole():
+            whole = super().make_cache()
+        return whole[self.part.start:min(self.part.end, len(whole))]
+
+    def make_whole_cache(self) -> list:
+        """Fresh caches of the whole model (rank 0 reads a session file into them)."""
+        with self._whole():
+            return list(super().make_cache())
+
+    def _full_cache(self, cache) -> list:
+        p, template = self.part, self.whole_template
+        mine = {}
+        for c in cache:
+            mine.setdefault(_kind_key(c), c)
+        out = []
+        for i, t in enumerate(template):
+            if p.start <= i < p.end:
+                out.append(cache[i - p.start])
+            else:
+                # a never-written template where this rank has no cache of that kind: only the
+                # other ranks' layers of that kind read the mask made from it
+                out.append(mine.get(_kind_key(t), t))
+        return out
 
     def __call__(self, inputs: mx.array, cache=None):
-        from mlx_lm.models.base import create_attention_mask
         if self.on_step is not None:
             self.on_step()
-        p, g = self.part, self.group
-        B, L = inputs.shape[:2]
-        dtype = self.compute_dtype
-        if p.first:
-            h = self.model.embed_tokens(inputs)
+        p = self.part
+        B = inputs.shape[0]
+        full = None if cache is None else self._full_cache(cache)
+        with self._whole():
+            out = self.inner(inputs, cache=full)
+        if p.last:
+            logits = out[:, -1:, :].astype(self.compute_dtype)
         else:
-            h = mx.distributed.recv((B, L, self.hidden), dtype, p.rank - 1, group=g)
-        if cache is None:
-            cache = [None] * len(self.model.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.model.layers, cache):
-            h = layer(h, mask, cache=c)
-        if not p.last:
-            # Evaluated now: the next rank waits for it, and nothing else on this rank depends on it.
-            mx.eval(mx.distributed.send(h, p.rank + 1, group=g))
-            logits = mx.zeros((B, 1, self.vocab), dtype=dtype)
-        else:
-            out = self.model.norm(h[:, -1:, :])
-            logits = self.model.embed_tokens.as_linear(out) if self.tied else self.inner.lm_head(out)
-        return self._all_sum_with_flag(logits, p.first, g)
+            logits = mx.zeros((B, 1, self.vocab), dtype=self.compute_dtype)
+        return self._all_sum_with_flag(logits, p.first, self.group)
 
 
 class TensorModel(_RankModel):
@@ -173,3 +380,16 @@ class TensorModel(_RankModel):
         # `* 0` rather than zeros: every rank's graph must hold the same collectives (the layers'
         # all_sums) in the same order, so the other ranks' contribution still depends on their logits.
         return self._all_sum_with_flag(logits if first else logits * 0, first, self.group)
+
+
+def embeds_everywhere(args) -> bool:
+    """Whether every rank needs the token embeddings (Gemma 4's per-layer inputs are computed from them
+    and from the token ids at the start of every step)."""
+    return bool(getattr(args, "hidden_size_per_layer_input", 0))
+
+
+def first_layer(model) -> int:
+    """The global index of a loaded model's first block: 0, or a pipeline rank's start (an
+    architecture's after_load that reads per-block tensors from the file by number asks)."""
+    plan = getattr(model, "_pipeline_plan", None)
+    return plan.start if plan is not None else 0

@@ -241,8 +241,8 @@ def fix_weights(weights: dict, qparams: dict, g, args: Qwen35Args) -> None:
     key_dim = s.n_k_heads * s.head_k_dim
     for i in range(s.n_layer):
         p = f"{_ROOT}model.layers.{i}."
-        if not s.is_linear(i):
-            continue
+        if not s.is_linear(i) or not any(k.startswith(p) for k in weights):
+            continue            # a full-attention block, or (distributed) one another rank holds
         la = p + "linear_attn."
         a = weights.get(la + "A_log")
         if a is None:
@@ -321,7 +321,8 @@ def _a_log_in_float32(model, g, args: Qwen35Args) -> bool:
     s = args.shape
     r = s.n_v_heads // s.n_k_heads
     changed = False
-    for i, layer in enumerate(model.layers):
+    from ..pipeline_model import first_layer
+    for i, layer in enumerate(model.layers, start=first_layer(model)):
         if not layer.is_linear or layer.linear_attn.A_log.dtype == mx.float32:
             continue
         a = mx.array(g.tensors()[f"blk.{i}.ssm_a"].data).astype(mx.float32).reshape(-1)
