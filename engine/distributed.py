@@ -72,7 +72,7 @@ class Distributed:
     def load(self, g, dtype, progress):
         """The model part this rank holds (pipeline) or its shard (tensor), and the full ModelInfo."""
         from .model_loader import load_model, model_args
-        from .pipeline_model import PipelineModel, PipelinePart, TensorModel, split_layers
+        from .pipeline_model import PipelineModel, PipelinePart, TensorModel, embeds_everywhere, split_for
         _, args = model_args(g)
         if self.mode == "tensor":
             n = self.size
@@ -86,11 +86,11 @@ class Distributed:
             mx.eval(model.parameters())
             return TensorModel(model, self.group, self.rank, args.tie_word_embeddings), info
         try:
-            self.split = split_layers(args.num_hidden_layers, self.size)
+            self.split = split_for(args, self.size)
         except ValueError as e:
             raise DistributedError(f"distributed: {e}") from None
         start, end = self.split[self.rank]
-        part = PipelinePart(self.rank, self.size, start, end, args.num_hidden_layers)
+        part = PipelinePart(self.rank, self.size, start, end, args.num_hidden_layers, embeds_everywhere(args))
         inner, info = load_model(g, dtype=dtype, progress=progress, part=part)
         model = PipelineModel(inner, part, self.group, args.vocab_size, args.hidden_size,
                               args.tie_word_embeddings, dtype)
