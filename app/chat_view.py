@@ -530,6 +530,7 @@ class ChatView(QWidget):
 
     def _on_title(self, text: str, fallback: str) -> None:
         self.title_request = None
+        text = harmony.split(text).content      # gpt-oss: the final channel only (12 tokens may be all reasoning)
         self.set_title(clean_title(text) or clean_title(fallback) or DEFAULT_TITLE)
 
     def set_title(self, title: str) -> None:

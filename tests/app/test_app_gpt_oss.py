@@ -75,3 +75,12 @@ def test_plain_replies_are_unchanged(qtbot, idle_window):
     view.chat.messages = [{"role": "user", "content": "Hi"}, _assistant_message(text)]
     view.render_all()
     assert "Reasoning" not in view.transcript_text()
+
+
+def test_a_harmony_title_reply_gives_its_final_channel_or_the_fallback(qtbot, idle_window):
+    view = idle_window.current_view()
+    view._on_title("<|channel|>analysis<|message|>The user wants a title about boats", "Boats at dawn")
+    assert view.chat.title == "Boats at dawn"           # only reasoning within the title's 12 tokens
+    view._on_title("<|channel|>analysis<|message|>Short.<|end|><|start|>assistant<|channel|>final<|message|>"
+                   "**The Little Boat**", "x")
+    assert view.chat.title == "The Little Boat"
