@@ -249,7 +249,8 @@ class Reply:
 def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n_vocab: int, max_tokens: int,
           chunk: int, on_token: Callable[[int, str], None], on_progress: Callable[[int, int], None],
           cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None,
-          pace: PrefillPace | None = None, layerwise: bool | None = None, constraint=None) -> Reply:
+          pace: PrefillPace | None = None, layerwise: bool | None = None, constraint=None,
+          marks: list[int] = ()) -> Reply:
     """Extend `entry` (its K/V holds tokens[:reuse]) with the rest of the prompt, then decode a reply.
 
     Text goes out through `on_token(id, text)` as it is decoded, a possible stop string's start
@@ -266,11 +267,17 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     pending = new[len(new) - n_merged:]
     ahead = new[:len(new) - n_merged]
     if ahead or not pending:
-        prefill(model, entry.cache, ahead, entry.tokens, chunk=chunk,
-                progress=on_progress if len(ahead) > 1 else None, cancelled=cancelled, pace=pace,
-                layerwise=layerwise)
-        if ahead and hasattr(entry, "checkpoint"):
-            entry.checkpoint()      # the prompt read: a message boundary (engine/layer_cache.py's policy)
+        # `marks`: positions in `tokens` (message boundaries) where a cache that cannot trim takes a
+        # checkpoint (engine/layer_cache.py's policy; empty for full K/V): the prefill stops there.
+        cuts = sorted({m - reuse for m in marks if 0 < m - reuse < len(ahead)}) + [len(ahead)]
+        done = 0
+        for cut in cuts:
+            prefill(model, entry.cache, ahead[done:cut], entry.tokens, chunk=chunk,
+                    progress=on_progress if cut - done > 1 else None, cancelled=cancelled, pace=pace,
+                    layerwise=layerwise)
+            done = cut
+            if cut and hasattr(entry, "checkpoint"):
+                entry.checkpoint()  # a message boundary, and the prompt read (engine/layer_cache.py's policy)
     t_prefill = time.perf_counter()
     sp = sampling
     out = ReplyText(tokenizer, sp.stop, on_token)

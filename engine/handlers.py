@@ -207,12 +207,38 @@ class RequestHandlers:
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
-                  layerwise=self.dist is None, constraint=turn.constraint)
+                  layerwise=self.dist is None, constraint=turn.constraint,
+                  marks=self._message_marks(req, entry, tokens))
         self._spec_done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
         entry.checkpoint()      # a finished reply is a message boundary (none for full K/V)
         return self._end_turn(turn, r, spec)
+
+    def _message_marks(self, req: GenerateRequest, entry, tokens: list[int]) -> list[int]:
+        """Where in `tokens` the prefill takes a checkpoint besides the prompt's end (engine/layer_cache.py's
+        policy; none for a cache that trims freely): the start and the end of the last message, as the
+        history renders without a generation prompt. A template that renders a past reply otherwise
+        than it was generated (Qwen3.5's dropped thinking, harmony's channels) makes the next turn
+        diverge right after the last message's end, before the prompt's end: these are the points an
+        Edit or the next turn shares."""
+        from . import layer_cache
+        from .chat_template import render
+        from .parking import common_prefix
+        if not req.messages or req.prompt is not None or not layer_cache.needs_checkpoints(entry.cache):
+            return []
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""
+        marks = []
+        for msgs in (req.messages[:-1], req.messages):
+            if not msgs:
+                continue
+            text = render(self.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
+                          tools=getattr(req, "tools", None))
+            add_bos = tok.add_bos and not (bos and text.startswith(bos))
+            marks.append(common_prefix(tokens, tok.encode(text, add_bos=add_bos)))
+        return marks
 
     # issue 34 (continuous batching, engine/batching.py): _generate split in two so a batched row
     # prepares and finishes its turn exactly as a lone request does; `batched` checks the K/V out
@@ -562,12 +588,17 @@ class RequestHandlers:
                                       key=self.cache_key(projection), dtype=self.dtype,
                                       n_vocab=self.info.n_vocab, n_ctx=self.n_ctx, admit=self.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                      log=self._log)
+                                      log=self._log, probe_cache=self._cache_probe)
         entry.owner = req.conversation
         # Validated and read: only now does the live conversation step aside.
         self.conversations.make_live(entry)
         return SessionRestored.from_dict(result, speed_projection=bool(steer), steering=None if not steer else {
             "fingerprint": steer, **_vector_spec(meta.get("fp.steering_vector"))})
+
+    def _cache_probe(self) -> list:
+        """This model's cache after one token: what a format-3 session file's layers are checked against."""
+        from .session_v3 import probe
+        return probe(self.model, self.make_cache)
 
     def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
         """The projection setting that reproduces a file's steering, or a one-line refusal that

@@ -32,16 +32,24 @@ cache: never a wrong one), `copy_prefix`, `snapshot`/`rollback` for speculation.
 
 Checkpoint policy (prefix reuse for caches that cannot be cut back):
 * Only for conversations with a `rotating` or `arrays` layer (`needs_checkpoints`). Full K/V models
-  (`kv`, `kv_quant` only) take none: trim is free, nothing changes for them.
-* Where: at message boundaries: the end of each prompt's prefill (the prompt minus its last token,
-  which is what a Regenerate of that reply needs) and the end of each finished reply (what an Edit of
-  the next user message needs, modulo the template's few tokens).
+  (`kv`, `kv_quant` only) take none: trim is free, nothing changes for them (not even a render).
+* Where: at message boundaries of each turn, the prefill stopping there (generate.reply's `marks`,
+  handlers._message_marks): the start and the end of the last message as the history renders without a
+  generation prompt (what the next turn, or an Edit of that message, shares: templates such as
+  Qwen3.5's or harmony's render a past reply otherwise than it was generated, so the next turn
+  diverges right after it), the prompt's end less its last token (what a Regenerate shares), and the
+  end of each finished reply (what the next turn shares where the template renders history as fed).
+  A restored session takes one at its end.
 * What: only the layers that cannot be trimmed (the `rotating` and `arrays` ones); the `kv` layers of
   a hybrid model are trimmed to the checkpoint's length instead, so a checkpoint costs
-  sum(window K/V) + sum(recurrent state) bytes, independent of the conversation's length.
-* How many: the latest MAX_CHECKPOINTS per conversation (older ones dropped); a cut back below a
-  checkpoint drops it. Their bytes count in the conversation's `nbytes`, i.e. in the parking cap and
-  the memory guard.
+  sum(window K/V) + sum(recurrent state) bytes, independent of the conversation's length (Qwen3.5-4B:
+  24 DeltaNet layers of 32 x 128 x 128 state + conv window, ~50 MiB in float32, half in float16;
+  Gemma 3 4B: 29 windows of 1,024 x 4 heads x 256 x 2 (K, V), ~116 MiB in float16).
+* How many: the latest MAX_CHECKPOINTS per conversation (two turns' worth; older ones dropped); a cut
+  back below a checkpoint drops it. Their bytes count in the conversation's `nbytes`, i.e. in the
+  parking cap and the memory guard's view of what parking holds.
+* Where a request's prefix has no checkpoint at or before it, the conversation is read again from
+  the start: slower, never wrong.
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ import mlx.core as mx
 
 from .errors import ModelFileError
 
-MAX_CHECKPOINTS = 4
+MAX_CHECKPOINTS = 8
 
 
 def _copy(x):

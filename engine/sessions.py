@@ -63,7 +63,8 @@ from .device_upload import drop_host_copies, host_view, to_device
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
 
 FORMAT = "strata-session"
-VERSION = 2
+VERSION = 2                        # what a full-K/V conversation is written in (format 3: engine/session_v3.py)
+READS = (2, 3)                     # the versions restored: 2 here (and session_quant.py), 3 in session_v3.py
 KV_DTYPE = "float16"
 KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
 STEP = 256                         # mlx-lm's KVCache grows in steps of 256 cells: restore pads the same way
@@ -289,6 +290,10 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise SessionFileError(f"cannot save the session: {final} is a folder")
     if os.path.lexists(final) and not final.is_file():
         raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
+    from . import session_v3
+    if session_v3.needed(entry.cache):          # a sliding window or a recurrent state: format 3
+        return session_v3.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
+                               log=log)
     if fingerprint.get("kv_format", KV_DTYPE) != KV_DTYPE:      # 8/4-bit K/V, stored as held
         from . import session_quant
         return session_quant.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
@@ -383,7 +388,7 @@ def _write_f16_kv(fd: int, digest, cache: list, g: Geometry, n: int, data_end: i
 
 def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: str, kv_layout: str,
                   body: Callable[[int, object], None], *, t0: float, prof: SaveProfile, sync: bool, force: bool,
-                  log: Callable[[str], None]) -> dict:
+                  log: Callable[[str], None], version: int = VERSION, extra: dict | None = None) -> dict:
     """What every save shares, whatever its K/V format: the messages checked, the overwrite rule, the
     header (checksum placeholder), a locked temporary file beside the target, header and token ids,
     then `body(fd, digest)` writes the K/V tensors in file order (hashing them), then the checksum in
@@ -394,8 +399,8 @@ def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: 
         raise SessionFileError(f"cannot save the session: {why}")
     messages = json.dumps(entry.messages, ensure_ascii=False)
     check_overwrite(final, n, force)
-    metadata = {"format": FORMAT, "version": str(VERSION), "n_tokens": str(n), "kv_dtype": kv_dtype,
-                "kv_layout": kv_layout, "messages": messages,
+    metadata = {"format": FORMAT, "version": str(version), "n_tokens": str(n), "kv_dtype": kv_dtype,
+                "kv_layout": kv_layout, **(extra or {}), "messages": messages,
                 **{f"fp.{k}": str(v) for k, v in fingerprint.items()}}
     header = _header_bytes(specs, metadata)
     prefix = struct.pack("<Q", len(header))
@@ -609,13 +614,13 @@ def _meta_of(name: str, raw: bytes) -> tuple[dict, dict[str, str]]:
     version = meta.get("version", "")
     if not re.fullmatch(r"[0-9]{1,6}", version):
         raise SessionFileError(f"{name} is corrupted (bad format version {version[:20]!r})")
-    if int(version) > VERSION:
+    if int(version) > max(READS):
         raise SessionFileError(f"{name} has session format version {int(version)}, newer than this "
-                               f"Strata reads ({VERSION}); update Strata")
-    if int(version) < VERSION:
+                               f"Strata reads ({max(READS)}); update Strata")
+    if int(version) < min(READS):
         raise SessionFileError(f"{name} has session format version {int(version)}, which this Strata no longer "
-                               f"reads (it reads {VERSION}: version 1 left its header outside the checksum); "
-                               f"save the conversation again")
+                               f"reads (it reads {min(READS)} and {max(READS)}: version 1 left its header outside "
+                               f"the checksum); save the conversation again")
     return table, meta
 
 
@@ -642,6 +647,9 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
     if not re.fullmatch(rb"[0-9a-f]{32}", raw[len(_PREFIX):len(_PREFIX) + _HEX]):
         raise SessionFileError(f"{name} is corrupted (checksum field)")
     table, meta = _meta_of(name, raw)
+    if meta.get("version") != str(VERSION):
+        raise SessionFileError(f"{name}: format {meta.get('version')} holds layer kinds this model's cache "
+                               f"does not have")
     if expected is not None:
         check_fingerprint(name, meta, expected)
     if meta.get("kv_dtype") != g.kv or meta.get("kv_layout") != _kv_layout(g):
@@ -747,10 +755,20 @@ _NP_OF = {mx.float32: np.float32, mx.float16: np.float16}
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, dtype=None,
          n_vocab: int = 1 << 31, n_ctx: int = 1 << 31,
          admit: Callable[[int], tuple[bool, str]] | None = None,
-         progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
-    """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError."""
-    from mlx_lm.models.cache import KVCache
+         progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None,
+         probe_cache: Callable[[], list] | None = None):
+    """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError.
+    A format-3 file (engine/session_v3.py) is validated against `probe_cache()`, this model's cache
+    after one token."""
+    from . import layer_cache
 
+    _, head, _ = read_header(path)
+    if head.get("version") == "3":
+        from . import session_v3
+        if probe_cache is None:
+            raise SessionFileError(f"{Path(path).name}: a format-3 session cannot be restored here")
+        return session_v3.load(path, expected, make_cache, key=key, probe_cache=probe_cache, dtype=dtype,
+                               n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log)
     t0 = time.perf_counter()
     prof = RestoreProfile()
     p = Path(path).expanduser()
@@ -773,7 +791,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         need = restore_bytes(n, g, np.dtype(np_dtype).itemsize)
         check_memory(name, n, need, admit)
         cache = make_cache()
-        if len(cache) != g.n_layer or not all(type(c) is KVCache for c in cache):
+        if len(cache) != g.n_layer or any(layer_cache.kind_of(c).name != "kv" for c in cache):
             raise SessionFileError(f"{name}: this model's cache ({type(cache[0]).__name__ if cache else 'none'}) "
                                    f"cannot take a session file")
         digest = xxhash.xxh3_128()

@@ -258,6 +258,10 @@ class DraftModel:
         self.target_path = target_path
         self.cache = make_prompt_cache(model)
         self.fed: list[int] = []
+        # A draft whose cache cannot trim (a recurrent state, a window) keeps a checkpoint where each
+        # propose starts drafting, so undoing its rejected drafts costs a restore, not a re-read
+        # (engine/layer_cache.py; always empty for full K/V).
+        self.checkpoints: list = []
         self.draft_len = MODEL_DRAFT
         from .generate import PrefillPace
         self.pace = PrefillPace(len(self.cache))   # its prompt-reading speed (the catch-up rule)
@@ -271,12 +275,12 @@ class DraftModel:
         return n
 
     def _cut_to(self, n: int) -> int:
-        """Cut the draft's K/V back to at most n tokens (engine/layer_cache.py: a trim, or from
-        scratch for a draft whose cache cannot be cut back; it keeps no checkpoints): tokens held."""
+        """Cut the draft's K/V back to at most n tokens (engine/layer_cache.py: a trim, else its
+        latest checkpoint at or before n, else from scratch): tokens held."""
         if len(self.fed) > n:
             from mlx_lm.models.cache import make_prompt_cache
             from . import layer_cache
-            self.cache, n = layer_cache.rewind(self.cache, len(self.fed), n, [],
+            self.cache, n = layer_cache.rewind(self.cache, len(self.fed), n, self.checkpoints,
                                                lambda: make_prompt_cache(self.model))
             del self.fed[n:]
         return len(self.fed)
@@ -309,6 +313,8 @@ class DraftModel:
         k = min(k, self.draft_len)
         self.catchup_s = 0.0
         logits = self._catch_up(context)
+        from . import layer_cache
+        layer_cache.add_checkpoint(self.checkpoints, self.cache, len(self.fed))   # none for full K/V
         out, dists = [], []
         for i in range(k):
             if target_dist is None:

@@ -151,7 +151,7 @@ def matrix(tiny_gguf, tiny_gguf_other, tiny_gguf_wide, tmp_path_factory):
     files["flipped-byte"].write_bytes(bytes(flipped))
     # A future format version: a real edit of the header (JSON re-serialized, length prefix rewritten).
     future = json.loads(raw[8:8 + n])
-    future["__metadata__"]["version"] = "3"
+    future["__metadata__"]["version"] = "4"        # 3 is read (engine/session_v3.py)
     fh = json.dumps(future, separators=(",", ":")).encode()
     fh += b" " * (-len(fh) % 8)
     files["future-version"] = d / "future.stratasession"
@@ -183,7 +183,7 @@ REFUSALS = {
     "other-model": "other-model.stratasession was saved with another model",
     "other-geometry": "other-geometry.stratasession: incompatible K/V geometry (file: 3 layers x 2 K/V heads x 32",
     "other-steering": "steered.stratasession was saved with another steering setting (control vector",
-    "future-version": "future.stratasession has session format version 3, newer than this Strata reads (2)",
+    "future-version": "future.stratasession has session format version 4, newer than this Strata reads (3)",
     "a-folder": "folder.stratasession is a folder, not a session file",
     "missing": "session file not found: ",
     "unreadable": "cannot read session file ",
