@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from .. import harmony
 from ..errors import RequestError, StrataError
 from ..sampling import FIELDS, SamplingParams
 
@@ -76,7 +77,8 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
                                               speed_projection=step.get("speed_projection"),
                                               speculative=str(step.get("speculative", spec))))
             r = h.result()
-            history.append({"role": "assistant", "content": r.text})
+            # a harmony reply (gpt-oss) goes back as its final channel: its template refuses channel markers
+            history.append({"role": "assistant", "content": harmony.split(r.text).content})
             out["events"] += h.log_lines
             out.update(tokens=r.tokens, text=r.text, prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                        ttft_ms=r.ttft_ms, decode_tps=r.decode_tps)
