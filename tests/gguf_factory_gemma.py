@@ -4,7 +4,7 @@
   fallback through ``<0xXX>`` tokens, no space prefix); every norm stored as 1+w (Gemma3RMSNorm scales
   by 1+w and the converter bakes the 1 in); q/k norms; pre- and post-norms around attention and the
   FFN; GELU-gated FFN; NEOX RoPE (rows not permuted); sliding-window layers with a global layer every
-  ``pattern``-th (llama.cpp's default pattern is 6, so 6 layers give 5 local + 1 global).
+  ``pattern``-th.
 * ``gemma4``: the "gemma4" vocabulary (SentencePiece-style BPE: merges over raw characters with
   spaces written as U+2581, byte fallback); norms stored as they are (no 1+w); a per-layer list of
   sliding/global layers; wider heads on global layers with "proportional" RoPE (``rope_freqs``: 1 for
@@ -32,8 +32,10 @@ GEMMA3_TURN = ("<start_of_turn>", "<end_of_turn>")
 GEMMA4_TURN = ("<|turn>", "<turn|>")
 N_PIECES = 300
 # q/k norm scale: unit-RMS queries and keys of random weights give near-uniform attention, which makes
-# every position's attention output the context's mean and greedy repeats one token; 2x sharpens it
-QK_NORM = 2.0
+# every position's attention output the context's mean and greedy repeats one token; 1.5x sharpens
+# it (2x made the quantized files' logits swing by up to 7 on 8-bit rounding alone)
+QK_NORM = 1.5
+EOT_BOOST = 2.0   # the turn end's output row = EOT_BOOST x the `eot_like` token's (see _head)
 
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}"
@@ -155,10 +157,25 @@ def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: s
     return path
 
 
-def write_tiny_gemma3(path, *, n_layer=6, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
-                      sliding_window=32, context_length=2048, tensor_type="F16", seed=0,
-                      rope_theta=1_000_000.0, tie_embeddings=False, name=None) -> Path:
-    """A tiny Gemma 3: llama.cpp's fixed pattern makes every 6th layer global (layer 5 of 6)."""
+def _head(r: _Rand, n_vocab: int, n_embd: int, turn_end: str, eot_like: int | None) -> np.ndarray:
+    """The untied output head. `eot_like`: the turn-end token's row becomes 3x that token's, so
+    greedy ends the turn where it would have picked `eot_like` (a stop the tests can see)."""
+    head = r.normal((n_vocab, n_embd), 4.0 / np.sqrt(n_embd))
+    if eot_like is not None:
+        end = len(SPM_SPECIALS) + (GEMMA3_TURN.index(turn_end) if turn_end in GEMMA3_TURN else
+                                   GEMMA4_TURN.index(turn_end))
+        head[end] = EOT_BOOST * head[eot_like]
+    return head
+
+
+def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
+                      sliding_window=32, pattern: int | None = 2, context_length=2048, tensor_type="F16",
+                      seed=0, rope_theta=1_000_000.0, tie_embeddings=False, eot_like: int | None = None,
+                      name=None) -> Path:
+    """A tiny Gemma 3. `pattern`: every pattern-th layer is global, written as
+    gemma3.attention.sliding_window_pattern (llama.cpp reads it; 2 = sliding, global, ...). Real
+    files have no such key (pattern=None): llama.cpp's default then makes every 6th layer global,
+    so such a file needs at least 6 layers."""
     r = _Rand(seed)
     n_vocab = len(vocab("gemma3")["tokens"])
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
@@ -183,7 +200,7 @@ def write_tiny_gemma3(path, *, n_layer=6, n_embd=256, n_head=4, n_head_kv=2, hea
         t[p + "post_ffw_norm.weight"] = r.norm(n_embd, 3.0)
     t["output_norm.weight"] = r.norm(n_embd)
     if not tie_embeddings:
-        t["output.weight"] = r.normal((n_vocab, n_embd), 4.0 / np.sqrt(n_embd))
+        t["output.weight"] = _head(r, n_vocab, n_embd, GEMMA3_TURN[1], eot_like)
 
     def meta(w):
         w.add_name(name or f"Tiny gemma3 {n_layer}x{n_embd} seed {seed}")
@@ -198,6 +215,8 @@ def write_tiny_gemma3(path, *, n_layer=6, n_embd=256, n_head=4, n_head_kv=2, hea
         w.add_value_length(head_dim)
         w.add_rope_freq_base(float(rope_theta))
         w.add_sliding_window(sliding_window)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
     return _write(path, "gemma3", t, meta, tensor_type)
 
 
@@ -210,7 +229,8 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
                       global_head_dim=128, n_ff=512, sliding_window=32, pattern=2, shared_kv_layers=2,
                       n_embd_per_layer=64, double_wide=True, partial_rotary=0.25, softcap=30.0,
                       context_length=2048, tensor_type="F16", seed=0, rope_theta=1_000_000.0,
-                      rope_theta_swa=10_000.0, tie_embeddings=False, name=None) -> Path:
+                      rope_theta_swa=10_000.0, tie_embeddings=False, eot_like: int | None = None,
+                      name=None) -> Path:
     """A tiny Gemma 4 (E2B-like: per-layer embeddings, shared K/V in the last layers, double-wide FFN
     there). With the defaults: layers sliding/global/sliding/global, layers 2 and 3 reuse the K/V of
     layers 0 and 1."""
@@ -233,11 +253,12 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         q_dim, kv_dim = n_head * hd, n_head_kv * hd
         t[p + "attn_norm.weight"] = r.norm(n_embd)
         t[p + "attn_q.weight"] = r.normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
-        t[p + "attn_q_norm.weight"] = r.norm(hd)
+        # Gemma 4 does not scale queries (scale 1): norms of hd^-1/4 each make q.k/sqrt(hd) as above
+        t[p + "attn_q_norm.weight"] = r.norm(hd, (QK_NORM ** 0.5) * hd ** -0.25)
         if i < first_shared:
             t[p + "attn_k.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
             t[p + "attn_v.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
-            t[p + "attn_k_norm.weight"] = r.norm(hd)
+            t[p + "attn_k_norm.weight"] = r.norm(hd, (QK_NORM ** 0.5) * hd ** -0.25)
         t[p + "attn_output.weight"] = r.normal((n_embd, q_dim), 1.0 / np.sqrt(q_dim))
         t[p + "post_attention_norm.weight"] = r.norm(n_embd, 3.0)
         t[p + "ffn_norm.weight"] = r.norm(n_embd)
@@ -252,7 +273,7 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         t[p + "layer_output_scale.weight"] = np.array([0.8 + 0.1 * i], dtype=np.float32)
     t["output_norm.weight"] = r.norm(n_embd)
     if not tie_embeddings:
-        t["output.weight"] = r.normal((n_vocab, n_embd), 4.0 / np.sqrt(n_embd))
+        t["output.weight"] = _head(r, n_vocab, n_embd, GEMMA4_TURN[1], eot_like)
 
     def meta(w):
         w.add_name(name or f"Tiny gemma4 {n_layer}x{n_embd} seed {seed}")

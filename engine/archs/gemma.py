@@ -159,7 +159,10 @@ def _gemma4_args(g, common: dict, head_dim: int):
     if int(g.arch_key("attention.value_length_swa", head_swa)) != head_swa or \
             int(g.arch_key("attention.value_length", head_dim)) != head_dim:
         raise ModelFileError(f"{name}: Gemma 4 needs equal key and value head sizes")
-    n_pl = int(g.arch_key("embedding_length_per_layer_input", 0))
+    n_pl = g.arch_key("embedding_length_per_layer_input")
+    if n_pl is None:        # llama.cpp requires it (0 = no per-layer embeddings)
+        raise ModelFileError(f"{name}: missing metadata 'gemma4.embedding_length_per_layer_input'")
+    n_pl = int(n_pl)
     pl_rows = tensors.get("per_layer_token_embd.weight")
     softcap = g.arch_key("final_logit_softcapping")
     base = common["rope_theta"]
