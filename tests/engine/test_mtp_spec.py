@@ -1,0 +1,243 @@
+"""Speculative decoding with the model's own NextN/MTP head (`--spec mtp`; engine/mtp_spec.py, issue 36),
+on tiny qwen35 / qwen35moe F16 GGUFs whose head the factory writes (random weights: the head's drafts
+are mostly rejected, which exercises the rollback of the target's recurrent state on every pass).
+
+Greedy output equals plain decoding; the K/V holds exactly the delivered tokens; after partial
+acceptance the head's K/V holds one entry per verified target position, equal to a head run afresh
+over the same positions; sampled verification with the head's distributions follows the target's
+distribution (chi-square, as test_speculative's lookup/draft test); refusals are one line by name.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import speculative
+from engine.engine import Engine, EngineOptions, GenerateRequest, Status
+from engine.errors import StrataError
+from engine.sampling import SamplingParams
+from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+from test_speculative import _chi2, _chi2_critical, words
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog", words(24), words(12, 40) + " and then " + words(6)]
+
+
+@pytest.fixture(scope="module")
+def mdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mtpspec")
+
+
+@functools.lru_cache(maxsize=None)
+def _file(d: Path, arch: str, nextn: int = 1) -> Path:
+    return write_tiny_qwen35_gguf(d / f"{arch}-{nextn}.gguf", arch, nextn=nextn, seed=5)
+
+
+@pytest.fixture(autouse=True)
+def keep_drafting(monkeypatch):
+    """A random head's drafts are rejected and a tiny model never gains from drafting: the never-slower
+    rule would stop after MIN_JUDGE passes. The mechanics are tested here, so it never judges."""
+    monkeypatch.setattr(speculative, "REMEMBER", False)
+    monkeypatch.setattr(speculative, "MIN_JUDGE", 10 ** 6)
+
+
+def _engine(path: Path, **opts) -> Engine:
+    """An engine that runs every reply to max_tokens (random weights emit EOS at random)."""
+    from engine.engine import Call
+    e = Engine(EngineOptions(model=str(path), cache_mib=0, **opts)).start()
+    assert e.call(Status(), timeout=120).model
+
+    def no_eos(eng):
+        eng.tokenizer.eos_ids = set()
+    e.call(Call(no_eos))
+    return e
+
+
+def _gen(e, text, spec, n=32, temperature=0.0, seed=None, **kw):
+    sp = SamplingParams(max_tokens=n, temperature=temperature, seed=seed)
+    return e.call(GenerateRequest(messages=[{"role": "user", "content": text}], sampling=sp, speculative=spec, **kw),
+                  timeout=300)
+
+
+def _check_kv(e, text, r):
+    live = e.live
+    prompt = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
+    assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
+    offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
+    assert offs and all(o == len(live.tokens) for o in offs)
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_greedy_equals_plain_and_the_kv_holds_the_delivered_tokens(mdir, arch):
+    e = _engine(_file(mdir, arch))
+    try:
+        for text in PROMPTS if arch == "qwen35" else PROMPTS[1:]:     # qwen35moe: two, for the time
+            plain = _gen(e, text, "off")
+            r = _gen(e, text, "mtp")
+            assert r.tokens == plain.tokens and len(r.tokens) == 32
+            assert r.speculative == "mtp" and r.drafted_tokens > 0 and not r.speculation_stopped
+            _check_kv(e, text, r)
+    finally:
+        e.stop()
+
+
+def test_bookkeeping_after_partial_acceptance(mdir):
+    """The loop, the head and its K/V as they run, with the head's token choice steered (the random head
+    is almost never right): per pass both drafts right, the first only, or none, from the plain reply.
+    After every propose the head holds one entry per target position since its start; at the end its
+    K/V equals the head run afresh over the target's hidden states of the same positions."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from engine import generate, mtp_spec
+    from engine.archs.qwen35_mtp import load_head
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.mtp_spec import MTPDrafter
+
+    g = open_gguf(_file(mdir, "qwen35"))
+    model, _ = load_model(g)
+    head, _ = load_head(g, model)
+    prompt = [398, 273, 114, 373, 309, 47, 259, 107, 308, 325, 264, 270]
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(drafter=None, n=32):
+        cache, fed = make_prompt_cache(model), []
+        generate.prefill(model, cache, prompt[:-1], fed)
+        spec = speculative.SpecStats("mtp")
+        if drafter is None:
+            steps = generate.decode(model, cache, prompt[-1], fed, history=prompt, sampler=greedy.sampler(None),
+                                    processors=[], max_tokens=n, stats=generate.StepStats())
+        else:
+            steps = speculative.decode(drafter.target, cache, prompt[-1], fed, history=prompt, sampling=greedy,
+                                       processors=[], max_tokens=n, stats=generate.StepStats(), spec=spec,
+                                       drafter=drafter)
+        out = list(steps)
+        return out, fed, spec
+
+    ref, _, _ = run()
+    seen = []
+
+    class Steered(MTPDrafter):
+        def propose(self, context, k, target_dist=None):
+            self.at, self.i = len(context) - len(prompt), 0
+            out = super().propose(context, k, target_dist)
+            seen.append((self.held, len(context) - 1 - self.start, len(out)))
+            return out
+
+        def pick(self, logits, target_dist):
+            super().pick(logits, target_dist)          # the head's own choice is computed, then replaced
+            j, self.i = self.at + self.i, self.i + 1
+            right = ref[j] if j < len(ref) else 0
+            kind = len(seen) % 3                        # 0: both right, 1: the first only, 2: none
+            ok = kind == 0 or (kind == 1 and self.i == 1)
+            return (right if ok else (right + 1) % 500), None
+
+    d = Steered(head, model, Path("x"), draft_len=2)
+    out, fed, spec = run(d)
+    assert out == ref
+    assert fed == (prompt + out)[:len(fed)]
+    assert all(held == want for held, want, _ in seen), seen
+    assert spec.drafted > spec.accepted > 0 and spec.passes >= 6
+    # the head's K/V against a fresh run over the same positions (the target's hidden states from
+    # one pass over everything fed)
+    tap = mtp_spec.TargetTap(model)
+    tap(mx.array(fed)[None], cache=make_prompt_cache(model))
+    s, n = d.start, d.held
+    fresh = KVCache()
+    h = mx.concatenate([tap.rows[p] for p in range(s, s + n)], axis=0)[None]
+    head.features(h, mx.array(fed[s + 1:s + n + 1])[None], cache=fresh)
+    k_ours, k_fresh = d.cache.keys[..., :n, :], fresh.keys[..., :n, :]
+    err = float(mx.max(mx.abs(k_ours - k_fresh)).item())
+    # float32; the recurrent layers' chunked vs stepwise paths differ in rounding (measured ~1e-6)
+    assert err < 1e-3 * float(mx.max(mx.abs(k_fresh)).item()), err
+
+
+def test_sampled_verification_with_the_heads_distribution_follows_the_target(mdir):
+    """2,000 first tokens: a draft sampled from the head's distribution q, verified against the target's
+    p by speculative.verify with q: chi-square against p (as test_speculative's lookup/draft test)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from engine.archs.qwen35_mtp import load_head
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.mtp_spec import TargetTap
+
+    g = open_gguf(_file(mdir, "qwen35"))
+    model, _ = load_model(g)
+    head, _ = load_head(g, model)
+    toks = [398, 273, 114, 373, 309, 47, 259, 107]
+    sp = SamplingParams(temperature=1.5, top_p=0.95)
+    dist = speculative.target_distribution(sp)
+    tap = TargetTap(model)
+    # the target read toks[:-1]; the head drafts the token after toks[-1] from h at toks[-2]
+    tap(mx.array(toks[:-1])[None], cache=make_prompt_cache(model))
+    q = dist(head(tap.rows[len(toks) - 2][None], mx.array([[toks[-1]]]), cache=KVCache())[0, -1][None])[0]
+    logits = model(mx.array(toks + [0])[None], cache=make_prompt_cache(model))[0, len(toks) - 1:]
+    p = dist(logits[:1])[0]
+    mx.random.seed(7)
+    firsts, acc = [], 0
+    for _ in range(2000):
+        d0 = int(mx.random.categorical(mx.log(q)).item())
+        n_ok, nxt = speculative.verify(logits, [d0], dist, [q])
+        acc += n_ok
+        firsts.append(d0 if n_ok else nxt)
+    p = np.array(p.tolist())
+    counts = np.bincount(firsts, minlength=p.shape[0])
+    assert 0.02 * 2000 < acc < 0.98 * 2000, f"the test needs both accepted and rejected drafts ({acc})"
+    stat, df = _chi2(counts, p, 2000)
+    assert df >= 2 and stat < _chi2_critical(df), f"chi-square {stat:.1f} on {df} df"
+    # and it can fail: the same counts against the head's q
+    assert _chi2(counts, np.array(q.tolist()), 2000)[0] > _chi2_critical(df)
+
+
+def test_sampled_mtp_runs_and_keeps_bookkeeping(mdir):
+    e = _engine(_file(mdir, "qwen35moe"))
+    try:
+        r = _gen(e, PROMPTS[1], "mtp", n=32, temperature=0.8, seed=3)
+        assert len(r.tokens) == 32 and r.drafted_tokens > 0
+        _check_kv(e, PROMPTS[1], r)
+    finally:
+        e.stop()
+
+
+def test_refusals_are_one_line_by_name(mdir):
+    e = _engine(_file(mdir, "qwen35", nextn=0))
+    try:
+        with pytest.raises(StrataError) as err:
+            _gen(e, "hi", "mtp", n=4)
+        assert "has no NextN head" in str(err.value) and "\n" not in str(err.value)
+        # a head file of another architecture
+        with pytest.raises(StrataError, match=r"does not match qwen35-0\.gguf \(architecture qwen35moe vs qwen35\)"):
+            _gen(e, "hi", f"mtp:{_file(mdir, 'qwen35moe')}", n=4)
+        # the plain reply still works after the refusals
+        assert len(_gen(e, "hi", "off", n=4).tokens) == 4
+    finally:
+        e.stop()
+    with pytest.raises(StrataError, match="off, lookup or draft:PATH, or mtp"):
+        speculative.parse_spec("mtp:")
+    assert speculative.parse_spec("mtp:/a/mtp-x.gguf").label == "mtp:/a/mtp-x.gguf"
+
+
+def test_control_vector_steers_the_target_only(mdir, tmp_path):
+    """With a strong vector on, greedy mtp output equals the steered plain output (verification runs
+    through the steered target); the head's block is not wrapped by the steering."""
+    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steering import SteeredLayer
+    rng = np.random.default_rng(21)
+    vec = tmp_path / "strong.gguf"
+    write_control_vector(vec, {n: (rng.standard_normal(256) * 3.0).astype(np.float32) for n in range(1, 4)},
+                         model_hint="qwen35")
+    e = _engine(_file(mdir, "qwen35"), steering=SteeringConfig(files=((str(vec), 1.0),)))
+    try:
+        steered = _gen(e, PROMPTS[0], "off", speed_projection=True)
+        stock = _gen(e, PROMPTS[0], "off", speed_projection=False)
+        assert steered.tokens != stock.tokens
+        assert _gen(e, PROMPTS[0], "mtp", speed_projection=True).tokens == steered.tokens
+        assert _gen(e, PROMPTS[0], "mtp", speed_projection=False).tokens == stock.tokens
+        assert not isinstance(e._mtp.head.layer, SteeredLayer)
+        assert any(isinstance(l, SteeredLayer) for l in e.model.language_model.model.layers)
+    finally:
+        e.stop()
