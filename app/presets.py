@@ -26,14 +26,16 @@ from .settings import Sampling
 DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
 NAME_MAX = 60
-SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"))
+SPECULATIVE_CHOICES = (("Off", "off"), ("Prompt lookup", "lookup"), ("Model's MTP head", "mtp"))
 SAMPLING_KEYS = APP_KEYS             # engine/sampling.py's table
 PICK_DRAFT = "pick-draft"            # the combobox's "Draft model…" entry: opens a file dialog, never stored
 SPECULATIVE_TIP = ("Draft tokens cheaply and check them all in one pass of the model: the same output, faster "
                    "when most drafts are accepted (the status bar shows how many were).\n"
                    "Prompt lookup drafts from the conversation itself: good when replies repeat the prompt "
                    "(editing code). A draft model is a small GGUF with the same vocabulary as the chat's model "
-                   "(e.g. a small model of the same family); one with another vocabulary is refused.")
+                   "(e.g. a small model of the same family); one with another vocabulary is refused.\n"
+                   "The model's MTP head drafts with the next-token head some models ship (Qwen3.5/3.6: in the "
+                   "GGUF or an mtp-*.gguf beside it); a model without one is refused with the reason.")
 
 
 def speculative_label(value: str) -> str:
@@ -51,7 +53,7 @@ class Preset(Sampling):
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
     speed_projection: bool = SPEED_PROJECTION_DEFAULT
-    speculative: str = "off"         # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
+    speculative: str = "off"         # "off" | "lookup" | "draft:PATH" | "mtp" (engine/speculative.py)
 
     @property
     def is_default(self) -> bool:

@@ -101,8 +101,9 @@ def spec_fields(res) -> dict:
 
 
 def add_spec_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="off", metavar="off|lookup|draft:PATH",
-                   help="speculative decoding: prompt lookup, or a draft GGUF with the same vocabulary")
+    p.add_argument("--spec", default="off", metavar="off|lookup|draft:PATH|mtp[:PATH]",
+                   help="speculative decoding: prompt lookup, a draft GGUF with the same vocabulary, or the "
+                        "model's own NextN/MTP head (mtp:PATH: a sibling mtp-*.gguf)")
 
 
 def spec_summary(res) -> str:

@@ -2,7 +2,7 @@
 
 Each line: {"conversation": "A", "user": "...", "max_tokens": 64} plus optional "system", any
 sampling field of engine/sampling.FIELDS ("temperature", "top_p", "top_k", "min_p",
-"repetition_penalty", "seed"; the table's defaults and ranges), "speed_projection", "speculative" (off|lookup|draft:PATH; default --spec),
+"repetition_penalty", "seed"; the table's defaults and ranges), "speed_projection", "speculative" (off|lookup|draft:PATH|mtp[:PATH]; default --spec),
 "save_session" (with "force": true to replace a longer saved conversation), "restore_session". Each
 conversation keeps
 its own history (replies included) exactly as the app does, so a script reproduces what a person did.

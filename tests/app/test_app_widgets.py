@@ -281,7 +281,7 @@ def test_a_configs_draft_model_choice_round_trips(qapp_ready, presets, tmp_path,
     dlg = PresetDialog(presets, presets.get(p.id), models_dir=models)
     qapp_ready.addWidget(dlg)
     labels = [dlg.spec.itemText(i) for i in range(dlg.spec.count())]
-    assert labels == ["Off", "Prompt lookup", "Draft model…"] and dlg.spec.currentData() == "lookup"
+    assert labels == ["Off", "Prompt lookup", "Model's MTP head", "Draft model…"] and dlg.spec.currentData() == "lookup"
     answer["path"] = ""                                 # cancelled: still lookup
     dlg.spec.setCurrentIndex(dlg.spec.findData(PICK_DRAFT))
     assert dlg.spec.currentData() == "lookup" and asked[-1][1] == str(models) and "*.gguf" in asked[-1][2]
@@ -294,12 +294,12 @@ def test_a_configs_draft_model_choice_round_trips(qapp_ready, presets, tmp_path,
     # reopened: the stored draft is shown and selected; another pick replaces it (one draft entry)
     dlg2 = PresetDialog(presets, presets.get(p.id), models_dir=models)
     qapp_ready.addWidget(dlg2)
-    assert dlg2.spec.currentText() == "Draft: small-draft.gguf" and dlg2.spec.count() == 4
+    assert dlg2.spec.currentText() == "Draft: small-draft.gguf" and dlg2.spec.count() == 5
     other = tmp_path / "elsewhere" / "tiny.gguf"
     answer["path"] = str(other)
     dlg2.spec.setCurrentIndex(dlg2.spec.findData(PICK_DRAFT))
     assert asked[-1][1] == str(models)                  # starts where the current draft is
-    assert dlg2.spec.count() == 4 and dlg2.values().speculative == f"draft:{other}"
+    assert dlg2.spec.count() == 5 and dlg2.values().speculative == f"draft:{other}"
     answer["path"] = ""
     dlg2.spec.setCurrentIndex(dlg2.spec.findData(PICK_DRAFT))
     assert asked[-1][1] == str(other.parent) and dlg2.values().speculative == f"draft:{other}"

@@ -241,3 +241,19 @@ def test_control_vector_steers_the_target_only(mdir, tmp_path):
         assert any(isinstance(l, SteeredLayer) for l in e.model.language_model.model.layers)
     finally:
         e.stop()
+
+
+def test_cli_spec_mtp(mdir, capsys):
+    """`strata generate --spec mtp`: the same tokens as --spec off, the head's counts in --json (EOS may end
+    both replies early: random weights; equal either way)."""
+    import json
+
+    from engine.frontends.cli import main
+    outs = {}
+    for spec in ("off", "mtp"):
+        code = main(["generate", "--model", str(_file(mdir, "qwen35")), "--prompt", PROMPTS[1], "--json",
+                     "--max-tokens", "8", "--spec", spec])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[spec] = json.loads(out)
+    assert outs["mtp"]["tokens"] == outs["off"]["tokens"] and outs["mtp"]["speculative"] == "mtp"
