@@ -318,6 +318,27 @@ def test_engine_reply_keeps_channels_and_ends_at_return(f16_engine):
     assert r.text == f"<|channel|>analysis<|message|>{ch.reasoning}<|end|><|start|>assistant<|channel|>final<|message|>{ch.content}"
 
 
+def test_engine_tool_call_reply_parses_and_ends_at_call(gdir, f16_engine):
+    """A harmony tool call as the engine writes it (tokens forced by a grammar): the reply ends at
+    <|call|>, and its text, markers kept, parses into the call (engine/tool_calls.py's harmony
+    family; before the markers were kept in the text it saw none)."""
+    from engine import tool_calls
+    from engine.constraints import ConstraintSpec
+    from engine.engine import GenerateRequest
+    from engine.sampling import SamplingParams
+    grammar = (r'start: <|channel|> "commentary to=functions.get_time " <|constrain|> "json" <|message|> '
+               r'"{\"zone\": \"" /[A-Z]{3}/ "\"}" <|call|>')
+    r = f16_engine.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=60, temperature=0.0),
+                                        constraint=ConstraintSpec.lark(grammar)))
+    assert r.finish_reason == "stop" and r.tokens[-1] == factory.token_id("<|call|>")
+    fmt = tool_calls.detect(open_gguf(_file(gdir, "F16")).get("tokenizer.chat_template"))
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    parsed = tool_calls.parse(r.text, fmt, tools)
+    assert fmt.name == "harmony" and [c.name for c in parsed.calls] == ["get_time"]
+    assert len(parsed.calls[0].arguments["zone"]) == 3 and parsed.content == ""
+    assert harmony.split(r.text) == harmony.Channels("", "")
+
+
 # --------------------------------------------------------------------------------------------
 # Refusals
 # --------------------------------------------------------------------------------------------
