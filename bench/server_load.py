@@ -1,11 +1,12 @@
 """Load check of `strata serve`: N sequential, then M concurrent short chat requests against a real
 server (uvicorn on a free loopback port, the official openai client), on the default model.
 
-    python bench/server_load.py [-n 8] [-m 4] [--max-tokens 16] [--model PATH] [--stream]
+    python bench/server_load.py [-n 8] [-m 4] [--max-tokens 16] [--model PATH] [--stream] [--max-sequences 8]
 
 Prints a Markdown table: requests, wall time, throughput (requests/s, generated tokens/s),
 client-side latency p50/p95 (the concurrent requests' latency includes their wait in the engine's
-queue: one engine serves one request at a time), the engine's mean time to first token, and the
+queue beyond --max-sequences, decoded together as the server does: engine/batching.py; 1 = one
+request at a time), the engine's mean time to first token, and the
 mean time the engine itself spent per request (ttft + decode, from the response's `strata` timings;
 client latency minus this is the HTTP/queue share; non-streaming only).
 """
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--model", default=None, help="GGUF (default: the default model under STRATA_HOME)")
     ap.add_argument("--stream", action="store_true", help="stream the replies (SSE)")
+    from engine.limits import DEFAULT_MAX_SEQUENCES
+    ap.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES,
+                    help="requests decoded together (the server's default; 1 = one at a time)")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
         print(f"server_load: no model at {model} (run `strata models fetch-default` or pass --model)",
               file=sys.stderr)
         return 2
-    engine = Engine(EngineOptions(model=str(model))).start()
+    engine = Engine(EngineOptions(model=str(model), max_sequences=args.max_sequences)).start()
     engine.startup.result()                    # the start-up load, or EngineError with its message
     server = ServerThread(create_app(engine)).start()
     try:
