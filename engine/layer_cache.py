@@ -367,17 +367,17 @@ def needs_checkpoints(cache: list) -> bool:
 
 def checkpoint(cache: list, n: int) -> Checkpoint:
     layers = {i: kind_of(c).checkpoint(c) for i, c in enumerate(cache) if not kind_of(c).trims_freely}
-    size = sum(a.nbytes for snap in layers.values() for a in _snap_arrays(snap))
+    size = sum(a.nbytes for snap in layers.values() for a in snapshot_arrays(snap))
     return Checkpoint(n, layers, size)
 
 
-def _snap_arrays(snap) -> list:
+def snapshot_arrays(snap) -> list:
     out = []
     for x in snap:
         if isinstance(x, mx.array):
             out.append(x)
         elif isinstance(x, (list, tuple)):
-            out.extend(_snap_arrays(x))
+            out.extend(snapshot_arrays(x))
     return out
 
 
@@ -389,7 +389,7 @@ def add_checkpoint(checkpoints: list, cache: list, n: int) -> None:
     if checkpoints and checkpoints[-1].n == n:
         return
     ck = checkpoint(cache, n)
-    mx.eval(_snap_arrays(list(ck.layers.values())))
+    mx.eval(snapshot_arrays(list(ck.layers.values())))
     checkpoints.append(ck)
     del checkpoints[:-MAX_CHECKPOINTS]
 

@@ -16,6 +16,11 @@ metadata field, `layers`: a JSON list, one object per layer in order,
 max_size, idx; arrays: size, present). Tensors in file order: `tokens` (int32, n), then each layer's
 state tensors `L<layer>.<j>` exactly as the cache holds them (float32 on the CPU, float16 on a GPU,
 bfloat16 as its bits, uint32 codes): a restored conversation continues bit for bit as the live one.
+Then the conversation's checkpoints (engine/layer_cache.py), metadata `checkpoints`: a JSON list of
+    {"n": tokens, "layers": [{"layer": 3, "kind": ..., "meta": ..., "tensors": ["C0.L3.0", ...]}]}
+holding only the layers that cannot trim (each as its state after n tokens), tensors `C<k>.L<layer>.<j>`
+after the layers': a follow-up whose template re-renders the last reply (sharing less than the file
+holds) resumes from one of them instead of reading the whole conversation again.
 
 Reading validates every field before anything is allocated: the header's types and ranges, the layer
 list against this model's own cache (the same kinds in the same order; for full and windowed K/V the
@@ -104,8 +109,25 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool, force:
             names.append(f"L{i}.{j}")
             off += nbytes
         layers.append({"kind": s.kind, "meta": s.meta, "tensors": names})
-    prof = S.SaveProfile()
     arrays = [a for s in states for a in s.tensors]
+    # The conversation's checkpoints (engine/layer_cache.py) go with it: a follow-up whose template
+    # re-renders the last reply shares less than the file holds, and resumes from one of these.
+    cks = []
+    for k, ck in enumerate(c for c in entry.checkpoints if c.n < n):
+        entries = []
+        for i in sorted(ck.layers):
+            kind = layer_cache.kind_of(entry.cache[i])
+            c = kind.restore(ck.layers[i])
+            ts, names = kind.state(c), []
+            for j, a in enumerate(ts):
+                nbytes = a.size * _DT[_NAME_OF[a.dtype]][0].itemsize
+                specs.append(S.TensorSpec(f"C{k}.L{i}.{j}", _NAME_OF[a.dtype], tuple(a.shape), off, off + nbytes))
+                names.append(f"C{k}.L{i}.{j}")
+                off += nbytes
+            arrays.extend(ts)
+            entries.append({"layer": i, "kind": kind.name, "meta": kind.meta_state(c), "tensors": names})
+        cks.append({"n": ck.n, "layers": entries})
+    prof = S.SaveProfile()
 
     def body(fd: int, digest) -> None:
         for k, a in enumerate(arrays):
@@ -121,7 +143,8 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool, force:
 
     return S.write_session(final, entry, fingerprint, specs, fingerprint.get("kv_format", S.KV_DTYPE), LAYOUT,
                            body, t0=t0, prof=prof, sync=sync, force=force, log=log, version=VERSION,
-                           extra={"layers": json.dumps(layers, separators=(",", ":"))})
+                           extra={"layers": json.dumps(layers, separators=(",", ":")),
+                                  "checkpoints": json.dumps(cks, separators=(",", ":"))})
 
 
 # ---- read ----------------------------------------------------------------------------------------
@@ -129,7 +152,7 @@ def _int(v, lo: int, hi: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def _expected_tensors(name: str, i: int, layer: dict, ref, n: int) -> list[tuple[str, tuple, tuple]]:
+def _expected_tensors(name: str, i: int, layer: dict, ref, n: int, prefix: str = "") -> list[tuple[str, tuple, tuple]]:
     """[(tensor name, shape, allowed dtype names)] of layer i as the file says, checked against this
     model's probe layer `ref` and the token count n; SessionFileError on any mismatch."""
     kind, meta = layer.get("kind"), layer.get("meta")
@@ -168,7 +191,7 @@ def _expected_tensors(name: str, i: int, layer: dict, ref, n: int) -> list[tuple
         shapes = [tuple(a.shape) for a in refs]
         dts = [_FLOAT] * len(refs)
     names = layer.get("tensors")
-    if not isinstance(names, list) or names != [f"L{i}.{j}" for j in range(len(shapes))]:
+    if not isinstance(names, list) or names != [f"{prefix}L{i}.{j}" for j in range(len(shapes))]:
         raise SessionFileError(f"{name} is corrupted (layer {i}'s tensors)")
     return list(zip(names, shapes, dts))
 
@@ -213,6 +236,8 @@ def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: d
             specs.append(S.TensorSpec(tname, dt, shape, off, off + nbytes))
             off += nbytes
         layer.pop("_kept", None)
+    cks = _parse_checkpoints(name, meta, table, ref_cache, n, specs)
+    off = specs[-1].end
     if table != {s.name: s.as_json() for s in specs} or list(table) != [s.name for s in specs]:
         raise SessionFileError(f"{name} is corrupted (its tensor table does not match its layers)")
     want = 8 + len(raw) + specs[-1].end
@@ -227,7 +252,44 @@ def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: d
     why = S.validate_messages(messages)
     if why:
         raise SessionFileError(f"{name} is corrupted ({why})")
-    return S.ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw)), layers
+    return S.ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw)), layers, cks
+
+
+def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: int, specs: list) -> list:
+    """The file's checkpoints, validated: at most MAX_CHECKPOINTS, strictly increasing token counts
+    below n, each holding exactly this model's non-trimmable layers (their tensors appended to specs)."""
+    from . import sessions as S
+    try:
+        cks = json.loads(meta.get("checkpoints", "[]"))
+    except (ValueError, RecursionError):
+        raise SessionFileError(f"{name} is corrupted (its checkpoints are not JSON)") from None
+    want_layers = [i for i, c in enumerate(ref_cache) if not layer_cache.kind_of(c).trims_freely]
+    if not isinstance(cks, list) or len(cks) > layer_cache.MAX_CHECKPOINTS:
+        raise SessionFileError(f"{name} is corrupted (its checkpoints)")
+    last = 0
+    off = specs[-1].end
+    for k, ck in enumerate(cks):
+        if not isinstance(ck, dict) or set(ck) != {"n", "layers"} or not _int(ck["n"], last + 1, n - 1) \
+                or not isinstance(ck["layers"], list) or not all(isinstance(x, dict) for x in ck["layers"]) \
+                or [x.get("layer") for x in ck["layers"]] != want_layers:
+            raise SessionFileError(f"{name} is corrupted (checkpoint {k})")
+        last = ck["n"]
+        for layer in ck["layers"]:
+            i = layer["layer"]
+            if layer.get("kind") == "rotating":
+                t = table.get(f"C{k}.L{i}.0")
+                shape = t.get("shape") if isinstance(t, dict) else None
+                layer["_kept"] = shape[2] if isinstance(shape, list) and len(shape) == 4 else None
+            for tname, shape, dts in _expected_tensors(name, i, layer, ref_cache[i], ck["n"], prefix=f"C{k}."):
+                t = table.get(tname)
+                dt = t.get("dtype") if isinstance(t, dict) else None
+                if dt not in dts:
+                    raise SessionFileError(f"{name} is corrupted (tensor {tname}'s type)")
+                nbytes = int(np.prod(shape)) * _DT[dt][0].itemsize
+                specs.append(S.TensorSpec(tname, dt, shape, off, off + nbytes))
+                off += nbytes
+            layer.pop("_kept", None)
+    return cks
 
 
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, probe_cache: Callable[[], list],
@@ -246,7 +308,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             raise SessionFileError(f"{name} is corrupted (checksum field)")
         table, meta = S._meta_of(name, raw)
         ref_cache = probe_cache()
-        hdr, layers = parse(name, raw, size, meta, table, expected, ref_cache, n_vocab, n_ctx)
+        hdr, layers, cks = parse(name, raw, size, meta, table, expected, ref_cache, n_vocab, n_ctx)
         n = hdr.n_tokens
         S.check_memory(name, n, sum(s.end - s.start for s in hdr.specs[1:]), admit)
         digest = xxhash.xxh3_128()
@@ -279,15 +341,29 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         ts = [a.astype(r.dtype) if a.dtype != r.dtype else a for a, r in zip(ts, refs)]
         states.append(layer_cache.LayerState(layer["kind"], ts, layer["meta"]))
     cache = layer_cache.from_states(states)
+    checkpoints = []
+    for ck in cks:
+        snaps = {}
+        for layer in ck["layers"]:
+            i = layer["layer"]
+            kind = layer_cache.kind_of(ref_cache[i])
+            refs = kind.state(ref_cache[i])
+            ts = [next(it) for _ in layer["tensors"]]
+            ts = [a.astype(r.dtype) if a.dtype != r.dtype else a for a, r in zip(ts, refs)]
+            snaps[i] = kind.checkpoint(kind.from_state(ts, layer["meta"]))
+        size_ck = sum(a.nbytes for snap in snaps.values() for a in layer_cache.snapshot_arrays(snap))
+        checkpoints.append(layer_cache.Checkpoint(ck["n"], snaps, size_ck))
     fresh = make_cache()
     if [layer_cache.kind_of(c).name for c in fresh] != [layer_cache.kind_of(c).name for c in cache]:
         raise SessionFileError(f"{name}: this engine's cache kinds differ from the file's")
-    built = layer_cache.arrays(cache)
+    built = layer_cache.arrays(cache) + [a for k in checkpoints for s in k.layers.values()
+                                          for a in layer_cache.snapshot_arrays(s)]
     mx.eval(built)
     S.check_finite(name, [a for a in built if a.dtype != mx.uint32], ("tensor",))
     prof.build_ms += (time.perf_counter() - t) * 1e3
     ms = (time.perf_counter() - t0) * 1e3
     log(f"restored {n} tokens from {name} (format 3: {', '.join(sorted({x['kind'] for x in layers}))}) in {ms:.1f} ms")
     entry, result = S.restored(tokens, cache, key, hdr, size, ms, prof)
+    entry.checkpoints = checkpoints
     entry.checkpoint()          # the restored point is a message boundary (a later Edit resumes here)
     return entry, result

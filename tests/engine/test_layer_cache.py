@@ -8,6 +8,8 @@ prefix copies, checkpoint/restore (a restored cache fed the same later tokens en
 the one that never went back), the file state round trip, and speculation's rollback."""
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -264,3 +266,133 @@ def test_speculation_rollback_of_full_kv_is_a_trim():
     feed(c, 6, 5, one_by_one=False)
     L.rollback([c], 11, 3, None, lambda k: pytest.fail("full K/V must not replay"))
     assert c.offset == 8
+
+
+# ---- session format 3 (engine/session_v3.py): a hybrid conversation's file round trip and refusals ----
+import json  # noqa: E402
+import struct  # noqa: E402
+
+import xxhash  # noqa: E402
+
+from engine import session_v3, sessions  # noqa: E402
+from engine.errors import SessionFileError  # noqa: E402
+
+FP = {"model_hash": "m" * 16, "architecture": "hybrid", "n_layer": 3, "n_kv_heads": HEADS, "head_dim": DIM,
+      "tokenizer": "t", "chat_template": "c", "steering": "none", "steering_vector": "none",
+      "kv_format": "float16"}
+
+
+def hybrid():
+    return [KVCache(), ArraysCache(2), RotatingKVCache(max_size=8)]
+
+
+def _probe():
+    cache = hybrid()
+    for c in cache:
+        feed(c, 0, 1)
+    return cache
+
+
+def _conversation(n: int = 30) -> KVEntry:
+    entry = KVEntry([], hybrid(), "k", messages=[{"role": "user", "content": "hi"}])
+    for t0 in range(0, n, 10):
+        for c in entry.cache:
+            feed(c, t0, 10)
+        entry.tokens = entry.tokens + list(range(t0, t0 + 10))
+        entry.checkpoint()
+    return entry
+
+
+def _save(path, entry):
+    return sessions.save(str(path), entry, dict(FP), sync=False)
+
+
+def _load(path):
+    return sessions.load(str(path), dict(FP), hybrid, key="k", n_vocab=100, n_ctx=1000, probe_cache=_probe)
+
+
+def test_format3_round_trip_keeps_every_layer_and_the_checkpoints(tmp_path):
+    entry = _conversation()
+    path = tmp_path / "h.stratasession"
+    _save(path, entry)
+    _, meta, _ = sessions.read_header(str(path))
+    assert meta["version"] == "3" and meta["kv_layout"] == session_v3.LAYOUT
+    assert [x["kind"] for x in json.loads(meta["layers"])] == ["kv", "arrays", "rotating"]
+    assert [c["n"] for c in json.loads(meta["checkpoints"])] == [10, 20]   # 30 is the file's end
+    back, result = _load(path)
+    assert back.tokens == entry.tokens and result["restored_tokens"] == 30
+    assert all(same(a, b) for a, b in zip(back.cache, entry.cache))
+    assert [k.n for k in back.checkpoints] == [10, 20, 30]
+    # resuming from the file's checkpoint at 10 continues exactly as the live conversation would
+    m = back.rewind(15, hybrid)
+    assert m == 10
+    ref = hybrid()
+    for a, b in zip(back.cache, ref):
+        feed(b, 0, 25)
+        feed(a, 10, 15)
+    assert all(same(a, b) for a, b in zip(back.cache, ref))
+
+
+def test_full_kv_conversations_keep_format_2(tmp_path):
+    entry = KVEntry(list(range(12)), [KVCache() for _ in range(3)], "k", messages=[])
+    for c in entry.cache:
+        feed(c, 0, 12)
+    assert not session_v3.needed(entry.cache)
+    _save(tmp_path / "f.stratasession", entry)
+    assert sessions.read_header(str(tmp_path / "f.stratasession"))[1]["version"] == "2"
+
+
+def _rewrite(path, edit) -> None:
+    """Edit a file's metadata and recompute its checksum (a crafted file: only validation stops it)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8:8 + n])
+    edit(head["__metadata__"], head)
+    head["__metadata__"]["checksum"] = "0" * 32
+    hb = json.dumps(head, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    body = raw[8 + n:]
+    d = xxhash.xxh3_128()
+    d.update(struct.pack("<Q", len(hb)))
+    d.update(hb)
+    d.update(body)
+    hb = hb.replace(b"0" * 32, d.hexdigest().encode(), 1)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + body)
+
+
+def _layers(edit):
+    def f(meta, head):
+        layers = json.loads(meta["layers"])
+        edit(layers)
+        meta["layers"] = json.dumps(layers)
+    return f
+
+
+REFUSALS = {
+    "flipped byte": (lambda p: p.write_bytes(p.read_bytes()[:-5] + b"\x01" + p.read_bytes()[-4:]), "checksum mismatch"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:-7]), "truncated"),
+    "layer kind": (lambda p: _rewrite(p, _layers(lambda ls: ls[1].update(kind="kv"))),
+                   "layer 1 holds a kv cache; this model's is arrays"),
+    "window size": (lambda p: _rewrite(p, _layers(lambda ls: ls[2]["meta"].update(max_size=16))),
+                    "layer 2's window is 16 tokens; this model's is 8"),
+    "offset": (lambda p: _rewrite(p, _layers(lambda ls: ls[0]["meta"].update(offset=29))), "layer 0 holds 29 of 30"),
+    "layer count": (lambda p: _rewrite(p, _layers(lambda ls: ls.pop())), "holds 2 layers; this model has 3"),
+    "checkpoint order": (lambda p: _rewrite(p, lambda m, h: m.update(checkpoints=json.dumps(
+        [dict(c, n=10) for c in json.loads(m["checkpoints"])]))), "corrupted (checkpoint 1)"),
+    "checkpoint past the end": (lambda p: _rewrite(p, lambda m, h: m.update(checkpoints=json.dumps(
+        [dict(c, n=30 if c["n"] == 20 else c["n"]) for c in json.loads(m["checkpoints"])]))),
+        "corrupted (checkpoint 1)"),
+    "state shape": (lambda p: _rewrite(p, lambda m, h: h["L1.0"].update(shape=[1, 1, HEADS, 2 * DIM]) or None),
+                    "corrupted"),
+    "future version": (lambda p: _rewrite(p, lambda m, h: m.update(version="4")), "newer than this Strata reads (3)"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_format3_refusals(tmp_path, case):
+    path = tmp_path / "h.stratasession"
+    _save(path, _conversation())
+    damage, why = REFUSALS[case]
+    damage(path)
+    with pytest.raises(SessionFileError, match=re.escape(why)):
+        _load(path)
