@@ -142,7 +142,7 @@ class Distributed:
 
     def announce(self, handle) -> None:
         """Rank 0: send the request to the followers before serving it (replicated requests only)."""
-        from .engine import GenerateRequest
+        from .api import GenerateRequest
         req = handle.request
         if isinstance(req, GenerateRequest):
             if req.sampling.seed is None:
@@ -200,19 +200,19 @@ class Distributed:
         if self.rank == 0 and replicated and not getattr(handle, "local", False):
             self.announce(handle)
         if not replicated:
-            return engine._dispatch(handle)
-        from .engine import GenerateRequest
+            return engine.dispatch(handle)
+        from .api import GenerateRequest
         from .pipeline_model import PipelineModel, TensorModel
         if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, (PipelineModel, TensorModel)):
             LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
         try:
-            result = self._collective(lambda: engine._dispatch(handle), handle)
+            result = self._collective(lambda: engine.dispatch(handle), handle)
         except DistributedError:
             raise                       # the ring itself is gone: no check can run
         except StrataError as e:
             error, result = e, None
-            engine._log(f"distributed: this rank failed the request: {e}")   # what "see their log" means
+            engine.log(f"distributed: this rank failed the request: {e}")   # what "see their log" means
         self._collective(lambda: self._check_agree(error is None, engine.model_hash), handle)
         if error is not None:
             raise error
@@ -250,7 +250,7 @@ class Distributed:
 
     def save(self, engine, req, handle) -> dict:
         from . import sessions
-        engine._require_model()
+        engine.require_model()
         # The same choice as Engine._save (every rank holds the same entries in the same order).
         entry = engine.live
         if req.messages is not None:
@@ -273,7 +273,7 @@ class Distributed:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
             try:
                 result = sessions.save(req.path, whole, engine.session_fingerprint(),
-                                       progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine._log)
+                                       progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine.log)
             except StrataError as e:
                 error = str(e)
         # A failed write (disk full, a folder in the way) fails the request on every rank, in step.
@@ -286,8 +286,13 @@ class Distributed:
         from . import sessions
         from .errors import RequestError, StrataError
         from .parking import KVEntry
-        engine._require_model()
+        engine.require_model()
         n_layer = engine.info.n_layer
+        # Pipeline: any cache kinds, through the cache contract (engine/pipeline_sessions.py); a format-3
+        # file is checked against the whole model's one-token probe, which every rank runs together.
+        from . import pipeline_sessions as ps
+        pipeline = self.mode == "pipeline"
+        probe = ps.probe(self, engine.model, engine.make_cache) if pipeline and ps.needs_probe(engine.model) else None
         whole, result, error = None, None, None
         if self.rank == 0:
             try:
@@ -295,10 +300,11 @@ class Distributed:
                 if reason:
                     raise RequestError(f"session restore refused: {reason}")
                 whole, result = sessions.load(req.path, engine.session_fingerprint(),
-                                              lambda: [KVCache() for _ in range(n_layer)],
+                                              (lambda: ps.whole_cache(engine)) if pipeline
+                                              else (lambda: [KVCache() for _ in range(n_layer)]),
                                               key=engine.cache_key(), dtype=engine.dtype,
                                               progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                              log=engine._log)
+                                              log=engine.log, probe_cache=(lambda: probe) if probe else None)
             except StrataError as e:
                 error = str(e)
         self._decide(error)
@@ -309,7 +315,7 @@ class Distributed:
         # order, and it works on any ring (send/recv reach only neighbours); the rank owning it keeps it.
         shape = (1, engine.info.n_head_kv, len(tokens), engine.info.head_dim)
         mine = []
-        for i in range(n_layer):
+        for i in range(0 if pipeline else n_layer):
             owner = next(r for r, (a, b) in enumerate(self.split) if a <= i < b) if self.split else self.rank
             kv = []
             for arr in ("keys", "values"):
@@ -324,8 +330,9 @@ class Distributed:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
                 mine.append(c)
-        cache = engine.make_cache()
-        for dst, src in zip(cache, mine):
+        cache = ps.scatter(self, whole.cache if self.rank == 0 else None, *self.split[self.rank]) if pipeline \
+            else engine.make_cache()
+        for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))
         entry = KVEntry(list(tokens), cache, engine.cache_key(), messages=messages)
         # As Engine._restore: only now does the live conversation step aside.
@@ -339,6 +346,9 @@ class Distributed:
 
     def _gather(self, entry):
         """Rank 0: every layer's K/V in order; the other ranks contribute theirs (see restore)."""
+        if self.mode == "pipeline":             # any cache kinds, through the cache contract
+            from . import pipeline_sessions
+            return pipeline_sessions.gather(self, entry.cache)
         from mlx_lm.models.cache import KVCache
         n = len(entry.tokens)
         ref = entry.cache[0].keys
@@ -377,7 +387,7 @@ class Distributed:
 
 def _replicated(req) -> bool:
     """Requests every rank serves (they touch the model or the K/V); Status and Call stay on rank 0."""
-    from .engine import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
+    from .api import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
     return isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure))
 
 

@@ -1,0 +1,86 @@
+"""Session files of a pipeline-split model: each rank holds its own blocks' caches, of whatever kinds
+(full K/V, a sliding window, a recurrent state, quantized K/V); the file is the single-process one.
+
+Everything goes through the cache contract (engine/layer_cache.py): a layer travels as its
+LayerState (kind, tensors, meta). For a save rank 0 gathers every rank's layer states in block order
+and rebuilds the whole model's caches from them (`gather`); for a restore it sends each layer's state
+to every rank and the owner rebuilds its cache (`scatter`). The plain facts (kind, meta, each tensor's
+shape and dtype) go first as one pickled message from the rank that has them; each tensor then as an
+all_sum to which only that rank adds (exact: the others add zeros), which works on any ring
+(send/recv reach only neighbours). Every rank calls these functions at the same point of a request.
+"""
+from __future__ import annotations
+
+import pickle
+
+import mlx.core as mx
+
+from . import layer_cache
+
+
+def _dtype(name: str):
+    return getattr(mx, name.rsplit(".", 1)[-1])
+
+
+def _facts(states: list) -> bytes:
+    return pickle.dumps([(s.kind, s.meta, [(tuple(a.shape), str(a.dtype)) for a in s.tensors]) for s in states])
+
+
+def _from(dist, src: int, states: list | None) -> list:
+    """The layer states rank `src` holds (`states` there, None elsewhere), on every rank."""
+    facts = pickle.loads(dist._bytes_collective(_facts(states) if dist.rank == src else None))
+    out = []
+    for j, (kind, meta, specs) in enumerate(facts):
+        tensors = [dist._broadcast(src, states[j].tensors[k] if dist.rank == src else None, shape, _dtype(dt))
+                   for k, (shape, dt) in enumerate(specs)]
+        out.append(layer_cache.LayerState(kind, tensors, meta))
+    return out
+
+
+def gather(dist, cache: list) -> list | None:
+    """Rank 0: the whole model's caches in block order (new objects); the other ranks: None."""
+    mine = layer_cache.to_states(cache)
+    whole = []
+    for r in range(dist.size):
+        got = _from(dist, r, mine if r == dist.rank else None)
+        if dist.rank == 0:
+            whole.extend(got)
+    return layer_cache.from_states(whole) if dist.rank == 0 else None
+
+
+def scatter(dist, whole: list | None, start: int, end: int) -> list:
+    """Every rank: its own blocks' caches [start, end) of the whole model's `whole` (held by rank 0)."""
+    states = _from(dist, 0, layer_cache.to_states(whole) if dist.rank == 0 else None)
+    return layer_cache.from_states(states[start:min(end, len(states))])
+
+
+def probe(dist, model, make_cache) -> list | None:
+    """The whole model's cache after one token (what a format-3 file's layers are checked against),
+    on rank 0; every rank runs the one-token step together (it crosses the ranks)."""
+    cache = make_cache()
+    model(mx.array([[0]]), cache=cache)
+    mx.eval(layer_cache.arrays(cache))
+    return gather(dist, cache)
+
+
+def needs_probe(model) -> bool:
+    """Whether this model's sessions are format 3 (some layer is not full K/V): the same answer on
+    every rank, from the whole model's cache kinds."""
+    from . import session_v3
+    return session_v3.needed(model.whole_template)
+
+
+class WholeModel:
+    """What kv_format.make_cache asks of a model, for the whole of a split one (rank 0 reads a file
+    into it)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def make_cache(self) -> list:
+        return self.model.make_whole_cache()
+
+
+def whole_cache(engine) -> list:
+    from .kv_format import make_cache
+    return make_cache(WholeModel(engine.model), engine.kv_fmt)
