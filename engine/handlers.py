@@ -202,7 +202,9 @@ class RequestHandlers:
         cancelled = lambda: handle.cancelled  # noqa: E731
         spec, steps = self._spec_steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
-        r = reply(self.model, entry, tokens, reuse, tokenizer=self.tokenizer, sampling=req.sampling,
+        # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
+        r = reply(getattr(turn.drafter, "target", self.model), entry, tokens, reuse, tokenizer=self.tokenizer,
+                  sampling=req.sampling,
                   n_vocab=self.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.options.prefill_chunk,
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
