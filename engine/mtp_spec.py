@@ -5,28 +5,32 @@ The head (engine/archs/qwen35_mtp.py) at target position p reads the target's fi
 KVCache) holds one entry per target position it has read, so it is a drafter like a draft model but
 fed by the target's passes instead of by tokens alone:
 
-* `TargetTap` stands in for the target model in speculative.decode: it runs the inner model and the
-  output head itself (one pass, as mlx-lm's TextModel does) and keeps each position's hidden state.
-  Every pass goes through it: the plain first passes, each verify pass and the replay after a
-  rollback (which feeds the accepted tokens again: their hidden states are the verify pass's rows).
+* `TargetTap` stands in for the target model in the reply's prefill and in speculative.decode: it
+  runs the inner model and the output head itself (one pass, as mlx-lm's TextModel does) and keeps
+  each position's hidden state (lazily: in a prefill chunk only the K/V is evaluated, and the final
+  hidden states cost the last block's feed-forward and the norm when the head first reads them).
+  Every pass goes through it: the prompt's prefill chunks, the plain first passes, each verify pass
+  and the replay after a rollback (which feeds the accepted tokens again: their hidden states are
+  the verify pass's rows).
 * `MTPDrafter.propose`: first the head reads, in one pass, every target position it has not read
   yet (the positions the last verify pass accepted, each with its next token, the last one's being
   the token the target just chose): the last row's logits give draft 1. Drafts 2..N chain the head
   on its own normed output (vLLM's Qwen3.5 MTP does the same for depth > 1). Those chained entries
   are guesses: they are trimmed from the head's K/V before propose returns, so after every propose
   the head holds exactly one entry per target position from its start to the target's last fed
-  token (`held == len(fed) - start`): nothing of a rejected draft stays, and a partial acceptance
-  adds only the accepted positions at the next propose.
+  token (`held == len(fed) - start`; start is 0 for a conversation read from its beginning, else
+  the first position this reply's prefill read): nothing of a rejected draft stays, and a partial
+  acceptance adds only the accepted positions at the next propose.
 * The target's recurrent state (Gated DeltaNet layers) rolls back through engine/layer_cache.py
   (snapshot before the verify pass, restore + replay), as for the other drafters: decode does that.
 * Sampled replies draw drafts from the head's distribution after the request's filters and hand those
   distributions to verification (rejection sampling: the output follows the target's distribution).
 
-The head starts reading at the reply's first decode pass: the prompt's positions are not read by the
-head (their hidden states would need the prefill to keep the final hidden state of every token; its
-attention then covers the reply only, which may lower acceptance on long replies, never correctness).
-RoPE is relative, so a head K/V that starts at position 0 for the reply's first token attends exactly
-as one placed at the target's offsets.
+The head reads what this reply's prefill read: a returning conversation's earlier turns (the K/V
+reused from before) are not read by it (its K/V is the request's), so its attention covers the new
+part of the prompt and the reply; that may lower acceptance, never correctness. RoPE is relative, so
+a head K/V that starts at 0 where the target is at position `start` attends exactly as one placed at
+the target's offsets.
 
 Control vectors wrap the target's blocks only (engine/steering.py): the head's block is its own,
 unsteered; it reads the steered target's hidden state, which is what the target continues from.
@@ -46,7 +50,8 @@ from .errors import ModelFileError, RequestError
 # than one over 1 (engine/speculative.py's LOOKUP_DRAFT_CPU note), so drafts stay short there.
 MTP_DRAFT_GPU = 3
 MTP_DRAFT_CPU = 2
-KEEP_ROWS = 64          # hidden states the tap keeps (positions); drafting needs the last verify pass's
+MAX_ROWS = 8192         # hidden states the tap keeps unread at most (a plain fallback decode adds one a token)
+READ_CHUNK = 512        # the head reads a long prompt's positions this many at a time
 
 
 def _offset(cache) -> int:
@@ -65,6 +70,7 @@ class TargetTap:
     def __init__(self, model):
         self.model = model
         self.rows: dict[int, mx.array] = {}
+        self.keep_from = 0                  # rows before this position are read: let go
 
     def __getattr__(self, name):            # args, layers, ...: the target's
         return getattr(self.__dict__["model"], name)
@@ -74,12 +80,13 @@ class TargetTap:
         pos0 = _offset(cache)
         h = lm.model(inputs, cache, **kw)
         out = lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+        rows = self.rows
         for i in range(h.shape[1]):
-            self.rows[pos0 + i] = h[:, i]
-        if len(self.rows) > KEEP_ROWS:
-            cut = pos0 + h.shape[1] - KEEP_ROWS
-            for p in [p for p in self.rows if p < cut]:
-                del self.rows[p]
+            rows[pos0 + i] = h[:, i]
+        cut = max(self.keep_from, pos0 + h.shape[1] - MAX_ROWS)
+        if rows and min(rows) < cut:
+            for p in [p for p in rows if p < cut]:
+                del rows[p]
         return out
 
 
@@ -117,13 +124,18 @@ class MTPDrafter:
             if last not in rows:
                 raise RuntimeError("the target's last pass did not go through the MTP tap")
             self.cache, self.start, self.upto = KVCache(), p, p
-        h = mx.concatenate([rows[p] for p in range(self.upto, last + 1)], axis=0)[None]
-        nxt = mx.array(context[self.upto + 1:last + 2])[None]
-        x = self.head.features(h, nxt, cache=self.cache)
-        self.head_passes += 1
-        self.upto = last + 1
-        for p in [p for p in rows if p < self.upto - 1]:
-            del rows[p]
+        while True:
+            # the positions not read yet, a long prompt READ_CHUNK at a time (each evaluated)
+            end = min(last + 1, self.upto + READ_CHUNK)
+            h = mx.concatenate([rows[p] for p in range(self.upto, end)], axis=0)[None]
+            nxt = mx.array(context[self.upto + 1:end + 1])[None]
+            x = self.head.features(h, nxt, cache=self.cache)
+            self.head_passes += 1
+            self.upto = end
+            if end > last:
+                break
+            mx.eval(self.cache.keys, self.cache.values)
+        self.target.keep_from = self.upto
         x = x[:, -1:]
         return self.head.logits(x)[0, -1], x
 

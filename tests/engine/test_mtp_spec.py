@@ -87,8 +87,8 @@ def test_greedy_equals_plain_and_the_kv_holds_the_delivered_tokens(mdir, arch):
 def test_bookkeeping_after_partial_acceptance(mdir):
     """The loop, the head and its K/V as they run, with the head's token choice steered (the random head
     is almost never right): per pass both drafts right, the first only, or none, from the plain reply.
-    After every propose the head holds one entry per target position since its start; at the end its
-    K/V equals the head run afresh over the target's hidden states of the same positions."""
+    After every propose the head holds one entry per target position (the prompt's included); at the
+    end its K/V equals the head run afresh over the target's hidden states of the same positions."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     from engine import generate, mtp_spec
@@ -105,7 +105,8 @@ def test_bookkeeping_after_partial_acceptance(mdir):
 
     def run(drafter=None, n=32):
         cache, fed = make_prompt_cache(model), []
-        generate.prefill(model, cache, prompt[:-1], fed)
+        # the prompt in chunks of 4 through the tap (as the engine's prefill): the head reads it too
+        generate.prefill(drafter.target if drafter else model, cache, prompt[:-1], fed, chunk=4, first=4)
         spec = speculative.SpecStats("mtp")
         if drafter is None:
             steps = generate.decode(model, cache, prompt[-1], fed, history=prompt, sampler=greedy.sampler(None),
@@ -139,7 +140,7 @@ def test_bookkeeping_after_partial_acceptance(mdir):
     out, fed, spec = run(d)
     assert out == ref
     assert fed == (prompt + out)[:len(fed)]
-    assert all(held == want for held, want, _ in seen), seen
+    assert d.start == 0 and all(held == want for held, want, _ in seen), seen
     assert spec.drafted > spec.accepted > 0 and spec.passes >= 6
     # the head's K/V against a fresh run over the same positions (the target's hidden states from
     # one pass over everything fed)
