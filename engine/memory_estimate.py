@@ -315,6 +315,9 @@ def estimate(h: GGUFHeader, n_ctx: int, dtype: str = "float32") -> MemoryEstimat
     weights = sum(tensor_bytes(t, db) for t in h.tensors)
     hybrid = hybrid_layout.layout(h)        # Qwen3.5/3.6: K/V in the attention layers only, plus a fixed state
     kv_layers = hybrid.n_attention if hybrid else n_layer
+    # Qwen3.5/3.6's NextN/MTP head (its weights are in `weights`): its own K/V, one attention layer, while
+    # `--spec mtp` drafts (engine/mtp_spec.py); other archs count their NextN blocks in block_count already
+    kv_layers += h.arch_int("nextn_predict_layers", 0) if hybrid else 0
     kv_per_token = kv_layers * n_head_kv * (k_len + v_len) * db
     chunk = PREFILL_CHUNK
     fixed = RUNTIME_OVERHEAD + chunk * n_vocab * 4 + chunk * 3 * ffn_width * db + chunk * 4 * n_embd * db
