@@ -258,3 +258,25 @@ def test_cli_spec_mtp(mdir, capsys):
         assert code == 0, err
         outs[spec] = json.loads(out)
     assert outs["mtp"]["tokens"] == outs["off"]["tokens"] and outs["mtp"]["speculative"] == "mtp"
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_memory_estimate_counts_the_head(mdir, arch):
+    """The load's estimate (and so the guard) holds the head: its weights, equal to the loaded model's plus
+    the head's own parameter bytes (measured equal to the byte, F16 in float32), and its K/V layer."""
+    from mlx.utils import tree_flatten
+
+    from engine.archs.qwen35_mtp import load_head
+    from engine.gguf_file import open_gguf
+    from engine.memory_estimate import estimate, read_header
+    from engine.model_loader import load_model
+    path = _file(mdir, arch)
+    g = open_gguf(path)
+    model, _ = load_model(g)
+    head, _ = load_head(g, model)
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters())) + \
+        sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    e, plain = (estimate(read_header(p), 2048, "float32") for p in (path, _file(mdir, arch, nextn=0)))
+    assert e.weights_bytes == held
+    # one full-attention layer in the tiny model (2 x 128 x 1 K/V head x 4 bytes), the head's one more
+    assert (plain.kv_bytes_per_token, e.kv_bytes_per_token) == (1024, 2048)
