@@ -91,8 +91,8 @@ def batchable(engine, item) -> bool:
 def plain_cache(engine) -> bool:
     got = getattr(engine, "_batch_plain_cache", None)
     if got is None or got[0] is not engine.model or got[1] != engine.options.kv_bits:
-        from mlx_lm.models.cache import KVCache
-        ok = not engine.kv_fmt.quantized and all(type(c) is KVCache for c in engine.make_cache())
+        from . import layer_cache
+        ok = not engine.kv_fmt.quantized and layer_cache.batchable(engine.make_cache())
         got = engine._batch_plain_cache = (engine.model, engine.options.kv_bits, ok)
     return got[2]
 
@@ -340,6 +340,9 @@ class Scheduler:
     # -- joining --
     def _admit(self) -> None:
         eng = self.engine
+        for h in [h for h in self.waiting if h.cancelled]:   # a client gone while it queued: answered now
+            self.waiting.remove(h)
+            eng._serve(h)
         skipped: deque[Handle] = deque()
         while self.waiting and len(self.batch.rows) + len(self.prefilling) < self.cap:
             h = self.waiting.popleft()

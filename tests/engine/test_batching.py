@@ -439,3 +439,24 @@ def test_server_streams_n_clients_at_once(tiny):
     assert models_ms and max(models_ms) < 2000, models_ms
     quit_entry = [c for c in live.conversations if c["tokens"] > 1000]
     assert not quit_entry, "the client that hung up was cancelled, not decoded to 1,500 tokens"
+
+
+def test_a_queued_request_cancelled_is_answered_at_once(tiny):
+    """Beyond the cap a request queues; cancelled there (a client gone), it is answered at the next
+    step, not when a row frees up."""
+    from engine.errors import EngineError, ErrorCode
+    eng = start(tiny, 2)
+    try:
+        long = [GenerateRequest(prompt=PROMPTS[i], conversation=f"l{i}", sampling=greedy(300)) for i in range(2)]
+        queued = GenerateRequest(prompt=PROMPTS[2], conversation="q", sampling=greedy(8))
+        hs = together(eng, long + [queued])
+        hs[2].cancel()
+        with pytest.raises(EngineError) as e:
+            hs[2].result(60)
+        running = [not h.finished.is_set() for h in hs[:2]]
+        rs = [h.result(300) for h in hs[:2]]
+    finally:
+        eng.stop()
+    assert e.value.code == ErrorCode.CANCELLED
+    assert all(running), "answered while both rows still ran"
+    assert [r.generated_tokens for r in rs] == [300, 300]
