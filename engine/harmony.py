@@ -25,9 +25,8 @@ MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"
 STOPS = ("<|return|>", "<|call|>")            # end of a reply
 REASONING_CHANNEL = "analysis"
 
-_MESSAGE = re.compile(r"(?:<\|start\|>)?(?P<head>(?:(?!<\|message\|>|<\|start\|>).)*?)<\|message\|>"
-                      r"(?P<body>.*?)(?P<end><\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|$)", re.S)
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+_ENDS = ("<|end|>", "<|call|>", "<|return|>")   # a message's body ends at one of these (consumed) or at <|start|>
 
 
 def is_harmony_vocab(token_to_id) -> bool:
@@ -42,41 +41,110 @@ class Channels:
     content: str
 
 
+_LONGEST = max(len(m) for m in MARKERS + STOPS)
+
+
 def _held(text: str) -> int:
-    """Length of the end of `text` that could be the start of a marker (held back while streaming)."""
-    for n in range(min(len(text), max(len(m) for m in MARKERS + STOPS) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in MARKERS + STOPS):
-            return n
-    return 0
+    """Length of the end of `text` that could be the start of a marker (held back while streaming).
+    Every marker starts with its only "<", so the one candidate starts at the last "<"."""
+    i = text.rfind("<", max(0, len(text) - _LONGEST + 1))
+    return len(text) - i if i >= 0 and any(len(m) > len(text) - i and m.startswith(text[i:]) for m in MARKERS + STOPS) else 0
+
+
+def _has_markers(text: str) -> bool:
+    return "<|message|>" in text or "<|channel|>" in text
+
+
+class _Parser:
+    """The messages of a reply, read left to right as it grows. Each message: an optional <|start|>,
+    a head (role, channel, recipient) up to <|message|>, a body up to <|end|> / <|call|> / <|return|>
+    (consumed) or the next <|start|> (not consumed) or the end of the text. Text between messages
+    that is not a head (a head never holds <|start|>) is skipped. A closed message is never read
+    again and the open body is searched for its end from where the last search stopped: a reply fed
+    a token at a time is not re-parsed from its start at every token (measured, 4-character feeds:
+    34,000 characters 0.26 s in all, 136,000 2.2 s -- what grows is copying the growing text)."""
+
+    def __init__(self):
+        self.marked = False        # a marker has been seen: the text is harmony
+        self.pos = 0               # where the next message (or the open one's head) starts
+        self.body = -1             # the open message's body start (-1: no open body)
+        self.kind = ""             # the open message's part: "reasoning", "content" or "" (a tool call)
+        self.searched = 0          # the open body has no end marker before this
+        self.closed = Channels("", "")   # the closed messages' parts
+
+    def advance(self, text: str, final: bool) -> Channels:
+        if not self.marked:
+            if not _has_markers(text):
+                return Channels("", text if final else text[:len(text) - _held(text)])
+            self.marked = True
+        while True:
+            if self.body < 0 and not self._head(text, final):
+                break
+            end, size = self._body_end(text)
+            if end < 0:
+                break
+            self._close(text[self.body:end])
+            self.pos, self.body = end + size, -1
+        if self.body < 0 or not self.kind:
+            return self.closed
+        body = text[self.body:]
+        return self._plus(self.kind, body if final else body[:len(body) - _held(body)])
+
+    def _head(self, text: str, final: bool) -> bool:
+        """Read the next message's head; False when it is not all there (yet)."""
+        while True:
+            if text.startswith("<|start|>", self.pos):
+                self.pos += len("<|start|>")
+            m, st = text.find("<|message|>", self.pos), text.find("<|start|>", self.pos)
+            if m < 0:
+                return False
+            if 0 <= st < m:            # not a head: skip to the next message
+                self.pos = st
+                continue
+            head = text[self.pos:m]
+            channel = _CHANNEL.search(head)
+            self.kind = ("" if "to=functions." in head else
+                         "reasoning" if channel is not None and channel.group(1) == REASONING_CHANNEL else "content")
+            self.body = self.searched = m + len("<|message|>")
+            return True
+
+    def _body_end(self, text: str) -> tuple[int, int]:
+        """(where the open body ends, the length of the marker consumed there), or (-1, 0)."""
+        start = self.searched
+        found = [(i, len(e)) for e in _ENDS if (i := text.find(e, start)) >= 0]
+        st = text.find("<|start|>", start)
+        if st >= 0:
+            found.append((st, 0))
+        if not found:
+            # the next search starts where a marker cut off at the end of the text could begin
+            self.searched = max(start, len(text) - max(map(len, _ENDS + ("<|start|>",))) + 1)
+            return -1, 0
+        return min(found)
+
+    def _close(self, body: str) -> None:
+        if self.kind:
+            self.closed = self._plus(self.kind, body)
+
+    def _plus(self, kind: str, text: str) -> Channels:
+        c = self.closed
+        return Channels(c.reasoning + text, c.content) if kind == "reasoning" else Channels(c.reasoning, c.content + text)
 
 
 def split(text: str, *, final: bool = True) -> Channels:
     """The channels of a reply (or of a reply so far, when not `final`: a marker's possible start is
     held back, so each part only ever grows). Text without any harmony marker is all content (a
     model or a file that does not use the channels); tool-call messages are left out of both."""
-    if "<|message|>" not in text and "<|channel|>" not in text:
-        return Channels("", text if final else text[:len(text) - _held(text)])
-    reasoning, content = [], []
-    for m in _MESSAGE.finditer(text):
-        head, body = m.group("head"), m.group("body")
-        if not m.group("end") and not final:
-            body = body[:len(body) - _held(body)]
-        channel = _CHANNEL.search(head)
-        if "to=functions." in head:
-            continue
-        if channel is not None and channel.group(1) == REASONING_CHANNEL:
-            reasoning.append(body)
-        else:
-            content.append(body)
-    return Channels("".join(reasoning), "".join(content))
+    return _Parser().advance(text, final)
 
 
 class ChannelStream:
-    """Feeds a streamed harmony reply; hands back ("reasoning" | "content", delta) items in order."""
+    """Feeds a streamed harmony reply; hands back ("reasoning" | "content", delta) items in order
+    (their sums are `split` of the whole text, tested)."""
 
     def __init__(self):
         self.text = ""
         self.sent = Channels("", "")
+        self.parser = _Parser()
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
         self.text += delta
@@ -86,14 +154,14 @@ class ChannelStream:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> list[tuple[str, str]]:
-        now = split(self.text, final=final)
-        out = []
-        for kind in ("reasoning", "content"):
-            old, new = getattr(self.sent, kind), getattr(now, kind)
+        now = self.parser.advance(self.text, final)
+        out, parts = [], []
+        for kind, old, new in (("reasoning", self.sent.reasoning, now.reasoning),
+                               ("content", self.sent.content, now.content)):
             if len(new) > len(old) and new.startswith(old):
                 out.append((kind, new[len(old):]))
             else:
                 new = old           # never take back what went out
-            now = Channels(**{**now.__dict__, kind: new})
-        self.sent = now
+            parts.append(new)
+        self.sent = Channels(*parts)
         return out

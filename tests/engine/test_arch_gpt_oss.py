@@ -282,19 +282,35 @@ def test_harmony_split():
     assert harmony.split("<|channel|>analysis<|message|>Hmm") == harmony.Channels("Hmm", "")
 
 
-@pytest.mark.parametrize("step", [1, 3, 7])
-def test_harmony_stream_gives_the_same_parts_in_order(step):
+STREAMED = [
+    REPLY,
+    # a message cut short by the next <|start|>, a commentary preamble, then a tool call
+    "<|channel|>analysis<|message|>a b<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"x\": 1}",
+    # junk between messages is skipped
+    "<|channel|>final<|message|>Hi<|end|>junk<|start|>assistant<|channel|>analysis<|message|>late",
+    "no markers at all <|but a partial",
+]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+@pytest.mark.parametrize("text", STREAMED, ids=range(len(STREAMED)))
+def test_harmony_stream_gives_the_same_parts_in_order(step, text):
     cs = harmony.ChannelStream()
     items = []
-    for i in range(0, len(REPLY), step):
-        items += cs.feed(REPLY[i:i + step])
+    for i in range(0, len(text), step):
+        items += cs.feed(text[i:i + step])
     items += cs.finish()
-    kinds = [k for k, _ in items]
-    assert kinds == sorted(kinds, key=lambda k: k != "reasoning")        # all reasoning, then the reply
     got = harmony.Channels("".join(v for k, v in items if k == "reasoning"),
                            "".join(v for k, v in items if k == "content"))
-    assert got == harmony.split(REPLY)
-    assert not any("<|" in v for _, v in items)                          # no marker leaks out
+    assert got == harmony.split(text)
+    if text == REPLY:
+        kinds = [k for k, _ in items]
+        assert kinds == sorted(kinds, key=lambda k: k != "reasoning")    # all reasoning, then the reply
+        assert not any("<|" in v for _, v in items)                      # no marker leaks out
+    expected = {0: ("The user asks what they find. Mention the sea.", "They find **fish** and a <b>bird</b>."),
+                1: ("a b", "Checking."), 2: ("late", "Hi"), 3: ("", "no markers at all <|but a partial")}
+    assert tuple(got.__dict__.values()) == expected[STREAMED.index(text)]
 
 
 HARMONY_GRAMMAR = (r'start: <|channel|> "analysis" <|message|> /[a-z ]{3,30}/ <|end|> <|start|> "assistant" '
