@@ -36,6 +36,20 @@ def _file(d: Path, arch: str, nextn: int = 1) -> Path:
     return write_tiny_qwen35_gguf(d / f"{arch}-{nextn}.gguf", arch, nextn=nextn, seed=5)
 
 
+@pytest.fixture(scope="module")
+def engines(mdir):
+    """One engine per file, shared by the tests (each start loads the model)."""
+    made: dict = {}
+
+    def get(arch: str, nextn: int = 1) -> Engine:
+        if (arch, nextn) not in made:
+            made[(arch, nextn)] = _engine(_file(mdir, arch, nextn))
+        return made[(arch, nextn)]
+    yield get
+    for e in made.values():
+        e.stop()
+
+
 @pytest.fixture(autouse=True)
 def keep_drafting(monkeypatch):
     """A random head's drafts are rejected and a tiny model never gains from drafting: the never-slower
@@ -71,17 +85,14 @@ def _check_kv(e, text, r):
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-def test_greedy_equals_plain_and_the_kv_holds_the_delivered_tokens(mdir, arch):
-    e = _engine(_file(mdir, arch))
-    try:
-        for text in PROMPTS if arch == "qwen35" else PROMPTS[1:]:     # qwen35moe: two, for the time
-            plain = _gen(e, text, "off")
-            r = _gen(e, text, "mtp")
-            assert r.tokens == plain.tokens and len(r.tokens) == 32
-            assert r.speculative == "mtp" and r.drafted_tokens > 0 and not r.speculation_stopped
-            _check_kv(e, text, r)
-    finally:
-        e.stop()
+def test_greedy_equals_plain_and_the_kv_holds_the_delivered_tokens(engines, arch):
+    e = engines(arch)
+    for text in PROMPTS if arch == "qwen35" else PROMPTS[1:]:     # qwen35moe: two, for the time
+        plain = _gen(e, text, "off")
+        r = _gen(e, text, "mtp")
+        assert r.tokens == plain.tokens and len(r.tokens) == 32
+        assert r.speculative == "mtp" and r.drafted_tokens > 0 and not r.speculation_stopped
+        _check_kv(e, text, r)
 
 
 def test_bookkeeping_after_partial_acceptance(mdir):
@@ -194,29 +205,23 @@ def test_sampled_verification_with_the_heads_distribution_follows_the_target(mdi
     assert _chi2(counts, np.array(q.tolist()), 2000)[0] > _chi2_critical(df)
 
 
-def test_sampled_mtp_runs_and_keeps_bookkeeping(mdir):
-    e = _engine(_file(mdir, "qwen35moe"))
-    try:
-        r = _gen(e, PROMPTS[1], "mtp", n=32, temperature=0.8, seed=3)
-        assert len(r.tokens) == 32 and r.drafted_tokens > 0
-        _check_kv(e, PROMPTS[1], r)
-    finally:
-        e.stop()
+def test_sampled_mtp_runs_and_keeps_bookkeeping(engines):
+    e = engines("qwen35moe")
+    r = _gen(e, PROMPTS[1], "mtp", n=32, temperature=0.8, seed=3)
+    assert len(r.tokens) == 32 and r.drafted_tokens > 0
+    _check_kv(e, PROMPTS[1], r)
 
 
-def test_refusals_are_one_line_by_name(mdir):
-    e = _engine(_file(mdir, "qwen35", nextn=0))
-    try:
-        with pytest.raises(StrataError) as err:
-            _gen(e, "hi", "mtp", n=4)
-        assert "has no NextN head" in str(err.value) and "\n" not in str(err.value)
-        # a head file of another architecture
-        with pytest.raises(StrataError, match=r"does not match qwen35-0\.gguf \(architecture qwen35moe vs qwen35\)"):
-            _gen(e, "hi", f"mtp:{_file(mdir, 'qwen35moe')}", n=4)
-        # the plain reply still works after the refusals
-        assert len(_gen(e, "hi", "off", n=4).tokens) == 4
-    finally:
-        e.stop()
+def test_refusals_are_one_line_by_name(mdir, engines):
+    e = engines("qwen35", 0)
+    with pytest.raises(StrataError) as err:
+        _gen(e, "hi", "mtp", n=4)
+    assert "has no NextN head" in str(err.value) and "\n" not in str(err.value)
+    # a head file of another architecture
+    with pytest.raises(StrataError, match=r"does not match qwen35-0\.gguf \(architecture qwen35moe vs qwen35\)"):
+        _gen(e, "hi", f"mtp:{_file(mdir, 'qwen35moe')}", n=4)
+    # the plain reply still works after the refusals
+    assert len(_gen(e, "hi", "off", n=4).tokens) == 4
     with pytest.raises(StrataError, match="off, lookup or draft:PATH, or mtp"):
         speculative.parse_spec("mtp:")
     assert speculative.parse_spec("mtp:/a/mtp-x.gguf").label == "mtp:/a/mtp-x.gguf"
@@ -280,3 +285,27 @@ def test_memory_estimate_counts_the_head(mdir, arch):
     assert e.weights_bytes == held
     # one full-attention layer in the tiny model (2 x 128 x 1 K/V head x 4 bytes), the head's one more
     assert (plain.kv_bytes_per_token, e.kv_bytes_per_token) == (1024, 2048)
+
+
+def test_server_speculative_field_mtp(engines, strata_home):
+    """The server's "speculative": "mtp": the same reply as without, the head's counts in usage; a model
+    without a head answers 400 with the one-line reason."""
+    import httpx
+
+    from engine.frontends.server import ServerThread, create_app
+    for nextn, ok in ((1, True), (0, False)):
+        engine = engines("qwen35", nextn)
+        srv = ServerThread(create_app(engine)).start()
+        try:
+            url = f"{srv.base_url}/chat/completions"
+            base = {"messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0, "max_tokens": 12}
+            if not ok:
+                e = httpx.post(url, json={**base, "speculative": "mtp"}, timeout=120)
+                assert e.status_code == 400 and "has no NextN head" in e.json()["error"]["message"]
+                continue
+            plain = httpx.post(url, json=base, timeout=120).json()
+            r = httpx.post(url, json={**base, "speculative": "mtp"}, timeout=120).json()
+            assert r["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+            assert r["usage"]["speculative"]["drafted_tokens"] > 0 and r["strata"]["speculative"] == "mtp"
+        finally:
+            srv.stop()
