@@ -12,6 +12,8 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
   mlx-lm's cache stores what the model computes) per token, for the context rounded up to mlx-lm's
   256-token cache step. A hybrid recurrent model (Qwen3.5/3.6) keeps K/V in its attention layers only
   and a fixed recurrent + convolution state per sequence in the others (engine/hybrid_layout.py).
+  Gemma 3/4 keep K/V growing with the context in their global layers only; a sliding layer holds its
+  window plus one prefill chunk, and Gemma 4's K/V-sharing layers none (engine/gemma_layout.py).
 * **overhead** (stated, not measured per model) -- 300 MiB for the runtime (MLX, Python, tokenizer),
   plus what one prefill chunk of 512 tokens materialises: its logits (chunk x vocab, float32), the
   attention scores of one layer (chunk x n_head x context, compute dtype) and the FFN activations
@@ -35,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hybrid_layout
+from . import gemma_layout, hybrid_layout
 from .errors import MemoryRefused, ModelFileError, StrataError
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -54,6 +56,8 @@ _TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
 _MXFP4 = 39        # gpt-oss's experts: held as MLX mxfp4 (engine/quants.py), not dequantized
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_PER_LAYER_TYPES = (0, 1, 2, 3, 4, 5, 7, 10, 11)    # integer and bool arrays kept as tuples up to:
+MAX_PER_LAYER = 4096
 
 
 class ModelTooLarge(MemoryRefused):
@@ -74,7 +78,8 @@ class TensorInfo:
 @dataclass(frozen=True)
 class GGUFHeader:
     path: Path
-    metadata: dict              # scalars and strings; arrays as their length
+    metadata: dict              # scalars and strings; arrays as their length, but small integer/bool ones
+                                # (per-layer values: Gemma 4's sliding pattern, feed-forward widths) as tuples
     tensors: tuple[TensorInfo, ...]
 
     @property
@@ -86,6 +91,8 @@ class GGUFHeader:
         whole; inf, NaN, fractions, negatives and absurd sizes are refused in one line)."""
         key = f"{self.architecture}.{suffix}"
         v = self.metadata.get(key, default)
+        if isinstance(v, tuple) and v:      # one value per layer: the largest (the estimate errs high)
+            v = max(v)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ModelFileError(f"{self.path.name}: '{key}' is not a number")
         if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
@@ -131,6 +138,10 @@ class _Reader:
             return self.string()
         if vtype == 9:
             itype, n = self.unpack("<I"), self.unpack("<Q")
+            if itype in _PER_LAYER_TYPES and n <= MAX_PER_LAYER:
+                if struct.calcsize(_SCALARS[itype]) * n > self.left():
+                    raise ValueError(f"an array of {n} elements is longer than the file")
+                return tuple(self.unpack(_SCALARS[itype]) for _ in range(n))
             if itype in _SCALARS:
                 span = struct.calcsize(_SCALARS[itype]) * n
                 if span > self.left():
@@ -240,6 +251,7 @@ class MemoryEstimate:
     scores_bytes_per_token: int    # attention scores of one chunk, per token of context
     state_bytes: int = 0           # recurrent + convolution states of a hybrid model (engine/hybrid_layout.py):
                                    # fixed per sequence, whatever the context
+    window_bytes: int = 0          # K/V of sliding-window layers (Gemma 3/4, engine/gemma_layout.py): fixed too
 
     @property
     def kv_bytes(self) -> int:
@@ -251,17 +263,18 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.state_bytes + self.overhead_bytes
+        return self.weights_bytes + self.kv_bytes + self.state_bytes + self.window_bytes + self.overhead_bytes
 
     def at_context(self, n_ctx: int) -> "MemoryEstimate":
         return MemoryEstimate(self.weights_bytes, self.kv_bytes_per_token, n_ctx, self.kv_dtype,
-                              self.fixed_overhead_bytes, self.scores_bytes_per_token, self.state_bytes)
+                              self.fixed_overhead_bytes, self.scores_bytes_per_token, self.state_bytes,
+                              self.window_bytes)
 
     def largest_context(self, budget_bytes: int, limit: int) -> int:
         """The largest context (a multiple of the 256-token cache step, <= limit) whose total fits
         in budget_bytes; 0 when not even MIN_CONTEXT fits."""
         per_token = self.kv_bytes_per_token + self.scores_bytes_per_token
-        room = budget_bytes - self.weights_bytes - self.fixed_overhead_bytes - self.state_bytes
+        room = budget_bytes - self.weights_bytes - self.fixed_overhead_bytes - self.state_bytes - self.window_bytes
         if room <= 0 or per_token <= 0:
             return 0
         n = min(limit, room // per_token) // KV_STEP * KV_STEP
@@ -271,6 +284,7 @@ class MemoryEstimate:
 
     def line(self) -> str:
         state = f" + recurrent state {gib(self.state_bytes)}" if self.state_bytes else ""
+        state += f" + sliding-window K/V {gib(self.window_bytes)}" if self.window_bytes else ""
         return (f"needs {gib(self.total_bytes)}: weights {gib(self.weights_bytes)} + K/V {gib(self.kv_bytes)} "
                 f"({self.n_ctx} tokens, {self.kv_dtype}){state} + overhead {gib(self.overhead_bytes)}")
 
@@ -319,10 +333,13 @@ def estimate(h: GGUFHeader, n_ctx: int, dtype: str = "float32") -> MemoryEstimat
     # `--spec mtp` drafts (engine/mtp_spec.py); other archs count their NextN blocks in block_count already
     kv_layers += h.arch_int("nextn_predict_layers", 0) if hybrid else 0
     kv_per_token = kv_layers * n_head_kv * (k_len + v_len) * db
+    gemma = gemma_layout.layout(h, PREFILL_CHUNK)   # Gemma 3/4: global layers grow, sliding ones hold a window
+    if gemma:
+        kv_per_token = gemma.kv_bytes_per_token(db)
     chunk = PREFILL_CHUNK
     fixed = RUNTIME_OVERHEAD + chunk * n_vocab * 4 + chunk * 3 * ffn_width * db + chunk * 4 * n_embd * db
     return MemoryEstimate(weights, kv_per_token, n_ctx, dtype, fixed, 2 * chunk * n_head * db,
-                          hybrid.state_bytes(db) if hybrid else 0)
+                          hybrid.state_bytes(db) if hybrid else 0, gemma.window_bytes(db) if gemma else 0)
 
 
 @dataclass(frozen=True)
