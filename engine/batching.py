@@ -115,6 +115,7 @@ class Row:
     ended: str = ""                      # "" while running; else why it leaves ("done", "cancelled", ...)
     cache: list = field(default_factory=list)   # its own KVCache per layer until it joins the batch
     last: mx.array | None = None         # its token of the last step built (lazy), for `ctx`
+    pending: list[int] = field(default_factory=list)   # prompt tokens fed with its first step (GPU: below)
 
     @property
     def entry(self):
@@ -237,10 +238,14 @@ class Batch:
         last prompt token. Returns the step's tokens (lazy)."""
         eng = self.engine
         firsts = [r.turn.tokens[-1] for r in joined]
+        merged = joined[0].pending if len(self.rows) == 1 and joined else []
         for r in joined:
+            r.entry.tokens.extend(r.pending)
             r.entry.tokens.append(r.turn.tokens[-1])
+            r.pending = []
         parts = ([self.y] if self.y is not None else []) + ([mx.array(firsts)] if firsts else [])
         inputs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        inputs = mx.array(merged + firsts)[None] if merged else inputs[:, None]   # (rows, tokens)
         st = eng.steering
         steered = [r.steered for r in self.rows]
         from .generate import _stream
@@ -250,7 +255,7 @@ class Batch:
                 st.rows = mx.array(steered)[:, None, None] if len(self.rows) > 1 and any(steered) \
                     and not all(steered) else None
             try:
-                logits = eng.model(inputs[:, None], cache=self.cache)[:, -1, :]
+                logits = eng.model(inputs, cache=self.cache)[:, -1, :]
             finally:
                 if st is not None:
                     st.rows = None
@@ -302,6 +307,10 @@ class Scheduler:
             if reading:
                 self._prefill_chunk(reading[0])
             ready = [r for r in self.prefilling if r.done >= len(r.todo)]
+            if self.batch.rows or len(ready) > 1:
+                for r in [r for r in ready if r.pending]:   # not alone: its last part is prefilled first
+                    r.todo, r.pending = r.todo + r.pending, []
+                    ready.remove(r)
             for r in ready:
                 self.prefilling.remove(r)
                 self.batch.join(r)
@@ -381,8 +390,14 @@ class Scheduler:
         n_vocab = eng.info.n_vocab
         seeded = sp.seed is not None and sp.temperature > 0
         processors = sp.processors()
+        # On a GPU the prompt's last part goes in with the first decode step, as a lone request's does
+        # (generate.first_step_merge_limit), when the row steps alone; else it is prefilled first.
+        from . import generate
+        new = turn.tokens[turn.reuse:-1]
+        limit = generate.first_step_merge_limit(eng.options.prefill_chunk)
+        n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
         row = Row(handle=h, turn=turn, out=ReplyText(eng.tokenizer, sp.stop, lambda t, s: h.emit(Token(t, s))),
-                  todo=turn.tokens[turn.reuse:-1], steered=turn.projection,
+                  todo=new[:len(new) - n_merged], pending=new[len(new) - n_merged:], steered=turn.projection,
                   sampler=seeded_sampler(sp, n_vocab) if seeded else sp.sampler(n_vocab), processors=processors,
                   key=mx.random.key(sp.seed) if seeded else None,
                   ctx=mx.array(turn.tokens, dtype=mx.int32) if processors else None,

@@ -460,3 +460,29 @@ def test_a_queued_request_cancelled_is_answered_at_once(tiny):
     assert e.value.code == ErrorCode.CANCELLED
     assert all(running), "answered while both rows still ran"
     assert [r.generated_tokens for r in rs] == [300, 300]
+
+
+def test_first_step_merge_as_a_lone_request_does(tiny, monkeypatch):
+    """On a GPU a prompt's last part goes in with the first decode step (generate.first_step_merge_limit);
+    a row does it when it steps alone, and prefills that part first when others step with it. Forced on
+    here, on the CPU (as tests/engine/test_first_step_merge.py does): the same tokens as the lone path
+    with the same merge, and the K/V holds exactly what was fed (the next turn reuses all of it)."""
+    from engine import generate
+    monkeypatch.setattr(generate, "first_step_merge_limit", lambda chunk: 16)
+    reqs = requests(4)
+    solo = start(tiny, 1)
+    try:
+        ref = alone(solo, reqs)
+    finally:
+        solo.stop()
+    eng = start(tiny, 8)
+    try:
+        lone = eng.call(reqs[1], 300)                       # alone: merged into its first step
+        got = [h.result(300) for h in together(eng, reqs)]  # together: prefilled, then joined
+        again = GenerateRequest(prompt=PROMPTS[1] + "!", conversation="c1", sampling=greedy(4))
+        nxt = eng.call(again, 300)
+    finally:
+        eng.stop()
+    assert lone.tokens == ref[1].tokens
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert nxt.cached_tokens >= got[1].prompt_tokens - 1
