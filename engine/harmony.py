@@ -48,7 +48,10 @@ def _held(text: str) -> int:
     """Length of the end of `text` that could be the start of a marker (held back while streaming).
     Every marker starts with its only "<", so the one candidate starts at the last "<"."""
     i = text.rfind("<", max(0, len(text) - _LONGEST + 1))
-    return len(text) - i if i >= 0 and any(len(m) > len(text) - i and m.startswith(text[i:]) for m in MARKERS + STOPS) else 0
+    if i < 0:
+        return 0
+    tail = text[i:]
+    return len(tail) if any(len(m) > len(tail) and m.startswith(tail) for m in MARKERS + STOPS) else 0
 
 
 def _has_markers(text: str) -> bool:
@@ -127,7 +130,9 @@ class _Parser:
 
     def _plus(self, kind: str, text: str) -> Channels:
         c = self.closed
-        return Channels(c.reasoning + text, c.content) if kind == "reasoning" else Channels(c.reasoning, c.content + text)
+        if kind == "reasoning":
+            return Channels(c.reasoning + text, c.content)
+        return Channels(c.reasoning, c.content + text)
 
 
 def split(text: str, *, final: bool = True) -> Channels:

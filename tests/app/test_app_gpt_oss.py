@@ -22,7 +22,8 @@ def harmony_reply(tmp_path_factory):
                r'"assistant" <|channel|> "final" <|message|> /[A-Z][a-z]{2,8}( [a-z]{2,8}){2,4}/ <|return|>')
     eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
     try:
-        return eng.call(GenerateRequest(messages=[{"role": "user", "content": "Hi"}], constraint=ConstraintSpec.lark(grammar),
+        return eng.call(GenerateRequest(messages=[{"role": "user", "content": "Hi"}],
+                                        constraint=ConstraintSpec.lark(grammar),
                                         sampling=SamplingParams(max_tokens=120, temperature=0.0)))
     finally:
         eng.stop()

@@ -203,7 +203,8 @@ def _tokenizer(eng):
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("ftype", [f for f in FTYPES if f != "MXFP4_PY"])  # MXFP4_PY: the same conversion (measured above)
+# MXFP4_PY: the same conversion as MXFP4_MOE (its figures above), only loaded and estimated here
+@pytest.mark.parametrize("ftype", [f for f in FTYPES if f != "MXFP4_PY"])
 def test_matches_llama_cpp(gdir, ftype):
     lo = _oracle()
     path = _file(gdir, ftype)
@@ -331,7 +332,8 @@ def test_engine_reply_keeps_channels_and_ends_at_return(f16_engine):
     assert r.text.startswith("<|channel|>analysis<|message|>") and "<|end|><|start|>assistant<|channel|>final" in r.text
     ch = harmony.split(r.text)
     assert ch.reasoning and ch.content and "<|" not in ch.reasoning + ch.content
-    assert r.text == f"<|channel|>analysis<|message|>{ch.reasoning}<|end|><|start|>assistant<|channel|>final<|message|>{ch.content}"
+    assert r.text == (f"<|channel|>analysis<|message|>{ch.reasoning}<|end|>"
+                      f"<|start|>assistant<|channel|>final<|message|>{ch.content}")
 
 
 def test_engine_tool_call_reply_parses_and_ends_at_call(gdir, f16_engine):
