@@ -34,6 +34,7 @@ ARCH_WRITERS: dict[str, Callable[..., Path]] = {
     "gemma4": gguf_factory_gemma.write_gemma4,
     "granite": gguf_factory_families.writer("granite"),
     "olmo2": gguf_factory_families.writer("olmo2"),
+    "olmo3": gguf_factory_families.writer("olmo3"),   # GGUF olmo2 with sliding-window layers
     "mistral3": gguf_factory_families.writer("mistral3"),
     "phi3": gguf_factory_families.writer("phi3"),
 }

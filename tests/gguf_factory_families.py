@@ -90,6 +90,9 @@ FAMILIES: dict[str, Family] = {
                       "refact", "<|end_of_text|>", "<|end_of_text|>", False, "<|end_of_text|>", GRANITE_TEMPLATE),
     "olmo2": Family("olmo2", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"),
                     "dbrx", "<|endoftext|>", "<|endoftext|>", False, "<|endoftext|>", OLMO2_TEMPLATE),
+    # OLMo 3: GGUF architecture olmo2 with sliding-window layers (4 layers: 0-2 slide, 3 attends to all)
+    "olmo3": Family("olmo2", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"),
+                    "dbrx", "<|endoftext|>", "<|endoftext|>", False, "<|endoftext|>", OLMO2_TEMPLATE),
     "mistral3": Family("mistral3", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
                                     "[/SYSTEM_PROMPT]"),
                        "tekken", "<s>", "</s>", True, "</s>", MISTRAL3_TEMPLATE),
@@ -113,6 +116,8 @@ MISTRAL3_ROPE = dict(rope_theta=1_000_000.0, yarn_factor=16.0, yarn_original_con
 # original, so llama.cpp runs the long factors, as Strata does for a file longer than its original context
 PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary=0.75, original_context=64, context_length=4096)
 PHI3_SPM_ROPE = dict(PHI3_ROPE, partial_rotary=1.0, original_context=0)
+# a window the test prompts outgrow; the pattern key absent (llama.cpp's default period, 4)
+OLMO3_SWA = dict(sliding_window=16, swa_pattern=0)
 
 
 # Merges of digit pairs, after the trained ones (which learnt none: the trainer splits digits one by one),
@@ -227,7 +232,7 @@ def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n
     return t
 
 
-def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
                       head_dim=None, context_length=2048, tensor_type="F16", seed=0, tie=None,
                       name=None, eot_boost: float = 0.0, **hp) -> Path:
     """Write a tiny random-weight GGUF of `family` (see the module doc); `hp` overrides the family's
@@ -238,12 +243,14 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
         raise ValueError(f"family {family!r} not in {sorted(FAMILIES)}")
     qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
     arch = FAMILIES[family].arch
+    if n_layer is None:
+        n_layer = 4 if family == "olmo3" else 2
     if head_dim is None:
         head_dim = n_embd // n_head
     if tie is None:
         tie = arch in ("granite", "phi3")
     defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE,
-                "phi3-spm": PHI3_SPM_ROPE}.get(family, {})
+                "phi3-spm": PHI3_SPM_ROPE, "olmo3": OLMO3_SWA}.get(family, {})
     unknown = set(hp) - set(defaults)
     if unknown:
         raise ValueError(f"{family}: unknown hyperparameters {sorted(unknown)}")
@@ -286,6 +293,10 @@ def write_family_gguf(path, family: str, *, n_layer=2, n_embd=256, n_head=4, n_h
         w.add_logit_scale(hp["logit_scale"])
     elif arch == "olmo2":
         w.add_rope_freq_base(500000.0)
+        if hp.get("sliding_window"):
+            w.add_sliding_window(hp["sliding_window"])
+        if hp.get("swa_pattern"):
+            w.add_uint32(f"{arch}.attention.sliding_window_pattern", hp["swa_pattern"])
     elif arch == "mistral3":
         w.add_rope_freq_base(hp["rope_theta"])
         w.add_vocab_size(n_vocab)

@@ -5,7 +5,10 @@ attention (`post_attention_norm`) and after the MLP (`post_ffw_norm`), inside ea
 Q and K are RMS-normalized over the whole projection (weights n_head*head_dim and n_head_kv*head_dim
 wide, not per head) before RoPE. llama.cpp runs it with NEOX (rotate-half) RoPE on rows the converter
 did not permute: mlx-lm's default. The names other than those two norms are the common table's.
-OLMo 3 files also say `olmo2`, with sliding-window layers: refused until they are supported.
+
+OLMo 3 files also say `olmo2`, with `attention.sliding_window`: mlx-lm's `olmo3` class, whose layers are
+olmo2's with sliding-window attention on all but every `attention.sliding_window_pattern`-th layer
+(llama.cpp's default period 4: layers 3, 7, ... attend to everything), plain RoPE on the sliding layers.
 """
 from __future__ import annotations
 
@@ -25,14 +28,45 @@ def model_args(g, common: dict, head_dim: int):
         # llama.cpp's olmo2 sizes heads as width / heads whatever key_length says
         raise ModelFileError(f"{g.path.name}: head size {head_dim} is not width {n_embd} / {n_head} heads, "
                              "which olmo2 needs")
-    if int(g.arch_key("attention.sliding_window", 0) or 0) > 0:
-        raise ModelFileError(f"{g.path.name}: olmo2 with sliding-window layers (OLMo 3) is not supported yet")
     if str(g.arch_key("rope.scaling.type", "none")) not in ("none", ""):
         raise ModelFileError(f"{g.path.name}: olmo2 RoPE scaling "
                              f"'{g.arch_key('rope.scaling.type')}' is not supported")
     if "output.weight" not in g.tensors():
         raise ModelFileError(f"{g.path.name}: olmo2 needs an 'output.weight' tensor (llama.cpp requires it too)")
-    return Model, ModelArgs(**common, head_dim=head_dim)
+    window = int(g.arch_key("attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return Model, ModelArgs(**common, head_dim=head_dim)
+    return _olmo3(g, common, head_dim, window)
+
+
+def _olmo3(g, common: dict, head_dim: int, window: int):
+    from mlx_lm.models.olmo3 import Model, ModelArgs
+
+    from ..errors import ModelFileError
+    n_layer, context = common["num_hidden_layers"], common["max_position_embeddings"]
+    if window > context:
+        raise ModelFileError(f"{g.path.name}: sliding window {window} is larger than the context {context}")
+    period = g.arch_key("attention.sliding_window_pattern", 4)
+    if hasattr(period, "__len__"):
+        raise ModelFileError(f"{g.path.name}: a per-layer olmo2 sliding-window pattern is not supported")
+    period = int(period)
+    # llama.cpp's set_swa_pattern(period): layer i slides unless i % period == period - 1
+    types = ["sliding_attention" if period > 1 and i % period < period - 1 else "full_attention"
+             for i in range(n_layer)]
+    if "sliding_attention" not in types or "full_attention" not in types:
+        # mlx-lm's olmo3 takes each mask's shape from a layer of each kind
+        raise ModelFileError(f"{g.path.name}: a sliding-window pattern of {period} over {n_layer} layers leaves "
+                             "no sliding or no full-attention layer")
+    return _with_sanitize(Model), ModelArgs(**common, head_dim=head_dim, sliding_window=window, layer_types=types)
+
+
+def _with_sanitize(base):
+    class Olmo3(base):
+        """mlx-lm's olmo3 Model with the `sanitize` step the loader calls (it has none: nothing to drop)."""
+
+        def sanitize(self, weights):
+            return weights
+    return Olmo3
 
 
 def tensor_name(gguf_name: str, args) -> str | None:

@@ -63,8 +63,10 @@ def _first_disagreement(ref: np.ndarray, ours: np.ndarray, start: int) -> tuple[
     return disagree.tolist(), (top2[:, 1] - top2[:, 0])[disagree].tolist()
 
 
-# every family in every type; the Phi-3 SentencePiece file (same graph as phi3) in F16
-PARITY_CASES = [(f, t) for f in FAMILY_NAMES if f != "phi3-spm" for t in ("F16", "Q8_0", "Q4_K_M")] + [("phi3-spm", "F16")]
+# every family in every type; OLMo 3 (olmo2's graph with sliding windows) in two, the Phi-3 SentencePiece
+# file (phi3's graph) in F16
+PARITY_CASES = ([(f, t) for f in ("granite", "olmo2", "mistral3", "phi3") for t in ("F16", "Q8_0", "Q4_K_M")]
+                + [("olmo3", "F16"), ("olmo3", "Q4_K_M"), ("phi3-spm", "F16")])
 
 
 @pytest.mark.parametrize("family, ftype", PARITY_CASES)
@@ -90,7 +92,7 @@ FEATURE_VARIANTS = [
     ("granite", dict(embedding_scale=1.0)), ("granite", dict(residual_scale=1.0)),
     ("granite", dict(attention_scale=0.125)), ("granite", dict(logit_scale=1.0)),
     ("mistral3", dict(temperature_scale=0.0)), ("mistral3", dict(yarn_factor=0.0)),
-    ("phi3", dict(original_context=0)),
+    ("phi3", dict(original_context=0)), ("olmo3", dict(sliding_window=0)), ("olmo3", dict(swa_pattern=2)),
 ]
 
 
@@ -109,7 +111,7 @@ def test_each_family_feature_changes_llama_cpp_logits(files, tmp_path):
         assert gap > 20 * LOGIT_TOL["F16"][1], f"{family} {change}: only {gap:.3f} apart"
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f != "olmo3"])   # olmo3: olmo2's vocabulary
 def test_family_tokenizer_matches_llama_cpp(files, family):
     path = files(family)
     tok = load_tokenizer(open_gguf(path))
@@ -132,15 +134,17 @@ RENDERED = {
                "<|start_of_role|>user<|end_of_role|>Tell me about the sea.<|end_of_text|>\n"
                "<|start_of_role|>assistant<|end_of_role|>",
     "olmo2": "<|endoftext|><|system|>\nYou are brief.\n<|user|>\nTell me about the sea.\n<|assistant|>\n",
+    "olmo3": "<|endoftext|><|system|>\nYou are brief.\n<|user|>\nTell me about the sea.\n<|assistant|>\n",
     "mistral3": "<s>[SYSTEM_PROMPT]You are brief.[/SYSTEM_PROMPT][INST]Tell me about the sea.[/INST]",
     "phi3": "<|system|>You are brief.<|end|><|user|>Tell me about the sea.<|end|><|assistant|>",
     "phi3-spm": "<|system|>\nYou are brief.<|end|>\n<|user|>\nTell me about the sea.<|end|>\n<|assistant|>\n",
 }
 
 
-# The end-of-turn token's output row scaled so that the random model ends its reply within N_GEN tokens
-# (measured: after 2, 1, 5, 1 and 12 tokens): a reply that ends is what shows the engine stops at the marker.
-EOT_BOOST = {"granite": 1.8, "olmo2": 5.0, "mistral3": 5.0, "phi3": 3.0, "phi3-spm": 3.0}
+# The end-of-turn token's output row scaled so that the random model ends its reply within N_REPLY tokens
+# (measured: after 2, 1, 16, 5, 1 and 12 tokens): a reply that ends is what shows the engine stops at the marker.
+EOT_BOOST = {"granite": 1.8, "olmo2": 5.0, "olmo3": 3.0, "mistral3": 5.0, "phi3": 3.0, "phi3-spm": 3.0}
+N_REPLY = 24
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -154,7 +158,7 @@ def test_engine_chat_renders_the_family_template_and_stops_at_its_end_of_turn(tm
     path = write_family_gguf(tmp_path / f"{family}.gguf", family, seed=3, eot_boost=EOT_BOOST[family])
     eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
     try:
-        req = GenerateRequest(messages=CHAT, sampling=SamplingParams(max_tokens=N_GEN))
+        req = GenerateRequest(messages=CHAT, sampling=SamplingParams(max_tokens=N_REPLY))
         prompt = eng.call(Call(lambda e: e.prompt_tokens(req))).value
         r = eng.call(req)
     finally:
@@ -164,8 +168,8 @@ def test_engine_chat_renders_the_family_template_and_stops_at_its_end_of_turn(tm
     assert prompt == want, family
     eot = llm.tokenize(spec.end_of_turn.encode(), add_bos=False, special=True)
     assert len(eot) == 1
-    ref_gen = llama_cpp.greedy(llama_cpp.cached_llama(path), prompt, N_GEN)
-    assert eot[0] in ref_gen, f"{family}: llama.cpp must end the turn within {N_GEN} tokens for this test"
+    ref_gen = llama_cpp.greedy(llama_cpp.cached_llama(path), prompt, N_REPLY)
+    assert eot[0] in ref_gen, f"{family}: llama.cpp must end the turn within {N_REPLY} tokens for this test"
     ref_gen = ref_gen[:ref_gen.index(eot[0]) + 1]
     print(f"{family}: {r.tokens} {r.finish_reason} {r.text!r}; llama.cpp {ref_gen}")
     ref = llama_cpp.logits(llama_cpp.cached_llama(path), prompt + ref_gen)
@@ -184,6 +188,7 @@ def test_engine_chat_renders_the_family_template_and_stops_at_its_end_of_turn(tm
     ("olmo2", dict(tie=True), "olmo2 needs an 'output.weight' tensor"),
     ("phi3", dict(n_ff=384), "tensor 'blk.0.ffn_up.weight' has shape"),
     ("mistral3", dict(n_head_kv=3), "3 K/V heads do not divide 4 attention heads"),
+    ("olmo3", dict(sliding_window=4096), "sliding window 4096 is larger than the context 2048"),
 ])
 def test_broken_family_file_is_one_line_model_file_error(tmp_path, family, change, message):
     from engine.model_loader import model_args
