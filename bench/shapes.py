@@ -53,18 +53,21 @@ HYBRID_SHAPES: dict[str, dict] = {
 CHOICES = (*SHAPES, *HYBRID_SHAPES)
 
 
-def build_random_model(name: str, folder: Path, *, context_length: int = 16384) -> Path:
-    """Write (once; reused when the file exists) the Q8_0 random-weight GGUF of shape `name`."""
+def build_random_model(name: str, folder: Path, *, context_length: int = 16384, nextn: int = 0) -> Path:
+    """Write (once; reused when the file exists) the Q8_0 random-weight GGUF of shape `name`. `nextn=1`
+    (the Qwen3.5-like shapes only) adds a NextN/MTP head block, as the converter writes it (`--spec mtp`)."""
     if name not in CHOICES:
         raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(CHOICES)}")
+    if nextn and name not in HYBRID_SHAPES:
+        raise SystemExit(f"a NextN head is written for the Qwen3.5-like shapes only ({', '.join(HYBRID_SHAPES)})")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"random-{name}-q8_0-v3.gguf"
+    path = folder / f"random-{name}{'-mtp' if nextn else ''}-q8_0-v3.gguf"
     if path.exists():
         return path
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     if name in HYBRID_SHAPES:
-        return _build_hybrid(name, path, context_length)
+        return _build_hybrid(name, path, context_length, nextn)
     s = SHAPES[name]
     from tests import gguf_factory
     t0 = time.perf_counter()
@@ -92,7 +95,7 @@ def build_random_model(name: str, folder: Path, *, context_length: int = 16384) 
     return path
 
 
-def _build_hybrid(name: str, path: Path, context_length: int) -> Path:
+def _build_hybrid(name: str, path: Path, context_length: int, nextn: int = 0) -> Path:
     """A random Qwen3.5-like GGUF (Q8_0, the factory's tiny vocabulary, output rows of the control and
     high byte tokens zeroed as for the dense shapes)."""
     tests = str(ROOT / "tests")
@@ -113,7 +116,8 @@ def _build_hybrid(name: str, path: Path, context_length: int) -> Path:
     q._tensors = without_control_logits
     try:
         q.write_tiny_qwen35_gguf(tmp, "qwen35", tensor_type="Q8_0", tie_embeddings=False,
-                                 context_length=context_length, name=f"random {name}", **HYBRID_SHAPES[name])
+                                 context_length=context_length, name=f"random {name}", nextn=nextn,
+                                 **HYBRID_SHAPES[name])
     finally:
         q._tensors = make
     tmp.rename(path)

@@ -17,6 +17,20 @@ Tuning of prompt lookup's n-gram sizes and draft length, exactly and without tim
 reply per workload, then the lookup drafter replayed over it (greedy verification accepts a draft's
 longest prefix that equals the reply, so the passes a speculated run makes follow from the reply
 alone). Reports tokens per verify pass and acceptance for each setting.
+
+    .venv/bin/python bench/spec.py --modes off,mtp --shape qwen35-tiny [--mtp-costs]
+
+`--modes` picks the modes of the table (off, lookup, mtp, draft:PATH); `--shape` runs on a random
+Qwen3.5-like file of bench/shapes.py written with a NextN head. With random weights a head's acceptance
+means nothing, so `--mtp-costs` measures what the speed-up follows from instead, outside the engine
+(model and head loaded directly, CPU or GPU as MLX runs): the target's pass over n = 1..4 tokens at a
+context (T_n), one head step (H), the recurrent state's snapshot before a verify pass and its restore
+after a rejection (engine/layer_cache.py), and from them the expected speed-up at acceptance rates
+0.5-0.95 for depth k = 1..3, each draft accepted with probability a independently:
+  tokens per verify pass  E = (1 - a^(k+1)) / (1 - a)
+  time per verify pass    T_(k+1) + snapshot + k H + sum_(j<k) a^j (1-a) (restore + T_(j+1))
+(a rejection after j accepted drafts restores the state and feeds the j + 1 kept tokens again); speed-up
+= E T_1 / time. With T_(k+1) = T_1, H = 0 and free copies, k = 1 gives the bound (1+a)/(2-a).
 """
 from __future__ import annotations
 
@@ -59,13 +73,30 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--tune", action="store_true", help="replay lookup settings over plain replies")
+    ap.add_argument("--modes", default=None, help="comma-separated: off,lookup,mtp,draft:PATH (default off,lookup"
+                                                  " and the --draft)")
+    ap.add_argument("--shape", default=None, help="a Qwen3.5-like random shape of bench/shapes.py, written with a "
+                                                  "NextN head (replaces --model)")
+    ap.add_argument("--mtp-costs", action="store_true", help="measure the MTP pass costs and the speed-ups they give")
+    ap.add_argument("--context", type=int, default=256, help="--mtp-costs: the context the passes run at")
+    ap.add_argument("--reps", type=int, default=31, help="--mtp-costs: rounds (medians)")
     args = ap.parse_args()
+    if args.shape:
+        from bench.shapes import build_random_model
+        args.model = str(build_random_model(args.shape, Path("/tmp/strata-shapes"), nextn=1))
+    if args.mtp_costs:
+        return mtp_costs(args)
     if args.tune:
         return tune(args)
-    modes = ["off", "lookup"] + ([f"draft:{args.draft}"] if args.draft else [])
+    modes = args.modes.split(",") if args.modes else ["off", "lookup"] + ([f"draft:{args.draft}"] if args.draft else [])
+    if "off" not in modes:
+        modes.insert(0, "off")
     engine = Engine(EngineOptions(model=args.model)).start()
     st = engine.call(Status(), timeout=600)
     assert st.model, "the model did not load"
+    if args.shape:
+        from bench.shapes import ignore_eos
+        ignore_eos(engine)              # random weights: every run makes all of its tokens
     workloads = {"edit": edit_prompt(), "chat": CHAT}
     results: dict = {}
     for w in args.workloads.split(","):
@@ -98,6 +129,81 @@ def main() -> int:
             print(f"| {w} | {label} | {tps:.2f} | {tps / base:.2f}x | {acc}/{dr}"
                   f"{f' ({acc / dr:.0%})' if dr else ''} | {'yes' if same else 'NO'} |", flush=True)
     engine.stop()
+    return 0
+
+
+def mtp_speedup(a: float, k: int, t: dict, head: float, snap: float, restore: float) -> float:
+    """Expected decode speed-up of depth-k MTP drafting at per-draft acceptance a (module docstring)."""
+    tokens = sum(a ** j for j in range(k + 1))
+    cost = t[k + 1] + snap + k * head + sum(a ** j * (1 - a) * (restore + t[j + 1]) for j in range(k))
+    return tokens * t[1] / cost
+
+
+def mtp_costs(args) -> int:
+    """The target's pass costs, the head's step and the recurrent state's copies; the speed-up table."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from engine import generate, layer_cache
+    from engine.archs.qwen35_mtp import load_head
+    from engine.device import compute_dtype
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.mtp_spec import TargetTap
+    g = open_gguf(Path(args.model))
+    dtype = compute_dtype()
+    model, info = load_model(g, dtype=dtype)
+    head, _ = load_head(g, model, dtype=dtype)
+    tap = TargetTap(model)
+    rng = __import__("random").Random(0)
+    prompt = [rng.randrange(10, 250) for _ in range(args.context)]
+    cache, fed = make_prompt_cache(model), []
+    generate.prefill(tap, cache, prompt, fed)
+    hcache = KVCache()
+    h = mx.concatenate([tap.rows[p] for p in range(len(prompt) - 1)], axis=0)[None]
+    head.features(h, mx.array(prompt[1:])[None], cache=hcache)
+    mx.eval(hcache.keys, hcache.values)
+    reps = args.reps
+    import time
+    hx = h[:, -1:]
+    times: dict = {n: [] for n in (1, 2, 3, 4)}
+    snaps, restores, heads = [], [], []
+    # interleaved (every measure once a round): on a busy machine the ratios stay fair
+    for _ in range(reps):
+        for n in (1, 2, 3, 4):
+            t0 = time.perf_counter()
+            snap = layer_cache.snapshot(cache, len(fed))
+            mx.eval(list(snap.layers.values()))
+            t1 = time.perf_counter()
+            mx.eval(tap(mx.array(prompt[:n])[None], cache=cache))
+            t2 = time.perf_counter()
+            layer_cache.rollback(cache, len(fed) + n, n, snap, lambda k: None)
+            mx.eval(layer_cache.arrays(cache))
+            t3 = time.perf_counter()
+            snaps.append(t1 - t0)
+            times[n].append(t2 - t1)
+            restores.append(t3 - t2)
+        t0 = time.perf_counter()
+        x = head.features(hx, mx.array([[prompt[-1]]]), cache=hcache)
+        mx.eval(head.logits(x))
+        heads.append(time.perf_counter() - t0)
+        hcache.trim(1)
+    t = {n: statistics.median(v) for n, v in times.items()}
+    snap_s, restore_s, head_s = (statistics.median(v) for v in (snaps, restores, heads))
+    dev = "GPU" if mx.default_device() == mx.gpu else "CPU"
+    print(f"{Path(args.model).name} ({info.n_layer} layers + head, {info.n_embd} wide), {dev} {str(dtype)[-7:]}, "
+          f"context {args.context}, medians of {reps}")
+    print("| T_1 | T_2 | T_3 | T_4 | head step H | H / T_1 | snapshot | restore |")
+    print("|---|---|---|---|---|---|---|---|")
+    ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
+    print(f"| {ms(t[1])} | {ms(t[2])} | {ms(t[3])} | {ms(t[4])} | {ms(head_s)} | {head_s / t[1]:.2f} | "
+          f"{ms(snap_s)} | {ms(restore_s)} |")
+    print()
+    print("| acceptance a | bound (1+a)/(2-a) | k=1 | k=2 | k=3 |")
+    print("|---|---|---|---|---|")
+    for a in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+        cols = " | ".join(f"{mtp_speedup(a, k, t, head_s, snap_s, restore_s):.2f}x" for k in (1, 2, 3))
+        print(f"| {a:.2f} | {(1 + a) / (2 - a):.2f}x | {cols} |")
     return 0
 
 
