@@ -195,6 +195,44 @@ def test_greedy_and_logits_match_llama_cpp(files, arch, ftype):
         assert r["median"] < med and r["max"] < mx_, r
 
 
+# (median, max) for the tied files (real Gemma files tie the output head to the embedding), measured
+# 2026-12-02 over TIED_TEXT: F16 0.0016-0.0022 / 0.013-0.017, Q4_K_M 0.054-0.074 / 0.52-0.82 (logit
+# scale ~10; llama.cpp stores the tied table as Q6_K, which Strata requantizes to 8 bits).
+TIED_TOL = {"F16": (0.005, 0.04), "Q4_K_M": (0.12, 1.2)}
+TIED_TEXT = b"The little boat left the harbor early in the morning, when the sea was still and grey."
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("ftype", ["F16", "Q4_K_M"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_tied_output_head_logits_match_llama_cpp(files, arch, ftype):
+    llama_oracle.require()
+    path = files(arch, ftype, tie_embeddings=True)
+    ids = _vocab_llm(path).tokenize(TIED_TEXT, add_bos=True, special=True)
+    assert len(ids) > WINDOW
+    ref = llama_oracle.logits(llama_oracle.cached_llama(path), ids)
+    diff = np.abs(ref - llama_oracle.strata_logits(path, ids))
+    print(f"{arch} {ftype} tied: |dlogit| median {np.median(diff):.4f} max {diff.max():.3f}")
+    med, mx_ = TIED_TOL[ftype]
+    assert np.median(diff) < med and diff.max() < mx_
+
+
+@pytest.mark.oracle
+def test_gemma3_embedding_scale_is_llama_cpps_exact_square_root(tmp_path):
+    """gemma3_text rounds sqrt(n_embd) to bfloat16 (1152, Gemma 3 1B's width: 34.0 for 33.94);
+    llama.cpp does not. On a 1152-wide F32 file, measured |dlogit| median: 0.0028 with mlx-lm's
+    rounded scale, 0.0013 with the correction, the floor of this comparison (a 1024-wide file, whose
+    square root is exact, gives 0.0013: llama.cpp's GELU goes through an F16 table)."""
+    llama_oracle.require()
+    path = write_tiny_gemma3(tmp_path / "g1152.gguf", n_embd=1152, seed=3, sliding_window=WINDOW,
+                             tie_embeddings=True, tensor_type="F32")
+    ids = _vocab_llm(path).tokenize(TIED_TEXT, add_bos=True, special=True)
+    ref = llama_oracle.logits(llama_oracle.cached_llama(path), ids)
+    diff = np.abs(ref - llama_oracle.strata_logits(path, ids))
+    print(f"1152-wide F32: |dlogit| median {np.median(diff):.5f} max {diff.max():.4f}")
+    assert np.median(diff) < 0.0022
+
+
 # ---------------------------------------------------------------------------------- the engine
 CHAT = [{"role": "user", "content": "Tell me a story about the little boat and the sea."}]
 # the step whose greedy token becomes the turn end's look-alike in the stop test's file: the reply then
