@@ -142,8 +142,11 @@ def check_hyperparameters(g) -> Hyperparameters:
     if up is not None and len(up.shape) == 2:          # dense FFN (MoE experts are 3-D)
         # Phi-3's ffn_up holds the gate half and the up half (llama.cpp: {n_embd, 2 * n_ff})
         shape_is("blk.0.ffn_up.weight", n_embd, 2 * n_ff if g.architecture == "phi3" else n_ff)
-    # a fused QKV projection (Phi-3): Q, K and V rows stacked
-    shape_is("blk.0.attn_qkv.weight", n_embd, (n_head + 2 * n_head_kv) * head_dim)
+    # a fused QKV projection (Phi-3): Q, K and V rows stacked. Not Qwen3.5/3.6's: there blk.0 is a Gated
+    # DeltaNet layer whose attn_qkv is its linear attention's (2 x key heads x key size + value heads x
+    # value size, checked by engine/archs/qwen35.py)
+    if g.architecture not in ("qwen35", "qwen35moe"):
+        shape_is("blk.0.attn_qkv.weight", n_embd, (n_head + 2 * n_head_kv) * head_dim)
     rope = tensors.get("rope_freqs.weight")
     if rope is not None and math.prod(rope.shape) != head_dim // 2:
         raise bad(f"tensor 'rope_freqs.weight' has {math.prod(rope.shape)} factors, "

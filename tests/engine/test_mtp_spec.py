@@ -309,3 +309,17 @@ def test_server_speculative_field_mtp(engines, strata_home):
             assert r["usage"]["speculative"]["drafted_tokens"] > 0 and r["strata"]["speculative"] == "mtp"
         finally:
             srv.stop()
+
+
+def test_a_qwen35_file_whose_deltanet_qkv_is_not_attention_shaped_loads_with_its_head(mdir):
+    """blk.0.attn_qkv of a Qwen3.5 file is the Gated DeltaNet's (2 x 2 x 64 + 8 x 64 = 768 rows here), not
+    a fused attention QKV ((2 + 2 x 1) x 128 = 512): the hyperparameter check must not refuse it (it did
+    for every real Qwen3.5 shape, e.g. bench/shapes.py's qwen35-0.8b; the tests' default widths agree
+    by chance)."""
+    from engine.archs.qwen35_mtp import load_head
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    g = open_gguf(write_tiny_qwen35_gguf(mdir / "v8.gguf", "qwen35", n_v_heads=8, nextn=1, seed=5))
+    model, info = load_model(g)
+    head, _ = load_head(g, model)
+    assert info.n_layer == 4 and head.layer is not None
