@@ -20,6 +20,8 @@ from PySide6.QtCore import QEvent, QObject, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
+from .paths import set_identity
+
 
 class FileOpenQueue(QObject):
     """Turns QFileOpenEvents (macOS Finder, the Dock) into window.sessions.open_file; installed as an event
@@ -49,13 +51,6 @@ class FileOpenQueue(QObject):
         pending, self.pending = self.pending, []
         for p in pending:        # requests queue behind the model load on the engine thread
             window.sessions.open_file(p)
-
-
-def set_identity(app) -> None:
-    """The application's names (Qt builds its own folders from them; the older data folder, see
-    app.paths.legacy_data_dir, was one)."""
-    app.setApplicationName("Strata")
-    app.setOrganizationName("Strata")
 
 
 def make_app(argv=None) -> QApplication:

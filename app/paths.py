@@ -43,7 +43,7 @@ class AppPaths:
 
 def legacy_data_dir() -> Path | None:
     """Where the app kept its files before it used engine.paths' folder: QStandardPaths' AppDataLocation
-    (the application's identity must be set: app.main.set_identity)."""
+    (the application's identity must be set: set_identity)."""
     from PySide6.QtCore import QStandardPaths
     loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
     return Path(loc) if loc else None
@@ -97,3 +97,10 @@ def db_path() -> Path:
 
 def settings_path() -> Path:
     return AppPaths.default().settings_path
+
+
+def set_identity(app) -> None:
+    """The application's names (Qt builds its own folders from them; the older data folder, see
+    legacy_data_dir, was one). Here, not in app.main: the self-test sets them too."""
+    app.setApplicationName("Strata")
+    app.setOrganizationName("Strata")

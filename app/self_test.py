@@ -22,7 +22,7 @@ def run_self_test(model: str | None, timeout_s: float = 300.0, soak_tokens: int 
 
     from .engine_thread import EngineClient, EngineThread
 
-    from .main import set_identity
+    from .paths import set_identity     # not from .main, which imports this module: no import circle
     app = QApplication.instance() or QApplication(sys.argv[:1])
     set_identity(app)
     from .binding_check import reference_loss

@@ -346,10 +346,11 @@ def decode_masked(model, cache, last_token: int, fed: list[int], *, history: lis
 
     import mlx.core as mx
 
-    from .generate import _stream
+    # mlx-lm's generation stream, the one generate.decode steps on (read here, not through
+    # generate._stream: generate imports this module, and this one must not import it back).
+    from mlx_lm.generate import generation_stream as stream
     if seed is not None:
         mx.random.seed(seed)
-    stream = _stream()
     ctx = mx.array(history, dtype=mx.int32) if processors else None
     neg_inf = mx.array(-float("inf"), dtype=mx.float32)
     width = [0]

@@ -142,7 +142,7 @@ class Distributed:
 
     def announce(self, handle) -> None:
         """Rank 0: send the request to the followers before serving it (replicated requests only)."""
-        from .engine import GenerateRequest
+        from .api import GenerateRequest
         req = handle.request
         if isinstance(req, GenerateRequest):
             if req.sampling.seed is None:
@@ -200,19 +200,19 @@ class Distributed:
         if self.rank == 0 and replicated and not getattr(handle, "local", False):
             self.announce(handle)
         if not replicated:
-            return engine._dispatch(handle)
-        from .engine import GenerateRequest
+            return engine.dispatch(handle)
+        from .api import GenerateRequest
         from .pipeline_model import PipelineModel, TensorModel
         if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, (PipelineModel, TensorModel)):
             LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
         try:
-            result = self._collective(lambda: engine._dispatch(handle), handle)
+            result = self._collective(lambda: engine.dispatch(handle), handle)
         except DistributedError:
             raise                       # the ring itself is gone: no check can run
         except StrataError as e:
             error, result = e, None
-            engine._log(f"distributed: this rank failed the request: {e}")   # what "see their log" means
+            engine.log(f"distributed: this rank failed the request: {e}")   # what "see their log" means
         self._collective(lambda: self._check_agree(error is None, engine.model_hash), handle)
         if error is not None:
             raise error
@@ -250,7 +250,7 @@ class Distributed:
 
     def save(self, engine, req, handle) -> dict:
         from . import sessions
-        engine._require_model()
+        engine.require_model()
         # The same choice as Engine._save (every rank holds the same entries in the same order).
         entry = engine.live
         if req.messages is not None:
@@ -273,7 +273,7 @@ class Distributed:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
             try:
                 result = sessions.save(req.path, whole, engine.session_fingerprint(),
-                                       progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine._log)
+                                       progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine.log)
             except StrataError as e:
                 error = str(e)
         # A failed write (disk full, a folder in the way) fails the request on every rank, in step.
@@ -286,7 +286,7 @@ class Distributed:
         from . import sessions
         from .errors import RequestError, StrataError
         from .parking import KVEntry
-        engine._require_model()
+        engine.require_model()
         n_layer = engine.info.n_layer
         # Pipeline: any cache kinds, through the cache contract (engine/pipeline_sessions.py); a format-3
         # file is checked against the whole model's one-token probe, which every rank runs together.
@@ -304,7 +304,7 @@ class Distributed:
                                               else (lambda: [KVCache() for _ in range(n_layer)]),
                                               key=engine.cache_key(), dtype=engine.dtype,
                                               progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                              log=engine._log, probe_cache=(lambda: probe) if probe else None)
+                                              log=engine.log, probe_cache=(lambda: probe) if probe else None)
             except StrataError as e:
                 error = str(e)
         self._decide(error)
@@ -387,7 +387,7 @@ class Distributed:
 
 def _replicated(req) -> bool:
     """Requests every rank serves (they touch the model or the K/V); Status and Call stay on rank 0."""
-    from .engine import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
+    from .api import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
     return isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure))
 
 

@@ -175,7 +175,9 @@ class Engine(RequestHandlers):
         try:
             if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
                 raise Cancelled("cancelled")  # cancelled while it waited: it must not park, take or read K/V
-            result = self._dispatch(handle) if self.dist is None else self.dist.dispatch(self, handle)
+            # The serving strategy: this process alone, or every rank in lockstep (distributed.py), which
+            # uses only the public surface below (dispatch, log, require_model).
+            result = self.dispatch(handle) if self.dist is None else self.dist.dispatch(self, handle)
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
@@ -254,16 +256,25 @@ class Engine(RequestHandlers):
             return _Stop()
         return _Stop() if isinstance(req, Stop) else Handle(req)
 
-    def _log(self, line: str) -> None:
+    def log(self, line: str) -> None:
+        """A line for the engine log and, as a Log event, for the request being served (engine thread)."""
         log.info(line)
         self._emit(Log(line))
+
+    _log = log          # the name the handlers use
+
+    def require_model(self) -> None:
+        """ModelNotLoaded unless a model is loaded (engine thread)."""
+        self._require_model()
 
     def _emit(self, event) -> None:
         """An event for the request being served (a log line, a KVMoved); none is served: dropped."""
         if self._handle is not None:
             self._handle.emit(event)
 
-    def _dispatch(self, handle: Handle):
+    def dispatch(self, handle: Handle):
+        """Run one request's handler now, on the engine thread (the distributed strategy calls it on every
+        rank around its collectives); callers on other threads submit() instead."""
         from . import disk_tier as disk_requests
         req = handle.request
         handlers = {

@@ -31,8 +31,8 @@ from ..errors import StrataError
 from ..events import Done, Failed, Token
 from ..sampling import SamplingError
 from ..tool_calls import ToolError, new_call_id
-from .server import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
-                     _sampling, chat_plan, engine_error)
+from .wire import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+                   _sampling, chat_plan, engine_error)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
