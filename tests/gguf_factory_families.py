@@ -117,7 +117,8 @@ MISTRAL3_ROPE = dict(rope_theta=1_000_000.0, yarn_factor=16.0, yarn_original_con
 PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary=0.75, original_context=64, context_length=4096)
 PHI3_SPM_ROPE = dict(PHI3_ROPE, partial_rotary=1.0, original_context=0)
 # a window the test prompts outgrow; the pattern key absent (llama.cpp's default period, 4)
-OLMO3_SWA = dict(sliding_window=16, swa_pattern=0)
+# YaRN on the full-attention layers as OLMo 3's long-context files (factor 8 from 8192), scaled down
+OLMO3_SWA = dict(sliding_window=16, swa_pattern=0, yarn_factor=4.0, yarn_original_context=16)
 
 
 # Merges of digit pairs, after the trained ones (which learnt none: the trainer splits digits one by one),
@@ -297,6 +298,10 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
             w.add_sliding_window(hp["sliding_window"])
         if hp.get("swa_pattern"):
             w.add_uint32(f"{arch}.attention.sliding_window_pattern", hp["swa_pattern"])
+        if hp.get("yarn_factor"):
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(hp["yarn_factor"])
+            w.add_rope_scaling_orig_ctx_len(hp["yarn_original_context"])
     elif arch == "mistral3":
         w.add_rope_freq_base(hp["rope_theta"])
         w.add_vocab_size(n_vocab)

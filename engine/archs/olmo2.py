@@ -28,9 +28,7 @@ def model_args(g, common: dict, head_dim: int):
         # llama.cpp's olmo2 sizes heads as width / heads whatever key_length says
         raise ModelFileError(f"{g.path.name}: head size {head_dim} is not width {n_embd} / {n_head} heads, "
                              "which olmo2 needs")
-    if str(g.arch_key("rope.scaling.type", "none")) not in ("none", ""):
-        raise ModelFileError(f"{g.path.name}: olmo2 RoPE scaling "
-                             f"'{g.arch_key('rope.scaling.type')}' is not supported")
+    common = dict(common, rope_scaling=_rope_scaling(g))
     if "output.weight" not in g.tensors():
         raise ModelFileError(f"{g.path.name}: olmo2 needs an 'output.weight' tensor (llama.cpp requires it too)")
     window = int(g.arch_key("attention.sliding_window", 0) or 0)
@@ -67,6 +65,27 @@ def _with_sanitize(base):
         def sanitize(self, weights):
             return weights
     return Olmo3
+
+
+def _rope_scaling(g) -> dict | None:
+    """YaRN (OLMo 3's long-context files) as mlx-lm's initialize_rope takes it, on the full-attention layers
+    only (llama.cpp: the sliding layers keep plain RoPE). llama.cpp's magnitude factor with no log
+    multiplier is 1 + 0.1 ln(factor) (ggml's YaRN mscale), which is mlx-lm's YarnRoPE with mscale 1 and
+    mscale_all_dim 0; a log multiplier m makes it get_mscale(f, 1) / get_mscale(f, m), as for mistral3."""
+    from ..errors import ModelFileError
+    from .family_rope import positive
+    kind = str(g.arch_key("rope.scaling.type", "none") or "none")
+    if kind == "none":
+        return None
+    if kind != "yarn":
+        raise ModelFileError(f"{g.path.name}: olmo2 RoPE scaling '{kind}' is not supported")
+    if positive(g, "rope.scaling.attn_factor", 1.0) != 1.0:
+        raise ModelFileError(f"{g.path.name}: olmo2 YaRN with 'rope.scaling.attn_factor' is not supported")
+    return {"rope_type": "yarn", "factor": positive(g, "rope.scaling.factor", None),
+            "original_max_position_embeddings": int(positive(g, "rope.scaling.original_context_length", None)),
+            "beta_fast": positive(g, "rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": positive(g, "rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": 1.0, "mscale_all_dim": float(g.arch_key("rope.scaling.yarn_log_multiplier", 0.0) or 0.0)}
 
 
 def tensor_name(gguf_name: str, args) -> str | None:
