@@ -2,7 +2,7 @@
 
 Files: tests/gguf_factory_gpt_oss.py's tiny model (2 layers, width 256, 4 heads of 64, 4 experts
 top-2, sliding window 32 so the prompts below cross it, YaRN x32, sinks, biases everywhere): F16 and
-gguf-py MXFP4 experts written here, Q8_0, Q4_K_M and MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) by llama.cpp's
+gguf-py MXFP4 experts (at gpt-oss-20b's proportions, SHAPE) written here, Q8_0, Q4_K_M and MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) by llama.cpp's
 own quantizer. No real gpt-oss file can be downloaded here; none was verified.
 
 * MXFP4 blocks convert to MLX's mxfp4 bit-exactly (gguf-py's decoder is the reference) and the
