@@ -145,7 +145,7 @@ def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: s
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_vocab(w, vocab(arch))
     for name, arr in tensors.items():
-        if name == "rope_freqs.weight" or arr.ndim == 1:   # the converter keeps these F32
+        if name == "rope_freqs.weight" or arr.ndim == 1 or "ffn_gate_inp" in name:   # kept F32
             w.add_tensor(name, arr.astype(np.float32))
             continue
         data, raw_dtype = gguf_factory._encode(arr, qtype)
@@ -230,10 +230,12 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
                       n_embd_per_layer=64, double_wide=True, partial_rotary=0.25, softcap=30.0,
                       context_length=2048, tensor_type="F16", seed=0, rope_theta=1_000_000.0,
                       rope_theta_swa=10_000.0, tie_embeddings=False, eot_like: int | None = None,
-                      name=None) -> Path:
+                      n_expert=0, n_expert_used=2, n_ff_exp=256, router_std=3.0, name=None) -> Path:
     """A tiny Gemma 4 (E2B-like: per-layer embeddings, shared K/V in the last layers, double-wide FFN
     there). With the defaults: layers sliding/global/sliding/global, layers 2 and 3 reuse the K/V of
-    layers 0 and 1."""
+    layers 0 and 1. `n_expert` > 0: 26B-A4B-like experts in every layer beside the dense FFN (the
+    router F32 as the converter leaves it, the gate/up stack fused as ffn_gate_up_exps, gate rows
+    first; `router_std` keeps expert choices clear of near-ties)."""
     r = _Rand(seed)
     n_vocab = len(vocab("gemma4")["tokens"])
     swa = gemma4_layer_types(n_layer, pattern)
@@ -271,6 +273,16 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
             t[p + "proj.weight"] = r.normal((n_embd, n_embd_per_layer), 1.0 / np.sqrt(n_embd_per_layer))
             t[p + "post_norm.weight"] = r.norm(n_embd)
         t[p + "layer_output_scale.weight"] = np.array([0.8 + 0.1 * i], dtype=np.float32)
+        if n_expert:
+            t[p + "ffn_gate_inp.weight"] = r.normal((n_expert, n_embd), router_std)
+            t[p + "ffn_gate_inp.scale"] = r.norm(n_embd)
+            # numpy (E, out, in) = GGUF [in, out, E], llama.cpp's *_exps layout
+            t[p + "ffn_gate_up_exps.weight"] = r.normal((n_expert, 2 * n_ff_exp, n_embd), 1.0 / np.sqrt(n_embd))
+            t[p + "ffn_down_exps.weight"] = r.normal((n_expert, n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp))
+            t[p + "ffn_down_exps.scale"] = r.norm(n_expert)
+            t[p + "pre_ffw_norm_2.weight"] = r.norm(n_embd)
+            t[p + "post_ffw_norm_1.weight"] = r.norm(n_embd, 2.0)
+            t[p + "post_ffw_norm_2.weight"] = r.norm(n_embd, 2.0)
     t["output_norm.weight"] = r.norm(n_embd)
     if not tie_embeddings:
         t["output.weight"] = _head(r, n_vocab, n_embd, GEMMA4_TURN[1], eot_like)
@@ -298,6 +310,10 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         w.add_rope_dimension_count_swa(head_dim)
         if softcap:
             w.add_final_logit_softcapping(softcap)
+        if n_expert:
+            w.add_expert_count(n_expert)
+            w.add_expert_used_count(n_expert_used)
+            w.add_expert_feed_forward_length(n_ff_exp)
     return _write(path, "gemma4", t, meta, tensor_type)
 
 

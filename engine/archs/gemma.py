@@ -17,8 +17,9 @@ What llama.cpp's converter and graph do, and what that means here:
 - Gemma 4: per-layer token embeddings (`embedding_length_per_layer_input` > 0), the last
   `shared_kv_layers` layers reusing the K/V of the last earlier layer of their kind (no K/V tensors
   of their own), a double-wide FFN there (per-layer `feed_forward_length`), a per-layer output scale,
-  V normed without weight, final logit soft-capping. Its mixture-of-experts variant (26B-A4B) is
-  refused by name.
+  V normed without weight, final logit soft-capping; the mixture-of-experts variant (26B-A4B):
+  experts beside the dense FFN, a router on the RMS-normed stream (softmax over the top k, a scale
+  per expert), the fused gate/up expert stack split at load.
 """
 from __future__ import annotations
 
@@ -37,7 +38,16 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     # Gemma 4's per-layer embedding path
     "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+    # Gemma 4's mixture-of-experts blocks (26B-A4B): the dense FFN above runs beside the experts
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2", "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_exps": "experts.switch_glu.gate_proj", "ffn_up_exps": "experts.switch_glu.up_proj",
+    "ffn_down_exps": "experts.switch_glu.down_proj",
+    "ffn_gate_up_exps": "experts.switch_glu." + "gate_up_proj",   # split in fix_weights
 }
+# (block tensor, kind) -> name: the router's tensors are not weights of one module each
+_ROUTER = {("ffn_gate_inp", "weight"): "router.proj.weight", ("ffn_gate_inp", "scale"): "router.scale",
+           ("ffn_down_exps", "scale"): "router.per_expert_scale"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
         "per_layer_token_embd": "model.embed_tokens_per_layer",
         "per_layer_model_proj": "model.per_layer_model_projection",
@@ -52,6 +62,8 @@ def tensor_name(gguf_name: str, args) -> str | None:
     if m:
         if m.group(2) == "layer_output_scale":          # a (1,) array, not a module's weight
             return f"model.layers.{m.group(1)}.layer_scalar"
+        if (m.group(2), kind) in _ROUTER:
+            return f"model.layers.{m.group(1)}.{_ROUTER[m.group(2), kind]}"
         if m.group(2) in _BLOCK:
             return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{kind}"
         return None
@@ -124,8 +136,15 @@ def _gemma4_args(g, common: dict, head_dim: int):
     name = g.path.name
     tensors = g.tensors()
     n_layer = common["num_hidden_layers"]
-    if any(t.endswith("ffn_gate_inp.weight") for t in tensors):
-        raise ModelFileError(f"{name}: Gemma 4 mixture-of-experts files (26B-A4B) are not supported yet")
+    moe = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(n_layer)]
+    n_expert, n_used = int(g.arch_key("expert_count", 0)), int(g.arch_key("expert_used_count", 0))
+    n_ff_exp = int(g.arch_key("expert_feed_forward_length", 0))
+    if any(moe) and not all(moe):
+        raise ModelFileError(f"{name}: experts in some Gemma 4 layers only (mlx-lm's gemma4_text has them "
+                             "in every layer or none)")
+    if any(moe) and not (0 < n_used <= n_expert and n_ff_exp > 0):
+        raise ModelFileError(f"{name}: Gemma 4 experts need expert_count, expert_used_count (1..count) "
+                             "and expert_feed_forward_length")
     swa = [bool(x) for x in _per_layer(g, "attention.sliding_window_pattern", n_layer)]
     window = _window(g, common)
     if window is None and any(swa):
@@ -180,7 +199,8 @@ def _gemma4_args(g, common: dict, head_dim: int):
         # plain RoPE here; after_load sets the rotated widths and global layers' factors from the file
         rope_parameters={"full_attention": {"rope_theta": base, "rope_type": "default"},
                          "sliding_attention": {"rope_theta": base_swa, "rope_type": "default"}},
-        enable_moe_block=False)
+        enable_moe_block=any(moe), num_experts=n_expert or None, top_k_experts=n_used or None,
+        moe_intermediate_size=n_ff_exp or None)
     return Model, args
 
 
@@ -221,6 +241,28 @@ def fix_weights(weights: dict, qparams: dict, g, args) -> None:
         return
     for i in range(args.num_hidden_layers):         # llama.cpp: no output scale tensor = scale 1
         weights.setdefault(f"model.layers.{i}.layer_scalar", mx.ones((1,)))
+        _split_gate_up(weights, qparams, f"model.layers.{i}.experts.switch_glu.")
+        if args.enable_moe_block:                   # no per-expert scale tensor = scale 1
+            weights.setdefault(f"model.layers.{i}.router.per_expert_scale", mx.ones((args.num_experts,)))
+
+
+def _split_gate_up(weights: dict, qparams: dict, prefix: str) -> None:
+    """The fused expert gate/up stack (GGUF ffn_gate_up_exps: gate rows first, as Gemma4's
+    experts.gate_up_proj) into gemma4_text's gate_proj and up_proj; a quantized stack's scales and
+    biases split the same way (rows are independent)."""
+    import mlx.core as mx
+    fused = prefix + "gate_up_proj"
+    if f"{fused}.weight" not in weights:
+        return
+    for kind in ("weight", "scales", "biases"):
+        if f"{fused}.{kind}" in weights:
+            gate, up = mx.split(weights.pop(f"{fused}.{kind}"), 2, axis=-2)
+            weights[f"{prefix}gate_proj.{kind}"] = mx.contiguous(gate)
+            weights[f"{prefix}up_proj.{kind}"] = mx.contiguous(up)
+    if fused in qparams:
+        q = qparams.pop(fused)
+        qparams[prefix + "gate_proj"] = q
+        qparams[prefix + "up_proj"] = dict(q)
 
 
 def after_load(model, g, args) -> str:
