@@ -8,7 +8,8 @@ own quantizer. No real gpt-oss file can be downloaded here; none was verified.
 * MXFP4 blocks convert to MLX's mxfp4 bit-exactly (gguf-py's decoder is the reference) and the
   experts stay mxfp4 on MLX's gather_qmm (never dequantized).
 * The model against llama.cpp: prompt ids equal, last-position and teacher-forced logits within
-  measured tolerances, greedy ids equal up to the first near-tie.
+  measured tolerances, greedy ids equal up to the first near-tie; a control vector as llama.cpp's
+  cvec (16/16 greedy tokens).
 * Harmony: the analysis channel comes out as reasoning, the final channel as the reply; a reply ends
   at <|return|> (not at <|end|>), through the real engine under a grammar that forces the channels.
 * Bad files are refused in one line before anything is allocated.
@@ -273,6 +274,19 @@ def test_engine_greedy_equals_llama_cpp_up_to_first_near_tie(gdir):
             break
     print(f"engine vs llama.cpp, gpt-oss MXFP4_MOE: {n}/{N_GEN} greedy tokens equal before the first near-tie")
     assert n >= 8 and r.tokens[:n] == ref_gen[:n]
+
+
+@pytest.mark.oracle
+def test_control_vector_matches_llama_cpp(gdir, tmp_path):
+    """A control vector added after block 1 (llama.cpp's build_cvec after the MoE's residual add),
+    through the engine and through llama.cpp's llama_set_adapter_cvec: the same greedy tokens up to
+    a near-tie."""
+    from engine.control_vector import write_control_vector
+    from test_cvec_engine import compare_add_mode
+    vec = tmp_path / "v.gguf"
+    rng = np.random.default_rng(4)
+    write_control_vector(vec, {1: (rng.standard_normal(256) * 6.0).astype(np.float32)}, model_hint="gpt-oss")
+    compare_add_mode(_file(gdir, "F16"), vec, 1.0, (1, 1), PROMPTS[0], 16, 256, min_agree=4)
 
 
 # --------------------------------------------------------------------------------------------
