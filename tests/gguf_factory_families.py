@@ -12,7 +12,8 @@ llama.cpp (the oracle) loads it with its own graph for that architecture:
                 MLP (``post_ffw_norm``), both inside the residual branch; Q/K RMSNorm over the whole
                 projection (``attn_q_norm`` is n_head*head_dim wide, not head_dim); NEOX RoPE, no
                 permute; an untied ``output.weight`` (llama.cpp requires it for olmo2).
-* ``mistral3``  Ministral 3 (text): llama blocks with Q/K rows permuted, explicit head_dim, YaRN
+* ``mistral3``  Ministral 3 (text): llama blocks with Q/K rows permuted, explicit head_dim (twice
+                width / heads, as in the real ones), YaRN
                 (``rope.scaling.*``, ``yarn_log_multiplier`` = mscale_all_dim) and Llama-4 attention
                 temperature (``attention.temperature_scale`` = llama_4_scaling_beta). The original
                 context is kept small so both matter inside a short test.
@@ -247,7 +248,8 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
     if n_layer is None:
         n_layer = 4 if family == "olmo3" else 2
     if head_dim is None:
-        head_dim = n_embd // n_head
+        # Ministral 3's heads are wider than width / heads (3B: 3072 wide, 32 heads of 128)
+        head_dim = 2 * n_embd // n_head if arch == "mistral3" else n_embd // n_head
     if tie is None:
         tie = arch in ("granite", "phi3")
     defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE,
