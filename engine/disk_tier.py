@@ -294,6 +294,13 @@ class DiskTier:
         """Whether `entry` holds tokens its file does not (or has no file)."""
         if not self.enabled or len(entry.tokens) < MIN_TOKENS:
             return False
+        from . import layer_cache
+        if layer_cache.needs_checkpoints(entry.cache):
+            # A sliding window or a recurrent state (engine/layer_cache.py): an append-only segment of
+            # the new tokens' K/V does not describe it (a window overwrites, a state is replaced). Such
+            # a conversation is not written here (it stays in RAM parking and session files, format
+            # 3); a whole-state segment per turn would fit its fixed size and is left for later.
+            return False
         if getattr(entry, "disk_skip", -1) == len(entry.tokens):     # cleared: written again once it grows
             return False
         e = self.entries.get(getattr(entry, "disk_id", ""))

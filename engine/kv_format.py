@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
 
+from . import layer_cache
 from .errors import RequestError
+# the engine's quantized K/V class (float16 scales and biases) lives with the cache contract
+from .layer_cache import half_scale_cache_class  # noqa: F401 - kv_format.half_scale_cache_class for callers
 from .limits import KV_BITS as BITS   # the one list of widths (plain Python: the app reads it too)
 
 
@@ -61,68 +63,11 @@ def describe_label(label: str | None) -> str:
         return f"K/V format {label!r}"
 
 
-def _half_scale_cache_class():
-    from mlx_lm.models.cache import QuantizedKVCache
-    from mlx.utils import tree_map
-
-    class HalfScaleQuantizedKVCache(QuantizedKVCache):
-        """mlx-lm's QuantizedKVCache with float16 scales and biases whatever the compute dtype.
-
-        On the CPU the engine computes in float32, and mlx-lm would keep float32 scales (12,960
-        B/token for SmolLM2 at 8 bits). float16 ones take 12,240, and a session file can hold them
-        bit for bit, so a restored conversation continues exactly as the live one would.
-        (mx.quantized_matmul takes float16 scales with float32 inputs.)"""
-
-        def update_and_fetch(self, keys, values):
-            B, n_kv_heads, num_steps, k_head_dim = keys.shape
-            v_head_dim = values.shape[-1]
-            prev = self.offset
-            if self.keys is None or (prev + num_steps) > self.keys[0].shape[-2]:
-                el_per_int = 8 * mx.uint32.size // self.bits
-                new_steps = (self.step + num_steps - 1) // self.step * self.step
-                shape = (B, n_kv_heads, new_steps)
-
-                def init_quant(dim):
-                    return (mx.zeros((*shape, dim // el_per_int), dtype=mx.uint32),
-                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16),
-                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16))
-
-                def expand_quant(x):
-                    return mx.concatenate([x, mx.zeros((*shape, x.shape[-1]), dtype=x.dtype)], axis=-2)
-
-                if self.keys is not None:
-                    if prev % self.step != 0:
-                        self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                    self.keys, self.values = tree_map(expand_quant, (self.keys, self.values))
-                else:
-                    self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
-            self.offset += num_steps
-            keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-            values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-            for i in range(3):
-                self.keys[i][..., prev:self.offset, :] = keys[i].astype(self.keys[i].dtype)
-                self.values[i][..., prev:self.offset, :] = values[i].astype(self.values[i].dtype)
-            return self.keys_and_values()
-
-    return HalfScaleQuantizedKVCache
-
-
-_HALF = None
-
-
-def half_scale_cache_class():
-    global _HALF
-    if _HALF is None:
-        _HALF = _half_scale_cache_class()
-    return _HALF
-
-
 def make_cache(model, fmt: KVFormat) -> list:
     """The model's own per-layer caches (mlx-lm's make_prompt_cache), its full K/V layers quantized
     when `fmt` says so (a sliding window or a recurrent state stays as the model made it: mlx-lm
     cannot quantize those). Every layer must be a kind engine/layer_cache.py knows."""
     from mlx_lm.models.cache import make_prompt_cache
-    from . import layer_cache
     cache = make_prompt_cache(model)
     if fmt.quantized:
         half = half_scale_cache_class()
@@ -134,13 +79,11 @@ def make_cache(model, fmt: KVFormat) -> list:
 # The per-layer byte count, prefix copy and arrays now live in the cache contract
 # (engine/layer_cache.py); these names stay for callers of one layer.
 def nbytes(c) -> int:
-    from . import layer_cache
     return layer_cache.kind_of(c).nbytes(c)
 
 
 def copy_prefix(src, dst, n: int) -> None:
     """dst (an empty cache of the same kind) gets its own copy of src's first n cells."""
-    from . import layer_cache
     got = layer_cache.kind_of(src).copy_prefix(src, n)
     if got is None:
         raise ValueError(f"a {layer_cache.kind_of(src).name} cache cannot copy a prefix of {n}")
@@ -149,7 +92,6 @@ def copy_prefix(src, dst, n: int) -> None:
 
 def arrays_of(c) -> list:
     """The arrays to mx.eval after filling a cache."""
-    from . import layer_cache
     return layer_cache.kind_of(c).arrays(c)
 
 

@@ -69,10 +69,67 @@ def _copy(x):
     return None if x is None else mx.array(x)
 
 
+def _half_scale_cache_class():
+    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx.utils import tree_map
+
+    class HalfScaleQuantizedKVCache(QuantizedKVCache):
+        """mlx-lm's QuantizedKVCache with float16 scales and biases whatever the compute dtype.
+
+        On the CPU the engine computes in float32, and mlx-lm would keep float32 scales (12,960
+        B/token for SmolLM2 at 8 bits). float16 ones take 12,240, and a session file can hold them
+        bit for bit, so a restored conversation continues exactly as the live one would.
+        (mx.quantized_matmul takes float16 scales with float32 inputs.)"""
+
+        def update_and_fetch(self, keys, values):
+            B, n_kv_heads, num_steps, k_head_dim = keys.shape
+            v_head_dim = values.shape[-1]
+            prev = self.offset
+            if self.keys is None or (prev + num_steps) > self.keys[0].shape[-2]:
+                el_per_int = 8 * mx.uint32.size // self.bits
+                new_steps = (self.step + num_steps - 1) // self.step * self.step
+                shape = (B, n_kv_heads, new_steps)
+
+                def init_quant(dim):
+                    return (mx.zeros((*shape, dim // el_per_int), dtype=mx.uint32),
+                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16),
+                            mx.zeros((*shape, dim // self.group_size), dtype=mx.float16))
+
+                def expand_quant(x):
+                    return mx.concatenate([x, mx.zeros((*shape, x.shape[-1]), dtype=x.dtype)], axis=-2)
+
+                if self.keys is not None:
+                    if prev % self.step != 0:
+                        self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
+                    self.keys, self.values = tree_map(expand_quant, (self.keys, self.values))
+                else:
+                    self.keys, self.values = init_quant(k_head_dim), init_quant(v_head_dim)
+            self.offset += num_steps
+            keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+            values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+            for i in range(3):
+                self.keys[i][..., prev:self.offset, :] = keys[i].astype(self.keys[i].dtype)
+                self.values[i][..., prev:self.offset, :] = values[i].astype(self.values[i].dtype)
+            return self.keys_and_values()
+
+    return HalfScaleQuantizedKVCache
+
+
+_HALF = None
+
+
+def half_scale_cache_class():
+    global _HALF
+    if _HALF is None:
+        _HALF = _half_scale_cache_class()
+    return _HALF
+
+
 class LayerKind:
     """One cache type's side of the contract (stateless: every method takes the cache)."""
     name = ""
     trims_freely = True      # can always be cut back to any prefix (no checkpoint ever needed)
+    batches = False          # mlx-lm's BatchKVCache can merge it (engine/batching.py's rows)
 
     def nbytes(self, c) -> int:
         return sum(a.nbytes for a in self.arrays(c))
@@ -108,6 +165,7 @@ class LayerKind:
 class FullKV(LayerKind):
     """mlx-lm's KVCache: keys/values (B, heads, cells, head_dim), `offset` cells valid."""
     name = "kv"
+    batches = True
 
     def _cls(self):
         from mlx_lm.models.cache import KVCache
@@ -154,7 +212,6 @@ class QuantKV(LayerKind):
     name = "kv_quant"
 
     def _cls(self):
-        from .kv_format import half_scale_cache_class
         return half_scale_cache_class()
 
     def arrays(self, c) -> list:
@@ -357,6 +414,11 @@ def arrays(cache: list) -> list:
 def floor(cache: list, held: int) -> int:
     """The fewest tokens this conversation's cache can be cut back to by trimming."""
     return max((kind_of(c).floor(c, held) for c in cache), default=0)
+
+
+def batchable(cache: list) -> bool:
+    """Whether every layer is one mlx-lm's BatchKVCache merges (16-bit full K/V): continuous batching's rows."""
+    return all(kind_of(c).batches for c in cache)
 
 
 def needs_checkpoints(cache: list) -> bool:

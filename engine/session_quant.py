@@ -56,7 +56,7 @@ def cell_bytes(g, fmt: KVFormat) -> int:
 
 def layout(n_tokens: int, g) -> list:
     """The one tensor table a quantized file of n_tokens for this geometry (g.kv: its format) may have."""
-    from .sessions import TensorSpec
+    from .session_container import TensorSpec
     fmt = fmt_of(g.kv)
     specs, off = [TensorSpec("tokens", "I32", (n_tokens,), 0, n_tokens * 4)], n_tokens * 4
     for i in range(g.n_layer):
@@ -70,7 +70,7 @@ def layout(n_tokens: int, g) -> list:
 
 
 def restore_bytes(n_tokens: int, g) -> int:
-    from .sessions import padded_cells
+    from .session_container import padded_cells
     return padded_cells(n_tokens) * cell_bytes(g, fmt_of(g.kv))
 
 
@@ -93,7 +93,7 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool = True,
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
     """sessions.save for quantized K/V (the target path already checked there): the tensors as held."""
-    from . import sessions as S
+    from . import session_container as S
     prof = S.SaveProfile()
     g = S.Geometry.of(fingerprint)
     fmt = fmt_of(g.kv)
@@ -132,7 +132,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
          admit: Callable[[int], tuple[bool, str]] | None = None,
          progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
     """sessions.load for a quantized engine: validate everything, then build a KVEntry."""
-    from . import sessions as S
+    from . import session_container as S
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="none (codes uint32, scales and biases float16 in file and cache)")
     p = Path(path).expanduser()
@@ -143,7 +143,8 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     try:
         size = os.fstat(fd).st_size
         raw = S._read_raw_header(name, fd, size)
-        hdr = S.parse_header(name, raw, size, g, expected)      # the exact table of layout() above
+        hdr = S.parse_header(name, raw, size, g, expected, layout=layout,
+                             kv_layout=QUANT_LAYOUT)      # the exact table of layout() above
         n, cells = hdr.n_tokens, S.padded_cells(hdr.n_tokens)
         need = restore_bytes(n, g)
         S.check_memory(name, n, need, admit)

@@ -47,6 +47,7 @@ import numpy as np
 import xxhash
 
 from . import layer_cache
+from . import session_container as S
 from .errors import SessionFileError
 
 VERSION = 3
@@ -93,7 +94,6 @@ def _host(a: mx.array) -> np.ndarray:
 
 def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool, force: bool, progress=None,
          log: Callable[[str], None] = lambda s: None) -> dict:
-    from . import sessions as S
     n = len(entry.tokens)
     states = layer_cache.to_states(entry.cache)
     bad = n == 0 or any(s.meta.get("offset", n) != n for s in states) or any(
@@ -199,7 +199,6 @@ def _expected_tensors(name: str, i: int, layer: dict, ref, n: int, prefix: str =
 def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: dict, ref_cache: list,
           n_vocab: int, n_ctx: int):
     """The format-3 header validated completely (before any allocation): (ParsedHeader, layers)."""
-    from . import sessions as S
     S.check_fingerprint(name, meta, expected)
     if meta.get("kv_layout") != LAYOUT or meta.get("kv_dtype") != str(expected.get("kv_format", S.KV_DTYPE)):
         raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
@@ -258,7 +257,6 @@ def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: d
 def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: int, specs: list) -> list:
     """The file's checkpoints, validated: at most MAX_CHECKPOINTS, strictly increasing token counts
     below n, each holding exactly this model's non-trimmable layers (their tensors appended to specs)."""
-    from . import sessions as S
     try:
         cks = json.loads(meta.get("checkpoints", "[]"))
     except (ValueError, RecursionError):
@@ -295,7 +293,6 @@ def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: i
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, probe_cache: Callable[[], list],
          dtype=None, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31, admit=None, progress=None,
          log: Callable[[str], None] = lambda s: None):
-    from . import sessions as S
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="as stored (format 3)")
     p = Path(path).expanduser()
