@@ -1,7 +1,7 @@
 """The conversations the engine holds K/V for: the live one and the parked ones (engine thread only).
 
 `live` is the one conversation holding the engine (a `parking.KVEntry`: tokens, K/V, messages,
-owner, key = model|steering[|K/V format]). A conversation that loses the engine is parked in RAM
+owner, key = kv_key.KVKey: model, steering, K/V format). A conversation that loses the engine is parked in RAM
 (`parking.Parking`: a cap in MiB and a slot count, least recently used evicted first, each park
 checked by the memory guard). This module picks what a prompt extends (`take`), which held tokens
 a rendered prompt keeps (`continue_tokens`), and finds a conversation by its messages (`find`).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .kv_key import KVKey
 from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix
 
 
@@ -58,7 +59,7 @@ class Conversations:
             self.parking.park(self.live)
         self.live = entry
 
-    def find(self, messages: list[dict], keys: set[str] | None = None) -> KVEntry | None:
+    def find(self, messages: list[dict], keys: set[KVKey] | None = None) -> KVEntry | None:
         """The held conversation with these messages (and one of `keys`, when given)."""
         return next((e for e in self.held() if e.messages == messages and (keys is None or e.key in keys)), None)
 
@@ -99,7 +100,7 @@ class Conversations:
                 for e in self.busy + self.held()]
 
     # ---- which K/V a prompt extends ----------------------------------------------------------
-    def take(self, tokens: list[int], owner: str, key: str, make_cache: Callable[[], list]) -> tuple[KVEntry, int]:
+    def take(self, tokens: list[int], owner: str, key: KVKey, make_cache: Callable[[], list]) -> tuple[KVEntry, int]:
         """The K/V to extend for `tokens` and how many of its tokens it keeps: the live one, a parked
         one, or a new one. The caller makes it live.
 
@@ -141,7 +142,7 @@ class Conversations:
             return entry, n
         return KVEntry([], make_cache(), key), 0
 
-    def _take_from_disk(self, tokens: list[int], owner: str, key: str, make_cache) -> tuple[KVEntry, int] | None:
+    def _take_from_disk(self, tokens: list[int], owner: str, key: KVKey, make_cache) -> tuple[KVEntry, int] | None:
         """The disk tier's conversation for `tokens` when it shares more than RAM holds (else None)."""
         in_ram = [e for e in self.held() if e.key == key]
         ram = max((common_prefix(e.tokens, tokens) for e in in_ram), default=0)
@@ -159,7 +160,7 @@ class Conversations:
                 self.parking.drop(e, "superseded by its copy on disk")
         return got
 
-    def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: str) -> list[int] | None:
+    def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: KVKey) -> list[int] | None:
         """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping

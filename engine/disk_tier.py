@@ -37,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from . import disk_segments as ds
+from .kv_key import KVKey
 from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix, longest_prefix
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
@@ -47,7 +48,7 @@ MIN_TOKENS = MIN_PREFIX_REUSE
 class DiskEntry:
     id: str
     path: Path
-    key: str
+    key: KVKey
     owner: str
     fp: dict
     tokens: list[int]
@@ -116,7 +117,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._writer: _Writer | None = None
         # The loaded model's context (use_model): fingerprint of a key, dtype, vocabulary, context, guard
-        self._fp_of: Callable[[str], dict | None] = lambda key: None
+        self._fp_of: Callable[[KVKey], dict | None] = lambda key: None
         self._model: Callable[[], tuple] = lambda: (None, 1 << 31, 1 << 31, None)
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class DiskTier:
     def enabled(self) -> bool:
         return self.cap_bytes > 0
 
-    def use_model(self, fp_of: Callable[[str], dict | None], model: Callable[[], tuple]) -> None:
+    def use_model(self, fp_of: Callable[[KVKey], dict | None], model: Callable[[], tuple]) -> None:
         """`fp_of(key)`: the fingerprint K/V of that key must have (None: not the loaded model's);
         `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit)."""
         self._fp_of, self._model = fp_of, model
@@ -208,7 +209,12 @@ class DiskTier:
                      f"({segs[-1].start + segs[-1].n} tokens)")
         first, last = segs[0].meta, segs[-1].meta
         tokens = np.concatenate([s.tokens for s in segs]).tolist()
-        return DiskEntry(p.stem, p, first["key"], last.get("owner", ""), first["fp"], tokens,
+        key = KVKey.parse(first["key"])          # the text form the header holds (str(KVKey))
+        if key is None:
+            self.log(f"disk cache: {p.name} dropped (its K/V key is not one)")
+            _unlink(p)
+            return None
+        return DiskEntry(p.stem, p, key, last.get("owner", ""), first["fp"], tokens,
                          [(s.start + s.n, s.end) for s in segs], last.get("messages", []), st.st_mtime)
 
     # ---- figures ---------------------------------------------------------------------------------
@@ -346,7 +352,7 @@ class DiskTier:
         if e is None:
             eid = secrets.token_hex(8)
             e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [])
-        meta = ds.header_json({"key": entry.key, "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
+        meta = ds.header_json({"key": str(entry.key), "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
                                "store": store, "messages": list(entry.messages)})
         seg = ds.segment_bytes(len(meta), n - keep_tokens, g, store)
         if keep_bytes + seg > self.cap_bytes:
@@ -384,7 +390,7 @@ class DiskTier:
 
     def _compact(self, e: DiskEntry, g, store: str) -> None:
         """Queue the rewrite of e's segments as one (by the writer thread: it reads the file, not the engine)."""
-        meta = ds.header_json({"key": e.key, "fp": e.fp, "start": 0, "owner": e.owner, "store": store,
+        meta = ds.header_json({"key": str(e.key), "fp": e.fp, "start": 0, "owner": e.owner, "store": store,
                                "messages": e.messages})
         n = len(e.tokens)
         size = ds.segment_bytes(len(meta), n, g, store)
@@ -431,7 +437,7 @@ class DiskTier:
                 self.log(f"disk cache: not written ({type(e).__name__}: {str(e)[:120]})")
 
     # ---- finding and restoring -------------------------------------------------------------------
-    def best(self, tokens: list[int], key: str) -> tuple[DiskEntry | None, int]:
+    def best(self, tokens: list[int], key: KVKey) -> tuple[DiskEntry | None, int]:
         """The file sharing the longest prefix with `tokens` under `key` (parking's prefix rule)."""
         if not self.enabled:
             return None, 0
@@ -459,7 +465,7 @@ class DiskTier:
             try:
                 segs, why = ds.scan(fd, os.fstat(fd).st_size)
                 segs = [s for s in segs if s.start < m]
-                if not segs or segs[0].meta["key"] != e.key or segs[0].meta["fp"] != e.fp:
+                if not segs or segs[0].meta["key"] != str(e.key) or segs[0].meta["fp"] != e.fp:
                     raise SessionFileError(f"changed on disk ({why or 'another conversation'})")
                 m = min(m, segs[-1].start + segs[-1].n)
                 tokens = np.concatenate([s.tokens for s in segs])[:m]
@@ -549,12 +555,11 @@ def attach(engine) -> DiskTier | None:
     folder = Path(engine.options.disk_dir) if engine.options.disk_dir else data_dir() / "cache" / "conversations"
     disk = DiskTier(folder, cap, engine._log)
 
-    def fp_of(key: str) -> dict | None:
-        parts = key.split("|")
-        if engine.info is None or len(parts) < 2 or parts[0] != engine.model_hash:
+    def fp_of(key: KVKey) -> dict | None:
+        if engine.info is None or key.model_hash != engine.model_hash:
             return None
-        fp = engine.session_fingerprint("" if parts[1] == "no-steering" else parts[1])
-        fp["kv_format"] = parts[2] if len(parts) > 2 else "float16"
+        fp = engine.session_fingerprint(key.steering)
+        fp["kv_format"] = key.kv_format
         return {k: str(v) for k, v in fp.items()}
 
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,

@@ -137,12 +137,11 @@ class RequestHandlers:
         on = self.steering.speed_projection if projection is None else projection
         return vector.fingerprint() if on else ""
 
-    def cache_key(self, projection: bool | None = None) -> str:
-        """What the K/V depends on: the model's content, the steering applied to it and the K/V format
-        (model|steering[|format]; the steering part is read back by _save)."""
-        fmt = self.kv_fmt
-        return (f"{self.model_hash}|{self.steering_fingerprint(projection) or 'no-steering'}"
-                + (f"|{fmt.label}" if fmt.quantized else ""))
+    def cache_key(self, projection: bool | None = None):
+        """What the K/V depends on (a kv_key.KVKey): the model's content, the steering applied to it
+        (under `projection`; None: the setting in force) and the K/V format."""
+        from .kv_key import KVKey
+        return KVKey(self.model_hash, self.steering_fingerprint(projection), self.kv_fmt.label)
 
     @property
     def kv_fmt(self):
@@ -526,10 +525,10 @@ class RequestHandlers:
                 entry, reread = self._read_again(req, handle), True
         if entry is None or not entry.tokens:
             raise RequestError("there is no conversation to save")
-        steer = entry.key.split("|")[1]
-        result = sessions.save(req.path, entry, self.session_fingerprint("" if steer == "no-steering" else steer),
+        steer = entry.key.steering                # the steering its K/V was computed with
+        result = sessions.save(req.path, entry, self.session_fingerprint(steer),
                                sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
-        return SessionSaved.from_dict(result, reread=reread, speed_projection=steer != "no-steering")
+        return SessionSaved.from_dict(result, reread=reread, speed_projection=entry.key.steered)
 
     def _read_again(self, req: SaveSession, handle: Handle):
         """A conversation whose K/V is no longer held (evicted, or from before a restart): read its

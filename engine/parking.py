@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .kv_key import KVKey
+
 
 MIB = 1 << 20
 # Reusing a handful of shared template tokens is not worth a copy (and would make "served from
@@ -31,7 +33,7 @@ TEXT_CONTEXT = 8
 class KVEntry:
     tokens: list[int]
     cache: list            # mlx-lm KVCache per layer, holding exactly `tokens`
-    key: str               # model + steering identity: K/V is only reused under the same key
+    key: KVKey             # model, steering and K/V format: K/V is only reused under an equal key
     messages: list[dict] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
     # decode(tokens[skip:]) per skip (0, or 1 past a BOS), kept up to date incrementally: a follow-up
@@ -208,7 +210,7 @@ class Parking:
         self.tell("parked", entry, nbytes=size)
         return True
 
-    def take(self, tokens: list[int], key: str, make_cache: Callable[[], list]) -> tuple[KVEntry | None, int]:
+    def take(self, tokens: list[int], key: KVKey, make_cache: Callable[[], list]) -> tuple[KVEntry | None, int]:
         """The entry sharing the longest prefix with `tokens` (moved out if `tokens` extends it whole)."""
         best, best_n = longest_prefix(self.entries, key, tokens)
         if best is None:
@@ -240,7 +242,7 @@ class Parking:
         self.log(f"dropped a parked conversation of {len(entry.tokens)} tokens: {why}")
         self.tell("dropped", entry, why)
 
-    def take_owned(self, owner: str, key: str, tokens: list[int]) -> tuple[KVEntry | None, int]:
+    def take_owned(self, owner: str, key: KVKey, tokens: list[int]) -> tuple[KVEntry | None, int]:
         """Move out `owner`'s own parked entry (same steering): a new branch of a conversation
         replaces its old one in the same slot instead of taking a second one."""
         for e in self.entries:
