@@ -182,7 +182,7 @@ def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
     return len(toks)
 
 
-def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n_vocab, tie, seed):
+def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n_vocab, tie, seed, fused_qkv=True):
     """GGUF tensor name -> float32 array in numpy (rows = outputs), as the converter writes them."""
     rng = np.random.default_rng(seed)
 
@@ -210,7 +210,10 @@ def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n
             q, k = _llama_permute(q, n_head, n_head), _llama_permute(k, n_head, n_head_kv)
         if arch == "phi3":
             t[p + "attn_norm.weight"] = norm_w(n_embd)
-            t[p + "attn_qkv.weight"] = np.concatenate([q, k, v], axis=0)
+            if fused_qkv:
+                t[p + "attn_qkv.weight"] = np.concatenate([q, k, v], axis=0)
+            else:   # llama.cpp's phi3 also reads separate projections
+                t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"] = q, k, v
             t[p + "attn_output.weight"] = o
             t[p + "ffn_norm.weight"] = norm_w(n_embd)
             t[p + "ffn_up.weight"] = np.concatenate([gate, up], axis=0)   # gate half first (LLM_FFN_SWIGLU)
@@ -236,7 +239,7 @@ def _weights(arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, head_dim, n
 
 def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
                       head_dim=None, context_length=2048, tensor_type="F16", seed=0, tie=None,
-                      name=None, eot_boost: float = 0.0, **hp) -> Path:
+                      name=None, eot_boost: float = 0.0, fused_qkv: bool = True, **hp) -> Path:
     """Write a tiny random-weight GGUF of `family` (see the module doc); `hp` overrides the family's
     defaults (GRANITE_SCALES, MISTRAL3_ROPE, PHI3_ROPE). F16/Q8_0 here, other types: quantize_with_llama.
     `eot_boost` scales the end-of-turn token's output row (the embedding when tied), so that a random
@@ -281,7 +284,7 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     n_vocab = _add_family_tokenizer(w, family)
     tensors = _weights(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
-                       head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed)
+                       head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed, fused_qkv=fused_qkv)
     if eot_boost:
         eot = family_tokens(family)[0].index(FAMILIES[family].end_of_turn)
         tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"][eot] *= eot_boost

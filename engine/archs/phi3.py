@@ -4,7 +4,8 @@ mlx-lm's `phi3` class.
 The converter keeps Phi's fused projections, which are mlx-lm's own layout: `attn_qkv` (Q, K, V rows
 stacked) is `qkv_proj`, and `ffn_up` holds the gate half then the up half (2*n_ff rows; llama.cpp's
 LLM_FFN_SWIGLU takes silu of the first half times the second), which is `gate_up_proj`. Files with
-separate attn_q/k/v (llama.cpp accepts both) are stacked into qkv_proj here. NEOX RoPE on unpermuted
+separate attn_q/k/v (llama.cpp accepts both) get a qkv_proj of three projections whose outputs are
+stacked: each keeps its own type (a Q4_K_M file stores some attn_v in Q6_K). NEOX RoPE on unpermuted
 rows, possibly partial (`rope.dimension_count` < head_dim: Phi-4-mini rotates 96 of 128).
 
 LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): per-pair factors `rope_factors_long`/`rope_factors_short`
@@ -28,8 +29,8 @@ _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
     "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
-    # separate projections, stacked into qkv_proj by fix_weights
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    # separate projections: the parts of a StackedQKV
+    "attn_q": "self_attn.qkv_proj.q", "attn_k": "self_attn.qkv_proj.k", "attn_v": "self_attn.qkv_proj.v",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -54,12 +55,37 @@ def model_args(g, common: dict, head_dim: int):
     if kind not in ("none", "longrope", "su"):
         raise _bad(g, f"phi3 RoPE scaling '{kind}' is not supported")
     # rope_scaling stays None: the LongRoPE module is put in by after_load, from the tensors
-    return _model_class(Model), ModelArgs(**common, partial_rotary_factor=rope_dim / head_dim)
+    args = ModelArgs(**common, partial_rotary_factor=rope_dim / head_dim)
+    separate = "blk.0.attn_qkv.weight" not in tensors
+    if separate and not all(f"blk.0.attn_{x}.weight" in tensors for x in "qkv"):
+        raise _bad(g, "phi3 needs attn_qkv or all of attn_q, attn_k and attn_v")
+    return _model_class(Model, separate), args
 
 
-def _model_class(base):
+class StackedQKV(nn.Module):
+    """qkv_proj from separate Q, K and V projections: their outputs side by side, as the fused one's rows."""
+
+    def __init__(self, dim: int, q_dim: int, kv_dim: int):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, q_dim, bias=False), nn.Linear(dim, kv_dim, bias=False), \
+            nn.Linear(dim, kv_dim, bias=False)
+
+    def __call__(self, x):
+        return mx.concatenate([self.q(x), self.k(x), self.v(x)], axis=-1)
+
+
+def _model_class(base, separate_qkv: bool):
     class Phi3(base):
-        """mlx-lm's phi3 Model with the `sanitize` step the loader calls (phi3 has none: nothing to drop)."""
+        """mlx-lm's phi3 Model with the `sanitize` step the loader calls (phi3 has none: nothing to drop),
+        and with StackedQKV projections for a file that stores Q, K and V apart."""
+
+        def __init__(self, args):
+            super().__init__(args)
+            if separate_qkv:
+                head_dim = args.hidden_size // args.num_attention_heads
+                for layer in self.model.layers:
+                    layer.self_attn.qkv_proj = StackedQKV(args.hidden_size, args.num_attention_heads * head_dim,
+                                                          args.num_key_value_heads * head_dim)
 
         def sanitize(self, weights):
             return weights
@@ -74,25 +100,6 @@ def tensor_name(gguf_name: str, args) -> str | None:
     if base in _TOP:
         return f"{_TOP[base]}.{kind}"
     return None   # rope_factors_long/short: read by after_load
-
-
-def fix_weights(weights: dict, qparams: dict, g, args) -> None:
-    """Separate attn_q/k/v stacked into qkv_proj (rows Q, K, V; a quantized row keeps its scales)."""
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}.self_attn."
-        parts = [p + f"{x}_proj" for x in "qkv"]
-        if parts[0] + ".weight" not in weights:
-            continue
-        if not all(x + ".weight" in weights for x in parts):
-            raise _bad(g, f"block {i} has some of attn_q/attn_k/attn_v but not all")
-        q = [qparams.pop(x, None) for x in parts]
-        if any(a != q[0] for a in q):
-            raise _bad(g, f"block {i}: attn_q/attn_k/attn_v are stored in different types; "
-                          "Strata stacks them into one projection")
-        for suffix in ("weight", "scales", "biases") if q[0] else ("weight",):
-            weights[p + f"qkv_proj.{suffix}"] = mx.concatenate([weights.pop(f"{x}.{suffix}") for x in parts])
-        if q[0]:
-            qparams[p + "qkv_proj"] = q[0]
 
 
 class LongRoPE(nn.Module):
@@ -137,4 +144,4 @@ def after_load(model, g, args) -> str:
 
 
 ARCH = Architecture(name="phi3", model_args=model_args, tensor_name=tensor_name, own_names=True,
-                    fix_weights=fix_weights, after_load=after_load)
+                    after_load=after_load)

@@ -71,9 +71,25 @@ PARITY_CASES = ([(f, t) for f in ("granite", "olmo2", "mistral3", "phi3") for t 
 
 @pytest.mark.parametrize("family, ftype", PARITY_CASES)
 def test_family_greedy_and_logits_match_llama_cpp(files, family, ftype):
-    path = files(family, ftype)
+    # (one prompt for a quantized file: time)
+    _check_parity(files(family, ftype), family, ftype, PROMPTS if ftype == "F16" else PROMPTS[:1])
+
+
+def test_phi3_with_separate_q_k_v_matches_llama_cpp(tmp_path):
+    """llama.cpp's phi3 also reads attn_q/attn_k/attn_v apart; its Q4_K_M stores some attn_v in Q6_K, so each
+    part keeps its own type (phi3.StackedQKV)."""
+    from gguf_factory import quantize_with_llama
+    src = write_family_gguf(tmp_path / "phi3-qkv.gguf", "phi3", seed=3, fused_qkv=False)
+    path = quantize_with_llama(src, tmp_path / "phi3-qkv-Q4_K_M.gguf", "Q4_K_M")
+    import gguf
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.1.attn_")}
+    assert {"Q4_K", "Q6_K"} <= types, types
+    _check_parity(path, "phi3", "Q4_K_M", PROMPTS[:1])
+
+
+def _check_parity(path, family: str, ftype: str, prompts: list[str]) -> None:
     llm = llama_cpp.cached_llama(path)
-    for prompt in PROMPTS if ftype == "F16" else PROMPTS[:1]:   # (one prompt for a quantized file: time)
+    for prompt in prompts:
         ids = _ids(path, prompt)
         seq = ids + llama_cpp.greedy(llm, ids, N_GEN)
         ref, ours = llama_cpp.logits(llm, seq), strata_logits(path, seq)
