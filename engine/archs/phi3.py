@@ -55,7 +55,8 @@ def model_args(g, common: dict, head_dim: int):
     if kind not in ("none", "longrope", "su"):
         raise _bad(g, f"phi3 RoPE scaling '{kind}' is not supported")
     # rope_scaling stays None: the LongRoPE module is put in by after_load, from the tensors
-    args = ModelArgs(**common, partial_rotary_factor=rope_dim / head_dim)
+    # mlx-lm rotates int(head_dim * factor) features: half a feature more keeps float rounding off that floor
+    args = ModelArgs(**common, partial_rotary_factor=(rope_dim + 0.5) / head_dim)
     separate = "blk.0.attn_qkv.weight" not in tensors
     if separate and not all(f"blk.0.attn_{x}.weight" in tensors for x in "qkv"):
         raise _bad(g, "phi3 needs attn_qkv or all of attn_q, attn_k and attn_v")
