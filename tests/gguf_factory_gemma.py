@@ -171,7 +171,7 @@ def _head(r: _Rand, n_vocab: int, n_embd: int, turn_end: str, eot_like: int | No
 def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
                       sliding_window=32, pattern: int | None = 2, context_length=2048, tensor_type="F16",
                       seed=0, rope_theta=1_000_000.0, tie_embeddings=False, eot_like: int | None = None,
-                      name=None) -> Path:
+                      rope_linear: float | None = None, name=None) -> Path:
     """A tiny Gemma 3. `pattern`: every pattern-th layer is global, written as
     gemma3.attention.sliding_window_pattern (llama.cpp reads it; 2 = sliding, global, ...). Real
     files have no such key (pattern=None): llama.cpp's default then makes every 6th layer global,
@@ -217,6 +217,9 @@ def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         w.add_sliding_window(sliding_window)
         if pattern is not None:
             w.add_sliding_window_pattern(pattern)
+        if rope_linear:     # Gemma 3 4B/12B/27B: linear x8 on the global layers
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope_linear)
     return _write(path, "gemma3", t, meta, tensor_type)
 
 

@@ -97,6 +97,23 @@ def _window(g, common: dict) -> int | None:
     return w
 
 
+def _linear_scale(g) -> float:
+    """The global layers' linear RoPE factor (Gemma 3 4B/12B/27B: 8; llama.cpp keeps the sliding
+    layers at 1), from rope.scaling.type/factor; 1 without."""
+    kind = g.arch_key("rope.scaling.type")
+    if kind in (None, "none"):
+        return 1.0
+    factor = g.arch_key("rope.scaling.factor", 1.0)
+    try:
+        factor = float(factor)
+    except (TypeError, ValueError):
+        factor = -1.0
+    if kind != "linear" or not 0.0 < factor < 1e6:
+        raise ModelFileError(f"{g.path.name}: RoPE scaling {kind!r} x{factor} is not supported for "
+                             f"{g.architecture} (linear is)")
+    return factor
+
+
 def _gemma3_args(g, common: dict, head_dim: int):
     from mlx_lm.models.gemma3_text import Model, ModelArgs
     n_layer = common["num_hidden_layers"]
@@ -126,7 +143,9 @@ def _gemma3_args(g, common: dict, head_dim: int):
                      head_dim=head_dim, query_pre_attn_scalar=scalar,
                      rope_local_base_freq=float(g.arch_key("rope.freq_base_swa", _DEFAULT_SWA_BASE)),
                      sliding_window=window or common["max_position_embeddings"],
-                     sliding_window_pattern=pattern)
+                     sliding_window_pattern=pattern,
+                     rope_scaling={"rope_type": "linear", "factor": scale} if (scale := _linear_scale(g)) != 1.0
+                     else None)
     args.tie_word_embeddings = common["tie_word_embeddings"]
     return Model, args
 
@@ -197,7 +216,8 @@ def _gemma4_args(g, common: dict, head_dim: int):
         layer_types=["sliding_attention" if s else "full_attention" for s in swa],
         final_logit_softcapping=float(softcap) if softcap else None,
         # plain RoPE here; after_load sets the rotated widths and global layers' factors from the file
-        rope_parameters={"full_attention": {"rope_theta": base, "rope_type": "default"},
+        rope_parameters={"full_attention": {"rope_theta": base, "rope_type": "default",
+                                            "linear_factor": _linear_scale(g)},
                          "sliding_attention": {"rope_theta": base_swa, "rope_type": "default"}},
         enable_moe_block=any(moe), num_experts=n_expert or None, top_k_experts=n_used or None,
         moe_intermediate_size=n_ff_exp or None)
@@ -275,6 +295,7 @@ def after_load(model, g, args) -> str:
     factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1)) if t is not None else None
     n_rot = int(g.arch_key("rope.dimension_count", args.global_head_dim))
     n_rot_swa = int(g.arch_key("rope.dimension_count_swa", args.head_dim))
+    full = args.rope_parameters["full_attention"]
     for layer in model.model.layers:
         attn = layer.self_attn
         if attn.is_sliding:
@@ -284,11 +305,11 @@ def after_load(model, g, args) -> str:
             if factors.size * 2 != attn.head_dim:
                 raise ModelFileError(f"{g.path.name}: rope_freqs.weight has {factors.size} factors for a "
                                      f"global head size of {attn.head_dim}")
-            attn.rope = FactorRoPE(attn.head_dim, args.rope_parameters["full_attention"]["rope_theta"],
-                                   False, factors)
+            # linear scaling divides the positions: the same as multiplying every period
+            attn.rope = FactorRoPE(attn.head_dim, full["rope_theta"], False, factors * full["linear_factor"])
         else:
-            attn.rope = nn.RoPE(n_rot, traditional=False,
-                                base=args.rope_parameters["full_attention"]["rope_theta"])
+            attn.rope = nn.RoPE(n_rot, traditional=False, base=full["rope_theta"],
+                                scale=1.0 / full["linear_factor"])
     return "global layers: RoPE factors from rope_freqs.weight" if factors is not None else ""
 
 

@@ -262,6 +262,22 @@ def test_gemma3_embedding_scale_is_llama_cpps_exact_square_root(tmp_path):
     assert np.median(diff) < 0.0022
 
 
+@pytest.mark.oracle
+def test_gemma3_linear_rope_scaling_on_global_layers_matches_llama_cpp(files):
+    """Gemma 3 4B/12B/27B files say rope.scaling.type linear, factor 8: llama.cpp divides the global
+    layers' positions by 8 and leaves the sliding layers alone, as mlx-lm's gemma3_text does."""
+    llama_oracle.require()
+    path = files("gemma3", rope_linear=8.0)
+    ids = _vocab_llm(path).tokenize(TIED_TEXT, add_bos=True, special=True)
+    ref = llama_oracle.logits(llama_oracle.cached_llama(path), ids)
+    diff = np.abs(ref - llama_oracle.strata_logits(path, ids))
+    unscaled = np.abs(ref - llama_oracle.logits(llama_oracle.cached_llama(files("gemma3")), ids))
+    print(f"gemma3 linear x8: |dlogit| median {np.median(diff):.4f} max {diff.max():.3f}; "
+          f"the unscaled file differs by median {np.median(unscaled):.3f}")
+    assert np.median(unscaled) > 10 * LOGIT_TOL["F16"][0], "the scaling must matter here"
+    assert np.median(diff) < LOGIT_TOL["F16"][0] and diff.max() < LOGIT_TOL["F16"][1]
+
+
 # ---------------------------------------------------------------------------------- the engine
 CHAT = [{"role": "user", "content": "Tell me a story about the little boat and the sea."}]
 # the step whose greedy token becomes the turn end's look-alike in the stop test's file: the reply then
@@ -307,7 +323,7 @@ def test_engine_chat_equals_llama_cpp_past_the_window(files, arch):
     text = render(open_gguf(path).get("tokenizer.chat_template"), CHAT, bos_token="<bos>")
     assert text == f"<bos>{start}user\n{CHAT[0]['content']}{end}\n{start}model\n"
     follow = {"role": "user", "content": "Now tell me about the garden behind the school."}
-    sampling = SamplingParams(max_tokens=40)
+    sampling = SamplingParams(max_tokens=24)
     (ids1, r1), (ids2, r2) = _engine_replies(path, [
         lambda done: GenerateRequest(messages=CHAT, sampling=sampling),
         lambda done: GenerateRequest(messages=CHAT + [{"role": "assistant", "content": done[0][1].text}, follow],
@@ -319,7 +335,7 @@ def test_engine_chat_equals_llama_cpp_past_the_window(files, arch):
     llm = llama_oracle.cached_llama(path)
     ties = []
     for ids, r in ((ids1, r1), (ids2, r2)):
-        ref = llama_oracle.greedy(llm, ids, 40)
+        ref = llama_oracle.greedy(llm, ids, 24)
         tie = _first_difference(r.tokens, ref, llama_oracle.logits(llm, ids + ref), len(ids))
         assert tie is None or tie[1] < TIE_MARGIN, f"step {tie[0]}: llama.cpp margin {tie[1]:.3f}"
         if tie is None:
