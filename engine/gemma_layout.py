@@ -1,7 +1,7 @@
-"""Where a Gemma 3 / Gemma 4 model keeps K/V, from the GGUF header alone (plain Python, for the
-memory estimate): global layers grow with the context, sliding layers hold a window (mlx-lm's
-RotatingKVCache: up to the window, plus one prefill chunk while a chunk goes in), and Gemma 4's
-last `shared_kv_layers` layers hold none (they read an earlier layer's).
+"""Where a Gemma 3 / Gemma 4 model (and gpt-oss: its even blocks slide) keeps K/V, from the GGUF header
+alone (plain Python, for the memory estimate): global layers grow with the context, sliding layers
+hold a window (mlx-lm's RotatingKVCache: up to the window, plus one prefill chunk while a chunk goes
+in), and Gemma 4's last `shared_kv_layers` layers hold none (they read an earlier layer's).
 
 The rules are engine/archs/gemma.py's (llama.cpp's): Gemma 3 makes every `pattern`-th layer global
 (6 unless the file says `sliding_window_pattern`; every layer when there is no window), Gemma 4 lists
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import ModelFileError
 
-ARCHITECTURES = ("gemma3", "gemma4")
+ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss")
 _GEMMA3_GLOBAL_EVERY = 6
 
 
@@ -55,6 +55,11 @@ def layout(h, chunk: int) -> GemmaLayout | None:
     if h.architecture == "gemma3":
         pattern = h.arch_int("attention.sliding_window_pattern", _GEMMA3_GLOBAL_EVERY) if window else 1
         sliding = [pattern > 1 and (i + 1) % pattern != 0 for i in range(n_layer)]
+        heads = [(head, head_v)] * n_layer
+        with_kv = n_layer
+    elif h.architecture == "gpt-oss":
+        # llama.cpp's swa pattern 2 (engine/archs/gpt_oss.py): the even blocks slide
+        sliding = [i % 2 == 0 for i in range(n_layer)]
         heads = [(head, head_v)] * n_layer
         with_kv = n_layer
     else:

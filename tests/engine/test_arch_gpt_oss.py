@@ -151,6 +151,24 @@ def test_loads(gdir, ftype):
     assert est.weights_bytes == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def test_memory_estimate_counts_full_and_window_kv_as_mlx_holds_it(gdir):
+    """K/V grows with the context in the full blocks only; a sliding block holds its window plus one
+    prefill chunk (as for Gemma: engine/gemma_layout.py). Checked against the caches after 1,024 tokens
+    in 512-token chunks."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from engine.memory_estimate import PREFILL_CHUNK, estimate, read_header
+    path = _file(gdir, "F16")
+    model, _ = load_model(open_gguf(path))
+    cache = make_prompt_cache(model)
+    ids = mx.array([[300 + i % 200 for i in range(2 * PREFILL_CHUNK)]])
+    for s in range(0, ids.shape[1], PREFILL_CHUNK):
+        mx.eval(model(ids[:, s:s + PREFILL_CHUNK], cache=cache))
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    e = estimate(read_header(path), ids.shape[1], "float32")
+    print(f"gpt-oss K/V held {held} bytes, estimated {e.kv_bytes + e.window_bytes}")
+    assert e.window_bytes > 0 and held <= e.kv_bytes + e.window_bytes <= 1.01 * held, (held, e.line())
+
+
 # --------------------------------------------------------------------------------------------
 # Against llama.cpp
 # --------------------------------------------------------------------------------------------
