@@ -17,7 +17,8 @@ class _Capture:
 
     def __call__(self, x, *args, **kwargs):
         out = self.block(x, *args, **kwargs)
-        self.store[self.index] = (out[0, -1, :], out[0, 0, :])
+        h = out[0] if isinstance(out, tuple) else out      # Gemma 4: (hidden, shared K/V, offset)
+        self.store[self.index] = (h[0, -1, :], h[0, 0, :])
         return out
 
     def __getattr__(self, key):   # use_sliding and friends, read by some model forwards

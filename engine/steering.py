@@ -394,7 +394,7 @@ class SteeredLayer(nn.Module):
             r = b.self_attn(b.input_layernorm(x), *args, **kwargs)
             h = x + r
             return st.vector.apply_residual(h, b.mlp(b.post_attention_layernorm(h)), self.layer_index)
-        return st.vector.apply(b(x, *args, **kwargs), self.layer_index)
+        return _hidden_mapped(b(x, *args, **kwargs), lambda h: st.vector.apply(h, self.layer_index))
 
 
     def _steer_rows(self, x, st: SteeringState, *args, **kwargs):
@@ -406,8 +406,13 @@ class SteeredLayer(nn.Module):
             h = x + r
             m = b.mlp(b.post_attention_layernorm(h))
             return mx.where(st.rows, st.vector.apply_residual(h, m, self.layer_index), h + m)
-        out = b(x, *args, **kwargs)
-        return mx.where(st.rows, st.vector.apply(out, self.layer_index), out)
+        return _hidden_mapped(b(x, *args, **kwargs),
+                              lambda h: mx.where(st.rows, st.vector.apply(h, self.layer_index), h))
+
+
+def _hidden_mapped(out, fn):
+    """`fn` on a block's output hidden state: Gemma 4's blocks return (hidden, shared K/V, offset)."""
+    return (fn(out[0]),) + tuple(out[1:]) if isinstance(out, tuple) else fn(out)
 
 
 def _fusable_calls() -> set:

@@ -278,6 +278,51 @@ def test_gemma3_linear_rope_scaling_on_global_layers_matches_llama_cpp(files):
     assert np.median(diff) < LOGIT_TOL["F16"][0] and diff.max() < LOGIT_TOL["F16"][1]
 
 
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_control_vector_steers_the_same_block_as_llama_cpps_cvec(files, arch, tmp_path):
+    """A control vector on block k only: Strata's change to the logits equals llama.cpp's (its cvec
+    is added to a block's output, after Gemma 4's per-layer output scale, as SteeredLayer does with
+    the hidden state of the block's (hidden, shared K/V, offset) result)."""
+    llama_oracle.require()
+    if not llama_oracle.has_cvec():
+        pytest.skip("this llama-cpp-python exposes no llama_set_adapter_cvec")
+    import mlx.core as mx
+    from test_control_vector import _flat_buffer
+
+    from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
+    from engine.model_loader import load_model
+    from engine.steering import SteeringState, install
+    path = files(arch)
+    n_layer, n_embd = 4, 256
+    rng = np.random.default_rng(11)
+    cv = tmp_path / "cv.gguf"
+    write_control_vector(cv, {n: (rng.standard_normal(n_embd) * 2.0).astype(np.float32)
+                              for n in range(1, n_layer)}, model_hint=arch)
+    buf = _flat_buffer(str(cv), n_layer, n_embd)
+    ids = _vocab_llm(path).tokenize(TIED_TEXT, add_bos=True, special=True)
+    llm = llama_oracle.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False)
+
+    def cpp(k):
+        assert llama_oracle.set_cvec(llm, None if k is None else buf, n_embd, k or -1, k or -1) == 0
+        return llama_oracle.logits(llm, ids).astype(np.float64)
+
+    model, _ = load_model(open_gguf(path))
+    state = SteeringState(None, speed_projection=True)
+    install(model, state)
+    plain = np.array(model(mx.array([ids])), dtype=np.float64)[0]
+    cpp_plain = cpp(None)
+    for k in range(1, n_layer):
+        state.vector = ControlVector.load(SteeringConfig(files=((str(cv), 1.0),), layer_range=(k, k)),
+                                          n_layer, n_embd)
+        ours = np.array(model(mx.array([ids])), dtype=np.float64)[0] - plain
+        theirs = cpp(k) - cpp_plain
+        err = np.abs(ours - theirs).max()
+        print(f"{arch} block {k}: |delta| max {np.abs(theirs).max():.3f}, |difference| max {err:.4f}")
+        assert np.abs(theirs).max() > 0.5 and err < LOGIT_TOL["F16"][1]
+    state.vector = None
+
+
 # ---------------------------------------------------------------------------------- the engine
 CHAT = [{"role": "user", "content": "Tell me a story about the little boat and the sea."}]
 # the step whose greedy token becomes the turn end's look-alike in the stop test's file: the reply then
