@@ -4,6 +4,7 @@ another product module becomes an edge, and any cycle among them fails with its 
 
 Imports inside functions count too: a lazy import breaks the circle at import time but not the tangle
 (engine <-> distributed, sessions <-> session_quant and app.main <-> self_test were all lazy on one side).
+`python -m pytest tests/test_imports.py` with STRATA_IMPORTS_ROOT set to an exported tree checks that one.
 Only `if TYPE_CHECKING:` blocks are left out (they never run).
 """
 from __future__ import annotations
@@ -132,19 +133,9 @@ def test_the_graph_is_read_from_every_package():
     assert "engine.errors" in graph["strata_fetch.index_fetch"]
 
 
-# Circles inside the session-file and layer-cache modules, which issue 28's cache-contract work (items 1-3:
-# engine/layer_cache.py, session file format 3) is rewriting at the time of writing; each is lazy on one
-# side. A circle is let through only while all its modules are in one of these groups: any other circle,
-# or one that reaches outside its group, fails. The groups go when that work breaks them.
-LEFT_TO_THE_CACHE_WORK = (
-    {"engine.sessions", "engine.session_quant", "engine.session_v3"},
-    {"engine.kv_format", "engine.layer_cache"},
-)
-
-
 def test_no_import_cycle():
     graph = import_graph()
-    found = [c for c in cycles(graph) if not any(set(c) <= group for group in LEFT_TO_THE_CACHE_WORK)]
+    found = cycles(graph)
     described = []
     for comp in found:
         inside = set(comp)
