@@ -486,3 +486,55 @@ def test_first_step_merge_as_a_lone_request_does(tiny, monkeypatch):
     assert lone.tokens == ref[1].tokens
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert nxt.cached_tokens >= got[1].prompt_tokens - 1
+
+
+def test_a_batched_conversation_is_saved_as_if_it_ran_alone(tiny, tmp_path):
+    """Three chats batched, then the last one's K/V (alone, a later new chat may take over an earlier
+    one's parked K/V by their shared prefix, as parking does) against the lone engine's: the same tokens and K/V
+    (measured: identical on the tiny model, max |dK|, |dV| = 0). One is saved to a session file, restored
+    into a fresh engine, and its next turn there is the lone engine's next turn."""
+    from engine.engine import RestoreSession, SaveSession
+    reqs = [GenerateRequest(messages=CHATS[i], conversation=f"chat{i}", sampling=greedy(20 + 4 * i))
+            for i in (0, 4, 6)]
+
+    def held(eng, owner):
+        import mlx.core as mx
+
+        def read(e):
+            entry = next(x for x in e.conversations.held() if x.owner == owner)
+            kv = [np.array(a[..., :c.offset, :].astype(mx.float32)) for c in entry.cache for a in (c.keys, c.values)]
+            return list(entry.tokens), kv
+        return eng.call(Call(read), 60).value
+
+    def next_turn(r, req):
+        msgs = req.messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Why?"}]
+        return GenerateRequest(messages=msgs, conversation=req.conversation, sampling=greedy(8))
+
+    solo = start(tiny, 1, cache_mib=64)
+    try:
+        ref = alone(solo, reqs)
+        ref_kv = held(solo, "chat6")
+        ref_next = solo.call(next_turn(ref[2], reqs[2]), 300)
+    finally:
+        solo.stop()
+    eng = start(tiny, 8, cache_mib=64)
+    try:
+        got = [h.result(300) for h in together(eng, reqs)]
+        assert counters(eng).peak_rows == 3
+        kv = held(eng, "chat6")
+        path = str(tmp_path / "chat6.stratasession")
+        eng.call(SaveSession(path, messages=reqs[2].messages + [{"role": "assistant", "content": got[2].text}]), 60)
+    finally:
+        eng.stop()
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert kv[0] == ref_kv[0]
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(kv[1], ref_kv[1]))
+    print(f"batched vs lone K/V: max |d| {diff:.3g}")
+    assert diff <= 1e-5, diff
+    fresh = start(tiny, 8)
+    try:
+        fresh.call(RestoreSession(path), 60)
+        nxt = fresh.call(next_turn(got[2], reqs[2]), 300)
+    finally:
+        fresh.stop()
+    assert nxt.cached_tokens == ref_next.cached_tokens and nxt.tokens == ref_next.tokens
