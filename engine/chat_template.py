@@ -41,6 +41,7 @@ CHATML = (
 )
 
 MAX_OUTPUT = 16 << 20           # characters: far above any context's worth of text
+MAX_SOURCE = 256 << 10          # a template's own characters: real ones are 1-20 KB (gpt-oss: 16.7 KB)
 MAX_VALUE = 16 << 20            # the longest string or list one operation may build
 MAX_INT_ARG = 1 << 20           # widths, counts, repeats passed to calls and filters
 MAX_POW_BITS = 4096
@@ -173,11 +174,17 @@ def render(source: str | None, messages: list[dict], *, bos_token: str = "", eos
     template's `tools` variable (OpenAI's [{"type": "function", "function": {...}}]), left undefined
     when None, as Hugging Face's apply_chat_template does (templates test `tools is defined`)."""
     label = name or ("the built-in ChatML template" if not source else "the model's chat template")
-    budget = _Budget()
     previous = sys.gettrace()
-    sys.settrace(budget.global_trace)
     try:
+        if source and len(source) > MAX_SOURCE:
+            raise TemplateBudgetError(f"it is {len(source) >> 10} KiB; templates over {MAX_SOURCE >> 10} KiB "
+                                      "are refused")
+        # Compiled before the tracer starts: jinja2's compiler under the line tracer took 2.3-2.7 s for
+        # gpt-oss's 16.7 KB template (0.28 s without), past a distributed rank's patience on a loaded
+        # machine; compiling is bounded by the source's size (MAX_SOURCE) and runs none of its code.
         template = _compile(source or CHATML)
+        budget = _Budget()
+        sys.settrace(budget.global_trace)
         parts, total = [], 0
         extra = {"tools": tools} if tools else {}
         for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -129,6 +129,8 @@ def test_the_issues_template_attacks_are_refused(short_budget):
         ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion too deep"),
         ("{% include 'other.jinja' %}", "cannot include other templates"),
         ("{{ range(10**9)|list }}", "over the limit"),
+        ("x" * (chat_template.MAX_SOURCE + 1), "KiB are refused"),
+        ("{% if x %}" * 20000 + "{% endif %}" * 20000, "failed: "),     # deep nesting: the compiler's own limit
     ]:
         with pytest.raises(RequestError, match=why):
             render(source, CHAT)
