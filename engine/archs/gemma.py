@@ -23,6 +23,7 @@ What llama.cpp's converter and graph do, and what that means here:
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -285,9 +286,42 @@ def _split_gate_up(weights: dict, qparams: dict, prefix: str) -> None:
         qparams[prefix + "up_proj"] = dict(q)
 
 
+class _QuantInfo:
+    """What mlx-lm's scaled_dot_product_attention reads of a quantized cache (bits, group size)."""
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits, self.group_size = bits, group_size
+
+
+@functools.lru_cache(maxsize=None)
+def _sharing_attention(base: type) -> type:
+    """gemma4_text's Attention for a K/V-sharing layer, also when the shared K/V is quantized (Strata's
+    8/4-bit K/V): mlx-lm hands such a layer the source layer's quantized (packed, scales, biases)
+    tuples but no cache, so its attention call has no bits to read and fails. This one reads them
+    from the tuples' shapes and calls the same attention function (the module's, as patched)."""
+    from mlx_lm.models import gemma4_text
+
+    class SharingAttention(base):
+        def __call__(self, x, mask=None, cache=None, shared_kv=None, offset=None):
+            if shared_kv is None or not isinstance(shared_kv[0], tuple):
+                return super().__call__(x, mask, cache, shared_kv=shared_kv, offset=offset)
+            keys, values = shared_kv
+            B, L, _ = x.shape
+            q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+            q = self.rope(q, offset=offset)
+            info = _QuantInfo(keys[0].shape[-1] * 32 // self.head_dim, self.head_dim // keys[1].shape[-1])
+            out = gemma4_text.scaled_dot_product_attention(q, keys, values, cache=info, scale=self.scale,
+                                                           mask=mask)
+            return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), shared_kv, offset
+    return SharingAttention
+
+
 def after_load(model, g, args) -> str:
     if g.architecture != "gemma4":
         return ""
+    for layer in model.model.layers:
+        if not layer.self_attn.has_kv:
+            layer.self_attn.__class__ = _sharing_attention(type(layer.self_attn))
     import mlx.core as mx
     import mlx.nn as nn
     from ..model_loader import FactorRoPE
