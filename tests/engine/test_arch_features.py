@@ -23,6 +23,7 @@ from engine import layer_cache
 from engine.api import Call
 from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.sampling import SamplingParams
+import gguf_factory
 from gguf_factory import TRAINING_TEXT
 
 WORDS = TRAINING_TEXT.split()
@@ -44,22 +45,26 @@ def _slide(engine) -> None:
     engine.conversations.clear()
 
 
-# case -> (architecture writer, what to do to a loaded engine: None for nothing)
-CASES = {name: (w, None) for name, w in arch_cases.ARCH_WRITERS.items()}
-CASES["llama+window"] = (arch_cases.ARCH_WRITERS["llama"], _slide)
+# case -> (architecture writer, what to do to a loaded engine: None for nothing, engine options)
+CASES = {name: (w, None, {}) for name, w in arch_cases.ARCH_WRITERS.items()}
+CASES["llama+window"] = (arch_cases.ARCH_WRITERS["llama"], _slide, {})
+# 8-bit K/V beside windows: the full layers quantized (kv_quant), the windows not (mlx-lm cannot)
+# (a head of 32: quantized K/V groups are 32 or 64 wide)
+CASES["llama+window+q8"] = (lambda path, *, seed=0, **kw: gguf_factory.write_tiny_gguf(
+    path, "llama", n_embd=128, n_head=4, n_head_kv=2, seed=seed, tensor_type="F16"), _slide, {"kv_bits": 8})
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     name = request.param
-    writer, after = CASES[name]
+    writer, after, opts = CASES[name]
     path = writer(tmp_path_factory.mktemp("arch") / f"{name.replace('+', '_')}.gguf")
-    return name, Path(path), after
+    return name, Path(path), after, opts
 
 
 def start(case, **opts) -> Engine:
-    name, path, after = case
-    engine = Engine(EngineOptions(model=str(path), **{"cache_mib": 64, "cache_slots": 4, **opts}))
+    name, path, after, case_opts = case
+    engine = Engine(EngineOptions(model=str(path), **{"cache_mib": 64, "cache_slots": 4, **case_opts, **opts}))
     engine.start()
     assert engine.call(Status(), timeout=300).model, "the model did not load"
     if after is not None:
@@ -111,7 +116,7 @@ def test_parking_aba_is_identical(case):
     # As much reused as without B (all A held, where the template renders the history as it was fed;
     # gpt-oss's harmony template renders a past reply otherwise, so its follow-up shares a bit less).
     assert run[2].cached_tokens == ref[2].cached_tokens > 0
-    if case[0] in ("llama", "qwen3", "llama+window"):      # templates that render history as it was fed
+    if case[0].startswith(("llama", "qwen3")) and case[0] != "qwen35":   # templates rendering history as fed
         assert run[2].cached_tokens == held
 
 
@@ -207,5 +212,5 @@ def test_speculation_is_greedy_identical(case, mode, monkeypatch, tmp_path):
     # Lookup drafts only where the reply repeats an n-gram of the conversation: random weights may
     # never do that (qwen35's tiny model does not), and then the identity holds trivially; llama's
     # and qwen3's replies do. A draft model always drafts.
-    if mode == "draft" or case[0] in ("llama", "qwen3", "llama+window"):
+    if mode == "draft" or case[0].startswith(("llama", "qwen3")) and not case[0].startswith("qwen35"):
         assert spec.drafted_tokens > 0, spec.speculation_stopped
