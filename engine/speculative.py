@@ -22,7 +22,10 @@ Verification (one target pass over [pending, d1..dk]):
 Bookkeeping: `fed` is exactly what the target's K/V holds. Rejected drafts are trimmed from the cache
 and from `fed` at once; if the consumer stops mid-way through an accepted run (EOS, a stop string,
 cancel), closing the generator trims the K/V back to the tokens actually delivered, so parking and
-session files hold only accepted, delivered tokens.
+session files hold only accepted, delivered tokens. "Trimmed" goes through the cache contract
+(engine/layer_cache.py rollback): a trim for full K/V; for a cache that cannot trim (a recurrent state,
+a sliding window the pass wrapped) the layers snapshotted before the verify pass are restored and the
+accepted tokens fed again.
 
 Never slower: the first PLAIN_FIRST passes of a request are plain one-token steps, timing the
 baseline. From the MIN_JUDGE-th drafting pass on, the last (up to WINDOW) drafting passes are judged
