@@ -94,7 +94,8 @@ class SaveSession:
     # has these messages. When none is held, the conversation is read again with this setting
     # (None: the engine's default) and then saved.
     speed_projection: bool | None = None
-    conversation: str = ""                    # the owner given to K/V read again for the save
+    conversation: str = ""                    # its id: the held K/V is found by it (its messages confirming
+                                              # the turn), and K/V read again gets it as its owner
 
 
 @dataclass

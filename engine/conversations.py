@@ -59,9 +59,12 @@ class Conversations:
             self.parking.park(self.live)
         self.live = entry
 
-    def find(self, messages: list[dict], keys: set[KVKey] | None = None) -> KVEntry | None:
-        """The held conversation with these messages (and one of `keys`, when given)."""
-        return next((e for e in self.held() if e.messages == messages and (keys is None or e.key in keys)), None)
+    def find(self, messages: list[dict], keys: set[KVKey] | None = None, owner: str = "") -> KVEntry | None:
+        """The held conversation to save (one of `keys`, when given). By its id when the caller names one
+        (`owner`: the app's chat), its messages then only confirming that the K/V is of this very turn;
+        by its messages alone otherwise (an OpenAI-style client names a conversation by sending it)."""
+        return next((e for e in self.held() if (not owner or e.owner == owner) and e.messages == messages
+                     and (keys is None or e.key in keys)), None)
 
     def drop(self, entry: KVEntry, why: str) -> None:
         """Forget a held K/V (live or parked) that fails when used, so it cannot fail later requests."""

@@ -265,7 +265,11 @@ class Distributed:
         elif self.rank == 0 and engine.guard.unavailable_reason():
             error = f"session save refused: {engine.guard.unavailable_reason()}"
         self._decide(error)
-        full = self._gather(entry)
+        if self.mode == "pipeline":         # any cache kinds, through the cache contract
+            from . import pipeline_sessions
+            full = pipeline_sessions.gather(self, entry.cache, engine.model)
+        else:
+            full = self._gather(entry)
         from .errors import StrataError
         from .parking import KVEntry
         result, error = None, None
@@ -330,7 +334,7 @@ class Distributed:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
                 mine.append(c)
-        cache = ps.scatter(self, whole.cache if self.rank == 0 else None, *self.split[self.rank]) if pipeline \
+        cache = ps.scatter(self, whole.cache if self.rank == 0 else None, engine.model) if pipeline \
             else engine.make_cache()
         for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))
@@ -346,9 +350,6 @@ class Distributed:
 
     def _gather(self, entry):
         """Rank 0: every layer's K/V in order; the other ranks contribute theirs (see restore)."""
-        if self.mode == "pipeline":             # any cache kinds, through the cache contract
-            from . import pipeline_sessions
-            return pipeline_sessions.gather(self, entry.cache)
         from mlx_lm.models.cache import KVCache
         n = len(entry.tokens)
         ref = entry.cache[0].keys

@@ -31,6 +31,7 @@ from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, Engin
 from .errors import Cancelled, EngineError, ErrorCode, RequestError, StrataError
 from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
+from .loaded_model import LoadedModel
 
 log = logging.getLogger("strata")
 DRAFT_IDLE_S = 30.0     # a draft model no request used for this long is released (engine/handlers.py)
@@ -54,6 +55,12 @@ def _quiet_at_exit() -> None:
             engine.idle.wait(10)
 
 
+def _loaded(name: str, default=None) -> property:
+    """A read-only view of one field of the engine's LoadedModel (`default` while none is loaded)."""
+    return property(lambda self: default if self.loaded is None else getattr(self.loaded, name),
+                    doc=f"LoadedModel.{name} of what is loaded ({default!r} when nothing is)")
+
+
 class Engine(RequestHandlers):
     def __init__(self, options: EngineOptions | None = None):
         from .memory_guard import MemoryGuard
@@ -72,12 +79,12 @@ class Engine(RequestHandlers):
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
         self.disk = None                          # disk_tier.DiskTier under parking, made on the engine thread
-        self.model = self.tokenizer = self.info = self.model_path = self.template = None
-        self.model_hash = ""
-        self.facts: ModelFacts | None = None      # what is loaded, one immutable value (Engine.model_facts)
-        self.steering = None                      # steering.SteeringState
-        self.steering_error: str | None = None    # why the configured control vector was refused
-        self.n_ctx = 0
+        # What is loaded: one LoadedModel value (engine/loaded_model.py) replaced whole at each load;
+        # model, tokenizer, info, n_ctx, dtype, ... below read it.
+        self.loaded: LoadedModel | None = None
+        # The engine's state the handlers (engine/handlers.py, which hold none of their own) keep up to date:
+        self._pace = None                         # (model, generate.PrefillPace) measured for the loaded model
+        self._verdicts = None                     # speculative.Verdicts: what each draft pair measured
         self.draft = None                         # speculative.DraftModel loaded for `draft:PATH` requests
         # The start-up load (options.model): its handle is the starter's, whose result() is the load's.
         self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering)) \
@@ -295,6 +302,19 @@ class Engine(RequestHandlers):
         if serve is None:
             raise RequestError(f"unknown request {type(req).__name__}")
         return serve()
+
+    # ---- what is loaded (engine/loaded_model.py: read-only views of the one value) ----------
+    model = _loaded("model")
+    tokenizer = _loaded("tokenizer")
+    info = _loaded("info")
+    model_path = _loaded("path")
+    template = _loaded("template")
+    model_hash = _loaded("model_hash", "")
+    n_ctx = _loaded("n_ctx", 0)
+    dtype = _loaded("dtype")
+    steering = _loaded("steering")
+    steering_error = _loaded("steering_error")
+    facts = _loaded("facts")          # what is loaded, one immutable value (Engine.model_facts)
 
     # ---- the held conversations (engine thread; engine/conversations.py) ---------------------
     @property

@@ -60,15 +60,19 @@ class RequestHandlers:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
         from .kv_format import choose
-        choose(self.options.kv_bits, info.head_dim)   # --kv-bits this model's head size cannot take: refused
-        # Everything validated: swap in the new model (a failed load above leaves the old one serving).
+        from .loaded_model import LoadedModel
+        kv_format = choose(self.options.kv_bits, info.head_dim)   # --kv-bits this head size cannot take: refused
+        model_hash = content_hash(path)
+        facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
+                           info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
+                           distributed=self.dist.status() if self.dist is not None else None)
+        # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
         self.options.steering = steer_cfg
-        self.model, self.tokenizer, self.info, self.model_path = model, tokenizer, info, path
-        self.dtype = dtype
-        self.steering_error = steering_error
-        self.template = g.get("tokenizer.chat_template")
-        self.model_hash = content_hash(path)
-        self.steering = steering.SteeringState(vector, speed_projection=bool(vector) and self.options.speed_projection)
+        self.loaded = LoadedModel(
+            model=model, tokenizer=tokenizer, info=info, path=path, template=g.get("tokenizer.chat_template"),
+            model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
+            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.options.speed_projection),
+            steering_error=steering_error, facts=facts)
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
             steering.install(self.model, self.steering)
@@ -77,12 +81,8 @@ class RequestHandlers:
             self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
         if self.dist is not None:
             self.dist.after_load(self)
-        self.n_ctx = n_ctx
         self.conversations.clear()
         reserved = self._touch_kv_memory(info, dtype)
-        self.facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
-                                info=dict(info.__dict__), n_ctx=n_ctx, model_hash=self.model_hash,
-                                distributed=self.dist.status() if self.dist is not None else None)
         self._log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
                   f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
@@ -145,8 +145,8 @@ class RequestHandlers:
 
     @property
     def kv_fmt(self):
-        from .kv_format import choose
-        return choose(self.options.kv_bits, self.info.head_dim)
+        """The K/V format of new conversations (the load's, swapped by Configure)."""
+        return self.loaded.kv_format
 
     def _projection(self, requested: bool | None) -> bool:
         return bool(self.steering.vector) and (
@@ -432,7 +432,8 @@ class RequestHandlers:
             else:
                 choose(int(req.kv_bits), 64)      # no model yet: the width alone is checked
             self.options.kv_bits = int(req.kv_bits)
-            if self.info is not None:
+            if self.loaded is not None:
+                self.loaded = self.loaded.with_kv_format(choose(self.options.kv_bits, self.info.head_dim))
                 self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
         return self.status()
 
@@ -520,7 +521,7 @@ class RequestHandlers:
         entry, reread = self.live, False
         if req.messages is not None:
             keys = None if req.speed_projection is None else {self.cache_key(self._projection(req.speed_projection))}
-            entry = self.conversations.find(req.messages, keys)
+            entry = self.conversations.find(req.messages, keys, req.conversation)
             if entry is None:
                 entry, reread = self._read_again(req, handle), True
         if entry is None or not entry.tokens:

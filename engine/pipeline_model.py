@@ -218,7 +218,8 @@ class PipelinePart:
         if not self.last:
             del inner["norm"]
             if "lm_head" in head_owner:
-                del head_owner["lm_head"]
+                # a parameterless stand-in rather than nothing: some sanitize steps pop it (Gemma 3)
+                head_owner.lm_head = _Zeros(args.vocab_size, mx.float32)
         model._pipeline_plan = plan
         return model
 
@@ -254,6 +255,12 @@ class _RankModel(nn.Module):
         out = mx.distributed.all_sum(ext, group=group)
         self.last_flag = out[0, 0, -1]
         return out[..., :-1]
+
+
+def _fresh(template):
+    """A new empty cache of the same kind and window as `template`."""
+    from . import layer_cache
+    return layer_cache.kind_of(template).restore(layer_cache.kind_of(template).checkpoint(template))
 
 
 def _kind_key(c) -> tuple:
@@ -307,6 +314,8 @@ class PipelineModel(_RankModel):
                     t.norm = _LastNorm(self.saved["norm"])
                 elif self.saved["lm_head"] is None:
                     model.head_owner.lm_head = _Zeros(model.vocab, model.compute_dtype)
+                else:
+                    self.saved["lm_head"] = None        # our stand-in: put back after the call
                 return self
 
             def __exit__(self, *exc):
@@ -322,10 +331,43 @@ class PipelineModel(_RankModel):
 
     def make_cache(self) -> list:
         """This rank's blocks' caches (the whole model's make_cache, cut to this rank's slots; Gemma 4's
-        K/V-sharing blocks have none)."""
+        K/V-sharing blocks have none), then one "ghost" per kind of cache that cannot be cut back freely
+        (a window of a given size, a recurrent state) which the whole model has and this rank's blocks
+        do not. The engine decides from a conversation's caches whether to take checkpoints, how far it
+        can cut back, when to fall back to a checkpoint (engine/layer_cache.py); with the ghosts every
+        rank sees the same kinds at the same offsets and so decides alike (else the ranks would prefill
+        different chunks and wait on each other for good). A ghost is a real cache of its kind fed a
+        one-wide zero K/V (or a one-value state) with every step: its offset, wrap and trim follow the
+        real ones' for a few bytes."""
         with self._whole():
             whole = super().make_cache()
-        return whole[self.part.start:min(self.part.end, len(whole))]
+        own = whole[self.part.start:min(self.part.end, len(whole))]
+        return own + [_fresh(t) for t in self._ghost_kinds(own)]
+
+    def _ghost_kinds(self, own: list) -> list:
+        from . import layer_cache
+        have = {_kind_key(c) for c in own}
+        out = {}
+        for t in self.whole_template:
+            k = _kind_key(t)
+            if k not in have and k not in out and not layer_cache.kind_of(t).trims_freely:
+                out[k] = t
+        return list(out.values())
+
+    @property
+    def n_own_caches(self) -> int:
+        """How many of a conversation's caches are this rank's blocks' (the rest are ghosts)."""
+        return max(0, min(self.part.end, len(self.whole_template)) - self.part.start)
+
+    def _feed_ghosts(self, ghosts: list, B: int, L: int) -> None:
+        from . import layer_cache
+        for g in ghosts:
+            if layer_cache.kind_of(g).name == "arrays":
+                if g.cache[0] is None:
+                    g.cache[0] = mx.zeros((B, 1), dtype=self.compute_dtype)
+            else:
+                z = mx.zeros((B, 1, L, 1), dtype=self.compute_dtype)
+                g.update_and_fetch(z, z)
 
     def make_whole_cache(self) -> list:
         """Fresh caches of the whole model (rank 0 reads a session file into them)."""
@@ -335,7 +377,7 @@ class PipelineModel(_RankModel):
     def _full_cache(self, cache) -> list:
         p, template = self.part, self.whole_template
         mine = {}
-        for c in cache:
+        for c in cache:                 # this rank's own caches first, then the ghosts
             mine.setdefault(_kind_key(c), c)
         out = []
         for i, t in enumerate(template):
@@ -351,10 +393,12 @@ class PipelineModel(_RankModel):
         if self.on_step is not None:
             self.on_step()
         p = self.part
-        B = inputs.shape[0]
+        B, L = inputs.shape[:2]
         full = None if cache is None else self._full_cache(cache)
         with self._whole():
             out = self.inner(inputs, cache=full)
+        if cache is not None:
+            self._feed_ghosts(cache[self.n_own_caches:], B, L)
         if p.last:
             logits = out[:, -1:, :].astype(self.compute_dtype)
         else:

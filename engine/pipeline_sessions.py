@@ -37,9 +37,10 @@ def _from(dist, src: int, states: list | None) -> list:
     return out
 
 
-def gather(dist, cache: list) -> list | None:
-    """Rank 0: the whole model's caches in block order (new objects); the other ranks: None."""
-    mine = layer_cache.to_states(cache)
+def gather(dist, cache: list, model) -> list | None:
+    """Rank 0: the whole model's caches in block order (new objects); the other ranks: None. Only each
+    rank's own blocks' caches travel (not its ghosts: PipelineModel.make_cache)."""
+    mine = layer_cache.to_states(cache[:model.n_own_caches])
     whole = []
     for r in range(dist.size):
         got = _from(dist, r, mine if r == dist.rank else None)
@@ -48,10 +49,21 @@ def gather(dist, cache: list) -> list | None:
     return layer_cache.from_states(whole) if dist.rank == 0 else None
 
 
-def scatter(dist, whole: list | None, start: int, end: int) -> list:
-    """Every rank: its own blocks' caches [start, end) of the whole model's `whole` (held by rank 0)."""
+def scatter(dist, whole: list | None, model) -> list:
+    """Every rank: its own blocks' caches of the whole model's `whole` (held by rank 0), then its ghosts,
+    each one cut from a layer of its kind (the same offset, window position and wrap, one wide)."""
+    from .pipeline_model import _kind_key
     states = _from(dist, 0, layer_cache.to_states(whole) if dist.rank == 0 else None)
-    return layer_cache.from_states(states[start:min(end, len(states))])
+    part = model.part
+    own = layer_cache.from_states(states[part.start:part.start + model.n_own_caches])
+    whole_caches = layer_cache.from_states(states)
+    ghosts = []
+    for t in model._ghost_kinds(own):
+        i = next(i for i, c in enumerate(whole_caches) if _kind_key(c) == _kind_key(t))
+        s = states[i]
+        ghosts.append(layer_cache.kind_named(s.kind).from_state(
+            [x[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)] for x in s.tensors], s.meta))
+    return own + ghosts
 
 
 def probe(dist, model, make_cache) -> list | None:
@@ -60,7 +72,7 @@ def probe(dist, model, make_cache) -> list | None:
     cache = make_cache()
     model(mx.array([[0]]), cache=cache)
     mx.eval(layer_cache.arrays(cache))
-    return gather(dist, cache)
+    return gather(dist, cache, model)
 
 
 def needs_probe(model) -> bool:

@@ -1,0 +1,37 @@
+"""What one model load produced, as one value: the engine holds a `LoadedModel` (or None) and replaces it
+whole at each load (a failed load leaves the previous one serving, untouched), instead of a dozen loose
+attributes set one by one. Plain Python: the MLX objects inside are only referenced here.
+
+Mutable parts it references stay the engine thread's: the SteeringState's per-request switch, the
+model's weights. The draft model of `speculative: draft:PATH` is not part of it: which draft (if any)
+is a request's choice, so it is loaded by the first request that names it (engine/handlers.py
+_spec_drafter) and released by a model load or after DRAFT_IDLE_S unused.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .api import ModelFacts
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any                  # the mlx-lm Model (a PipelineModel/TensorModel part when distributed)
+    tokenizer: Any              # tokenizer.Tokenizer
+    info: Any                   # gguf_file.ModelInfo
+    path: Path                  # the GGUF file
+    template: str | None        # its chat template (tokenizer.chat_template), None when it has none
+    model_hash: str             # gguf_file.content_hash: the K/V identity's model part
+    n_ctx: int                  # the context this load allows (fit to memory and the model)
+    dtype: Any                  # mx.Dtype of compute and of 16-bit K/V
+    kv_format: Any              # kv_format.KVFormat of new conversations (Configure swaps it)
+    steering: Any               # steering.SteeringState shared by the model's SteeredLayers
+    steering_error: str | None  # why the configured control vector was refused (served without it)
+    facts: ModelFacts           # the immutable summary other threads may read (Engine.model_facts)
+
+    def with_kv_format(self, kv_format) -> "LoadedModel":
+        """The same load with another K/V format for new conversations (held ones keep theirs)."""
+        return dataclasses.replace(self, kv_format=kv_format)
