@@ -508,6 +508,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
                 elif getattr(drafter, "samples_drafts", False):     # the MTP head: drafts from q
                     draft, draft_dists = drafter.propose(context, room, dist)
+                    catchup = drafter.catchup_s     # its first read of the prompt: once, not per pass
                 else:
                     draft, draft_dists = drafter.propose(context, room)
             if constraint is not None and draft:
