@@ -233,7 +233,8 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
                       n_embd_per_layer=64, double_wide=True, partial_rotary=0.25, softcap=30.0,
                       context_length=2048, tensor_type="F16", seed=0, rope_theta=1_000_000.0,
                       rope_theta_swa=10_000.0, tie_embeddings=False, eot_like: int | None = None,
-                      n_expert=0, n_expert_used=2, n_ff_exp=256, router_std=3.0, name=None) -> Path:
+                      n_expert=0, n_expert_used=2, n_ff_exp=256, router_std=3.0, k_eq_v=False,
+                      n_head_kv_global: int | None = None, name=None) -> Path:
     """A tiny Gemma 4 (E2B-like: per-layer embeddings, shared K/V in the last layers, double-wide FFN
     there). With the defaults: layers sliding/global/sliding/global, layers 2 and 3 reuse the K/V of
     layers 0 and 1. `n_expert` > 0: 26B-A4B-like experts in every layer beside the dense FFN (the
@@ -243,6 +244,7 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
     n_vocab = len(vocab("gemma4")["tokens"])
     swa = gemma4_layer_types(n_layer, pattern)
     first_shared = n_layer - shared_kv_layers
+    kv_heads = [n_head_kv if s else (n_head_kv_global or n_head_kv) for s in swa]
     n_ffs = [n_ff * (2 if double_wide and i >= first_shared else 1) for i in range(n_layer)]
     t: dict[str, np.ndarray] = {"token_embd.weight": r.normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))}
     n_rot_pairs = int(global_head_dim * partial_rotary / 2)
@@ -255,14 +257,15 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
     for i in range(n_layer):
         p = f"blk.{i}."
         hd = head_dim if swa[i] else global_head_dim
-        q_dim, kv_dim = n_head * hd, n_head_kv * hd
+        q_dim, kv_dim = n_head * hd, kv_heads[i] * hd
         t[p + "attn_norm.weight"] = r.norm(n_embd)
         t[p + "attn_q.weight"] = r.normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
         # Gemma 4 does not scale queries (scale 1): norms of hd^-1/4 each make q.k/sqrt(hd) as above
         t[p + "attn_q_norm.weight"] = r.norm(hd, (QK_NORM ** 0.5) * hd ** -0.25)
         if i < first_shared:
             t[p + "attn_k.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
-            t[p + "attn_v.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+            if not (k_eq_v and not swa[i]):     # 31B: global layers take V = K (before the norms)
+                t[p + "attn_v.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
             t[p + "attn_k_norm.weight"] = r.norm(hd, (QK_NORM ** 0.5) * hd ** -0.25)
         t[p + "attn_output.weight"] = r.normal((n_embd, q_dim), 1.0 / np.sqrt(q_dim))
         t[p + "post_attention_norm.weight"] = r.norm(n_embd, 3.0)
@@ -297,7 +300,7 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         w.add_block_count(n_layer)
         w.add_feed_forward_length(n_ffs if len(set(n_ffs)) > 1 else n_ff)
         w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
+        w.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else n_head_kv)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(float(rope_theta))
         w.add_rope_freq_base_swa(float(rope_theta_swa))

@@ -250,6 +250,26 @@ def test_gemma4_experts_match_llama_cpp(files, ftype):
     assert r["median"] < med and r["max"] < mx_, r
 
 
+@pytest.mark.oracle
+def test_gemma4_31b_layout_matches_llama_cpp(files):
+    """Gemma 4 31B's layout: global layers with V = K (no attn_v) and their own K/V head count
+    (head_count_kv one per layer), no per-layer embeddings, no K/V sharing. F16 measured: median
+    |dlogit| 0.0034, max 0.024, every greedy id equal."""
+    llama_oracle.require()
+    from engine.memory_estimate import estimate, read_header
+    path = files("gemma4", k_eq_v=True, n_head_kv_global=1, n_embd_per_layer=0, shared_kv_layers=0,
+                 double_wide=False)
+    ids = _vocab_llm(path).tokenize(PROMPTS["gemma4"][0].encode(), add_bos=True, special=True)
+    llm = llama_oracle.cached_llama(path)
+    seq = ids + llama_oracle.greedy(llm, ids, N_GEN)
+    ref, ours = llama_oracle.logits(llm, seq), llama_oracle.strata_logits(path, seq)
+    r = _compare(ref[:-1], ours[:-1], len(ids) - 1)
+    assert all(m < TIE_MARGIN for m in r["margins"]), r
+    assert r["median"] < LOGIT_TOL["F16"][0] and r["max"] < LOGIT_TOL["F16"][1], r
+    # K/V per token: the two global layers, one K/V head each, K and V of 128, float32
+    assert estimate(read_header(path), 1024, "float32").kv_bytes_per_token == 2 * 1 * 256 * 4
+
+
 # (median, max) for the tied files (real Gemma files tie the output head to the embedding), measured
 # 2026-12-02 over TIED_TEXT: F16 0.0016-0.0022 / 0.013-0.017, Q4_K_M 0.054-0.074 / 0.52-0.82 (logit
 # scale ~10; llama.cpp stores the tied table as Q6_K, which Strata requantizes to 8 bits).
