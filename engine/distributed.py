@@ -268,13 +268,15 @@ class Distributed:
         if self.mode == "pipeline":         # any cache kinds, through the cache contract
             from . import pipeline_sessions
             full = pipeline_sessions.gather(self, entry.cache, engine.model)
+            checkpoints = pipeline_sessions.gather_checkpoints(self, entry, engine.model)
         else:
-            full = self._gather(entry)
+            full, checkpoints = self._gather(entry), []
         from .errors import StrataError
         from .parking import KVEntry
         result, error = None, None
         if self.rank == 0:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
+            whole.checkpoints = checkpoints
             try:
                 result = sessions.save(req.path, whole, engine.session_fingerprint(),
                                        progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine.log)
@@ -334,11 +336,14 @@ class Distributed:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
                 mine.append(c)
-        cache = ps.scatter(self, whole.cache if self.rank == 0 else None, engine.model) if pipeline \
-            else engine.make_cache()
+        cache, checkpoints = ps.scatter(self, whole.cache if self.rank == 0 else None,
+                                        whole.checkpoints if self.rank == 0 else None, engine.model) \
+            if pipeline else (engine.make_cache(), [])
         for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))
         entry = KVEntry(list(tokens), cache, engine.cache_key(), messages=messages)
+        entry.checkpoints = checkpoints
+        entry.owner = req.conversation          # as Engine._restore: the follow-up finds it by its owner
         # As Engine._restore: only now does the live conversation step aside.
         if engine.live is not None and engine.parking.enabled:
             engine.parking.park(engine.live)

@@ -49,21 +49,73 @@ def gather(dist, cache: list, model) -> list | None:
     return layer_cache.from_states(whole) if dist.rank == 0 else None
 
 
-def scatter(dist, whole: list | None, model) -> list:
+def _snap_states(cache: list, ck, keep) -> tuple[list, list]:
+    """A checkpoint's layers as (their indices, LayerStates), those `keep(i)` says."""
+    idx = [i for i in sorted(ck.layers) if keep(i)]
+    return idx, [layer_cache.to_states([layer_cache.kind_of(cache[i]).restore(ck.layers[i])])[0] for i in idx]
+
+
+def _checkpoint(n: int, states: dict):
+    """A Checkpoint of `n` tokens from {layer index: LayerState}."""
+    snaps = {}
+    for i, s in states.items():
+        kind = layer_cache.kind_named(s.kind)
+        snaps[i] = kind.checkpoint(kind.from_state(s.tensors, s.meta))
+    size = sum(a.nbytes for snap in snaps.values() for a in layer_cache.snapshot_arrays(snap))
+    return layer_cache.Checkpoint(n, snaps, size)
+
+
+def gather_checkpoints(dist, entry, model) -> list:
+    """Rank 0: the conversation's checkpoints (engine/layer_cache.py) for the whole model, layers numbered
+    globally (every rank holds the same checkpoints at the same token counts: they decide alike)."""
+    own, out = model.n_own_caches, []
+    for ck in entry.checkpoints:
+        whole = {}
+        for r, (start, _) in enumerate(dist.split):
+            idx, states = _snap_states(entry.cache, ck, lambda i: i < own) if r == dist.rank else ([], None)
+            idx = pickle.loads(dist._bytes_collective(pickle.dumps(idx) if r == dist.rank else None))
+            for i, s in zip(idx, _from(dist, r, states)):
+                whole[start + i] = s
+        if dist.rank == 0:
+            out.append(_checkpoint(ck.n, whole))
+    return out
+
+
+def _one_wide(s) -> "layer_cache.LayerState":
+    return layer_cache.LayerState(s.kind, [x[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)] for x in s.tensors],
+                                  s.meta)
+
+
+def _local(model, states: dict, ghost_src: list) -> dict:
+    """{global index: state} -> this rank's {local index: state}, its ghosts cut from the layers
+    `ghost_src` names (global indices, one per ghost kind)."""
+    start, own = model.part.start, model.n_own_caches
+    out = {i - start: s for i, s in states.items() if start <= i < start + own}
+    for g, i in enumerate(ghost_src):
+        if i in states:
+            out[own + g] = _one_wide(states[i])
+    return out
+
+
+def scatter(dist, whole: list | None, checkpoints: list | None, model) -> tuple[list, list]:
     """Every rank: its own blocks' caches of the whole model's `whole` (held by rank 0), then its ghosts,
-    each one cut from a layer of its kind (the same offset, window position and wrap, one wide)."""
+    each one cut from a layer of its kind (the same offset, window position and wrap, one wide); and
+    the conversation's checkpoints for those same caches."""
     from .pipeline_model import _kind_key
     states = _from(dist, 0, layer_cache.to_states(whole) if dist.rank == 0 else None)
-    part = model.part
-    own = layer_cache.from_states(states[part.start:part.start + model.n_own_caches])
+    own = layer_cache.from_states(states[model.part.start:model.part.start + model.n_own_caches])
     whole_caches = layer_cache.from_states(states)
-    ghosts = []
-    for t in model._ghost_kinds(own):
-        i = next(i for i, c in enumerate(whole_caches) if _kind_key(c) == _kind_key(t))
-        s = states[i]
-        ghosts.append(layer_cache.kind_named(s.kind).from_state(
-            [x[(slice(None),) + (slice(0, 1),) * (x.ndim - 1)] for x in s.tensors], s.meta))
-    return own + ghosts
+    ghost_src = [next(i for i, c in enumerate(whole_caches) if _kind_key(c) == _kind_key(t))
+                 for t in model._ghost_kinds(own)]
+    local = _local(model, dict(enumerate(states)), ghost_src)
+    cache = layer_cache.from_states([local[i] for i in range(len(local))])
+    ns = pickle.loads(dist._bytes_collective(pickle.dumps([c.n for c in checkpoints]) if dist.rank == 0 else None))
+    cks = []
+    for k, n in enumerate(ns):
+        idx, got = _snap_states(whole, checkpoints[k], lambda i: True) if dist.rank == 0 else ([], None)
+        idx = pickle.loads(dist._bytes_collective(pickle.dumps(idx) if dist.rank == 0 else None))
+        cks.append(_checkpoint(n, _local(model, dict(zip(idx, _from(dist, 0, got))), ghost_src)))
+    return cache, cks
 
 
 def probe(dist, model, make_cache) -> list | None:
