@@ -214,3 +214,36 @@ def test_speculation_is_greedy_identical(case, mode, monkeypatch, tmp_path):
     # and qwen3's replies do. A draft model always drafts.
     if mode == "draft" or case[0].startswith(("llama", "qwen3")) and not case[0].startswith("qwen35"):
         assert spec.drafted_tokens > 0, spec.speculation_stopped
+
+
+def test_cancel_mid_prefill_leaves_the_cache_as_before_the_chunk(case):
+    """A cancel after the first layer of a prefill chunk (the CPU's layer-by-layer prefill) puts every
+    layer back as it was before the chunk: trimmed K/V, and for a window or a recurrent state the
+    snapshot taken before the chunk. Reading the chunk again then gives exactly the logits of a run
+    that was never cancelled."""
+    def run(e):
+        import mlx.core as mx
+        from engine.errors import Cancelled
+        from engine.generate import prefill
+        toks = e.tokenizer.encode(words(80, 30))[:73]
+        assert len(toks) == 73
+
+        def logits(cancel: bool):
+            cache, fed = e.make_cache(), []
+            prefill(e.model, cache, toks[:40], fed, layerwise=True)
+            if cancel:
+                answers = iter([False])     # not before the chunk: after its first layer
+                with pytest.raises(Cancelled):
+                    prefill(e.model, cache, toks[40:72], fed, layerwise=True, cancelled=lambda: next(answers, True))
+                assert next(answers, "asked") == "asked"
+                assert fed == toks[:40]
+            prefill(e.model, cache, toks[40:72], fed, layerwise=True)
+            out = e.model(mx.array(toks[72:73])[None], cache=cache)
+            mx.eval(out)
+            return out
+        return bool(mx.array_equal(logits(True), logits(False)).item())
+    engine = start(case)
+    try:
+        assert engine.call(Call(run), timeout=600).value
+    finally:
+        engine.stop()
