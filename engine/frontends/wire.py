@@ -133,8 +133,8 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
 
 
 def _speculative(body: dict) -> str:
-    """The extra field "speculative": "off" | "lookup" | "draft:NAME" (a model in the models folder;
-    a client does not get to point the server at arbitrary paths)."""
+    """The extra field "speculative": "off" | "lookup" | "draft:NAME" | "mtp" | "mtp:NAME" (a model, or an
+    MTP head file, in the models folder; a client does not get to point the server at arbitrary paths)."""
     value = body.get("speculative", "off")
     if value is None:
         return "off"
@@ -148,11 +148,11 @@ def _speculative(body: dict) -> str:
         mode = parse_spec(value)
     except StrataError as e:
         raise APIError(400, str(e), param="speculative", code="invalid_value") from None
-    if mode.kind == "draft":
+    if mode.kind in ("draft", "mtp") and mode.draft_path:
         # A name in the models folder only (engine/draft_names.py): the engine gets the file's path.
         from .. import draft_names
         try:
-            return f"draft:{draft_names.resolve(mode.draft_path)}"
+            return f"{mode.kind}:{draft_names.resolve(mode.draft_path)}"
         except StrataError as e:
             raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     return mode.label

@@ -302,6 +302,10 @@ def test_server_speculative_field_mtp(engines, strata_home):
             if not ok:
                 e = httpx.post(url, json={**base, "speculative": "mtp"}, timeout=120)
                 assert e.status_code == 400 and "has no NextN head" in e.json()["error"]["message"]
+                # a head file: a name in the models folder only, as a draft model's
+                for bad in ("mtp:/etc/passwd", "mtp:../x"):
+                    e = httpx.post(url, json={**base, "speculative": bad}, timeout=30)
+                    assert e.status_code == 400 and e.json()["error"]["param"] == "speculative", bad
                 continue
             plain = httpx.post(url, json=base, timeout=120).json()
             r = httpx.post(url, json={**base, "speculative": "mtp"}, timeout=120).json()
