@@ -327,3 +327,44 @@ def test_a_qwen35_file_whose_deltanet_qkv_is_not_attention_shaped_loads_with_its
     model, info = load_model(g)
     head, _ = load_head(g, model)
     assert info.n_layer == 4 and head.layer is not None
+
+
+def _write_sibling(src: Path, dest: Path) -> Path:
+    """convert_hf_to_gguf's --mtp-only output (as test_qwen35_mtp's): the head's block and the top-level
+    tensors of `src`, its metadata."""
+    import gguf
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dest), r.fields["general.architecture"].contents())
+    layer = int(r.fields[f"{w.arch}.block_count"].contents()) - 1
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    for t in r.tensors:
+        if t.name.startswith(f"blk.{layer}.") or not t.name.startswith("blk."):
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def test_a_sibling_head_file_found_by_name_or_given_drafts(tmp_path, mdir):
+    """A model without nextn.* tensors and an mtp-*.gguf beside it naming it: `mtp` finds it (through
+    the memory guard), `mtp:PATH` names it; greedy output equals plain either way."""
+    import shutil
+    target = shutil.copy(_file(mdir, "qwen35", nextn=0), tmp_path / "qwen35-0.gguf")
+    sib = _write_sibling(_file(mdir, "qwen35"), tmp_path / "mtp-qwen35-0.gguf")
+    e = _engine(Path(target))
+    try:
+        plain = _gen(e, PROMPTS[0], "off", n=24)
+        for spec in ("mtp", f"mtp:{sib}"):
+            r = _gen(e, PROMPTS[0], spec, n=24)
+            assert r.tokens == plain.tokens and r.drafted_tokens > 0, spec
+        assert e._mtp.path == sib
+    finally:
+        e.stop()
