@@ -19,8 +19,9 @@ fed by the target's passes instead of by tokens alone:
   are guesses: they are trimmed from the head's K/V before propose returns, so after every propose
   the head holds exactly one entry per target position from its start to the target's last fed
   token (`held == len(fed) - start`; start is 0 for a conversation read from its beginning, else
-  the first position this reply's prefill read): nothing of a rejected draft stays, and a partial
-  acceptance adds only the accepted positions at the next propose.
+  the first position this reply's prefill read, or MAX_ROWS before the prompt's end for a longer
+  one): nothing of a rejected draft stays, and a partial acceptance adds only the accepted positions
+  at the next propose.
 * The target's recurrent state (Gated DeltaNet layers) rolls back through engine/layer_cache.py
   (snapshot before the verify pass, restore + replay), as for the other drafters: decode does that.
 * Sampled replies draw drafts from the head's distribution after the request's filters and hand those
