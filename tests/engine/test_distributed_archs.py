@@ -8,7 +8,8 @@ once as the two ranks (a launch per architecture would be ~25 s each on this 2-C
 qwen3 are left to tests/engine/test_distributed.py, which splits them already.
 
 Measured (CPU, float32, tiny F16 files, 2 ranks): all 16 greedy ids equal for gpt-oss, qwen35,
-qwen35moe, gemma3, gemma4 (6 layers), granite, olmo2, mistral3, phi3; the continued session turn
+qwen35moe, gemma3, gemma4 (6 layers), granite, olmo2, mistral3, phi3, and Q8_0 qwen35 and gemma3; the
+continued session turn
 equal with the same cached tokens (qwen35 10, gemma3 15) as one process. The fixture ~70 s.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dist_harness import REPO, _env, write_hostfile
 COVERED = ("llama", "qwen3")                      # tests/engine/test_distributed.py
 ARCHS = [a for a in ARCH_WRITERS if a not in COVERED]
 SESSION_ARCHS = ("qwen35", "gemma3")              # a recurrent hybrid, a sliding window
+Q8_ARCHS = ("qwen35", "gemma3")
 N_TOKENS = 16
 DRIVER = str(REPO / "tests" / "dist_arch_driver.py")
 
@@ -66,6 +68,9 @@ def runs(tmp_path_factory):
     # them together over 2 ranks (refused). With 6 layers (sharing 2 and 3's) ranks hold 0..1 and 2..5.
     plan.append({"name": "gemma4-6", "tokens": N_TOKENS, "session": None,
                  "path": str(gguf_factory_gemma.write_tiny_gemma4(d / "gemma4-6.gguf", n_layer=6, seed=1))})
+    # Quantized blocks: their quantization parameters follow the renumbering to each rank's blocks.
+    plan += [{"name": f"{a}-q8", "path": str(ARCH_WRITERS[a](d / f"{a}.q8.gguf", ftype="Q8_0", seed=2)),
+              "tokens": N_TOKENS, "session": None} for a in Q8_ARCHS]
     single = _run(plan, d / "single.json", d)
     for step in plan:                   # the split run saves its own files and restores the single ones
         if step["session"]:
@@ -74,7 +79,7 @@ def runs(tmp_path_factory):
     return single, _run(plan, d / "split.json", d, ranks=2)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gemma4"] + ["gemma4-6"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gemma4"] + ["gemma4-6"] + [f"{a}-q8" for a in Q8_ARCHS])
 def test_pipeline_split_greedy_equals_one_process(runs, arch):
     single, split = runs
     assert "error" not in single[arch], single[arch]
