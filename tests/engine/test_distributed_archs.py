@@ -9,8 +9,8 @@ qwen3 are left to tests/engine/test_distributed.py, which splits them already.
 
 Measured (CPU, float32, tiny F16 files, 2 ranks): all 16 greedy ids equal for gpt-oss, qwen35,
 qwen35moe, gemma3, gemma4 (6 layers), granite, olmo2, mistral3, phi3, and Q8_0 qwen35 and gemma3; the
-continued session turn
-equal with the same cached tokens (qwen35 10, gemma3 15) as one process. The fixture ~70 s.
+continued session turn equal with the same cached tokens (qwen35 10, gemma3 15) as one process.
+The fixture: 37-56 s (both launches, all files).
 """
 from __future__ import annotations
 
