@@ -75,6 +75,12 @@ class Distributed:
         from .pipeline_model import PipelineModel, PipelinePart, TensorModel, embeds_everywhere, split_for
         _, args = model_args(g)
         if self.mode == "tensor":
+            from . import archs
+            if archs.find(g.architecture) is not None:
+                # TensorModel applies the head itself (not a family's logit scaling or soft-capping) and
+                # mlx-lm's shard() is not written for every family: refused rather than wrong
+                raise DistributedError(f"distributed: tensor parallel does not support {g.architecture} files; "
+                                       f"use {MODE_ENV}=pipeline")
             n = self.size
             if args.num_attention_heads % n or args.num_key_value_heads % n or args.intermediate_size % n:
                 raise DistributedError(

@@ -104,3 +104,17 @@ def test_split_session_round_trip(runs, arch):
     assert want["cached"] > 0
     assert split[arch]["session"] == want
     assert split[arch]["restored"] == want
+
+
+@pytest.mark.parametrize("arch", ["granite", "gemma3"])
+def test_tensor_parallel_refuses_the_families_it_would_get_wrong(tmp_path, arch):
+    """Tensor mode runs the inner model and its own head (no granite logit scaling, no Gemma soft-cap,
+    mlx-lm's shard() not written for every family): refused at load, in one line, before any collective."""
+    import mlx.core as mx
+
+    from engine.distributed import Distributed, DistributedError
+    from engine.gguf_file import open_gguf
+    g = open_gguf(ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf", ftype="F16", seed=1))
+    with pytest.raises(DistributedError) as e:
+        Distributed(None, 0, 2, "tensor", "ring", 1.0).load(g, mx.float32, None)
+    assert str(e.value) == f"distributed: tensor parallel does not support {arch} files; use STRATA_DIST_MODE=pipeline"
