@@ -79,7 +79,9 @@ def split_for(args, size: int) -> list[tuple[int, int]]:
 
 def text_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(the module holding `layers`, `embed_tokens` and `norm`; the one holding `lm_head`)."""
-    for owner in (model, getattr(model, "language_model", None)):
+    # language_model first: qwen3_5's outer `model` is a property onto language_model.model, whose head
+    # (when untied) is language_model.lm_head
+    for owner in (getattr(model, "language_model", None), model):
         inner = getattr(owner, "model", None) if owner is not None else None
         if isinstance(inner, nn.Module) and isinstance(getattr(inner, "layers", None), list):
             return inner, owner

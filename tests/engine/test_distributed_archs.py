@@ -71,6 +71,10 @@ def runs(tmp_path_factory):
     # Quantized blocks: their quantization parameters follow the renumbering to each rank's blocks.
     plan += [{"name": f"{a}-q8", "path": str(ARCH_WRITERS[a](d / f"{a}.q8.gguf", ftype="Q8_0", seed=2)),
               "tokens": N_TOKENS, "session": None} for a in Q8_ARCHS]
+    # An untied Qwen3.5 (the larger ones): its head is language_model.lm_head, on the last rank only.
+    import gguf_factory_qwen35
+    plan.append({"name": "qwen35-untied", "tokens": N_TOKENS, "session": None, "path": str(
+        gguf_factory_qwen35.write_tiny_qwen35_gguf(d / "qwen35-untied.gguf", tie_embeddings=False, seed=3))})
     single = _run(plan, d / "single.json", d)
     for step in plan:                   # the split run saves its own files and restores the single ones
         if step["session"]:
@@ -79,7 +83,7 @@ def runs(tmp_path_factory):
     return single, _run(plan, d / "split.json", d, ranks=2)
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gemma4"] + ["gemma4-6"] + [f"{a}-q8" for a in Q8_ARCHS])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gemma4"] + ["gemma4-6", "qwen35-untied"] + [f"{a}-q8" for a in Q8_ARCHS])
 def test_pipeline_split_greedy_equals_one_process(runs, arch):
     single, split = runs
     assert "error" not in single[arch], single[arch]
