@@ -538,3 +538,19 @@ def test_a_batched_conversation_is_saved_as_if_it_ran_alone(tiny, tmp_path):
     finally:
         fresh.stop()
     assert nxt.cached_tokens == ref_next.cached_tokens and nxt.tokens == ref_next.tokens
+
+
+def test_max_sequences_flag_default_and_range():
+    import argparse
+
+    from engine.errors import StrataError
+    from engine.frontends.launch import add_engine_flags, engine_options
+    from engine.limits import DEFAULT_MAX_SEQUENCES
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert engine_options(p.parse_args(["--model", "x.gguf"])).max_sequences == DEFAULT_MAX_SEQUENCES == 8
+    assert engine_options(p.parse_args(["--model", "x.gguf", "--max-sequences", "1"])).max_sequences == 1
+    assert EngineOptions().max_sequences == 1          # an engine built in code: one at a time unless asked
+    for bad in ("0", "257", "-3"):
+        with pytest.raises(StrataError, match=f"--max-sequences must be 1 to 256; got {bad}$"):
+            engine_options(p.parse_args(["--model", "x.gguf", "--max-sequences", bad]))
