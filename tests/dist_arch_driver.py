@@ -8,7 +8,8 @@ PLAN: a list of steps {"name", "path", "tokens": N, "session": SESSION_PATH or n
 null}. Rank 0 (or the single process) loads each file (LoadModel), generates N greedy tokens for one
 prompt, and, with "session": saves a short conversation, lets another conversation take the engine
 (parking off, so nothing of the first is held), restores the file and continues the conversation; with
-"restore", restores that file (a session another launch saved) and continues the same way. OUT gets
+"restore", restores that file (a session another launch saved) and continues the same way; with
+"parking", runs conversations A, B, A with parking on. OUT gets
 one object per step: the ids, or the step's error message (a refused load is an answer, not a crash).
 A follower serves rank 0's requests (engine/frontends/launch.follow) until rank 0 stops.
 """
@@ -46,6 +47,24 @@ def _continue(engine, path: str) -> dict:
 
 _gen_first_reply: dict = {}
 
+# Long enough to wrap a tiny model's sliding window (32) before the conversation comes back.
+CATS = "Tell me about cats: their whiskers, their paws, their long afternoons asleep in the sun, " \
+       "and why they knock things off tables."
+DOGS = "Tell me about dogs, please."
+
+
+def _aba(engine) -> list[dict]:
+    """Parking on: A, then B (A parks), then A's next turn (A's K/V comes back): ids and reuse."""
+    from engine.api import Configure
+    engine.submit(Configure(cache_mib=64)).result()
+    try:
+        a = _gen(engine, CATS, 6, "A")
+        b = _gen(engine, DOGS, 6, "B")
+        a2 = _gen(engine, CATS + a.text + " And their tails?", 6, "A")
+        return [{"tokens": g.tokens, "cached": g.cached_tokens} for g in (a, b, a2)]
+    finally:
+        engine.submit(Configure(cache_mib=0)).result()
+
 
 def run(plan: list[dict]) -> list[dict]:
     from engine.api import EngineOptions, LoadModel, SaveSession
@@ -72,6 +91,8 @@ def run(plan: list[dict]) -> list[dict]:
                     res["first_reply"] = step["first_reply"]
                 if step.get("session"):
                     res["first_reply"] = _gen_first_reply[step["session"]]
+                if step.get("parking"):
+                    res["parking"] = _aba(engine)
             except StrataError as e:
                 res["error"] = str(e)
             out.append(res)

@@ -9,8 +9,9 @@ qwen3 are left to tests/engine/test_distributed.py, which splits them already.
 
 Measured (CPU, float32, tiny F16 files, 2 ranks): all 16 greedy ids equal for gpt-oss, qwen35,
 qwen35moe, gemma3, gemma4 (6 layers), granite, olmo2, mistral3, phi3, and Q8_0 qwen35 and gemma3; the
-continued session turn equal with the same cached tokens (qwen35 10, gemma3 15) as one process.
-The fixture: 37-56 s (both launches, all files).
+continued session turn equal with the same cached tokens (qwen35 10, gemma3 15) as one process; A/B/A
+parking equal, A's return taking 62 (gpt-oss, past its 32-token window) and 68 (qwen35) tokens back.
+The fixture: 55-75 s (both launches, all files) on the shared 2-CPU machine.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ COVERED = ("llama", "qwen3")                      # tests/engine/test_distribute
 ARCHS = [a for a in ARCH_WRITERS if a not in COVERED]
 SESSION_ARCHS = ("qwen35", "gemma3")              # a recurrent hybrid, a sliding window
 Q8_ARCHS = ("qwen35", "gemma3")
+# A conversation parked and taken back: gpt-oss's window (rank 0) wraps while rank 1 holds full K/V, and
+# qwen35's recurrent states; both ranks must make the same cut-back decision (PipelineModel's ghosts).
+PARKING_ARCHS = ("gpt-oss", "qwen35")
 N_TOKENS = 16
 DRIVER = str(REPO / "tests" / "dist_arch_driver.py")
 
@@ -63,7 +67,8 @@ def runs(tmp_path_factory):
     import gguf_factory_gemma
     d = tmp_path_factory.mktemp("dist-archs")
     plan = [{"name": a, "path": str(ARCH_WRITERS[a](d / f"{a}.gguf", ftype="F16", seed=1)), "tokens": N_TOKENS,
-             "session": str(d / f"{a}.single.stratasession") if a in SESSION_ARCHS else None} for a in ARCHS]
+             "session": str(d / f"{a}.single.stratasession") if a in SESSION_ARCHS else None,
+             "parking": a in PARKING_ARCHS} for a in ARCHS]
     # The factory's Gemma 4 has 4 layers, the last 2 sharing the K/V of layers 0 and 1: no split keeps
     # them together over 2 ranks (refused). With 6 layers (sharing 2 and 3's) ranks hold 0..1 and 2..5.
     plan.append({"name": "gemma4-6", "tokens": N_TOKENS, "session": None,
@@ -122,3 +127,12 @@ def test_tensor_parallel_refuses_the_families_it_would_get_wrong(tmp_path, arch)
     with pytest.raises(DistributedError) as e:
         Distributed(None, 0, 2, "tensor", "ring", 1.0).load(g, mx.float32, None)
     assert str(e.value) == f"distributed: tensor parallel does not support {arch} files; use STRATA_DIST_MODE=pipeline"
+
+
+@pytest.mark.parametrize("arch", PARKING_ARCHS)
+def test_split_parking_a_b_a(runs, arch):
+    """A, B (A parks), A again: the split model's ids and K/V reuse are one process's."""
+    single, split = runs
+    want = single[arch]["parking"]
+    assert want[2]["cached"] > 0
+    assert split[arch]["parking"] == want
