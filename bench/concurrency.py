@@ -2,6 +2,7 @@
 
     python bench/concurrency.py [--model PATH | --random-shape llama1b|smollm2|tiny] [--streams 1,2,4,8,16]
                                 [--prompt-tokens 128] [--gen 128] [--rounds 3] [--join-streams 8]
+                                [--raw-on-engine-thread]
 
 For each stream count N, each round runs N streams at once through each peer (the order flipping
 every round; one warm-up round first, dropped):
@@ -17,7 +18,8 @@ ignored by both (every stream makes exactly --gen tokens). Figures per N (median
   decode tok/s    = N x (gen - 1) / (last token - last stream's first token)   (all N decoding)
   slowest stream  = the slowest stream's own decode tok/s x N / the one-stream decode tok/s
                     (the CPU target: >= 0.9, no stream slower than 1/N of running alone by > 10%)
-Then the join test: --join-streams - 1 streams decoding (long replies), one more stream submitted;
+--raw-on-engine-thread adds BatchGenerator run on the engine's thread (through a Call) as a third peer:
+whether a gap is the thread rather than the scheduler. Then the join test: --join-streams - 1 streams decoding (long replies), one more stream submitted;
 its time to first token against the same prompt's on an idle engine (target: within 2x), for both.
 """
 from __future__ import annotations
@@ -190,6 +192,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--join-streams", type=int, default=8, help="batch size the joining stream makes (0: skip)")
+    ap.add_argument("--raw-on-engine-thread", action="store_true",
+                    help="also run BatchGenerator on the engine's thread (a diagnostic: is a gap the thread?)")
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     if args.gen < 2 or args.prompt_tokens < 2 or min(streams) < 1:
@@ -228,12 +232,18 @@ def main() -> int:
     rows = {}
     t_bench = time.perf_counter()
     for n in streams:
-        res = {"strata": [], "mlx-lm": []}
+        names = ["strata", "mlx-lm"] + (["mlx-lm@engine-thread"] if args.raw_on_engine_thread else [])
+        res = {k: [] for k in names}
         for rnd in range(args.rounds + 1):
             ps = prompts_for(n, rnd + 100 * n)
-            order = ["strata", "mlx-lm"] if rnd % 2 == 0 else ["mlx-lm", "strata"]
+            order = names if rnd % 2 == 0 else names[::-1]
             for name in order:
-                run = strata_run(engine, ps, args.gen) if name == "strata" else mlx_run(model, ps, args.gen)
+                if name == "strata":
+                    run = strata_run(engine, ps, args.gen)
+                elif name == "mlx-lm":
+                    run = mlx_run(model, ps, args.gen)
+                else:
+                    run = engine.call(Call(lambda e, ps=ps: mlx_run(model, ps, args.gen)), 3600).value
                 f = figures(*run, args.gen)
                 print(f"N={n} round {rnd} {name}: aggregate {f[0]:.1f} tok/s, decode {f[1]:.1f} tok/s, "
                       f"slowest stream {f[2]:.1f} tok/s", file=sys.stderr, flush=True)
@@ -277,7 +287,11 @@ def main() -> int:
     if c is not None:
         print(f"Strata batch counters: {c}")
     for n in streams:
-        for k in ("strata", "mlx-lm"):
+        if "mlx-lm@engine-thread" in rows[n]:
+            t = rows[n]["mlx-lm@engine-thread"]
+            print(f"N={n} mlx-lm on the engine thread: aggregate {statistics.median(x[0] for x in t):.1f} tok/s, "
+                  f"decode {statistics.median(x[1] for x in t):.1f} tok/s")
+        for k in rows[n]:
             print(f"raw N={n} {k}: aggregate {[round(x[0], 1) for x in rows[n][k]]}, "
                   f"decode {[round(x[1], 1) for x in rows[n][k]]}, slowest {[round(x[2], 1) for x in rows[n][k]]}")
     engine.stop()
