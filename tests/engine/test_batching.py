@@ -554,3 +554,22 @@ def test_max_sequences_flag_default_and_range():
     for bad in ("0", "257", "-3"):
         with pytest.raises(StrataError, match=f"--max-sequences must be 1 to 256; got {bad}$"):
             engine_options(p.parse_args(["--model", "x.gguf", "--max-sequences", bad]))
+
+
+def test_quantized_kv_requests_run_alone_and_match(tiny_gguf_wide):
+    """8-bit K/V (QuantizedKVCache) is not one mlx-lm's BatchKVCache merges: such requests run alone,
+    one after another between steps, and give what the one-at-a-time engine gives."""
+    reqs = requests(3)
+    solo = start(tiny_gguf_wide, 1, kv_bits=8)
+    try:
+        ref = alone(solo, reqs)
+    finally:
+        solo.stop()
+    eng = start(tiny_gguf_wide, 8, kv_bits=8)
+    try:
+        got = [h.result(300) for h in together(eng, reqs)]
+        c = counters(eng)
+    finally:
+        eng.stop()
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert c.rows == 0 and c.steps == 0
