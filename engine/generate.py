@@ -262,7 +262,10 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     new = tokens[reuse:-1]
     # The prompt's last part (1..limit tokens; speculative steps start from a fully fed cache) goes in
     # with the first decode step; what comes before it, whole multiples of the limit, is prefilled.
-    limit = first_step_merge_limit(chunk) if steps is None else 0
+    # Nor where checkpoints are due (`marks`: a cache that cannot trim): the turn's message boundaries
+    # and the prompt's end fall in that last part, and a merged pass takes no checkpoint inside it, so
+    # the next turn of a Qwen3.5-like model found none and read its history again (bench/gpu.md, session 9).
+    limit = first_step_merge_limit(chunk) if steps is None and not marks else 0
     n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
     pending = new[len(new) - n_merged:]
     ahead = new[:len(new) - n_merged]

@@ -247,3 +247,22 @@ def test_cancel_mid_prefill_leaves_the_cache_as_before_the_chunk(case):
         assert engine.call(Call(run), timeout=600).value
     finally:
         engine.stop()
+
+
+def test_gpu_first_step_merge_keeps_the_checkpoints(case, monkeypatch):
+    """On a GPU a prompt's last part goes in with the first decode step (generate.first_step_merge_limit).
+    Where checkpoints are due (a window or a recurrent state) that part is prefilled instead, so the
+    message boundaries in it still get their checkpoints: each turn reuses as much as on the CPU.
+    (Before, a Qwen3.5-like model on the H200 reused nothing of a 20-token conversation's history.)
+    Forced on here, on the CPU."""
+    from engine import generate
+    engine = start(case)
+    try:
+        ref, _ = chat(engine, "A", TURNS)
+        monkeypatch.setattr(generate, "first_step_merge_limit", lambda chunk: chunk)
+        run, _ = chat(engine, "A2", TURNS, other=words(12, 200))
+    finally:
+        engine.stop()
+    assert [r.tokens for r in run] == [r.tokens for r in ref]
+    assert [r.cached_tokens for r in run[1:]] == [r.cached_tokens for r in ref[1:]]
+    assert ref[2].cached_tokens > 0
