@@ -59,9 +59,10 @@ class RequestHandlers:
             except ControlVectorError as e:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
-        from .kv_format import choose
+        from .kv_format import choose_for
         from .loaded_model import LoadedModel
-        kv_format = choose(self.options.kv_bits, info.head_dim)   # --kv-bits this head size cannot take: refused
+        # --kv-bits this head size or this attention cannot take: refused
+        kv_format = choose_for(model, self.options.kv_bits, info.head_dim)
         model_hash = content_hash(path)
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
@@ -426,14 +427,15 @@ class RequestHandlers:
         if req.speed_projection is not None:
             self.options.speed_projection = bool(req.speed_projection)
         if req.kv_bits is not None:
-            from .kv_format import choose
+            from .kv_format import choose, choose_for
             if self.info is not None:
-                choose(int(req.kv_bits), self.info.head_dim)      # refused here, before anything changes
+                choose_for(self.model, int(req.kv_bits), self.info.head_dim)   # refused here, before anything changes
             else:
                 choose(int(req.kv_bits), 64)      # no model yet: the width alone is checked
             self.options.kv_bits = int(req.kv_bits)
             if self.loaded is not None:
-                self.loaded = self.loaded.with_kv_format(choose(self.options.kv_bits, self.info.head_dim))
+                self.loaded = self.loaded.with_kv_format(choose_for(self.model, self.options.kv_bits,
+                                                                    self.info.head_dim))
                 self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
         return self.status()
 

@@ -53,6 +53,18 @@ def choose(bits: int, head_dim: int) -> KVFormat:
     raise RequestError(f"{bits}-bit K/V needs a head size that is a multiple of 32 (this model's is {head_dim})")
 
 
+def choose_for(model, bits: int, head_dim: int) -> KVFormat:
+    """choose(), and the refusal of a quantized format the model's attention cannot read: mlx-lm's
+    quantized attention has no attention sinks (gpt-oss: 'Quantized SDPA does not support attention
+    sinks' at the first step, an internal error, before this check)."""
+    fmt = choose(bits, head_dim)
+    layers = getattr(model, "layers", None) or []
+    if fmt.quantized and any(getattr(getattr(la, "self_attn", None), "sinks", None) is not None for la in layers):
+        raise RequestError(f"{fmt.describe()} is not available for this model: mlx-lm's quantized attention "
+                           "has no attention sinks (gpt-oss); use 16-bit K/V")
+    return fmt
+
+
 def describe_label(label: str | None) -> str:
     if label in (None, "", "float16"):
         return "16-bit K/V"
