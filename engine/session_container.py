@@ -474,9 +474,16 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
         raise SessionFileError(f"{name} holds {n} tokens; the context holds {g.n_ctx} "
                                f"(a longer --ctx may restore it)")
     specs = layout(n, g)
+    messages = check_table_and_tail(name, table, specs, raw, size, meta,
+                                    f"{n} tokens of {g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} {g.kv}")
+    return ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw))
+
+
+def check_table_and_tail(name: str, table: dict, specs: list, raw: bytes, size: int, meta: dict, what: str) -> list:
+    """Both formats' last header checks: the tensor table is exactly `specs` (in order), the file's size
+    is the header's plus the data's, and the messages parse and validate. Returns the messages."""
     if table != {s.name: s.as_json() for s in specs} or list(table) != [s.name for s in specs]:
-        raise SessionFileError(f"{name} is corrupted (its tensor table does not match {n} tokens of "
-                               f"{g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} {g.kv})")
+        raise SessionFileError(f"{name} is corrupted (its tensor table does not match {what})")
     want = 8 + len(raw) + specs[-1].end
     if size < want:
         raise SessionFileError(f"{name} is truncated ({size} of {want} bytes)")
@@ -489,7 +496,7 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
     why = validate_messages(messages)
     if why:
         raise SessionFileError(f"{name} is corrupted ({why})")
-    return ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw))
+    return messages
 
 
 def read_header(path: str) -> tuple[dict, dict, int]:

@@ -222,36 +222,29 @@ def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: d
     # A window's kept length is read from its tensor table entry (checked against the rules above).
     specs, off = [S.TensorSpec("tokens", "I32", (n,), 0, n * 4)], n * 4
     for i, (layer, ref) in enumerate(zip(layers, ref_cache)):
-        if layer.get("kind") == "rotating":
-            t = table.get(f"L{i}.0")
-            shape = t.get("shape") if isinstance(t, dict) else None
-            layer["_kept"] = shape[2] if isinstance(shape, list) and len(shape) == 4 else None
-        for tname, shape, dts in _expected_tensors(name, i, layer, ref, n):
-            t = table.get(tname)
-            dt = t.get("dtype") if isinstance(t, dict) else None
-            if dt not in dts:
-                raise SessionFileError(f"{name} is corrupted (tensor {tname}'s type)")
-            nbytes = int(np.prod(shape)) * _DT[dt][0].itemsize
-            specs.append(S.TensorSpec(tname, dt, shape, off, off + nbytes))
-            off += nbytes
-        layer.pop("_kept", None)
+        _layer_specs(name, table, i, layer, ref, n, "", specs)
     cks = _parse_checkpoints(name, meta, table, ref_cache, n, specs)
-    off = specs[-1].end
-    if table != {s.name: s.as_json() for s in specs} or list(table) != [s.name for s in specs]:
-        raise SessionFileError(f"{name} is corrupted (its tensor table does not match its layers)")
-    want = 8 + len(raw) + specs[-1].end
-    if size < want:
-        raise SessionFileError(f"{name} is truncated ({size} of {want} bytes)")
-    if size > want:
-        raise SessionFileError(f"{name} is corrupted ({size - want} bytes after its data)")
-    try:
-        messages = json.loads(meta.get("messages", ""))
-    except (ValueError, RecursionError):
-        raise SessionFileError(f"{name} is corrupted (its messages are not JSON)") from None
-    why = S.validate_messages(messages)
-    if why:
-        raise SessionFileError(f"{name} is corrupted ({why})")
+    messages = S.check_table_and_tail(name, table, specs, raw, size, meta, "its layers")
     return S.ParsedHeader(n, specs, meta, messages, raw, 8 + len(raw)), layers, cks
+
+
+def _layer_specs(name: str, table: dict, i: int, layer: dict, ref, n: int, prefix: str, specs: list) -> None:
+    """Layer i's tensors (`prefix`: a checkpoint's) appended to specs, each type checked, offsets following
+    the last spec. A window's kept length is read from its first tensor's table entry."""
+    if layer.get("kind") == "rotating":
+        t = table.get(f"{prefix}L{i}.0")
+        shape = t.get("shape") if isinstance(t, dict) else None
+        layer["_kept"] = shape[2] if isinstance(shape, list) and len(shape) == 4 else None
+    off = specs[-1].end
+    for tname, shape, dts in _expected_tensors(name, i, layer, ref, n, prefix=prefix):
+        t = table.get(tname)
+        dt = t.get("dtype") if isinstance(t, dict) else None
+        if dt not in dts:
+            raise SessionFileError(f"{name} is corrupted (tensor {tname}'s type)")
+        nbytes = int(np.prod(shape)) * _DT[dt][0].itemsize
+        specs.append(S.TensorSpec(tname, dt, shape, off, off + nbytes))
+        off += nbytes
+    layer.pop("_kept", None)
 
 
 def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: int, specs: list) -> list:
@@ -265,7 +258,6 @@ def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: i
     if not isinstance(cks, list) or len(cks) > layer_cache.MAX_CHECKPOINTS:
         raise SessionFileError(f"{name} is corrupted (its checkpoints)")
     last = 0
-    off = specs[-1].end
     for k, ck in enumerate(cks):
         if not isinstance(ck, dict) or set(ck) != {"n", "layers"} or not _int(ck["n"], last + 1, n - 1) \
                 or not isinstance(ck["layers"], list) or not all(isinstance(x, dict) for x in ck["layers"]) \
@@ -273,20 +265,7 @@ def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: i
             raise SessionFileError(f"{name} is corrupted (checkpoint {k})")
         last = ck["n"]
         for layer in ck["layers"]:
-            i = layer["layer"]
-            if layer.get("kind") == "rotating":
-                t = table.get(f"C{k}.L{i}.0")
-                shape = t.get("shape") if isinstance(t, dict) else None
-                layer["_kept"] = shape[2] if isinstance(shape, list) and len(shape) == 4 else None
-            for tname, shape, dts in _expected_tensors(name, i, layer, ref_cache[i], ck["n"], prefix=f"C{k}."):
-                t = table.get(tname)
-                dt = t.get("dtype") if isinstance(t, dict) else None
-                if dt not in dts:
-                    raise SessionFileError(f"{name} is corrupted (tensor {tname}'s type)")
-                nbytes = int(np.prod(shape)) * _DT[dt][0].itemsize
-                specs.append(S.TensorSpec(tname, dt, shape, off, off + nbytes))
-                off += nbytes
-            layer.pop("_kept", None)
+            _layer_specs(name, table, layer["layer"], layer, ref_cache[layer["layer"]], ck["n"], f"C{k}.", specs)
     return cks
 
 
