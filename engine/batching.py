@@ -439,10 +439,14 @@ class Scheduler:
         if eng.steering is not None:
             eng.steering.speed_projection = row.steered
         base = row.done
+
+        def report(d: int, _t: int) -> None:
+            if d:   # each chunk's prefill() opens with (0, n): the row said 0 when it started (_start)
+                h.emit(Progress("prefill", base + d, total))
         t0 = time.perf_counter()
         try:
             prefill(eng.model, row.cache, part, row.entry.tokens, chunk=chunk, first=size,
-                    progress=(lambda d, t: h.emit(Progress("prefill", base + d, total))) if total > 1 else None,
+                    progress=report if total > 1 else None,
                     cancelled=lambda: h.cancelled, layerwise=None if eng.dist is None else False)
         except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
             self.prefilling.remove(row)
