@@ -570,9 +570,16 @@ def write_tiny_moe_gguf(path, arch="qwen3moe", *, n_layer=2, n_embd=256, n_head=
     tok = tiny_tokenizer_fields("llama" if arch == "mixtral" else "qwen2")
     _add_tokenizer(w, tok)
 
-    for gname, arr in t.items():
-        # convert_hf_to_gguf keeps the router in F32 (like the norms); llama.cpp's quantizer does too
-        if gname.endswith("ffn_gate_inp.weight"):
+    # convert_hf_to_gguf keeps the router in F32 (like the norms); llama.cpp's quantizer does too
+    write_tensors_and_close(w, t, qtype, f32_always=("ffn_gate_inp.weight",))
+    return path
+
+
+def write_tensors_and_close(w, tensors: dict, qtype, f32_always: tuple[str, ...] = ()) -> None:
+    """Add `tensors` (GGUF name -> array) to writer `w` in `qtype` (names ending in `f32_always` as F32),
+    then write the file and close it: every factory's last step."""
+    for gname, arr in tensors.items():
+        if f32_always and gname.endswith(f32_always):
             w.add_tensor(gname, arr.astype(np.float32))
             continue
         data, raw_dtype = _encode(arr, qtype)
@@ -584,4 +591,3 @@ def write_tiny_moe_gguf(path, arch="qwen3moe", *, n_layer=2, n_embd=256, n_head=
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path

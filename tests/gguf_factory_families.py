@@ -39,7 +39,7 @@ import numpy as np
 
 import gguf
 import gguf_factory
-from gguf_factory import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, _encode, _llama_permute, _trained_vocab
+from gguf_factory import TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, _llama_permute, _trained_vocab
 
 
 @dataclass(frozen=True)
@@ -337,16 +337,7 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
             tensors["rope_factors_long.weight"] = (1.0 + rng.uniform(0, 40, rope_dim // 2)).astype(np.float32)
             tensors["rope_factors_short.weight"] = (1.0 + rng.uniform(0, 0.5, rope_dim // 2)).astype(np.float32)
 
-    for gname, arr in tensors.items():
-        data, raw_dtype = _encode(arr, qtype)
-        if raw_dtype is None:
-            w.add_tensor(gname, data)
-        else:
-            w.add_tensor(gname, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_factory.write_tensors_and_close(w, tensors, qtype)
     return path
 
 

@@ -184,19 +184,7 @@ def write_tiny_qwen35_gguf(path, arch: str = "qwen35", *, n_layer=4, n_embd=256,
         for gname in [k for k in t if k.endswith("ffn_gate_exps.weight")]:
             up = t.pop(gname.replace("gate_exps", "up_exps"))
             t[gname.replace("gate_exps", "gate_up_exps")] = np.concatenate([t.pop(gname), up], axis=1)
-    for gname, arr in t.items():
-        if gname.endswith(_F32_ALWAYS):
-            w.add_tensor(gname, arr.astype(np.float32))
-            continue
-        data, raw_dtype = gguf_factory._encode(arr, qtype)
-        if raw_dtype is None:
-            w.add_tensor(gname, data)
-        else:
-            w.add_tensor(gname, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_factory.write_tensors_and_close(w, t, qtype, f32_always=_F32_ALWAYS)
     return path
 
 
