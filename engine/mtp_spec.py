@@ -96,6 +96,14 @@ class MTPDrafter:
     """Drafts with a loaded head for one request (its K/V is the request's; the head is the engine's)."""
     samples_drafts = True                   # speculative.decode hands it the target distribution
 
+    def __new__(cls, head, *args, **kw):
+        # the engine builds every MTP drafter through this name: a head that drafts otherwise (Gemma 4's
+        # memory-shared drafter, engine/gemma4_mtp_spec.py) makes its own
+        make = getattr(head, "make_drafter", None)
+        if cls is MTPDrafter and make is not None:
+            return make(*args, **kw)
+        return super().__new__(cls)
+
     def __init__(self, head, model, path: Path, draft_len: int | None = None):
         from mlx_lm.models.cache import KVCache
         self.head, self.path = head, path
@@ -216,9 +224,10 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
     from .gguf_file import open_gguf
     from .models import resolve_model
     target = open_gguf(model_path)
-    if target.architecture not in ("qwen35", "qwen35moe"):
+    gemma4 = target.architecture == "gemma4"
+    if target.architecture not in ("qwen35", "qwen35moe") and not gemma4:
         raise RequestError(f"speculative mtp: {model_path.name} ({target.architecture}) has no NextN/MTP head "
-                           "support here (qwen35/qwen35moe only; Gemma 4's memory-shared head is not done)")
+                           "support here (qwen35/qwen35moe, and gemma4 with its drafter file)")
     if head_path:
         try:
             p = resolve_model(head_path)
@@ -227,9 +236,22 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
     else:
         p = find_head_file(model_path, target)
         if p is None:
-            raise RequestError(f"speculative mtp: {model_path.name} has no NextN head "
+            raise RequestError(f"speculative mtp: {model_path.name} has no mtp-*.gguf beside it (Gemma 4's "
+                               "drafter: llama.cpp's gemma4-assistant GGUF)" if gemma4 else
+                               f"speculative mtp: {model_path.name} has no NextN head "
                                f"({target.architecture}.nextn_predict_layers is 0) and no mtp-*.gguf beside it")
     sibling = p.resolve() != model_path.resolve()
+    if gemma4:          # the drafter is its own file (engine/archs/gemma4_mtp.py)
+        from .archs.gemma4_mtp import load_sibling
+        if not sibling:
+            raise RequestError(f"speculative mtp: {p.name} is the model itself; Gemma 4's drafter is a separate "
+                               "gemma4-assistant GGUF")
+        try:
+            head, note = load_sibling(p, model, target, dtype=dtype, admit=admit)
+        except ModelFileError as e:
+            raise ModelFileError(f"speculative mtp: {e}") from None
+        log(f"MTP head: {note} ({p.name})")
+        return LoadedHead(head, p, model, head_path, f"{note} ({p.name})")
     g = open_gguf(p) if sibling else target
     if sibling and admit is not None:
         from .archs.qwen35_mtp import check_matches

@@ -1,0 +1,328 @@
+"""Gemma 4's memory-shared MTP drafter (`--spec mtp` on gemma4; engine/archs/gemma4_mtp.py,
+engine/gemma4_mtp_spec.py, issue 36) on a tiny gemma4 of tests/gguf_factory_gemma.py (sliding window 32,
+layers 2 and 3 sharing the K/V of layers 0 and 1) and a tiny `gemma4-assistant` file of
+tests/gguf_factory_gemma4_mtp.py beside it (random weights: its drafts are mostly rejected, which
+rolls the target's windows back on almost every pass).
+
+The drafter's logits and projected state against a numpy reference of llama.cpp's
+llama_model_gemma4_assistant graph (the same K/V selected independently: the target's cache without
+a window); greedy output equal to plain decoding past the window, the K/V holding exactly the
+delivered tokens; partial acceptance (steered picks) giving the plain reply; refusals by name; the
+memory guard admitting the drafter's bytes before it is read.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import speculative
+from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.errors import StrataError
+from engine.sampling import SamplingParams
+from gguf_factory_gemma import write_gemma4
+from gguf_factory_gemma4_mtp import write_tiny_gemma4_assistant
+
+# 60+ prompt tokens: past the window of 32 before the first draft
+PROMPT = ("the quick brown fox jumps over the lazy dog and then some more words to go past the sliding "
+          "window of the tiny model")
+PROMPT2 = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
+
+
+@pytest.fixture(scope="module")
+def mdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("g4mtp")
+
+
+@functools.lru_cache(maxsize=None)
+def _target(d: Path, ftype: str = "F32") -> Path:
+    return write_gemma4(d / f"gemma4-{ftype}.gguf", ftype=ftype, seed=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair(d: Path) -> tuple[Path, Path]:
+    """The target with its drafter beside it (found by name: mtp-<model stem>.gguf)."""
+    sub = d / "pair"
+    sub.mkdir(exist_ok=True)
+    t = Path(shutil.copy(_target(d), sub / "gemma4-F32.gguf"))
+    return t, write_tiny_gemma4_assistant(sub / "mtp-gemma4-F32.gguf", tensor_type="F32")
+
+
+@pytest.fixture(autouse=True)
+def keep_drafting(monkeypatch):
+    """A random drafter's drafts are rejected and a tiny model never gains from drafting: the never-slower
+    rule would stop after MIN_JUDGE passes. The mechanics are tested here, so it never judges."""
+    monkeypatch.setattr(speculative, "REMEMBER", False)
+    monkeypatch.setattr(speculative, "MIN_JUDGE", 10 ** 6)
+
+
+@pytest.fixture(scope="module")
+def engine(mdir):
+    from engine.engine import Call
+    e = Engine(EngineOptions(model=str(_pair(mdir)[0]), cache_mib=0)).start()
+    assert e.call(Status(), timeout=120).model
+
+    def no_eos(eng):            # random weights emit EOS at random: every reply runs to max_tokens
+        eng.tokenizer.eos_ids = set()
+    e.call(Call(no_eos))
+    yield e
+    e.stop()
+
+
+def _gen(e, text, spec, n=40, temperature=0.0, seed=None):
+    sp = SamplingParams(max_tokens=n, temperature=temperature, seed=seed)
+    return e.call(GenerateRequest(messages=[{"role": "user", "content": text}], sampling=sp, speculative=spec),
+                  timeout=300)
+
+
+def _loaded(mdir):
+    from engine.archs.gemma4_mtp import load_assistant
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    t, h = _pair(mdir)
+    tg = open_gguf(t)
+    model, _ = load_model(tg)
+    return model, load_assistant(open_gguf(h), model, tg), h
+
+
+# ---- numpy reference of llama.cpp's gemma4-assistant graph -------------------------------------
+def _rms(x, w, eps=1e-6):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _rope_neox(x, pos, base, n_rot, factors=None):
+    """ggml_rope_ext NEOX mode: pairs (i, i + n_rot/2), theta_i = pos * base^(-2i/n_rot) / factor_i."""
+    half = n_rot // 2
+    inv = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)
+    if factors is not None:
+        inv = inv / factors.astype(np.float64)
+    th = pos * inv
+    c, s = np.cos(th), np.sin(th)
+    a, b = x[..., :half].astype(np.float64), x[..., half:n_rot].astype(np.float64)
+    out = x.astype(np.float64).copy()
+    out[..., :half], out[..., half:n_rot] = a * c - b * s, a * s + b * c
+    return out
+
+
+def _reference_step(path: Path, target_embd: np.ndarray, h: np.ndarray, tok: int, kv: dict, pos: int):
+    """(logits, h_next) of one drafter step, from the GGUF's tensors (F32) as llama.cpp's graph reads them."""
+    r = gguf.GGUFReader(str(path))
+    W = {t.name: np.asarray(t.data, dtype=np.float32) for t in r.tensors}
+
+    def f(k):
+        v = r.fields[f"gemma4-assistant.{k}"]
+        return v.parts[v.data[0]] if len(v.data) == 1 else [v.parts[i][0] for i in v.data]
+    n_layer, n_head = int(f("block_count")[0]), int(f("attention.head_count")[0])
+    sliding = [bool(x) for x in f("attention.sliding_window_pattern")]
+    base, base_swa = float(f("rope.freq_base")[0]), float(f("rope.freq_base_swa")[0])
+    nb = target_embd.shape[1]
+    x = np.concatenate([target_embd[tok] * math.sqrt(nb), h])
+    x = W["nextn.pre_projection.weight"] @ x
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        k, v = kv[sliding[i]]                           # (Hkv, S, D)
+        hkv, _, d = k.shape
+        q = (W[p + "attn_q.weight"] @ _rms(x, W[p + "attn_norm.weight"])).reshape(n_head, d)
+        q = _rms(q, W[p + "attn_q_norm.weight"])
+        q = _rope_neox(q, pos, base_swa, d) if sliding[i] else _rope_neox(q, pos, base, d, W["rope_freqs.weight"])
+        o = np.empty((n_head, d))
+        for j in range(n_head):
+            kj, vj = k[j // (n_head // hkv)], v[j // (n_head // hkv)]
+            s = kj @ q[j]                               # scale 1 (Gemma 4)
+            a = np.exp(s - s.max())
+            o[j] = (a / a.sum()) @ vj
+        att = W[p + "attn_output.weight"] @ o.reshape(-1)
+        x = x + _rms(att, W[p + "post_attention_norm.weight"])
+        y = _rms(x, W[p + "ffn_norm.weight"])
+        y = W[p + "ffn_down.weight"] @ (_gelu(W[p + "ffn_gate.weight"] @ y) * (W[p + "ffn_up.weight"] @ y))
+        x = (x + _rms(y, W[p + "post_ffw_norm.weight"])) * W[p + "layer_output_scale.weight"][0]
+    y = _rms(x, W["output_norm.weight"])
+    return W["token_embd.weight"] @ y, W["nextn.post_projection.weight"] @ y
+
+
+def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
+    """Two chained steps at position p over a prompt past the window: the drafter (the tap after a
+    chunked prefill into mlx-lm's rotating window caches) against numpy over the target's K/V kept
+    whole (the window's last 32 picked by position). Measured in float32: logits max |d| 1.4e-5 and
+    1.7e-5 on a spread of 13; h_next 5e-6 and 6e-6 of 3.0 (tolerance 1e-4 of the spread / the size)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from engine import generate
+    model, head, hpath = _loaded(mdir)
+    d = head.make_drafter(model, hpath, draft_len=2)
+    rng = np.random.default_rng(0)
+    toks = [int(x) for x in rng.integers(10, 250, size=70)]
+    cache, fed = make_prompt_cache(model), []
+    generate.prefill(d.target, cache, toks[:-2], fed, chunk=16, first=16)
+    d.target(mx.array([toks[-2]])[None], cache=cache)      # the plain pass before a propose
+    p = len(toks) - 2
+    kv = d.shared_kv(p + 1)
+    assert kv[True][0].shape[2] == 32 and kv[False][0].shape[2] == p + 1
+
+    # the reference's K/V: the target over the same tokens with no window (every position kept)
+    from engine.gemma4_mtp_spec import target_layers
+    whole = [KVCache() for _ in cache]
+    model.model(mx.array(toks[:-1])[None], cache=whole)
+    idx = target_layers(model)
+    np_kv = {s: (np.array(whole[i].keys[0, :, :p + 1]), np.array(whole[i].values[0, :, :p + 1])) for s, i in idx.items()}
+    np_kv[True] = tuple(a[:, p + 1 - 32:] for a in np_kv[True])
+    h_ref = np.array(model.model(mx.array(toks[:-1])[None], cache=None)[0, -1])
+    h = d.target.row(p)
+    assert float(np.max(np.abs(np.array(h[0, 0]) - h_ref))) < 1e-4
+    embd = np.array(model.model.embed_tokens.weight)
+
+    tok = toks[-1]
+    for _ in range(2):
+        logits, h = head.step(h, mx.array([[tok]]), kv, p)
+        ref_logits, ref_h = _reference_step(hpath, embd, h_ref, tok, np_kv, p)
+        got = np.array(logits)
+        spread = float(ref_logits.max() - ref_logits.min())
+        err = float(np.max(np.abs(got - ref_logits)))
+        assert spread > 1.0 and err < 1e-4 * spread, (err, spread)
+        assert int(np.argmax(got)) == int(np.argmax(ref_logits))
+        assert float(np.max(np.abs(np.array(h[0, 0]) - ref_h))) < 1e-4 * float(np.max(np.abs(ref_h)))
+        h_ref, tok = ref_h, int(np.argmax(ref_logits))
+
+
+def test_greedy_equals_plain_past_the_window_and_the_kv_holds_the_delivered_tokens(engine):
+    for text in (PROMPT, PROMPT2):
+        plain = _gen(engine, text, "off")
+        r = _gen(engine, text, "mtp")
+        assert r.tokens == plain.tokens and len(r.tokens) == 40
+        assert r.speculative == "mtp" and r.drafted_tokens > 0 and not r.speculation_stopped
+        live = engine.live
+        prompt = engine.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
+        assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
+        offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
+        assert offs and all(o == len(live.tokens) for o in offs)
+    assert "Gemma 4 MTP drafter" in engine._mtp.note and engine._mtp.path.name == "mtp-gemma4-F32.gguf"
+
+
+def test_sampled_mtp_runs_and_keeps_bookkeeping(engine):
+    r = _gen(engine, PROMPT, "mtp", n=24, temperature=0.8, seed=3)
+    assert len(r.tokens) == 24 and r.drafted_tokens > 0
+    live = engine.live
+    offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
+    assert all(o == len(live.tokens) for o in offs)
+
+
+def test_partial_acceptance_gives_the_plain_reply(mdir):
+    """The drafter's choices steered from the plain reply (per pass both drafts right, the first only, or
+    none): the speculated reply equals it, drafts are accepted, and the target's windows roll back
+    through layer_cache where a pass wrapped them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine import generate
+    from engine.gemma4_mtp_spec import Gemma4Drafter
+    model, head, hpath = _loaded(mdir)
+    rng = np.random.default_rng(1)
+    prompt = [int(x) for x in rng.integers(10, 250, size=40)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(drafter=None, n=40):
+        cache, fed = make_prompt_cache(model), []
+        generate.prefill(drafter.target if drafter else model, cache, prompt[:-1], fed, chunk=16, first=16)
+        spec = speculative.SpecStats("mtp")
+        if drafter is None:
+            steps = generate.decode(model, cache, prompt[-1], fed, history=prompt, sampler=greedy.sampler(None),
+                                    processors=[], max_tokens=n, stats=generate.StepStats())
+        else:
+            steps = speculative.decode(drafter.target, cache, prompt[-1], fed, history=prompt, sampling=greedy,
+                                       processors=[], max_tokens=n, stats=generate.StepStats(), spec=spec,
+                                       drafter=drafter)
+        return list(steps), fed, cache, spec
+
+    ref, _, _, _ = run()
+    passes = []
+
+    class Steered(Gemma4Drafter):
+        def propose(self, context, k, target_dist=None):
+            self.at, self.i = len(context) - len(prompt), 0
+            passes.append(len(context))
+            return super().propose(context, k, target_dist)
+
+        def pick(self, logits, target_dist):
+            super().pick(logits, target_dist)          # the drafter's own choice is computed, then replaced
+            j, self.i = self.at + self.i, self.i + 1
+            right = ref[j] if j < len(ref) else 0
+            kind = len(passes) % 3                      # 0: both right, 1: the first only, 2: none
+            ok = kind == 0 or (kind == 1 and self.i == 1)
+            return (right if ok else (right + 1) % 500), None
+
+    d = Steered(head, model, hpath, draft_len=2)
+    out, fed, cache, spec = run(d)
+    assert out == ref
+    assert fed == (prompt + out)[:len(fed)]
+    assert all(c.offset == len(fed) for c in cache)
+    assert spec.drafted > spec.accepted > 0 and spec.passes >= 8
+    assert d.head_passes == spec.drafted
+
+
+def test_refusals_are_one_line_by_name(mdir, engine, tmp_path):
+    t, _ = _pair(mdir)
+    cases = [
+        (dict(n_embd_target=192), r"does not match gemma4-F32\.gguf \(target width 192 vs 256\)"),
+        (dict(n_vocab=300), r"\(vocabulary 300 vs \d+\)"),
+        (dict(head_dim=32), r"\(sliding head size 32 vs 64\)"),
+        (dict(sliding_window=16), r"\(sliding window 16 vs 32\)"),
+        (dict(nextn=2), r"nextn_predict_layers 2 is not block_count 4"),
+        (dict(extra={"blk.0.attn_k.weight": np.zeros((64, 128), np.float32)}),
+         r"unexpected tensor 'blk\.0\.attn_k\.weight' in a Gemma 4 MTP drafter"),
+    ]
+    for i, (kw, pattern) in enumerate(cases):
+        bad = write_tiny_gemma4_assistant(tmp_path / f"bad{i}.gguf", tensor_type="F32", **kw)
+        with pytest.raises(StrataError, match=pattern) as err:
+            _gen(engine, "hi", f"mtp:{bad}", n=4)
+        assert "\n" not in str(err.value) and str(err.value).startswith("speculative mtp: bad")
+    # a file of another architecture, and the model itself, as the drafter
+    with pytest.raises(StrataError, match="a Gemma 4 MTP drafter is a 'gemma4-assistant' file, not 'gemma4'"):
+        _gen(engine, "hi", f"mtp:{_target(mdir, 'F16')}", n=4)
+    with pytest.raises(StrataError, match="is the model itself"):
+        _gen(engine, "hi", f"mtp:{t}", n=4)
+    assert len(_gen(engine, "hi", "off", n=4).tokens) == 4          # the plain reply still works
+    # a gemma4 with no drafter beside it
+    e = Engine(EngineOptions(model=str(_target(mdir)), cache_mib=0)).start()
+    try:
+        assert e.call(Status(), timeout=120).model
+        with pytest.raises(StrataError, match=r"no mtp-\*\.gguf beside it \(Gemma 4's drafter: llama\.cpp's "
+                                              r"gemma4-assistant GGUF\)"):
+            _gen(e, "hi", "mtp", n=4)
+    finally:
+        e.stop()
+
+
+def test_memory_guard_admits_the_drafters_bytes_before_reading_it(mdir):
+    """load_mtp asks the guard for the drafter's bytes (equal to its loaded parameters, F32 in float32)
+    after the by-name checks and before any tensor is read; a refusal leaves nothing loaded. The drafter
+    adds no K/V: it reads the target's."""
+    from mlx.utils import tree_flatten
+
+    from engine import mtp_spec
+    from engine.archs.gemma4_mtp import assistant_bytes
+    from engine.errors import MemoryRefused
+    model, head, hpath = _loaded(mdir)
+    # the parameters, and rope_freqs.weight (64 F32 factors), which the global blocks' RoPE holds
+    held = sum(v.nbytes for _, v in tree_flatten(head.parameters())) + 64 * 4
+    assert assistant_bytes(hpath) == held
+    asked = []
+
+    def refuse(n):
+        asked.append(n)
+        raise MemoryRefused("mtp head: no room")
+    with pytest.raises(MemoryRefused, match="no room"):
+        mtp_spec.load_mtp(_pair(mdir)[0], model, mx.float32, admit=refuse)
+    assert asked == [held]
+    loaded = mtp_spec.load_mtp(_pair(mdir)[0], model, mx.float32, admit=asked.append)
+    assert asked == [held, held] and loaded.head.args.n_layer == 4
+    d = mtp_spec.MTPDrafter(loaded.head, model, loaded.path)
+    assert type(d).__name__ == "Gemma4Drafter" and d.held == 0
