@@ -82,8 +82,8 @@ def install_phase_timers(engine) -> dict:
 
     def install(e):
         out.pop("turn", None)
-        e.prompt_tokens = timed("build", e.prompt_tokens)
-        e._take_kv = timed("take_kv", e._take_kv)
+        e.handlers.prompt_tokens = timed("build", e.handlers.prompt_tokens)
+        e.handlers._take_kv = timed("take_kv", e.handlers._take_kv)
         generate.prefill = timed("prefill", generate.prefill)
         mx.clear_cache = timed("clear_cache", mx.clear_cache)
         first = generate.decode

@@ -380,7 +380,7 @@ class Scheduler:
         req = h.request
         eng._handle = h
         try:
-            turn = eng._begin_turn(req, h, batched=True)
+            turn = eng.handlers._begin_turn(req, h, batched=True)
         except Exception as e:  # noqa: BLE001 - one request's refusal, reported as the engine does
             self._fail(h, e)
             return None
@@ -433,7 +433,7 @@ class Scheduler:
         total = len(row.todo)
         gpu = on_gpu()
         chunk = eng.options.prefill_chunk
-        pace = eng._prefill_pace()
+        pace = eng.handlers._prefill_pace()
         size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
         part = row.todo[row.done:row.done + size]
         if eng.steering is not None:
@@ -501,7 +501,7 @@ class Scheduler:
         eng._handle = row.handle
         try:
             r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
-            result = eng._end_turn(turn, r)
+            result = eng.handlers._end_turn(turn, r)
             self._give_back(row)
         except Exception as e:  # noqa: BLE001
             self._fail(row.handle, e)

@@ -28,7 +28,7 @@ import mlx_lm.generate  # noqa: F401,E402
 from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
-from .errors import Cancelled, EngineError, ErrorCode, RequestError, StrataError
+from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
 from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .loaded_model import LoadedModel
@@ -61,7 +61,7 @@ def _loaded(name: str, default=None) -> property:
                     doc=f"LoadedModel.{name} of what is loaded ({default!r} when nothing is)")
 
 
-class Engine(RequestHandlers):
+class Engine:
     def __init__(self, options: EngineOptions | None = None):
         from .memory_guard import MemoryGuard
         self.options = options or EngineOptions()
@@ -90,6 +90,7 @@ class Engine(RequestHandlers):
         self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering)) \
             if self.options.model else None
         self.dist = None                          # distributed hook: set only when launched as a rank
+        self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py): no state
         if "MLX_RANK" in __import__("os").environ:
             from . import distributed
             self.dist = distributed.detect()
@@ -139,7 +140,7 @@ class Engine(RequestHandlers):
         self._log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
         # bigger machine) is brought into range with a log line rather than refused at start.
-        cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self._cache_range())
+        cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self.handlers._cache_range())
         if note:
             self._log(f"conversation cache: {note}")
         self.options.cache_mib, self.options.cache_slots = cap, slots
@@ -147,7 +148,7 @@ class Engine(RequestHandlers):
         self.conversations.parking.on_event = self._emit
         from . import disk_tier
         self.disk = disk_tier.attach(self)
-        self._clean_session_folder()
+        self.handlers._clean_session_folder()
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
             self._serve(self.startup)
@@ -243,7 +244,7 @@ class Engine(RequestHandlers):
                 self._topping_up = True             # before _idle_work is read: see _quiet_at_exit
                 try:
                     if self._idle_work:
-                        self._release_draft(f"no request used it for {DRAFT_IDLE_S:g} s")
+                        self.handlers._release_draft(f"no request used it for {DRAFT_IDLE_S:g} s")
                 except Exception as e:  # noqa: BLE001 -- never worth the engine thread
                     self.draft = None
                     self._log(f"draft model: release failed ({e!r})")
@@ -268,11 +269,12 @@ class Engine(RequestHandlers):
         log.info(line)
         self._emit(Log(line))
 
-    _log = log          # the name the handlers use
+    _log = log          # the engine's own name for it
 
     def require_model(self) -> None:
         """ModelNotLoaded unless a model is loaded (engine thread)."""
-        self._require_model()
+        if self.model is None:
+            raise ModelNotLoaded()
 
     def _emit(self, event) -> None:
         """An event for the request being served (a log line, a KVMoved); none is served: dropped."""
@@ -283,17 +285,17 @@ class Engine(RequestHandlers):
         """Run one request's handler now, on the engine thread (the distributed strategy calls it on every
         rank around its collectives); callers on other threads submit() instead."""
         from . import disk_tier as disk_requests
-        req = handle.request
+        req, h = handle.request, self.handlers
         handlers = {
-            GenerateRequest: lambda: self._generate(req, handle),
-            LoadModel: lambda: self._load(req, handle),
-            SaveSession: lambda: self._save(req, handle),
-            RestoreSession: lambda: self._restore(req, handle),
-            Configure: lambda: self._configure(req),
-            Status: self.status,
-            CountTokens: lambda: self._count_tokens(req),
-            SessionSteering: lambda: self._session_steering(req),
-            CaptureStates: lambda: self._capture(req, handle),
+            GenerateRequest: lambda: h._generate(req, handle),
+            LoadModel: lambda: h._load(req, handle),
+            SaveSession: lambda: h._save(req, handle),
+            RestoreSession: lambda: h._restore(req, handle),
+            Configure: lambda: h._configure(req),
+            Status: h.status,
+            CountTokens: lambda: h._count_tokens(req),
+            SessionSteering: lambda: h._session_steering(req),
+            CaptureStates: lambda: h._capture(req, handle),
             Call: lambda: CallResult(req.fn(self)),
             ClearDiskCache: lambda: disk_requests.clear_request(self),
             ForgetConversation: lambda: disk_requests.forget_request(self, req),
@@ -315,6 +317,26 @@ class Engine(RequestHandlers):
     steering = _loaded("steering")
     steering_error = _loaded("steering_error")
     facts = _loaded("facts")          # what is loaded, one immutable value (Engine.model_facts)
+    kv_fmt = _loaded("kv_format")     # the K/V format of new conversations (the load's, swapped by Configure)
+
+    # ---- what other engine modules ask of the loaded model (engine/handlers.py answers) ------
+    def cache_key(self, projection: bool | None = None):
+        return self.handlers.cache_key(projection)
+
+    def steering_fingerprint(self, projection: bool | None = None) -> str:
+        return self.handlers.steering_fingerprint(projection)
+
+    def session_fingerprint(self, steering_fp: str | None = None) -> dict:
+        return self.handlers.session_fingerprint(steering_fp)
+
+    def make_cache(self) -> list:
+        return self.handlers.make_cache()
+
+    def prompt_tokens(self, req: GenerateRequest) -> list[int]:
+        return self.handlers.prompt_tokens(req)
+
+    def status(self):
+        return self.handlers.status()
 
     # ---- the held conversations (engine thread; engine/conversations.py) ---------------------
     @property

@@ -1,7 +1,7 @@
 """What each request does, on the engine thread: the model and its load, the K/V identity (model,
 steering, K/V format), generation, session files, settings and status.
 
-`Engine` (engine/engine.py) owns the thread and the dispatch and inherits these handlers; the held
+`Engine` (engine/engine.py) owns the thread and the dispatch and holds one `RequestHandlers(engine)`; the held
 conversations are `self.conversations` (engine/conversations.py), the decode loop with its stop strings
 and stats is engine/generate.py. Everything here runs on the engine thread only.
 """
@@ -15,14 +15,20 @@ from pathlib import Path
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
                   Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
                   SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
-from .errors import ContextTooLong, MemoryRefused, ModelNotLoaded, RequestError, SessionSteeringRefused, VectorSpec
+from .errors import ContextTooLong, MemoryRefused, RequestError, SessionSteeringRefused, VectorSpec
 from .events import Handle, KVChanged, Progress, Token
 
 MAX_CHARS_PER_TOKEN = 32
 
 
 class RequestHandlers:
-    """The engine thread's state and one method per request (mixed into Engine)."""
+    """One method per request, and the queries they share (the K/V identity, the prompt's tokens).
+    Holds nothing but its engine: what they read and replace is the engine's (`loaded`, `options`,
+    `conversations`, `guard`, `dist`, the draft and the measured paces), so a handler never keeps a
+    value that a load or another request has since replaced."""
+
+    def __init__(self, engine):
+        self.eng = engine
 
     # ---- model -------------------------------------------------------------------------------
     def _load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
@@ -39,18 +45,18 @@ class RequestHandlers:
         path = resolve_model(req.path)
         g = open_gguf(path)
         self._release_draft("a model load")      # drafts for the old target; its memory counts for the fit
-        self._mtp = None                         # an MTP head holds the old target (engine/mtp_spec.py)
+        self.eng._mtp = None                         # an MTP head holds the old target (engine/mtp_spec.py)
         handle.emit(Progress("load", 0, len(g.reader.tensors)))
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
-            self.options.dtype or "", compute_dtype())
+            self.eng.options.dtype or "", compute_dtype())
         # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
-        n_ctx, memory_line = fit_for_load(path, self.options.context_length, str(dtype).rsplit(".", 1)[-1],
-                                          self.guard, gpu_working_set())
+        n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
+                                          self.eng.guard, gpu_working_set())
         progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
-        model, info = (load_model(g, dtype=dtype, progress=progress) if self.dist is None
-                       else self.dist.load(g, dtype, progress))   # distributed hook: this rank's part
-        steer_cfg = self.options.steering if req.steering == "keep" else req.steering
+        model, info = (load_model(g, dtype=dtype, progress=progress) if self.eng.dist is None
+                       else self.eng.dist.load(g, dtype, progress))   # distributed hook: this rank's part
+        steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
             from .control_vector import ControlVector, ControlVectorError
@@ -62,34 +68,34 @@ class RequestHandlers:
         from .kv_format import choose_for
         from .loaded_model import LoadedModel
         # --kv-bits this head size or this attention cannot take: refused
-        kv_format = choose_for(model, self.options.kv_bits, info.head_dim)
+        kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
         model_hash = content_hash(path)
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
-                           distributed=self.dist.status() if self.dist is not None else None)
+                           distributed=self.eng.dist.status() if self.eng.dist is not None else None)
         # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
-        self.options.steering = steer_cfg
-        self.loaded = LoadedModel(
+        self.eng.options.steering = steer_cfg
+        self.eng.loaded = LoadedModel(
             model=model, tokenizer=tokenizer, info=info, path=path, template=g.get("tokenizer.chat_template"),
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
-            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.options.speed_projection),
+            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
             steering_error=steering_error, facts=facts)
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
-            steering.install(self.model, self.steering)
+            steering.install(self.eng.model, self.eng.steering)
             # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
             secs = steering.warm_up(vector, dtype)
-            self._log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
-        if self.dist is not None:
-            self.dist.after_load(self)
-        self.conversations.clear()
+            self.eng.log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
+        if self.eng.dist is not None:
+            self.eng.dist.after_load(self.eng)
+        self.eng.conversations.clear()
         reserved = self._touch_kv_memory(info, dtype)
-        self._log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
-                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.n_ctx}, "
+        self.eng.log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
+                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.eng.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
-        self._log(f"weights: {info.load_note}")
-        self._log(memory_line)
-        asked = self.options.context_length
+        self.eng.log(f"weights: {info.load_note}")
+        self.eng.log(memory_line)
+        asked = self.eng.options.context_length
         if asked and asked > n_ctx and info.context_length <= n_ctx:
             # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
             import logging
@@ -99,100 +105,91 @@ class RequestHandlers:
                     f"using {n_ctx}")
             logging.getLogger("strata").warning(note)
             handle.emit(Log(note))
-        self._log(f"K/V: {self.kv_fmt.describe()}")
-        self._log(reserved.note)
-        if self.dist is not None:
-            self._log(self.dist.describe())
+        self.eng.log(f"K/V: {self.eng.kv_fmt.describe()}")
+        self.eng.log(reserved.note)
+        if self.eng.dist is not None:
+            self.eng.log(self.eng.dist.describe())
         if vector is not None:
-            self._log(vector.describe())
+            self.eng.log(vector.describe())
         if steering_error:
-            self._log(f"control vector refused: {steering_error}; serving without it")
-        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.facts)
+            self.eng.log(f"control vector refused: {steering_error}; serving without it")
+        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts)
 
     def _touch_kv_memory(self, info, dtype):
         """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
         creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
         from . import kv_reserve
         from .device import on_gpu
-        self.kv_topup = None
+        self.eng.kv_topup = None
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")
-        if self.dist is not None or self.kv_fmt.quantized:
+        if self.eng.dist is not None or self.eng.kv_fmt.quantized:
             return kv_reserve.Reserved.none("distributed or quantized K/V")
-        reserved = kv_reserve.touch(self.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
-                                    admit=self.guard.admit)
+        reserved = kv_reserve.touch(self.eng.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
+                                    admit=self.eng.guard.admit)
         # ... and touched again in idle time once restores or prefills have used it (engine._next_request)
-        self.kv_topup = kv_reserve.TopUp.of(reserved, admit=self.guard.admit)
+        self.eng.kv_topup = kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit)
         return reserved
-
-    def _require_model(self) -> None:
-        if self.model is None:
-            raise ModelNotLoaded()
 
     def steering_fingerprint(self, projection: bool | None = None) -> str:
         """The steering identity of K/V computed with `projection` (None: the setting in force):
         the loaded vector's fingerprint when it is applied, '' when not."""
-        vector = self.steering.vector if self.steering else None
+        vector = self.eng.steering.vector if self.eng.steering else None
         if vector is None:
             return ""
-        on = self.steering.speed_projection if projection is None else projection
+        on = self.eng.steering.speed_projection if projection is None else projection
         return vector.fingerprint() if on else ""
 
     def cache_key(self, projection: bool | None = None):
         """What the K/V depends on (a kv_key.KVKey): the model's content, the steering applied to it
         (under `projection`; None: the setting in force) and the K/V format."""
         from .kv_key import KVKey
-        return KVKey(self.model_hash, self.steering_fingerprint(projection), self.kv_fmt.label)
-
-    @property
-    def kv_fmt(self):
-        """The K/V format of new conversations (the load's, swapped by Configure)."""
-        return self.loaded.kv_format
+        return KVKey(self.eng.model_hash, self.steering_fingerprint(projection), self.eng.kv_fmt.label)
 
     def _projection(self, requested: bool | None) -> bool:
-        return bool(self.steering.vector) and (
-            self.options.speed_projection if requested is None else bool(requested))
+        return bool(self.eng.steering.vector) and (
+            self.eng.options.speed_projection if requested is None else bool(requested))
 
     def make_cache(self) -> list:
         from .kv_format import make_cache
-        return make_cache(self.model, self.kv_fmt)
+        return make_cache(self.eng.model, self.eng.kv_fmt)
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
         from .chat_template import render
-        tok = self.tokenizer
+        tok = self.eng.tokenizer
         # A huge body must not cost a tokenization (or a template render) to be refused: no real
         # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
         chars = len(req.prompt) if req.prompt is not None else sum(
             len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
-        if chars > self.n_ctx * MAX_CHARS_PER_TOKEN:
+        if chars > self.eng.n_ctx * MAX_CHARS_PER_TOKEN:
             raise ContextTooLong(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
-                               f"the context holds {self.n_ctx}")
+                               f"the context holds {self.eng.n_ctx}")
         if req.prompt is not None:
             return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        text = render(self.template, req.messages, bos_token=bos,
+        text = render(self.eng.template, req.messages, bos_token=bos,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
-                      name=f"the chat template of {self.model_path.name}" if self.template else "",
+                      name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
                       tools=getattr(req, "tools", None))
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return (self.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
+        return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
                 or tok.encode(text, add_bos=add_bos))
 
     def _prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
         from request to request and started afresh for each model."""
         from .generate import PrefillPace
-        pace = getattr(self, "_pace", None)
-        if pace is None or pace[0] is not self.model:
-            pace = self._pace = (self.model, PrefillPace(self.info.n_layer if self.info else 1))
+        pace = getattr(self.eng, "_pace", None)
+        if pace is None or pace[0] is not self.eng.model:
+            pace = self.eng._pace = (self.eng.model, PrefillPace(self.eng.info.n_layer if self.eng.info else 1))
         return pace[1]
 
     def _take_kv(self, tokens: list[int], owner: str = ""):
         """The K/V to extend for `tokens` (engine/conversations.py) under the current K/V identity."""
-        return self.conversations.take(tokens, owner, self.cache_key(), self.make_cache)
+        return self.eng.conversations.take(tokens, owner, self.cache_key(), self.make_cache)
 
     # ---- generation --------------------------------------------------------------------------
     def _generate(self, req: GenerateRequest, handle: Handle) -> Generation:
@@ -203,13 +200,13 @@ class RequestHandlers:
         spec, steps = self._spec_steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
         # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
-        r = reply(getattr(turn.drafter, "target", self.model), entry, tokens, reuse, tokenizer=self.tokenizer,
+        r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse, tokenizer=self.eng.tokenizer,
                   sampling=req.sampling,
-                  n_vocab=self.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.options.prefill_chunk,
+                  n_vocab=self.eng.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.eng.options.prefill_chunk,
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
-                  layerwise=self.dist is None, constraint=turn.constraint,
+                  layerwise=self.eng.dist is None, constraint=turn.constraint,
                   marks=self._message_marks(req, entry, tokens))
         self._spec_done(req, turn.drafter, spec, r)
         if steps is not None:
@@ -229,14 +226,14 @@ class RequestHandlers:
         from .parking import common_prefix
         if not req.messages or req.prompt is not None or not layer_cache.needs_checkpoints(entry.cache):
             return []
-        tok = self.tokenizer
+        tok = self.eng.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""
         marks = []
         for msgs in (req.messages[:-1], req.messages):
             if not msgs:
                 continue
-            text = render(self.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
+            text = render(self.eng.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
                           tools=getattr(req, "tools", None))
             add_bos = tok.add_bos and not (bos and text.startswith(bos))
             marks.append(common_prefix(tokens, tok.encode(text, add_bos=add_bos)))
@@ -250,20 +247,20 @@ class RequestHandlers:
         trimmed to what it reuses (a `Turn`)."""
         from .generate import StepStats
         from .parking import KVEntry
-        self._require_model()
+        self.eng.require_model()
         req.sampling.validate()
         drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
         constraint = None
         if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
             from .constraints import compile as compile_constraint
-            constraint = compile_constraint(req.constraint, self.tokenizer)
+            constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
-        self.steering.speed_projection = self._projection(asked)
+        self.eng.steering.speed_projection = self._projection(asked)
         stats = StepStats()
         tokens = self.prompt_tokens(req)
-        if len(tokens) >= self.n_ctx:
-            raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.n_ctx}")
+        if len(tokens) >= self.eng.n_ctx:
+            raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         if req.side:
             # Its own throwaway K/V: the conversations (live and parked) keep their places.
             entry, reuse = KVEntry([], self.make_cache(), self.cache_key()), 0
@@ -275,23 +272,23 @@ class RequestHandlers:
         # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
         reuse = entry.rewind(reuse, self.make_cache)
         if batched and not req.side:
-            self.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
+            self.eng.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
         elif not req.side:
-            self.conversations.live = entry     # from here on the live K/V is `entry`
+            self.eng.conversations.live = entry     # from here on the live K/V is `entry`
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
-        if self.parking is not None:            # the status bar's figures while the reply runs
-            handle.emit(KVChanged(self.parking.status(), req.conversation, len(tokens), reuse, from_disk))
+        if self.eng.parking is not None:            # the status bar's figures while the reply runs
+            handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
         entry.messages = list(req.messages or [])
-        max_tokens = min(req.sampling.max_tokens, self.n_ctx - len(tokens))
+        max_tokens = min(req.sampling.max_tokens, self.eng.n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
-                    self.steering.active)
+                    self.eng.steering.active)
 
     def _end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
         req, stats, tokens = turn.req, turn.stats, turn.tokens
         turn.entry.messages = list(req.messages or []) + (
             [{"role": "assistant", "content": r.text}] if req.messages else [])
-        self._log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
+        self.eng.log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
                   f"{stats.decode_tps:.1f} tok/s, finish {r.finish}" + (spec.log_suffix() if spec else ""))
         return Generation.from_dict(spec.result() if spec else {}, tokens=r.tokens, text=r.text,
@@ -317,31 +314,31 @@ class RequestHandlers:
             path = resolve_model(mode.draft_path)
         except OSError as e:                # a name too long for the file system, ...
             raise RequestError(f"draft model: {e.strerror or e}") from None
-        d = self.draft
-        stale = d is None or d.path != path or d.target_path != self.model_path
+        d = self.eng.draft
+        stale = d is None or d.path != path or d.target_path != self.eng.model_path
         del d
         if stale:
             self._release_draft("another draft asked for")   # its memory counts for the new one's fit
-            self.draft = speculative.load_draft(str(path), self.model_path, self.dtype, self.n_ctx, self._log,
+            self.eng.draft = speculative.load_draft(str(path), self.eng.model_path, self.eng.dtype, self.eng.n_ctx, self.eng.log,
                                                 admit=self._admit_draft)
-        return self.draft
+        return self.eng.draft
 
     def _mtp_drafter(self, head_path: str | None):
         """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
         target (and head file) and kept; each request gets its own head K/V."""
         from . import mtp_spec
-        if self.dist is not None:
+        if self.eng.dist is not None:
             raise RequestError("speculative mtp is not available on a distributed engine")
-        h = getattr(self, "_mtp", None)
-        if h is None or h.model is not self.model or h.head_path != head_path:
-            self._mtp = None
-            self._mtp = mtp_spec.load_mtp(self.model_path, self.model, self.dtype, head_path, self._log,
+        h = getattr(self.eng, "_mtp", None)
+        if h is None or h.model is not self.eng.model or h.head_path != head_path:
+            self.eng._mtp = None
+            self.eng._mtp = mtp_spec.load_mtp(self.eng.model_path, self.eng.model, self.eng.dtype, head_path, self.eng.log,
                                           admit=self._admit_head)
-        return mtp_spec.MTPDrafter(self._mtp.head, self.model, self._mtp.path)
+        return mtp_spec.MTPDrafter(self.eng._mtp.head, self.eng.model, self.eng._mtp.path)
 
     def _admit_head(self, nbytes: int) -> None:
         """A sibling head file's tensors go through the memory guard (MemoryRefused, one line)."""
-        ok, line = self.guard.admit(nbytes)
+        ok, line = self.eng.guard.admit(nbytes)
         if not ok:
             raise MemoryRefused(f"mtp head: {line}")
 
@@ -349,14 +346,14 @@ class RequestHandlers:
         """A draft model goes through the load's memory estimate and guard (MemoryRefused, one line)."""
         from .memory_estimate import fit_for_load, gpu_working_set
         try:
-            _, line = fit_for_load(path, self.n_ctx, str(self.dtype).rsplit(".", 1)[-1], self.guard, gpu_working_set())
+            _, line = fit_for_load(path, self.eng.n_ctx, str(self.eng.dtype).rsplit(".", 1)[-1], self.eng.guard, gpu_working_set())
         except MemoryRefused as e:
             raise type(e)(f"draft model: {e}") from None
-        self._log(f"draft {line}")
+        self.eng.log(f"draft {line}")
 
     def _release_draft(self, why: str) -> None:
         """Drop the loaded draft model (no request uses it any more) and give its memory back."""
-        d, self.draft = getattr(self, "draft", None), None
+        d, self.eng.draft = getattr(self.eng, "draft", None), None
         if d is None:
             return
         name = d.path.name
@@ -369,19 +366,19 @@ class RequestHandlers:
         gc.collect()
         mx.clear_cache()
         release_freed_memory()
-        self._log(f"draft model {name} released ({why})")
+        self.eng.log(f"draft model {name} released ({why})")
 
     def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled, constraint=None):
         from . import speculative
         spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
-        verdicts = getattr(self, "_verdicts", None)
+        verdicts = getattr(self.eng, "_verdicts", None)
         if verdicts is None:
-            verdicts = self._verdicts = speculative.Verdicts()
+            verdicts = self.eng._verdicts = speculative.Verdicts()
         if drafter is None:
             return spec, None
         sp = req.sampling
         key = self._spec_key(drafter, sp)
-        spec.plain_tps_hint = verdicts.plain_tps.get(str(self.model_path), 0.0)
+        spec.plain_tps_hint = verdicts.plain_tps.get(str(self.eng.model_path), 0.0)
         if key is not None:
             why = verdicts.slower(key)
             if why:     # measured slower in an earlier reply: plain from the start, saying why
@@ -390,21 +387,21 @@ class RequestHandlers:
             spec.speedup_hint = verdicts.speedup(key)
         # mtp: the target through the tap that keeps its hidden states (engine/mtp_spec.py)
         return spec, speculative.decode(
-            getattr(drafter, "target", self.model), entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
+            getattr(drafter, "target", self.eng.model), entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
             processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
             seed=sp.seed, cancelled=cancelled, constraint=constraint)
 
     def _spec_key(self, drafter, sampling):
         """The Verdicts key of a draft-model request (None for lookup: its drafts depend on the text)."""
         path = getattr(drafter, "path", None)
-        return None if path is None else (str(self.model_path), str(path), sampling.temperature > 0)
+        return None if path is None else (str(self.eng.model_path), str(path), sampling.temperature > 0)
 
     def _spec_done(self, req, drafter, spec, result) -> None:
         """Remember what this reply measured: the plain decode speed, and a draft pair's verdict."""
-        verdicts = self._verdicts
+        verdicts = self.eng._verdicts
         if drafter is None or (spec.stopped and not spec.passes):
             if result.finish != "cancelled" and len(result.tokens) > 8:
-                verdicts.note_plain(str(self.model_path), result.stats.decode_tps)
+                verdicts.note_plain(str(self.eng.model_path), result.stats.decode_tps)
         key = self._spec_key(drafter, req.sampling) if drafter is not None else None
         if key is not None and spec.passes:
             verdicts.record(key, spec)
@@ -413,66 +410,66 @@ class RequestHandlers:
     def _configure(self, req: Configure) -> EngineStatus:
         if req.cache_mib is not None or req.cache_slots is not None:
             from .limits import check_cache_mib, check_cache_slots
-            cap = self.parking.cap_bytes >> 20 if req.cache_mib is None else check_cache_mib(req.cache_mib,
+            cap = self.eng.parking.cap_bytes >> 20 if req.cache_mib is None else check_cache_mib(req.cache_mib,
                                                                                              self._cache_range())
-            slots = self.parking.slots if req.cache_slots is None else check_cache_slots(req.cache_slots)
-            self.parking.set_limits(cap, slots)
-            self.options.cache_mib, self.options.cache_slots = cap, slots
-            self._log(f"conversation cache: {cap} MiB, {slots} slots")
-        if req.disk_mib is not None and self.disk is not None:
+            slots = self.eng.parking.slots if req.cache_slots is None else check_cache_slots(req.cache_slots)
+            self.eng.parking.set_limits(cap, slots)
+            self.eng.options.cache_mib, self.eng.options.cache_slots = cap, slots
+            self.eng.log(f"conversation cache: {cap} MiB, {slots} slots")
+        if req.disk_mib is not None and self.eng.disk is not None:
             from .limits import check_disk_mib
-            self.options.disk_mib = check_disk_mib(req.disk_mib)
-            self.disk.set_cap(self.options.disk_mib)
-            self._log(f"conversation disk cache: {self.options.disk_mib} MiB")
+            self.eng.options.disk_mib = check_disk_mib(req.disk_mib)
+            self.eng.disk.set_cap(self.eng.options.disk_mib)
+            self.eng.log(f"conversation disk cache: {self.eng.options.disk_mib} MiB")
         if req.speed_projection is not None:
-            self.options.speed_projection = bool(req.speed_projection)
+            self.eng.options.speed_projection = bool(req.speed_projection)
         if req.kv_bits is not None:
             from .kv_format import choose, choose_for
-            if self.info is not None:
-                choose_for(self.model, int(req.kv_bits), self.info.head_dim)   # refused here, before anything changes
+            if self.eng.info is not None:
+                choose_for(self.eng.model, int(req.kv_bits), self.eng.info.head_dim)   # refused here, before anything changes
             else:
                 choose(int(req.kv_bits), 64)      # no model yet: the width alone is checked
-            self.options.kv_bits = int(req.kv_bits)
-            if self.loaded is not None:
-                self.loaded = self.loaded.with_kv_format(choose_for(self.model, self.options.kv_bits,
-                                                                    self.info.head_dim))
-                self._log(f"K/V: {self.kv_fmt.describe()} for new conversations")
+            self.eng.options.kv_bits = int(req.kv_bits)
+            if self.eng.loaded is not None:
+                self.eng.loaded = self.eng.loaded.with_kv_format(choose_for(self.eng.model, self.eng.options.kv_bits,
+                                                                    self.eng.info.head_dim))
+                self.eng.log(f"K/V: {self.eng.kv_fmt.describe()} for new conversations")
         return self.status()
 
     def _cache_range(self):
         from .limits import cache_range
-        reading = self.guard.reading()
+        reading = self.eng.guard.reading()
         return cache_range(reading.total_bytes if reading is not None else None)
 
     def status(self) -> EngineStatus:
         from .limits import cache_range
-        reading = self.guard.reading()
-        live = self.live
+        reading = self.eng.guard.reading()
+        live = self.eng.live
         return EngineStatus(
             cache_mib_max=cache_range(reading.total_bytes if reading is not None else None).max_mib,
-            model=str(self.model_path) if self.model_path else None,
-            facts=self.facts,
-            info=self.info.__dict__ if self.info else None,
-            context_length=self.n_ctx,
+            model=str(self.eng.model_path) if self.eng.model_path else None,
+            facts=self.eng.facts,
+            info=self.eng.info.__dict__ if self.eng.info else None,
+            context_length=self.eng.n_ctx,
             live_tokens=len(live.tokens) if live else 0,
             live_messages=list(live.messages) if live else [],
-            conversations=self.conversations.summary() if self.conversations is not None else [],
-            parking=self.parking.status() if self.parking else None,
+            conversations=self.eng.conversations.summary() if self.eng.conversations is not None else [],
+            parking=self.eng.parking.status() if self.eng.parking else None,
             memory=None if reading is None else {
                 "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,
                 "source": reading.source},
-            memory_unavailable=self.guard.unavailable_reason(),
-            load_budget=_load_budget(self.guard),
-            steering=self.steering.vector.describe() if self.steering and self.steering.vector else None,
-            steering_error=self.steering_error,
-            speed_projection_default=self.options.speed_projection,
-            kv_bits=self.options.kv_bits,
-            distributed=self.dist.status() if self.dist is not None else None,
-            disk=self.disk.status() if getattr(self, "disk", None) is not None else None,
+            memory_unavailable=self.eng.guard.unavailable_reason(),
+            load_budget=_load_budget(self.eng.guard),
+            steering=self.eng.steering.vector.describe() if self.eng.steering and self.eng.steering.vector else None,
+            steering_error=self.eng.steering_error,
+            speed_projection_default=self.eng.options.speed_projection,
+            kv_bits=self.eng.options.kv_bits,
+            distributed=self.eng.dist.status() if self.eng.dist is not None else None,
+            disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
         )
 
     def _count_tokens(self, req: CountTokens) -> TokenCount:
-        self._require_model()
+        self.eng.require_model()
         return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
                                                                  tools=req.tools))))
 
@@ -484,12 +481,12 @@ class RequestHandlers:
         import numpy as np
 
         from .capture import last_token_states
-        self._require_model()
+        self.eng.require_model()
         t0 = time.perf_counter()
         first: list = []
-        states = last_token_states(self, req.prompts, lambda d, t: handle.emit(Progress("capture", d, t)), first)
+        states = last_token_states(self.eng, req.prompts, lambda d, t: handle.emit(Progress("capture", d, t)), first)
         return CapturedStates(last=states, first=np.stack(first) if first else None,
-                              architecture=self.info.architecture, seconds=time.perf_counter() - t0)
+                              architecture=self.eng.info.architecture, seconds=time.perf_counter() - t0)
 
     # ---- session files -----------------------------------------------------------------------
     def session_fingerprint(self, steering_fp: str | None = None) -> dict:
@@ -497,40 +494,40 @@ class RequestHandlers:
         K/V (None: the setting in force); the vector's files and settings are named alongside so a
         refusal elsewhere can say which vector to load."""
         from .gguf_file import text_hash
-        info = self.info
+        info = self.eng.info
         steer = self.steering_fingerprint() if steering_fp is None else steering_fp
-        vector = self.steering.vector if self.steering else None
-        cfg = self.options.steering
+        vector = self.eng.steering.vector if self.eng.steering else None
+        cfg = self.eng.options.steering
         described = "none"
         if steer and vector is not None and steer == vector.fingerprint() and cfg is not None:
             described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
                                     "layer_range": list(cfg.layer_range) if cfg.layer_range else None,
                                     "mode": cfg.mode, "direction": cfg.direction})
-        return {"model_hash": self.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
+        return {"model_hash": self.eng.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
                 "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
-                "tokenizer": self.tokenizer.fingerprint, "chat_template": text_hash(self.template or ""),
+                "tokenizer": self.eng.tokenizer.fingerprint, "chat_template": text_hash(self.eng.template or ""),
                 "steering": steer or "none", "steering_vector": described,
-                "kv_format": self.kv_fmt.label}
+                "kv_format": self.eng.kv_fmt.label}
 
     def _save(self, req: SaveSession, handle: Handle) -> SessionSaved:
         from . import sessions
-        if self.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
-            return SessionSaved.from_dict(self.dist.save(self, req, handle))
-        self._require_model()
-        reason = self.guard.unavailable_reason()
+        if self.eng.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
+            return SessionSaved.from_dict(self.eng.dist.save(self.eng, req, handle))
+        self.eng.require_model()
+        reason = self.eng.guard.unavailable_reason()
         if reason:
             raise MemoryRefused(f"session save refused: {reason}")
-        entry, reread = self.live, False
+        entry, reread = self.eng.live, False
         if req.messages is not None:
             keys = None if req.speed_projection is None else {self.cache_key(self._projection(req.speed_projection))}
-            entry = self.conversations.find(req.messages, keys, req.conversation)
+            entry = self.eng.conversations.find(req.messages, keys, req.conversation)
             if entry is None:
                 entry, reread = self._read_again(req, handle), True
         if entry is None or not entry.tokens:
             raise RequestError("there is no conversation to save")
         steer = entry.key.steering                # the steering its K/V was computed with
         result = sessions.save(req.path, entry, self.session_fingerprint(steer),
-                               sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self._log)
+                               sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self.eng.log)
         return SessionSaved.from_dict(result, reread=reread, speed_projection=entry.key.steered)
 
     def _read_again(self, req: SaveSession, handle: Handle):
@@ -542,24 +539,24 @@ class RequestHandlers:
         from .parking import KVEntry
         if not req.messages or not any(m.get("role") != "system" for m in req.messages):
             raise RequestError("there is no conversation to save")
-        self.steering.speed_projection = self._projection(req.speed_projection)
-        tok = self.tokenizer
+        self.eng.steering.speed_projection = self._projection(req.speed_projection)
+        tok = self.eng.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         # As it was held after its last reply: no generation prompt at the end, so a follow-up
         # (rendered with one) extends these tokens.
-        text = render(self.template, req.messages, bos_token=bos, add_generation_prompt=False,
+        text = render(self.eng.template, req.messages, bos_token=bos, add_generation_prompt=False,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         tokens = tok.encode(text, add_bos=add_bos)
-        if len(tokens) >= self.n_ctx:
-            raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.n_ctx}")
-        self._log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
+        if len(tokens) >= self.eng.n_ctx:
+            raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
+        self.eng.log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
         entry = KVEntry([], self.make_cache(), self.cache_key(), messages=list(req.messages),
                         owner=req.conversation)
-        prefill(self.model, entry.cache, tokens, entry.tokens, chunk=self.options.prefill_chunk,
+        prefill(self.eng.model, entry.cache, tokens, entry.tokens, chunk=self.eng.options.prefill_chunk,
                 progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
-                pace=self._prefill_pace(), layerwise=self.dist is None)
-        self.conversations.make_live(entry)
+                pace=self._prefill_pace(), layerwise=self.eng.dist is None)
+        self.eng.conversations.make_live(entry)
         return entry
 
     def _clean_session_folder(self) -> None:
@@ -568,14 +565,14 @@ class RequestHandlers:
         from .paths import sessions_dir
         folder = sessions_dir()
         if folder.is_dir():
-            sessions.remove_stale_parts(folder, self._log)
+            sessions.remove_stale_parts(folder, self.eng.log)
 
     def _restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
         from . import sessions
-        if self.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
-            return SessionRestored.from_dict(self.dist.restore(self, req, handle))
-        self._require_model()
-        reason = self.guard.unavailable_reason()
+        if self.eng.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
+            return SessionRestored.from_dict(self.eng.dist.restore(self.eng, req, handle))
+        self.eng.require_model()
+        reason = self.eng.guard.unavailable_reason()
         if reason:
             raise MemoryRefused(f"session restore refused: {reason}")
         # Validated (every field, the checksum over every byte, token ids, the memory guard) before
@@ -589,25 +586,25 @@ class RequestHandlers:
         projection = self._session_projection(name, theirs, meta.get("fp.steering_vector"), req.speed_projection)
         steer = self.steering_fingerprint(projection)
         entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.make_cache,
-                                      key=self.cache_key(projection), dtype=self.dtype,
-                                      n_vocab=self.info.n_vocab, n_ctx=self.n_ctx, admit=self.guard.admit,
+                                      key=self.cache_key(projection), dtype=self.eng.dtype,
+                                      n_vocab=self.eng.info.n_vocab, n_ctx=self.eng.n_ctx, admit=self.eng.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                      log=self._log, probe_cache=self._cache_probe)
+                                      log=self.eng.log, probe_cache=self._cache_probe)
         entry.owner = req.conversation
         # Validated and read: only now does the live conversation step aside.
-        self.conversations.make_live(entry)
+        self.eng.conversations.make_live(entry)
         return SessionRestored.from_dict(result, speed_projection=bool(steer), steering=None if not steer else {
             "fingerprint": steer, **_vector_spec(meta.get("fp.steering_vector"))})
 
     def _cache_probe(self) -> list:
         """This model's cache after one token: what a format-3 session file's layers are checked against."""
         from .session_v3 import probe
-        return probe(self.model, self.make_cache)
+        return probe(self.eng.model, self.make_cache)
 
     def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
         """The projection setting that reproduces a file's steering, or a one-line refusal that
         names the vector the file needs."""
-        vector = self.steering.vector if self.steering else None
+        vector = self.eng.steering.vector if self.eng.steering else None
         ours = vector.fingerprint() if vector is not None else ""
         if asked is not None:
             asked = bool(asked) and vector is not None     # no vector: the switch changes nothing

@@ -154,7 +154,7 @@ def test_a_draft_goes_through_the_memory_estimate_and_guard(server, engine, home
     convo += [first["choices"][0]["message"], {"role": "user", "content": "Why?"}]
     old = engine.guard
     tight = MemoryGuard(reserve_bytes=GiB, reader=lambda: MemoryReading(16 * GiB, GiB + MiB, "test reading"))
-    engine.call(Call(lambda e: e._release_draft("test")))
+    engine.call(Call(lambda e: e.handlers._release_draft("test")))
     engine.guard = tight
     try:
         r, secs = _post(server, {"model": "default", "messages": convo, "max_tokens": 4,
