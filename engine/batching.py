@@ -28,7 +28,9 @@ The schedule, one iteration:
   2. rows that ended leave (their K/V extracted and handed back);
   3. one prefill chunk of the oldest row still reading its prompt (generate.prefill: the same
      chunk schedule, layer-by-layer cancel and progress on the CPU), so a long prompt never stalls
-     the decoding rows for more than one chunk; rows whose prompt is in join;
+     the decoding rows for more than one chunk; rows whose prompt is in join. When nothing decodes
+     and two or more prompts have not begun (requests sent together), a chunk of each of them goes
+     in one padded pass instead (engine/batch_prefill.py), and they start decoding at the same step;
   4. one decode step for every decoding row: the step after it is queued on the device before the
      host reads this one's tokens (mlx-lm's pipelining), as `generate.decode` does.
 Each row keeps its sampler, seed (its own key chain, the same draws as `mx.random.seed` gives a
@@ -58,11 +60,13 @@ QUICK = (Status, CountTokens)   # answered between two steps: they read, never c
 @dataclass
 class Counters:
     """What the batches did since the engine started (engine.batch_counters; tests and benches read it
-    through a Call): batched steps, steps with several rows, the most rows in one step, rows served."""
+    through a Call): batched steps, steps with several rows, the most rows in one step, rows served,
+    rows whose prompts were read together."""
     steps: int = 0
     shared_steps: int = 0
     peak_rows: int = 0
     rows: int = 0
+    read_together: int = 0      # rows whose prompt was read in a group (engine/batch_prefill.py)
 
 
 def counters(engine) -> Counters:
@@ -74,7 +78,7 @@ def counters(engine) -> Counters:
 
 # ---- which requests a batch takes ------------------------------------------------------------
 def enabled(engine) -> bool:
-    return getattr(engine.options, "max_sequences", 1) > 1 and engine.dist is None
+    return getattr(engine.options, "max_sequences", 1) > 1 and not engine.serving.distributed
 
 
 def batchable(engine, item) -> bool:
@@ -232,6 +236,21 @@ class Batch:
             for r in self.rows:
                 r.cache = r.entry.cache = []
 
+    def join_group(self, rows: list[Row], cache: list) -> None:
+        """Rows read together (batch_prefill.GroupPrefill: one BatchKVCache per layer) step from the next
+        step on."""
+        from mlx_lm.models.cache import BatchKVCache
+        if not self.rows:
+            self.cache = cache
+        else:
+            if len(self.rows) == 1:
+                self.cache = [BatchKVCache.merge([c]) for c in self.cache]
+            for c, theirs in zip(self.cache, cache):
+                c.extend(theirs)
+        self.rows.extend(rows)
+        for r in self.rows:
+            r.cache = r.entry.cache = []
+
     # -- one step --
     def build(self, joined: list[Row]) -> mx.array:
         """Queue one step for every row: from the previous step's (lazy) tokens, and a joining row's
@@ -287,10 +306,15 @@ class Scheduler:
         self.prefilling: list[Row] = []
         self.barrier = None                  # the first queued request that waits for the rows to end
         self.cap = max(1, int(engine.options.max_sequences))
+        self.group = None                    # batch_prefill.GroupPrefill: prompts that came together
+
+    @property
+    def reading_together(self) -> list[Row]:
+        return self.group.rows if self.group is not None else []
 
     @property
     def busy_owners(self) -> set[str]:
-        return {r.owner for r in self.batch.rows + self.prefilling if r.owner}
+        return {r.owner for r in self.batch.rows + self.prefilling + self.reading_together if r.owner}
 
     def run(self, first: Handle):
         """Serve generate requests as rows until none is live; returns the barrier (or None)."""
@@ -303,9 +327,13 @@ class Scheduler:
             for r in gone:
                 self._finish(r)
             # a prompt's chunk before the step: a prompt it completes is in that very step
-            reading = [r for r in self.prefilling if r.done < len(r.todo)]
-            if reading:
-                self._prefill_chunk(reading[0])
+            together: list[Row] = []
+            if self.group is not None or self._start_group():
+                together = self._group_chunk()
+            else:
+                reading = [r for r in self.prefilling if r.done < len(r.todo)]
+                if reading:
+                    self._prefill_chunk(reading[0])
             ready = [r for r in self.prefilling if r.done >= len(r.todo)]
             if self.batch.rows or len(ready) > 1:
                 for r in [r for r in ready if r.pending]:   # not alone: its last part is prefilled first
@@ -316,8 +344,8 @@ class Scheduler:
                 self.batch.join(r)
                 r.t_prefill = time.perf_counter()
             if self.batch.rows:
-                self._step(ready)
-            if not self.batch.rows and not self.prefilling and not self.waiting:
+                self._step(together + ready)
+            if not self.batch.rows and not self.prefilling and not self.waiting and self.group is None:
                 return self.barrier
 
     # -- the queue --
@@ -353,7 +381,7 @@ class Scheduler:
             self.waiting.remove(h)
             eng._serve(h)
         skipped: deque[Handle] = deque()
-        while self.waiting and len(self.batch.rows) + len(self.prefilling) < self.cap:
+        while self.waiting and len(self.batch.rows) + len(self.prefilling) + len(self.reading_together) < self.cap:
             h = self.waiting.popleft()
             if h.cancelled:
                 eng._serve(h)           # cancelled while it waited: answered as the engine always does
@@ -411,7 +439,7 @@ class Scheduler:
         to the batch's, with the batch copied once as it grows (BatchKVCache.extend concatenates).
         A request with nothing else running is not asked (a lone request never was)."""
         eng = self.engine
-        live = len(self.batch.rows) + len(self.prefilling)
+        live = len(self.batch.rows) + len(self.prefilling) + len(self.reading_together)
         if live == 0:
             return True
         info = eng.info
@@ -426,6 +454,54 @@ class Scheduler:
         return ok
 
     # -- prefill --
+    def _start_group(self) -> bool:
+        """Nothing decoding and two or more prompts not yet begun: they are read together
+        (engine/batch_prefill.py)."""
+        if self.batch.rows:
+            return False
+        fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
+        if len(fresh) < 2:
+            return False
+        from .batch_prefill import GroupPrefill
+        for r in fresh:
+            self.prefilling.remove(r)
+        self.group = GroupPrefill(self.engine, fresh)
+        counters(self.engine).read_together += len(fresh)
+        return True
+
+    def _group_chunk(self) -> list[Row]:
+        """One chunk of the group's prompts; when they are all in, the rows that join the batch now."""
+        g = self.group
+        for i in reversed(range(len(g.rows))):
+            r = g.rows[i]
+            if r.handle.cancelled:          # leaves with what it fed, as a lone prefill's cancel does
+                g.take_out(i)
+                self._give_back(r)
+                self._fail(r.handle, Cancelled("cancelled"))
+        if g.rows and not g.finished():
+            try:
+                g.step()
+            except Exception as e:  # noqa: BLE001 - a failed pass fails every row in it (their K/V is suspect)
+                log.exception("engine: batched prefill failed")
+                for r in g.rows:
+                    self._drop(r)
+                    self._fail(r.handle, e)
+                self.group = None
+                return []
+        if not g.rows or not g.finished():
+            if not g.rows:
+                self.group = None
+            return []
+        self.group = None
+        if len(g.rows) == 1:                # the others cancelled: it joins as a lone row does
+            self.prefilling.append(g.take_out(0))
+            return []
+        now = time.perf_counter()
+        for r in g.rows:
+            r.t_prefill = now
+        self.batch.join_group(g.rows, g.cache)
+        return g.rows
+
     def _prefill_chunk(self, row: Row) -> None:
         from .generate import FIRST_CHUNK, next_chunk, on_gpu, prefill
         eng = self.engine
@@ -447,7 +523,7 @@ class Scheduler:
         try:
             prefill(eng.model, row.cache, part, row.entry.tokens, chunk=chunk, first=size,
                     progress=report if total > 1 else None,
-                    cancelled=lambda: h.cancelled, layerwise=None if eng.dist is None else False)
+                    cancelled=lambda: h.cancelled, layerwise=None if not eng.serving.distributed else False)
         except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
             self.prefilling.remove(row)
             if isinstance(e, StrataError):

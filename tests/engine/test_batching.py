@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from engine.control_vector import SteeringConfig, write_control_vector
+from engine.api import CountTokens
 from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
 from engine.events import Done, Progress, Token
 from engine.sampling import SamplingParams
@@ -128,6 +129,50 @@ def test_greedy_streams_equal_each_run_alone(tiny, reference, n):
         assert r.prompt_tokens == ref.prompt_tokens and r.generated_tokens == ref.generated_tokens
     assert c.peak_rows == n and c.rows == n
     assert (c.shared_steps > 0) == (n > 1)
+    assert c.read_together == (n if n > 1 else 0), "prompts queued together are read in one group"
+
+
+def test_prompts_read_together_in_small_chunks_equal_alone(tiny, reference):
+    """Five prompts of 2-40 tokens read together 32 tokens a row per pass (prefill_chunk 64 / 5 rows,
+    engine/batch_prefill.py): the short ones are padded in every pass after their end, the long ones
+    take two passes; each stream still gives its lone tokens."""
+    eng = start(tiny, 8, prefill_chunk=64)
+    try:
+        results = [h.result(300) for h in together(eng, requests(5))]
+        c = counters(eng)
+    finally:
+        eng.stop()
+    assert c.read_together == 5
+    assert [r.tokens for r in results] == [r.tokens for r in reference[:5]]
+
+
+def test_a_prompt_cancelled_while_read_together_leaves_the_others_whole(tiny, reference):
+    """A row cancelled between two passes of a group's prefill gets Failed(cancelled) and parks what it
+    fed; the other rows go on and equal their lone runs."""
+    eng = start(tiny, 8, prefill_chunk=64, cache_mib=64)
+    long_prompt = " ".join(PROMPTS) * 2       # several passes of 32 tokens
+    try:
+        victim = []
+
+        def cancel_on_progress(ev):
+            if isinstance(ev, Progress) and ev.done > 0:
+                victim[0].cancel()
+        gate = Gate(eng)
+        hs = [eng.submit(r) for r in requests(3)]
+        victim.append(eng.submit(GenerateRequest(prompt=long_prompt, conversation="gone", sampling=greedy(8)),
+                                 callback=cancel_on_progress))
+        gate.release()
+        got = [h.result(300) for h in hs]
+        with pytest.raises(Exception, match="cancel"):
+            victim[0].result(300)
+        c = counters(eng)
+        held = {x["owner"]: x["tokens"] for x in eng.call(Status()).conversations}
+        n_long = eng.call(CountTokens(prompt=long_prompt)).tokens
+    finally:
+        eng.stop()
+    assert c.read_together == 4
+    assert [r.tokens for r in got] == [r.tokens for r in reference[:3]]
+    assert 0 < held.get("gone", 0) < n_long - 1, "it parked what it had fed, not its whole prompt"
 
 
 def test_cap_queues_the_rest_and_they_still_match(tiny, reference):
