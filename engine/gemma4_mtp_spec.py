@@ -10,11 +10,14 @@ included) roll back through engine/layer_cache.py in speculative.decode, as for 
   and keeps the last pass's final hidden states (after the output norm) and the cache it wrote. A
   replay after a rollback goes through it too, so the rows held always include the last fed position.
 * `Gemma4Drafter.propose(context)`: the target has fed context[:-1] (positions 0..p, p = len - 2) and
-  chose context[-1]. Draft 1 is the drafter's step on (h_p, context[-1]) at position p over the K/V
-  position p saw: every entry of the target's last global layer, the last `window` of its last
-  sliding layer (the window a query at p sees; mlx-lm's RotatingKVCache is put in temporal order
-  first). Drafts 2..N feed the step's projected output and the drafted token back at the same position
-  over the same K/V (transformers' SinglePositionMultiTokenCandidateGenerator).
+  chose context[-1]. Draft 1 is the drafter's step on (h_p, context[-1]) at position p + 1, the chosen
+  token's (llama.cpp's draft-mtp driver: the row (id_last, n_past) with the last verify row's hidden
+  state), over the K/V a query there sees under llama.cpp's causal sliding-window mask: every entry of
+  the target's last global layer, the last `window - 1` of its last sliding layer (mlx-lm's
+  RotatingKVCache is put in temporal order first); position p + 1 itself has no K/V yet. Drafts 2..N
+  feed the step's projected output and the drafted token back at the same position over the same K/V
+  (llama.cpp: "with shared memory (e.g. Gemma4 assistants) we use the same position for all draft
+  tokens"; transformers' SinglePositionMultiTokenCandidateGenerator).
 """
 from __future__ import annotations
 
@@ -87,18 +90,19 @@ def _dense(c, x):
 
 
 def seen_kv(c, n: int, window: int | None) -> tuple[mx.array, mx.array]:
-    """The K/V a query at position n - 1 attends to in target cache `c` holding positions 0..n-1:
-    all of them, or for a window the last `window` (in temporal order)."""
+    """The K/V a query at position n attends to in target cache `c` holding positions 0..n-1: all of
+    them, or for a window those with n - k < window, the last `window - 1` (in temporal order)."""
     if c.offset != n:
         raise RuntimeError(f"the target's cache holds {c.offset} positions, the drafter expects {n}")
     if hasattr(c, "_temporal_order"):       # RotatingKVCache: its buffer may be rotated or hold extra
         k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-        k, v = k[..., -min(window, k.shape[2]):, :], v[..., -min(window, v.shape[2]):, :]
-        return k, v
+        keep = min(window - 1, k.shape[2])
+        return k[..., k.shape[2] - keep:, :], v[..., v.shape[2] - keep:, :]
     k, v = _dense(c, c.keys), _dense(c, c.values)
     k, v = k[..., :n, :], v[..., :n, :]
     if window is not None:
-        k, v = k[..., -window:, :], v[..., -window:, :]
+        keep = min(window - 1, n)
+        k, v = k[..., n - keep:, :], v[..., n - keep:, :]
     return k, v
 
 
@@ -135,7 +139,7 @@ class Gemma4Drafter:
         h, tok = self.target.row(p), context[-1]
         out, dists = [], []
         for i in range(k):
-            logits, h = self.head.step(h, mx.array([[tok]]), kv, p)
+            logits, h = self.head.step(h, mx.array([[tok]]), kv, p + 1)
             self.head_passes += 1
             tok, q = self.pick(logits, target_dist)
             out.append(tok)

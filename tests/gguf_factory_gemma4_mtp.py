@@ -3,7 +3,7 @@ Gemma4AssistantModel) for a tiny gemma4 of tests/gguf_factory_gemma.write_tiny_g
 width and FFN, queries only (its blocks read the target's K/V), `nextn.pre_projection` /
 `nextn.post_projection` between the target's width and its own, its own tied token embedding.
 
-The target-facing sizes (target width, head sizes, sliding window, vocabulary) default to
+The target-facing sizes (target width, K/V heads, head sizes, sliding window, vocabulary) default to
 write_tiny_gemma4's defaults; a mismatched drafter is written by giving other ones.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gguf_factory_gemma import QK_NORM, _add_vocab, _Rand, vocab
 ARCH = "gemma4-assistant"
 
 
-def write_tiny_gemma4_assistant(path, *, n_layer=4, n_embd=128, n_head=4, n_ff=256, pattern=4,
+def write_tiny_gemma4_assistant(path, *, n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, pattern=4,
                                 n_embd_target=256, head_dim=64, global_head_dim=128, sliding_window=32,
                                 partial_rotary=0.25, rope_theta=1_000_000.0, rope_theta_swa=10_000.0,
                                 n_vocab: int | None = None, tensor_type="F16", seed=1, nextn: int | None = None,
@@ -69,7 +69,7 @@ def write_tiny_gemma4_assistant(path, *, n_layer=4, n_embd=128, n_head=4, n_ff=2
     w.add_nextn_predict_layers(n_layer if nextn is None else nextn)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(1)
+    w.add_head_count_kv(n_head_kv)      # the target's K/V heads: llama.cpp's draft context sizes its cache by it
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(float(rope_theta))
     w.add_rope_freq_base_swa(float(rope_theta_swa))

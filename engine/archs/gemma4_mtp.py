@@ -22,11 +22,11 @@ installed llama-cpp-python's libllama has):
 One draft step, from the target's final hidden state h_p (after its output norm: transformers' last
 hidden state) at position p and the token t chosen after it:
     x = pre_projection(concat(target_embed(t) * sqrt(nb), h_p))
-    blocks (Gemma 4's: norm, Q only, Q norm, RoPE at position p, attention with scale 1 over the
-    target's K/V that position p sees, O, post-norm, residual; norm, GELU FFN, post-norm, residual;
-    times the layer's output scale)
+    blocks (Gemma 4's: norm, Q only, Q norm, RoPE at position p + 1 (t's), attention with scale 1 over
+    the target's K/V that a query at p + 1 sees, O, post-norm, residual; norm, GELU FFN, post-norm,
+    residual; times the layer's output scale)
     y = output_norm(x);  logits = token_embd . y (no soft-capping);  h_next = post_projection(y)
-The next step feeds (h_next, the drafted token) at the same position p over the same K/V: the drafter
+The next step feeds (h_next, the drafted token) at the same position p + 1 over the same K/V: the drafter
 keeps no K/V of its own (transformers' SinglePositionMultiTokenCandidateGenerator; vLLM's Gemma 4
 proposer: "all draft steps predict from the same position"). The masked-embedding centroids of the
 E2B/E4B checkpoints are left out by llama.cpp's converter (the dense tied head computes the same
@@ -213,6 +213,11 @@ def check_matches(a: AssistantArgs, g, model, target_g) -> None:
         refuse("vocabulary", a.n_vocab, args.vocab_size)
     layers = model.model.layers
     kinds = {layer.self_attn.is_sliding: layer.self_attn for layer in layers}
+    kv = g.arch_key("attention.head_count_kv")
+    kv_heads = None
+    if kv is not None:      # one count, or one per block: the first block of each kind's
+        per = _per_block(g, "attention.head_count_kv", a.n_layer)
+        kv_heads = {s: int(per[a.sliding.index(s)]) for s in set(a.sliding)}
     for s in sorted(set(a.sliding)):
         kind = "sliding" if s else "global"
         if s not in kinds:
@@ -224,6 +229,9 @@ def check_matches(a: AssistantArgs, g, model, target_g) -> None:
             refuse(f"{kind} head size", mine, attn.head_dim)
         if a.n_head % attn.n_kv_heads:
             refuse(f"query heads over the {kind} K/V heads", a.n_head, attn.n_kv_heads)
+        if kv_heads is not None and kv_heads[s] != attn.n_kv_heads:
+            # llama.cpp sizes the drafter's view of the shared cache by the file's count
+            refuse(f"{kind} K/V heads", kv_heads[s], attn.n_kv_heads)
     if any(a.sliding) and a.window != args.sliding_window:
         refuse("sliding window", a.window, args.sliding_window)
 

@@ -151,9 +151,9 @@ def _reference_step(path: Path, target_embd: np.ndarray, h: np.ndarray, tok: int
 
 
 def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
-    """Two chained steps at position p over a prompt past the window: the drafter (the tap after a
-    chunked prefill into mlx-lm's rotating window caches) against numpy over the target's K/V kept
-    whole (the window's last 32 picked by position). Measured in float32: logits max |d| 1.4e-5 and
+    """Two chained steps at position p + 1 (the chosen token's) over a prompt past the window: the
+    drafter (the tap after a chunked prefill into mlx-lm's rotating window caches) against numpy over
+    the target's K/V kept whole (the sliding layer's positions p + 1 - k < 32 picked by position). Measured in float32: logits max |d| 1.4e-5 and
     1.7e-5 on a spread of 13; h_next 5e-6 and 6e-6 of 3.0 (tolerance 1e-4 of the spread / the size)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -167,7 +167,7 @@ def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
     d.target(mx.array([toks[-2]])[None], cache=cache)      # the plain pass before a propose
     p = len(toks) - 2
     kv = d.shared_kv(p + 1)
-    assert kv[True][0].shape[2] == 32 and kv[False][0].shape[2] == p + 1
+    assert kv[True][0].shape[2] == 31 and kv[False][0].shape[2] == p + 1
 
     # the reference's K/V: the target over the same tokens with no window (every position kept)
     from engine.gemma4_mtp_spec import target_layers
@@ -175,7 +175,7 @@ def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
     model.model(mx.array(toks[:-1])[None], cache=whole)
     idx = target_layers(model)
     np_kv = {s: (np.array(whole[i].keys[0, :, :p + 1]), np.array(whole[i].values[0, :, :p + 1])) for s, i in idx.items()}
-    np_kv[True] = tuple(a[:, p + 1 - 32:] for a in np_kv[True])
+    np_kv[True] = tuple(a[:, p + 2 - 32:] for a in np_kv[True])
     h_ref = np.array(model.model(mx.array(toks[:-1])[None], cache=None)[0, -1])
     h = d.target.row(p)
     assert float(np.max(np.abs(np.array(h[0, 0]) - h_ref))) < 1e-4
@@ -183,8 +183,8 @@ def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
 
     tok = toks[-1]
     for _ in range(2):
-        logits, h = head.step(h, mx.array([[tok]]), kv, p)
-        ref_logits, ref_h = _reference_step(hpath, embd, h_ref, tok, np_kv, p)
+        logits, h = head.step(h, mx.array([[tok]]), kv, p + 1)
+        ref_logits, ref_h = _reference_step(hpath, embd, h_ref, tok, np_kv, p + 1)
         got = np.array(logits)
         spread = float(ref_logits.max() - ref_logits.min())
         err = float(np.max(np.abs(got - ref_logits)))
@@ -274,6 +274,7 @@ def test_refusals_are_one_line_by_name(mdir, engine, tmp_path):
         (dict(n_embd_target=192), r"does not match gemma4-F32\.gguf \(target width 192 vs 256\)"),
         (dict(n_vocab=300), r"\(vocabulary 300 vs \d+\)"),
         (dict(head_dim=32), r"\(sliding head size 32 vs 64\)"),
+        (dict(n_head_kv=1), r"\(global K/V heads 1 vs 2\)"),
         (dict(sliding_window=16), r"\(sliding window 16 vs 32\)"),
         (dict(nextn=2), r"nextn_predict_layers 2 is not block_count 4"),
         (dict(extra={"blk.0.attn_k.weight": np.zeros((64, 128), np.float32)}),
