@@ -19,6 +19,7 @@ longest prefix that equals the reply, so the passes a speculated run makes follo
 alone). Reports tokens per verify pass and acceptance for each setting.
 
     .venv/bin/python bench/spec.py --modes off,mtp --shape qwen35-tiny [--mtp-costs]
+    .venv/bin/python bench/spec.py --mtp-costs --shape gemma4-e2b-half   (bench/gemma4_mtp_costs.py)
 
 `--modes` picks the modes of the table (off, lookup, mtp, draft:PATH); `--shape` runs on a random
 Qwen3.5-like file of bench/shapes.py written with a NextN head. With random weights a head's acceptance
@@ -81,7 +82,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256, help="--mtp-costs: the context the passes run at")
     ap.add_argument("--reps", type=int, default=31, help="--mtp-costs: rounds (medians)")
     args = ap.parse_args()
-    if args.shape:
+    if args.shape and args.shape.startswith("gemma4"):     # a gemma4 with its MTP drafter beside it
+        from bench.gemma4_mtp_costs import build_pair
+        args.model = str(build_pair(args.shape, Path("/tmp/strata-shapes")))
+    elif args.shape:
         from bench.shapes import build_random_model
         args.model = str(build_random_model(args.shape, Path("/tmp/strata-shapes"), nextn=1))
     if args.mtp_costs:
@@ -151,6 +155,9 @@ def mtp_costs(args) -> int:
     from engine.model_loader import load_model
     from engine.mtp_spec import TargetTap
     g = open_gguf(Path(args.model))
+    if g.architecture == "gemma4":          # the memory-shared drafter: bench/gemma4_mtp_costs.py
+        from bench.gemma4_mtp_costs import gemma4_mtp_costs
+        return gemma4_mtp_costs(args)
     dtype = compute_dtype()
     model, info = load_model(g, dtype=dtype)
     head, _ = load_head(g, model, dtype=dtype)
