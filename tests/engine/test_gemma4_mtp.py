@@ -418,3 +418,22 @@ def test_llama_cpp_runs_the_drafter_file_and_its_graph_matches_the_step(mdir, tm
     err = float(np.max(np.abs(got - want)))
     assert spread > 1.0 and err < 1e-3 * spread, (err, spread)
     assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_greedy_equals_plain_with_8_bit_kv(mdir):
+    """With 8-bit K/V the drafter reads the global layer's quantized cache (dequantized) and the window
+    as it is (mlx-lm's RotatingKVCache stays float): greedy output still equals plain decoding."""
+    e = Engine(EngineOptions(model=str(_pair(mdir)[0]), cache_mib=0, kv_bits=8)).start()
+    try:
+        assert e.call(Status(), timeout=120).model
+
+        def no_eos(eng):
+            eng.tokenizer.eos_ids = set()
+        e.call(Call(no_eos))
+        plain = _gen(e, PROMPT, "off", n=24)
+        r = _gen(e, PROMPT, "mtp", n=24)
+        assert r.tokens == plain.tokens and r.drafted_tokens > 0
+        kinds = e.call(Call(lambda eng: sorted({type(c).__name__ for c in eng.live.cache}))).value
+        assert any("Quantized" in k for k in kinds), kinds
+    finally:
+        e.stop()
