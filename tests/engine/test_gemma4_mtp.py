@@ -437,3 +437,19 @@ def test_greedy_equals_plain_with_8_bit_kv(mdir):
         assert any("Quantized" in k for k in kinds), kinds
     finally:
         e.stop()
+
+
+def test_cli_spec_mtp(mdir, capsys):
+    """`strata generate --spec mtp` on a gemma4 with its drafter beside it: the same tokens as --spec off
+    (EOS may end both early: random weights; equal either way), the mode in --json."""
+    import json
+
+    from engine.frontends.cli import main
+    outs = {}
+    for spec in ("off", "mtp"):
+        code = main(["generate", "--model", str(_pair(mdir)[0]), "--prompt", PROMPT, "--json",
+                     "--max-tokens", "8", "--spec", spec])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[spec] = json.loads(out)
+    assert outs["mtp"]["tokens"] == outs["off"]["tokens"] and outs["mtp"]["speculative"] == "mtp"
