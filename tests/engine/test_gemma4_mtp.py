@@ -349,6 +349,14 @@ cp.n_ctx = cp.n_batch = cp.n_ubatch = 256
 cp.n_threads = cp.n_threads_batch = 2
 cp.embeddings = True
 tc = L.llama_init_from_model(tm, cp)
+# the hidden state llama.cpp's draft-mtp driver hands the drafter (llama_get_embeddings_nextn_ith: a C++
+# staging API of llama-ext.h, exported under its C++ name; the binding does not wrap it)
+lib = L.llama_cpp._lib
+set_nextn = getattr(lib, "_Z26llama_set_embeddings_nextnP13llama_contextbb")
+set_nextn.argtypes, set_nextn.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+get_nextn = getattr(lib, "_Z30llama_get_embeddings_nextn_ithP13llama_contexti")
+get_nextn.argtypes, get_nextn.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
+set_nextn(tc, True, False)
 n = len(toks) - 1
 b = L.llama_batch_init(n, 0, 1)
 for i in range(n):
@@ -358,6 +366,7 @@ b.n_tokens = n
 assert L.llama_decode(tc, b) == 0
 nb = L.llama_model_n_embd(tm)
 h = np.ctypeslib.as_array(L.llama_get_embeddings_ith(tc, n - 1), shape=(nb,)).copy()
+h_nextn = np.ctypeslib.as_array(get_nextn(tc, n - 1), shape=(nb,)).copy()
 dp = L.llama_context_default_params()
 dp.n_ctx = dp.n_batch = dp.n_ubatch = 256
 dp.n_threads = dp.n_threads_batch = 2
@@ -373,7 +382,7 @@ assert L.llama_batch_ext_set_pos(be, idx, (L.llama_pos * 1)(pos))
 assert L.llama_batch_ext_set_output_logits(be, idx, True)
 assert L.llama_process(dc, L.LLAMA_PROCESS_TYPE_DECODE, be) == 0
 nv = L.llama_vocab_n_tokens(L.llama_model_get_vocab(dm))
-np.savez(out, h=h, logits=np.ctypeslib.as_array(L.llama_get_logits_ith(dc, 0), shape=(nv,)).copy())
+np.savez(out, h=h, h_nextn=h_nextn, logits=np.ctypeslib.as_array(L.llama_get_logits_ith(dc, 0), shape=(nv,)).copy())
 """
 
 
@@ -381,7 +390,8 @@ np.savez(out, h=h, logits=np.ctypeslib.as_array(L.llama_get_logits_ith(dc, 0), s
 def test_llama_cpp_runs_the_drafter_file_and_its_graph_matches_the_step(mdir, tmp_path):
     """llama.cpp (the oracle's libllama has llama_model_gemma4_assistant) loads the factory's drafter
     file and runs its graph on (token, target hidden state): Strata's step on the same inputs gives the
-    same logits. What this binding cannot give the draft context is the target's K/V: the context made
+    same logits; the hidden state its draft-mtp driver takes from a gemma4 target (h_nextn) is the
+    output after the final norm, the row Strata's tap keeps. What this binding cannot give the draft context is the target's K/V: the context made
     with ctx_other shares the target's K/V tensors ("sharing with layer 3" in its log: the target's last
     layer of each kind, as here) but not its cells, which llama.cpp's server driver keeps in step, so its
     attention sees no key and adds nothing. The comparison is therefore with Strata's step over value
@@ -406,6 +416,9 @@ def test_llama_cpp_runs_the_drafter_file_and_its_graph_matches_the_step(mdir, tm
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     ref = np.load(out)
+    # what llama.cpp's driver feeds the drafter is the target's output after its final norm (what the
+    # tap keeps): equal to the embeddings output
+    assert np.array_equal(ref["h_nextn"], ref["h"])
     # the target's hidden state itself: llama.cpp's against Strata's (test_arch_gemma checks the logits)
     from mlx_lm.models.cache import make_prompt_cache
     h_s = np.array(model.model(mx.array(toks[:-1])[None], cache=make_prompt_cache(model))[0, -1])
