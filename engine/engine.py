@@ -44,15 +44,29 @@ class _Stop:
 _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+EXIT_WAIT_S = 10.0      # at interpreter exit, how long the engine threads get to stop their work
+
+
 @atexit.register
 def _quiet_at_exit() -> None:
-    """At interpreter exit, let no engine thread be inside MLX for its idle-time work: MLX 0.32 aborts
-    the process ("terminate called without an active exception") when the exit tears its streams down
-    under a running evaluation, and a script may well exit right after its last result."""
-    for engine in list(_ENGINES):
+    """At interpreter exit no engine thread may be inside MLX. A daemon thread that comes back from MLX
+    (which runs with the GIL released) while the interpreter finalizes is ended by pthread_exit, and
+    that unwinding through MLX's C++ frames aborts the process ("terminate called without an active
+    exception", exit 134 instead of the caller's: Ctrl-C on `strata generate` mid-reply did it every
+    time, as did a script exiting during the idle-time K/V top-up). So the idle-time work stops, every
+    request still running or queued is cancelled (a reply stops between tokens, a CPU prefill between
+    layers) and each engine thread is given up to EXIT_WAIT_S to be back waiting for a request."""
+    import time
+    from .events import cancel_everything
+    cancel_everything()
+    engines = list(_ENGINES)
+    for engine in engines:
         engine._idle_work = False
-        if engine._topping_up:
-            engine.idle.wait(10)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for engine in engines:
+        t = engine._thread      # None for run_forever() on the caller's thread (the Qt app stops its own)
+        if t is not None and t.is_alive() and not engine.stopped.is_set():
+            engine.idle.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _loaded(name: str, default=None) -> property:

@@ -87,6 +87,15 @@ class Failed:
 Event = Token | Progress | Log | KVChanged | KVMoved | Done | Failed
 
 
+# Set once, at interpreter exit (engine/engine.py's _quiet_at_exit): every request is then cancelled.
+_EVERYTHING_CANCELLED = threading.Event()
+
+
+def cancel_everything() -> None:
+    """Cancel every request, running or queued, of every engine in this process (at exit)."""
+    _EVERYTHING_CANCELLED.set()
+
+
 class Handle:
     """One submitted request. Iterate `events()` or call `result()`; `cancel()` stops it between tokens."""
 
@@ -115,7 +124,7 @@ class Handle:
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._cancel.is_set() or _EVERYTHING_CANCELLED.is_set()
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         while True:

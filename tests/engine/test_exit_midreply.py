@@ -1,0 +1,79 @@
+"""A process that exits while its engine is mid-reply exits with its own status, never MLX's abort.
+
+Ctrl-C on `strata generate` while tokens streamed ended in SIGABRT ("terminate called without an
+active exception") every time: the daemon engine thread came back from MLX while the interpreter
+finalized and was unwound through MLX's C++ frames. engine/engine.py's _quiet_at_exit now cancels every
+request and waits (bounded) for the engine thread to be back waiting for one. Real processes, real
+signals, a real GGUF: the exit status is what is checked.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf
+    # 4 x 256 in float32: slow enough on the CPU that a reply of thousands of tokens is still running
+    return write_tiny_gguf(tmp_path_factory.mktemp("exit") / "exit.gguf", n_layer=4, n_embd=256, n_head=4,
+                           n_head_kv=2, n_ff=512, context_length=32768, seed=3)
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)    # pytest's shell may have started us with it ignored
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_ctrl_c_mid_reply_exits_130(model, attempt):
+    p = subprocess.Popen([sys.executable, "-m", "engine.cli", "generate", "--model", str(model), "--prompt",
+                          "Once upon a time", "-n", "20000", "--temperature", "0.8"],
+                         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=_default_sigint)
+    try:
+        got = p.stdout.read(40 + 20 * attempt)    # tokens are streaming: the engine thread is in MLX
+        assert got, p.stderr.read().decode()[-800:]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    assert "terminate called" not in err, err[-800:]
+    assert p.returncode == 130, (p.returncode, err[-800:])
+
+
+SCRIPT = """
+import sys
+from engine.engine import Engine, EngineOptions, GenerateRequest
+from engine.sampling import SamplingParams
+eng = Engine(EngineOptions(model=sys.argv[1])).start()
+eng.startup.result(120)
+h = eng.submit(GenerateRequest(prompt="Once upon a time", sampling=SamplingParams(max_tokens=20000, temperature=0.8)))
+for ev in h.events(60):
+    if type(ev).__name__ == "Token":
+        break
+print("leaving mid-reply", flush=True)
+"""
+
+
+def test_a_script_that_leaves_mid_reply_exits_0(model):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], cwd=REPO, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert "terminate called" not in p.stderr, p.stderr[-800:]
+    assert p.returncode == 0 and "leaving mid-reply" in p.stdout, (p.returncode, p.stderr[-800:])
+    assert time.monotonic() - t0 < 100
