@@ -100,3 +100,13 @@ def write_tiny_gemma4_assistant(path, *, n_layer=4, n_embd=128, n_head=4, n_head
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_gemma4_assistant(path, *, ftype: str = "F16", **kw) -> Path:
+    """F16/F32 as written; another type (Q8_0, Q4_K_M, ...) quantized from F16 by the real llama.cpp
+    (its quantizer knows the gemma4-assistant architecture)."""
+    path = Path(path)
+    if ftype in ("F16", "F32"):
+        return write_tiny_gemma4_assistant(path, tensor_type=ftype, **kw)
+    src = write_tiny_gemma4_assistant(path.with_suffix(".f16.gguf"), tensor_type="F16", **kw)
+    return gguf_factory.quantize_with_llama(src, path, ftype)
