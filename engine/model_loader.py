@@ -109,6 +109,9 @@ def supported() -> tuple[str, ...]:
 
 def model_args(g: GGUFFile):
     arch = g.architecture
+    if arch == "gemma4-assistant":      # engine/archs/gemma4_mtp.py
+        raise ModelFileError(f"{g.path.name}: a Gemma 4 MTP drafter, not a model: load its gemma4 model and "
+                             "use --spec mtp (found beside it as mtp-*.gguf) or mtp:PATH")
     if arch not in supported():
         raise ModelFileError(f"{g.path.name}: architecture '{arch or '(none)'}' is not supported "
                              f"(supported: {', '.join(supported())})")

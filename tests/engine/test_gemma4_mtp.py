@@ -506,3 +506,13 @@ def test_a_q8_0_drafter_quantized_by_llama_cpp_loads_and_drafts(mdir, engine):
     plain = _gen(engine, PROMPT2, "off", n=24)
     r = _gen(engine, PROMPT2, f"mtp:{q}", n=24)
     assert r.tokens == plain.tokens and r.drafted_tokens > 0
+
+
+def test_loading_the_drafter_as_a_model_is_refused_by_name(mdir):
+    e = Engine(EngineOptions(model=str(_pair(mdir)[1]), cache_mib=0)).start()
+    try:
+        with pytest.raises(StrataError, match=r"mtp-gemma4-F32\.gguf: a Gemma 4 MTP drafter, not a model: load its "
+                                              r"gemma4 model and use --spec mtp"):
+            e.startup.result()
+    finally:
+        e.stop()
