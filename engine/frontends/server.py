@@ -526,8 +526,23 @@ class ServerThread:
         self.sock.close()
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Ctrl-C / SIGTERM: the replies still streaming end now (cancelled: each client gets its last
+            # chunk and [DONE]), so their connections close within the graceful period; uvicorn would
+            # otherwise wait it out and then cancel them under the ASGI app (a CancelledError traceback).
+            from ..events import cancel_everything
+            cancel_everything()
+            super().handle_exit(sig, frame)
+    return Server
+
+
 def cmd_serve(args) -> int:
     import uvicorn
+    _Server = _server_class()
 
     from .launch import check_engine_flags, loaded, start_engine
     from ..errors import StrataError
@@ -552,8 +567,8 @@ def cmd_serve(args) -> int:
                      max_body_bytes=int(args.max_body_mib * (1 << 20)), allowed_origins=tuple(args.allow_origin),
                      loading=engine.options.model)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
-                                           lifespan="off", timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                                    lifespan="off", timeout_graceful_shutdown=5))
     failure: list[BaseException] = []
     url = f"http://{host}:{sock.getsockname()[1]}/v1"
 

@@ -77,3 +77,53 @@ def test_a_script_that_leaves_mid_reply_exits_0(model):
     assert "terminate called" not in p.stderr, p.stderr[-800:]
     assert p.returncode == 0 and "leaving mid-reply" in p.stdout, (p.returncode, p.stderr[-800:])
     assert time.monotonic() - t0 < 100
+
+
+def test_ctrl_c_on_the_server_ends_a_live_stream_and_exits_130(model):
+    """`strata serve` with a reply streaming to a real client: Ctrl-C ends the stream (its last event
+    says why), the server exits 130 within its graceful period, with no traceback."""
+    import socket
+
+    import httpx
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    p = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", str(port)],
+                         cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_default_sigint)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None, "the server did not come up"
+            time.sleep(0.2)
+        lines = []
+        body = {"stream": True, "max_tokens": 20000, "temperature": 0.8,
+                "messages": [{"role": "user", "content": "Tell a long story"}]}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+            t0 = None
+            for line in r.iter_lines():
+                lines.append(line)
+                if t0 is None and len(lines) >= 10:
+                    p.send_signal(signal.SIGINT)      # tokens are streaming
+                    t0 = time.monotonic()
+        ended_s = time.monotonic() - t0
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "Traceback" not in err and "terminate called" not in err, err[-1500:]
+    assert p.returncode == 130, (p.returncode, err[-800:])
+    assert ended_s < 5, f"the stream ran on {ended_s:.1f} s after Ctrl-C"
+    events = [x for x in lines if x]
+    assert events[-1] == "data: [DONE]", events[-3:]     # the stream was ended, not cut
+    import json
+    last = json.loads(events[-2][len("data: "):])
+    # the reply's own last chunk (the OpenAI wire has no "cancelled": the server says "stop")
+    assert last["choices"][0]["finish_reason"] == "stop", last
