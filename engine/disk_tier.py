@@ -544,7 +544,7 @@ def attach(engine) -> DiskTier | None:
     """The engine's disk tier, made at start (none for a distributed rank: each holds some layers only)."""
     from .limits import check_disk_mib
     from .paths import data_dir
-    if engine.dist is not None:
+    if engine.serving.distributed:
         return None
     try:
         cap = check_disk_mib(engine.options.disk_mib, "--conversation-disk-mib")

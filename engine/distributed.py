@@ -4,7 +4,8 @@ Started the way MLX users start any distributed program: `mlx.launch --hostfile 
 or by hand with MLX_RANK / MLX_HOSTFILE set (the ring backend over TCP; jaccl/nccl where MLX has them).
 Without those variables nothing here runs and the engine is the single-process one.
 
-Every rank runs the same Engine. Rank 0 serves callers (CLI, server, app); before it serves a request
+Every rank runs the same Engine, with a `Distributed` as its serving strategy (engine/serving.py: the
+interface `LocalServing` has for one process). Rank 0 serves callers (CLI, server, app); before it serves a request
 that touches the model it broadcasts the request to the other ranks, which serve it too, so every
 rank walks the same code in lockstep: the same prompt tokens, the same K/V bookkeeping (live entry,
 parking, trims), the same sampled tokens (the logits are broadcast and a request without a seed gets
@@ -57,6 +58,7 @@ def is_follower() -> bool:
 
 @dataclass
 class Distributed:
+    """The serving strategy of one rank (engine/serving.py's `Serving`)."""
     group: object
     rank: int
     size: int
@@ -67,9 +69,15 @@ class Distributed:
     broken: str | None = None                         # why the ring is unusable, once it is
     _busy_since: float | None = None
     _handle: object = None
+    distributed = True                                # class attribute: what serving.LocalServing says False to
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 takes requests from its queue; the others serve rank 0's (next_request)."""
+        return self.rank == 0
 
     # ---- load ----------------------------------------------------------------------------------
-    def load(self, g, dtype, progress):
+    def load_model(self, g, dtype, progress):
         """The model part this rank holds (pipeline) or its shard (tensor), and the full ModelInfo."""
         from .model_loader import load_model, model_args
         from .pipeline_model import PipelineModel, PipelinePart, TensorModel, embeds_everywhere, split_for
@@ -156,15 +164,19 @@ class Distributed:
                 req.sampling.seed = random.randrange(1 << 31)
         self._collective(lambda: self._bytes_collective(pickle.dumps(req)), handle)
 
-    def stop_followers(self) -> None:
+    def stop(self) -> None:
+        """Rank 0 stops: so do the followers (a broken ring has no one left to tell)."""
+        if self.rank != 0 or self.broken:
+            return
         try:
             self._bytes_collective(pickle.dumps(Stop()))
         except RuntimeError:
             pass                        # a follower already gone stops on its own
 
     def next_request(self):
-        """Followers: rank 0's next request (blocks until there is one)."""
-        return pickle.loads(self._bytes_collective(None))
+        """Followers: rank 0's next request (blocks until there is one), None once rank 0 stops."""
+        req = pickle.loads(self._bytes_collective(None))
+        return None if isinstance(req, Stop) else req
 
     # ---- watchdog ------------------------------------------------------------------------------
     def start_watchdog(self) -> None:
@@ -207,13 +219,21 @@ class Distributed:
             self.announce(handle)
         if not replicated:
             return engine.dispatch(handle)
+        from .api import RestoreSession, SaveSession, SessionRestored, SessionSaved
+        req = handle.request
+        if isinstance(req, SaveSession):        # rank 0 gathers every rank's layers into one file
+            serve = lambda: SessionSaved.from_dict(self.save(engine, req, handle))  # noqa: E731
+        elif isinstance(req, RestoreSession):   # rank 0 reads it, each rank gets its layers
+            serve = lambda: SessionRestored.from_dict(self.restore(engine, req, handle))  # noqa: E731
+        else:
+            serve = lambda: engine.dispatch(handle)  # noqa: E731
         from .api import GenerateRequest
         from .pipeline_model import PipelineModel, TensorModel
         if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, (PipelineModel, TensorModel)):
             LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
         try:
-            result = self._collective(lambda: engine.dispatch(handle), handle)
+            result = self._collective(serve, handle)
         except DistributedError:
             raise                       # the ring itself is gone: no check can run
         except StrataError as e:

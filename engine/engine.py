@@ -32,6 +32,7 @@ from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestEr
 from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .loaded_model import LoadedModel
+from .serving import Serving, for_this_process
 
 log = logging.getLogger("strata")
 DRAFT_IDLE_S = 30.0     # a draft model no request used for this long is released (engine/handlers.py)
@@ -103,11 +104,10 @@ class Engine:
         # The start-up load (options.model): its handle is the starter's, whose result() is the load's.
         self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering)) \
             if self.options.model else None
-        self.dist = None                          # distributed hook: set only when launched as a rank
+        # How requests are served (engine/serving.py): this process alone, or every rank of a distributed
+        # group in lockstep (engine/distributed.py); asked, never told apart.
+        self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py): no state
-        if "MLX_RANK" in __import__("os").environ:
-            from . import distributed
-            self.dist = distributed.detect()
 
     # ---- caller side (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -117,8 +117,8 @@ class Engine:
 
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
-        if self.dist is not None and self.dist.broken:   # distributed hook: the ring is gone, answer now
-            handle.emit(Failed(self.dist.broken, ErrorCode.UNAVAILABLE, "distributed"))
+        if self.serving.broken:                   # a distributed ring is gone: answered now
+            handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
         self.idle.clear()
         self._queue.put(handle)
@@ -167,8 +167,8 @@ class Engine:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
             self._serve(self.startup)
         while True:
-            # distributed hook: a follower rank serves rank 0's requests instead of its own queue.
-            item = self._next_request() if self.dist is None or self.dist.rank == 0 else self._follow()
+            # A distributed follower rank serves rank 0's requests instead of its own queue.
+            item = self._next_request() if self.serving.leads else self._follow()
             # issue 34: generate requests run as rows of one batch (engine/batching.py) while any is
             # live; it hands back the first request that had to wait for the batch to end (or None).
             from . import batching
@@ -177,8 +177,7 @@ class Engine:
             if item is None:
                 continue
             if isinstance(item, _Stop):
-                if self.dist is not None and self.dist.rank == 0 and not self.dist.broken:
-                    self.dist.stop_followers()
+                self.serving.stop()
                 disk_tier.stop(self)                # what the held conversations lack on disk, written
                 release_freed_memory()
                 self.stopped.set()
@@ -197,9 +196,8 @@ class Engine:
         try:
             if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
                 raise Cancelled("cancelled")  # cancelled while it waited: it must not park, take or read K/V
-            # The serving strategy: this process alone, or every rank in lockstep (distributed.py), which
-            # uses only the public surface below (dispatch, log, require_model).
-            result = self.dispatch(handle) if self.dist is None else self.dist.dispatch(self, handle)
+            # The serving strategy (engine/serving.py) calls back only public members (dispatch, log, ...).
+            result = self.serving.dispatch(self, handle)
             handle.emit(Done(result))
         except StrataError as e:
             self._log(f"error: {e}")
@@ -270,13 +268,12 @@ class Engine:
 
     def _follow(self):
         """A follower rank's next request: rank 0's, as a handle nobody waits on (or _Stop)."""
-        from .distributed import Stop
         try:
-            req = self.dist.next_request()
+            req = self.serving.next_request()
         except RuntimeError as e:       # rank 0 is gone: nothing left to follow
             self._log(f"distributed: lost rank 0 ({e}); stopping")
             return _Stop()
-        return _Stop() if isinstance(req, Stop) else Handle(req)
+        return _Stop() if req is None else Handle(req)
 
     def log(self, line: str) -> None:
         """A line for the engine log and, as a Log event, for the request being served (engine thread)."""

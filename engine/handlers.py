@@ -24,7 +24,7 @@ MAX_CHARS_PER_TOKEN = 32
 class RequestHandlers:
     """One method per request, and the queries they share (the K/V identity, the prompt's tokens).
     Holds nothing but its engine: what they read and replace is the engine's (`loaded`, `options`,
-    `conversations`, `guard`, `dist`, the draft and the measured paces), so a handler never keeps a
+    `conversations`, `guard`, `serving`, the draft and the measured paces), so a handler never keeps a
     value that a load or another request has since replaced."""
 
     def __init__(self, engine):
@@ -38,7 +38,6 @@ class RequestHandlers:
         from .device import compute_dtype
         from .gguf_file import content_hash, open_gguf
         from .memory_estimate import fit_for_load, gpu_working_set
-        from .model_loader import load_model
         from .models import resolve_model
         from .tokenizer import load_tokenizer
 
@@ -54,8 +53,7 @@ class RequestHandlers:
         n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
                                           self.eng.guard, gpu_working_set())
         progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
-        model, info = (load_model(g, dtype=dtype, progress=progress) if self.eng.dist is None
-                       else self.eng.dist.load(g, dtype, progress))   # distributed hook: this rank's part
+        model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
         steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
@@ -72,7 +70,7 @@ class RequestHandlers:
         model_hash = content_hash(path)
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
-                           distributed=self.eng.dist.status() if self.eng.dist is not None else None)
+                           distributed=self.eng.serving.status())
         # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
         self.eng.options.steering = steer_cfg
         self.eng.loaded = LoadedModel(
@@ -86,8 +84,7 @@ class RequestHandlers:
             # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
             secs = steering.warm_up(vector, dtype)
             self.eng.log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
-        if self.eng.dist is not None:
-            self.eng.dist.after_load(self.eng)
+        self.eng.serving.after_load(self.eng)
         self.eng.conversations.clear()
         reserved = self._touch_kv_memory(info, dtype)
         self.eng.log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
@@ -107,8 +104,8 @@ class RequestHandlers:
             handle.emit(Log(note))
         self.eng.log(f"K/V: {self.eng.kv_fmt.describe()}")
         self.eng.log(reserved.note)
-        if self.eng.dist is not None:
-            self.eng.log(self.eng.dist.describe())
+        if self.eng.serving.describe():
+            self.eng.log(self.eng.serving.describe())
         if vector is not None:
             self.eng.log(vector.describe())
         if steering_error:
@@ -123,7 +120,7 @@ class RequestHandlers:
         self.eng.kv_topup = None
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")
-        if self.eng.dist is not None or self.eng.kv_fmt.quantized:
+        if self.eng.serving.distributed or self.eng.kv_fmt.quantized:
             return kv_reserve.Reserved.none("distributed or quantized K/V")
         reserved = kv_reserve.touch(self.eng.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
                                     admit=self.eng.guard.admit)
@@ -206,7 +203,7 @@ class RequestHandlers:
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
-                  layerwise=self.eng.dist is None, constraint=turn.constraint,
+                  layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
                   marks=self._message_marks(req, entry, tokens))
         self._spec_done(req, turn.drafter, spec, r)
         if steps is not None:
@@ -327,7 +324,7 @@ class RequestHandlers:
         """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
         target (and head file) and kept; each request gets its own head K/V."""
         from . import mtp_spec
-        if self.eng.dist is not None:
+        if self.eng.serving.distributed:
             raise RequestError("speculative mtp is not available on a distributed engine")
         h = getattr(self.eng, "_mtp", None)
         if h is None or h.model is not self.eng.model or h.head_path != head_path:
@@ -464,7 +461,7 @@ class RequestHandlers:
             steering_error=self.eng.steering_error,
             speed_projection_default=self.eng.options.speed_projection,
             kv_bits=self.eng.options.kv_bits,
-            distributed=self.eng.dist.status() if self.eng.dist is not None else None,
+            distributed=self.eng.serving.status(),
             disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
         )
 
@@ -511,8 +508,6 @@ class RequestHandlers:
 
     def _save(self, req: SaveSession, handle: Handle) -> SessionSaved:
         from . import sessions
-        if self.eng.dist is not None:                 # distributed hook: rank 0 gathers every rank's layers
-            return SessionSaved.from_dict(self.eng.dist.save(self.eng, req, handle))
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
         if reason:
@@ -555,7 +550,7 @@ class RequestHandlers:
                         owner=req.conversation)
         prefill(self.eng.model, entry.cache, tokens, entry.tokens, chunk=self.eng.options.prefill_chunk,
                 progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
-                pace=self._prefill_pace(), layerwise=self.eng.dist is None)
+                pace=self._prefill_pace(), layerwise=not self.eng.serving.distributed)
         self.eng.conversations.make_live(entry)
         return entry
 
@@ -569,8 +564,6 @@ class RequestHandlers:
 
     def _restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
         from . import sessions
-        if self.eng.dist is not None:                 # distributed hook: rank 0 reads, each rank gets its layers
-            return SessionRestored.from_dict(self.eng.dist.restore(self.eng, req, handle))
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
         if reason:

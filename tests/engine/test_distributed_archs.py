@@ -125,7 +125,7 @@ def test_tensor_parallel_refuses_the_families_it_would_get_wrong(tmp_path, arch)
     from engine.gguf_file import open_gguf
     g = open_gguf(ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf", ftype="F16", seed=1))
     with pytest.raises(DistributedError) as e:
-        Distributed(None, 0, 2, "tensor", "ring", 1.0).load(g, mx.float32, None)
+        Distributed(None, 0, 2, "tensor", "ring", 1.0).load_model(g, mx.float32, None)
     assert str(e.value) == f"distributed: tensor parallel does not support {arch} files; use STRATA_DIST_MODE=pipeline"
 
 
