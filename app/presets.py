@@ -35,7 +35,8 @@ SPECULATIVE_TIP = ("Draft tokens cheaply and check them all in one pass of the m
                    "(editing code). A draft model is a small GGUF with the same vocabulary as the chat's model "
                    "(e.g. a small model of the same family); one with another vocabulary is refused.\n"
                    "The model's MTP head drafts with the next-token head some models ship (Qwen3.5/3.6: in the "
-                   "GGUF or an mtp-*.gguf beside it); a model without one is refused with the reason.")
+                   "GGUF or an mtp-*.gguf beside it; Gemma 4: its assistant GGUF saved beside it as mtp-*.gguf); "
+                   "a model without one is refused with the reason.")
 
 
 def speculative_label(value: str) -> str:
