@@ -57,6 +57,9 @@ class EngineOptions:
     # at once (the rest queue); 1 = one request at a time. 1 for an engine built in code; the CLI, the
     # server and the app pass their default, limits.DEFAULT_MAX_SEQUENCES.
     max_sequences: int = 1
+    # A draft model (a GGUF with the model's vocabulary) loaded with the start-up model: `speculative:
+    # draft:PATH` requests naming it use it (LoadModel.draft). The CLI sets it from --spec draft:PATH.
+    draft: str | None = None
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -81,6 +84,8 @@ class GenerateRequest:
 class LoadModel:
     path: str
     steering: Any = "keep"                    # "keep" the current SteeringConfig, or a new one / None
+    draft: str | None = None                  # a draft GGUF loaded with it, as one unit (a draft that cannot
+                                              # load refuses the load); None: none (a request may name one)
 
 
 @dataclass
@@ -235,6 +240,7 @@ class ModelLoaded(Result):
     info: dict
     steering_error: str | None = None         # the control vector refused (the model serves without it)
     facts: ModelFacts | None = None
+    draft: str | None = None                  # the draft model loaded with it (its path)
 
 
 @dataclass

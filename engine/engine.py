@@ -100,10 +100,10 @@ class Engine:
         # The engine's state the handlers (engine/handlers.py, which hold none of their own) keep up to date:
         self._pace = None                         # (model, generate.PrefillPace) measured for the loaded model
         self._verdicts = None                     # speculative.Verdicts: what each draft pair measured
-        self.draft = None                         # speculative.DraftModel loaded for `draft:PATH` requests
+        self.draft = None                         # speculative.DraftModel a request named (not the load's)
         # The start-up load (options.model): its handle is the starter's, whose result() is the load's.
-        self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering)) \
-            if self.options.model else None
+        self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering,
+                                                       self.options.draft)) if self.options.model else None
         # How requests are served (engine/serving.py): this process alone, or every rank of a distributed
         # group in lockstep (engine/distributed.py); asked, never told apart.
         self.serving: Serving = for_this_process()
@@ -248,7 +248,7 @@ class Engine:
             self._topping_up = False
         self.idle.set()
         while True:
-            try:    # a loaded draft model waits DRAFT_IDLE_S for a request, then is released
+            try:    # a draft a request loaded waits DRAFT_IDLE_S for a request, then is released
                 item = self._queue.get(timeout=DRAFT_IDLE_S if self.draft is not None else None)
                 break
             except queue.Empty:

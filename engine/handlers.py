@@ -67,6 +67,9 @@ class RequestHandlers:
         from .loaded_model import LoadedModel
         # --kv-bits this head size or this attention cannot take: refused
         kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
+        # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
+        # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
+        draft = self._load_draft(req.draft, path, dtype, n_ctx) if req.draft else None
         model_hash = content_hash(path)
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
@@ -77,7 +80,7 @@ class RequestHandlers:
             model=model, tokenizer=tokenizer, info=info, path=path, template=g.get("tokenizer.chat_template"),
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
             steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
-            steering_error=steering_error, facts=facts)
+            steering_error=steering_error, facts=facts, draft=draft)
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
             steering.install(self.eng.model, self.eng.steering)
@@ -110,7 +113,8 @@ class RequestHandlers:
             self.eng.log(vector.describe())
         if steering_error:
             self.eng.log(f"control vector refused: {steering_error}; serving without it")
-        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts)
+        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts,
+                           draft=str(draft.path) if draft is not None else None)
 
     def _touch_kv_memory(self, info, dtype):
         """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
@@ -306,19 +310,27 @@ class RequestHandlers:
             return speculative.LookupDrafter()
         if mode.kind == "mtp":
             return self._mtp_drafter(mode.draft_path)
-        from .models import resolve_model
-        try:
-            path = resolve_model(mode.draft_path)
-        except OSError as e:                # a name too long for the file system, ...
-            raise RequestError(f"draft model: {e.strerror or e}") from None
+        path = _draft_path(mode.draft_path)
+        if self.eng.loaded.draft is not None and self.eng.loaded.draft.path == path:
+            return self.eng.loaded.draft        # the draft loaded with the model
+        # Another draft than the load's is loaded now, for the requests that name it (Engine.draft: released
+        # after DRAFT_IDLE_S unused, or by a load), not refused: the draft is a request's field in the API
+        # (the server's `speculative: draft:NAME`, an app config's draft) and refusing it would break every
+        # client that names its own; only the load's draft is held as long as the model.
         d = self.eng.draft
         stale = d is None or d.path != path or d.target_path != self.eng.model_path
         del d
         if stale:
             self._release_draft("another draft asked for")   # its memory counts for the new one's fit
-            self.eng.draft = speculative.load_draft(str(path), self.eng.model_path, self.eng.dtype, self.eng.n_ctx, self.eng.log,
-                                                admit=self._admit_draft)
+            self.eng.draft = self._load_draft(str(path), self.eng.model_path, self.eng.dtype, self.eng.n_ctx)
         return self.eng.draft
+
+    def _load_draft(self, name: str, target: Path, dtype, n_ctx: int):
+        """A draft GGUF for `target` (speculative.load_draft: the same vocabulary, refused by name
+        otherwise), through the load's memory estimate and guard before any tensor is read."""
+        from . import speculative
+        return speculative.load_draft(str(_draft_path(name)), target, dtype, n_ctx, self.eng.log,
+                                      admit=lambda p: self._admit_draft(p, n_ctx, dtype))
 
     def _mtp_drafter(self, head_path: str | None):
         """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
@@ -339,11 +351,11 @@ class RequestHandlers:
         if not ok:
             raise MemoryRefused(f"mtp head: {line}")
 
-    def _admit_draft(self, path) -> None:
+    def _admit_draft(self, path, n_ctx: int, dtype) -> None:
         """A draft model goes through the load's memory estimate and guard (MemoryRefused, one line)."""
         from .memory_estimate import fit_for_load, gpu_working_set
         try:
-            _, line = fit_for_load(path, self.eng.n_ctx, str(self.eng.dtype).rsplit(".", 1)[-1], self.eng.guard, gpu_working_set())
+            _, line = fit_for_load(path, n_ctx, str(dtype).rsplit(".", 1)[-1], self.eng.guard, gpu_working_set())
         except MemoryRefused as e:
             raise type(e)(f"draft model: {e}") from None
         self.eng.log(f"draft {line}")
@@ -633,6 +645,15 @@ class Turn:
     constraint: object = None
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
+
+
+def _draft_path(name: str) -> Path:
+    """A draft model's file (models.resolve_model), a one-line RequestError for a name the file system refuses."""
+    from .models import resolve_model
+    try:
+        return resolve_model(name)
+    except OSError as e:                # a name too long for the file system, ...
+        raise RequestError(f"draft model: {e.strerror or e}") from None
 
 
 def _vector_spec(raw: str | None) -> dict:

@@ -3,9 +3,9 @@ whole at each load (a failed load leaves the previous one serving, untouched), i
 attributes set one by one. Plain Python: the MLX objects inside are only referenced here.
 
 Mutable parts it references stay the engine thread's: the SteeringState's per-request switch, the
-model's weights. The draft model of `speculative: draft:PATH` is not part of it: which draft (if any)
-is a request's choice, so it is loaded by the first request that names it (engine/handlers.py
-_spec_drafter) and released by a model load or after DRAFT_IDLE_S unused.
+model's weights, the draft's K/V. A draft model named by the load (`LoadModel.draft`) is part of it, as
+mlx-lm's ModelProvider loads a draft with its model: built with the model, dropped with it. A request
+naming another draft loads that one for itself (engine/handlers.py _spec_drafter, `Engine.draft`).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class LoadedModel:
     steering: Any               # steering.SteeringState shared by the model's SteeredLayers
     steering_error: str | None  # why the configured control vector was refused (served without it)
     facts: ModelFacts           # the immutable summary other threads may read (Engine.model_facts)
+    draft: Any = None           # speculative.DraftModel loaded with the model (LoadModel.draft), or None
 
     def with_kv_format(self, kv_format) -> "LoadedModel":
         """The same load with another K/V format for new conversations (held ones keep theirs)."""

@@ -72,7 +72,14 @@ def engine_options(args):
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
                          steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
                          kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib,
-                         max_sequences=args.max_sequences)
+                         max_sequences=args.max_sequences, draft=_draft_of(getattr(args, "spec", None)))
+
+
+def _draft_of(spec: str | None) -> str | None:
+    """--spec draft:PATH: the draft loads with the model at start (one unit), not in the first request."""
+    from ..speculative import parse_spec
+    mode = parse_spec(spec)
+    return mode.draft_path if mode.kind == "draft" else None
 
 
 def start_engine(args, wait: bool = True):
