@@ -343,7 +343,7 @@ class RequestHandlers:
             self.eng._mtp = None
             self.eng._mtp = mtp_spec.load_mtp(self.eng.model_path, self.eng.model, self.eng.dtype, head_path, self.eng.log,
                                           admit=self._admit_head)
-        return mtp_spec.MTPDrafter(self.eng._mtp.head, self.eng.model, self.eng._mtp.path)
+        return mtp_spec.drafter_for(self.eng._mtp.head, self.eng.model, self.eng._mtp.path)
 
     def _admit_head(self, nbytes: int) -> None:
         """A sibling head file's tensors go through the memory guard (MemoryRefused, one line)."""

@@ -92,17 +92,16 @@ class TargetTap:
         return out
 
 
+def drafter_for(head, model, path: Path, draft_len: int | None = None):
+    """The drafter of one request for a loaded head: a NextN head's MTPDrafter, or what a head that
+    drafts otherwise makes (Gemma 4's memory-shared drafter, engine/gemma4_mtp_spec.py)."""
+    make = getattr(head, "make_drafter", None)
+    return make(model, path, draft_len) if make is not None else MTPDrafter(head, model, path, draft_len)
+
+
 class MTPDrafter:
     """Drafts with a loaded head for one request (its K/V is the request's; the head is the engine's)."""
     samples_drafts = True                   # speculative.decode hands it the target distribution
-
-    def __new__(cls, head, *args, **kw):
-        # the engine builds every MTP drafter through this name: a head that drafts otherwise (Gemma 4's
-        # memory-shared drafter, engine/gemma4_mtp_spec.py) makes its own
-        make = getattr(head, "make_drafter", None)
-        if cls is MTPDrafter and make is not None:
-            return make(*args, **kw)
-        return super().__new__(cls)
 
     def __init__(self, head, model, path: Path, draft_len: int | None = None):
         from mlx_lm.models.cache import KVCache

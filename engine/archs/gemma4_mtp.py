@@ -138,7 +138,7 @@ class Gemma4Assistant(nn.Module):
         return self.embed_tokens.as_linear(y)[0, -1], self.post_projection(y)
 
     def make_drafter(self, model, path, draft_len: int | None = None):
-        """The drafter for one request (engine/mtp_spec.MTPDrafter builds through this)."""
+        """The drafter for one request (engine/mtp_spec.drafter_for builds through this)."""
         from ..gemma4_mtp_spec import Gemma4Drafter
         return Gemma4Drafter(self, model, path, draft_len)
 

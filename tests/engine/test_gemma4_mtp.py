@@ -327,7 +327,7 @@ def test_memory_guard_admits_the_drafters_bytes_before_reading_it(mdir):
     assert asked == [held]
     loaded = mtp_spec.load_mtp(_pair(mdir)[0], model, mx.float32, admit=asked.append)
     assert asked == [held, held] and loaded.head.args.n_layer == 4
-    d = mtp_spec.MTPDrafter(loaded.head, model, loaded.path)
+    d = mtp_spec.drafter_for(loaded.head, model, loaded.path)
     assert type(d).__name__ == "Gemma4Drafter" and d.held == 0
 
 
