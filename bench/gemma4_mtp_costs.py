@@ -8,7 +8,7 @@ Measured, interleaved round by round: the target's pass over n = 1..4 tokens thr
 context past the sliding window (T_n), one drafter step (H: reading the shared K/V, the step, the
 argmax), and the target windows' snapshot before a verify pass and restore after a rejection
 (engine/layer_cache.py; the drafter itself holds nothing to roll back). The speed-up table is
-bench/spec.py's (mtp_speedup) from those figures.
+bench/mtp_model.py's (mtp_speedup) from those figures.
 
 `--shape gemma4-e2b-half`: a random Q8_0 gemma4 with E2B's layout at half its widths (35 layers, 20 of
 them sharing K/V, sliding window 512 with every 5th layer global, per-layer embeddings, double-wide
@@ -59,7 +59,7 @@ def gemma4_mtp_costs(args) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from bench.spec import mtp_speedup
+    from bench.mtp_model import mtp_speedup
     from engine import generate, layer_cache
     from engine.device import compute_dtype
     from engine.gguf_file import open_gguf

@@ -42,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.mtp_model import mtp_speedup  # noqa: E402 - after the path line
+
 
 def edit_prompt(lines: int = 60) -> str:
     body = []
@@ -134,13 +136,6 @@ def main() -> int:
                   f"{f' ({acc / dr:.0%})' if dr else ''} | {'yes' if same else 'NO'} |", flush=True)
     engine.stop()
     return 0
-
-
-def mtp_speedup(a: float, k: int, t: dict, head: float, snap: float, restore: float) -> float:
-    """Expected decode speed-up of depth-k MTP drafting at per-draft acceptance a (module docstring)."""
-    tokens = sum(a ** j for j in range(k + 1))
-    cost = t[k + 1] + snap + k * head + sum(a ** j * (1 - a) * (restore + t[j + 1]) for j in range(k))
-    return tokens * t[1] / cost
 
 
 def mtp_costs(args) -> int:
