@@ -26,19 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .device import on_gpu
-
-# Tokens drafted per verify pass (as engine/mtp_spec.py: a CPU verify pass over k+1 tokens costs more
-# than one over 1, so drafts stay shorter there). Google's assistants are trained for several.
-DRAFT_GPU = 3
-DRAFT_CPU = 2
-
-
-def _offset(cache) -> int:
-    for c in cache or ():
-        off = getattr(c, "offset", None)
-        if isinstance(off, int):
-            return off
-    raise RuntimeError("the target's cache has no attention layer to count positions by")
+from .mtp_depth import MTP_DRAFT_CPU as DRAFT_CPU, MTP_DRAFT_GPU as DRAFT_GPU, target_offset as _offset
 
 
 class Gemma4Tap:

@@ -46,23 +46,10 @@ import mlx.core as mx
 
 from .device import on_gpu
 from .errors import ModelFileError, RequestError
+from .mtp_depth import MTP_DRAFT_CPU, MTP_DRAFT_GPU, target_offset
 
-# Tokens drafted per verify pass. Drafts beyond the first chain the head on its own output (what it was
-# not trained on), so acceptance falls with depth; on the CPU a verify pass over k+1 tokens costs more
-# than one over 1 (engine/speculative.py's LOOKUP_DRAFT_CPU note), so drafts stay short there.
-MTP_DRAFT_GPU = 3
-MTP_DRAFT_CPU = 2
 MAX_ROWS = 8192         # hidden states the tap keeps unread at most (a plain fallback decode adds one a token)
 READ_CHUNK = 512        # the head reads a long prompt's positions this many at a time
-
-
-def _offset(cache) -> int:
-    """Tokens the target's cache holds (its full-attention layers' offset)."""
-    for c in cache or ():
-        off = getattr(c, "offset", None)
-        if isinstance(off, int):
-            return off
-    raise RuntimeError("the target's cache has no attention layer to count positions by")
 
 
 class TargetTap:
@@ -79,7 +66,7 @@ class TargetTap:
 
     def __call__(self, inputs: mx.array, cache=None, **kw):
         lm = self.model.language_model
-        pos0 = _offset(cache)
+        pos0 = target_offset(cache)
         h = lm.model(inputs, cache, **kw)
         out = lm.model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
         rows = self.rows
