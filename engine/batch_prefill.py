@@ -3,9 +3,11 @@
 When nothing is decoding and two or more rows wait to read their prompts (N requests sent at the same
 moment: an agent's parallel tool calls, a load test's clients), engine/batching.py reads them as one
 group instead of one row's chunk after another's: each forward pass takes a chunk of every row's
-prompt, as mlx-lm's BatchGenerator prefills the prompts it is given at once. Then every row starts
-decoding at the same step, so no stream's decode time holds the other prompts' reading (the CPU's
-"slowest stream" figure in bench/README.md), and on a GPU N short prompts cost about one pass.
+prompt, as mlx-lm's BatchGenerator prefills the prompts it is given at once. Prompts of one length
+then start decoding at the same step, so no stream's decode time holds the other prompts' reading (the
+CPU's "slowest stream" figure in bench/README.md), and on a GPU N short prompts cost about one pass. A
+row whose prompt is in before the others' leaves the group (`take_out`) and decodes while they read on
+(engine/batching.py), so a short prompt sent with a long one is not held for the long one's read.
 
 The rows' own K/V (a returning conversation's parked prefix, or nothing) is merged into one
 BatchKVCache per layer (left padding aligns the prefixes' ends). Each chunk feeds up to `n` tokens of

@@ -455,8 +455,8 @@ class Scheduler:
 
     # -- prefill --
     def _start_group(self) -> bool:
-        """Nothing decoding and two or more prompts not yet begun: they are read together
-        (engine/batch_prefill.py)."""
+        """Nothing decoding and two or more prompts not yet begun (requests sent together): they are read
+        together (engine/batch_prefill.py), each leaving the group to decode once its prompt is in."""
         if self.batch.rows:
             return False
         fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
@@ -488,9 +488,15 @@ class Scheduler:
                     self._fail(r.handle, e)
                 self.group = None
                 return []
-        if not g.rows or not g.finished():
-            if not g.rows:
-                self.group = None
+        if not g.rows:
+            self.group = None
+            return []
+        if not g.finished():
+            # A row whose prompt is in leaves the group and decodes from the next step while the others
+            # read on (a short prompt sent with a long one does not wait for the long one's whole read,
+            # nor is it padded through every pass of it).
+            for i in reversed([i for i, r in enumerate(g.rows) if r.done >= len(r.todo)]):
+                self.prefilling.append(g.take_out(i))
             return []
         self.group = None
         if len(g.rows) == 1:                # the others cancelled: it joins as a lone row does

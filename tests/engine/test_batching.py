@@ -146,6 +146,35 @@ def test_prompts_read_together_in_small_chunks_equal_alone(tiny, reference):
     assert [r.tokens for r in results] == [r.tokens for r in reference[:5]]
 
 
+def test_a_short_prompt_sent_with_a_long_one_decodes_while_the_long_one_is_read(tiny, reference):
+    """Read together, the short prompt's row leaves the group once its prompt is in: its tokens come
+    while the long prompt is still being read (between that prompt's progress reports), and both
+    replies equal their lone runs."""
+    long_prompt = " ".join(PROMPTS) * 3         # several passes of 32 tokens
+    solo = start(tiny, 1)
+    try:
+        ref_long = solo.call(GenerateRequest(prompt=long_prompt, conversation="long", sampling=greedy(8)), 300)
+    finally:
+        solo.stop()
+    eng = start(tiny, 8, prefill_chunk=64)
+    try:
+        order: list[tuple[str, object]] = []      # callbacks run on the engine thread: in engine order
+        gate = Gate(eng)
+        short = eng.submit(requests(1)[0], callback=lambda ev: order.append(("short", ev)))
+        long_ = eng.submit(GenerateRequest(prompt=long_prompt, conversation="long", sampling=greedy(8)),
+                           callback=lambda ev: order.append(("long", ev)))
+        gate.release()
+        rs, rl = short.result(300), long_.result(300)
+        c = counters(eng)
+    finally:
+        eng.stop()
+    assert c.read_together == 2
+    assert rs.tokens == reference[0].tokens and rl.tokens == ref_long.tokens
+    progress = [i for i, (who, ev) in enumerate(order) if who == "long" and isinstance(ev, Progress)]
+    first_short = next(i for i, (who, ev) in enumerate(order) if who == "short" and isinstance(ev, Token))
+    assert first_short < progress[-1], "the short stream waited for the long prompt's whole read"
+
+
 def test_a_prompt_cancelled_while_read_together_leaves_the_others_whole(tiny, reference):
     """A row cancelled between two passes of a group's prefill gets Failed(cancelled) and parks what it
     fed; the other rows go on and equal their lone runs."""
