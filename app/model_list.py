@@ -118,7 +118,7 @@ def scan_models(folders: list[Path], budget, file_seconds: float = FILE_SECONDS
 
 class ModelList(QWidget):
     load_requested = Signal(str)
-    _scanned = Signal(list)         # from the scanning thread (queued to _fill)
+    _scanned = Signal(int, list)    # from the scanning thread (queued to _fill): (its number, the rows)
     scanned = Signal()              # the list is filled: emitted on the GUI thread, for listeners and tests
 
     def __init__(self, folders, parent: QWidget | None = None):
@@ -157,10 +157,13 @@ class ModelList(QWidget):
         lay.addWidget(self.tree, 1)
         lay.addWidget(self.empty)
         self._scanned.connect(self._fill)
+        self._scans = 0                 # refreshes started; a scan that ends after a newer one is dropped
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
         engine_budget = self.engine_budget
+        self._scans += 1
+        number = self._scans
 
         def scan():
             try:
@@ -168,10 +171,14 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            self._scanned.emit(scan_models(folders, budget))
+            self._scanned.emit(number, scan_models(folders, budget))
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
-    def _fill(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
+    def _fill(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
+        if number != self._scans:
+            # Scans run on their own threads and can end out of order (a big folder read while a file
+            # is added): the folder as an older scan saw it must not replace what a newer one will show.
+            return
         self.tree.clear()
         self.errors = {m.path: m.error for m, _ in metas if m.error}
         for m, (needs, needs_tip) in metas:

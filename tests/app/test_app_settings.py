@@ -168,7 +168,7 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     assert (m.architecture, m.quantization, m.context_length) == ("llama", "F32", 2048)
     assert m.n_params > 100_000 and not m.error
     tree = window.models.tree
-    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1)
+    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT_MS)
     row = [tree.topLevelItem(0).text(c) for c in range(6)]
     assert row[1:4] == ["llama", "111K", "F32"] and row[5] == "2048"
     assert tree.topLevelItem(0).font(0).bold()      # the loaded model
@@ -181,7 +181,8 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     window.models.engine_budget = {"bytes": 1 << 20, "source": "engine test budget"}
     with qtbot.waitSignal(window.models.scanned, timeout=REPLY_TIMEOUT_MS):
         window.models.refresh()
-    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1 and tree.topLevelItem(0).text(6).endswith("(too big)"))
+    qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1 and tree.topLevelItem(0).text(6).endswith("(too big)"),
+                    timeout=REPLY_TIMEOUT_MS)
     assert "does not fit in 1.0 MiB (engine test budget)" in tree.topLevelItem(0).toolTip(6)
 
 
@@ -194,4 +195,17 @@ def test_app_drop_gguf_links_into_models(qtbot, idle_window, tmp_path, tiny_mode
         window.library.add_model_file(src, how="link")
     from app import paths
     assert (paths.models_dir() / "dropped.gguf").is_symlink()
-    qtbot.waitUntil(lambda: window.models.tree.topLevelItemCount() == 2)
+    # the list fills from its per-file reader threads: a loaded CI box took over waitUntil's 5 s default once
+    qtbot.waitUntil(lambda: window.models.tree.topLevelItemCount() == 2, timeout=REPLY_TIMEOUT_MS)
+
+
+def test_a_scan_that_ends_after_a_newer_one_is_dropped(qtbot, idle_window):
+    """Model-folder scans run on their own threads: an older one ending last must not put back the folder
+    as it was (the list would lose a model just added until the next refresh)."""
+    models = idle_window.models
+    with qtbot.waitSignal(models.scanned, timeout=REPLY_TIMEOUT_MS):
+        models.refresh()
+    rows = models.tree.topLevelItemCount()
+    assert rows >= 1
+    models._scanned.emit(models._scans - 1, [])     # an older scan's (empty) result arrives last (same thread: at once)
+    assert models.tree.topLevelItemCount() == rows
