@@ -148,7 +148,7 @@ class Conversations:
     def _take_from_disk(self, tokens: list[int], owner: str, key: KVKey, make_cache) -> tuple[KVEntry, int] | None:
         """The disk tier's conversation for `tokens` when it shares more than RAM holds (else None)."""
         in_ram = [e for e in self.held() if e.key == key]
-        ram = max((common_prefix(e.tokens, tokens) for e in in_ram), default=0)
+        ram = max((_reach(e, common_prefix(e.tokens, tokens), len(tokens)) for e in in_ram), default=0)
         found, m = self.disk.best(tokens, key)
         if found is None or m <= ram:
             return None
@@ -208,3 +208,15 @@ class Conversations:
                 prefix = tok.decode(ids[:lo], skip_special=False)
                 best, best_n = e.tokens[:lead + lo] + tok.encode(text[len(prefix):], add_bos=False), lead + lo
         return best
+
+
+def _reach(e: KVEntry, shared: int, n_prompt: int) -> int:
+    """How much of the `shared` prefix a held conversation keeps for a prompt of n_prompt tokens (what
+    its rewind gives): all of it where its cache trims there, else its latest checkpoint at or before
+    (a window or a recurrent state), else nothing. The disk tier's `reach` is the same rule on its
+    segment ends: the one that keeps more serves the prompt."""
+    from . import layer_cache
+    n = min(shared, n_prompt - 1)
+    if n >= len(e.tokens) or layer_cache.floor(e.cache, len(e.tokens)) <= n:
+        return shared
+    return max((ck.n for ck in e.checkpoints if ck.n <= n), default=0)

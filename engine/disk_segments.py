@@ -13,8 +13,18 @@ A segment holds the K/V of the tokens a turn added (tokens [start, start + n)):
                          back exactly the K/V the engine held, so a reply continues as it would have),
                          or the 8/4-bit codes, scales and biases as held (engine/session_quant.py)
 
+Version 2 (engine/disk_states.py): a conversation whose cache has a sliding window or a recurrent
+state (Gemma 3/4, gpt-oss, OLMo 3, Qwen3.5). The fixed part is followed by 24 more bytes (the state
+region's length, u64, and its digest, 16); the JSON names every layer (`layers`: kind, tensor dtypes
+and shapes, a window's size); the K/V region holds, per layer in order, the full K/V layers' tensors
+for the segment's n tokens (as held: float32 on the CPU, float16/bfloat16 on a GPU, 8/4-bit codes,
+scales and biases) and each window layer's K/V for the segment's last min(n, window) tokens (older
+ones are never attended again); then the state region: each recurrent layer's whole state after the
+segment's last token. A segment's end is a message boundary, restorable on its own: the full layers
+from every segment up to it, the window from the tails of the segments before it, the state from it.
+
 The head digest (xxh3-128) covers the fixed part (digests read as zeros), the JSON and the tokens; the
-K/V digest covers the K/V. So a scan reads only the small parts and checks them; a restore checks the
+K/V digest covers the K/V (version 2's state region has its own digest). So a scan reads only the small parts and checks them; a restore checks the
 K/V it reads. A torn segment (a write cut by a kill or a power cut: short, or its digest wrong) ends
 the conversation's valid run: it falls back to its last whole segment. Every field is checked for
 type and range before anything is allocated (a hostile cache folder costs a log line, never the engine).
@@ -32,13 +42,17 @@ import xxhash
 from .sessions import Geometry, TensorSpec, layout, pread_exact, validate_messages
 
 MAGIC = b"STRKVSG1"
-VERSION = 1
+VERSION = 1                        # full K/V only
+VERSION_STATES = 2                 # windows and recurrent states (engine/disk_states.py)
 SUFFIX = ".kvseg"
 _FIXED = struct.Struct("<8sIIIQ16s16s4x")      # 64 bytes
 FIXED_BYTES = _FIXED.size
+_STATE = struct.Struct("<Q16s")                # version 2: the state region's length and digest
+FIXED_STATES_BYTES = FIXED_BYTES + _STATE.size
 MAX_JSON = 16 << 20                # fingerprint and messages: far below this
 MAX_TOKENS = 1 << 22               # per segment (a context is far below)
-_NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4")}
+_NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4"),
+       "BF16": np.dtype("<u2")}          # bfloat16 as its bits (version 2 stores tensors as held)
 STORES = ("float16", "float32")    # how 16-bit-format K/V is stored (the cache's own dtype)
 _ZERO16 = b"\0" * 16
 _FP_INTS = {"n_layer": 4096, "n_kv_heads": 4096, "head_dim": 65536}
@@ -58,6 +72,10 @@ class Segment:
     kv_offset: int
     kv_len: int
     kv_digest: bytes
+    version: int = VERSION
+    state_offset: int = 0  # version 2: the state region (recurrent layers' state after the last token)
+    state_len: int = 0
+    state_digest: bytes = b""
 
     @property
     def n(self) -> int:
@@ -97,6 +115,120 @@ def header_json(meta: dict) -> bytes:
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+# ---- version 2: the layer list and its tensors -------------------------------------------------------
+LAYER_KINDS = ("kv", "kv_quant", "rotating", "arrays")
+PER_TOKEN = ("kv", "kv_quant")            # every token's K/V kept (the tails of `rotating`: the window's)
+_LAYER_KEYS = {"kv": {"kind", "t"}, "kv_quant": {"kind", "t", "group", "bits"},
+               "rotating": {"kind", "t", "max_size", "keep"}, "arrays": {"kind", "t"}}
+MAX_STATE_TENSOR = 1 << 34
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def check_layers(layers) -> list:
+    """A version-2 header's layer list, checked for type and range (SegmentError): each layer
+    {"kind", "t": [[dtype, B, heads, width], ...] (arrays: [dtype, *shape] or null per slot), and a
+    window's max_size/keep or quantized K/V's group/bits}."""
+    if not isinstance(layers, list) or not 0 < len(layers) <= 4096:
+        raise SegmentError("bad layer list")
+    for i, d in enumerate(layers):
+        if not isinstance(d, dict) or d.get("kind") not in LAYER_KINDS or set(d) != _LAYER_KEYS[d["kind"]]:
+            raise SegmentError(f"bad layer {i}")
+        kind, t = d["kind"], d["t"]
+        if not isinstance(t, list) or not 0 < len(t) <= 6:
+            raise SegmentError(f"bad layer {i}")
+        if kind == "rotating" and not (_int(d["max_size"], 1, 1 << 24) and d["keep"] == 0):
+            raise SegmentError(f"bad window in layer {i}")
+        if kind == "kv_quant" and not (_int(d["group"], 1, 4096) and _int(d["bits"], 1, 16)):
+            raise SegmentError(f"bad quantization in layer {i}")
+        for x in t:
+            if x is None and kind == "arrays":
+                continue
+            if not isinstance(x, list) or not x or x[0] not in _NP or x[0] == "I32":
+                raise SegmentError(f"bad tensor in layer {i}")
+            dims = x[1:]
+            if (kind != "arrays" and len(dims) != 3) or not 1 <= len(dims) <= 6 \
+                    or not all(_int(v, 1, 1 << 20) for v in dims):
+                raise SegmentError(f"bad tensor shape in layer {i}")
+            if kind == "arrays" and int(np.prod(dims)) * _NP[x[0]].itemsize > MAX_STATE_TENSOR:
+                raise SegmentError(f"bad tensor shape in layer {i}")
+        if kind == "arrays" and all(x is None for x in t):
+            raise SegmentError(f"bad layer {i} (no state)")
+    return layers
+
+
+def layer_specs(layers: list, n: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(the K/V region's tensors for a segment of n tokens, the state region's), offsets from each
+    region's start: L<i>.<j> (1, heads, n or min(n, window), width) per full/window layer, S<i>.<j>
+    each recurrent layer's present state tensors."""
+    kv, st, a, b = [], [], 0, 0
+    for i, d in enumerate(layers):
+        kind = d["kind"]
+        for j, x in enumerate(d["t"]):
+            if x is None:
+                continue
+            dt = x[0]
+            if kind == "arrays":
+                shape = tuple(x[1:])
+                size = int(np.prod(shape)) * _NP[dt].itemsize
+                st.append(TensorSpec(f"S{i}.{j}", dt, shape, b, b + size))
+                b += size
+            else:
+                t = n if kind in PER_TOKEN else min(n, d["max_size"])
+                shape = (x[1], x[2], t, x[3])
+                size = x[1] * x[2] * t * x[3] * _NP[dt].itemsize
+                kv.append(TensorSpec(f"L{i}.{j}", dt, shape, a, a + size))
+                a += size
+    return kv, st
+
+
+def region_bytes(specs: list[TensorSpec]) -> int:
+    return specs[-1].end if specs else 0
+
+
+def segment_bytes_states(json_len: int, n: int, layers: list) -> int:
+    kv, st = layer_specs(layers, n)
+    return FIXED_STATES_BYTES + json_len + 4 * n + region_bytes(kv) + region_bytes(st)
+
+
+def encode_states(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray], state: list[np.ndarray]) -> list:
+    """A version-2 segment's pieces in file order (digests computed here: the writer thread calls it)."""
+    tokens = np.ascontiguousarray(tokens, dtype="<i4")
+    kd, sd = xxhash.xxh3_128(), xxhash.xxh3_128()
+    kv_len = state_len = 0
+    for a in kv:
+        kd.update(a)
+        kv_len += a.nbytes
+    for a in state:
+        sd.update(a)
+        state_len += a.nbytes
+    fixed = _FIXED.pack(MAGIC, VERSION_STATES, len(meta_json), len(tokens), kv_len, _ZERO16, _ZERO16)
+    head = xxhash.xxh3_128()
+    head.update(fixed)
+    head.update(_STATE.pack(state_len, _ZERO16))
+    head.update(meta_json)
+    head.update(tokens)
+    fixed = _FIXED.pack(MAGIC, VERSION_STATES, len(meta_json), len(tokens), kv_len, head.digest(), kd.digest())
+    return [fixed, _STATE.pack(state_len, sd.digest()), meta_json, tokens, *kv, *state]
+
+
+def read_region(fd: int, offset: int, specs: list[TensorSpec], digest: bytes, what: str) -> list[np.ndarray]:
+    """A region's tensors (numpy, as stored), its digest checked (SegmentError: short or wrong)."""
+    size = region_bytes(specs)
+    buf = np.empty(size, np.uint8)
+    view, a = memoryview(buf), 0
+    while a < size:
+        k = os.preadv(fd, [view[a:]], offset + a)
+        if k <= 0:
+            raise SegmentError(f"torn {what} at byte {offset}")
+        a += k
+    if xxhash.xxh3_128(buf).digest() != digest:
+        raise SegmentError(f"{what} checksum mismatch at byte {offset}")
+    return [buf[s.start:s.end].view(_NP[s.dtype]).reshape(s.shape) for s in specs]
+
+
 def segment_bytes(json_len: int, n: int, g: Geometry, store: str = "float16") -> int:
     return FIXED_BYTES + json_len + 4 * n + kv_bytes(n, g, store)
 
@@ -118,7 +250,7 @@ def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
     return [fixed, meta_json, tokens, *kv]
 
 
-def _check_meta(meta, start: int, first: dict | None) -> dict:
+def _check_meta(meta, start: int, first: dict | None, version: int = VERSION) -> dict:
     if not isinstance(meta, dict):
         raise SegmentError("its header is not an object")
     key, fp, owner = meta.get("key"), meta.get("fp"), meta.get("owner", "")
@@ -137,12 +269,19 @@ def _check_meta(meta, start: int, first: dict | None) -> dict:
         raise SegmentError(why)
     if first is not None and (key != first["key"] or fp != first["fp"]):
         raise SegmentError("its key differs from the first segment's")
+    if version == VERSION_STATES:
+        check_layers(meta.get("layers"))
+        if first is not None and meta["layers"] != first.get("layers"):
+            raise SegmentError("its layers differ from the first segment's")
+    elif "layers" in meta:
+        raise SegmentError("a layer list in a version-1 segment")
     return meta
 
 
 def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
     """The file's whole segments in order (head digests checked; K/V digests are checked when read),
-    and why the run ended early (None: it ran to the end of the file)."""
+    and why the run ended early (None: it ran to the end of the file). Every segment of a file has
+    the first one's version."""
     segs: list[Segment] = []
     off, start, first = 0, 0, None
     while off < size:
@@ -153,16 +292,24 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
             magic, version, jlen, n, kv_len, hd, kd = _FIXED.unpack(raw)
             if magic != MAGIC:
                 raise SegmentError(f"not a segment at byte {off}")
-            if version != VERSION:
-                raise SegmentError(f"segment version {version} (this Strata reads {VERSION})")
+            if version not in (VERSION, VERSION_STATES) or (segs and version != segs[0].version):
+                raise SegmentError(f"segment version {version} (this Strata reads {VERSION} and {VERSION_STATES})")
             if not 0 < jlen <= MAX_JSON or not 0 < n <= MAX_TOKENS:
                 raise SegmentError(f"bad lengths at byte {off}")
-            end = off + FIXED_BYTES + jlen + 4 * n + kv_len
+            state_len, sd, fixed_len = 0, b"", FIXED_BYTES
+            if version == VERSION_STATES:
+                if size - off < FIXED_STATES_BYTES:
+                    raise SegmentError(f"torn at byte {off} ({size - off} bytes of a segment)")
+                state_len, sd = _STATE.unpack(pread_exact(fd, _STATE.size, off + FIXED_BYTES))
+                fixed_len = FIXED_STATES_BYTES
+            end = off + fixed_len + jlen + 4 * n + kv_len + state_len
             if end > size:
                 raise SegmentError(f"torn at byte {off} (needs {end - size} more bytes)")
-            body = pread_exact(fd, jlen + 4 * n, off + FIXED_BYTES)
+            body = pread_exact(fd, jlen + 4 * n, off + fixed_len)
             head = xxhash.xxh3_128()
             head.update(_FIXED.pack(magic, version, jlen, n, kv_len, _ZERO16, _ZERO16))
+            if version == VERSION_STATES:
+                head.update(_STATE.pack(state_len, _ZERO16))
             head.update(body)
             if head.digest() != hd:
                 raise SegmentError(f"checksum mismatch at byte {off}")
@@ -170,12 +317,18 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
                 meta = json.loads(body[:jlen])
             except (ValueError, UnicodeDecodeError, RecursionError):
                 raise SegmentError("unreadable header") from None
-            meta = _check_meta(meta, start, first)
+            meta = _check_meta(meta, start, first, version)
             g = geometry(meta["fp"])
-            if kv_len != kv_bytes(n, g, meta.get("store", "float16")):
+            if version == VERSION_STATES:
+                kv_s, st_s = layer_specs(meta["layers"], n)
+                if kv_len != region_bytes(kv_s) or state_len != region_bytes(st_s):
+                    raise SegmentError(f"K/V length {kv_len} does not match {n} tokens")
+            elif kv_len != kv_bytes(n, g, meta.get("store", "float16")):
                 raise SegmentError(f"K/V length {kv_len} does not match {n} tokens")
             tokens = np.frombuffer(body[jlen:], dtype="<i4").copy()
-            segs.append(Segment(off, end, start, tokens, meta, off + FIXED_BYTES + jlen + 4 * n, kv_len, kd))
+            kv_off = off + fixed_len + jlen + 4 * n
+            segs.append(Segment(off, end, start, tokens, meta, kv_off, kv_len, kd, version,
+                                kv_off + kv_len, state_len, sd))
             first = first or meta
             off, start = end, start + n
         except SegmentError as e:

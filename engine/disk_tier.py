@@ -37,8 +37,9 @@ from typing import Callable
 import numpy as np
 
 from . import disk_segments as ds
+from . import disk_states
 from .kv_key import KVKey
-from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix, longest_prefix
+from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -55,6 +56,10 @@ class DiskEntry:
     bounds: list[tuple[int, int]]          # (token end, byte end) of each segment, as queued
     messages: list = field(default_factory=list)
     last_used: float = 0.0
+    # segment version 2 (engine/disk_states.py: a window or a recurrent state): its layer list, and per
+    # segment (bytes a compaction keeps, bytes it drops); None and [] for full K/V
+    layers: list | None = None
+    parts: list = field(default_factory=list)
 
     _texts: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -80,6 +85,8 @@ class WriteStats:
     file_bytes: int = 0
     kind: str = ""           # append | rewrite | compact
     total_bytes: int = 0     # written since start
+    state_bytes: int = 0     # of `bytes`: windows' K/V and recurrent states at boundaries (version 2)
+    segments: int = 0        # segments the last write appended (version 2: one per message boundary)
 
 
 class _Writer(threading.Thread):
@@ -119,16 +126,26 @@ class DiskTier:
         # The loaded model's context (use_model): fingerprint of a key, dtype, vocabulary, context, guard
         self._fp_of: Callable[[KVKey], dict | None] = lambda key: None
         self._model: Callable[[], tuple] = lambda: (None, 1 << 31, 1 << 31, None)
+        # this model's cache after one token (session_v3.probe): what a version-2 file's layers must be
+        self._probe: Callable[[], list] = lambda: []
 
     # ---- set-up ---------------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
         return self.cap_bytes > 0
 
-    def use_model(self, fp_of: Callable[[KVKey], dict | None], model: Callable[[], tuple]) -> None:
+    def use_model(self, fp_of: Callable[[KVKey], dict | None], model: Callable[[], tuple],
+                  probe: Callable[[], list] | None = None) -> None:
         """`fp_of(key)`: the fingerprint K/V of that key must have (None: not the loaded model's);
-        `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit)."""
+        `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit);
+        `probe()`: the loaded model's cache after one token (version-2 files' layers are checked on it)."""
         self._fp_of, self._model = fp_of, model
+        if probe is not None:
+            self._probe = probe
+
+    @staticmethod
+    def _open(p: Path) -> int:
+        return _open_regular(p)
 
     @property
     def _dtype(self):
@@ -214,8 +231,11 @@ class DiskTier:
             self.log(f"disk cache: {p.name} dropped (its K/V key is not one)")
             _unlink(p)
             return None
+        layers = first.get("layers") if segs[0].version == ds.VERSION_STATES else None
+        parts = [disk_states.part_sizes(layers, s.n) for s in segs] if layers is not None else []
         return DiskEntry(p.stem, p, key, last.get("owner", ""), first["fp"], tokens,
-                         [(s.start + s.n, s.end) for s in segs], last.get("messages", []), st.st_mtime)
+                         [(s.start + s.n, s.end) for s in segs], last.get("messages", []), st.st_mtime,
+                         layers=layers, parts=parts)
 
     # ---- figures ---------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -225,7 +245,8 @@ class DiskTier:
         return {"enabled": self.enabled, "entries": len(self.entries), "bytes": self.used_bytes(),
                 "cap_bytes": self.cap_bytes, "folder": str(self.folder),
                 "last_write": {"tokens": self.stats.tokens, "bytes": self.stats.bytes,
-                               "file_bytes": self.stats.file_bytes, "kind": self.stats.kind},
+                               "file_bytes": self.stats.file_bytes, "kind": self.stats.kind,
+                               "state_bytes": self.stats.state_bytes, "segments": self.stats.segments},
                 "written_bytes": self.stats.total_bytes}
 
     def set_cap(self, cap_mib: int) -> None:
@@ -302,11 +323,13 @@ class DiskTier:
             return False
         from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
-            # A sliding window or a recurrent state (engine/layer_cache.py): an append-only segment of
-            # the new tokens' K/V does not describe it (a window overwrites, a state is replaced). Such
-            # a conversation is not written here (it stays in RAM parking and session files, format
-            # 3); a whole-state segment per turn would fit its fixed size and is left for later.
-            return False
+            # A sliding window or a recurrent state: segment version 2 (engine/disk_states.py), unless a
+            # layer is one it cannot describe (a window with pinned cells: none of the loaded families)
+            try:
+                if disk_states.describe(entry.cache) is None:
+                    return False
+            except ValueError:
+                return False
         if getattr(entry, "disk_skip", -1) == len(entry.tokens):     # cleared: written again once it grows
             return False
         e = self.entries.get(getattr(entry, "disk_id", ""))
@@ -343,6 +366,13 @@ class DiskTier:
                 e = None
         else:
             e = None
+        from . import layer_cache
+        if layer_cache.needs_checkpoints(entry.cache):
+            if e is not None and e.layers is None:
+                e, keep_tokens, keep_bytes = None, 0, 0
+            return self._persist_states(entry, e, keep_tokens, keep_bytes, fp, stop)
+        if e is not None and e.layers is not None:
+            e, keep_tokens, keep_bytes = None, 0, 0
         t0 = time.perf_counter()
         store = _store_of(entry.cache)
         kv = _host_copy(entry.cache, keep_tokens, n, g, store, stop)
@@ -378,6 +408,7 @@ class DiskTier:
             pieces = ds.encode(meta, tokens, kv)
             written = _append(path, keep_bytes, pieces)
             stats.tokens, stats.bytes, stats.file_bytes, stats.kind = len(tokens), written, file_bytes, kind
+            stats.state_bytes, stats.segments = 0, 1
             stats.total_bytes += written
             log(f"disk cache: wrote {len(tokens)} tokens ({written / 1024:.0f} KiB, {kind}) to {path.name}, "
                 f"now {file_bytes / MIB:.2f} MiB; copy {copy_ms:.1f} ms (engine), write "
@@ -387,6 +418,94 @@ class DiskTier:
         if len(e.bounds) > COMPACT_SEGMENTS:
             self._compact(e, g, store)
         return True
+
+    def _persist_states(self, entry: KVEntry, e: DiskEntry | None, keep_tokens: int, keep_bytes: int, fp: dict,
+                        stop: Callable[[], bool]) -> bool:
+        """persist() for a conversation with a window or a recurrent state (engine/disk_states.py): the new
+        tokens [keep_tokens, n) as one segment per message boundary, appended at keep_bytes."""
+        layers = disk_states.describe(entry.cache)
+        if layers is None:
+            return False
+        if e is not None and e.layers != layers:
+            e, keep_tokens, keep_bytes = None, 0, 0
+        n = len(entry.tokens)
+        t0 = time.perf_counter()
+        parts = disk_states.host_parts(entry, keep_tokens, stop)
+        if parts is None:
+            return False
+        copy_ms = (time.perf_counter() - t0) * 1e3
+        if e is None:
+            eid = secrets.token_hex(8)
+            e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [], layers=layers)
+        owner = entry.owner or e.owner
+        metas = [ds.header_json({"key": str(entry.key), "fp": fp, "start": p.start, "owner": owner,
+                                 "messages": p.messages, "layers": layers}) for p in parts]
+        sizes = [ds.segment_bytes_states(len(mj), len(p.tokens), layers) for mj, p in zip(metas, parts)]
+        seg = sum(sizes)
+        if keep_bytes + seg > self.cap_bytes:
+            self.log(f"disk cache: {n} tokens need {(keep_bytes + seg) / MIB:.1f} MiB, more than the whole cap "
+                     f"of {self.cap_bytes / MIB:.0f} MiB; not written")
+            if e.id in self.entries:
+                self._remove(e, "")
+            entry.disk_id = ""
+            return False
+        self.entries.pop(e.id, None)                # its old size must not count while room is made
+        self._evict_until(keep_bytes + seg)
+        kept = sum(1 for t, _ in e.bounds if t <= keep_tokens)
+        ends, at = [], keep_bytes
+        for p, size in zip(parts, sizes):
+            at += size
+            ends.append((p.start + len(p.tokens), at))
+        e.bounds = e.bounds[:kept] + ends
+        e.parts = e.parts[:kept] + [disk_states.part_sizes(layers, len(p.tokens)) for p in parts]
+        e.tokens, e.layers = list(entry.tokens), layers
+        e.messages, e.owner, e.last_used = list(entry.messages), owner, time.time()
+        self.entries[e.id] = e
+        entry.disk_id = e.id
+        kind = "append" if keep_tokens else "rewrite"
+        state_bytes = sum(d for _, d in e.parts[kept:])
+        path, file_bytes, stats, log = e.path, at, self.stats, self.log
+
+        def job() -> None:
+            t = time.perf_counter()
+            pieces = []
+            for mj, p in zip(metas, parts):
+                pieces += ds.encode_states(mj, p.tokens, p.kv, p.state)
+            written = _append(path, keep_bytes, pieces)
+            stats.tokens, stats.bytes, stats.file_bytes, stats.kind = n - keep_tokens, written, file_bytes, kind
+            stats.state_bytes, stats.segments = state_bytes, len(parts)
+            stats.total_bytes += written
+            log(f"disk cache: wrote {n - keep_tokens} tokens in {len(parts)} segments ({written / 1024:.0f} KiB, "
+                f"of which windows and states {state_bytes / 1024:.0f} KiB, {kind}) to {path.name}, now "
+                f"{file_bytes / MIB:.2f} MiB; copy {copy_ms:.1f} ms (engine), write "
+                f"{(time.perf_counter() - t) * 1e3:.1f} ms (writer)")
+        job.what, job.entry_id = f"writing {path.name}", e.id
+        self._queue(job)
+        if disk_states.wants_compaction(e.parts):
+            self._compact_states(e)
+        return True
+
+    def _compact_states(self, e: DiskEntry) -> None:
+        """Queue the rewrite of all but e's latest KEEP_BOUNDARIES segments as one (engine/disk_states.py)."""
+        keep = disk_states.KEEP_BOUNDARIES
+        n_segs = len(e.bounds)
+        n_merged, old_end = e.bounds[-keep - 1]
+        meta = ds.header_json({"key": str(e.key), "fp": e.fp, "start": 0, "owner": e.owner, "messages": [],
+                               "layers": e.layers})
+        size = ds.segment_bytes_states(len(meta), n_merged, e.layers)
+        e.bounds = [(n_merged, size)] + [(t, b - old_end + size) for t, b in e.bounds[-keep:]]
+        e.parts = [disk_states.part_sizes(e.layers, n_merged)] + e.parts[-keep:]
+        run = disk_states.compact_job(e.path, meta, e.layers, n_merged, n_segs, _append)
+        path, stats, log, merged = e.path, self.stats, self.log, n_segs - keep
+
+        def job() -> None:
+            written = run()
+            stats.bytes, stats.kind = written, "compact"
+            stats.total_bytes += written
+            log(f"disk cache: compacted {merged} segments of {path.name} into one, {keep} kept "
+                f"({written / MIB:.2f} MiB written)")
+        job.what, job.entry_id = f"compacting {path.name}", e.id
+        self._queue(job)
 
     def _compact(self, e: DiskEntry, g, store: str) -> None:
         """Queue the rewrite of e's segments as one (by the writer thread: it reads the file, not the engine)."""
@@ -438,11 +557,30 @@ class DiskTier:
 
     # ---- finding and restoring -------------------------------------------------------------------
     def best(self, tokens: list[int], key: KVKey) -> tuple[DiskEntry | None, int]:
-        """The file sharing the longest prefix with `tokens` under `key` (parking's prefix rule)."""
+        """The file that restores the longest prefix of `tokens` under `key`, and that length: parking's
+        prefix rule (parking.longest_prefix), checkpoints included: a file of version 2 restores to a
+        segment end (a message boundary) at or before the shared prefix and the prompt's last token."""
         if not self.enabled:
             return None, 0
         self._drop_failed()
-        return longest_prefix(self.entries.values(), key, tokens)
+        best, best_n = None, 0
+        for e in self.entries.values():
+            if e.key != key:
+                continue
+            n = self.reach(e, common_prefix(e.tokens, tokens), len(tokens))
+            if n > best_n:
+                best, best_n = e, n
+        if best is None or best_n < min(MIN_PREFIX_REUSE, len(best.tokens)):
+            return None, 0
+        return best, best_n
+
+    @staticmethod
+    def reach(e: DiskEntry, shared: int, n_prompt: int) -> int:
+        """How much of the `shared` prefix e restores for a prompt of n_prompt tokens."""
+        if e.layers is None:
+            return shared
+        limit = min(shared, n_prompt - 1)
+        return max((t for t, _ in e.bounds if t <= limit), default=0)
 
     def restore(self, e: DiskEntry, m: int, make_cache: Callable[[], list]) -> tuple[KVEntry, int] | None:
         """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged)."""
@@ -452,6 +590,8 @@ class DiskTier:
         from .device_upload import to_device
         from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
         from .errors import SessionFileError
+        if e.layers is not None:
+            return disk_states.restore(self, e, m, make_cache)
         t0 = time.perf_counter()
         self.flush()
         expected = self._fp_of(e.key)
@@ -562,8 +702,12 @@ def attach(engine) -> DiskTier | None:
         fp["kv_format"] = key.kv_format
         return {k: str(v) for k, v in fp.items()}
 
+    def probe() -> list:
+        from .session_v3 import probe as cache_probe
+        return cache_probe(engine.model, engine.make_cache)
+
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
-                                   engine.n_ctx or 1 << 31, engine.guard.admit))
+                                   engine.n_ctx or 1 << 31, engine.guard.admit), probe)
     if cap:
         folder.mkdir(parents=True, exist_ok=True)
         disk.scan()

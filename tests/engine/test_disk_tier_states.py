@@ -1,0 +1,220 @@
+"""The disk tier for conversations with a sliding window (Gemma 3: a tiny real gemma3 GGUF, window 32) or
+a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 2
+(engine/disk_states.py). After a restart (a new Engine on the same data folder) the next turn is
+restored from disk, reusing exactly what the same conversation held in RAM reuses, and its greedy reply
+equals a fresh read of the same prompt; an Edit restores from an earlier boundary; a torn last segment
+falls back to the one before it; compaction keeps the latest boundaries and still restores exactly."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine import disk_segments as ds
+from engine import disk_states
+from engine.api import Call, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest
+from engine.sampling import SamplingParams
+
+SP = SamplingParams(max_tokens=8, temperature=0)
+WINDOW = 32
+FIRST = [{"role": "system", "content": "You are a patient storyteller."},
+         {"role": "user", "content": "Tell me about rivers and the sea. " * 6}]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen35"])
+def model(request, tmp_path_factory) -> tuple[str, Path]:
+    import gguf_factory_gemma
+    import gguf_factory_qwen35
+    d = tmp_path_factory.mktemp("states")
+    if request.param == "gemma3":       # sliding, global, sliding, global: windows of 32 tokens
+        return "gemma3", gguf_factory_gemma.write_tiny_gemma3(d / "g3.gguf", sliding_window=WINDOW)
+    return "qwen35", gguf_factory_qwen35.write_tiny_qwen35_gguf(d / "q35.gguf")   # 3 DeltaNet + 1 attention
+
+
+def start(path: Path, folder: Path, disk_mib: int = 64) -> Engine:
+    e = Engine(EngineOptions(model=str(path), disk_mib=disk_mib, disk_dir=str(folder))).start()
+    e.startup.result(timeout=300)
+    return e
+
+
+def turns(engine, n: int, msgs=FIRST, conv: str = "c1"):
+    msgs, out = list(msgs), []
+    for i in range(n):
+        r = engine.call(GenerateRequest(messages=msgs, sampling=SP, conversation=conv), timeout=300)
+        out.append(r)
+        msgs = msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"And then, part {i}?"}]
+        engine.wait_idle(30)
+        engine.call(Call(lambda e: e.disk and e.disk.flush()))
+    return msgs, out
+
+
+def ask(engine, msgs, conv: str = "c1"):
+    h = engine.submit(GenerateRequest(messages=msgs, sampling=SP, conversation=conv))
+    return h.result(timeout=300), h.log_lines
+
+
+def fresh_read(engine, r) -> list[int]:
+    """On the engine thread: the reply to exactly the live conversation's prompt tokens of `r`, from an
+    empty cache (no reuse at all)."""
+    def run(e):
+        from engine.generate import reply
+        from engine.parking import KVEntry
+        tokens = list(e.conversations.live.tokens[:r.prompt_tokens])
+        entry = KVEntry([], e.make_cache(), e.cache_key())
+        return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=SP, n_vocab=e.info.n_vocab,
+                     max_tokens=SP.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
+                     on_progress=lambda *a: None, cancelled=lambda: False).tokens
+    return engine.call(Call(run), timeout=300).value
+
+
+def segments(folder: Path) -> list:
+    (f,) = sorted(folder.glob("*.kvseg"))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        segs, why = ds.scan(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return segs
+
+
+def test_restart_restores_what_ram_would_and_equals_a_fresh_read(model, tmp_path):
+    """Three turns (gemma3: past the window several times over), a restart, the next turn: restored from
+    disk, as many tokens as the same conversation reuses from RAM in one engine, and the same reply,
+    which equals a fresh read."""
+    name, path = model
+    ram = start(path, tmp_path / "ram", disk_mib=0)
+    try:
+        msgs, rs = turns(ram, 3)
+        ram_r, _ = ask(ram, msgs)
+    finally:
+        ram.stop()
+    e = start(path, tmp_path / "disk")
+    try:
+        msgs2, rs2 = turns(e, 3)
+        assert [r.tokens for r in rs2] == [r.tokens for r in rs]
+        s = e.call(Status()).disk
+        assert s["entries"] == 1 and s["last_write"]["segments"] >= 1 and s["last_write"]["state_bytes"] > 0
+        # a turn writes its own tokens and the fixed state at its boundaries, not the whole file again
+        assert s["last_write"]["bytes"] < s["bytes"] and s["last_write"]["kind"] == "append"
+    finally:
+        e.stop()
+    if name == "gemma3":
+        assert rs[-1].prompt_tokens > 4 * WINDOW
+    assert all(s.version == ds.VERSION_STATES for s in segments(tmp_path / "disk"))
+    e = start(path, tmp_path / "disk")
+    try:
+        r, lines = ask(e, msgs2)
+        assert r.restored_from_disk == r.cached_tokens == ram_r.cached_tokens > 0, (r, ram_r.cached_tokens)
+        assert any("disk cache: restored" in x for x in lines)
+        assert r.tokens == ram_r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
+
+
+def test_an_edit_restores_from_an_earlier_boundary(model, tmp_path):
+    """After a restart, the second user message edited: the prompt extends only an earlier segment end
+    (the start of that message, a boundary the turn took): restored from there, the reply equals a
+    fresh read."""
+    name, path = model
+    e = start(path, tmp_path)
+    try:
+        msgs, rs = turns(e, 3)
+    finally:
+        e.stop()
+    ends = [s.start + s.n for s in segments(tmp_path)]
+    e = start(path, tmp_path)
+    try:
+        edit = msgs[:3] + [{"role": "user", "content": "And then, part 0? (edited: tell me about boats)"}]
+        r, _ = ask(e, edit)
+        assert 0 < r.restored_from_disk == r.cached_tokens < rs[1].prompt_tokens, (r, ends)
+        assert r.restored_from_disk in ends and r.restored_from_disk < ends[-1]
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
+
+
+def test_torn_last_segment_falls_back_to_the_one_before(model, tmp_path):
+    name, path = model
+    e = start(path, tmp_path / "d")
+    try:
+        msgs, rs = turns(e, 2)
+    finally:
+        e.stop()
+    segs = segments(tmp_path / "d")
+    assert len(segs) >= 2
+    (f,) = (tmp_path / "d").glob("*.kvseg")
+    other = tmp_path / "d" / "unrelated.bin"
+    other.write_bytes(b"x" * 100)
+    with open(f, "r+b") as fh:                             # the last segment cut mid-write
+        fh.truncate(f.stat().st_size - 100)
+    e = start(path, tmp_path / "d")
+    try:
+        r, lines = ask(e, msgs)
+        assert 0 < r.restored_from_disk <= segs[-2].start + segs[-2].n
+        assert r.restored_from_disk in [s.start + s.n for s in segs[:-1]]
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
+    assert other.read_bytes() == b"x" * 100                # no other file touched
+
+
+def test_flipped_state_byte_falls_back(model, tmp_path):
+    """A flipped byte at the end of the segment a restore uses (its window tail or recurrent state, the
+    last bytes of the segment): its digest refuses it, the segment before it restores (each segment end
+    restores on its own) and the reply equals a fresh read."""
+    import shutil
+    name, path = model
+    e = start(path, tmp_path / "d")
+    try:
+        msgs, _ = turns(e, 2)
+    finally:
+        e.stop()
+    shutil.copytree(tmp_path / "d", tmp_path / "copy")
+    e = start(path, tmp_path / "d")
+    try:
+        whole, _ = ask(e, msgs)
+    finally:
+        e.stop()
+    segs = segments(tmp_path / "copy")
+    used = next(i for i, s in enumerate(segs) if s.start + s.n == whole.restored_from_disk)
+    assert used >= 1
+    (f,) = (tmp_path / "copy").glob("*.kvseg")
+    data = bytearray(f.read_bytes())
+    data[segs[used].end - 5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    e = start(path, tmp_path / "copy")
+    try:
+        r, lines = ask(e, msgs)
+        assert 0 < r.restored_from_disk == segs[used - 1].start + segs[used - 1].n
+        assert any("checksum mismatch" in x for x in lines)
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
+
+
+def test_compaction_keeps_the_latest_boundaries(tmp_path, tmp_path_factory):
+    """Qwen3.5: each boundary's recurrent state is most of a segment, so after a few turns the states a
+    compaction would drop outweigh what it keeps: the file is rewritten as one merged segment plus the
+    latest KEEP_BOUNDARIES, and a restart still restores from the newest boundary exactly."""
+    import gguf_factory_qwen35
+    path = gguf_factory_qwen35.write_tiny_qwen35_gguf(tmp_path_factory.mktemp("q") / "q35.gguf")
+    e = start(path, tmp_path)
+    try:
+        msgs, rs = turns(e, 6)
+        written = e.call(Status()).disk["written_bytes"]
+    finally:
+        e.stop()
+    segs = segments(tmp_path)
+    assert len(segs) <= disk_states.KEEP_BOUNDARIES + 1 + 4           # compacted at least once
+    assert segs[0].n > segs[1].n                                      # the merged one
+    (f,) = tmp_path.glob("*.kvseg")
+    assert written > f.stat().st_size
+    e = start(path, tmp_path)
+    try:
+        r, _ = ask(e, msgs)
+        assert r.restored_from_disk == r.cached_tokens > rs[-1].prompt_tokens // 2
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
