@@ -8,7 +8,8 @@ Files: `<data folder>/cache/conversations/<id>.kvseg`, one per conversation, app
 conversation (Regenerate, Edit: the same owner) cuts the file back to the last segment boundary it
 shares and appends from there; a file of more than COMPACT_SEGMENTS segments is rewritten as one by
 the writer thread (into a temporary file renamed over it). Bounded by a cap in MiB: the least recently
-used files go first.
+used files go first. A conversation with a sliding window or a recurrent state is written as segment
+version 2 (engine/disk_states.py): a segment per message boundary, each restorable on its own.
 
 Threads: everything here runs on the engine thread except `_Writer`, which owns the files. The engine
 thread copies the new tokens' K/V slice to host memory (numpy; float16 for 16-bit K/V, codes as held

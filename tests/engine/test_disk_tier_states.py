@@ -218,3 +218,29 @@ def test_compaction_keeps_the_latest_boundaries(tmp_path, tmp_path_factory):
         assert r.tokens == fresh_read(e, r)
     finally:
         e.stop()
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gpt-oss", "olmo3", "qwen35moe"])
+def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
+    """The other registered families with a window or a recurrent state (tests/arch_cases.py's writers:
+    Gemma 4 with K/V-sharing layers, gpt-oss's windows with attention sinks, OLMo 3's, Qwen3.5's MoE):
+    written, restored after a restart, the reply equal to a fresh read."""
+    import arch_cases
+    path = arch_cases.ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf")
+    e = start(path, tmp_path / "d")
+    try:
+        kinds = e.call(Call(lambda x: [(type(c).__name__, getattr(c, "max_size", 0)) for c in x.make_cache()])).value
+        msgs, rs = turns(e, 2)
+    finally:
+        e.stop()
+    windows = [w for k, w in kinds if k == "RotatingKVCache"]
+    assert windows or any(k == "ArraysCache" for k, _ in kinds)
+    assert rs[-1].prompt_tokens > 2 * max(windows, default=0)         # past every window
+    assert all(s.version == ds.VERSION_STATES for s in segments(tmp_path / "d"))
+    e = start(path, tmp_path / "d")
+    try:
+        r, _ = ask(e, msgs)
+        assert r.restored_from_disk == r.cached_tokens > 0
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
