@@ -244,3 +244,33 @@ def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
         assert r.tokens == fresh_read(e, r)
     finally:
         e.stop()
+
+
+def test_a_file_whose_layers_are_not_the_models_is_dropped(model, tmp_path):
+    """A whole, checksummed version-2 file under this model's key and fingerprint whose layer list says
+    other widths (a file of another build of the model, or a crafted one): its layers are checked
+    against a one-token probe of the loaded model before anything is read: dropped with a line, the
+    prompt read again."""
+    import numpy as np
+    name, path = model
+    e = start(path, tmp_path)
+    try:
+        msgs, _ = turns(e, 1)
+    finally:
+        e.stop()
+    (seg,) = segments(tmp_path)[:1]
+    layers = [dict(d, t=[None if x is None else [*x[:-1], x[-1] * 2] for x in d["t"]]) for d in seg.meta["layers"]]
+    meta = dict(seg.meta, layers=layers)
+    kv, st = ds.layer_specs(layers, seg.n)
+    zeros = [np.zeros(s.shape, ds._NP[s.dtype]) for s in kv], [np.zeros(s.shape, ds._NP[s.dtype]) for s in st]
+    (f,) = tmp_path.glob("*.kvseg")
+    f.write_bytes(b"".join(bytes(memoryview(p).cast("B")) for p in ds.encode_states(ds.header_json(meta), seg.tokens,
+                                                                                     *zeros)))
+    e = start(path, tmp_path)
+    try:
+        assert e.call(Status()).disk["entries"] == 1          # whole and checksummed: indexed
+        r, lines = ask(e, msgs)
+        assert r.cached_tokens == 0 and r.restored_from_disk == 0
+        assert any("its layers are not this model's" in x for x in lines), lines
+    finally:
+        e.stop()
