@@ -229,7 +229,14 @@ def main() -> int:
             out.append(engine.tokenizer.encode(text))
         return out
 
+    import dataclasses
+
+    def snap():
+        return engine.call(Call(lambda e: dataclasses.replace(e.batch_counters)
+                                if getattr(e, "batch_counters", None) else None)).value
+
     rows = {}
+    steps_of = {}           # N -> (steps, build, wait, rows seconds, Strata's wall) over its timed rounds
     t_bench = time.perf_counter()
     for n in streams:
         names = ["strata", "mlx-lm"] + (["mlx-lm@engine-thread"] if args.raw_on_engine_thread else [])
@@ -239,7 +246,13 @@ def main() -> int:
             order = names if rnd % 2 == 0 else names[::-1]
             for name in order:
                 if name == "strata":
+                    before = snap()
                     run = strata_run(engine, ps, args.gen)
+                    after = snap()
+                    if rnd > 0 and before is not None and after is not None:
+                        d = [after.steps - before.steps, after.build_s - before.build_s,
+                             after.wait_s - before.wait_s, after.rows_s - before.rows_s, max(run[2]) - run[0]]
+                        steps_of[n] = [a + b for a, b in zip(steps_of.get(n, [0] * 5), d)]
                 elif name == "mlx-lm":
                     run = mlx_run(model, ps, args.gen)
                 else:
@@ -286,6 +299,17 @@ def main() -> int:
               f"mlx-lm BatchGenerator {join_m:.0f} ms (idle {idle_m:.0f} ms, {join_m / idle_m:.2f}x)")
     if c is not None:
         print(f"Strata batch counters: {c}")
+    if steps_of:
+        # Where a step's time goes on the engine thread: queueing it (host), waiting for the previous
+        # step's tokens (the device; ~0 means the host is the bound), handing tokens to rows; "other" is
+        # the rest of the wall time per step (prefill passes, the scheduler's loop, joins and leaves).
+        print("\n| streams | steps | build ms/step | wait ms/step | rows ms/step | other ms/step |")
+        print("|---|---|---|---|---|---|")
+        for n in streams:
+            if n in steps_of and steps_of[n][0]:
+                k, b_s, w_s, r_s, wall_s = steps_of[n]
+                print(f"| {n} | {k} | {1e3 * b_s / k:.2f} | {1e3 * w_s / k:.2f} | {1e3 * r_s / k:.2f} "
+                      f"| {1e3 * (wall_s - b_s - w_s - r_s) / k:.2f} |")
     for n in streams:
         if "mlx-lm@engine-thread" in rows[n]:
             t = rows[n]["mlx-lm@engine-thread"]

@@ -67,6 +67,13 @@ class Counters:
     peak_rows: int = 0
     rows: int = 0
     read_together: int = 0      # rows whose prompt was read in a group (engine/batch_prefill.py)
+    first_from_prompt: int = 0  # rows joining running rows, their first token from their prompt's pass
+    # where a decode step's time goes on the engine thread (bench/concurrency.py prints them): queueing
+    # the step (the model's graph, host work), waiting for the previous step's tokens (the device),
+    # handing the tokens to their rows (detokenizing, stops, events)
+    build_s: float = 0.0
+    wait_s: float = 0.0
+    rows_s: float = 0.0
 
 
 def counters(engine) -> Counters:
@@ -120,6 +127,7 @@ class Row:
     cache: list = field(default_factory=list)   # its own KVCache per layer until it joins the batch
     last: mx.array | None = None         # its token of the last step built (lazy), for `ctx`
     pending: list[int] = field(default_factory=list)   # prompt tokens fed with its first step (GPU: below)
+    first: int | None = None             # its first token, when sampled from its prompt's last pass
 
     @property
     def entry(self):
@@ -256,11 +264,12 @@ class Batch:
         """Queue one step for every row: from the previous step's (lazy) tokens, and a joining row's
         last prompt token. Returns the step's tokens (lazy)."""
         eng = self.engine
-        firsts = [r.turn.tokens[-1] for r in joined]
+        # a joining row feeds its prompt's last token, or the first token its prompt's pass gave it
+        firsts = [r.turn.tokens[-1] if r.first is None else r.first for r in joined]
         merged = joined[0].pending if len(self.rows) == 1 and joined else []
-        for r in joined:
+        for r, t in zip(joined, firsts):
             r.entry.tokens.extend(r.pending)
-            r.entry.tokens.append(r.turn.tokens[-1])
+            r.entry.tokens.append(t)
             r.pending = []
         parts = ([self.y] if self.y is not None else []) + ([mx.array(firsts)] if firsts else [])
         inputs = parts[0] if len(parts) == 1 else mx.concatenate(parts)
@@ -282,7 +291,7 @@ class Batch:
             if all(_plain_greedy(r) for r in self.rows):
                 y = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
             else:
-                y = mx.concatenate([r.sample(logits[i:i + 1], first=i >= n_old)
+                y = mx.concatenate([r.sample(logits[i:i + 1], first=i >= n_old and r.first is None)
                                     for i, r in enumerate(self.rows)])
         mx.async_eval(y)
         self.steps += 1
@@ -341,8 +350,12 @@ class Scheduler:
                     ready.remove(r)
             for r in ready:
                 self.prefilling.remove(r)
+                if r.ended:             # its first token (from its prompt's pass) ended it
+                    self._finish(r)
+                    continue
                 self.batch.join(r)
-                r.t_prefill = time.perf_counter()
+                r.t_prefill = r.t_prefill or time.perf_counter()
+            ready = [r for r in ready if not r.ended]
             if self.batch.rows:
                 self._step(together + ready)
             if not self.batch.rows and not self.prefilling and not self.waiting and self.group is None:
@@ -512,24 +525,33 @@ class Scheduler:
         from .generate import FIRST_CHUNK, next_chunk, on_gpu, prefill
         eng = self.engine
         h = row.handle
+        if self.batch.rows and row.pending:     # it will not step alone: no part goes with a step
+            row.todo, row.pending = row.todo + row.pending, []
         total = len(row.todo)
         gpu = on_gpu()
         chunk = eng.options.prefill_chunk
         pace = eng.handlers._prefill_pace()
         size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
         part = row.todo[row.done:row.done + size]
+        # A row joining rows that decode: its last chunk takes the prompt's last token too, and its first
+        # token is sampled from that pass and sent at once. Joining at a step instead, it would wait for
+        # the batch's step in flight, its own step, and the next one's build (the pipeline reads a
+        # step's tokens after queueing the next): a joining stream's first token would cost its
+        # prompt's read plus two steps of the whole batch (bench/concurrency.py's join figure).
+        last = bool(self.batch.rows) and row.done + len(part) >= total
+        feed = part + [row.turn.tokens[-1]] if last else part
         if eng.steering is not None:
             eng.steering.speed_projection = row.steered
         base = row.done
 
         def report(d: int, _t: int) -> None:
             if d:   # each chunk's prefill() opens with (0, n): the row said 0 when it started (_start)
-                h.emit(Progress("prefill", base + d, total))
+                h.emit(Progress("prefill", min(base + d, total), total))
         t0 = time.perf_counter()
         try:
-            prefill(eng.model, row.cache, part, row.entry.tokens, chunk=chunk, first=size,
-                    progress=report if total > 1 else None,
-                    cancelled=lambda: h.cancelled, layerwise=None if not eng.serving.distributed else False)
+            logits = prefill(eng.model, row.cache, feed, row.entry.tokens, chunk=chunk, first=len(feed),
+                             progress=report if total > 1 else None, cancelled=lambda: h.cancelled,
+                             layerwise=None if not eng.serving.distributed else False, last_logits=last)
         except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
             self.prefilling.remove(row)
             if isinstance(e, StrataError):
@@ -538,17 +560,30 @@ class Scheduler:
                 self._drop(row)
             self._fail(h, e)
             return
-        pace.record(len(part), time.perf_counter() - t0)
+        pace.record(len(feed), time.perf_counter() - t0)
         row.done += len(part)
+        if last:
+            token = row.sample(logits, first=True).item()
+            row.first, row.n, row.t_prefill = token, 1, time.perf_counter()
+            row.turn.stats.t_first = row.t_prefill
+            counters(eng).first_from_prompt += 1
+            if row.out.push(token) or row.n >= row.turn.max_tokens:
+                row.ended = "done"
 
     # -- decoding --
     def _step(self, joined: list[Row]) -> None:
         b = self.batch
         stepped = [r for r in b.rows if r not in joined]     # the rows the previous step's tokens are for
         prev = b.y
+        c = counters(self.engine)
         try:
+            t0 = time.perf_counter()
             b.y = b.build(joined)
+            t1 = time.perf_counter()
             values = prev.tolist() if prev is not None else []
+            t2 = time.perf_counter()
+            c.build_s += t1 - t0
+            c.wait_s += t2 - t1
         except Exception as e:  # noqa: BLE001 - a failed step fails every row (their K/V is suspect)
             log.exception("engine: batched step failed")
             for r in b.rows:
@@ -574,6 +609,7 @@ class Scheduler:
         for r in joined:                        # nothing read for them yet; a cancel may come first
             if r.handle.cancelled:
                 r.ended, r.out.finish = "cancelled", "cancelled"
+        c.rows_s += time.perf_counter() - now
         if b.steps % 256 == 0:
             mx.clear_cache()
 

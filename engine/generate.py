@@ -94,11 +94,14 @@ class PrefillPace:
 
 def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512,
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False,
-            pace: PrefillPace | None = None, layerwise: bool | None = None, first: int | None = None) -> None:
+            pace: PrefillPace | None = None, layerwise: bool | None = None, first: int | None = None,
+            last_logits: bool = False) -> mx.array | None:
     """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
     `progress(0, total)` comes first, then one call per chunk (and, on a slow machine, calls from
     within a chunk every PROGRESS_S). `pace`: the model's remembered speed (a throwaway one if None).
-    `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes)."""
+    `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes).
+    `last_logits`: return the (1, vocab) logits after the last token (evaluated with the last chunk),
+    for a caller that feeds the whole prompt and samples the first token from this pass."""
     from . import layer_cache
     from .errors import Cancelled
     done = 0
@@ -116,6 +119,7 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
     if progress and tokens:
         progress(0, total)
     last_report = time.perf_counter()
+    logits = None
     while done < total:
         if cancelled():
             raise Cancelled("cancelled")
@@ -123,9 +127,11 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         part = tokens[done:done + size]
         t0 = time.perf_counter()
         with mx.stream(_stream()):
+            want = last_logits and done + len(part) >= total
             if not layerwise:
-                model(mx.array(part)[None], cache=cache)
-                mx.eval(layer_cache.arrays(cache))
+                out = model(mx.array(part)[None], cache=cache)
+                logits = out[:, -1, :] if want else None
+                mx.eval(layer_cache.arrays(cache) + ([logits] if want else []))
             else:
                 # What each layer's cache held before this chunk: put back on a cancel mid-chunk for the
                 # layers not yet computed (references only; each is let go just before its layer runs,
@@ -134,7 +140,8 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
                 # A cache with layers that cannot trim (a recurrent state, a window) is undone from a
                 # snapshot instead (engine/layer_cache.py); None for full K/V.
                 snap = layer_cache.snapshot(cache, len(fed))
-                model(mx.array(part)[None], cache=cache)
+                out = model(mx.array(part)[None], cache=cache)
+                logits = out[:, -1, :] if want else None
                 n = len(cache)
                 for i, c in enumerate(cache):
                     before[i] = None
@@ -162,6 +169,9 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
         # as mlx-lm does after a prefill: a full chunk's activations go back to the system. Not
         # after a turn's few new tokens, where it only costs time (~1.4 ms on an H200).
         mx.clear_cache()
+    if logits is not None:
+        mx.eval(logits)      # layerwise: the layers are in; the output head is all that is left
+    return logits
 
 
 def first_step_merge_limit(chunk: int) -> int:

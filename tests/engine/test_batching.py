@@ -647,3 +647,53 @@ def test_quantized_kv_requests_run_alone_and_match(tiny_gguf_wide):
         eng.stop()
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert c.rows == 0 and c.steps == 0
+
+
+# ---- a stream joining rows that decode --------------------------------------------------------------
+JOINERS = [GenerateRequest(prompt=PROMPTS[1], conversation="j0", sampling=greedy(12)),
+           GenerateRequest(prompt=PROMPTS[4], conversation="j1",
+                           sampling=SamplingParams(max_tokens=10, temperature=0.9, seed=7)),
+           GenerateRequest(prompt=PROMPTS[6], conversation="j2",
+                           sampling=SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3)),
+           GenerateRequest(prompt=PROMPTS[7], conversation="j3", sampling=greedy(1)),
+           GenerateRequest(prompt=PROMPTS[3], conversation="j4", sampling=greedy(9))]
+
+
+def test_a_joining_stream_gets_its_first_token_from_its_prompt_and_equals_alone(tiny):
+    """Streams that arrive while another decodes read their prompt with its last token and take their
+    first token from that pass (engine/batching.py _prefill_chunk), not from the batch's next steps:
+    greedy, seeded and penalised rows still equal their lone runs, one of max_tokens=1 ends at that
+    token without joining, and the running stream is untouched. On a GPU a joiner's first token then
+    costs its prompt's read, not two more steps of the whole batch (bench/concurrency.py)."""
+    solo = start(tiny, 1)
+    try:
+        ref = alone(solo, JOINERS)
+        ref_long = solo.call(GenerateRequest(prompt=PROMPTS[0], conversation="long", sampling=greedy(300)), 300)
+    finally:
+        solo.stop()
+    eng = start(tiny, 8)
+    try:
+        seen = threading.Event()
+        count = [0]
+
+        def on(ev):
+            if isinstance(ev, Token):
+                count[0] += 1
+                if count[0] == 3:
+                    seen.set()
+        long = eng.submit(GenerateRequest(prompt=PROMPTS[0], conversation="long", sampling=greedy(300)), callback=on)
+        assert seen.wait(120), "the long stream never started"
+        got = []
+        for r in JOINERS:           # one at a time, each while the long stream decodes
+            got.append(eng.submit(r).result(300))
+            assert not long.finished.is_set(), "the long stream ended before every joiner was served"
+        long_r = long.result(300)
+        c = counters(eng)
+    finally:
+        eng.stop()
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.tokens == b.tokens, JOINERS[i].conversation
+        assert a.finish_reason == b.finish_reason and a.generated_tokens == b.generated_tokens
+    assert got[3].generated_tokens == 1
+    assert long_r.tokens == ref_long.tokens
+    assert c.first_from_prompt == len(JOINERS), c
