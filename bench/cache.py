@@ -489,7 +489,8 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
         ratios = [c / max(d, 1e-6) for d, c in zip(dt, ct)]
         disk = got["disk"][0]
         rows.append((n, disk.prompt_tokens, min(x.restored_from_disk for x in got["disk"]), dt, ct, ratios,
-                     d1["last_write"]["bytes"], d2["last_write"]["bytes"], d2["bytes"]))
+                     d1["last_write"]["bytes"], d2["last_write"]["bytes"], d2["bytes"],
+                     d2["last_write"].get("state_bytes", 0), d2["last_write"].get("segments", 1)))
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(snap.parent, ignore_errors=True)
 
@@ -501,9 +502,12 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
     print("| history | prompt | from disk (tokens, least of the rounds) | disk tier ttft | re-read ttft | speed-up | turn 1 written | "
           "turn 2 written | file |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for n, p, rd, dt, ct, x, w1, w2, size in rows:
-        print(f"| {n} | {p} | {rd} | {span(dt)} | {span(ct)} | {span(x)}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB | "
-              f"{size / 1e6:.2f} MB |")
+    for n, p, rd, dt, ct, x, w1, w2, size, w2_state, w2_segs in rows:
+        # a model with windows or a recurrent state (engine/disk_states.py): a segment per message
+        # boundary, each with the windows' last tokens and the recurrent state there
+        states = f" ({w2_segs} segments, {w2_state / 1e3:.0f} KB windows/states)" if w2_state else ""
+        print(f"| {n} | {p} | {rd} | {span(dt)} | {span(ct)} | {span(x)}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB"
+              f"{states} | {size / 1e6:.2f} MB |")
     return 0
 
 

@@ -271,6 +271,9 @@ def restore(tier, e, m: int, make_cache: Callable[[], list]):
                 regions.append(ds.read_region(fd, s.kv_offset, ds.layer_specs(layers, s.n)[0], s.kv_digest, "K/V"))
             except ds.SegmentError as err:
                 tier.log(f"disk cache: {e.path.name}: {err}; falling back to its last whole segment")
+                # no segment from here on restores: the index ends before it, so the next write cuts it off
+                e.bounds, e.parts = e.bounds[:j], e.parts[:j]
+                e.tokens = e.tokens[:s.start]
                 break
         while regions and state is None:
             s = segs[len(regions) - 1]
@@ -279,6 +282,8 @@ def restore(tier, e, m: int, make_cache: Callable[[], list]):
             except ds.SegmentError as err:
                 tier.log(f"disk cache: {e.path.name}: {err}; falling back to the segment before it")
                 regions.pop()
+                j = len(regions)            # as above: the next write cuts the file before the damaged one
+                e.bounds, e.parts, e.tokens = e.bounds[:j], e.parts[:j], e.tokens[:s.start]
         end = sum(s.n for s in segs[:len(regions)])
         if not regions or end < min(MIN_PREFIX_REUSE, m):
             raise SessionFileError("no whole segment left")

@@ -334,7 +334,9 @@ class DiskTier:
         if getattr(entry, "disk_skip", -1) == len(entry.tokens):     # cleared: written again once it grows
             return False
         e = self.entries.get(getattr(entry, "disk_id", ""))
-        return e is None or e.key != entry.key or e.tokens != entry.tokens
+        # a conversation cut back to a prefix of its file (restored from an earlier boundary, a cancelled
+        # turn) is held there already: writing it would be a segment of no tokens
+        return e is None or e.key != entry.key or e.tokens[:len(entry.tokens)] != entry.tokens
 
     def persist(self, entry: KVEntry, stop: Callable[[], bool] = lambda: False) -> bool:
         """Queue a write of what `entry` holds that its file lacks. False when `stop()` said to give way

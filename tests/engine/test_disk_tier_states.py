@@ -23,18 +23,22 @@ FIRST = [{"role": "system", "content": "You are a patient storyteller."},
          {"role": "user", "content": "Tell me about rivers and the sea. " * 6}]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen35"])
-def model(request, tmp_path_factory) -> tuple[str, Path]:
+@pytest.fixture(scope="module", params=["gemma3", "gemma3+q8", "qwen35"])
+def model(request, tmp_path_factory) -> tuple[str, tuple]:
+    """(name, (GGUF path, engine options)). gemma3+q8: 8-bit K/V, i.e. its global layers quantized
+    (codes, scales and biases written as held) beside windows mlx-lm keeps in 16/32-bit."""
     import gguf_factory_gemma
     import gguf_factory_qwen35
     d = tmp_path_factory.mktemp("states")
-    if request.param == "gemma3":       # sliding, global, sliding, global: windows of 32 tokens
-        return "gemma3", gguf_factory_gemma.write_tiny_gemma3(d / "g3.gguf", sliding_window=WINDOW)
-    return "qwen35", gguf_factory_qwen35.write_tiny_qwen35_gguf(d / "q35.gguf")   # 3 DeltaNet + 1 attention
+    if request.param.startswith("gemma3"):    # sliding, global, sliding, global: windows of 32 tokens
+        path = gguf_factory_gemma.write_tiny_gemma3(d / "g3.gguf", sliding_window=WINDOW)
+        return request.param, (path, {"kv_bits": 8} if request.param.endswith("q8") else {})
+    return "qwen35", (gguf_factory_qwen35.write_tiny_qwen35_gguf(d / "q35.gguf"), {})   # 3 DeltaNet + 1 attention
 
 
-def start(path: Path, folder: Path, disk_mib: int = 64) -> Engine:
-    e = Engine(EngineOptions(model=str(path), disk_mib=disk_mib, disk_dir=str(folder))).start()
+def start(path, folder: Path, disk_mib: int = 64) -> Engine:
+    path, opts = path if isinstance(path, tuple) else (path, {})
+    e = Engine(EngineOptions(model=str(path), disk_mib=disk_mib, disk_dir=str(folder), **opts)).start()
     e.startup.result(timeout=300)
     return e
 
@@ -100,9 +104,12 @@ def test_restart_restores_what_ram_would_and_equals_a_fresh_read(model, tmp_path
         assert s["last_write"]["bytes"] < s["bytes"] and s["last_write"]["kind"] == "append"
     finally:
         e.stop()
-    if name == "gemma3":
+    if name.startswith("gemma3"):
         assert rs[-1].prompt_tokens > 4 * WINDOW
-    assert all(s.version == ds.VERSION_STATES for s in segments(tmp_path / "disk"))
+    segs = segments(tmp_path / "disk")
+    assert all(s.version == ds.VERSION_STATES for s in segs)
+    kinds = {d["kind"] for d in segs[0].meta["layers"]}
+    assert kinds == {"gemma3": {"kv", "rotating"}, "gemma3+q8": {"kv_quant", "rotating"}, "qwen35": {"kv", "arrays"}}[name]
     e = start(path, tmp_path / "disk")
     try:
         r, lines = ask(e, msgs2)
@@ -190,6 +197,17 @@ def test_flipped_state_byte_falls_back(model, tmp_path):
         assert 0 < r.restored_from_disk == segs[used - 1].start + segs[used - 1].n
         assert any("checksum mismatch" in x for x in lines)
         assert r.tokens == fresh_read(e, r)
+        e.wait_idle(30)
+    finally:
+        e.stop()
+    # the turn's write cut the damaged segment off: the next return restores past it, with no mismatch
+    follow = msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "And at night?"}]
+    e = start(path, tmp_path / "copy")
+    try:
+        again, lines = ask(e, follow)
+        assert again.restored_from_disk > r.restored_from_disk
+        assert not any("checksum mismatch" in x for x in lines)
+        assert again.tokens == fresh_read(e, again)
     finally:
         e.stop()
 
