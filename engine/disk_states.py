@@ -21,7 +21,7 @@ falls back to the one before it, which is whole on its own.
 Bytes per turn: the new tokens' K/V of the full layers, min(new, window) tokens of each window layer
 per boundary, and one recurrent state per boundary (about 4 boundaries a turn). Compaction (the writer
 thread, when the bytes it would drop -- older boundaries' states and window tails -- exceed the
-bytes it keeps, or past MAX_SEGMENTS): everything before the latest KEEP_BOUNDARIES segments becomes one
+bytes the rewritten file holds, or past MAX_SEGMENTS): everything before the latest KEEP_BOUNDARIES segments becomes one
 segment (its state: the last of them), the latest segments are copied as they are. So a file keeps
 the latest KEEP_BOUNDARIES + 1 restore points, as RAM parking keeps its latest MAX_CHECKPOINTS, and the
 rewrites cost at most as many bytes again as the appends (a compaction drops at least as much as it
@@ -163,21 +163,29 @@ def host_parts(entry, keep: int, stop: Callable[[], bool]) -> list[Part] | None:
             for p, (a, b) in enumerate(zip(starts, ends))]
 
 
-def part_sizes(layers: list, n: int) -> tuple[int, int]:
-    """(bytes a compaction keeps of a segment of n tokens: its full layers' K/V, bytes it drops once
-    the segment is merged into an older one: its window tails and recurrent states)."""
+def state_bytes(layers: list, n: int) -> int:
+    """Of a segment of n tokens, the bytes of its window tails and recurrent states (the fixed part a
+    boundary costs, beside its full layers' K/V)."""
     kv, st = ds.layer_specs(layers, n)
     full = sum(s.end - s.start for s in kv if layers[int(s.name[1:].split(".")[0])]["kind"] in ds.PER_TOKEN)
-    return full, ds.region_bytes(kv) - full + ds.region_bytes(st)
+    return ds.region_bytes(kv) - full + ds.region_bytes(st)
 
 
-def wants_compaction(parts: list[tuple[int, int]]) -> bool:
-    """`parts`: (kept, dropped) bytes per segment. Compact when merging all but the latest
-    KEEP_BOUNDARIES segments would drop more than the file keeps, or past MAX_SEGMENTS."""
-    if len(parts) <= KEEP_BOUNDARIES + 1:
+def merged_bytes(layers: list, n: int, json_len: int) -> int:
+    return ds.segment_bytes_states(json_len, n, layers)
+
+
+def wants_compaction(bounds: list[tuple[int, int]], layers: list) -> bool:
+    """`bounds`: (token end, byte end) per segment. Compact when merging all but the latest
+    KEEP_BOUNDARIES segments would drop more bytes than the rewritten file holds (the merged run keeps
+    one window and one state: what goes is the older boundaries' states and the windows' older
+    tokens), or past MAX_SEGMENTS. A compaction so drops at least what it writes: the rewrites cost
+    at most as many bytes again as the appends."""
+    if len(bounds) <= KEEP_BOUNDARIES + 1:
         return False
-    dropped = sum(d for _, d in parts[:-KEEP_BOUNDARIES])
-    return dropped > sum(k for k, _ in parts) or len(parts) > MAX_SEGMENTS
+    n_merged, old_end = bounds[-KEEP_BOUNDARIES - 1]
+    dropped = old_end - merged_bytes(layers, n_merged, 0)
+    return dropped > bounds[-1][1] - dropped or len(bounds) > MAX_SEGMENTS
 
 
 def compact_job(path: Path, merged_meta: bytes, layers: list, n_merged: int, n_segs: int,
@@ -272,8 +280,7 @@ def restore(tier, e, m: int, make_cache: Callable[[], list]):
             except ds.SegmentError as err:
                 tier.log(f"disk cache: {e.path.name}: {err}; falling back to its last whole segment")
                 # no segment from here on restores: the index ends before it, so the next write cuts it off
-                e.bounds, e.parts = e.bounds[:j], e.parts[:j]
-                e.tokens = e.tokens[:s.start]
+                e.bounds, e.tokens = e.bounds[:j], e.tokens[:s.start]
                 break
         while regions and state is None:
             s = segs[len(regions) - 1]
@@ -283,7 +290,7 @@ def restore(tier, e, m: int, make_cache: Callable[[], list]):
                 tier.log(f"disk cache: {e.path.name}: {err}; falling back to the segment before it")
                 regions.pop()
                 j = len(regions)            # as above: the next write cuts the file before the damaged one
-                e.bounds, e.parts, e.tokens = e.bounds[:j], e.parts[:j], e.tokens[:s.start]
+                e.bounds, e.tokens = e.bounds[:j], e.tokens[:s.start]
         end = sum(s.n for s in segs[:len(regions)])
         if not regions or end < min(MIN_PREFIX_REUSE, m):
             raise SessionFileError("no whole segment left")

@@ -57,10 +57,9 @@ class DiskEntry:
     bounds: list[tuple[int, int]]          # (token end, byte end) of each segment, as queued
     messages: list = field(default_factory=list)
     last_used: float = 0.0
-    # segment version 2 (engine/disk_states.py: a window or a recurrent state): its layer list, and per
-    # segment (bytes a compaction keeps, bytes it drops); None and [] for full K/V
+    # segment version 2 (engine/disk_states.py: a window or a recurrent state): its layer list; None for
+    # full K/V
     layers: list | None = None
-    parts: list = field(default_factory=list)
 
     _texts: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -233,10 +232,9 @@ class DiskTier:
             _unlink(p)
             return None
         layers = first.get("layers") if segs[0].version == ds.VERSION_STATES else None
-        parts = [disk_states.part_sizes(layers, s.n) for s in segs] if layers is not None else []
         return DiskEntry(p.stem, p, key, last.get("owner", ""), first["fp"], tokens,
                          [(s.start + s.n, s.end) for s in segs], last.get("messages", []), st.st_mtime,
-                         layers=layers, parts=parts)
+                         layers=layers)
 
     # ---- figures ---------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -460,13 +458,12 @@ class DiskTier:
             at += size
             ends.append((p.start + len(p.tokens), at))
         e.bounds = e.bounds[:kept] + ends
-        e.parts = e.parts[:kept] + [disk_states.part_sizes(layers, len(p.tokens)) for p in parts]
         e.tokens, e.layers = list(entry.tokens), layers
         e.messages, e.owner, e.last_used = list(entry.messages), owner, time.time()
         self.entries[e.id] = e
         entry.disk_id = e.id
         kind = "append" if keep_tokens else "rewrite"
-        state_bytes = sum(d for _, d in e.parts[kept:])
+        state_bytes = sum(disk_states.state_bytes(layers, len(p.tokens)) for p in parts)
         path, file_bytes, stats, log = e.path, at, self.stats, self.log
 
         def job() -> None:
@@ -484,7 +481,7 @@ class DiskTier:
                 f"{(time.perf_counter() - t) * 1e3:.1f} ms (writer)")
         job.what, job.entry_id = f"writing {path.name}", e.id
         self._queue(job)
-        if disk_states.wants_compaction(e.parts):
+        if disk_states.wants_compaction(e.bounds, layers):
             self._compact_states(e)
         return True
 
@@ -497,7 +494,6 @@ class DiskTier:
                                "layers": e.layers})
         size = ds.segment_bytes_states(len(meta), n_merged, e.layers)
         e.bounds = [(n_merged, size)] + [(t, b - old_end + size) for t, b in e.bounds[-keep:]]
-        e.parts = [disk_states.part_sizes(e.layers, n_merged)] + e.parts[-keep:]
         run = disk_states.compact_job(e.path, meta, e.layers, n_merged, n_segs, _append)
         path, stats, log, merged = e.path, self.stats, self.log, n_segs - keep
 

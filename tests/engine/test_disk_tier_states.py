@@ -213,20 +213,22 @@ def test_flipped_state_byte_falls_back(model, tmp_path):
 
 
 def test_compaction_keeps_the_latest_boundaries(tmp_path, tmp_path_factory):
-    """Qwen3.5: each boundary's recurrent state is most of a segment, so after a few turns the states a
-    compaction would drop outweigh what it keeps: the file is rewritten as one merged segment plus the
-    latest KEEP_BOUNDARIES, and a restart still restores from the newest boundary exactly."""
+    """Qwen3.5: each boundary's recurrent state is most of a segment, so after some turns the older
+    boundaries' states a compaction would drop outweigh the file it writes: the file is rewritten as
+    one merged segment plus the latest KEEP_BOUNDARIES, and a restart still restores from the newest
+    boundary exactly."""
     import gguf_factory_qwen35
     path = gguf_factory_qwen35.write_tiny_qwen35_gguf(tmp_path_factory.mktemp("q") / "q35.gguf")
     e = start(path, tmp_path)
     try:
-        msgs, rs = turns(e, 6)
+        msgs, rs = turns(e, 10)
         written = e.call(Status()).disk["written_bytes"]
     finally:
         e.stop()
     segs = segments(tmp_path)
-    assert len(segs) <= disk_states.KEEP_BOUNDARIES + 1 + 4           # compacted at least once
-    assert segs[0].n > segs[1].n                                      # the merged one
+    # compacted: the first segment runs past every boundary of the first turn (merged)
+    assert segs[0].n > rs[0].prompt_tokens + len(rs[0].tokens)
+    assert len(segs) <= disk_states.KEEP_BOUNDARIES + 1 + 8
     (f,) = tmp_path.glob("*.kvseg")
     assert written > f.stat().st_size
     e = start(path, tmp_path)
