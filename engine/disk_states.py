@@ -318,6 +318,8 @@ def build(layers: list, ns: list[int], regions: list[list[np.ndarray]], state: l
     """The per-layer caches after sum(ns) tokens from the segments' regions (host arrays), each float
     tensor in this model's dtype (the probe's)."""
     import mlx.core as mx
+
+    from .device_upload import to_device
     m = sum(ns)
     merged = merge_regions(layers, ns, regions)
     kv_it, st_it = iter(merged), iter(state)
@@ -328,7 +330,7 @@ def build(layers: list, ns: list[int], regions: list[list[np.ndarray]], state: l
         it = st_it if kind.name == "arrays" else kv_it
         ts = []
         for x, r in zip([x for x in d["t"] if x is not None], refs):
-            a = mx.array(next(it))
+            a = to_device(np.ascontiguousarray(next(it)))     # CUDA: one DMA, no managed-memory faults
             if x[0] == "BF16":
                 a = a.view(mx.bfloat16)
             ts.append(a.astype(r.dtype) if a.dtype != r.dtype else a)
