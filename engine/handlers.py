@@ -177,7 +177,7 @@ class RequestHandlers:
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
-                or tok.encode(text, add_bos=add_bos))
+                or tok.encode_prompt(text, add_bos=add_bos))
 
     def _prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
@@ -237,7 +237,7 @@ class RequestHandlers:
             text = render(self.eng.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
                           tools=getattr(req, "tools", None))
             add_bos = tok.add_bos and not (bos and text.startswith(bos))
-            marks.append(common_prefix(tokens, tok.encode(text, add_bos=add_bos)))
+            marks.append(common_prefix(tokens, tok.encode_prompt(text, add_bos=add_bos)))
         return marks
 
     # issue 34 (continuous batching, engine/batching.py): _generate split in two so a batched row
@@ -554,7 +554,7 @@ class RequestHandlers:
         text = render(self.eng.template, req.messages, bos_token=bos, add_generation_prompt=False,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        tokens = tok.encode(text, add_bos=add_bos)
+        tokens = tok.encode_prompt(text, add_bos=add_bos)
         if len(tokens) >= self.eng.n_ctx:
             raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         self.eng.log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")

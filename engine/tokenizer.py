@@ -1,7 +1,7 @@
 """The tokenizer a GGUF describes, built with the `tokenizers` library via transformers' GGUF conversion."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
@@ -37,9 +37,22 @@ class GGUFTokenizer:
     add_bos: bool
     fingerprint: str = ""
     rendered: frozenset[int] = frozenset()   # special tokens decoded as text anyway (harmony's markers)
+    prompts: object = field(default=None, repr=False, compare=False)   # engine/prompt_encoder.py, made on use
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id] + ids
+        return ids
+
+    def encode_prompt(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """encode(text) for a rendered chat: the same ids, tokenizing only what follows the longest
+        prefix it shares with a recent prompt, up to a special token (engine/prompt_encoder.py)."""
+        if self.prompts is None:
+            from .prompt_encoder import PromptEncoder
+            self.prompts = PromptEncoder(self.backend)
+        ids = self.prompts.encode(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id] + ids
