@@ -1,6 +1,6 @@
 """Prefill and decode speed: Strata's engine vs raw mlx-lm stepping (vs llama.cpp), same GGUF, same prompt.
 
-    python bench/engine.py [--model PATH | --random-shape llama1b|smollm2|tiny] [--prompt-tokens 128]
+    python bench/engine.py [--model PATH | --random-shape NAME] [--prompt-tokens 128]
                            [--gen 64] [--rounds 10] [--no-llama]
 
 Runs alternate between the engines, the order flipping every round, for --rounds rounds after one
@@ -11,9 +11,13 @@ Definitions are the same for all: prefill tok/s = prompt tokens / time to first 
 token changes every run, so Strata's prefix reuse cannot help).
 
 Raw mlx-lm gets the same weights from Strata's own loader in the dtype the engine computes in (float32
-on the CPU, float16 on a GPU: Metal or CUDA), and runs on the main thread. --random-shape builds a
-random-weight Q8_0 GGUF of that shape (bench/shapes.py; EOS ignored so every run makes all its
-tokens) where no real model file can travel. llama.cpp runs when llama_cpp is importable (CPU here).
+on the CPU, float16 on a GPU: Metal or CUDA), and runs on the main thread; its generate_step makes
+its cache with mlx-lm's make_prompt_cache, i.e. the model class's own make_cache (RotatingKVCache on
+Gemma 3's and gpt-oss's windowed layers, as the engine holds them). --random-shape builds a
+random-weight GGUF of that shape (bench/shapes.py: dense llama and Qwen3.5-like shapes in Q8_0,
+Gemma-3-1B's layout in Q8_0, gpt-oss-20b's block with MXFP4 experts; EOS ignored so every run makes
+all its tokens) where no real model file can travel. llama.cpp runs when llama_cpp is importable (CPU
+here).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.shapes import CHOICES   # noqa: E402  (plain Python: the shape names)
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
@@ -105,7 +110,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None)
-    src.add_argument("--random-shape", choices=("llama1b", "smollm2", "tiny"), default=None)
+    src.add_argument("--random-shape", choices=CHOICES, default=None)
     ap.add_argument("--shape-dir", default=os.path.join(tempfile.gettempdir(), "strata-shapes"))
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)

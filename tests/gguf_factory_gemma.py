@@ -26,6 +26,7 @@ import numpy as np
 
 import gguf
 import gguf_factory
+import gguf_random_blocks
 
 SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 GEMMA3_TURN = ("<start_of_turn>", "<end_of_turn>")
@@ -123,11 +124,17 @@ def _add_vocab(w: gguf.GGUFWriter, v: dict) -> None:
 
 
 class _Rand:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, fast: bool = False):
         self.rng = np.random.default_rng(seed)
+        self.fast = fast
 
     def normal(self, shape, std):
         return (self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def weight(self, shape, std):
+        """A block's weight matrix: float normals, or with `fast` its quantized blocks drawn at write
+        time (tests/gguf_random_blocks.py: benchmark-size files)."""
+        return gguf_random_blocks.draw(self.rng, shape, std) if self.fast else self.normal(shape, std)
 
     def norm(self, n, center=1.0):
         """A norm's effective scale: `center` plus noise."""
@@ -148,7 +155,10 @@ def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: s
         if name == "rope_freqs.weight" or arr.ndim == 1 or "ffn_gate_inp" in name:   # kept F32
             w.add_tensor(name, arr.astype(np.float32))
             continue
-        data, raw_dtype = gguf_factory._encode(arr, qtype)
+        if isinstance(arr, gguf_random_blocks.RandomBlocks):
+            data, raw_dtype = arr.encode(qtype)
+        else:
+            data, raw_dtype = gguf_factory._encode(arr, qtype)
         w.add_tensor(name, data, **({"raw_dtype": raw_dtype} if raw_dtype is not None else {}))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -171,12 +181,15 @@ def _head(r: _Rand, n_vocab: int, n_embd: int, turn_end: str, eot_like: int | No
 def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
                       sliding_window=32, pattern: int | None = 2, context_length=2048, tensor_type="F16",
                       seed=0, rope_theta=1_000_000.0, tie_embeddings=False, eot_like: int | None = None,
-                      rope_linear: float | None = None, name=None) -> Path:
+                      rope_linear: float | None = None, name=None, fast_random: bool = False,
+                      edit=None) -> Path:
     """A tiny Gemma 3. `pattern`: every pattern-th layer is global, written as
     gemma3.attention.sliding_window_pattern (llama.cpp reads it; 2 = sliding, global, ...). Real
     files have no such key (pattern=None): llama.cpp's default then makes every 6th layer global,
-    so such a file needs at least 6 layers."""
-    r = _Rand(seed)
+    so such a file needs at least 6 layers. `fast_random`: the blocks' weight matrices written as
+    random quantized blocks (bench/shapes.py's big files; Q8_0 in seconds). `edit(tensors)`: called
+    on the tensor dict before writing (bench/shapes.py zeroes output rows)."""
+    r = _Rand(seed, fast_random)
     n_vocab = len(vocab("gemma3")["tokens"])
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     t: dict[str, np.ndarray] = {"token_embd.weight": r.normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))}
@@ -184,23 +197,25 @@ def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         p = f"blk.{i}."
         # stored as the converter writes them: 1 + w (here the effective scale itself)
         t[p + "attn_norm.weight"] = r.norm(n_embd)
-        t[p + "attn_q.weight"] = r.normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
-        t[p + "attn_k.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
-        t[p + "attn_v.weight"] = r.normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_q.weight"] = r.weight((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_k.weight"] = r.weight((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_v.weight"] = r.weight((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
         t[p + "attn_q_norm.weight"] = r.norm(head_dim, QK_NORM)
         t[p + "attn_k_norm.weight"] = r.norm(head_dim, QK_NORM)
-        t[p + "attn_output.weight"] = r.normal((n_embd, q_dim), 1.0 / np.sqrt(q_dim))
+        t[p + "attn_output.weight"] = r.weight((n_embd, q_dim), 1.0 / np.sqrt(q_dim))
         # post-norms set the blocks' weight in the residual stream: ~2x the scaled embedding's
         # std of 2, so the blocks, not the input token's own embedding, decide the next token
         t[p + "post_attention_norm.weight"] = r.norm(n_embd, 3.0)
         t[p + "ffn_norm.weight"] = r.norm(n_embd)
-        t[p + "ffn_gate.weight"] = r.normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
-        t[p + "ffn_up.weight"] = r.normal((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
-        t[p + "ffn_down.weight"] = r.normal((n_embd, n_ff), 1.0 / np.sqrt(n_ff))
+        t[p + "ffn_gate.weight"] = r.weight((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "ffn_up.weight"] = r.weight((n_ff, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "ffn_down.weight"] = r.weight((n_embd, n_ff), 1.0 / np.sqrt(n_ff))
         t[p + "post_ffw_norm.weight"] = r.norm(n_embd, 3.0)
     t["output_norm.weight"] = r.norm(n_embd)
     if not tie_embeddings:
         t["output.weight"] = _head(r, n_vocab, n_embd, GEMMA3_TURN[1], eot_like)
+    if edit is not None:
+        edit(t)
 
     def meta(w):
         w.add_name(name or f"Tiny gemma3 {n_layer}x{n_embd} seed {seed}")

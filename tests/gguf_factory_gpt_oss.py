@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 import gguf_factory as gf
+import gguf_random_blocks
 
 HARMONY_TOKENS = ("<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
                   "<|message|>", "<|call|>")
@@ -47,14 +48,20 @@ def token_id(text: str) -> int:
 def write_tiny_gpt_oss_gguf(path, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=4,
                             n_expert_used=2, n_ff_exp=256, sliding_window=32, context_length=4096,
                             tensor_type="F16", mxfp4_experts=False, seed=0, rope_theta=150000.0,
-                            router_std=3.0, name=None) -> Path:
+                            router_std=3.0, name=None, fast_random=False, edit=None) -> Path:
     """A tiny random-weight gpt-oss GGUF. ``sliding_window`` is small (the real models use 128) so that
     short test prompts already cross it. ``mxfp4_experts``: the ``*_exps`` weights MXFP4-encoded by
-    gguf-py (block 32, e8m0 scale), as the real releases ship them."""
+    gguf-py (block 32, e8m0 scale), as the real releases ship them. ``fast_random``: the blocks'
+    weight matrices written as random quantized blocks (tests/gguf_random_blocks.py; bench/shapes.py's
+    big files: gpt-oss-20b's layer shape in seconds, not minutes). ``edit(tensors)``: called on the
+    tensor dict before writing (bench/shapes.py zeroes output rows)."""
     rng = np.random.default_rng(seed)
 
     def normal(shape, std):
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def weight(shape, std):
+        return gguf_random_blocks.draw(rng, shape, std) if fast_random else normal(shape, std)
 
     def norm_w(n):
         return (1.0 + normal((n,), 0.1)).astype(np.float32)
@@ -66,13 +73,13 @@ def write_tiny_gpt_oss_gguf(path, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=
     for i in range(n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm_w(n_embd)
-        t[p + "attn_q.weight"] = normal((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_q.weight"] = weight((q_dim, n_embd), 1.0 / np.sqrt(n_embd))
         t[p + "attn_q.bias"] = normal((q_dim,), 0.2)
-        t[p + "attn_k.weight"] = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_k.weight"] = weight((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
         t[p + "attn_k.bias"] = normal((kv_dim,), 0.2)
-        t[p + "attn_v.weight"] = normal((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
+        t[p + "attn_v.weight"] = weight((kv_dim, n_embd), 1.0 / np.sqrt(n_embd))
         t[p + "attn_v.bias"] = normal((kv_dim,), 0.2)
-        t[p + "attn_output.weight"] = normal((n_embd, q_dim), 3.0 / np.sqrt(q_dim))
+        t[p + "attn_output.weight"] = weight((n_embd, q_dim), 3.0 / np.sqrt(q_dim))
         t[p + "attn_output.bias"] = normal((n_embd,), 0.2)
         # sink logits of the order of the scores: some heads give the sink real weight
         t[p + "attn_sinks.weight"] = normal((n_head,), 1.5)
@@ -80,14 +87,16 @@ def write_tiny_gpt_oss_gguf(path, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=
         t[p + "ffn_gate_inp.weight"] = normal((n_expert, n_embd), router_std / np.sqrt(n_embd))
         t[p + "ffn_gate_inp.bias"] = normal((n_expert,), 0.5)
         # gate/up strong enough that some activations pass the clamp at +-7 (the SwiGLU's limit)
-        t[p + "ffn_gate_exps.weight"] = normal((n_expert, n_ff_exp, n_embd), 2.5 / np.sqrt(n_embd))
+        t[p + "ffn_gate_exps.weight"] = weight((n_expert, n_ff_exp, n_embd), 2.5 / np.sqrt(n_embd))
         t[p + "ffn_gate_exps.bias"] = normal((n_expert, n_ff_exp), 0.5)
-        t[p + "ffn_up_exps.weight"] = normal((n_expert, n_ff_exp, n_embd), 2.5 / np.sqrt(n_embd))
+        t[p + "ffn_up_exps.weight"] = weight((n_expert, n_ff_exp, n_embd), 2.5 / np.sqrt(n_embd))
         t[p + "ffn_up_exps.bias"] = normal((n_expert, n_ff_exp), 0.5)
-        t[p + "ffn_down_exps.weight"] = normal((n_expert, n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp))
+        t[p + "ffn_down_exps.weight"] = weight((n_expert, n_embd, n_ff_exp), 1.0 / np.sqrt(n_ff_exp))
         t[p + "ffn_down_exps.bias"] = normal((n_expert, n_embd), 0.2)
     t["output_norm.weight"] = norm_w(n_embd)
     t["output.weight"] = normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))
+    if edit is not None:
+        edit(t)
 
     qtype, ftype = gf._TENSOR_TYPES[tensor_type]
     if mxfp4_experts:
@@ -130,7 +139,11 @@ def write_tiny_gpt_oss_gguf(path, *, n_layer=2, n_embd=256, n_head=4, n_head_kv=
     w.add_chat_template(TEMPLATE.read_text())
 
     for gname, arr in t.items():
-        if gname.endswith(("ffn_gate_inp.weight", ".bias")) or arr.ndim == 1:
+        if isinstance(arr, gguf_random_blocks.RandomBlocks):
+            mx = mxfp4_experts and "_exps." in gname
+            data, raw_dtype = arr.encode(gguf.GGMLQuantizationType.MXFP4 if mx else qtype)
+            w.add_tensor(gname, data, raw_dtype=raw_dtype) if raw_dtype is not None else w.add_tensor(gname, data)
+        elif gname.endswith(("ffn_gate_inp.weight", ".bias")) or arr.ndim == 1:
             # router, biases (the 2-D expert ones too: llama.cpp's CPU add_id takes only F32) and 1-D
             # tensors stay F32, as in the released files
             w.add_tensor(gname, arr.astype(np.float32))
