@@ -108,10 +108,21 @@ class Part:
     messages: list
 
 
-def boundaries(entry, keep: int) -> list[int]:
-    """Where the segments of a write [keep, n) end: the conversation's checkpoints after `keep`, and n."""
+def boundaries(entry, keep: int, shared: int | None = None) -> list[int]:
+    """Where the segments of a write [keep, n) end: the conversation's checkpoints after `keep`, and n.
+    `shared`: how much of the conversation the next turn's prompt will share (None: unknown). A
+    boundary past it only serves a Regenerate (which then resumes a few tokens earlier, at the end of
+    the last message) and is cut off by the next turn's write: Qwen3.5's and harmony's templates render
+    the last reply otherwise, so the prompt's end and the reply's end are left out, a recurrent
+    state each. Where none of this write's boundaries is within `shared` (a render that differs
+    elsewhere, e.g. for tools), all are written."""
     n = len(entry.tokens)
-    return sorted({ck.n for ck in entry.checkpoints if keep < ck.n < n}) + [n]
+    ends = sorted({ck.n for ck in entry.checkpoints if keep < ck.n < n}) + [n]
+    if shared is not None and shared < n:
+        within = [b for b in ends if b <= shared]
+        if within:
+            return within
+    return ends
 
 
 def _host(a) -> np.ndarray:
@@ -132,11 +143,12 @@ def _ring_tail(c, t: int) -> list:
     return [k[..., k.shape[2] - t:, :], v[..., v.shape[2] - t:, :]]
 
 
-def host_parts(entry, keep: int, stop: Callable[[], bool]) -> list[Part] | None:
-    """The segments of entry's tokens [keep, n) as host arrays, one layer at a time; None when `stop()`
-    says a request is waiting. ValueError when the cache does not hold exactly its tokens."""
+def host_parts(entry, keep: int, stop: Callable[[], bool], shared: int | None = None) -> list[Part] | None:
+    """The segments of entry's tokens [keep, end) as host arrays (end: the last of `boundaries`), one
+    layer at a time; None when `stop()` says a request is waiting. ValueError when the cache does not
+    hold exactly its tokens."""
     cache, n = entry.cache, len(entry.tokens)
-    ends = boundaries(entry, keep)
+    ends = boundaries(entry, keep, shared)
     cks = {ck.n: ck for ck in entry.checkpoints}
     starts = [keep] + ends[:-1]
     kv: list[list] = [[] for _ in ends]

@@ -128,6 +128,8 @@ class DiskTier:
         self._model: Callable[[], tuple] = lambda: (None, 1 << 31, 1 << 31, None)
         # this model's cache after one token (session_v3.probe): what a version-2 file's layers must be
         self._probe: Callable[[], list] = lambda: []
+        # how much of a conversation its next turn's prompt shares (None: unknown): disk_states.boundaries
+        self._next_shares: Callable[[KVEntry], int | None] = lambda entry: None
 
     # ---- set-up ---------------------------------------------------------------------------------
     @property
@@ -135,13 +137,16 @@ class DiskTier:
         return self.cap_bytes > 0
 
     def use_model(self, fp_of: Callable[[KVKey], dict | None], model: Callable[[], tuple],
-                  probe: Callable[[], list] | None = None) -> None:
+                  probe: Callable[[], list] | None = None,
+                  next_shares: Callable[[KVEntry], int | None] | None = None) -> None:
         """`fp_of(key)`: the fingerprint K/V of that key must have (None: not the loaded model's);
         `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit);
         `probe()`: the loaded model's cache after one token (version-2 files' layers are checked on it)."""
         self._fp_of, self._model = fp_of, model
         if probe is not None:
             self._probe = probe
+        if next_shares is not None:
+            self._next_shares = next_shares
 
     @staticmethod
     def _open(p: Path) -> int:
@@ -429,12 +434,17 @@ class DiskTier:
             return False
         if e is not None and e.layers != layers:
             e, keep_tokens, keep_bytes = None, 0, 0
-        n = len(entry.tokens)
         t0 = time.perf_counter()
-        parts = disk_states.host_parts(entry, keep_tokens, stop)
+        try:
+            shared = self._next_shares(entry)
+        except Exception as err:  # noqa: BLE001 - unknown: every boundary written
+            self.log(f"disk cache: the next turn's prompt not rendered ({type(err).__name__}: {str(err)[:120]})")
+            shared = None
+        parts = disk_states.host_parts(entry, keep_tokens, stop, shared)
         if parts is None:
             return False
         copy_ms = (time.perf_counter() - t0) * 1e3
+        n = parts[-1].start + len(parts[-1].tokens)      # < len(entry.tokens): the rest is not shared
         if e is None:
             eid = secrets.token_hex(8)
             e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [], layers=layers)
@@ -458,8 +468,11 @@ class DiskTier:
             at += size
             ends.append((p.start + len(p.tokens), at))
         e.bounds = e.bounds[:kept] + ends
-        e.tokens, e.layers = list(entry.tokens), layers
-        e.messages, e.owner, e.last_used = list(entry.messages), owner, time.time()
+        e.tokens, e.layers = list(entry.tokens[:n]), layers
+        if n < len(entry.tokens):
+            entry.disk_skip = len(entry.tokens)       # written as far as it serves: again once it grows
+        e.messages = list(entry.messages) if n == len(entry.tokens) else []
+        e.owner, e.last_used = owner, time.time()
         self.entries[e.id] = e
         entry.disk_id = e.id
         kind = "append" if keep_tokens else "rewrite"
@@ -705,8 +718,26 @@ def attach(engine) -> DiskTier | None:
         from .session_v3 import probe as cache_probe
         return cache_probe(engine.model, engine.make_cache)
 
+    def next_shares(entry: KVEntry) -> int | None:
+        """How much of `entry` the next turn's prompt shares: its messages and one more user message,
+        rendered as handlers.prompt_tokens renders a prompt (held token ids kept: continue_tokens), the
+        shared prefix with its tokens. None where it has no chat messages ending in a reply."""
+        msgs = entry.messages
+        if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
+            return None
+        from .chat_template import render
+        tok = engine.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""
+        text = render(engine.template, list(msgs) + [{"role": "user", "content": "..."}], bos_token=bos,
+                      eos_token=eos, add_generation_prompt=False)
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key) \
+            or tok.encode(text, add_bos=add_bos)
+        return common_prefix(entry.tokens, toks)
+
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
-                                   engine.n_ctx or 1 << 31, engine.guard.admit), probe)
+                                   engine.n_ctx or 1 << 31, engine.guard.admit), probe, next_shares)
     if cap:
         folder.mkdir(parents=True, exist_ok=True)
         disk.scan()
