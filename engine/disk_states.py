@@ -4,7 +4,11 @@ version 2 (engine/disk_segments.py).
 
 A turn's write is still append-only, split at the conversation's message boundaries (its checkpoints,
 RAM parking's own restore points: generate.reply's marks, the prompt's end less its last token, each
-reply's end) into one segment per boundary. Each segment holds
+reply's end) into one segment per boundary, up to the last boundary the next turn will share
+(`boundaries`: the conversation and one more user message rendered as a prompt is; Qwen3.5's and
+harmony's templates render the last reply otherwise, so the prompt's end and the reply's end would
+only be cut off by the next turn's write: they are not written, and a Regenerate after a restart
+resumes from the end of the last message, a few tokens earlier). Each segment holds
   * the full K/V layers' (`kv`, `kv_quant`) K/V of its tokens, as today;
   * each window layer's (`rotating`) K/V of its last min(n, window) tokens: the ring at a boundary is
     exactly the last `window` tokens' K/V in order (mlx-lm's ring is rebuilt from them: offset, write
@@ -19,13 +23,14 @@ the next turn from the last boundary it shares, an Edit from an earlier one. A t
 falls back to the one before it, which is whole on its own.
 
 Bytes per turn: the new tokens' K/V of the full layers, min(new, window) tokens of each window layer
-per boundary, and one recurrent state per boundary (about 4 boundaries a turn). Compaction (the writer
-thread, when the bytes it would drop -- older boundaries' states and window tails -- exceed the
-bytes the rewritten file holds, or past MAX_SEGMENTS): everything before the latest KEEP_BOUNDARIES segments becomes one
-segment (its state: the last of them), the latest segments are copied as they are. So a file keeps
-the latest KEEP_BOUNDARIES + 1 restore points, as RAM parking keeps its latest MAX_CHECKPOINTS, and the
-rewrites cost at most as many bytes again as the appends (a compaction drops at least as much as it
-keeps).
+per boundary (for a turn shorter than the window: its tokens once, like full K/V), and one recurrent
+state per boundary (2 a turn for Qwen3.5's template, 4 for one that renders replies as fed).
+Compaction (the writer thread, when the bytes a merge would drop -- older boundaries' states and the
+windows' older tokens -- exceed the bytes the rewritten file holds, or past MAX_SEGMENTS): everything
+before the latest KEEP_BOUNDARIES segments becomes one segment (its state: the last of them), the
+latest segments are copied as they are. So a file keeps the latest KEEP_BOUNDARIES + 1 restore
+points, as RAM parking keeps its latest MAX_CHECKPOINTS, and the rewrites cost at most as many bytes
+again as the appends (a compaction drops at least as much as it writes).
 """
 from __future__ import annotations
 
