@@ -195,23 +195,7 @@ def segment_bytes_states(json_len: int, n: int, layers: list) -> int:
 
 def encode_states(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray], state: list[np.ndarray]) -> list:
     """A version-2 segment's pieces in file order (digests computed here: the writer thread calls it)."""
-    tokens = np.ascontiguousarray(tokens, dtype="<i4")
-    kd, sd = xxhash.xxh3_128(), xxhash.xxh3_128()
-    kv_len = state_len = 0
-    for a in kv:
-        kd.update(a)
-        kv_len += a.nbytes
-    for a in state:
-        sd.update(a)
-        state_len += a.nbytes
-    fixed = _FIXED.pack(MAGIC, VERSION_STATES, len(meta_json), len(tokens), kv_len, _ZERO16, _ZERO16)
-    head = xxhash.xxh3_128()
-    head.update(fixed)
-    head.update(_STATE.pack(state_len, _ZERO16))
-    head.update(meta_json)
-    head.update(tokens)
-    fixed = _FIXED.pack(MAGIC, VERSION_STATES, len(meta_json), len(tokens), kv_len, head.digest(), kd.digest())
-    return [fixed, _STATE.pack(state_len, sd.digest()), meta_json, tokens, *kv, *state]
+    return _encode(VERSION_STATES, meta_json, tokens, kv, state)
 
 
 def read_region(fd: int, offset: int, specs: list[TensorSpec], digest: bytes, what: str) -> list[np.ndarray]:
@@ -235,19 +219,32 @@ def segment_bytes(json_len: int, n: int, g: Geometry, store: str = "float16") ->
 
 def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
     """The segment's pieces in file order (the digests computed here: a writer thread calls it)."""
+    return _encode(VERSION, meta_json, tokens, kv, None)
+
+
+def _encode(version: int, meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray], state: list | None) -> list:
+    """Version 1: fixed part, JSON, tokens, K/V. Version 2: the fixed part's state extension after it,
+    and the state region (its own digest) after the K/V."""
     tokens = np.ascontiguousarray(tokens, dtype="<i4")
-    kv_digest = xxhash.xxh3_128()
-    kv_len = 0
+    kv_digest, state_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
+    kv_len = state_len = 0
     for a in kv:
         kv_digest.update(a)
         kv_len += a.nbytes
-    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_json), len(tokens), kv_len, _ZERO16, _ZERO16)
+    for a in state or ():
+        state_digest.update(a)
+        state_len += a.nbytes
+    fixed = _FIXED.pack(MAGIC, version, len(meta_json), len(tokens), kv_len, _ZERO16, _ZERO16)
     head = xxhash.xxh3_128()
     head.update(fixed)
+    if state is not None:
+        head.update(_STATE.pack(state_len, _ZERO16))
     head.update(meta_json)
     head.update(tokens)
-    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_json), len(tokens), kv_len, head.digest(), kv_digest.digest())
-    return [fixed, meta_json, tokens, *kv]
+    fixed = _FIXED.pack(MAGIC, version, len(meta_json), len(tokens), kv_len, head.digest(), kv_digest.digest())
+    if state is None:
+        return [fixed, meta_json, tokens, *kv]
+    return [fixed, _STATE.pack(state_len, state_digest.digest()), meta_json, tokens, *kv, *state]
 
 
 def _check_meta(meta, start: int, first: dict | None, version: int = VERSION) -> dict:

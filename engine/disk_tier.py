@@ -391,15 +391,8 @@ class DiskTier:
         meta = ds.header_json({"key": str(entry.key), "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
                                "store": store, "messages": list(entry.messages)})
         seg = ds.segment_bytes(len(meta), n - keep_tokens, g, store)
-        if keep_bytes + seg > self.cap_bytes:
-            self.log(f"disk cache: {n} tokens need {(keep_bytes + seg) / MIB:.1f} MiB, more than the whole cap "
-                     f"of {self.cap_bytes / MIB:.0f} MiB; not written")
-            if e.id in self.entries:
-                self._remove(e, "")
-            entry.disk_id = ""
+        if not self._make_room(entry, e, n, keep_bytes + seg):
             return False
-        self.entries.pop(e.id, None)                # its old size must not count while room is made
-        self._evict_until(keep_bytes + seg)
         e.tokens = list(entry.tokens)
         e.bounds = [b for b in e.bounds if b[0] <= keep_tokens] + [(n, keep_bytes + seg)]
         e.messages, e.owner, e.last_used = list(entry.messages), entry.owner or e.owner, time.time()
@@ -423,6 +416,20 @@ class DiskTier:
         self._queue(job)
         if len(e.bounds) > COMPACT_SEGMENTS:
             self._compact(e, g, store)
+        return True
+
+    def _make_room(self, entry: KVEntry, e: DiskEntry, n: int, size: int) -> bool:
+        """Room for e's file at `size` bytes (least recently used files out); False, with its file removed,
+        when it alone is larger than the cap."""
+        if size > self.cap_bytes:
+            self.log(f"disk cache: {n} tokens need {size / MIB:.1f} MiB, more than the whole cap "
+                     f"of {self.cap_bytes / MIB:.0f} MiB; not written")
+            if e.id in self.entries:
+                self._remove(e, "")
+            entry.disk_id = ""
+            return False
+        self.entries.pop(e.id, None)                # its old size must not count while room is made
+        self._evict_until(size)
         return True
 
     def _persist_states(self, entry: KVEntry, e: DiskEntry | None, keep_tokens: int, keep_bytes: int, fp: dict,
@@ -453,15 +460,8 @@ class DiskTier:
                                  "messages": p.messages, "layers": layers}) for p in parts]
         sizes = [ds.segment_bytes_states(len(mj), len(p.tokens), layers) for mj, p in zip(metas, parts)]
         seg = sum(sizes)
-        if keep_bytes + seg > self.cap_bytes:
-            self.log(f"disk cache: {n} tokens need {(keep_bytes + seg) / MIB:.1f} MiB, more than the whole cap "
-                     f"of {self.cap_bytes / MIB:.0f} MiB; not written")
-            if e.id in self.entries:
-                self._remove(e, "")
-            entry.disk_id = ""
+        if not self._make_room(entry, e, n, keep_bytes + seg):
             return False
-        self.entries.pop(e.id, None)                # its old size must not count while room is made
-        self._evict_until(keep_bytes + seg)
         kept = sum(1 for t, _ in e.bounds if t <= keep_tokens)
         ends, at = [], keep_bytes
         for p, size in zip(parts, sizes):
