@@ -358,6 +358,16 @@ class DiskTier:
         e = self.entries.get(getattr(entry, "disk_id", ""))
         if e is None and entry.owner:
             e = next((x for x in self.entries.values() if x.owner == entry.owner and x.key == entry.key), None)
+        if e is None:
+            # No file of its own, but it goes on from one: appended to the longest file it extends whole
+            # rather than written again as a second. The server names each request anew, and RAM parking
+            # gives a follow-up that shares part of a held conversation a copy of that part: with a
+            # window or a recurrent state the file stops at the last boundary its next turn shares
+            # (disk_states.boundaries), which that copy extends. (A full K/V file holds the whole held
+            # conversation, which a copy of a part of it never extends.)
+            e = max((x for x in self.entries.values() if x.key == entry.key and len(x.tokens) >= MIN_TOKENS
+                     and common_prefix(x.tokens, entry.tokens) == len(x.tokens)),
+                    key=lambda x: len(x.tokens), default=None)
         keep_tokens = keep_bytes = 0
         if e is not None and e.key == entry.key:
             p = common_prefix(e.tokens, entry.tokens)

@@ -320,3 +320,33 @@ def test_a_file_whose_layers_are_not_the_models_is_dropped(model, tmp_path):
         assert any("its layers are not this model's" in x for x in lines), lines
     finally:
         e.stop()
+
+
+def test_a_client_naming_each_request_anew_keeps_one_file(model, tmp_path):
+    """The server names each request anew (`http <id>`), and a follow-up that shares only part of the
+    held conversation (Qwen3.5's template re-renders the last reply; a random reply's text need not give
+    back its ids) gets a copy of that part from RAM parking, with no file of its own. The file stops at
+    the last boundary the next turn shares, which that copy extends whole: the turn is appended to it,
+    not written again whole as a second file; after a restart the next turn restores from it."""
+    name, path = model
+    e = start(path, tmp_path)
+    try:
+        msgs = list(FIRST)
+        for i in range(3):
+            r = e.call(GenerateRequest(messages=msgs, sampling=SP, conversation=f"http {i}"), timeout=300)
+            msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"And then, part {i}?"}]
+            e.wait_idle(30)
+            e.call(Call(lambda x: x.disk.flush()))
+            s = e.call(Status()).disk
+            assert s["entries"] == 1 and len(list(tmp_path.glob("*.kvseg"))) == 1, s
+            if i:
+                assert s["last_write"]["kind"] == "append" and s["last_write"]["bytes"] < s["bytes"] / 2
+    finally:
+        e.stop()
+    e = start(path, tmp_path)
+    try:
+        r, _ = ask(e, msgs, conv="http 9")
+        assert r.restored_from_disk == r.cached_tokens > 0
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
