@@ -650,5 +650,12 @@ class Scheduler:
 
 def run(engine, first: Handle):
     """The engine thread's batch loop (engine/engine.py run_forever): returns the first request that
-    had to wait for every row to end (a barrier), or None."""
-    return Scheduler(engine).run(first)
+    had to wait for every row to end (a barrier), or None.
+
+    Every op of the loop runs on mlx-lm's generation stream, the one the model's steps run on: a step's
+    inputs built from the last step's tokens on another stream (the thread's default) make a
+    cross-stream dependency, which the CUDA backend may settle by waiting for the last step on the
+    host, so the next step's graph is no longer built while the device runs the last one."""
+    from .generate import _stream
+    with mx.stream(_stream()):
+        return Scheduler(engine).run(first)
