@@ -96,7 +96,8 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
             progress: Callable[[int, int], None] | None = None, cancelled=lambda: False,
             pace: PrefillPace | None = None, layerwise: bool | None = None, first: int | None = None,
             last_logits: bool = False) -> mx.array | None:
-    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back).
+    """Feed `tokens` into the cache in chunks (all of them; the caller keeps the last one back, unless it
+    asks for the logits after it: `last_logits`).
     `progress(0, total)` comes first, then one call per chunk (and, on a slow machine, calls from
     within a chunk every PROGRESS_S). `pace`: the model's remembered speed (a throwaway one if None).
     `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes).
@@ -131,6 +132,7 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
             if not layerwise:
                 out = model(mx.array(part)[None], cache=cache)
                 logits = out[:, -1, :] if want else None
+                del out     # unevaluated, it would keep every layer's activations of the chunk alive
                 mx.eval(layer_cache.arrays(cache) + ([logits] if want else []))
             else:
                 # What each layer's cache held before this chunk: put back on a cancel mid-chunk for the
@@ -142,6 +144,7 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
                 snap = layer_cache.snapshot(cache, len(fed))
                 out = model(mx.array(part)[None], cache=cache)
                 logits = out[:, -1, :] if want else None
+                del out
                 n = len(cache)
                 for i, c in enumerate(cache):
                     before[i] = None
