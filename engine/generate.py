@@ -146,10 +146,21 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
                 logits = out[:, -1, :] if want else None
                 del out
                 n = len(cache)
-                for i, c in enumerate(cache):
+
+                def queue(i: int) -> None:
+                    # Layer i + 1 is queued before the host waits for layer i, so the worker does not
+                    # idle between two layers while the host wakes, checks and queues the next one
+                    # (~3% of a paced CPU prefill of Gemma 3 1B's layout: bench/README.md, issue 29).
                     before[i] = None
+                    mx.async_eval(layer_cache.kind_of(cache[i]).arrays(cache[i]))
+                queue(0)
+                for i, c in enumerate(cache):
+                    if i + 1 < n:
+                        queue(i + 1)
                     mx.eval(layer_cache.kind_of(c).arrays(c))
                     if i + 1 < n and cancelled():
+                        nxt = cache[i + 1]      # queued: let it finish, then it is undone with the others
+                        mx.eval(layer_cache.kind_of(nxt).arrays(nxt))
                         if snap is not None:
                             layer_cache.rollback(cache, len(fed) + len(part), len(part), snap, lambda k: None)
                             raise Cancelled("cancelled")
