@@ -39,13 +39,16 @@ def _default_sigint():
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_ctrl_c_mid_reply_exits_130(model, attempt):
+    # Greedy: this model's greedy reply runs hundreds of tokens without EOS. A sampled one could end
+    # (EOS at 23 tokens in one CI run) before the read below, and the signal then found an exited process.
     p = subprocess.Popen([sys.executable, "-m", "engine.cli", "generate", "--model", str(model), "--prompt",
-                          "Once upon a time", "-n", "20000", "--temperature", "0.8"],
+                          "Once upon a time", "-n", "20000", "--temperature", "0"],
                          cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          preexec_fn=_default_sigint)
     try:
-        got = p.stdout.read(40 + 20 * attempt)    # tokens are streaming: the engine thread is in MLX
-        assert got, p.stderr.read().decode()[-800:]
+        want = 40 + 20 * attempt
+        got = p.stdout.read(want)    # tokens are streaming: the engine thread is in MLX
+        assert len(got) == want and p.poll() is None, p.stderr.read().decode()[-800:]
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
     finally:
@@ -104,7 +107,8 @@ def test_ctrl_c_on_the_server_ends_a_live_stream_and_exits_130(model):
             assert time.monotonic() < deadline and p.poll() is None, "the server did not come up"
             time.sleep(0.2)
         lines = []
-        body = {"stream": True, "max_tokens": 20000, "temperature": 0.8,
+        # greedy, as above: a sampled reply can meet EOS before the tenth event
+        body = {"stream": True, "max_tokens": 20000, "temperature": 0,
                 "messages": [{"role": "user", "content": "Tell a long story"}]}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             t0 = None
@@ -113,6 +117,7 @@ def test_ctrl_c_on_the_server_ends_a_live_stream_and_exits_130(model):
                 if t0 is None and len(lines) >= 10:
                     p.send_signal(signal.SIGINT)      # tokens are streaming
                     t0 = time.monotonic()
+        assert t0 is not None, f"the reply ended by itself after {len(lines)} lines"
         ended_s = time.monotonic() - t0
         _, err = p.communicate(timeout=60)
     finally:
