@@ -1,0 +1,192 @@
+"""Prompt lookup on an editing task, on a target whose state cannot trim back (Qwen3.5-like), end to end.
+
+    .venv/bin/python bench/edit_replay.py --record [--model PATH] [--max-tokens 160]
+    .venv/bin/python bench/edit_replay.py --shape qwen35-0.8b [--rounds 10]
+    .venv/bin/python bench/edit_replay.py --model SmolLM2-...gguf --rounds 10      (the check, below)
+
+Why a replay: a random-weight target never repeats an edited text, so prompt lookup's acceptance on it
+means nothing, and no real Qwen3.5 file can be fetched here. What the speed-up follows from is (a) how
+often lookup's drafts are right on an editing reply and (b) what a verify pass, the recurrent state's
+snapshot, its restore and the re-feed of the accepted tokens cost on the target. (a) comes from a real
+model: `--record` runs bench/spec.py's editing prompt (rename a variable in a 60-line function) through
+the default model greedily and stores the prompt's and the reply's token ids in bench/edit_trace.json.
+(b) is measured here, in the engine's own speculative loop (engine/speculative.decode, with its
+snapshot / restore / replay rollback and its never-slower rules) on the target:
+
+  ReplayDrafter: at reply position i it runs the real LookupDrafter (the device's draft length) over
+  the recorded text up to i, and compares its draft with the recorded reply: the first n tokens equal,
+  the rest not. It proposes as many tokens, the first n being the target's own greedy continuation
+  (from a plain run) and the rest wrong. So every verify pass drafts and is accepted exactly as lookup
+  was on the real editing reply, and the target pays its real costs for it.
+
+The target's history is the recorded prompt's ids folded into its vocabulary (same length: attention
+costs the same). Each round times a plain greedy decode ("off": engine/generate.decode, pipelined) and
+the replayed speculation, alternating which goes first, from the same prefilled cache (restored between
+runs); the table gives medians, the spread of the per-round ratios, and the acceptance obtained
+(it equals the trace's unless the target's batched verify pass and its one-token steps disagree at a
+near-tie, which is then visible). Output must be identical to "off" (greedy).
+
+The check: on a full-K/V model that the trace came from (`--model` = the recording model), the replay
+runs the same drafts lookup itself would, so its speed-up must match bench/spec.py's real lookup run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.shapes import CHOICES  # noqa: E402
+
+TRACE = Path(__file__).resolve().parent / "edit_trace.json"
+
+
+def record(args) -> int:
+    from bench.spec import edit_prompt
+    from engine.engine import Engine, EngineOptions, GenerateRequest, Status
+    from engine.sampling import SamplingParams
+    engine = Engine(EngineOptions(model=args.model)).start()
+    st = engine.call(Status(), timeout=600)
+    assert st.model, "the model did not load"
+    req = GenerateRequest(messages=[{"role": "user", "content": edit_prompt()}],
+                          sampling=SamplingParams(max_tokens=args.max_tokens))
+    prompt = engine.prompt_tokens(req)
+    reply = engine.call(req, timeout=3600)
+    engine.stop()
+    TRACE.write_text(json.dumps({"model": Path(args.model).name, "prompt": prompt, "reply": reply.tokens,
+                                 "text": reply.text}, separators=(",", ":")) + "\n")
+    print(f"recorded {len(prompt)} prompt and {len(reply.tokens)} reply tokens of {Path(args.model).name} "
+          f"into {TRACE}", file=sys.stderr)
+    return 0
+
+
+class ReplayDrafter:
+    """Drafts as prompt lookup drafted on the recorded editing reply (module docstring)."""
+
+    def __init__(self, trace: dict, history_len: int, target_reply: list[int], n_vocab: int, draft_len: int):
+        from engine.speculative import LookupDrafter
+        self.lookup = LookupDrafter(draft_len=draft_len)
+        self.text = trace["prompt"] + trace["reply"]
+        self.base = len(trace["prompt"])
+        self.history_len = history_len
+        self.target = target_reply
+        self.n_vocab = n_vocab
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
+        i = len(context) - self.history_len           # reply tokens delivered so far
+        if i >= len(self.target) or self.base + i > len(self.text):
+            return [], None
+        real, _ = self.lookup.propose(self.text[:self.base + i], k)
+        truth = self.text[self.base + i:]
+        n = 0
+        while n < len(real) and n < len(truth) and real[n] == truth[n]:
+            n += 1
+        own = self.target[i:i + len(real)]
+        return [t if j < n else (t + 1) % self.n_vocab for j, t in enumerate(own)], None
+
+
+def replay(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.shapes import build_random_model
+    from engine import generate, layer_cache, speculative
+    from engine.device import compute_dtype, on_gpu
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    from engine.sampling import SamplingParams
+    trace = json.loads(TRACE.read_text())
+    path = Path(args.model) if not args.shape else build_random_model(args.shape, Path("/tmp/strata-shapes"))
+    dtype = compute_dtype()
+    model, info = load_model(open_gguf(path), dtype=dtype)
+    n_vocab = model.args.vocab_size
+    same_vocab = max(trace["prompt"] + trace["reply"]) < n_vocab and not args.shape
+    # Folded into a small vocabulary past its control tokens: the length is what attention pays for.
+    history = trace["prompt"] if same_vocab else [16 + t % (n_vocab - 16) for t in trace["prompt"]]
+    max_tokens = len(trace["reply"])
+    cache, fed = make_prompt_cache(model), []
+    generate.prefill(model, cache, history[:-1], fed)
+    mx.eval(layer_cache.arrays(cache))
+    draft_len = args.draft_len or (speculative.LOOKUP_DRAFT_GPU if on_gpu() else speculative.LOOKUP_DRAFT_CPU)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def run(mode: str, target: list[int] | None):
+        """One reply from the prefilled prompt; the cache is put back after it."""
+        nonlocal cache
+        snap = layer_cache.snapshot(cache, len(fed))
+        held = list(fed)
+        stats = generate.StepStats()
+        t0 = time.perf_counter()
+        if mode == "off":
+            it = generate.decode(model, cache, history[-1], fed, history=list(history), sampler=greedy.sampler(n_vocab),
+                                 processors=[], max_tokens=max_tokens, stats=stats)
+            spec = None
+        else:
+            spec = speculative.SpecStats()
+            drafter = ReplayDrafter(trace, len(history), target, n_vocab, draft_len)
+            it = speculative.decode(model, cache, history[-1], fed, history=list(history), sampling=greedy,
+                                    processors=[], max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter)
+        out = list(it)
+        secs = time.perf_counter() - t0
+        layer_cache.rollback(cache, len(fed), len(fed) - len(held), snap, lambda k: None)
+        del fed[len(held):]
+        assert fed == held
+        return out, secs, spec
+
+    target, _, _ = run("off", None)           # the target's own greedy reply (also the warm-up)
+    run("replay", target)
+    rows: dict = {"off": [], "replay": []}
+    accepted = drafted = 0
+    same = True
+    stopped = set()
+    for r in range(args.rounds):
+        for mode in (("off", "replay") if r % 2 == 0 else ("replay", "off")):
+            out, secs, spec = run(mode, target)
+            rows[mode].append(secs)
+            same &= out == target
+            if spec is not None:
+                accepted += spec.accepted
+                drafted += spec.drafted
+                if spec.stopped:
+                    stopped.add(spec.stopped)
+        print(f"  round {r}: off {rows['off'][-1]:.3f} s, replay {rows['replay'][-1]:.3f} s", file=sys.stderr,
+              flush=True)
+    # the acceptance lookup had on the real reply with this draft length (bench/spec.py's simulate)
+    from bench.spec import simulate
+    passes, t_dr, t_acc = simulate(trace["prompt"], trace["reply"], speculative.NGRAM_MAX, speculative.NGRAM_MIN,
+                                   draft_len)
+    ratios = sorted(o / s for o, s in zip(rows["off"], rows["replay"]))
+    dev = "GPU" if on_gpu() else "CPU"
+    tps = lambda s: (max_tokens - 1) / s  # noqa: E731 - whole reply incl. the first token, both modes alike
+    print(f"{path.name} ({info.n_layer} layers, {info.n_embd} wide), {dev} {str(dtype)[-7:]}, history "
+          f"{len(history)} tokens, reply {max_tokens} tokens, lookup draft length {draft_len}, {args.rounds} rounds; "
+          f"trace: {trace['model']}")
+    print("| mode | reply tok/s (median) | speed-up (median [min-max] of rounds) | accepted/drafted | "
+          "trace's accepted/drafted | same tokens as off |")
+    print("|---|---|---|---|---|---|")
+    print(f"| off | {tps(statistics.median(rows['off'])):.1f} | 1.00x | - | - | yes |")
+    print(f"| lookup (replayed) | {tps(statistics.median(rows['replay'])):.1f} | "
+          f"**{statistics.median(ratios):.2f}x** [{ratios[0]:.2f}-{ratios[-1]:.2f}] | "
+          f"{accepted // max(1, args.rounds)}/{drafted // max(1, args.rounds)} per reply | {t_acc}/{t_dr} | "
+          f"{'yes' if same else 'NO'} |" + (f" stopped: {'; '.join(sorted(stopped))}" if stopped else ""))
+    return 0 if same else 1
+
+
+def main() -> int:
+    from engine.models import default_model_path
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--record", action="store_true", help="record the editing trace with --model")
+    ap.add_argument("--model", default=str(default_model_path()))
+    ap.add_argument("--shape", default=None, choices=CHOICES, help="a random target of bench/shapes.py")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=160, help="--record: the reply's length")
+    ap.add_argument("--draft-len", type=int, default=0, help="lookup's draft length (default: the engine's)")
+    args = ap.parse_args()
+    return record(args) if args.record else replay(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
