@@ -244,4 +244,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
                      file_type, n_params, note)
     if spec:
         info.n_expert, info.n_expert_used, info.n_ff = spec.n_expert, spec.n_expert_used, spec.n_ff_exp
+    else:       # the families mlx-lm builds its own experts for (gpt-oss, qwen35moe): the class's names
+        info.n_expert = int(getattr(args, "num_local_experts", 0) or getattr(args, "num_experts", 0) or 0)
+        info.n_expert_used = int(getattr(args, "num_experts_per_tok", 0) or 0) if info.n_expert else 0
     return model, info

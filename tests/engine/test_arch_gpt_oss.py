@@ -131,6 +131,7 @@ def test_loads(gdir, ftype):
     assert (info.architecture, info.n_layer, info.n_embd, info.head_dim) == ("gpt_oss", 2, shape["n_embd"], 64)
     assert (info.n_head, model.args.num_local_experts, model.args.num_experts_per_tok) == (
         shape["n_head"], shape["n_expert"], shape["n_expert_used"])
+    assert (info.n_expert, info.n_expert_used) == (shape["n_expert"], shape["n_expert_used"])   # the load reply and Status carry them
     assert "sliding window 32" in info.load_note and "YaRN x32" in info.load_note
     assert model.model.layer_types == ["sliding_attention", "full_attention"]
     sw = model.model.layers[0].mlp.experts.up_proj
