@@ -17,12 +17,17 @@ one (rows, 1) input, and mlx-lm's models already take BatchKVCache's per-row off
 padding mask. Its cost: padding up to the longest row's length (memory, asked of the guard before a
 row joins) and the copies at join/leave. While one row is alone it runs on its own `KVCache`, the
 very path of a lone request (`generate.decode`'s step), so a lone request's numbers do not change.
+Models with sliding windows (Gemma 3/4, gpt-oss) or recurrent states (Qwen3.5) batch the same way,
+each layer in its own batch form (BatchRotatingKVCache; ArraysCache holding the rows' states), with two
+differences: their prompts are read one row at a time (no padded group read), and since such a cache
+cannot be cut back, a row whose last token the next step feeds anyway has its state kept from before
+that step and restored when it leaves, so it holds what it would hold alone (`_hand_back`).
 
 The schedule, one iteration:
   1. queued requests are read without waiting: generate requests wait for a row (at most
      `EngineOptions.max_sequences` rows, and the memory guard's yes); `Status` and `CountTokens`
      are answered at once; a generate request that cannot be batched (speculative decoding, a
-     constraint, quantized K/V, a model whose cache is not a plain KVCache per layer) runs alone,
+     constraint, quantized K/V) runs alone,
      to its end, between two steps; anything else (a load, a save, a restore, ...) is a barrier:
      nothing joins after it, and it is served once the rows have ended;
   2. rows that ended leave (their K/V extracted and handed back);
@@ -89,22 +94,33 @@ def enabled(engine) -> bool:
 
 
 def batchable(engine, item) -> bool:
-    """A generate request that can be a row: plain decoding on a model whose K/V is a plain KVCache
-    per layer (16-bit; mlx-lm's BatchKVCache merges only those)."""
+    """A generate request that can be a row: plain decoding on a model whose every layer cache mlx-lm's
+    batch caches merge (16-bit K/V, sliding windows, recurrent states; not quantized K/V)."""
     if not isinstance(item, Handle) or not isinstance(item.request, GenerateRequest) or engine.model is None:
         return False
     req = item.request
     if req.constraint is not None or (req.speculative or "off") != "off":
         return False        # the rule: speculation and constrained decoding run alone (between steps)
-    return plain_cache(engine)
+    return cache_batches(engine)
 
 
-def plain_cache(engine) -> bool:
-    got = getattr(engine, "_batch_plain_cache", None)
+def cache_batches(engine) -> bool:
+    return _cache_facts(engine)[0]
+
+
+def trims_freely(engine) -> bool:
+    """Every layer can be cut back (full K/V only): prompts may be read together in one padded pass
+    (engine/batch_prefill.py pads with BatchKVCache), and no row's state needs a snapshot."""
+    return _cache_facts(engine)[1]
+
+
+def _cache_facts(engine) -> tuple[bool, bool]:
+    got = getattr(engine, "_batch_cache_facts", None)
     if got is None or got[0] is not engine.model or got[1] != engine.options.kv_bits:
         from . import layer_cache
-        ok = not engine.kv_fmt.quantized and layer_cache.batchable(engine.make_cache())
-        got = engine._batch_plain_cache = (engine.model, engine.options.kv_bits, ok)
+        cache = engine.make_cache()
+        facts = (not engine.kv_fmt.quantized and layer_cache.batchable(cache), not layer_cache.needs_checkpoints(cache))
+        got = engine._batch_cache_facts = (engine.model, engine.options.kv_bits, facts)
     return got[2]
 
 
@@ -128,6 +144,11 @@ class Row:
     last: mx.array | None = None         # its token of the last step built (lazy), for `ctx`
     pending: list[int] = field(default_factory=list)   # prompt tokens fed with its first step (GPU: below)
     first: int | None = None             # its first token, when sampled from its prompt's last pass
+    unheld: int | None = None            # a token read but not held (its last, or a cancel's), which the
+                                         # step built after it fed all the same
+    snap: object = None                  # layer_cache.Checkpoint before its last token was fed (a cache
+                                         # that cannot trim: windows, recurrent states)
+    cuts: list[int] = field(default_factory=list)   # of `todo`, where a checkpoint is taken (such caches)
 
     @property
     def entry(self):
@@ -175,8 +196,9 @@ def seeded_sampler(sp, n_vocab: int):
 
 # ---- the batch --------------------------------------------------------------------------------------
 class Batch:
-    """The rows stepping together and their K/V: the one row's own KVCache list while alone, else one
-    BatchKVCache per layer (row i of it is rows[i])."""
+    """The rows stepping together and their K/V: the one row's own cache list while alone, else one
+    batch cache per layer (BatchKVCache, BatchRotatingKVCache or a merged ArraysCache; row i of it is
+    rows[i])."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -192,8 +214,8 @@ class Batch:
         """Cells per row of the batch's K/V (the longest row, with padding)."""
         if not self.rows:
             return 0
-        c = self.cache[0]
-        return c.offset if len(self.rows) == 1 else c.size()
+        # a window's or a recurrent state's size() is bounded (0 for the state): the longest layer counts
+        return max(c.size() for c in self.cache)
 
     # -- membership (between steps) --
     def leave(self, gone: list[Row]) -> None:
@@ -221,22 +243,19 @@ class Batch:
         if not self.rows:
             self.cache = None
         for r in gone:
-            held = len(r.entry.tokens)
-            for c in r.cache:           # a step built after its last token fed one more: not held
-                if c.offset > held:
-                    c.trim(c.offset - held)
-            r.entry.cache = r.cache
+            _hand_back(r)
 
     def join(self, row: Row) -> None:
         """A row whose prompt is in (all but its last token) steps from the next step on."""
-        from mlx_lm.models.cache import BatchKVCache
+        # each layer's own class merges it into its batch form (KVCache -> BatchKVCache, RotatingKVCache
+        # -> BatchRotatingKVCache, ArraysCache -> ArraysCache of the rows' states)
         if not self.rows:
             self.cache = row.cache
         elif len(self.rows) == 1:
-            self.cache = [BatchKVCache.merge([a, b]) for a, b in zip(self.cache, row.cache)]
+            self.cache = [a.merge([a, b]) for a, b in zip(self.cache, row.cache)]
         else:
             for c, mine in zip(self.cache, row.cache):
-                c.extend(BatchKVCache.merge([mine]))
+                c.extend(mine.merge([mine]))
         self.rows.append(row)
         if len(self.rows) > 1:
             # the batch holds the only copy of each row's K/V until the row leaves (extract): the
@@ -247,12 +266,11 @@ class Batch:
     def join_group(self, rows: list[Row], cache: list) -> None:
         """Rows read together (batch_prefill.GroupPrefill: one BatchKVCache per layer) step from the next
         step on."""
-        from mlx_lm.models.cache import BatchKVCache
         if not self.rows:
             self.cache = cache
         else:
             if len(self.rows) == 1:
-                self.cache = [BatchKVCache.merge([c]) for c in self.cache]
+                self.cache = [c.merge([c]) for c in self.cache]
             for c, theirs in zip(self.cache, cache):
                 c.extend(theirs)
         self.rows.extend(rows)
@@ -264,6 +282,8 @@ class Batch:
         """Queue one step for every row: from the previous step's (lazy) tokens, and a joining row's
         last prompt token. Returns the step's tokens (lazy)."""
         eng = self.engine
+        if not trims_freely(eng):
+            self._snapshot_last(joined)
         # a joining row feeds its prompt's last token, or the first token its prompt's pass gave it
         firsts = [r.turn.tokens[-1] if r.first is None else r.first for r in joined]
         merged = joined[0].pending if len(self.rows) == 1 and joined else []
@@ -300,6 +320,42 @@ class Batch:
         c.shared_steps += len(self.rows) > 1
         c.peak_rows = max(c.peak_rows, len(self.rows))
         return y
+
+
+    def _snapshot_last(self, joined: list[Row]) -> None:
+        """A row whose token of the step being built is its last (max_tokens) is fed it all the same (the
+        rows step together); a lone reply never feeds its last token. Where the cache cannot be cut back
+        (a recurrent state, a wrapped window) the row's state before it is kept, so the row leaves
+        holding what it would hold alone (_hand_back)."""
+        from . import layer_cache
+        for i, r in enumerate(self.rows):
+            if r in joined or r.snap is not None or r.n + 1 < r.turn.max_tokens:
+                continue
+            mine = self.cache if len(self.rows) == 1 else [c.extract(i) for c in self.cache]
+            r.snap = layer_cache.snapshot(mine, len(r.entry.tokens))
+
+
+def _hand_back(r: Row) -> None:
+    """A leaving row's cache back to its conversation holding exactly `entry.tokens`: the step built
+    after its last read token fed that token too (rows step together, and the pipeline builds a step
+    before reading the last). Cut back where every layer can; else its state from before that token is
+    restored (its last: `snap`); else (a cancel) the token is held, as a lone reply's cancel holds it."""
+    from . import layer_cache
+    held = len(r.entry.tokens)
+    fed = max((c.offset for c in r.cache if isinstance(getattr(c, "offset", None), int)), default=held)
+    if r.unheld is not None and fed == held and layer_cache.needs_checkpoints(r.cache):
+        fed = held + 1          # no layer counts its tokens (all recurrent): the unheld token went in
+    if fed > held:
+        if layer_cache.floor(r.cache, fed) <= held:
+            layer_cache.rollback(r.cache, fed, fed - held, None, lambda k: None)
+        elif r.snap is not None and r.snap.n == held:
+            layer_cache.rollback(r.cache, fed, fed - held, r.snap, lambda k: None)
+        elif fed == held + 1 and r.unheld is not None:
+            r.entry.tokens.append(r.unheld)
+        else:
+            raise RuntimeError(f"a leaving row's cache holds {fed} tokens, its conversation {held}")
+    r.snap = None
+    r.entry.cache = r.cache
 
 
 def _plain_greedy(row: Row) -> bool:
@@ -433,9 +489,13 @@ class Scheduler:
         processors = sp.processors()
         # On a GPU the prompt's last part goes in with the first decode step, as a lone request's does
         # (generate.first_step_merge_limit), when the row steps alone; else it is prefilled first.
-        from . import generate
+        from . import generate, layer_cache
         new = turn.tokens[turn.reuse:-1]
-        limit = generate.first_step_merge_limit(eng.options.prefill_chunk)
+        # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
+        # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
+        marks = eng.handlers._message_marks(req, turn.entry, turn.tokens)
+        checkpoints = layer_cache.needs_checkpoints(turn.entry.cache)
+        limit = generate.first_step_merge_limit(eng.options.prefill_chunk) if not marks else 0
         n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
         row = Row(handle=h, turn=turn, out=ReplyText(eng.tokenizer, sp.stop, lambda t, s: h.emit(Token(t, s))),
                   todo=new[:len(new) - n_merged], pending=new[len(new) - n_merged:], steered=turn.projection,
@@ -443,6 +503,9 @@ class Scheduler:
                   key=mx.random.key(sp.seed) if seeded else None,
                   ctx=mx.array(turn.tokens, dtype=mx.int32) if processors else None,
                   cache=turn.entry.cache)
+        if checkpoints:
+            row.cuts = sorted({m - turn.reuse for m in marks if 0 < m - turn.reuse < len(row.todo)}
+                              | ({len(row.todo)} if row.todo else set()))
         if row.todo and len(row.todo) > 1:
             h.emit(Progress("prefill", 0, len(row.todo)))
         return row
@@ -470,8 +533,8 @@ class Scheduler:
     def _start_group(self) -> bool:
         """Nothing decoding and two or more prompts not yet begun (requests sent together): they are read
         together (engine/batch_prefill.py), each leaving the group to decode once its prompt is in."""
-        if self.batch.rows:
-            return False
+        if self.batch.rows or not trims_freely(self.engine):
+            return False        # padded reads are BatchKVCache's: windows and recurrent states read alone
         fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
         if len(fresh) < 2:
             return False
@@ -532,6 +595,9 @@ class Scheduler:
         chunk = eng.options.prefill_chunk
         pace = eng.handlers._prefill_pace()
         size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
+        cut = next((c for c in row.cuts if c > row.done), None)
+        if cut is not None:
+            size = min(size, cut - row.done)
         part = row.todo[row.done:row.done + size]
         # A row joining rows that decode: its last chunk takes the prompt's last token too, and its first
         # token is sampled from that pass and sent at once. Joining at a step instead, it would wait for
@@ -539,7 +605,8 @@ class Scheduler:
         # step's tokens after queueing the next): a joining stream's first token would cost its
         # prompt's read plus two steps of the whole batch (bench/concurrency.py's join figure).
         last = bool(self.batch.rows) and row.done + len(part) >= total
-        feed = part + [row.turn.tokens[-1]] if last else part
+        # where checkpoints are due, the prompt's last token goes in a pass of its own after the checkpoint
+        feed = part + [row.turn.tokens[-1]] if last and not row.cuts else part
         if eng.steering is not None:
             eng.steering.speed_projection = row.steered
         base = row.done
@@ -551,7 +618,13 @@ class Scheduler:
         try:
             logits = prefill(eng.model, row.cache, feed, row.entry.tokens, chunk=chunk, first=len(feed),
                              progress=report if total > 1 else None, cancelled=lambda: h.cancelled,
-                             layerwise=None if not eng.serving.distributed else False, last_logits=last)
+                             layerwise=None if not eng.serving.distributed else False,
+                             last_logits=last and not row.cuts)
+            if row.done + len(part) in row.cuts:
+                row.entry.checkpoint()
+                if last:
+                    logits = prefill(eng.model, row.cache, [row.turn.tokens[-1]], row.entry.tokens,
+                                     chunk=chunk, cancelled=lambda: h.cancelled, last_logits=True)
         except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
             self.prefilling.remove(row)
             if isinstance(e, StrataError):
@@ -598,12 +671,15 @@ class Scheduler:
                 continue
             if r.handle.cancelled:
                 r.ended, r.out.finish = "cancelled", "cancelled"
+                r.unheld = token                # fed by the step just built, not delivered
                 continue
             if r.n == 0:
                 r.turn.stats.t_first = now
             r.n += 1
             if r.n < r.turn.max_tokens:
                 r.entry.tokens.append(token)    # fed by the step just built (generate.decode's `fed`)
+            else:
+                r.unheld = token                # fed too, but a lone reply never feeds its last: not held
             if r.out.push(token) or r.n >= r.turn.max_tokens:
                 r.ended = "done"
         for r in joined:                        # nothing read for them yet; a cancel may come first
@@ -618,6 +694,7 @@ class Scheduler:
         turn = row.turn
         eng._handle = row.handle
         try:
+            row.entry.checkpoint()      # a finished reply is a message boundary, as for a lone reply
             r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
             result = eng.handlers._end_turn(turn, r)
             self._give_back(row)

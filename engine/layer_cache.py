@@ -129,7 +129,7 @@ class LayerKind:
     """One cache type's side of the contract (stateless: every method takes the cache)."""
     name = ""
     trims_freely = True      # can always be cut back to any prefix (no checkpoint ever needed)
-    batches = False          # mlx-lm's BatchKVCache can merge it (engine/batching.py's rows)
+    batches = False          # mlx-lm's batch caches merge it (`merge`/`extend`/`extract`: engine/batching.py's rows)
 
     def nbytes(self, c) -> int:
         return sum(a.nbytes for a in self.arrays(c))
@@ -265,6 +265,7 @@ class Rotating(LayerKind):
     (see the module docstring)."""
     name = "rotating"
     trims_freely = False
+    batches = True           # BatchRotatingKVCache
 
     def arrays(self, c) -> list:
         return [] if c.keys is None else [c.keys, c.values]
@@ -327,6 +328,7 @@ class Recurrent(LayerKind):
     Mamba's). It holds no past: it cannot be cut back at all, only replaced by a checkpoint."""
     name = "arrays"
     trims_freely = False
+    batches = True           # ArraysCache merges its rows' states itself
 
     def arrays(self, c) -> list:
         return [a for a in c.cache if a is not None]
@@ -417,7 +419,8 @@ def floor(cache: list, held: int) -> int:
 
 
 def batchable(cache: list) -> bool:
-    """Whether every layer is one mlx-lm's BatchKVCache merges (16-bit full K/V): continuous batching's rows."""
+    """Whether every layer is one mlx-lm's batch caches merge (16-bit full K/V, windows, recurrent states):
+    continuous batching's rows. Quantized K/V is not (mlx-lm has no batched quantized cache)."""
     return all(kind_of(c).batches for c in cache)
 
 

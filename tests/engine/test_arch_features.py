@@ -292,3 +292,92 @@ def test_8_bit_kv_parking_aba_is_identical(case):
         engine.stop()
     assert [r.tokens for r in run] == [r.tokens for r in ref]
     assert run[2].cached_tokens == ref[2].cached_tokens > 0
+
+
+def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
+    """Continuous batching (engine/batching.py) on every architecture: windows (rows' windows wrap in the
+    batch), recurrent states, quantized K/V (runs alone). Three greedy streams of mixed prompt and reply
+    lengths decoded together give what each gives alone, and each conversation is left holding what a
+    lone reply leaves (the same tokens; a state that cannot be cut back restored from before its last
+    token, which the batch's next step fed all the same): its next turn reuses as much and gives the
+    same tokens. A fourth stream, cancelled after 4 tokens, leaves a conversation whose next turn gives
+    what a fresh read of it gives."""
+    from test_batching import Gate, counters
+    from engine.events import Token
+    name = case[0]
+    reqs = [GenerateRequest(prompt=words(n, 7 * i), conversation=f"b{i}",
+                            sampling=SamplingParams(max_tokens=m, temperature=0.0))
+            for i, (n, m) in enumerate([(40, 14), (6, 30), (90, 9)])]
+
+    def held(engine, owner):
+        """The conversation's tokens and what its layers hold for the tokens to come, in temporal order
+        (a window's last max_size - 1 cells: how many more it keeps, and its ring's order, are the
+        path's own; a recurrent state whole)."""
+        import mlx.core as mx
+        import numpy as np
+
+        def cells(c):
+            kind = layer_cache.kind_of(c)
+            if kind.name == "rotating":
+                n = min(c.offset, c.max_size) - 1
+                return [c._temporal_order(v)[..., -n:, :] for v in (c.keys, c.values)] if n > 0 else []
+            return kind.state(c)
+
+        def read(e):
+            entry = next(x for x in e.conversations.held() if x.owner == owner)
+            return list(entry.tokens), [np.array(a.astype(mx.float32)) for c in entry.cache for a in cells(c)]
+        return engine.call(Call(read), timeout=60).value
+
+    def again(engine, i, r):
+        req = reqs[i]
+        return engine.call(GenerateRequest(prompt=req.prompt + r.text + " " + words(5, 300), conversation=req.conversation,
+                                           sampling=SamplingParams(max_tokens=8, temperature=0.0)), timeout=600)
+    stopped = GenerateRequest(prompt=words(30, 120), conversation="b3", sampling=SamplingParams(max_tokens=40,
+                                                                                              temperature=0.0))
+    eng = start(case, max_sequences=4)
+    try:
+        gate = Gate(eng)
+        hs = [eng.submit(r) for r in reqs]
+        seen = []
+
+        def cancel_after_4(ev):
+            if isinstance(ev, Token):
+                seen.append(ev)
+                if len(seen) == 4:
+                    hc.cancel()
+        hc = eng.submit(stopped, callback=cancel_after_4)
+        gate.release()
+        got = [h.result(600) for h in hs]
+        cut = hc.result(600)
+        c = counters(eng)
+        got_held = [held(eng, r.conversation) for r in reqs]
+        got_next = [again(eng, i, got[i]) for i in range(len(reqs))]
+        after_cut = GenerateRequest(prompt=stopped.prompt + cut.text + " " + words(5, 300), conversation="b3",
+                                    sampling=SamplingParams(max_tokens=8, temperature=0.0))
+        cut_next = eng.call(after_cut, timeout=600)
+    finally:
+        eng.stop()
+    solo = start(case)
+    try:
+        ref = [solo.call(r, timeout=600) for r in reqs]
+        ref_held = [held(solo, r.conversation) for r in reqs]
+        ref_next = [again(solo, i, ref[i]) for i in range(len(reqs))]
+        fresh = solo.call(GenerateRequest(prompt=after_cut.prompt, conversation="fresh", sampling=after_cut.sampling),
+                          timeout=600)
+    finally:
+        solo.stop()
+    assert cut.finish_reason == "cancelled" and 4 <= len(cut.tokens) < 40, (cut.finish_reason, len(cut.tokens))
+    assert cut_next.tokens == fresh.tokens, f"{name}: the cancelled stream's next turn differs from a fresh read"
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    if "q8" in name:
+        assert c.rows == 0, "quantized K/V runs alone"
+    else:
+        assert c.peak_rows >= 3 and c.shared_steps > 0, f"{name}: the streams did not step together"
+    for i, ((toks, arrays), (ref_toks, ref_arrays)) in enumerate(zip(got_held, ref_held)):
+        assert toks == ref_toks, f"stream {i}: held {len(toks)} tokens, alone {len(ref_toks)}"
+        assert len(arrays) == len(ref_arrays)
+        for a, b in zip(arrays, ref_arrays):
+            assert a.shape == b.shape
+            assert float(abs(a - b).max()) <= 1e-4, f"stream {i}: its held state differs from alone"
+    for r, rr in zip(got_next, ref_next):
+        assert (r.cached_tokens, r.tokens) == (rr.cached_tokens, rr.tokens)
