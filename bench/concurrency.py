@@ -185,7 +185,8 @@ def main() -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default=None)
     src.add_argument("--random-shape", "--model-shape", dest="random_shape", default=None,
-                     help="llama1b (also: llama-1b), smollm2 or tiny: random weights of that shape (bench/shapes.py)")
+                     help="a shape of bench/shapes.py (llama1b, also llama-1b; smollm2; tiny; the hybrid and family shapes): "
+                          "random weights")
     ap.add_argument("--shape-dir", default=os.path.join(tempfile.gettempdir(), "strata-shapes"))
     ap.add_argument("--streams", default="1,2,4,8,16")
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -204,7 +205,7 @@ def main() -> int:
     from engine.model_loader import load_model
     from engine.models import default_model_path
     from bench.shapes import ignore_eos
-    shape = (args.random_shape or "").replace("-", "")
+    shape = {"llama-1b": "llama1b"}.get(args.random_shape or "", args.random_shape or "")
     if shape:
         from bench.shapes import build_random_model
         path = build_random_model(shape, Path(args.shape_dir))
