@@ -10,7 +10,8 @@ row whose prompt is in before the others' leaves the group (`take_out`) and deco
 (engine/batching.py), so a short prompt sent with a long one is not held for the long one's read.
 
 The rows' own K/V (a returning conversation's parked prefix, or nothing) is merged into one
-BatchKVCache per layer (left padding aligns the prefixes' ends). Each chunk feeds up to `n` tokens of
+batch cache per layer (BatchKVCache; a window's BatchRotatingKVCache; a recurrent state's ArraysCache,
+masked past each row's length in a pass) (left padding aligns the prefixes' ends). Each chunk feeds up to `n` tokens of
 every row, right-padded where a row has fewer left, and is then closed with mlx-lm's
 `prepare(right_padding=...)`/`finalize()` (the padding rolled to the left, where the mask hides
 it), so between two chunks the K/V is plain left-padded: a row cancelled there leaves with exactly
@@ -32,12 +33,12 @@ class GroupPrefill:
     """Rows reading their prompts together; `step()` feeds one chunk of each, `finished()` once all is in."""
 
     def __init__(self, engine, rows: list):
-        from mlx_lm.models.cache import BatchKVCache
         self.engine = engine
         self.rows = list(rows)
         for r in self.rows:             # not alone: a GPU row's held-back part is read here too
-            r.todo, r.pending = r.todo + r.pending, []
-        self.cache = [BatchKVCache.merge(list(layer)) for layer in zip(*(r.cache for r in self.rows))]
+            r.read_pending()
+        # each layer's class merges its rows (BatchKVCache, BatchRotatingKVCache, ArraysCache)
+        self.cache = [layer[0].merge(list(layer)) for layer in zip(*(r.cache for r in self.rows))]
         for r in self.rows:             # the group holds the only copy of each row's K/V from now on
             r.cache = r.entry.cache = []
 
@@ -56,7 +57,9 @@ class GroupPrefill:
         from .generate import _stream
         eng = self.engine
         n = self.chunk_size()
-        parts = [r.todo[r.done:r.done + n] for r in self.rows]
+        # a row's part stops at its next checkpoint (a cache that cannot trim: message boundaries, the
+        # prompt read), as a lone prefill does
+        parts = [r.todo[r.done:min([r.done + n] + [c for c in r.cuts if c > r.done])] for r in self.rows]
         width = max(len(p) for p in parts)
         pads = [width - len(p) for p in parts]
         inputs = mx.array([p + [0] * (width - len(p)) for p in parts])
@@ -65,7 +68,9 @@ class GroupPrefill:
         t0 = time.perf_counter()
         with mx.stream(_stream()):
             for c in self.cache:
-                c.prepare(right_padding=pads)
+                # K/V: padding rolled to the left after the pass; a window: its valid lengths, so padding
+                # evicts nothing; a recurrent state: masked past each row's length, conv state at its end
+                c.prepare(right_padding=pads, lengths=[width - p for p in pads])
             if st is not None:
                 st.speed_projection = any(steered)
                 st.rows = mx.array(steered)[:, None, None] if any(steered) and not all(steered) else None
@@ -76,21 +81,25 @@ class GroupPrefill:
                     st.rows = None
             for c in self.cache:
                 c.finalize()
-            mx.eval([a for c in self.cache for a in c.state[:2]])
+            mx.eval([a for c in self.cache for a in _arrays(c)])
         eng.handlers._prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
-        for r, p in zip(self.rows, parts):
+        from . import layer_cache
+        for i, (r, p) in enumerate(zip(self.rows, parts)):
             r.entry.tokens.extend(p)
             r.done += len(p)
+            if p and r.done in r.cuts:
+                layer_cache.add_checkpoint(r.entry.checkpoints, [c.extract(i) for c in self.cache],
+                                           len(r.entry.tokens))
             if p and len(r.todo) > 1:
                 r.handle.emit(Progress("prefill", r.done, len(r.todo)))
 
     def take_out(self, i: int):
         """Row i leaves the group (a cancel, or the group ending with one row): its K/V as fed so far,
-        a plain KVCache list, given back to the row."""
-        from mlx_lm.models.cache import KVCache
+        a plain cache list, given back to the row."""
         r = self.rows.pop(i)
         # before the first chunk of fresh prompts the group's K/V has no arrays yet
-        r.cache = r.entry.cache = [c.extract(i) if c.keys is not None else KVCache() for c in self.cache]
+        fresh = self.engine.make_cache()
+        r.cache = r.entry.cache = [c.extract(i) if not c.empty() else new for c, new in zip(self.cache, fresh)]
         if self.rows:
             keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
             for c in self.cache:
@@ -98,3 +107,10 @@ class GroupPrefill:
         else:
             self.cache = []
         return r
+
+
+def _arrays(c) -> list:
+    """A batch layer's arrays to evaluate after a pass (K/V or a recurrent state's entries)."""
+    if hasattr(c, "keys"):
+        return [a for a in (c.keys, c.values) if a is not None]
+    return [a for a in c.cache if a is not None]

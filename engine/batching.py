@@ -18,10 +18,11 @@ padding mask. Its cost: padding up to the longest row's length (memory, asked of
 row joins) and the copies at join/leave. While one row is alone it runs on its own `KVCache`, the
 very path of a lone request (`generate.decode`'s step), so a lone request's numbers do not change.
 Models with sliding windows (Gemma 3/4, gpt-oss) or recurrent states (Qwen3.5) batch the same way,
-each layer in its own batch form (BatchRotatingKVCache; ArraysCache holding the rows' states), with two
-differences: their prompts are read one row at a time (no padded group read), and since such a cache
-cannot be cut back, a row whose last token the next step feeds anyway has its state kept from before
-that step and restored when it leaves, so it holds what it would hold alone (`_hand_back`).
+each layer in its own batch form (BatchRotatingKVCache; ArraysCache holding the rows' states, masked
+past each row's length in a padded read). Such a cache cannot be cut back, so a row takes its
+checkpoints where a lone prefill does (its `cuts`), and a row whose last token the next step feeds
+anyway has its state kept from before that step and restored when it leaves, so it holds what it
+would hold alone (`_hand_back`).
 
 The schedule, one iteration:
   1. queued requests are read without waiting: generate requests wait for a row (at most
@@ -109,8 +110,7 @@ def cache_batches(engine) -> bool:
 
 
 def trims_freely(engine) -> bool:
-    """Every layer can be cut back (full K/V only): prompts may be read together in one padded pass
-    (engine/batch_prefill.py pads with BatchKVCache), and no row's state needs a snapshot."""
+    """Every layer can be cut back (full K/V only): no row's state needs a snapshot before its last step."""
     return _cache_facts(engine)[1]
 
 
@@ -153,6 +153,15 @@ class Row:
     @property
     def entry(self):
         return self.turn.entry
+
+    def read_pending(self) -> None:
+        """The prompt's held-back last part is prefilled with the rest (the row will not step alone); the
+        prompt-read checkpoint moves to the new end."""
+        if not self.pending:
+            return
+        if self.cuts:
+            self.cuts = sorted({c for c in self.cuts if c < len(self.todo)} | {len(self.todo) + len(self.pending)})
+        self.todo, self.pending = self.todo + self.pending, []
 
     @property
     def owner(self) -> str:
@@ -402,7 +411,7 @@ class Scheduler:
             ready = [r for r in self.prefilling if r.done >= len(r.todo)]
             if self.batch.rows or len(ready) > 1:
                 for r in [r for r in ready if r.pending]:   # not alone: its last part is prefilled first
-                    r.todo, r.pending = r.todo + r.pending, []
+                    r.read_pending()
                     ready.remove(r)
             for r in ready:
                 self.prefilling.remove(r)
@@ -533,8 +542,8 @@ class Scheduler:
     def _start_group(self) -> bool:
         """Nothing decoding and two or more prompts not yet begun (requests sent together): they are read
         together (engine/batch_prefill.py), each leaving the group to decode once its prompt is in."""
-        if self.batch.rows or not trims_freely(self.engine):
-            return False        # padded reads are BatchKVCache's: windows and recurrent states read alone
+        if self.batch.rows:
+            return False
         fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
         if len(fresh) < 2:
             return False
@@ -589,7 +598,7 @@ class Scheduler:
         eng = self.engine
         h = row.handle
         if self.batch.rows and row.pending:     # it will not step alone: no part goes with a step
-            row.todo, row.pending = row.todo + row.pending, []
+            row.read_pending()
         total = len(row.todo)
         gpu = on_gpu()
         chunk = eng.options.prefill_chunk

@@ -308,6 +308,9 @@ def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
     reqs = [GenerateRequest(prompt=words(n, 7 * i), conversation=f"b{i}",
                             sampling=SamplingParams(max_tokens=m, temperature=0.0))
             for i, (n, m) in enumerate([(40, 14), (6, 30), (90, 9)])]
+    # a chat too: its checkpoints at the message boundaries are what its next turn resumes from
+    reqs.append(GenerateRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": words(25, 40)}],
+                                conversation="b-chat", sampling=SamplingParams(max_tokens=11, temperature=0.0)))
 
     def held(engine, owner):
         """The conversation's tokens and what its layers hold for the tokens to come, in temporal order
@@ -330,11 +333,15 @@ def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
 
     def again(engine, i, r):
         req = reqs[i]
+        follow = SamplingParams(max_tokens=8, temperature=0.0)
+        if req.messages:
+            msgs = req.messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": words(6, 200)}]
+            return engine.call(GenerateRequest(messages=msgs, conversation=req.conversation, sampling=follow), 600)
         return engine.call(GenerateRequest(prompt=req.prompt + r.text + " " + words(5, 300), conversation=req.conversation,
-                                           sampling=SamplingParams(max_tokens=8, temperature=0.0)), timeout=600)
+                                           sampling=follow), timeout=600)
     stopped = GenerateRequest(prompt=words(30, 120), conversation="b3", sampling=SamplingParams(max_tokens=40,
                                                                                               temperature=0.0))
-    eng = start(case, max_sequences=4)
+    eng = start(case, max_sequences=5)
     try:
         gate = Gate(eng)
         hs = [eng.submit(r) for r in reqs]
@@ -373,6 +380,7 @@ def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
         assert c.rows == 0, "quantized K/V runs alone"
     else:
         assert c.peak_rows >= 3 and c.shared_steps > 0, f"{name}: the streams did not step together"
+        assert c.read_together == 5, f"{name}: the prompts were not read in one padded group"
     for i, ((toks, arrays), (ref_toks, ref_arrays)) in enumerate(zip(got_held, ref_held)):
         assert toks == ref_toks, f"stream {i}: held {len(toks)} tokens, alone {len(ref_toks)}"
         assert len(arrays) == len(ref_arrays)
