@@ -124,6 +124,25 @@ def _cache_facts(engine) -> tuple[bool, bool]:
     return got[2]
 
 
+def row_cost(engine) -> tuple[int, int]:
+    """One row's cache: (bytes per token of the layers that grow with the context, fixed bytes: the
+    windows' K/V and the recurrent states), from the load's own estimate (engine/memory_estimate.py: it
+    knows the hybrid and Gemma layouts); every layer's K/V growing if the header cannot be read."""
+    got = getattr(engine, "_batch_row_cost", None)
+    if got is None or got[0] is not engine.model:
+        itemsize = mx.zeros((), dtype=engine.dtype).itemsize
+        info = engine.info
+        cost = (2 * info.n_layer * info.n_head_kv * info.head_dim * itemsize, 0)
+        try:
+            from .memory_estimate import estimate, read_header
+            est = estimate(read_header(engine.loaded.path), 256, str(engine.dtype).rsplit(".", 1)[-1])
+            cost = (est.kv_bytes_per_token, est.state_bytes + est.window_bytes)
+        except Exception:  # noqa: BLE001 - the conservative count above stands
+            log.debug("engine: no memory estimate for the batch's rows", exc_info=True)
+        got = engine._batch_row_cost = (engine.model, cost)
+    return got[1]
+
+
 # ---- one row -------------------------------------------------------------------------------------
 @dataclass(eq=False)        # rows compare by identity (`in`, remove): their fields hold MLX arrays
 class Row:
@@ -521,18 +540,17 @@ class Scheduler:
 
     def _fits(self, row: Row) -> bool:
         """The memory guard, asked before a row joins a running batch: its K/V at full length, padded
-        to the batch's, with the batch copied once as it grows (BatchKVCache.extend concatenates).
+        to the batch's, with the batch copied once as it grows (`extend` concatenates); a window's K/V
+        and a recurrent state are a fixed size per row (`row_cost`).
         A request with nothing else running is not asked (a lone request never was)."""
         eng = self.engine
         live = len(self.batch.rows) + len(self.prefilling) + len(self.reading_together)
         if live == 0:
             return True
-        info = eng.info
-        itemsize = mx.zeros((), dtype=eng.dtype).itemsize
-        per_token = 2 * info.n_layer * info.n_head_kv * info.head_dim * itemsize
+        per_token, fixed = row_cost(eng)
         turn = row.turn
         length = max(self.batch.length(), len(turn.tokens)) + turn.max_tokens
-        need = per_token * ((live + 1) * length + len(turn.tokens))
+        need = per_token * ((live + 1) * length + len(turn.tokens)) + fixed * (live + 2)
         ok, why = eng.guard.admit(need)
         if not ok:
             eng._log(f"{turn.req.conversation or 'request'} waits for the batch: K/V {why}")

@@ -697,3 +697,22 @@ def test_a_joining_stream_gets_its_first_token_from_its_prompt_and_equals_alone(
     assert got[3].generated_tokens == 1
     assert long_r.tokens == ref_long.tokens
     assert c.first_from_prompt == len(JOINERS), c
+
+
+def test_a_hybrid_rows_memory_is_its_attention_kv_and_a_fixed_state(tmp_path):
+    """The guard is asked for what a row of a Qwen3.5-like model holds: K/V in its attention layers
+    (1 in 4) and its fixed recurrent state (the load's estimate), not K/V in every layer."""
+    from engine.batching import row_cost
+    from engine.memory_estimate import estimate, read_header
+    from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+    path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", n_layer=8, seed=2)
+    eng = start(path, 4)
+    try:
+        per_token, fixed = eng.call(Call(row_cost)).value
+        info = eng.call(Status()).info
+    finally:
+        eng.stop()
+    est = estimate(read_header(path), 256, "float32")
+    every_layer = 2 * info["n_layer"] * info["n_head_kv"] * info["head_dim"] * 4
+    assert per_token == est.kv_bytes_per_token and per_token * 4 == every_layer     # 2 attention layers of 8
+    assert fixed == est.state_bytes > 0
