@@ -1,4 +1,4 @@
-"""Issue 34 in the window (real engine, tiny GGUF): two tabs answer at once, each tab's reply and
+"""Issue 34 in the window (real engine, tiny GGUFs: a llama, a Qwen3.5): two tabs answer at once, each tab's reply and
 live figures its own, decoded together by the engine's batch (engine/batching.py)."""
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from app_fixtures import REPLY_TIMEOUT_MS  # noqa: E402
 pytestmark = pytest.mark.gui
 
 
-@pytest.fixture
-def long_replies(app_home):
-    """app_home with replies long enough to overlap (greedy: each tab's reply is its prompt's own)."""
+@pytest.fixture(params=["llama", "qwen35"])
+def long_replies(request, app_home):
+    """app_home with replies long enough to overlap (greedy: each tab's reply is its prompt's own); the
+    tiny llama, or a tiny Qwen3.5 (recurrent states: batched since session 12)."""
     from app import settings
     s = settings.load()
+    if request.param == "qwen35":
+        from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+        s.model = str(write_tiny_qwen35_gguf(app_home / "models" / "tiny-qwen35.gguf", "qwen35", seed=4))
     s.sampling.max_tokens = 300
     s.sampling.temperature = 0.0
     settings.save(s)
@@ -29,7 +33,10 @@ def long_replies(app_home):
 def test_two_tabs_answer_at_once(qtbot, long_replies):
     from app_fixtures import LOAD_TIMEOUT_MS, open_window
     from engine.batching import counters
-    from engine.engine import Call
+    from pathlib import Path
+
+    from app import settings
+    from engine.engine import Call, Status
     window = open_window(qtbot)
     with qtbot.waitSignal(window.library.loaded, timeout=LOAD_TIMEOUT_MS):
         window.show()
@@ -48,6 +55,7 @@ def test_two_tabs_answer_at_once(qtbot, long_replies):
     assert first.busy and second.busy          # neither tab waits for the other to be sent
     qtbot.waitUntil(lambda: not first.busy and not second.busy, timeout=3 * REPLY_TIMEOUT_MS)
     engine = window.engine_thread.engine
+    assert Path(engine.call(Status(), 30).model).name == Path(settings.load().model).name   # the model asked for
     c = engine.call(Call(lambda e: dataclasses.replace(counters(e))), 30).value
     assert c.peak_rows == 2 and c.shared_steps > 10, c
     a, b = tokens["first"], tokens["second"]
