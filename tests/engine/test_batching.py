@@ -448,14 +448,23 @@ def _streamed(client, content, max_tokens):
     return text
 
 
-def test_server_streams_n_clients_at_once(tiny):
+@pytest.fixture(params=["llama", "qwen35"])
+def served(request, tiny, tmp_path_factory):
+    """The tiny llama, or a tiny Qwen3.5 (recurrent states, batched since session 12)."""
+    if request.param == "llama":
+        return tiny
+    from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+    return write_tiny_qwen35_gguf(tmp_path_factory.mktemp("served") / "q.gguf", "qwen35", seed=4)
+
+
+def test_server_streams_n_clients_at_once(served):
     """Six openai clients stream at once (one more hangs up mid-stream): each gets the answer it gets
     alone, the batch held them together, and /v1/models answers while they run."""
     import httpx
     import openai
 
     from engine.frontends.server import ServerThread, create_app
-    eng = start(tiny, 8)
+    eng = start(served, 8)
     srv = ServerThread(create_app(eng)).start()
     try:
         c0 = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=300)
