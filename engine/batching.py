@@ -349,7 +349,6 @@ class Batch:
         c.peak_rows = max(c.peak_rows, len(self.rows))
         return y
 
-
     def _snapshot_last(self, joined: list[Row]) -> None:
         """A row whose token of the step being built is its last (max_tokens) is fed it all the same (the
         rows step together); a lone reply never feeds its last token. Where the cache cannot be cut back
