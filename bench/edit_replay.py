@@ -114,8 +114,7 @@ def replay(args) -> int:
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     def run(mode: str, target: list[int] | None):
-        """One reply from the prefilled prompt; the cache is put back after it."""
-        nonlocal cache
+        """One reply from the prefilled prompt; the cache (the list, restored in place) is put back after it."""
         snap = layer_cache.snapshot(cache, len(fed))
         held = list(fed)
         stats = generate.StepStats()
