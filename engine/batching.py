@@ -369,18 +369,13 @@ def _hand_back(r: Row) -> None:
     restored (its last: `snap`); else (a cancel) the token is held, as a lone reply's cancel holds it."""
     from . import layer_cache
     held = len(r.entry.tokens)
-    fed = max((c.offset for c in r.cache if isinstance(getattr(c, "offset", None), int)), default=held)
-    if r.unheld is not None and fed == held and layer_cache.needs_checkpoints(r.cache):
-        fed = held + 1          # no layer counts its tokens (all recurrent): the unheld token went in
-    if fed > held:
-        if layer_cache.floor(r.cache, fed) <= held:
-            layer_cache.rollback(r.cache, fed, fed - held, None, lambda k: None)
+    if r.unheld is not None:    # the one token a cache can hold beyond `entry.tokens`
+        if layer_cache.floor(r.cache, held + 1) <= held:
+            layer_cache.rollback(r.cache, held + 1, 1, None, lambda k: None)
         elif r.snap is not None and r.snap.n == held:
-            layer_cache.rollback(r.cache, fed, fed - held, r.snap, lambda k: None)
-        elif fed == held + 1 and r.unheld is not None:
-            r.entry.tokens.append(r.unheld)
+            layer_cache.rollback(r.cache, held + 1, 1, r.snap, lambda k: None)
         else:
-            raise RuntimeError(f"a leaving row's cache holds {fed} tokens, its conversation {held}")
+            r.entry.tokens.append(r.unheld)
     r.snap = None
     r.entry.cache = r.cache
 
