@@ -180,7 +180,7 @@ def replay(args) -> int:
     ratios = sorted(o / s for o, s in zip(rows["off"], rows["replay"]))
     dev = "GPU" if on_gpu() else "CPU"
     tps = lambda s: (max_tokens - 1) / s  # noqa: E731 - whole reply incl. the first token, both modes alike
-    print(f"{path.name} ({info.n_layer} layers, {info.n_embd} wide), {dev} {str(dtype)[-7:]}, history "
+    print(f"{path.name} ({info.n_layer} layers, {info.n_embd} wide), {dev} {str(dtype).split('.')[-1]}, history "
           f"{len(history)} tokens, reply {max_tokens} tokens, lookup draft length {draft_len}, {args.rounds} rounds; "
           f"trace: {trace['model']}")
     print(f"speculation's greedy reply vs the plain one: "
