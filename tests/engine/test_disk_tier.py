@@ -93,36 +93,41 @@ def _chat(port: int, messages: list[dict]) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("how", ["stop", "kill -9"])
-def test_server_journey_restart_is_cached(tiny_gguf, strata_home, how):
+def restart_journey(path, strata_home, how: str, messages: list = FIRST) -> tuple[dict, dict]:
+    """A real `strata serve` process on `path`, a turn (`messages`), the server stopped (SIGINT) or killed
+    (SIGKILL: no clean-up of any kind) a few seconds after it, served again, the follow-up: (first, follow-up)
+    replies."""
     port = _port()
-    p = _serve(tiny_gguf, port, strata_home)
+    p = _serve(path, port, strata_home)
     try:
-        first = _chat(port, FIRST)
+        first = _chat(port, messages)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         time.sleep(3)                                     # "a few seconds after the turn"
         assert _files(strata_home), "the turn was not written in the idle time"
         if how == "stop":
             p.send_signal(signal.SIGINT)
-            p.wait(30)
         else:
-            p.kill()                                      # SIGKILL: no clean-up of any kind
-            p.wait(30)
+            p.kill()
+        p.wait(30)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    follow = FIRST + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                      {"role": "user", "content": "And the mountains?"}]
-    p = _serve(tiny_gguf, port, strata_home)
+    follow = messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "And the mountains?"}]
+    p = _serve(path, port, strata_home)
     try:
-        again = _chat(port, follow)
-        usage = again["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= first["usage"]["prompt_tokens"], usage     # the whole first turn, from disk
+        return first, _chat(port, follow)
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("how", ["stop", "kill -9"])
+def test_server_journey_restart_is_cached(tiny_gguf, strata_home, how):
+    first, again = restart_journey(tiny_gguf, strata_home, how)
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"], again["usage"]     # the whole first turn, from disk
 
 
 # ---- in-process: the same answer as RAM, writes per turn, branches -----------------------------------

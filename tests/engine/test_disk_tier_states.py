@@ -357,38 +357,12 @@ def test_server_journey_with_a_recurrent_state(tmp_path_factory, strata_home, ho
     """The server journey (a real `strata serve` process, a real HTTP client) on a Qwen3.5 file: a turn,
     the server stopped or killed (SIGKILL) a few seconds after it, served again: the next turn's
     `cached_tokens` come from disk."""
-    import signal
-    import time
-
     import gguf_factory_qwen35
-    from test_disk_tier import _chat, _files, _port, _serve
+    from test_disk_tier import restart_journey
     path = gguf_factory_qwen35.write_tiny_qwen35_gguf(tmp_path_factory.mktemp("srv") / "q35.gguf")
-    port = _port()
-    p = _serve(path, port, strata_home)
-    try:
-        first = _chat(port, FIRST)
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        time.sleep(3)                                     # "a few seconds after the turn"
-        assert _files(strata_home), "the turn was not written in the idle time"
-        if how == "stop":
-            p.send_signal(signal.SIGINT)
-        else:
-            p.kill()
-        p.wait(30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    follow = FIRST + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                      {"role": "user", "content": "And the mountains?"}]
-    p = _serve(path, port, strata_home)
-    try:
-        again = _chat(port, follow)
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        # a new process: every cached token is from disk. Measured: 134 of the first prompt's 147, the end
-        # of its user message, where the next turn diverges (this template renders the last reply
-        # otherwise; its generation prompt, with an empty think block, is the other 13 tokens)
-        assert cached > first["usage"]["prompt_tokens"] // 2, again["usage"]
-    finally:
-        p.kill()
-        p.wait()
+    first, again = restart_journey(path, strata_home, how, FIRST)
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # a new process: every cached token is from disk. Measured: 134 of the first prompt's 147, the end
+    # of its user message, where the next turn diverges (this template renders the last reply
+    # otherwise; its generation prompt, with an empty think block, is the other 13 tokens)
+    assert cached > first["usage"]["prompt_tokens"] // 2, again["usage"]
