@@ -12,7 +12,7 @@ from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
                                QProgressBar, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
-from engine import harmony
+from engine import reasoning
 
 from .markdown_render import insert_message_body
 from .store import Chat
@@ -22,10 +22,11 @@ LIMIT_NOTE = "The reply stopped at the token limit"
 RENDER_INTERVAL_MS = 60
 
 
-def _assistant_message(text: str) -> dict:
-    """A reply as a message: a harmony reply's (gpt-oss) final channel is the content and its analysis
-    channel the reasoning (the template refuses channel markers in content); other text as it is."""
-    ch = harmony.split(text)
+def _assistant_message(text: str, think_open: bool = False) -> dict:
+    """A reply as a message: its reasoning apart from its content (a harmony reply's analysis channel,
+    gpt-oss, whose template refuses channel markers in content; a <think> block, Qwen3.5, opened by the
+    template when `think_open`); other text as it is."""
+    ch = reasoning.split_reply(text, think_open)
     return {"role": "assistant", "content": ch.content, **({"reasoning": ch.reasoning} if ch.reasoning else {})}
 
 
@@ -71,6 +72,7 @@ class ChatView(QWidget):
         self._note_at: list[int] = []  # each note's place: the number of messages before it
         self._open_reasoning: set[int] = set()   # replies whose reasoning is shown (message indexes)
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
+        self.think_open = False        # the model's template opens a <think> block (the window sets it on load)
         self.disk_note = ""            # "restored from disk (N tokens)" when a reply's K/V came from the disk tier
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
@@ -278,8 +280,9 @@ class ChatView(QWidget):
         self._scroll_to_end()
 
     def _insert_streaming(self, cursor: QTextCursor) -> None:
-        # a harmony reply (gpt-oss) streams its reasoning first: collapsed, the reply below it
-        ch = harmony.split(self.streaming, final=False)
+        # a reply with reasoning (gpt-oss's analysis channel, a <think> block) streams it first: collapsed,
+        # the reply below it
+        ch = reasoning.split_reply(self.streaming, self.think_open, final=False)
         if ch.reasoning:
             self._insert_reasoning(cursor, len(self.chat.messages), ch.reasoning, streaming=not ch.content)
         insert_message_body(cursor, ch.content, self._code)
@@ -475,7 +478,7 @@ class ChatView(QWidget):
 
     def _on_done(self, result) -> None:
         """`result`: engine.api.Generation."""
-        self.chat.messages.append(_assistant_message(result.text))
+        self.chat.messages.append(_assistant_message(result.text, self.think_open))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
             self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
                               "Max tokens in the chat's config, for a longer reply.")
@@ -499,7 +502,7 @@ class ChatView(QWidget):
         partial = self.streaming
         self._finish()
         if partial:
-            self.chat.messages.append(_assistant_message(partial))
+            self.chat.messages.append(_assistant_message(partial, self.think_open))
             self.changed.emit()
         self.message.emit(note)
 
@@ -530,7 +533,8 @@ class ChatView(QWidget):
 
     def _on_title(self, text: str, fallback: str) -> None:
         self.title_request = None
-        text = harmony.split(text).content      # gpt-oss: the final channel only (12 tokens may be all reasoning)
+        # the reply without its reasoning (gpt-oss's channels, a <think> block): 12 tokens may be all reasoning
+        text = reasoning.split_reply(text, self.think_open).content
         self.set_title(clean_title(text) or clean_title(fallback) or DEFAULT_TITLE)
 
     def set_title(self, title: str) -> None:

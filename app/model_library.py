@@ -120,6 +120,7 @@ class ModelLibrary(QObject):
         self.paths = paths
         self.offer_fetch = offer_fetch
         self.model_path = ""
+        self.think_open = False
         self.fetch_dialog = None
         self._scan_first = True
         self._told_bad: dict[str, str] = {}        # files of the model folders already named as bad
@@ -225,6 +226,8 @@ class ModelLibrary(QObject):
     def _on_loaded(self, result, path: str) -> None:
         self.bus.idle.emit()
         self.model_path = result.model or path
+        # its chat template opens a <think> block: replies start in their reasoning (Qwen3.5)
+        self.think_open = bool(getattr(result.facts, "think_open", False))
         self.models.mark_current(self.model_path)
         self.bus.say(f"Loaded {Path(self.model_path).name}")
         self.settings.set("model", path)

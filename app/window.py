@@ -159,6 +159,7 @@ class MainWindow(QMainWindow):
             self.sessions.accept_drops_on(w)
 
     def _on_view_added(self, view: ChatView) -> None:
+        view.think_open = self.library.think_open
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self.current_view() is v and self.status.show_streaming(live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -167,6 +168,8 @@ class MainWindow(QMainWindow):
 
     def _on_model_loaded(self, path: str) -> None:
         self.setWindowTitle(f"Strata — {Path(path).name}")
+        for view in self.views():
+            view.think_open = self.library.think_open
         self.refresh_status()
 
     # ---- the tabs (the menus and the Configs pane) ------------------------------------------------

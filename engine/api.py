@@ -210,6 +210,7 @@ class ModelFacts(Result):
     n_ctx: int
     model_hash: str
     distributed: dict | None = None
+    think_open: bool = False                  # the chat template opens a <think> block for the reply (Qwen3.5)
 
 
 @dataclass

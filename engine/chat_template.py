@@ -213,3 +213,15 @@ def render(source: str | None, messages: list[dict], *, bos_token: str = "", eos
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text[:200]
+
+
+def generation_prompt(source: str | None) -> str:
+    """What a template appends for the reply (rendered for one user message with and without the
+    generation prompt), or "" when it cannot say (the engine reports a bad template itself)."""
+    one = [{"role": "user", "content": "x"}]
+    try:
+        full = render(source, one, add_generation_prompt=True)
+        head = render(source, one, add_generation_prompt=False)
+    except RequestError:
+        return ""
+    return full[len(head):] if full.startswith(head) else ""

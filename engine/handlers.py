@@ -71,13 +71,17 @@ class RequestHandlers:
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self._load_draft(req.draft, path, dtype, n_ctx) if req.draft else None
         model_hash = content_hash(path)
+        from .chat_template import generation_prompt
+        from .reasoning import opens_think
+        template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
-                           distributed=self.eng.serving.status())
+                           distributed=self.eng.serving.status(),
+                           think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)))
         # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
         self.eng.options.steering = steer_cfg
         self.eng.loaded = LoadedModel(
-            model=model, tokenizer=tokenizer, info=info, path=path, template=g.get("tokenizer.chat_template"),
+            model=model, tokenizer=tokenizer, info=info, path=path, template=template,
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
             steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
             steering_error=steering_error, facts=facts, draft=draft)

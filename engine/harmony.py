@@ -54,7 +54,7 @@ def _held(text: str) -> int:
     return len(tail) if any(len(m) > len(tail) and m.startswith(tail) for m in MARKERS + STOPS) else 0
 
 
-def _has_markers(text: str) -> bool:
+def has_markers(text: str) -> bool:
     return "<|message|>" in text or "<|channel|>" in text
 
 
@@ -77,7 +77,7 @@ class _Parser:
 
     def advance(self, text: str, final: bool) -> Channels:
         if not self.marked:
-            if not _has_markers(text):
+            if not has_markers(text):
                 return Channels("", text if final else text[:len(text) - _held(text)])
             self.marked = True
         while True:
@@ -144,12 +144,13 @@ def split(text: str, *, final: bool = True) -> Channels:
 
 class ChannelStream:
     """Feeds a streamed harmony reply; hands back ("reasoning" | "content", delta) items in order
-    (their sums are `split` of the whole text, tested)."""
+    (their sums are `split` of the whole text, tested). `split(text, final)`: another way to tell the
+    parts of a reply so far (engine/reasoning.py's <think> block)."""
 
-    def __init__(self):
+    def __init__(self, split=None):
         self.text = ""
         self.sent = Channels("", "")
-        self.parser = _Parser()
+        self.split = split or _Parser().advance
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
         self.text += delta
@@ -159,7 +160,7 @@ class ChannelStream:
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> list[tuple[str, str]]:
-        now = self.parser.advance(self.text, final)
+        now = self.split(self.text, final)
         out, parts = [], []
         for kind, old, new in (("reasoning", self.sent.reasoning, now.reasoning),
                                ("content", self.sent.content, now.content)):

@@ -35,6 +35,7 @@ import string
 from dataclasses import dataclass, field
 
 from .generate import partial_suffix
+from .reasoning import opens_think
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANTHROPIC_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -299,7 +300,7 @@ def detect(template: str | None, generation_prompt: str = "") -> ToolFormat:
     what the template appends for the reply, when known (a `<think>` there opens the reasoning block)."""
     t = template or ""
     native = bool(_TOOLS_VAR.search(t))
-    think_open = generation_prompt.rstrip().endswith("<think>")
+    think_open = opens_think(generation_prompt)
     if "<|channel|>" in t:
         name = "harmony"
     elif "[TOOL_CALLS]" in t:

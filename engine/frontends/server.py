@@ -155,7 +155,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
             model_id = model_id or _model_id(engine)
             res = outcome.result
             if chat:
-                message, finish = _chat_message(res.text, _finish(res), plan, formats.get(engine).name == "harmony")
+                message, finish = _chat_message(res.text, _finish(res), plan, formats.get(engine).think_open)
                 choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": _finish(res)}
@@ -186,9 +186,13 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         from ..tool_calls import StreamParser, finish_calls, new_call_id
         parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
         calls_sent: list = []
-        # a harmony model's channels: analysis as delta.reasoning_content, the rest as delta.content
+        # the reasoning (a harmony model's analysis channel, a <think> block) as delta.reasoning_content,
+        # the rest as delta.content
         from ..harmony import ChannelStream
-        channels = ChannelStream() if chat and parser is None and formats.get(engine).name == "harmony" else None
+        from ..reasoning import split_reply
+        think_open = formats.get(engine).think_open
+        channels = (ChannelStream(lambda text, final: split_reply(text, think_open, final=final))
+                    if chat and parser is None else None)
 
         def channel_chunks(items):
             for kind, value in items:

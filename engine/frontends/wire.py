@@ -232,22 +232,20 @@ class ToolFormats:
         self.key, self.fmt = None, None
 
     def get(self, engine):
-        from ..chat_template import render
+        from ..chat_template import generation_prompt
         from ..memory_estimate import read_header
         from ..tool_calls import detect
         facts = engine.model_facts()
         key = (facts.model_path, facts.model_hash) if facts is not None else None
         if self.fmt is None or key != self.key:
-            template, gen = None, ""
+            template = None
             if facts is not None:
                 try:
                     template = read_header(facts.model_path).metadata.get("tokenizer.chat_template")
-                    one = [{"role": "user", "content": "x"}]
-                    full = render(template, one, add_generation_prompt=True)
-                    gen = full[len(render(template, one, add_generation_prompt=False)):]
-                except Exception:  # noqa: BLE001 - the engine reports a bad template itself
+                except Exception:  # noqa: BLE001 - the engine reports a bad file itself
                     pass
-            self.key, self.fmt = key, detect(template if isinstance(template, str) else None, gen)
+            template = template if isinstance(template, str) else None
+            self.key, self.fmt = key, detect(template, generation_prompt(template) if facts is not None else "")
         return self.fmt
 
 
@@ -265,17 +263,16 @@ def chat_plan(engine, formats: ToolFormats, messages: list[dict], tools_in, choi
     return p.messages, p
 
 
-def _chat_message(text: str, finish: str, p, harmony: bool = False) -> tuple[dict, str]:
-    """The assistant message (content, tool_calls, and a harmony model's analysis channel as
-    reasoning_content) and finish_reason of a finished reply."""
+def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[dict, str]:
+    """The assistant message (content, tool_calls, and the reasoning as reasoning_content: a harmony
+    model's analysis channel, a <think> block, opened by the template when `think_open`) and
+    finish_reason of a finished reply."""
     from ..tool_calls import finish_calls, new_call_id, parse
     if p is None or not p.active:
-        if harmony:
-            from ..harmony import split
-            ch = split(text)
-            return {"role": "assistant", "content": ch.content,
-                    **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
-        return {"role": "assistant", "content": text}, finish
+        from ..reasoning import split_reply
+        ch = split_reply(text, think_open)
+        return {"role": "assistant", "content": ch.content,
+                **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
     parsed = parse(text, p.fmt, p.tools)
     calls = finish_calls(p, parsed.calls)
     reasoning = {"reasoning_content": parsed.reasoning} if parsed.reasoning else {}

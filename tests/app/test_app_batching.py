@@ -63,7 +63,9 @@ def test_two_tabs_answer_at_once(qtbot, long_replies):
     # streamed at once: each tab got tokens while the other was still streaming
     assert sum(1 for t in b if t < a[-1]) > 5 and sum(1 for t in a if t > b[0]) > 5
     # each tab's reply is its own, and each tab's live figures moved while both replied
+    # (a Qwen3.5 template opens a <think> block: its reply, never closing it here, is all reasoning)
     replies = [v.chat.messages[-1] for v in (first, second)]
-    assert all(m["role"] == "assistant" and m["content"] for m in replies)
-    assert replies[0]["content"] != replies[1]["content"]
+    said = [(m.get("reasoning", ""), m["content"]) for m in replies]
+    assert all(m["role"] == "assistant" for m in replies) and all(r or c for r, c in said)
+    assert said[0] != said[1]
     assert len(figures["first"]) >= 2 and len(figures["second"]) >= 2

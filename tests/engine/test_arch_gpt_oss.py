@@ -448,7 +448,7 @@ def test_server_returns_the_analysis_channel_as_reasoning_content(gdir, f16_engi
         forced = eng.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=100, temperature=0.0),
                                           constraint=ConstraintSpec.lark(HARMONY_GRAMMAR)))
         ch = harmony.split(forced.text)
-        message, finish = _chat_message(forced.text, "stop", None, harmony=True)
+        message, finish = _chat_message(forced.text, "stop", None)
         assert message == {"role": "assistant", "content": ch.content, "reasoning_content": ch.reasoning}
 
         raw = eng.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=12, temperature=0.0)))

@@ -439,13 +439,15 @@ def _top2_margin(engine, ids) -> float:
 
 
 # ---- the server: N real HTTP clients streaming at once ------------------------------------------------
-def _streamed(client, content, max_tokens):
-    text = ""
+def _streamed(client, content, max_tokens) -> tuple[str, str]:
+    """(reasoning, reply) streamed: a Qwen3.5 template opens a <think> block (reasoning_content)."""
+    reasoning = text = ""
     for ch in client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
                                              stream=True, temperature=0, max_tokens=max_tokens):
         for c in ch.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
             text += c.delta.content or ""
-    return text
+    return reasoning, text
 
 
 @pytest.fixture(params=["llama", "qwen35"])

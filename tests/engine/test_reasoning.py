@@ -1,0 +1,84 @@
+"""A reply's <think> block told apart (engine/reasoning.py): opened by the template (Qwen3.5) or by the
+model (Qwen3), never closed, streamed in pieces of every size, and gpt-oss's channels left to harmony."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import harmony, reasoning
+from engine.harmony import Channels
+from engine.reasoning import split, split_reply
+
+CASES = [
+    # (text, think_open) -> (reasoning, content)
+    (("The user asks about rivers.\nThey flow.\n</think>\n\nRivers flow to the sea.", True),
+     ("The user asks about rivers.\nThey flow.", "Rivers flow to the sea.")),
+    (("<think>\nShort.\n</think>\n\nHello!", False), ("Short.", "Hello!")),          # the model opened it (Qwen3)
+    (("\n<think>x</think>y", False), ("x", "y")),
+    (("Still thinking when the tokens ran out", True), ("Still thinking when the tokens ran out", "")),
+    (("\n\n</think>\n\nNo thoughts.", True), ("", "No thoughts.")),                  # an empty block
+    (("Plain reply with </think> inside", False), ("", "Plain reply with </think> inside")),
+    (("Plain reply, <think> later is text", False), ("", "Plain reply, <think> later is text")),
+    (("Text then </think> then more </think> end", True), ("Text then", "then more </think> end")),
+    (("", True), ("", "")),
+    (("", False), ("", "")),
+]
+
+
+@pytest.mark.parametrize("args,want", CASES)
+def test_split(args, want):
+    assert split(*args) == Channels(*want)
+    assert split_reply(*args) == Channels(*want)
+
+
+def _streamed(text: str, think_open: bool, rng: random.Random) -> Channels:
+    cs = harmony.ChannelStream(lambda t, final: split_reply(t, think_open, final=final))
+    parts = {"reasoning": "", "content": ""}
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, 6)
+        for kind, delta in cs.feed(text[i:i + n]):
+            parts[kind] += delta
+        i += n
+    for kind, delta in cs.finish():
+        parts[kind] += delta
+    return Channels(parts["reasoning"], parts["content"])
+
+
+@pytest.mark.parametrize("args,want", CASES)
+def test_streamed_in_pieces_sums_to_the_split_and_never_shows_a_tag(args, want):
+    """Fed 1-6 characters at a time (a tag cut anywhere), the deltas add up to the whole text's split
+    (whitespace the final split trims at the block's end aside) and no part ever shows a piece of a tag."""
+    text, think_open = args
+    rng = random.Random(7)
+    for _ in range(20):
+        got = _streamed(text, think_open, rng)
+        assert got.content == want[1]
+        assert got.reasoning.strip() == want[0]
+    tags = ["</think>"[:n] for n in range(1, 9)]
+    for k in range(1, len(text)):
+        now = split_reply(text[:k], think_open, final=False)
+        assert not any(now.reasoning.endswith(t) for t in tags), (k, now)
+        assert not now.content.startswith("<think"[:max(1, min(k, 6))]) or not text.startswith("<think>"), (k, now)
+
+
+def test_a_reply_starting_like_the_tag_waits_until_it_is_known():
+    assert split_reply("<thi", False, final=False) == Channels("", "")
+    assert split_reply("<thi", False) == Channels("", "<thi")                      # the reply ended there
+    assert split_reply("<b>bold</b>", False, final=False) == Channels("", "<b>bold</b>")
+
+
+def test_harmony_replies_keep_their_channels():
+    text = ("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Hello!")
+    assert split_reply(text, think_open=False) == harmony.split(text) == Channels("The user greets.", "Hello!")
+    assert split_reply("<|chan", think_open=False, final=False).content == ""     # a marker's start held back
+
+
+def test_generation_prompts_that_open_the_block():
+    from engine.chat_template import generation_prompt
+    from gguf_factory_qwen35 import CHAT_TEMPLATE
+    assert reasoning.opens_think(generation_prompt(CHAT_TEMPLATE))
+    assert not reasoning.opens_think(generation_prompt(None))                     # the built-in ChatML
+    assert generation_prompt("{{ raise_exception('no') }}") == ""                 # a template that fails
