@@ -82,3 +82,35 @@ def test_generation_prompts_that_open_the_block():
     assert reasoning.opens_think(generation_prompt(CHAT_TEMPLATE))
     assert not reasoning.opens_think(generation_prompt(None))                     # the built-in ChatML
     assert generation_prompt("{{ raise_exception('no') }}") == ""                 # a template that fails
+
+
+def test_the_server_gives_a_qwen35_replys_block_as_reasoning_content(tmp_path):
+    """A real `openai` client on the tiny Qwen3.5 (its template opens the block; a random model never
+    closes it): the whole reply is reasoning_content, streamed or not, and content is empty."""
+    import openai
+
+    from engine.engine import Engine, EngineOptions, GenerateRequest
+    from engine.frontends.server import ServerThread, create_app
+    from engine.sampling import SamplingParams
+    from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+    path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", seed=4)
+    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
+    srv = ServerThread(create_app(eng)).start()
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    try:
+        raw = eng.call(GenerateRequest(messages=msgs, sampling=SamplingParams(max_tokens=16, temperature=0.0)), 120)
+        client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        got = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+        message = got.choices[0].message
+        assert raw.text.strip() and "</think>" not in raw.text
+        assert message.content == "" and message.reasoning_content == split(raw.text, True).reasoning
+        parts = {"reasoning": "", "content": ""}
+        for ch in client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0,
+                                                 stream=True):
+            for c in ch.choices:
+                parts["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+                parts["content"] += c.delta.content or ""
+        assert parts == {"reasoning": split(raw.text, True).reasoning, "content": ""}
+    finally:
+        srv.stop()
+        eng.stop()
