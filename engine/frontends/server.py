@@ -189,10 +189,12 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         # the reasoning (a harmony model's analysis channel, a <think> block) as delta.reasoning_content,
         # the rest as delta.content
         from ..harmony import ChannelStream
-        from ..reasoning import split_reply
-        think_open = formats.get(engine).think_open
-        channels = (ChannelStream(lambda text, final: split_reply(text, think_open, final=final))
-                    if chat and parser is None else None)
+        from ..reasoning import split as split_think
+        fmt = formats.get(engine)
+        channels = None
+        if chat and parser is None:     # harmony's own parser reads a growing reply incrementally
+            channels = (ChannelStream() if fmt.name == "harmony" else
+                        ChannelStream(lambda text, final: split_think(text, fmt.think_open, final=final)))
 
         def channel_chunks(items):
             for kind, value in items:
