@@ -12,7 +12,10 @@
   echoes the name asked for.
 - `usage`: `input_tokens` (the prompt tokens read this turn), `cache_read_input_tokens` (those taken
   from held K/V: the live or a parked conversation), `cache_creation_input_tokens` 0, `output_tokens`.
-- Streaming: message_start, ping, content_block_start / content_block_delta (text_delta,
+- The model's reasoning (gpt-oss's analysis channel, a `<think>` block: engine/reasoning.py) is a
+  `thinking` block before the reply when the request enables it (`"thinking": {"type": "enabled", ...}`),
+  else left out, as Anthropic's API does; never inside a `text` block.
+- Streaming: message_start, ping, content_block_start / content_block_delta (thinking_delta, text_delta,
   input_json_delta) / content_block_stop per block, message_delta (stop_reason, usage), message_stop;
   an engine failure mid-stream is an `error` event.
 - Errors: {"type": "error", "error": {"type", "message"}} with the matching status.
@@ -29,6 +32,9 @@ from starlette.routing import Route
 from ..api import CountTokens, GenerateRequest
 from ..errors import StrataError
 from ..events import Done, Failed, Token
+from ..harmony import ChannelStream
+from ..reasoning import split as split_think
+from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import ToolError, new_call_id
 from .wire import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
@@ -214,6 +220,12 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream: must be true or false")
+        thinking = body.get("thinking")
+        if thinking is not None and (not isinstance(thinking, dict)
+                                     or thinking.get("type") not in ("enabled", "disabled")):
+            raise _bad('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
+        show_thinking = bool(thinking) and thinking["type"] == "enabled"
+        fmt = formats.get(engine)
         model = body.get("model") if isinstance(body.get("model"), str) else _model_id(engine)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         bridge = _Bridge(engine, GenerateRequest(
@@ -229,11 +241,15 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
                 raise engine_error(outcome, "messages")
             r = outcome.result
             blocks, calls = [], []
-            text = r.text
             if plan is not None and plan.active:
                 parsed = parse(r.text, plan.fmt, plan.tools)
                 calls = finish_calls(plan, parsed.calls)
-                text = parsed.content
+                text, thought = parsed.content, parsed.reasoning
+            else:
+                ch = split_reply(r.text, fmt.think_open)
+                text, thought = ch.content, ch.reasoning
+            if thought and show_thinking:
+                blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
             if text:
                 blocks.append({"type": "text", "text": text})
             for c in calls:
@@ -250,6 +266,18 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
         if isinstance(first, Failed):
             raise engine_error(first, "messages")
         parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
+        # without tools: the reasoning apart (harmony's own parser reads a growing reply incrementally)
+        channels = None if parser is not None else (
+            ChannelStream() if fmt.name == "harmony" else
+            ChannelStream(lambda t, final: split_think(t, fmt.think_open, final=final)))
+
+        def items(text: str | None):
+            """A reply's new text (None: its end) as ("thinking" | "text" | call) items."""
+            if parser is not None:
+                return parser.feed(text) if text is not None else parser.finish()
+            parts = channels.feed(text) if text is not None else channels.finish()
+            return [("thinking" if kind == "reasoning" else "text", v) for kind, v in parts
+                    if kind == "content" or show_thinking]
 
         async def events():
             state = {"index": 0, "open": None, "calls": []}
@@ -262,21 +290,23 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
                     return [_sse("content_block_stop", {"type": "content_block_stop", "index": i})]
                 return []
 
-            def emit(items):
+            def emit(new):
                 lines = []
-                for kind, value in items:
-                    if kind == "text":
+                for kind, value in new:
+                    if kind in ("text", "thinking"):
                         if not value:
                             continue
-                        if state["open"] != "text":
+                        if state["open"] != kind:
                             lines += close()
-                            state["open"] = "text"
+                            state["open"] = kind
                             lines.append(_sse("content_block_start", {
                                 "type": "content_block_start", "index": state["index"],
-                                "content_block": {"type": "text", "text": ""}}))
+                                "content_block": ({"type": "text", "text": ""} if kind == "text" else
+                                                  {"type": "thinking", "thinking": "", "signature": ""})}))
                         lines.append(_sse("content_block_delta", {
                             "type": "content_block_delta", "index": state["index"],
-                            "delta": {"type": "text_delta", "text": value}}))
+                            "delta": ({"type": "text_delta", "text": value} if kind == "text" else
+                                      {"type": "thinking_delta", "thinking": value})}))
                         continue
                     if not finish_calls(plan, state["calls"] + [value])[len(state["calls"]):]:
                         continue
@@ -305,15 +335,14 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
                 if isinstance(ev, Token):
                     text, ev = bridge.drain_tokens(ev)
                     if text:
-                        for line in emit(parser.feed(text) if parser is not None else [("text", text)]):
+                        for line in emit(items(text)):
                             yield line
                     if ev is None:
                         ev = await bridge.get()
                     continue
                 if isinstance(ev, Done):
                     r = ev.result
-                    lines = emit(parser.finish()) if parser is not None else []
-                    for line in lines + close():
+                    for line in emit(items(None)) + close():
                         yield line
                     yield _sse("message_delta", {
                         "type": "message_delta",

@@ -114,3 +114,43 @@ def test_the_server_gives_a_qwen35_replys_block_as_reasoning_content(tmp_path):
     finally:
         srv.stop()
         eng.stop()
+
+
+def test_the_anthropic_api_gives_the_block_as_thinking_only_when_asked(tmp_path):
+    """A real `anthropic` client on the tiny Qwen3.5: with `thinking` enabled the reasoning is a thinking
+    block (streamed as thinking_delta), without it the reasoning is left out; never in a text block."""
+    import anthropic
+
+    from engine.engine import Engine, EngineOptions, GenerateRequest
+    from engine.frontends.server import ServerThread, create_app
+    from engine.sampling import SamplingParams
+    from gguf_factory_qwen35 import write_tiny_qwen35_gguf
+    path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", seed=4)
+    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
+    srv = ServerThread(create_app(eng)).start()
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    try:
+        raw = eng.call(GenerateRequest(messages=msgs, sampling=SamplingParams(max_tokens=16, temperature=0.0)), 120)
+        thought = split(raw.text, True).reasoning
+        assert thought and "</think>" not in raw.text
+        client = anthropic.Anthropic(base_url=srv.base_url.removesuffix("/v1"), api_key="x", max_retries=0)
+        # (this SDK's create() takes no sampling arguments: they travel in the body as extras)
+        def ask(thinking=None, **kw):
+            extra = {"temperature": 0, **({"thinking": thinking} if thinking else {})}
+            return dict(model="claude-x", max_tokens=16, messages=msgs, extra_body=extra, **kw)
+        on = {"type": "enabled", "budget_tokens": 1024}
+        plain = client.messages.create(**ask())
+        assert plain.content == [] and plain.stop_reason == "max_tokens"
+        asked = client.messages.create(**ask(on))
+        assert [b.type for b in asked.content] == ["thinking"] and asked.content[0].thinking == thought
+        kinds, streamed = set(), ""
+        for ev in client.messages.create(**ask(on, stream=True)):
+            if ev.type == "content_block_delta":
+                kinds.add(ev.delta.type)
+                streamed += getattr(ev.delta, "thinking", "")
+        assert kinds == {"thinking_delta"} and streamed == thought
+        with pytest.raises(anthropic.BadRequestError, match="thinking"):      # a malformed `thinking`
+            client.messages.create(**ask({"type": "sometimes"}))
+    finally:
+        srv.stop()
+        eng.stop()
