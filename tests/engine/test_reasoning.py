@@ -84,73 +84,69 @@ def test_generation_prompts_that_open_the_block():
     assert generation_prompt("{{ raise_exception('no') }}") == ""                 # a template that fails
 
 
-def test_the_server_gives_a_qwen35_replys_block_as_reasoning_content(tmp_path):
-    """A real `openai` client on the tiny Qwen3.5 (its template opens the block; a random model never
-    closes it): the whole reply is reasoning_content, streamed or not, and content is empty."""
-    import openai
+MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(server, the engine's own greedy reply's reasoning) on the tiny Qwen3.5: its template opens the block
+    and a random model never closes it, so the whole reply is reasoning."""
     from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.frontends.server import ServerThread, create_app
     from engine.sampling import SamplingParams
     from gguf_factory_qwen35 import write_tiny_qwen35_gguf
-    path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", seed=4)
+    path = write_tiny_qwen35_gguf(tmp_path_factory.mktemp("think") / "q.gguf", "qwen35", seed=4)
     eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
     srv = ServerThread(create_app(eng)).start()
-    msgs = [{"role": "user", "content": "Tell me about the sea."}]
     try:
-        raw = eng.call(GenerateRequest(messages=msgs, sampling=SamplingParams(max_tokens=16, temperature=0.0)), 120)
-        client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
-        got = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
-        message = got.choices[0].message
+        raw = eng.call(GenerateRequest(messages=MSGS, sampling=SamplingParams(max_tokens=16, temperature=0.0)), 120)
         assert raw.text.strip() and "</think>" not in raw.text
-        assert message.content == "" and message.reasoning_content == split(raw.text, True).reasoning
-        parts = {"reasoning": "", "content": ""}
-        for ch in client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0,
-                                                 stream=True):
-            for c in ch.choices:
-                parts["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
-                parts["content"] += c.delta.content or ""
-        assert parts == {"reasoning": split(raw.text, True).reasoning, "content": ""}
+        yield srv, split(raw.text, True).reasoning
     finally:
         srv.stop()
         eng.stop()
 
 
-def test_the_anthropic_api_gives_the_block_as_thinking_only_when_asked(tmp_path):
-    """A real `anthropic` client on the tiny Qwen3.5: with `thinking` enabled the reasoning is a thinking
-    block (streamed as thinking_delta), without it the reasoning is left out; never in a text block."""
+def test_the_server_gives_a_qwen35_replys_block_as_reasoning_content(served):
+    """A real `openai` client: the whole reply is reasoning_content, streamed or not, and content is empty."""
+    import openai
+    srv, thought = served
+    msgs = MSGS
+    client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+    got = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+    message = got.choices[0].message
+    assert message.content == "" and message.reasoning_content == thought
+    parts = {"reasoning": "", "content": ""}
+    for ch in client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0,
+                                             stream=True):
+        for c in ch.choices:
+            parts["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            parts["content"] += c.delta.content or ""
+    assert parts == {"reasoning": thought, "content": ""}
+
+
+def test_the_anthropic_api_gives_the_block_as_thinking_only_when_asked(served):
+    """A real `anthropic` client: with `thinking` enabled the reasoning is a thinking block (streamed as
+    thinking_delta), without it the reasoning is left out; never in a text block."""
     import anthropic
+    srv, thought = served
+    msgs = MSGS
+    client = anthropic.Anthropic(base_url=srv.base_url.removesuffix("/v1"), api_key="x", max_retries=0)
 
-    from engine.engine import Engine, EngineOptions, GenerateRequest
-    from engine.frontends.server import ServerThread, create_app
-    from engine.sampling import SamplingParams
-    from gguf_factory_qwen35 import write_tiny_qwen35_gguf
-    path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", seed=4)
-    eng = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
-    srv = ServerThread(create_app(eng)).start()
-    msgs = [{"role": "user", "content": "Tell me about the sea."}]
-    try:
-        raw = eng.call(GenerateRequest(messages=msgs, sampling=SamplingParams(max_tokens=16, temperature=0.0)), 120)
-        thought = split(raw.text, True).reasoning
-        assert thought and "</think>" not in raw.text
-        client = anthropic.Anthropic(base_url=srv.base_url.removesuffix("/v1"), api_key="x", max_retries=0)
+    def ask(thinking=None, **kw):
         # (this SDK's create() takes no sampling arguments: they travel in the body as extras)
-        def ask(thinking=None, **kw):
-            extra = {"temperature": 0, **({"thinking": thinking} if thinking else {})}
-            return dict(model="claude-x", max_tokens=16, messages=msgs, extra_body=extra, **kw)
-        on = {"type": "enabled", "budget_tokens": 1024}
-        plain = client.messages.create(**ask())
-        assert plain.content == [] and plain.stop_reason == "max_tokens"
-        asked = client.messages.create(**ask(on))
-        assert [b.type for b in asked.content] == ["thinking"] and asked.content[0].thinking == thought
-        kinds, streamed = set(), ""
-        for ev in client.messages.create(**ask(on, stream=True)):
-            if ev.type == "content_block_delta":
-                kinds.add(ev.delta.type)
-                streamed += getattr(ev.delta, "thinking", "")
-        assert kinds == {"thinking_delta"} and streamed == thought
-        with pytest.raises(anthropic.BadRequestError, match="thinking"):      # a malformed `thinking`
-            client.messages.create(**ask({"type": "sometimes"}))
-    finally:
-        srv.stop()
-        eng.stop()
+        extra = {"temperature": 0, **({"thinking": thinking} if thinking else {})}
+        return dict(model="claude-x", max_tokens=16, messages=msgs, extra_body=extra, **kw)
+    on = {"type": "enabled", "budget_tokens": 1024}
+    plain = client.messages.create(**ask())
+    assert plain.content == [] and plain.stop_reason == "max_tokens"
+    asked = client.messages.create(**ask(on))
+    assert [b.type for b in asked.content] == ["thinking"] and asked.content[0].thinking == thought
+    kinds, streamed = set(), ""
+    for ev in client.messages.create(**ask(on, stream=True)):
+        if ev.type == "content_block_delta":
+            kinds.add(ev.delta.type)
+            streamed += getattr(ev.delta, "thinking", "")
+    assert kinds == {"thinking_delta"} and streamed == thought
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):      # a malformed `thinking`
+        client.messages.create(**ask({"type": "sometimes"}))
