@@ -109,6 +109,7 @@ def replay(args) -> int:
     # Folded into a small vocabulary past its control tokens: the length is what attention pays for.
     history = trace["prompt"] if same_vocab else [16 + t % (n_vocab - 16) for t in trace["prompt"]]
     max_tokens = len(trace["reply"])
+
     def prefilled():
         cache, fed = make_prompt_cache(model), []
         generate.prefill(model, cache, history[:-1], fed)
@@ -148,7 +149,7 @@ def replay(args) -> int:
     # later draft would be wrong for a reason lookup on a real model does not have. So the drafter follows
     # the speculative run's own greedy reply: run it, take its output as the next target, until the output
     # is the target (each pass moves the first disagreement later: the passes before it are unchanged).
-    target, settle = plain, 0
+    target, settle, out = plain, 0, plain
     while settle < args.settle:
         out, _, _ = run("replay", target)
         settle += 1
@@ -185,7 +186,8 @@ def replay(args) -> int:
           f"trace: {trace['model']}")
     print(f"speculation's greedy reply vs the plain one: "
           + ("identical" if split is None else f"first differs at reply token {split} of {max_tokens} "
-             f"(a near-tie: the drafter followed speculation's own reply, settled in {settle} passes)")
+             f"(a verify pass and a one-token step part there; the drafter followed speculation's own reply, "
+             f"settled in {settle} passes)")
           + ("" if settled else f"; NOT settled after {settle} passes"))
     print("| mode | reply tok/s (median) | speed-up (median [min-max] of rounds) | accepted/drafted | "
           "trace's accepted/drafted | same tokens every round |")
