@@ -38,7 +38,7 @@ from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import ToolError, new_call_id
 from .wire import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
-                   _sampling, chat_plan, engine_error)
+                   _sampling, chat_plan, engine_error, think_stream, with_think_apart)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -244,7 +244,7 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
             if plan is not None and plan.active:
                 parsed = parse(r.text, plan.fmt, plan.tools)
                 calls = finish_calls(plan, parsed.calls)
-                text, thought = parsed.content, parsed.reasoning
+                text, thought = with_think_apart(parsed, plan.fmt)
             else:
                 ch = split_reply(r.text, fmt.think_open)
                 text, thought = ch.content, ch.reasoning
@@ -271,13 +271,26 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
             ChannelStream() if fmt.name == "harmony" else
             ChannelStream(lambda t, final: split_think(t, fmt.think_open, final=final)))
 
+        # the tool-call parser's text keeps a <think> block: told apart as without tools
+        think = think_stream(fmt) if parser is not None and fmt.name != "harmony" else None
+
         def items(text: str | None):
             """A reply's new text (None: its end) as ("thinking" | "text" | call) items."""
-            if parser is not None:
-                return parser.feed(text) if text is not None else parser.finish()
-            parts = channels.feed(text) if text is not None else channels.finish()
-            return [("thinking" if kind == "reasoning" else "text", v) for kind, v in parts
-                    if kind == "content" or show_thinking]
+            if parser is None:
+                parts = channels.feed(text) if text is not None else channels.finish()
+            else:
+                parts = []
+                for kind, v in (parser.feed(text) if text is not None else parser.finish()):
+                    if kind != "text":
+                        parts.append((kind, v))
+                    elif think is None:
+                        parts.append(("content", v))
+                    else:
+                        parts += think.feed(v)
+                if text is None and think is not None:
+                    parts += think.finish()
+            return [("thinking" if kind == "reasoning" else "text" if kind == "content" else kind, v)
+                    for kind, v in parts if kind != "reasoning" or show_thinking]
 
         async def events():
             state = {"index": 0, "open": None, "calls": []}

@@ -44,7 +44,7 @@ from .wire import (  # noqa: F401 - HTTP_OF_ERROR and the parsers stay importabl
     _await_watching, _bool, _Bridge, _chat_message, _check_model, _content_text, _EngineStream, _finish,
     _json_body, _messages, _model_id, _models, _number, _plain, _response_format, _sampling, _speculative,
     _sse, _stop, _timings, _usage, API_CODE_OF_REASON, APIError, chat_plan, engine_error, HTTP_OF_ERROR,
-    MAX_STOP, tool_error, ToolFormats)
+    MAX_STOP, think_stream, tool_error, ToolFormats)
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -203,11 +203,22 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                     c["choices"][0]["delta"] = {"reasoning_content": value}
                 yield _sse(c)
 
+        # the tool-call parser's text keeps a <think> block: told apart as without tools
+        think = think_stream(fmt) if parser is not None and fmt.name != "harmony" else None
+
         def out(items):
-            """Parsed stream items as chunks: content deltas, and each call as delta.tool_calls."""
+            """Parsed stream items as chunks: content (and reasoning) deltas, and each call as
+            delta.tool_calls. None: the reply's end."""
+            if items is None:
+                if think is not None:
+                    yield from channel_chunks(think.finish())
+                return
             for kind, value in items:
                 if kind == "text":
-                    yield _sse(chunk(value))
+                    if think is not None:
+                        yield from channel_chunks(think.feed(value))
+                    else:
+                        yield _sse(chunk(value))
                     continue
                 if not finish_calls(plan, calls_sent + [value])[len(calls_sent):]:
                     continue
@@ -243,6 +254,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                     res = ev.result
                     if parser is not None:
                         for line in out(parser.finish()):
+                            yield line
+                        for line in out(None):
                             yield line
                     if channels is not None:
                         for line in channel_chunks(channels.finish()):

@@ -263,6 +263,23 @@ def chat_plan(engine, formats: ToolFormats, messages: list[dict], tools_in, choi
     return p.messages, p
 
 
+def with_think_apart(parsed, fmt) -> tuple[str, str]:
+    """(content, reasoning) of a reply the tool-call parser read: its content keeps a <think> block
+    (calls are never parsed inside one), told apart here as in a reply without tools."""
+    if fmt.name == "harmony":
+        return parsed.content, parsed.reasoning
+    from ..reasoning import split
+    ch = split(parsed.content, fmt.think_open)
+    return ch.content, ch.reasoning
+
+
+def think_stream(fmt):
+    """The tool-call parser's streamed text with its <think> block apart: ("reasoning" | "content", delta)."""
+    from ..harmony import ChannelStream
+    from ..reasoning import split
+    return ChannelStream(lambda text, final: split(text, fmt.think_open, final=final))
+
+
 def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[dict, str]:
     """The assistant message (content, tool_calls, and the reasoning as reasoning_content: a harmony
     model's analysis channel, a <think> block, opened by the template when `think_open`) and
@@ -275,10 +292,11 @@ def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[
                 **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
     parsed = parse(text, p.fmt, p.tools)
     calls = finish_calls(p, parsed.calls)
-    reasoning = {"reasoning_content": parsed.reasoning} if parsed.reasoning else {}
+    content, thought = with_think_apart(parsed, p.fmt)
+    reasoning = {"reasoning_content": thought} if thought else {}
     if not calls:
-        return {"role": "assistant", "content": parsed.content, **reasoning}, finish
-    return ({"role": "assistant", "content": parsed.content or None, **reasoning,
+        return {"role": "assistant", "content": content, **reasoning}, finish
+    return ({"role": "assistant", "content": content or None, **reasoning,
              "tool_calls": [{"id": c.id or new_call_id(p.fmt), "type": "function",
                              "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]},
             "tool_calls")

@@ -352,3 +352,32 @@ def test_bad_tool_requests_are_400(server, kw, code):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == code and err["message"]
+
+
+@pytest.mark.parametrize("think_open,text", [
+    (True, f"the user wants the time\n</think>\n\nLet me look.\n{CALL_TEXT}"),            # Qwen3.5: opened for it
+    (False, f"<think>\nthe user wants the time\n</think>\n\nLet me look.\n{CALL_TEXT}"),   # Qwen3: the model opens it
+])
+def test_a_think_block_before_a_call_is_reasoning_apart_from_the_content(think_open, text):
+    """With tools the parser keeps a <think> block in the content (calls inside it are never parsed); both
+    APIs tell it apart (engine/frontends/wire.py), whole or streamed a few characters at a time."""
+    from engine.frontends.wire import think_stream, with_think_apart
+    prompt = "<|im_start|>assistant\n<think>\n" if think_open else "<|im_start|>assistant\n"
+    fmt = tc.detect(template("Qwen-Qwen3-0.6B.jinja"), generation_prompt=prompt)
+    assert fmt.think_open == think_open
+    parsed = tc.parse(text, fmt, TOOLS)
+    assert [c.name for c in parsed.calls] == ["get_time"]
+    assert with_think_apart(parsed, fmt) == ("Let me look.", "the user wants the time")
+    sp, think = tc.StreamParser(fmt, TOOLS), think_stream(fmt)
+    parts, calls = {"reasoning": "", "content": ""}, []
+    items = [i for k in range(0, len(text), 3) for i in sp.feed(text[k:k + 3])] + sp.finish()
+    for kind, value in items:
+        if kind == "call":
+            calls.append(value.name)
+            continue
+        for part, delta in think.feed(value):
+            parts[part] += delta
+    for part, delta in think.finish():
+        parts[part] += delta
+    assert calls == ["get_time"]
+    assert parts["reasoning"].strip() == "the user wants the time" and parts["content"].strip() == "Let me look."
