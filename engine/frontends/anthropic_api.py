@@ -32,13 +32,12 @@ from starlette.routing import Route
 from ..api import CountTokens, GenerateRequest
 from ..errors import StrataError
 from ..events import Done, Failed, Token
-from ..harmony import ChannelStream
-from ..reasoning import split as split_think
 from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import ToolError, new_call_id
 from .wire import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
-                   _sampling, chat_plan, engine_error, think_stream, with_think_apart)
+                   _sampling, chat_plan, engine_error, reply_stream, think_stream,
+                   with_think_apart)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -266,10 +265,7 @@ def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
         if isinstance(first, Failed):
             raise engine_error(first, "messages")
         parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
-        # without tools: the reasoning apart (harmony's own parser reads a growing reply incrementally)
-        channels = None if parser is not None else (
-            ChannelStream() if fmt.name == "harmony" else
-            ChannelStream(lambda t, final: split_think(t, fmt.think_open, final=final)))
+        channels = reply_stream(fmt) if parser is None else None
 
         # the tool-call parser's text keeps a <think> block: told apart as without tools
         think = think_stream(fmt) if parser is not None and fmt.name != "harmony" else None

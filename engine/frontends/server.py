@@ -44,7 +44,7 @@ from .wire import (  # noqa: F401 - HTTP_OF_ERROR and the parsers stay importabl
     _await_watching, _bool, _Bridge, _chat_message, _check_model, _content_text, _EngineStream, _finish,
     _json_body, _messages, _model_id, _models, _number, _plain, _response_format, _sampling, _speculative,
     _sse, _stop, _timings, _usage, API_CODE_OF_REASON, APIError, chat_plan, engine_error, HTTP_OF_ERROR,
-    MAX_STOP, think_stream, tool_error, ToolFormats)
+    MAX_STOP, reply_stream, think_stream, tool_error, ToolFormats)
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -188,13 +188,8 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         calls_sent: list = []
         # the reasoning (a harmony model's analysis channel, a <think> block) as delta.reasoning_content,
         # the rest as delta.content
-        from ..harmony import ChannelStream
-        from ..reasoning import split as split_think
         fmt = formats.get(engine)
-        channels = None
-        if chat and parser is None:     # harmony's own parser reads a growing reply incrementally
-            channels = (ChannelStream() if fmt.name == "harmony" else
-                        ChannelStream(lambda text, final: split_think(text, fmt.think_open, final=final)))
+        channels = reply_stream(fmt) if chat and parser is None else None
 
         def channel_chunks(items):
             for kind, value in items:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,6 @@ class ToolFormats:
         self.key, self.fmt = None, None
 
     def get(self, engine):
-        from ..chat_template import generation_prompt
         from ..memory_estimate import read_header
         from ..tool_calls import detect
         facts = engine.model_facts()
@@ -245,7 +245,9 @@ class ToolFormats:
                 except Exception:  # noqa: BLE001 - the engine reports a bad file itself
                     pass
             template = template if isinstance(template, str) else None
-            self.key, self.fmt = key, detect(template, generation_prompt(template) if facts is not None else "")
+            # whether the template opens a <think> block was read at load (ModelFacts.think_open)
+            fmt = detect(template)
+            self.key, self.fmt = key, replace(fmt, think_open=facts is not None and facts.think_open)
         return self.fmt
 
 
@@ -278,6 +280,13 @@ def think_stream(fmt):
     from ..harmony import ChannelStream
     from ..reasoning import split
     return ChannelStream(lambda text, final: split(text, fmt.think_open, final=final))
+
+
+def reply_stream(fmt):
+    """A streamed reply without tools, its reasoning apart: harmony's own parser (it reads a growing reply
+    incrementally) for gpt-oss, else the <think> block's."""
+    from ..harmony import ChannelStream
+    return ChannelStream() if fmt.name == "harmony" else think_stream(fmt)
 
 
 def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[dict, str]:
