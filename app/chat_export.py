@@ -1,9 +1,12 @@
 """A chat as Markdown or JSON (the chat library's Export). Plain functions of a store Chat.
 
 Markdown: the title as a heading, a line with the model and dates, then each message under a role
-heading ("## User", "## Assistant", "## System") with its text verbatim (it is Markdown already).
+heading ("## User", "## Assistant", "## System") with its text verbatim (it is Markdown already), except
+that a code fence a message leaves open (a reply cut mid-block) is closed at its end, so the next heading
+is not read as code.
 JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}]}, the times as ISO 8601
 local time with the UTC offset.
+Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
 
@@ -14,9 +17,13 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from .store import Chat
+from .store import Chat, valid_text
 
 ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
+NAME_MAX_BYTES = 255          # UTF-8 bytes: APFS's and Linux's name limit (a name within it fits HFS+ too)
+NAME_MAX_CHARS = 80           # a suggested name stays readable in the save dialog
+# A fence line as CommonMark reads it: up to 3 spaces, 3 or more backticks or tildes, the rest
+_FENCE = re.compile(r"( {0,3})(`{3,}|~{3,})(.*)")
 
 
 def iso_time(t: float) -> str:
@@ -32,8 +39,30 @@ def to_markdown(chat: Chat) -> str:
     parts = [f"# {chat.title}", "", " · ".join(meta)]
     for m in chat.messages:
         role = m["role"]
-        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", "", m["content"]]
+        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", "", close_fence(m["content"])]
     return "\n".join(parts) + "\n"
+
+
+def close_fence(text: str) -> str:
+    """`text` with a fenced code block left open at its end closed by a fence of the same kind and
+    length, indented as its opening (so it also closes a fence inside a list item). A fence inside a
+    quote or deeper in a list is not looked at: the blank line and heading after a message end those
+    containers, and their code with them."""
+    opened: tuple[str, str, int] | None = None          # (indent, character, length)
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if m is None:
+            continue
+        indent, fence, rest = m.groups()
+        if opened is None:
+            if not (fence[0] == "`" and "`" in rest):    # a backtick in the info string: inline code
+                opened = (indent, fence[0], len(fence))
+        elif fence[0] == opened[1] and len(fence) >= opened[2] and not rest.strip():
+            opened = None
+    if opened is None:
+        return text
+    indent, char, n = opened
+    return text + ("" if text.endswith("\n") else "\n") + indent + char * n
 
 
 def to_json(chat: Chat) -> str:
@@ -49,16 +78,22 @@ def to_json(chat: Chat) -> str:
 FORMATS = {"markdown": (to_markdown, ".md"), "json": (to_json, ".json")}
 
 
-def file_name(chat: Chat, fmt: str) -> str:
-    """A file name for the export: the title without characters file systems refuse."""
-    stem = re.sub(r'[\\/:*?"<>|\x00-\x1f\s]+', " ", chat.title).strip(" .") or "chat"
-    return stem[:80] + FORMATS[fmt][1]
+def file_name(chat: Chat, fmt: str, limit: int = NAME_MAX_BYTES) -> str:
+    """A file name for the export: the title without characters file systems refuse, at most
+    NAME_MAX_CHARS characters and `limit` UTF-8 bytes with its extension (cut at a character boundary:
+    300 emoji would be 1,200 bytes, "File name too long")."""
+    ext = FORMATS[fmt][1]
+    stem = re.sub(r'[\\/:*?"<>|\x00-\x1f\s]+', " ", valid_text(chat.title)).strip(" .")
+    stem = stem[:NAME_MAX_CHARS].encode("utf-8")[:limit - len(ext.encode("utf-8"))]
+    # "ignore" drops the part of a character the byte cut split; a joiner left at the end goes too
+    stem = stem.decode("utf-8", "ignore").rstrip(" .\u200d")
+    return (stem or "chat") + ext
 
 
 def export_chat(chat: Chat, path: str | Path, fmt: str) -> Path:
     """Write `chat` to `path` as `fmt` ("markdown" or "json"), UTF-8, all or nothing (a temporary file
     renamed into place)."""
-    text = FORMATS[fmt][0](chat)
+    text = valid_text(FORMATS[fmt][0](chat))
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=".strata-export-", dir=path.parent)
     try:

@@ -9,14 +9,23 @@ Nothing the user has is moved or lost when the database is not what it should be
 one line the window shows:
 - locked by another process (or not writable): left as it is; its chats are read into memory and
   this session's changes are not saved (`persistent` False);
-- another program's database at this path (a `chats`, `messages` or `presets` table of another
-  shape, or none of Strata's tables): left as it is, never altered; the chats are kept in a database
-  of their own beside it (`chats-strata.sqlite3`), the same one at every start, so the app works and
-  keeps what is written while the foreign file stays untouched for whoever made it;
-- corrupt (not a database, malformed, failing its integrity check): closed, then copied aside
-  (`moved_aside` says where) and only then replaced by a new one; a copy that fails leaves it as it is.
+- not Strata's: never written to. A Strata database carries a mark in its header (PRAGMA
+  application_id APPLICATION_ID, PRAGMA user_version its format, FORMAT_VERSION). A file without the
+  mark is Strata's only when it holds Strata's tables with exactly their columns and nothing else (a
+  database from before the mark: the mark is added to it); anything else is another program's: a file
+  that is not SQLite at all, an empty file, an SQLite file with other tables, or with tables of
+  Strata's names but another shape (an extra NOT NULL column would fail every save), another program's
+  application id, or a Strata database of a newer format. It is left as it is; the chats are kept in a
+  database of their own beside it (`chats-strata.sqlite3`), the same one at every start; `notice`
+  says so at the start that made that file, and later starts only log it;
+- corrupt (malformed, failing its integrity check) and carrying Strata's mark: closed, then copied
+  aside (`moved_aside` says where) and only then replaced by a new one; a copy that fails leaves it as
+  it is. A corrupt file without the mark is left as it is, as another program's.
+A new database is made under a temporary name and renamed into place once it has the mark and the
+tables, so a file at the chats path without the mark was never a Strata one.
 Values of the wrong type or out of range in any row (a config that is not an object, `1e999`, a
-blob title) are read as the defaults, never raised.
+blob title) are read as the defaults, never raised. Any text is stored: a lone surrogate (valid in a
+Python string, not in UTF-8; it comes from pasted or decoded text) is stored as U+FFFD (`valid_text`).
 """
 from __future__ import annotations
 
@@ -44,6 +53,12 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE TABLE IF NOT EXISTS presets (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, position INTEGER NOT NULL, data TEXT NOT NULL DEFAULT '{}');
 """
+APPLICATION_ID = 0x53747261     # "Stra": PRAGMA application_id of a Strata chats database
+FORMAT_VERSION = 1              # PRAGMA user_version: this schema's format (a newer one is never written)
+SQLITE_MAGIC = b"SQLite format 3\x00"
+_HEADER_APP_ID = slice(68, 72)  # where SQLite keeps application_id in the file header (big-endian)
+# Tables FTS5 makes for chats_fts (allowed in an unmarked database beside Strata's own)
+FTS_SHADOW = ("chats_fts_data", "chats_fts_idx", "chats_fts_content", "chats_fts_docsize", "chats_fts_config")
 # Columns added since the first schema: (name, definition) for ALTER TABLE on an older database.
 ADDED_COLUMNS = (("updated", "REAL NOT NULL DEFAULT 0"), ("model", "TEXT NOT NULL DEFAULT ''"),
                  ("open", "INTEGER NOT NULL DEFAULT 1"))
@@ -96,6 +111,22 @@ def chat_config(text) -> dict:
     return cfg
 
 
+def valid_text(text: str) -> str:
+    """`text` as UTF-8 can hold it: a surrogate pair (two code points) joined into its character, a lone
+    surrogate replaced by U+FFFD; any other text unchanged."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _json_text(value) -> str:
+    """A config or preset as stored JSON, its strings valid text (json.dumps would escape a lone surrogate,
+    and the value would come back with it)."""
+    return valid_text(json.dumps(value, ensure_ascii=False))
+
+
 def _lenient_text(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
@@ -136,7 +167,41 @@ def _error_kind(e: sqlite3.Error) -> str:
 
 
 class ForeignDatabase(Exception):
-    """The file is a database of another shape (its reason): left as it is."""
+    """The file is not Strata's (its reason): left as it is."""
+
+
+@dataclass(frozen=True)
+class FileHead:
+    """What the first bytes of a file at the chats path say."""
+    exists: bool
+    size: int = 0
+    sqlite: bool = False           # starts with SQLite's magic
+    strata: bool = False           # its header carries Strata's application id
+
+
+def read_head(path: Path) -> FileHead | None:
+    """The file's head, or None when it cannot be read as a file (a folder, no permission: SQLite then
+    says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except FileNotFoundError:
+        return FileHead(exists=False)
+    except OSError:
+        return None
+    return FileHead(True, len(head), head.startswith(SQLITE_MAGIC),
+                    int.from_bytes(head[_HEADER_APP_ID], "big") == APPLICATION_ID)
+
+
+@functools.cache
+def _reference_columns() -> dict[str, list[tuple]]:
+    """Strata's tables' columns as PRAGMA table_info gives them (name, type, notnull, default, pk)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(SCHEMA)
+        return {t: [tuple(r[1:]) for r in db.execute(f"PRAGMA table_info({t})")] for t in REQUIRED}
+    finally:
+        db.close()
 
 
 @dataclass
@@ -197,49 +262,118 @@ class Store:
         except OSError as e:                       # the folder cannot be made
             self.error, kind = e.strerror or str(e), "unusable"
         if kind == "corrupt":
-            return self._replace_corrupt()
+            head = read_head(self.path)
+            if head is not None and head.strata:   # Strata's own, damaged: copied aside, then replaced
+                return self._replace_corrupt()
+            return self._use_beside(f"it has no Strata mark and cannot be read: {self.error}")
         return self._in_memory(kind)
 
     def _open(self, path: Path) -> sqlite3.Connection:
         path.parent.mkdir(parents=True, exist_ok=True)
+        head = read_head(path)
+        if head is not None and not head.exists:
+            self._create(path)
+        elif head is not None and not head.sqlite:
+            raise ForeignDatabase("the file is empty" if head.size == 0 else "it is not an SQLite database")
         db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S)
         db.text_factory = _lenient_text           # a stored byte that is not UTF-8 is read as U+FFFD
         try:
             row = db.execute("PRAGMA integrity_check(1)").fetchone()     # indexes against their tables too
             if row is None or row[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {str(row[0] if row else 'no answer')[:200]}")
-            self._check_shape(db)                 # before anything is written to it
+            unmarked = self._check_owner(db)      # before anything is written to it
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA foreign_keys=ON")
             db.executescript(SCHEMA)
             self._migrate(db)
+            if unmarked:
+                self._mark(db)
         except BaseException:
             db.close()
             raise
         return db
 
     @staticmethod
-    def _check_shape(db: sqlite3.Connection) -> None:
-        """ForeignDatabase unless the file is empty or holds Strata's tables (extra tables are left be)."""
+    def _create(path: Path) -> None:
+        """A new database at `path`: made with its mark and tables under a temporary name, then renamed
+        into place (a crash leaves no unmarked file at `path`)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        tmp.unlink(missing_ok=True)
+        db = sqlite3.connect(tmp)
+        try:
+            db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+            db.execute(f"PRAGMA user_version={FORMAT_VERSION}")
+            db.executescript(SCHEMA)
+            db.commit()
+        finally:
+            db.close()
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    @staticmethod
+    def _mark(db: sqlite3.Connection) -> None:
+        """A Strata database from before the mark (or of an older format): the mark and format set, and
+        written through to the file's header (where a damaged file is recognised)."""
+        db.commit()                   # the migration's transaction (the index check opens one)
+        db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version={FORMAT_VERSION}")
+        try:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.OperationalError as e:      # a reader holds the WAL: the header follows later
+            log.info("chat database: the mark waits for a checkpoint (%s)", e)
+
+    @classmethod
+    def _check_owner(cls, db: sqlite3.Connection) -> bool:
+        """ForeignDatabase unless the database is Strata's; True when it lacks the mark or has an older
+        format (to be marked once it is open)."""
+        app_id = db.execute("PRAGMA application_id").fetchone()[0]
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if app_id == APPLICATION_ID:
+            if version > FORMAT_VERSION:
+                raise ForeignDatabase(f"it was written by a newer Strata: format {version}, this version "
+                                      f"reads format {FORMAT_VERSION}")
+            cls._check_shape(db, marked=True)
+            return version < FORMAT_VERSION
+        if app_id:
+            raise ForeignDatabase(f"it is marked as another program's (application id {app_id & 0xFFFFFFFF:#010x})")
+        cls._check_shape(db, marked=False)
+        return True
+
+    @staticmethod
+    def _check_shape(db: sqlite3.Connection, marked: bool) -> None:
+        """ForeignDatabase unless Strata's tables have exactly their columns (one from before a column was
+        added lacks it). An unmarked database must hold chats and messages and nothing Strata never
+        makes; a marked one may lack tables (they are made) and hold others (left be)."""
         objects = {name: kind for name, kind in db.execute(
-            "SELECT name, type FROM sqlite_master WHERE type IN ('table', 'view') AND name NOT LIKE 'sqlite_%'")}
-        if not objects:
-            return
-        if not objects.keys() & set(REQUIRED):
-            names = ", ".join(sorted(objects)[:5])
-            raise ForeignDatabase(f"it holds other tables ({names}), none of Strata's")
-        for table, cols in REQUIRED.items():
+            "SELECT name, type FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")}
+        if not marked:
+            if not objects:
+                raise ForeignDatabase("it holds no tables, and no Strata mark")
+            others = sorted(n for n in objects if n not in REQUIRED and n != "chats_fts" and n not in FTS_SHADOW)
+            if others:
+                raise ForeignDatabase(f"it holds a {objects[others[0]]} '{others[0]}' that Strata never makes, "
+                                      f"and no Strata mark")
+            for table in ("chats", "messages"):
+                if table not in objects:
+                    raise ForeignDatabase(f"it has no table '{table}', and no Strata mark")
+        ref = _reference_columns()
+        for table in REQUIRED:
             if table not in objects:
                 continue
             if objects[table] != "table":
                 raise ForeignDatabase(f"'{table}' is a {objects[table]}, not a table")
-            info = db.execute(f"PRAGMA table_info({table})").fetchall()
-            have = {r[1] for r in info}
-            missing = [c for c in cols if c not in have]
-            if missing:
-                raise ForeignDatabase(f"its table '{table}' has no column {missing[0]!r}")
-            if table in ("chats", "presets") and [r[1] for r in info if r[5]] != ["id"]:
-                raise ForeignDatabase(f"its table '{table}' is not keyed by 'id'")
+            info = [tuple(r[1:]) for r in db.execute(f"PRAGMA table_info({table})")]
+            names = {r[0] for r in info}
+            extra = [r[0] for r in info if r not in ref[table]]
+            if extra:
+                raise ForeignDatabase(f"its table '{table}' has a column {extra[0]!r} that is not Strata's")
+            missing = [c for c in REQUIRED[table] if c not in names]
+            if missing or [r for r in ref[table] if r[0] in names] != info:
+                raise ForeignDatabase(f"its table '{table}' has no column {missing[0]!r}" if missing else
+                                      f"its table '{table}' has Strata's columns in another order")
         if "chats_fts" in objects:
             cols = [r[1] for r in db.execute("PRAGMA table_info(chats_fts)")]
             if cols != ["chat_id", "title", "body"]:
@@ -249,15 +383,21 @@ class Store:
         """The requested file is another program's: left as it is; the chats go to a database beside it
         (the same one at every start)."""
         stem = self.requested_path.stem
+        self.error = reason
         for n in range(1, 6):
             alt = self.requested_path.with_name(f"{stem}-strata{'' if n == 1 else f'-{n}'}.sqlite3")
+            made = not alt.exists()
             try:
                 db = self._open(alt)
             except (ForeignDatabase, sqlite3.Error, OSError):
                 continue
             self.path = alt
-            self.notice = (f"{self.requested_path.name} is not a Strata chat database ({reason}); it was "
-                           f"left as it is. Chats are kept in {alt} instead.")
+            line = (f"{self.requested_path.name} is not a Strata chat database ({reason}); it was "
+                    f"left as it is. Chats are kept in {alt} instead.")
+            if made:                  # said once: at the start that moved the chats beside it
+                self.notice = line
+            else:
+                log.info("chat database: %s", line)
             return db
         return self._in_memory("foreign")
 
@@ -304,7 +444,7 @@ class Store:
                                       timeout=BUSY_TIMEOUT_S)
                 src.text_factory = _lenient_text
                 try:
-                    self._check_shape(src)
+                    self._check_owner(src)
                     src.backup(mem)
                     got = True
                 finally:
@@ -412,17 +552,19 @@ class Store:
             if position is None or position < 0:
                 position = row[0] if row else (self.db.execute(
                     "SELECT COALESCE(MAX(position), -1) + 1 FROM chats").fetchone()[0])
+            title = valid_text(chat.title)
+            messages = [{"role": valid_text(m["role"]), "content": valid_text(m["content"])} for m in chat.messages]
             self.db.execute(
                 "INSERT INTO chats (id, title, position, config, created, updated, model, open) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(id) DO UPDATE SET title=excluded.title, position=excluded.position, "
                 "config=excluded.config, updated=excluded.updated, model=excluded.model",
-                (chat.id, chat.title, position, json.dumps(chat.config), chat.created,
-                 chat.updated or chat.created, chat.model, int(chat.open)))
-            self.db.execute("DELETE FROM messages WHERE chat_id=?", (chat.id,))
+                (valid_text(chat.id), title, position, _json_text(chat.config), chat.created,
+                 chat.updated or chat.created, valid_text(chat.model), int(chat.open)))
+            self.db.execute("DELETE FROM messages WHERE chat_id=?", (valid_text(chat.id),))
             self.db.executemany("INSERT INTO messages (chat_id, idx, role, content) VALUES (?, ?, ?, ?)",
-                                [(chat.id, i, m["role"], m["content"]) for i, m in enumerate(chat.messages)])
-            self._index(chat.id, chat.title, chat.messages)
+                                [(valid_text(chat.id), i, m["role"], m["content"]) for i, m in enumerate(messages)])
+            self._index(valid_text(chat.id), title, messages)
 
     def set_order(self, ids: list[str]) -> None:
         with self.db:
@@ -433,6 +575,7 @@ class Store:
             self.db.execute("UPDATE chats SET open=? WHERE id=?", (int(bool(is_open)), chat_id))
 
     def rename(self, chat_id: str, title: str) -> None:
+        chat_id, title = valid_text(chat_id), valid_text(title)
         with self.db:
             self.db.execute("UPDATE chats SET title=? WHERE id=?", (title, chat_id))
             if self.fts:
@@ -472,6 +615,7 @@ class Store:
         ignored), last used first; every chat for a blank `text`. Never raises on odd input."""
         if not text.strip():
             return self.library()
+        text = valid_text(text)
         terms = _WORD.findall(text)
         if not terms:
             return []
@@ -501,12 +645,13 @@ class Store:
         return out
 
     def save_preset(self, pid: str, name: str, data: dict) -> None:
+        pid, name = valid_text(pid), valid_text(name)
         with self.db:
             self.db.execute(
                 "INSERT INTO presets (id, name, position, data) VALUES "
                 "(?, ?, (SELECT COALESCE(MAX(position), -1) + 1 FROM presets), ?) "
                 "ON CONFLICT(id) DO UPDATE SET name=excluded.name, data=excluded.data",
-                (pid, name, json.dumps(data)))
+                (pid, name, _json_text(data)))
 
     def delete_preset(self, pid: str) -> None:
         with self.db:
@@ -533,7 +678,7 @@ def _guarded(fn, default):
     def wrapper(self, *args, **kw):
         try:
             return fn(self, *args, **kw)
-        except (sqlite3.Error, UnicodeDecodeError) as e:
+        except (sqlite3.Error, UnicodeError) as e:      # text is made valid on the way in: a bug, told once
             self._failed(fn.__name__, e)
             return default()
     return wrapper
