@@ -8,13 +8,13 @@ import re
 import time
 
 from PySide6.QtCore import QTimer, QUrl, Qt, Signal
-from PySide6.QtGui import QGuiApplication, QKeyEvent, QPalette, QTextCursor
+from PySide6.QtGui import QColor, QGuiApplication, QKeyEvent, QPalette, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
                                QProgressBar, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
 from engine import reasoning
 
-from .markdown_render import insert_message_body
+from .markdown_render import insert_message_body, insert_plain, new_block
 from .store import Chat
 
 DEFAULT_TITLE = "New chat"
@@ -233,7 +233,10 @@ class ChatView(QWidget):
             self._insert_header(cursor, i, m["role"])
             if m.get("reasoning"):
                 self._insert_reasoning(cursor, i, m["reasoning"])
-            insert_message_body(cursor, m["content"], self._code)
+            if m["role"] == "user":       # shown exactly as typed: not Markdown, not HTML
+                insert_plain(cursor, m["content"])
+            else:
+                insert_message_body(cursor, m["content"], self._code)
         for note, at in zip(self.notes, self._note_at):
             if at >= n:
                 self._insert_note(cursor, note)
@@ -252,15 +255,13 @@ class ChatView(QWidget):
             actions = f' &nbsp; <a href="copy:{i}">Copy</a>'
             if role == "user":
                 actions += f' &nbsp; <a href="edit:{i}">Edit</a>'
-        if not cursor.atStart():
-            cursor.insertBlock()
+        new_block(cursor)
         cursor.insertHtml(f'<p style="margin-top:10px"><b>{html.escape(who)}</b>'
                           f'<span style="color:{muted}; font-size:small">{actions}</span></p>')
-        cursor.insertBlock()
 
     def _insert_note(self, cursor: QTextCursor, text: str) -> None:
         muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
-        cursor.insertBlock()
+        new_block(cursor)
         cursor.insertHtml(f'<p><i style="color:{muted}">{html.escape(text)}</i></p>')
 
     def _render_tail(self) -> None:
@@ -294,13 +295,14 @@ class ChatView(QWidget):
         opened = i in self._open_reasoning
         words = len(text.split())
         label = "Thinking\u2026" if streaming else "Reasoning"
+        new_block(cursor)
         cursor.insertHtml(f'<p><span style="color:{muted}; font-size:small">{label} ({words} words) &nbsp; '
                           f'<a href="reasoning:{i}">{"Hide" if opened else "Show"}</a></span></p>')
-        if opened:
-            cursor.insertBlock()
-            body = html.escape(text.strip()).replace("\n", "<br>")
-            cursor.insertHtml(f'<p style="color:{muted}"><i>{body}</i></p>')
-        cursor.insertBlock()
+        if opened:                       # as it was written: text, not Markdown nor HTML
+            fmt = QTextCharFormat()
+            fmt.setFontItalic(True)
+            fmt.setForeground(QColor(muted))
+            insert_plain(cursor, text.strip(), fmt)
 
     def _scroll_to_end(self) -> None:
         bar = self.transcript.verticalScrollBar()

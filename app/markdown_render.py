@@ -2,6 +2,12 @@
 code blocks highlighted with Pygments, each with a "Copy code" link. Colours come from the palette
 (the code style is picked by whether the palette is dark).
 
+Text is text: raw HTML in a reply is read as text (MarkdownNoHTML: `<div>` is shown, never inserted as
+HTML, which dropped what followed it), links come only from Markdown; a user's message is not Markdown
+at all but shown exactly as typed (`insert_plain`). Each part starts in a block of its own with the
+default formats (`new_block`), so no list, quote, code block, table or heading of one message carries
+into the next.
+
 A single line break inside a paragraph is kept, as chat apps do (Markdown itself would join the lines:
 a poem became one paragraph): `keep_line_breaks` turns it into a line separator (U+2028, a break
 within the paragraph, no paragraph spacing) wherever the next line does not start a block of its own."""
@@ -10,14 +16,16 @@ from __future__ import annotations
 import html
 import re
 
-from PySide6.QtGui import QPalette, QTextCursor, QTextDocument
+from PySide6.QtGui import QPalette, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import QApplication
 
+# GitHub's dialect (tables, strikethrough, task lists, autolinks), raw HTML read as text
+MARKDOWN = QTextDocument.MarkdownFeature.MarkdownDialectGitHub | QTextDocument.MarkdownFeature.MarkdownNoHTML
 FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.S | re.M)
 LINE_BREAK = "\u2028"          # Qt: a line break inside the paragraph (HTML's <br>)
 # A line that starts a block of its own (or ends one), so the line break before it stays Markdown's:
-# list items, headings, quotes, fences, setext underlines / rules, tables, HTML, indented code.
-_BLOCK_START = re.compile(r" {0,3}(?:[-*+][ \t]|\d{1,9}[.)](?:[ \t]|$)|#{1,6}(?:[ \t]|$)|>|```|~~~|\||<"
+# list items, headings, quotes, fences, setext underlines / rules, tables, indented code (HTML is text).
+_BLOCK_START = re.compile(r" {0,3}(?:[-*+][ \t]|\d{1,9}[.)](?:[ \t]|$)|#{1,6}(?:[ \t]|$)|>|```|~~~|\|"
                           r"|=+[ \t]*$|-+[ \t]*$|(?:[*_-][ \t]*){3,}$)")
 _TABLE_DELIM = re.compile(r" {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$")
 _FENCE_LINE = re.compile(r" {0,3}(?:```|~~~)")
@@ -103,19 +111,39 @@ def highlight(code: str, lang: str) -> str:
         return html.escape(code)
 
 
+def new_block(cursor: QTextCursor) -> None:
+    """Move `cursor` to the end of the document and start a block of the default formats there (the
+    first block: only the character format reset): nothing of what came before (a list, a quote, a code
+    block, a table, a heading, a link) carries into what is inserted next. The end of the document is
+    always in its root frame, after any table."""
+    cursor.movePosition(QTextCursor.MoveOperation.End)
+    if cursor.position() == 0:
+        cursor.setCharFormat(QTextCharFormat())
+        return
+    cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+
+
+def insert_plain(cursor: QTextCursor, text: str, fmt: QTextCharFormat | None = None) -> None:
+    """`text` exactly as it is (no Markdown, no HTML), in blocks of its own: a user's message."""
+    new_block(cursor)
+    cursor.insertText(text.replace("\r\n", "\n"), fmt or QTextCharFormat())
+
+
 def insert_message_body(cursor: QTextCursor, text: str, code_store: list[str]) -> None:
-    """Insert the rendered text at the cursor; code blocks are appended to `code_store` (copy links)."""
+    """Insert the rendered text at the end of the document, in blocks of its own; code blocks are
+    appended to `code_store` (copy links)."""
     pal = QApplication.palette()
     code_bg = pal.color(QPalette.ColorRole.AlternateBase).name()
     link = pal.color(QPalette.ColorRole.Link).name()
     for kind, lang, body in split_blocks(text):
         if kind == "md":
             if body.strip():
-                cursor.insertMarkdown(keep_line_breaks(body), QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
+                new_block(cursor)
+                cursor.insertMarkdown(keep_line_breaks(body), MARKDOWN)
             continue
         code_store.append(body)
         label = html.escape(lang or "code")
-        cursor.insertBlock()
+        new_block(cursor)
         cursor.insertHtml(
             f'<table width="100%" cellpadding="6" cellspacing="0" bgcolor="{code_bg}"><tr><td>'
             f'<span style="font-size:small">{label} · <a style="color:{link}" '
