@@ -295,23 +295,29 @@ class Store:
 
     @staticmethod
     def _create(path: Path) -> None:
-        """A new database at `path`: made with its mark and tables under a temporary name, then renamed
-        into place (a crash leaves no unmarked file at `path`)."""
+        """A new database at `path`: made with its mark and tables under a temporary name, then linked
+        into place (a crash leaves no unmarked file at `path`, and a file that appeared there meanwhile
+        is not replaced)."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
         tmp.unlink(missing_ok=True)
-        db = sqlite3.connect(tmp)
         try:
-            db.execute(f"PRAGMA application_id={APPLICATION_ID}")
-            db.execute(f"PRAGMA user_version={FORMAT_VERSION}")
-            db.executescript(SCHEMA)
-            db.commit()
-        finally:
-            db.close()
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            db = sqlite3.connect(tmp)
+            try:
+                db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+                db.execute(f"PRAGMA user_version={FORMAT_VERSION}")
+                db.executescript(SCHEMA)
+                db.commit()
+            finally:
+                db.close()
+            try:
+                os.link(tmp, path)        # never over a file another program made meanwhile
+            except FileExistsError:
+                pass                      # that file is checked like any other
+            except OSError:               # a file system without hard links
+                os.replace(tmp, path)
+        finally:                          # a full disk, a folder that turned read-only: nothing left
+            for leftover in (tmp, Path(f"{tmp}-journal")):
+                leftover.unlink(missing_ok=True)
 
     @staticmethod
     def _mark(db: sqlite3.Connection) -> None:
