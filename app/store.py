@@ -54,7 +54,9 @@ CREATE TABLE IF NOT EXISTS presets (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, position INTEGER NOT NULL, data TEXT NOT NULL DEFAULT '{}');
 """
 APPLICATION_ID = 0x53747261     # "Stra": PRAGMA application_id of a Strata chats database
-FORMAT_VERSION = 1              # PRAGMA user_version: this schema's format (a newer one is never written)
+# PRAGMA user_version: this schema's format. Raise it with any change to SCHEMA: an older Strata then
+# leaves the newer file alone instead of failing on columns it does not know.
+FORMAT_VERSION = 1
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEADER_APP_ID = slice(68, 72)  # where SQLite keeps application_id in the file header (big-endian)
 # Tables FTS5 makes for chats_fts (allowed in an unmarked database beside Strata's own)
