@@ -87,7 +87,9 @@ class EngineSettings(QObject):
 
     def _refuse(self, batch: dict, field: str, message: str) -> None:
         """Nothing of `batch` is in force: the settings say what the engine runs with again."""
-        key = _KEY_OF_FIELD.get(field) or next(iter(batch))
+        # A refusal that names no field: past the bounds (checked before sending) the engine can refuse
+        # only the K/V width, which the loaded model may not take
+        key = _KEY_OF_FIELD.get(field) or ("kv_bits" if "kv_bits" in batch else next(iter(batch)))
         self._putting_back = True
         try:
             new = self.settings.snapshot()

@@ -88,7 +88,11 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            self._scanned.emit(number, scan_models(folders, budget))
+            rows = scan_models(folders, budget)
+            try:
+                self._scanned.emit(number, rows)
+            except RuntimeError:        # the list was closed while its folder was read: nothing to fill
+                log.info("model list: a scan ended after its list was closed")
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
     def _fill(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
