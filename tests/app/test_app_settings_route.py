@@ -106,6 +106,11 @@ def test_the_real_engine_takes_settings_set_from_outside_the_page(qtbot, window)
     assert status.parking["cap_bytes"] == 300 << 20 and status.parking["slots"] == 2
     assert status.disk["cap_bytes"] == 64 << 20
     assert status.speed_projection_default is w.settings.steering.speed_projection
+    # The K/V width this model's head size (16) cannot take: refused by the engine, put back, named
+    with qtbot.waitSignal(w.engine_settings.refused, timeout=REPLY_TIMEOUT_MS) as got:
+        w.settings.set("kv_bits", 8)
+    assert got.args[0] == "kv_bits" and "multiple of 32" in got.args[1]
+    assert w.settings.kv_bits == 16 and w.engine_settings.held("kv_bits") == 16
 
 
 # ---- the page's messages ----------------------------------------------------------------------------
@@ -232,3 +237,10 @@ def test_tab_leaves_the_message_box_and_ctrl_pgdn_switches_chats_from_it(qapp_re
     qapp_ready.waitUntil(now.input.hasFocus, timeout=2000)
     qapp_ready.keyClick(now.input, Qt.Key.Key_PageUp, Qt.KeyboardModifier.ControlModifier)
     assert w.tabs.currentIndex() == at
+    qapp_ready.waitUntil(first.input.hasFocus, timeout=2000)
+    qapp_ready.keyClick(first.input, Qt.Key.Key_Tab, Qt.KeyboardModifier.ControlModifier)
+    assert w.tabs.currentIndex() == (at + 1) % w.tabs.count()
+    now = w.current_view()
+    qapp_ready.waitUntil(now.input.hasFocus, timeout=2000)
+    qapp_ready.keyClick(now.input, Qt.Key.Key_Backtab, Qt.KeyboardModifier.ShiftModifier)
+    assert not now.input.hasFocus() and now.input.toPlainText() == ""      # Shift+Tab: back out of it
