@@ -92,12 +92,16 @@ def _failed_row(p: Path, why: str) -> Row:
 
 # ---- the worker process -------------------------------------------------------------------------
 def _limit_memory(limit: int) -> None:
-    """RLIMIT_AS where it is enforced (Linux); elsewhere the app's watch is the bound."""
+    """RLIMIT_AS where it is enforced (Linux): `limit` more than the worker's address space now (a
+    spawned worker has imported the app's main module, Qt included, before it gets here); elsewhere the
+    app's watch of its RSS is the bound."""
     if not sys.platform.startswith("linux"):
         return
     import resource    # lazy: Unix only, and only the worker needs it
     try:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (now + limit, now + limit))
     except (ValueError, OSError) as e:
         log.warning("model list: no memory limit for the header reader: %s", e)
 
