@@ -131,6 +131,8 @@ class _Worker:
     conn: object                     # the app's end of the pipe
     reader: RowReader
     limit: int
+    rss: Callable[[], int] | None = None   # the worker's resident bytes (psutil), None without psutil
+    base_rss: int = 0                        # ... when it was ready: the bound is `limit` over it
 
     @classmethod
     def start(cls, reader: RowReader, limit: int) -> "_Worker":
@@ -145,6 +147,8 @@ class _Worker:
         if not ours.poll(START_SECONDS) or ours.recv() != "ready":
             w.kill()
             raise OSError(f"the header reader did not start within {START_SECONDS:g} s")
+        w.rss = _rss_reader(proc.pid)
+        w.base_rss = w.rss() if w.rss is not None else 0
         return w
 
     def fits(self, reader: RowReader, limit: int) -> bool:
@@ -159,7 +163,6 @@ class _Worker:
         """`p`'s row; a read past `seconds`, past the memory bound or that ends the worker kills it
         (the row says why: the caller starts another for the next file)."""
         self.conn.send((str(p), budget))
-        rss = _rss_reader(self.process.pid)
         deadline = time.monotonic() + seconds
         while True:
             try:
@@ -168,10 +171,10 @@ class _Worker:
             except (EOFError, OSError):
                 self.kill()
                 return _failed_row(p, f"not read: the header reader stopped (exit code {self.process.exitcode})")
-            if rss is not None and (used := rss()) > self.limit:
+            if self.rss is not None and (used := self.rss() - self.base_rss) > self.limit:
                 self.kill()
-                return _failed_row(p, f"not read: its header took more than {self.limit >> 20} MiB "
-                                      f"({used >> 20} MiB)")
+                return _failed_row(p, f"not read: its header needs more memory than the reader may use "
+                                      f"(over {self.limit >> 20} MiB: {used >> 20} MiB)")
             if time.monotonic() >= deadline:
                 self.kill()
                 return _failed_row(p, f"not read: it takes longer than {seconds:g} s")
