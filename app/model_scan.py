@@ -181,9 +181,10 @@ class _Worker:
 
 
 def _rss_reader(pid: int) -> Callable[[], int] | None:
-    """The worker's resident bytes, read on demand (psutil, where installed), or None."""
+    """The worker's resident bytes, read on demand (psutil, a dependency of the app), or None when it
+    cannot be read."""
     try:
-        import psutil    # lazy: optional; without it RLIMIT_AS (Linux) is the only bound
+        import psutil    # lazy: the worker never needs it; without it RLIMIT_AS (Linux) is the only bound
         proc = psutil.Process(pid)
     except Exception:  # noqa: BLE001 -- not installed, or the worker already gone
         return None
