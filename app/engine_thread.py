@@ -225,20 +225,16 @@ class EngineClient(QObject):
         return self._submit("load", make)
 
     def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,
-                  speed_projection: bool | None = None, kv_bits: int | None = None) -> Request:
-        """None leaves a value as it is. `kv_bits`: the K/V format of conversations from now on (held
-        ones keep theirs); refused, changing nothing, when the loaded model's head size cannot take it."""
+                  speed_projection: bool | None = None, kv_bits: int | None = None,
+                  disk_mib: int | None = None) -> Request:
+        """None leaves a value as it is; the engine takes all the values or none. `kv_bits`: the K/V
+        format of conversations from now on (held ones keep theirs); refused, changing nothing, when the
+        loaded model's head size cannot take it. `disk_mib`: the disk tier's cap (engine/disk_tier.py),
+        0 = off. The app sends it from one place: app/engine_settings.py."""
         def make():
             from engine.api import Configure
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
-                             kv_bits=kv_bits)
-        return self._submit("configure", make)
-
-    def configure_disk(self, disk_mib: int) -> Request:
-        """The disk tier's cap (engine/disk_tier.py), 0 = off."""
-        def make():
-            from engine.api import Configure
-            return Configure(disk_mib=disk_mib)
+                             kv_bits=kv_bits, disk_mib=disk_mib)
         return self._submit("configure", make)
 
     def clear_disk_cache(self) -> Request:

@@ -6,7 +6,6 @@ the header's context menu shows them), so that Name, Quant, Size and Needs fit t
 window width of 1024 px; Name takes the width left."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -16,12 +15,11 @@ from PySide6.QtGui import QAction, QFont, QFontMetrics
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
-from .gguf_meta import ModelMeta, read_meta
+from .gguf_meta import ModelMeta
+from .model_scan import scan_models
 
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
 HIDDEN_AT_FIRST = ("Arch", "Params", "Context")    # in the row's tooltip; the header's menu shows them
-FILE_SECONDS = 5.0          # one file's header read (and estimate) past this is listed as not read
-MAX_FILES = 2000            # files listed per folder (a folder of a million .gguf names stays cheap)
 log = logging.getLogger("strata.app")
 
 
@@ -33,87 +31,6 @@ def memory_budget(engine_budget: dict | None):
     if engine_budget:
         return me.Budget(int(engine_budget["bytes"]), str(engine_budget["source"]))
     return me.load_budget(MemoryGuard(), None)
-
-
-def memory_needs(path: Path, budget) -> tuple[str, str]:
-    """(column text, tooltip) of the memory estimate at the engine's default context
-    (engine/memory_estimate.py: plain Python, no mlx) against `budget` (memory_budget)."""
-    from engine import memory_estimate as me
-    from engine.errors import StrataError
-    try:
-        h = me.read_header(path)
-        fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), budget)
-    except StrataError as e:
-        return "?", str(e)
-    except Exception as e:  # noqa: BLE001 -- one file's surprise stays on its row, with a log line
-        log.warning("model list: %s: %s: %s", Path(path).name, type(e).__name__, e)
-        return "?", f"{Path(path).name}: cannot estimate ({type(e).__name__})"
-    text = me.gib(fit.estimate.total_bytes)
-    return (text if fit.fits else f"{text} (too big)"), fit.line()
-
-
-def find_models(folders: list[Path]) -> list[Path]:
-    """The `*.gguf` entries of `folders`, each once (by where it resolves to), up to MAX_FILES per
-    folder. Nothing is opened: an entry that is not a regular file (a FIFO, a folder, a link to a
-    device or in a loop) is listed too, and its row says why it cannot be loaded."""
-    seen, out = set(), []
-    for d in folders:
-        try:
-            if not Path(d).is_dir():
-                continue
-            found = sorted(Path(d).glob("*.gguf"))[:MAX_FILES]
-        except (OSError, RuntimeError) as e:
-            log.warning("model list: cannot list %s: %s", d, e)
-            continue
-        for p in found:
-            try:
-                r = p.resolve()
-            except (OSError, RuntimeError):    # a symlink loop: listed under its own name
-                r = p
-            if r not in seen:
-                seen.add(r)
-                out.append(p)
-    return out
-
-
-def _read_row(p: Path, budget) -> tuple[ModelMeta, tuple[str, str]]:
-    meta = read_meta(p)
-    if meta.error:
-        return meta, ("?", meta.error)
-    needs = memory_needs(p, budget)
-    if needs[0] == "?":            # the header reads but cannot be estimated (a negative K/V length...)
-        meta = dataclasses.replace(meta, error=needs[1])
-    return meta, needs
-
-
-def scan_models(folders: list[Path], budget, file_seconds: float = FILE_SECONDS
-                ) -> list[tuple[ModelMeta, tuple[str, str]]]:
-    """A row (metadata, (needs, tooltip)) per model file. Each file is read on a thread of its own
-    that gets `file_seconds`: one that takes longer (a hung disk, a file that reads forever) is listed
-    as not read and the scan goes on. Nothing in one file stops the others; each bad file's reason is
-    logged once."""
-    rows = []
-    for p in find_models(folders):
-        box: list = []
-
-        def work(p=p, box=box):
-            try:
-                box.append(_read_row(p, budget))
-            except Exception as e:  # noqa: BLE001 -- the row says it, the scan goes on
-                box.append((ModelMeta(str(p), p.name, error=f"{p.name}: cannot read ({type(e).__name__}: "
-                                                              f"{str(e)[:200]})"), ("?", "")))
-        t = threading.Thread(target=work, name="strata-model-read", daemon=True)
-        t.start()
-        t.join(file_seconds)
-        if box:
-            row = box[0]
-        else:
-            row = (ModelMeta(str(p), p.name, error=f"{p.name}: not read: it takes longer than "
-                                                   f"{file_seconds:g} s"), ("?", ""))
-        if row[0].error:
-            log.warning("model list: %s", row[0].error)
-        rows.append(row)
-    return rows
 
 
 class ModelList(QWidget):
@@ -171,7 +88,11 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            self._scanned.emit(number, scan_models(folders, budget))
+            rows = scan_models(folders, budget)
+            try:
+                self._scanned.emit(number, rows)
+            except RuntimeError:        # the list was closed while its folder was read: nothing to fill
+                log.info("model list: a scan ended after its list was closed")
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
 
     def _fill(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:

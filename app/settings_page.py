@@ -1,25 +1,29 @@
 """The settings page: conversation cache (checked by the engine's memory guard) and K/V cache precision,
 control vectors, sampling defaults, model folders, the local server, the appearance. Whole numbers are
-typed, not clamped: a value out of range or not a number is refused with a message next to its field and
-nothing is saved. The rest goes to the SettingsService (app/settings.py) once the engine accepted the
-cache values and the precision; the parts of the app that care hear it from the service's `changed`."""
+typed, not clamped: a value out of range or not a number is refused with a message under its field
+(every problem named at the bottom) and nothing is saved. The page saves to the SettingsService
+(app/settings.py); the values that reach the engine go there from app/engine_settings.py, which hears
+the service's `changed` like every other part: the page closes once the engine took them, or shows its
+refusal next to the field. The page scrolls; its message and buttons stay below, on screen."""
 from __future__ import annotations
 
 import copy
+import re
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QIntValidator
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QFrame,
+                               QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
+                               QScrollArea, QVBoxLayout, QWidget)
 
 from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX
 
+from .engine_settings import ENGINE_KEYS, EngineSettings
 from .sampling_form import SamplingForm, spin
 from .settings import Settings, SettingsService
 from .theme import THEMES
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]+")     # ASCII digits only: int() would take other scripts' digits too
 KV_BITS_CHOICES = tuple((f"{b}-bit" + (" (default)" if b == 16 else ""), b) for b in KV_BITS)
 # What the engine does (engine/handlers.py _configure, engine/conversations.py, engine/sessions.py): the
 # format is part of a conversation's K/V identity, so held K/V is never converted, and a session file
@@ -47,24 +51,35 @@ def refusal_hint(code, reason: str) -> str:
 
 class NumberField(QWidget):
     """A whole number typed as text, checked against its range when the page is saved, never clamped
-    or cut while typing: `problem()` says what is wrong ("" when nothing), shown in `message` next to
-    the field. `value()`/`setValue()`/`minimum()`/`maximum()` as a spin box has them."""
+    or cut while typing: `problem()` says what is wrong ("" when nothing), shown in `message` under the
+    field, wrapped and whole. The box is wide enough for its largest value. `value()`/`setValue()`/
+    `minimum()`/`maximum()` as a spin box has them."""
 
     def __init__(self, lo: int, hi: int, value: int, unit: str = "", label: str = "", parent=None):
         super().__init__(parent)
         self.lo, self.hi, self.unit, self.label = lo, hi, unit, label
         self.edit = QLineEdit(str(value), objectName="numberEdit")
-        self.edit.setMaximumWidth(110)
+        self.edit.setMinimumWidth(self.readable_width())
+        self.edit.setMaximumWidth(max(110, self.readable_width()))
         self.message = QLabel(wordWrap=True, visible=False, objectName="fieldError")
         self.message.setStyleSheet("color: #c62828;")
         self.edit.textEdited.connect(lambda _t: self.show_problem(""))
-        lay = QHBoxLayout(self)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.edit)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.edit)
         if unit:
-            lay.addWidget(QLabel(unit.strip()))
-        lay.addWidget(self.message, 1)
-        lay.addStretch(1)            # the field stays at the left when no message shows
+            row.addWidget(QLabel(unit.strip()))
+        row.addStretch(1)            # the field stays at the left
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(2)
+        lay.addLayout(row)
+        lay.addWidget(self.message)  # under the field, the row's whole width: a long message wraps, never cut
+
+    def readable_width(self) -> int:
+        """The box's least width: its largest value (and a sign) with room for the frame and cursor."""
+        digits = max(len(str(self.hi)), len(str(self.lo)), 4) + 1
+        return self.edit.fontMetrics().horizontalAdvance("0" * digits) + 16
 
     def lineEdit(self) -> QLineEdit:  # noqa: N802 - as QSpinBox names it
         return self.edit
@@ -83,20 +98,26 @@ class NumberField(QWidget):
         self.show_problem("")
 
     def value(self) -> int | None:
-        """The number typed, or None when it is not a whole number (out-of-range values are kept: see problem)."""
-        state, _, _ = QIntValidator(-(1 << 31), (1 << 31) - 1).validate(self.edit.text().strip(), 0)
+        """The number typed, or None when it is not a whole number (out-of-range values are kept,
+        however large: see problem)."""
+        text = self.edit.text().strip()
+        if not _WHOLE.fullmatch(text):
+            return None
         try:
-            return int(self.edit.text().strip()) if state == QIntValidator.State.Acceptable else None
-        except ValueError:
+            return int(text)
+        except ValueError:           # past Python's digit limit for int(): far out of any range
             return None
 
     def problem(self) -> str:
         text = self.edit.text().strip()
+        if not text:
+            return "a number is needed"
+        if not _WHOLE.fullmatch(text):
+            return f"{text[:40]!r} is not a whole number"
         v = self.value()
-        if v is None:
-            return f"{text!r} is not a whole number" if text else "a number is needed"
-        if not self.lo <= v <= self.hi:
-            return f"must be {self.lo} to {self.hi}{self.unit}; got {text}{self.unit}"
+        if v is None or not self.lo <= v <= self.hi:
+            shown = text if len(text) <= 24 else f"a {len(text.lstrip('+-'))}-digit number"
+            return f"must be {self.lo} to {self.hi}{self.unit}; got {shown}{self.unit if len(text) <= 24 else ''}"
         return ""
 
     def show_problem(self, text: str) -> None:
@@ -123,7 +144,13 @@ class SettingsPage(QDialog):
         self.setWindowTitle("Strata Settings")
         self.client = client
         self.status = status               # the last engine.api.EngineStatus, or None
-        self._drop_confirmed: tuple[int, int] | None = None
+        self._drop_confirmed: tuple[int, int, int] | None = None
+        self._waiting: Settings | None = None   # saved, waiting for the engine to take its part
+        # The engine's settings reach it through the service's `changed` (app/engine_settings.py)
+        self.engine = EngineSettings.of(settings, client) if client is not None else None
+        if self.engine is not None:
+            self.engine.applied.connect(self._took)
+            self.engine.refused.connect(self._refused)
         self.old = settings.snapshot()
         s = copy.deepcopy(self.old)
         self.error = QLabel(wordWrap=True, visible=False, objectName="settingsError")
@@ -143,8 +170,7 @@ class SettingsPage(QDialog):
         self.disk_used = QLabel(self._disk_text(status), objectName="diskUsed")
         self.disk_clear = QPushButton("Clear", objectName="diskClear", clicked=self._clear_disk)
         self.disk_clear.setEnabled(client is not None)
-        disk_row = QHBoxLayout()
-        disk_row.addWidget(self.disk_mib)
+        disk_row = QHBoxLayout()          # under the cap's row: the cap's message has the row's width
         disk_row.addWidget(self.disk_used, 1)
         disk_row.addWidget(self.disk_clear)
         # K/V precision (engine/kv_format.py): the engine checks it against the loaded model's head size
@@ -152,12 +178,19 @@ class SettingsPage(QDialog):
         for label, bits in KV_BITS_CHOICES:
             self.kv_bits.addItem(label, bits)
         self.kv_bits.setCurrentIndex(max(0, self.kv_bits.findData(s.kv_bits)))
+        self.kv_bits_message = QLabel(wordWrap=True, visible=False, objectName="fieldError")
+        self.kv_bits_message.setStyleSheet("color: #c62828;")
+        self.kv_bits.currentIndexChanged.connect(lambda _i: self.kv_bits_message.hide())
+        kv_box = QVBoxLayout()
+        kv_box.addWidget(self.kv_bits)
+        kv_box.addWidget(self.kv_bits_message)
         cache = QGroupBox("Conversation cache")
         f = QFormLayout(cache)
         f.addRow("Cap (0 = off)", self.cache_mib)
         f.addRow("Slots", self.cache_slots)
-        f.addRow("On disk (0 = off)", disk_row)
-        f.addRow("K/V cache precision", self.kv_bits)
+        f.addRow("On disk (0 = off)", self.disk_mib)
+        f.addRow("", disk_row)
+        f.addRow("K/V cache precision", kv_box)
         f.addRow("Memory guard", self.guard)
 
         # Control vectors
@@ -252,13 +285,24 @@ class SettingsPage(QDialog):
         right.addWidget(srv)
         right.addWidget(look)
         right.addStretch(1)
-        cols = QHBoxLayout()
+        self._lay_out(left, right)
+
+    def _lay_out(self, left: QVBoxLayout, right: QVBoxLayout) -> None:
+        """The two columns scroll; the message and Save/Cancel stay below them, always on screen (the
+        page fits a 1024x700 screen)."""
+        content = QWidget(objectName="settingsContent")
+        cols = QHBoxLayout(content)
         cols.addLayout(left)
         cols.addLayout(right)
+        self.scroll = QScrollArea(widgetResizable=True, frameShape=QFrame.Shape.NoFrame)
+        self.scroll.setWidget(content)
         lay = QVBoxLayout(self)
-        lay.addLayout(cols)
+        lay.addWidget(self.scroll, 1)
         lay.addWidget(self.error)
         lay.addWidget(self.buttons)
+        want = content.sizeHint() + QSize(24, self.buttons.sizeHint().height() + 48)
+        screen = self.screen().availableGeometry().size() if self.screen() is not None else QSize(1024, 700)
+        self.resize(min(want.width(), screen.width(), 1000), min(want.height(), screen.height() - 40, 680))
 
     @staticmethod
     def _cache_range(status):
@@ -329,9 +373,8 @@ class SettingsPage(QDialog):
                 "Layers to": self.layer_to, "Port": self.server_port}
 
     def check_fields(self) -> str:
-        """Each number field's problem shown next to it; the first one, named, or ""."""
-        problems = [f"{name} {p}" for name, w in self.number_fields().items() if (p := w.check())]
-        return problems[0] if problems else ""
+        """Each number field's problem shown next to it; all of them, each named, or ""."""
+        return "; ".join(f"{name} {p}" for name, w in self.number_fields().items() if (p := w.check()))
 
     def values(self) -> Settings:
         """The page's values over the current settings (a key the page does not show, like the model
@@ -362,7 +405,9 @@ class SettingsPage(QDialog):
         self.error.hide()
 
     def submit(self) -> None:
-        """Ask the engine to accept the cache values; save everything only if it does."""
+        """Save the page. The values that reach the engine go to it through the settings' `changed`
+        (app/engine_settings.py): the page closes once the engine took them, or shows its refusal next
+        to the field (the engine's keys are then as they were; the rest is saved)."""
         problem = self.check_fields()
         if problem:
             self.show_error(problem)
@@ -372,49 +417,50 @@ class SettingsPage(QDialog):
             self.show_error(f"direction {new.steering.direction!r} is not 'per-layer' or 'single:L'")
             return
         self.clear_error()
-        drops = self._drops(new)
-        if drops and self._drop_confirmed != (new.cache_mib, new.cache_slots):
-            # A lower cap evicts parked conversations at once: say so, and save on the second press.
-            self._drop_confirmed = (new.cache_mib, new.cache_slots)
+        drops = " ".join(d for d in (self._drops(new), self._disk_drops(new)) if d)
+        if drops and self._drop_confirmed != (new.cache_mib, new.cache_slots, new.disk_mib):
+            # A lower cap evicts parked conversations, or deletes cached ones from disk, at once: say
+            # so, and save on the second press.
+            self._drop_confirmed = (new.cache_mib, new.cache_slots, new.disk_mib)
             self.error.setText(f"{drops} Press Save again to go ahead.")
             self.error.show()
             return
-        cache = (new.cache_mib, new.cache_slots) != (self.old.cache_mib, self.old.cache_slots)
-        kv = new.kv_bits != self.old.kv_bits
-        if not (cache or kv) or self.client is None:
+        to_engine = self.engine is not None and any(
+            _get(new, k) != self.engine.held(k) for k in ENGINE_KEYS)
+        if not to_engine:
             self._commit(new)
             return
         self.buttons.setEnabled(False)
-        if kv:
-            # The precision first, on its own: it is what a model can refuse (its head size), and a
-            # refusal then changes nothing in the engine. The cache values follow once it is taken.
-            req = self.client.configure(kv_bits=new.kv_bits)
-            req.done.connect(lambda status: self._send_cache(new, kv) if cache else self._took(new, status))
-            req.failed.connect(self.show_error)
-        else:
-            self._send_cache(new, kv)
+        self._waiting = new
+        self.settings.update(new)          # the engine's part goes out from the controller
 
-    def _send_cache(self, new: Settings, kv_sent: bool) -> None:
-        req = self.client.configure(cache_mib=new.cache_mib, cache_slots=new.cache_slots)
-        req.done.connect(lambda status: self._took(new, status))
-        req.failed.connect(lambda message: self._cache_refused(message, kv_sent))
-
-    def _cache_refused(self, message: str, kv_sent: bool) -> None:
-        if kv_sent:
-            # Nothing is saved: put the engine's precision back to the settings' so the two agree.
-            self.client.configure(kv_bits=self.old.kv_bits)
-        self.show_error(message)
-
-    def _took(self, new: Settings, status) -> None:
-        """The engine took the new values: show its reading and save."""
-        self.guard.setText(self._guard_text(status))
+    def _took(self, status) -> None:
+        """The engine took the new values: show its reading and close."""
+        if self._waiting is None:
+            return
+        if status is not None:
+            self.guard.setText(self._guard_text(status))
+        new, self._waiting = self._waiting, None
         self._commit(new)
+
+    def _refused(self, key: str, message: str) -> None:
+        """The engine refused: the message next to the field and at the bottom; the page stays open."""
+        if self._waiting is None:
+            return
+        self._waiting = None
+        field = {"cache_mib": self.cache_mib, "cache_slots": self.cache_slots, "disk_mib": self.disk_mib}.get(key)
+        if field is not None:
+            field.show_problem(message)
+        elif key == "kv_bits":
+            self.kv_bits_message.setText(message)
+            self.kv_bits_message.show()
+        self.show_error(message)
 
     def _drops(self, new: Settings) -> str:
         """What the new limits would evict from the parked conversations (per the last status), or ""."""
         p = (self.status.parking if self.status is not None else None) or {}
         entries, nbytes = int(p.get("entries") or 0), int(p.get("bytes") or 0)
-        if not entries:
+        if not entries or (new.cache_mib, new.cache_slots) == (self.old.cache_mib, self.old.cache_slots):
             return ""
         if new.cache_mib == 0:
             return f"Turning the cache off drops the {entries} parked conversation(s) ({nbytes / (1 << 20):.1f} MiB)."
@@ -425,8 +471,25 @@ class SettingsPage(QDialog):
             return f"{entries} conversations are parked: {new.cache_slots} slot(s) drop {entries - new.cache_slots}."
         return ""
 
+    def _disk_drops(self, new: Settings) -> str:
+        """What a lower disk cap would delete from the disk tier (per the last status), or "". Off (0)
+        deletes nothing: the files stay until Clear (engine/disk_tier.py set_cap)."""
+        d = (self.status.disk if self.status is not None else None) or {}
+        entries, nbytes = int(d.get("entries") or 0), int(d.get("bytes") or 0)
+        if not entries or new.disk_mib == 0 or new.disk_mib == self.old.disk_mib or nbytes <= new.disk_mib << 20:
+            return ""
+        return (f"{nbytes / (1 << 20):.1f} MiB of conversations are cached on disk: a {new.disk_mib} MiB cap "
+                "deletes some of them.")
+
     def _commit(self, new: Settings) -> None:
         self.clear_error()
         self.settings.update(new)
         self.saved.emit(new, self.old)
         self.accept()
+
+
+def _get(settings: Settings, key: str):
+    obj = settings
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -19,6 +19,7 @@ from .bus import MessageBus
 from .chat_library import ChatLibrary
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
+from .engine_settings import EngineSettings
 from .engine_thread import EngineClient, EngineThread
 from .message_bar import MessageBar
 from .model_library import ModelLibrary
@@ -65,6 +66,8 @@ class MainWindow(QMainWindow):
                                           kv_bits=self.settings.kv_bits, parent=self,
                                           disk_mib=self.settings.disk_mib)
         self.client = EngineClient(self.engine_thread, self)
+        # Every setting that reaches the engine goes there from here (its keys' `changed`)
+        self.engine_settings = EngineSettings.of(self.settings, self.client)
         self.server = ServerControl(self.client, self.settings, self.bus, self)
 
         self.message_bar = MessageBar()
@@ -139,6 +142,12 @@ class MainWindow(QMainWindow):
         act(c, "Copy Reply", lambda: self.current_view() and self.current_view().copy_last(), "Ctrl+Shift+C")
         act(c, "Rename Chat…", lambda: self.tabs.rename_tab(self.tabs.currentIndex()))
         act(c, "Find Chat…", self.find_chat, "Ctrl+Shift+F")
+        c.addSeparator()
+        # From anywhere in the window, the message box included (it gives Tab to the focus chain)
+        act(c, "Next Chat", lambda: self.step_tab(1)).setShortcuts(
+            [QKeySequence("Ctrl+PgDown"), QKeySequence("Ctrl+Tab")])
+        act(c, "Previous Chat", lambda: self.step_tab(-1)).setShortcuts(
+            [QKeySequence("Ctrl+PgUp"), QKeySequence("Ctrl+Shift+Tab")])
 
     def _connect_signals(self) -> None:
         self.engine_thread.crashed.connect(self.bus.error)
@@ -154,6 +163,7 @@ class MainWindow(QMainWindow):
         self.tabs.view_added.connect(self._on_view_added)
         self.tabs.currentChanged.connect(self._on_tab_changed)
         self.sessions.status_changed.connect(self.refresh_status)
+        self.engine_settings.applied.connect(lambda _s: self._status_soon())   # e.g. the cache limits: the status bar
         # Session files and models dropped anywhere on the window, the tab bar or a chat open
         for w in (self, self.tabs.tabBar()):
             self.sessions.accept_drops_on(w)
@@ -163,6 +173,7 @@ class MainWindow(QMainWindow):
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self.current_view() is v and self.status.show_streaming(live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
+        view.input.setTabChangesFocus(True)      # Tab and Shift+Tab leave the message box, as elsewhere
         for w in (view.input.viewport(), view.transcript.viewport()):
             w.installEventFilter(self.sessions)
 
@@ -181,6 +192,12 @@ class MainWindow(QMainWindow):
 
     def new_tab(self, chat: Chat | None = None, preset_id: str | None = None) -> ChatView:
         return self.tabs.new_tab(chat, preset_id)
+
+    def step_tab(self, step: int) -> None:
+        """The next (1) or previous (-1) chat tab, round the ends."""
+        n = self.tabs.count()
+        if n:
+            self.tabs.setCurrentIndex((self.tabs.currentIndex() + step) % n)
 
     def find_chat(self) -> None:
         """Chat > Find Chat: the chat library shown, its search field focused."""
@@ -204,6 +221,11 @@ class MainWindow(QMainWindow):
             self.status.clear_result()
 
     def _on_stats(self, view: ChatView, result: dict) -> None:
+        if view.disk_note and view.property("diskNoteShown") != view.disk_note:
+            # The reply's K/V came from the disk tier: said under the reply too, not only for 6 s in
+            # the status bar (the view keeps its last such line: shown once)
+            view.setProperty("diskNoteShown", view.disk_note)
+            view.add_note(view.disk_note)
         if self.current_view() is view:
             self.status.show_result(result)
         self.refresh_status()
@@ -238,14 +260,10 @@ class MainWindow(QMainWindow):
 
     def _on_setting(self, key: str) -> None:
         """What the window itself does on a settings change (the controllers listen to their own keys)."""
-        if key == "steering.speed_projection":
-            self.client.configure(speed_projection=self.settings.steering.speed_projection)
-        elif key == "theme":
+        if key == "theme":
             theme.apply(self.settings.theme)
             for view in self.tabs.views():     # the transcripts' colours and code style follow the palette
                 view.render_all()
-        elif key == "disk_mib":
-            self.client.configure_disk(self.settings.disk_mib)
         if key != "model" and self.client.is_ready:
             self._status_soon()                # e.g. the cache limits: the status bar's figures
 

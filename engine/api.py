@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
-from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT
+from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT, check_configure
 from .sampling import SamplingParams
 
 
@@ -119,6 +119,11 @@ class Configure:
     cache_slots: int | None = None
     speed_projection: bool | None = None      # the default of requests that name none
     disk_mib: int | None = None               # the disk tier's cap (0 = off: nothing more is written)
+
+    def __post_init__(self):
+        # The bounds, once, for every caller (engine/limits.py): a request out of range is never built.
+        for name, value in check_configure(self.kv_bits, self.cache_mib, self.cache_slots, self.disk_mib).items():
+            setattr(self, name, value)
 
 
 @dataclass

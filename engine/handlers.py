@@ -421,33 +421,39 @@ class RequestHandlers:
 
     # ---- settings, status --------------------------------------------------------------------
     def _configure(self, req: Configure) -> EngineStatus:
+        """Applied whole or not at all: the bounds were checked when `req` was built (engine/limits.py);
+        what only the loaded model can refuse (a K/V width its head size cannot take) is checked first."""
+        kv_format = self._kv_format_for(req.kv_bits) if req.kv_bits is not None else None
         if req.cache_mib is not None or req.cache_slots is not None:
-            from .limits import check_cache_mib, check_cache_slots
-            cap = self.eng.parking.cap_bytes >> 20 if req.cache_mib is None else check_cache_mib(req.cache_mib,
-                                                                                             self._cache_range())
-            slots = self.eng.parking.slots if req.cache_slots is None else check_cache_slots(req.cache_slots)
+            cap = self.eng.parking.cap_bytes >> 20 if req.cache_mib is None else req.cache_mib
+            slots = self.eng.parking.slots if req.cache_slots is None else req.cache_slots
             self.eng.parking.set_limits(cap, slots)
             self.eng.options.cache_mib, self.eng.options.cache_slots = cap, slots
             self.eng.log(f"conversation cache: {cap} MiB, {slots} slots")
         if req.disk_mib is not None and self.eng.disk is not None:
-            from .limits import check_disk_mib
-            self.eng.options.disk_mib = check_disk_mib(req.disk_mib)
+            self.eng.options.disk_mib = req.disk_mib
             self.eng.disk.set_cap(self.eng.options.disk_mib)
             self.eng.log(f"conversation disk cache: {self.eng.options.disk_mib} MiB")
         if req.speed_projection is not None:
             self.eng.options.speed_projection = bool(req.speed_projection)
         if req.kv_bits is not None:
-            from .kv_format import choose, choose_for
-            if self.eng.info is not None:
-                choose_for(self.eng.model, int(req.kv_bits), self.eng.info.head_dim)   # refused here, before anything changes
-            else:
-                choose(int(req.kv_bits), 64)      # no model yet: the width alone is checked
-            self.eng.options.kv_bits = int(req.kv_bits)
-            if self.eng.loaded is not None:
-                self.eng.loaded = self.eng.loaded.with_kv_format(choose_for(self.eng.model, self.eng.options.kv_bits,
-                                                                    self.eng.info.head_dim))
+            self.eng.options.kv_bits = req.kv_bits
+            if kv_format is not None:
+                self.eng.loaded = self.eng.loaded.with_kv_format(kv_format)
                 self.eng.log(f"K/V: {self.eng.kv_fmt.describe()} for new conversations")
         return self.status()
+
+    def _kv_format_for(self, bits: int):
+        """The loaded model's K/V format at `bits` (None when no model is loaded: the width alone counts,
+        checked with the request); a width this model cannot take is refused naming the setting."""
+        from .kv_format import choose_for
+        from .limits import CacheLimitError
+        if self.eng.loaded is None or self.eng.info is None:
+            return None
+        try:
+            return choose_for(self.eng.model, bits, self.eng.info.head_dim)
+        except RequestError as e:
+            raise CacheLimitError(str(e), "kv_bits") from None
 
     def _cache_range(self):
         from .limits import cache_range

@@ -35,7 +35,12 @@ SPEED_PROJECTION_DEFAULT = True
 
 
 class CacheLimitError(RequestError):
-    """A cache size or slot count outside its range; the message is one line."""
+    """A cache setting outside its range (or one the loaded model cannot take); the message is one
+    line, `reason` the Configure field it is about ("cache_mib", "kv_bits"...), "" when none is named."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.reason = field
 
 
 @dataclass(frozen=True)
@@ -74,9 +79,10 @@ def check_cache_mib(mib: object, limits: CacheRange | None = None, what: str = "
         if value != mib and not isinstance(mib, str):
             raise ValueError
     except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number of MiB, {limits.describe()}; got {mib!r}") from None
+        raise CacheLimitError(f"{what} must be a whole number of MiB, {limits.describe()}; got {mib!r}",
+                              "cache_mib") from None
     if value < 0 or (limits.max_mib is not None and value > limits.max_mib):
-        raise CacheLimitError(f"{what} must be {limits.describe()}; got {value} MiB")
+        raise CacheLimitError(f"{what} must be {limits.describe()}; got {value} MiB", "cache_mib")
     return value
 
 
@@ -86,9 +92,10 @@ def check_cache_slots(slots: object, what: str = "the conversation cache slots")
         if value != slots and not isinstance(slots, str):
             raise ValueError
     except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}") from None
+        raise CacheLimitError(f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}",
+                              "cache_slots") from None
     if not 1 <= value <= SLOTS_MAX:
-        raise CacheLimitError(f"{what} must be 1 to {SLOTS_MAX}; got {value}")
+        raise CacheLimitError(f"{what} must be 1 to {SLOTS_MAX}; got {value}", "cache_slots")
     return value
 
 
@@ -116,7 +123,27 @@ def check_disk_mib(mib: object, what: str = "the conversation disk cache") -> in
         if value != mib and not isinstance(mib, str):
             raise ValueError
     except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number of MiB, 0 (off) to {DISK_MIB_MAX}; got {mib!r}") from None
+        raise CacheLimitError(f"{what} must be a whole number of MiB, 0 (off) to {DISK_MIB_MAX}; got {mib!r}",
+                              "disk_mib") from None
     if not 0 <= value <= DISK_MIB_MAX:
-        raise CacheLimitError(f"{what} must be 0 (off) to {DISK_MIB_MAX} MiB; got {value} MiB")
+        raise CacheLimitError(f"{what} must be 0 (off) to {DISK_MIB_MAX} MiB; got {value} MiB", "disk_mib")
     return value
+
+
+def check_kv_bits(bits: object) -> int:
+    """The K/V storage width: one of KV_BITS, else CacheLimitError."""
+    if isinstance(bits, bool) or bits not in KV_BITS:
+        raise CacheLimitError(f"K/V bits must be one of {', '.join(map(str, KV_BITS))} (got {bits!r})", "kv_bits")
+    return int(bits)                                       # type: ignore[arg-type]
+
+
+def check_configure(kv_bits=None, cache_mib=None, cache_slots=None, disk_mib=None) -> dict:
+    """The bounds of a Configure request's values (None: unchanged), checked where the request is
+    built, for every caller (the app's settings, the server, tests): the values as ints, else
+    CacheLimitError naming the field. The cache's cap is this machine's range (the memory guard's reader)."""
+    return {
+        "kv_bits": None if kv_bits is None else check_kv_bits(kv_bits),
+        "cache_mib": None if cache_mib is None else check_cache_mib(cache_mib),
+        "cache_slots": None if cache_slots is None else check_cache_slots(cache_slots),
+        "disk_mib": None if disk_mib is None else check_disk_mib(disk_mib),
+    }

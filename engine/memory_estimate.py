@@ -225,7 +225,9 @@ def _read_header(p: Path) -> GGUFHeader:
                 tensors.append(TensorInfo(name, ggml_type, shape))
     except OSError as e:
         raise ModelFileError(f"cannot read {p}: {e.strerror or e}") from None
-    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+    except MemoryError:
+        raise ModelFileError(f"{p.name}: its header does not fit in the memory the reader may use") from None
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as e:
         raise ModelFileError(f"{p.name} is truncated or corrupt ({e})") from None
     return GGUFHeader(p, meta, tuple(tensors))
 

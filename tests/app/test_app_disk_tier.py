@@ -46,6 +46,7 @@ def test_chat_quit_relaunch_reopen_is_restored_from_disk(qtbot, app_home):
         assert result.restored_from_disk > 0 and result.cached_tokens >= result.restored_from_disk
         assert again.disk_note == f"restored from disk ({result.restored_from_disk} tokens)"
         assert again.disk_note in messages
+        assert again.transcript_text().count(again.disk_note) == 1      # under the reply, not only for 6 s
 
         # the settings page shows what is used, and Clear empties it
         w2.refresh_status()

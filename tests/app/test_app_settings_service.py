@@ -113,7 +113,7 @@ def test_a_new_control_vector_reloads_the_model_once(qapp_ready, idle_window, tm
     (path,), kw = fake.calls[0][1], fake.calls[0][2]
     assert path == "loaded.gguf" and kw["steering"].files == [(str(tmp_path / "v.gguf"), 0.5)]
     # The speed projection is the engine's default, configured: no reload
-    w.client = w.library.client = fake
+    w.client = w.library.client = w.engine_settings.client = fake
     with qapp_ready.assertNotEmitted(w.library.loaded, wait=100):
         w.settings.set("steering.speed_projection", not w.settings.steering.speed_projection)
     assert [n for n in fake.names() if n != "status"] == ["load_model", "configure"]
@@ -182,7 +182,7 @@ def test_every_number_field_is_checked_and_marked(qapp_ready, app_home):
     page.submit()
     assert page.cache_slots.message.isVisible() and page.layer_to.message.isVisible()
     assert not page.cache_mib.message.isVisible()
-    assert page.error.text() == "Not saved: Slots must be 1 to 64; got 99"
+    assert page.error.text() == "Not saved: Slots must be 1 to 64; got 99; Layers to must be 0 to 999; got -1"
 
 
 # ---- the theme ------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def test_settings_page_names_what_a_lower_cap_drops_and_goes_ahead_on_the_second
 
 def test_kv_bits_round_trips_through_the_settings_page_and_the_settings_file(qapp_ready, app_home, fake_client):
     """K/V cache precision: an old settings file (no key) and a hand-edited value load as 16; the page
-    sends only the precision to the engine (on its own, before cache values) and saves once it is taken."""
+    sends only what changed to the engine (precision and cache values in one Configure, which the engine
+    takes whole or not at all) and the page closes once it is taken."""
     from PySide6.QtCore import QSettings
 
     from app import settings
@@ -167,14 +168,13 @@ def test_kv_bits_round_trips_through_the_settings_page_and_the_settings_file(qap
     again = SettingsPage(settings.load(), fake_client, status_reading())   # reopened: shows the saved value
     qapp_ready.addWidget(again)
     assert again.kv_bits.currentData() == 8
-    # precision and cache together: the precision first, then the cache values
+    # precision and cache together: one request
     fake_client.calls.clear()
     again.kv_bits.setCurrentIndex(again.kv_bits.findData(4))
     again.cache_slots.setValue(5)
     with qapp_ready.waitSignal(again.saved, timeout=5000):
         again.submit()
-    mib = again.cache_mib.value()
-    assert [c[2] for c in fake_client.calls] == [{"kv_bits": 4}, {"cache_mib": mib, "cache_slots": 5}]
+    assert [c[2] for c in fake_client.calls] == [{"kv_bits": 4, "cache_slots": 5}]
     assert (settings.load().kv_bits, settings.load().cache_slots) == (4, 5)
     ini = QSettings(str(app_home / "settings.ini"), QSettings.Format.IniFormat)
     ini.setValue("app/kv_bits", 5)                      # hand-edited: the engine would refuse it at start
@@ -195,12 +195,14 @@ def test_settings_page_shows_the_engines_kv_bits_refusal_and_saves_nothing(qapp_
     page.submit()
     qapp_ready.waitUntil(page.error.isVisible, timeout=5000)
     assert page.error.text() == f"Not saved: {why}"
-    assert fake_client.calls == [("configure", (), {"kv_bits": 8})]      # the cache values were never sent
+    assert fake_client.calls == [("configure", (), {"kv_bits": 8, "cache_slots": 6})]   # one request, refused whole
     assert page.buttons.isEnabled() and settings.load().kv_bits == 16 and settings.load().cache_slots != 6
+    assert page.kv_bits_message.isVisible() and page.kv_bits_message.text() == why   # no reason: the precision
 
 
-def test_a_cache_refusal_after_the_kv_bits_were_taken_puts_the_engines_precision_back(qapp_ready, app_home,
-                                                                                     fake_client):
+def test_a_cache_refusal_keeps_the_precision_too(qapp_ready, app_home, fake_client):
+    """The engine takes a Configure whole or not at all: refused for its cache values, the precision sent
+    with them is not in force either, and the settings say so (nothing is sent to put it back)."""
     from app import settings
     from app.settings_page import SettingsPage
     fake_client.answers["configure"] = lambda **kw: Refusal("no slots") if "cache_slots" in kw else status_reading()
@@ -212,8 +214,8 @@ def test_a_cache_refusal_after_the_kv_bits_were_taken_puts_the_engines_precision
     page.submit()
     qapp_ready.waitUntil(page.error.isVisible, timeout=5000)
     assert page.error.text() == "Not saved: no slots"
-    assert [c[2].get("kv_bits") for c in fake_client.calls] == [4, None, 16]
-    assert settings.load().kv_bits == 16
+    assert [c[2].get("kv_bits") for c in fake_client.calls] == [4]
+    assert settings.load().kv_bits == 16 and settings.load().cache_slots != 6
 
 
 # ---- the configs pane ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -220,27 +221,69 @@ def test_models_estimate_cli_exit_code(tmp_path):
         _one_line(proc.stderr.strip())
 
 
-def test_scan_bounds_a_file_that_reads_forever(tmp_path, tiny_model, monkeypatch):
-    """The per-file time bound: a file whose read never ends is listed as not read, the others load."""
-    from app import model_list
+def test_scan_bounds_a_file_that_reads_forever(tmp_path, tiny_model):
+    """The per-file time bound: a file whose read never ends is listed as not read and its reader is
+    killed (not left running), the others load."""
+    from app import model_scan
+    from scan_readers import read_slowly
     d = tmp_path / "models"
     d.mkdir()
     shutil.copyfile(tiny_model, d / "good.gguf")
     (d / "aaa-slow.gguf").write_bytes(b"GGUF")
-    real = model_list._read_row
-    release = threading.Event()
-
-    def slow(p, budget):
-        if p.name == "aaa-slow.gguf":
-            release.wait(30)
-        return real(p, budget)
-    monkeypatch.setattr(model_list, "_read_row", slow)
-    t0 = time.monotonic()
-    rows = model_list.scan_models([d], None, file_seconds=0.5)
-    release.set()
-    assert time.monotonic() - t0 < 3
+    rows = model_scan.scan_models([d], None, file_seconds=0.5, reader=read_slowly)
     errors = {Path(m.path).name: m.error for m, _ in rows}
     assert "takes longer than 0.5 s" in errors["aaa-slow.gguf"] and errors["good.gguf"] == ""
+    # The slow file's reader is gone: only the worker that read good.gguf is left
+    children = [p for p in multiprocessing.active_children() if p.name == "strata-model-read"]
+    assert len(children) == 1
+
+
+def _sparse_gguf_of_huge_strings(path: Path, n_keys: int, key_bytes: int) -> None:
+    """A sparse GGUF whose keys are `key_bytes`-long strings (zeros, valid UTF-8): every length fits in
+    the file, so a reader that keeps what it reads holds n_keys x key_bytes."""
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, n_keys))
+        for i in range(n_keys):
+            f.write(struct.pack("<Q", key_bytes))
+            f.write(bytes([65 + i % 26, 48 + i // 26]))     # a distinct start: each key is kept
+            f.seek(key_bytes - 2, 1)
+            f.write(struct.pack("<IB", 0, 1))              # the value: uint8 1
+        f.truncate(f.tell() + 4096)
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm for the app's RSS")
+def test_scan_kills_a_reader_that_takes_memory_without_bound(tmp_path, tiny_model):
+    """A header whose strings claim 1.5 GiB: the reader is stopped at its memory bound (here 400 MiB),
+    the file is listed with the reason, the good model beside it reads, and the app's own memory stays
+    where it was (the read happens in the worker process)."""
+    from app import model_scan
+    d = tmp_path / "models"
+    d.mkdir()
+    shutil.copyfile(tiny_model, d / "good.gguf")
+    _sparse_gguf_of_huge_strings(d / "hog.gguf", n_keys=96, key_bytes=16 << 20)
+    peak, base, stop = [0], _rss_now(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_now())
+            time.sleep(0.02)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        rows = model_scan.scan_models([d], None, file_seconds=60, memory_limit=400 << 20)
+    finally:
+        stop.set()
+        t.join()
+    errors = {Path(m.path).name: m.error for m, _ in rows}
+    assert errors["good.gguf"] == ""
+    assert errors["hog.gguf"].startswith("hog.gguf") and "memory" in errors["hog.gguf"], errors
+    _one_line(errors["hog.gguf"])
+    assert peak[0] - base < 200 << 20, (peak[0] - base) >> 20
 
 
 def test_engine_list_models_survives_a_symlink_loop(tmp_path, monkeypatch, tiny_model):
@@ -286,7 +329,7 @@ def test_app_loads_the_good_model_beside_bad_files(qtbot, app_home):
 def _fuzz_model_files(tiny_model: Path, n: int, seed: int, tmp_path: Path) -> Tally:
     """Seeded mutants of a real GGUF through the model list's row reader (metadata + estimate)."""
     from app import gguf_meta
-    from app.model_list import _read_row
+    from app.model_scan import read_row as _read_row
     from engine import memory_estimate
     tally = Tally()
     rng = random.Random(seed)

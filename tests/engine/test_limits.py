@@ -70,6 +70,34 @@ def test_engine_keeps_to_the_range(tiny_gguf):
         engine.stop()
 
 
+@pytest.mark.parametrize("kw, field", [({"cache_slots": 0}, "cache_slots"), ({"cache_mib": -1}, "cache_mib"),
+                                       ({"disk_mib": -1}, "disk_mib"), ({"kv_bits": 5}, "kv_bits")])
+def test_configure_checks_its_bounds_as_it_is_built(kw, field):
+    """The one place the bounds are checked for every caller: a Configure out of range is never built,
+    and the refusal names the field (the app shows it next to that setting)."""
+    from engine.api import Configure
+    with pytest.raises(CacheLimitError) as e:
+        Configure(**kw)
+    assert e.value.reason == field and "\n" not in str(e.value)
+    assert Configure(cache_mib="512", cache_slots=3).cache_mib == 512       # as ints once built
+
+
+def test_a_refused_configure_changes_nothing(tiny_gguf):
+    """Applied whole or not at all: a K/V width the model cannot take (head size 16) with a new cache
+    cap leaves the cap as it was, and the refusal names kv_bits."""
+    from engine.engine import Configure, Engine, EngineOptions, Status
+    from engine.errors import EngineError
+    engine = Engine(EngineOptions(model=str(tiny_gguf), cache_mib=64)).start()
+    try:
+        before = engine.call(Status(), timeout=60).parking
+        with pytest.raises(EngineError, match="multiple of 32") as e:
+            engine.call(Configure(kv_bits=8, cache_mib=7, cache_slots=1))
+        assert e.value.reason == "kv_bits"
+        assert engine.call(Status()).parking == before and engine.call(Status()).kv_bits == 16
+    finally:
+        engine.stop()
+
+
 def test_the_modules_the_app_reads_import_no_mlx():
     """The app (which never imports mlx) reads the cache defaults and bounds and the sampling fields and
     their validation from the engine: those modules must stay plain Python at import."""
