@@ -40,6 +40,11 @@ class Drafts:
         return self._mtp.note if self._mtp is not None else ""
 
     @property
+    def mtp_head(self):
+        """The loaded MTP head (mtp_spec's), None before a request asked for mtp."""
+        return self._mtp.head if self._mtp is not None else None
+
+    @property
     def mtp_path(self) -> Path | None:
         return self._mtp.path if self._mtp is not None else None
 

@@ -247,11 +247,11 @@ def test_a_context_over_the_model_s_is_capped_with_a_warning(home, caplog):
 SLOW_SERVE = """
 import sys, time
 from engine.handlers import RequestHandlers
-real = RequestHandlers._load
+real = RequestHandlers.load
 def slow(self, req, handle):
     time.sleep(float(sys.argv[1]))
     return real(self, req, handle)
-RequestHandlers._load = slow
+RequestHandlers.load = slow
 from engine.frontends.cli import main
 sys.exit(main(["serve", "--model", sys.argv[2], "--port", sys.argv[3]]))
 """
