@@ -25,7 +25,7 @@ from .theme import THEMES
 
 _WHOLE = re.compile(r"[+-]?[0-9]+")     # ASCII digits only: int() would take other scripts' digits too
 KV_BITS_CHOICES = tuple((f"{b}-bit" + (" (default)" if b == 16 else ""), b) for b in KV_BITS)
-# What the engine does (engine/handlers.py _configure, engine/conversations.py, engine/sessions.py): the
+# What the engine does (engine/handlers.py configure, engine/conversations.py, engine/sessions.py): the
 # format is part of a conversation's K/V identity, so held K/V is never converted, and a session file
 # is restored only by an engine running the format it holds.
 KV_BITS_TIP = ("How the engine stores each token's keys and values. 8-bit takes a little over half the memory "

@@ -233,8 +233,8 @@ def main() -> int:
     import dataclasses
 
     def snap():
-        return engine.call(Call(lambda e: dataclasses.replace(e.batch_counters)
-                                if getattr(e, "batch_counters", None) else None)).value
+        return engine.call(Call(lambda e: dataclasses.replace(e.scheduler.batch_counters)
+                                if e.scheduler.batch_counters else None)).value
 
     rows = {}
     steps_of = {}           # N -> (steps, build, wait, rows seconds, Strata's wall) over its timed rounds
@@ -276,7 +276,7 @@ def main() -> int:
         join_m = mlx_join(model, jp[:-1], jp[-1], 10 * args.gen, 8)
         join = (idle_s, join_s, idle_m, join_m)
     wall = time.perf_counter() - t_bench
-    c = engine.call(Call(lambda e: getattr(e, "batch_counters", None))).value
+    c = engine.call(Call(lambda e: e.scheduler.batch_counters)).value
 
     label = path.name if not shape else f"{path.name} (random weights)"
     print(f"\n{machine()}; compute {str(dtype).removeprefix('mlx.core.')}")

@@ -1,4 +1,4 @@
-"""Prompts that arrive together are read together (issue 34): one padded pass for several rows.
+"""Prompts that arrive together are read together: one padded pass for several rows.
 
 When nothing is decoding and two or more rows wait to read their prompts (N requests sent at the same
 moment: an agent's parallel tool calls, a load test's clients), engine/batching.py reads them as one
@@ -82,7 +82,7 @@ class GroupPrefill:
             for c in self.cache:
                 c.finalize()
             mx.eval([a for c in self.cache for a in _arrays(c)])
-        eng.handlers._prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
+        eng.handlers.prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
         from . import layer_cache
         for i, (r, p) in enumerate(zip(self.rows, parts)):
             r.entry.tokens.extend(p)

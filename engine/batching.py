@@ -1,7 +1,7 @@
-"""Continuous batching (issue 34): the live generate requests' decode steps as one forward pass.
+"""Continuous batching: the live generate requests' decode steps as one forward pass.
 
 The engine thread runs `run(engine, first)` while any generate request is live. Each request is a
-`Row`: its turn is prepared and ended exactly as a lone request's (`_begin_turn`/`_end_turn` in
+`Row`: its turn is prepared and ended exactly as a lone request's (`begin_turn`/`end_turn` in
 engine/handlers.py), its conversation's K/V is taken from parking as a unit, checked out while the
 reply runs (`Conversations.check_out`) and given back whole (`check_in`), so what is parked, saved
 or written to the disk tier afterwards is the same as if it had run alone.
@@ -47,7 +47,6 @@ gets the block's own output).
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -83,10 +82,11 @@ class Counters:
 
 
 def counters(engine) -> Counters:
-    c = getattr(engine, "batch_counters", None)
-    if c is None:
-        c = engine.batch_counters = Counters()
-    return c
+    """The engine's batch counters (kept on its scheduler)."""
+    sched = engine.scheduler
+    if sched.batch_counters is None:
+        sched.batch_counters = Counters()
+    return sched.batch_counters
 
 
 # ---- which requests a batch takes ------------------------------------------------------------
@@ -115,12 +115,13 @@ def trims_freely(engine) -> bool:
 
 
 def _cache_facts(engine) -> tuple[bool, bool]:
-    got = getattr(engine, "_batch_cache_facts", None)
+    memo = engine.scheduler.batch_memo
+    got = memo.get("cache_facts")
     if got is None or got[0] is not engine.model or got[1] != engine.options.kv_bits:
         from . import layer_cache
         cache = engine.make_cache()
         facts = (not engine.kv_fmt.quantized and layer_cache.batchable(cache), not layer_cache.needs_checkpoints(cache))
-        got = engine._batch_cache_facts = (engine.model, engine.options.kv_bits, facts)
+        got = memo["cache_facts"] = (engine.model, engine.options.kv_bits, facts)
     return got[2]
 
 
@@ -128,7 +129,8 @@ def row_cost(engine) -> tuple[int, int]:
     """One row's cache: (bytes per token of the layers that grow with the context, fixed bytes: the
     windows' K/V and the recurrent states), from the load's own estimate (engine/memory_estimate.py: it
     knows the hybrid and Gemma layouts); every layer's K/V growing if the header cannot be read."""
-    got = getattr(engine, "_batch_row_cost", None)
+    memo = engine.scheduler.batch_memo
+    got = memo.get("row_cost")
     if got is None or got[0] is not engine.model:
         itemsize = mx.zeros((), dtype=engine.dtype).itemsize
         info = engine.info
@@ -139,7 +141,7 @@ def row_cost(engine) -> tuple[int, int]:
             cost = (est.kv_bytes_per_token, est.state_bytes + est.window_bytes)
         except Exception:  # noqa: BLE001 - the conservative count above stands
             log.debug("engine: no memory estimate for the batch's rows", exc_info=True)
-        got = engine._batch_row_cost = (engine.model, cost)
+        got = memo["row_cost"] = (engine.model, cost)
     return got[1]
 
 
@@ -384,8 +386,8 @@ def _plain_greedy(row: Row) -> bool:
     return row.turn.req.sampling.temperature == 0 and not row.processors
 
 
-# ---- the scheduler -----------------------------------------------------------------------------------
-class Scheduler:
+# ---- the batch loop -----------------------------------------------------------------------------------
+class BatchLoop:
     def __init__(self, engine):
         self.engine = engine
         self.batch = Batch(engine)
@@ -443,14 +445,13 @@ class Scheduler:
     def _read_queue(self) -> None:
         eng = self.engine
         while self.barrier is None:
-            try:
-                item = eng._queue.get_nowait()
-            except queue.Empty:
+            item = eng.scheduler.take_nowait()
+            if item is None:
                 return
             if batchable(eng, item):
                 self.waiting.append(item)
             elif isinstance(item, Handle) and isinstance(item.request, QUICK):
-                eng._serve(item)
+                eng.scheduler.serve(item)
             elif isinstance(item, Handle) and isinstance(item.request, GenerateRequest) \
                     and not (item.request.conversation and item.request.conversation in self.busy_owners):
                 self._alone(item)
@@ -463,19 +464,19 @@ class Scheduler:
         eng = self.engine
         if self.batch.y is not None:
             mx.eval(self.batch.y)
-        eng._serve(handle)
+        eng.scheduler.serve(handle)
 
     # -- joining --
     def _admit(self) -> None:
         eng = self.engine
         for h in [h for h in self.waiting if h.cancelled]:   # a client gone while it queued: answered now
             self.waiting.remove(h)
-            eng._serve(h)
+            eng.scheduler.serve(h)
         skipped: deque[Handle] = deque()
         while self.waiting and len(self.batch.rows) + len(self.prefilling) + len(self.reading_together) < self.cap:
             h = self.waiting.popleft()
             if h.cancelled:
-                eng._serve(h)           # cancelled while it waited: answered as the engine always does
+                eng.scheduler.serve(h)  # cancelled while it waited: answered as the engine always does
                 continue
             owner = h.request.conversation
             if owner and owner in self.busy_owners:
@@ -493,18 +494,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _start(self, h: Handle) -> Row | None:
-        """The request's turn prepared (engine/handlers.py _begin_turn); None when it failed."""
+        """The request's turn prepared (engine/handlers.py begin_turn); None when it failed."""
         from .generate import ReplyText
         eng = self.engine
         req = h.request
-        eng._handle = h
-        try:
-            turn = eng.handlers._begin_turn(req, h, batched=True)
-        except Exception as e:  # noqa: BLE001 - one request's refusal, reported as the engine does
-            self._fail(h, e)
-            return None
-        finally:
-            eng._handle = None
+        with eng.scheduler.serving_as(h):
+            try:
+                turn = eng.handlers.begin_turn(req, h, batched=True)
+            except Exception as e:  # noqa: BLE001 - one request's refusal, reported as the engine does
+                self._fail(h, e)
+                return None
         sp = req.sampling
         n_vocab = eng.info.n_vocab
         seeded = sp.seed is not None and sp.temperature > 0
@@ -515,7 +514,7 @@ class Scheduler:
         new = turn.tokens[turn.reuse:-1]
         # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
-        marks = eng.handlers._message_marks(req, turn.entry, turn.tokens)
+        marks = eng.handlers.message_marks(req, turn.entry, turn.tokens)
         checkpoints = layer_cache.needs_checkpoints(turn.entry.cache)
         limit = generate.first_step_merge_limit(eng.options.prefill_chunk) if not marks else 0
         n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
@@ -547,7 +546,7 @@ class Scheduler:
         need = per_token * ((live + 1) * length + len(turn.tokens)) + fixed * (live + 2)
         ok, why = eng.guard.admit(need)
         if not ok:
-            eng._log(f"{turn.req.conversation or 'request'} waits for the batch: K/V {why}")
+            eng.log(f"{turn.req.conversation or 'request'} waits for the batch: K/V {why}")
         return ok
 
     # -- prefill --
@@ -614,7 +613,7 @@ class Scheduler:
         total = len(row.todo)
         gpu = on_gpu()
         chunk = eng.options.prefill_chunk
-        pace = eng.handlers._prefill_pace()
+        pace = eng.handlers.prefill_pace()
         size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
         cut = next((c for c in row.cuts if c > row.done), None)
         if cut is not None:
@@ -713,17 +712,15 @@ class Scheduler:
     def _finish(self, row: Row) -> None:
         eng = self.engine
         turn = row.turn
-        eng._handle = row.handle
-        try:
-            row.entry.checkpoint()      # a finished reply is a message boundary, as for a lone reply
-            r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
-            result = eng.handlers._end_turn(turn, r)
-            self._give_back(row)
-        except Exception as e:  # noqa: BLE001
-            self._fail(row.handle, e)
-            return
-        finally:
-            eng._handle = None
+        with eng.scheduler.serving_as(row.handle):
+            try:
+                row.entry.checkpoint()      # a finished reply is a message boundary, as for a lone reply
+                r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
+                result = eng.handlers.end_turn(turn, r)
+                self._give_back(row)
+            except Exception as e:  # noqa: BLE001
+                self._fail(row.handle, e)
+                return
         row.handle.emit(Done(result))
 
     def _give_back(self, row: Row) -> None:
@@ -739,7 +736,7 @@ class Scheduler:
 
     def _fail(self, h: Handle, e: Exception) -> None:
         if isinstance(e, StrataError):
-            self.engine._log(f"error: {e}")
+            self.engine.log(f"error: {e}")
         elif not isinstance(e, Cancelled):
             log.error("engine: unexpected error in a batched request", exc_info=e)
         err = EngineError.of(e)
@@ -756,4 +753,4 @@ def run(engine, first: Handle):
     host, so the next step's graph is no longer built while the device runs the last one."""
     from .generate import _stream
     with mx.stream(_stream()):
-        return Scheduler(engine).run(first)
+        return BatchLoop(engine).run(first)

@@ -31,7 +31,7 @@ API (both the response_format half and the tool-call half use it):
 `GenerateRequest.constraint` carries a ConstraintSpec; the engine compiles it per request (the
 llguidance tokenizer is built once per loaded tokenizer, ~0.6 s for SmolLM2's 49k tokens).
 
-Decode loop (decode_masked, used by generate.decode when a request has a constraint): MLX is lazy, so
+Decode loop (generate.decode with GrammarMasks when a request has a constraint): MLX is lazy, so
 step t+1's forward pass is built from the still-lazy token t and submitted (async_eval) before the
 host waits for token t; once t is read the grammar takes it and the mask for t+1 is computed on the
 CPU while the device runs the forward pass; the mask is applied (disallowed logits -> -inf) and the
@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -337,70 +336,29 @@ def compile(spec: ConstraintSpec, tokenizer) -> Constraint:   # noqa: A001 - the
 
 
 # ---- the masked decode loop (generate.decode hands over to it) -----------------------------------
-def decode_masked(model, cache, last_token: int, fed: list[int], *, history: list[int], sampler, processors,
-                  max_tokens: int, stats, constraint: Constraint, seed: int | None = None,
-                  cancelled=lambda: False, pending=()) -> Iterator[int]:
-    """generate.decode under a grammar (same arguments and `fed` contract; module docstring: the order).
-    `constraint` has taken every reply token delivered before this call."""
-    import time
+class GrammarMasks:
+    """The masks of generate.decode's loop under a grammar (module docstring: the order). The
+    constraint has taken every reply token delivered before the loop starts."""
 
-    import mlx.core as mx
+    def __init__(self, constraint: Constraint):
+        self.constraint = constraint
+        self.width = 0
 
-    # mlx-lm's generation stream, the one generate.decode steps on (read here, not through
-    # generate._stream: generate imports this module, and this one must not import it back).
-    from mlx_lm.generate import generation_stream as stream
-    if seed is not None:
-        mx.random.seed(seed)
-    ctx = mx.array(history, dtype=mx.int32) if processors else None
-    neg_inf = mx.array(-float("inf"), dtype=mx.float32)
-    width = [0]
+    def first(self, width: int) -> np.ndarray:
+        """The first token's mask, `width` logits wide (the vocabulary as the model pads it)."""
+        self.width = width
+        return self.constraint.allowed_mask(width)
 
-    def forward(tok: mx.array, first: bool = False) -> mx.array:
-        nonlocal ctx
-        with mx.stream(stream):
-            logits = model(tok[None], cache=cache)[:, -1, :]
-            if processors:
-                if not first:
-                    ctx = mx.concatenate([ctx, tok.astype(mx.int32)])
-                for p in processors:
-                    logits = p(ctx, logits)
-            return logits
+    def advance(self, token: int) -> None:
+        self.constraint.advance(token)
 
-    def sample(logits: mx.array, allowed: np.ndarray) -> mx.array:
-        with mx.stream(stream):
-            logits = mx.where(mx.array(allowed)[None], logits, neg_inf.astype(logits.dtype))
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            return sampler(logprobs)
+    def after(self, token: int) -> np.ndarray | None:
+        """The next token's mask once `token` is taken (None after EOS: see or_eos)."""
+        return self.constraint.allowed_mask(self.width) if token not in self.constraint.eos else None
 
-    logits = forward(mx.array([*pending, last_token]), first=True)
-    fed.extend(pending)
-    fed.append(last_token)
-    mx.async_eval(logits)
-    width[0] = logits.shape[-1]
-    y = sample(logits, constraint.allowed_mask(width[0]))     # the first mask: beside the first pass
-    mx.async_eval(y)
-    n = 0
-    while n < max_tokens:
-        if cancelled():
-            return
-        fed_next = n + 1 < max_tokens
-        if fed_next:
-            logits = forward(y)         # from the lazy token n: queued behind it on the device
-            mx.async_eval(logits)
-        token = y.item()
-        if n == 0:
-            stats.t_first = time.perf_counter()
-        constraint.advance(token)
-        if fed_next:
-            fed.append(token)
-        n += 1
-        if n % 256 == 0:
-            mx.clear_cache()
-        allowed = constraint.allowed_mask(width[0]) if fed_next and token not in constraint.eos else None
-        yield token
-        if fed_next:
-            if allowed is None:         # EOS went out and the consumer went on: nothing but EOS follows
-                allowed = np.zeros(width[0], dtype=bool)
-                allowed[list(constraint.eos)] = True
-            y = sample(logits, allowed)
-            mx.async_eval(y)
+    def or_eos(self, allowed: np.ndarray | None) -> np.ndarray:
+        """EOS went out and the consumer went on: nothing but EOS follows."""
+        if allowed is None:
+            allowed = np.zeros(self.width, dtype=bool)
+            allowed[list(self.constraint.eos)] = True
+        return allowed

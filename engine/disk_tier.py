@@ -701,7 +701,7 @@ class DiskTier:
         return entry, m
 
 
-# ---- the engine's hooks (engine/engine.py, engine/handlers.py) ---------------------------------------
+# ---- the engine's hooks (engine/engine.py, engine/scheduler.py) ---------------------------------------
 def attach(engine) -> DiskTier | None:
     """The engine's disk tier, made at start (none for a distributed rank: each holds some layers only)."""
     from .limits import check_disk_mib
@@ -711,11 +711,11 @@ def attach(engine) -> DiskTier | None:
     try:
         cap = check_disk_mib(engine.options.disk_mib, "--conversation-disk-mib")
     except Exception as e:  # noqa: BLE001 - a bad setting from elsewhere: off, with a log line
-        engine._log(f"disk cache: off ({e})")
+        engine.log(f"disk cache: off ({e})")
         cap = 0
     engine.options.disk_mib = cap
     folder = Path(engine.options.disk_dir) if engine.options.disk_dir else data_dir() / "cache" / "conversations"
-    disk = DiskTier(folder, cap, engine._log)
+    disk = DiskTier(folder, cap, engine.log)
 
     def fp_of(key: KVKey) -> dict | None:
         if engine.info is None or key.model_hash != engine.model_hash:
@@ -756,20 +756,25 @@ def attach(engine) -> DiskTier | None:
     return disk
 
 
-def idle(engine) -> None:
-    """The engine waits for a request: the held conversations' new tokens go to disk, one layer's
-    copy at a time, until a request comes."""
-    disk = engine.disk
-    if disk is None or not disk.enabled or engine.model is None:
-        return
-    engine._topping_up = True           # MLX work: interpreter exit waits for it (engine._quiet_at_exit)
-    try:
-        disk.idle_step(engine.conversations.held(),
-                       stop=lambda: not engine._queue.empty() or not engine._idle_work)
-    except Exception as e:  # noqa: BLE001 - an optimisation: never worth the engine thread
-        engine._log(f"disk cache: idle-time write failed ({type(e).__name__}: {str(e)[:160]})")
-    finally:
-        engine._topping_up = False
+class IdleWrites:
+    """The scheduler's idle task (engine/scheduler.py): while the engine waits for a request, the held
+    conversations' new tokens go to disk, one layer's copy at a time, until a request comes."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def due_in(self) -> float | None:
+        return None
+
+    def run(self, interrupted) -> None:
+        engine = self.engine
+        disk = engine.disk
+        if disk is None or not disk.enabled or engine.model is None:
+            return
+        try:
+            disk.idle_step(engine.conversations.held(), stop=interrupted)
+        except Exception as e:  # noqa: BLE001 - an optimisation: never worth the engine thread
+            engine.log(f"disk cache: idle-time write failed ({type(e).__name__}: {str(e)[:160]})")
 
 
 def stop(engine) -> None:

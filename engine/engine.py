@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
 import weakref
 from typing import Any, Callable
@@ -28,18 +27,22 @@ import mlx_lm.generate  # noqa: F401,E402
 from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
+from . import batching, disk_tier
+from .allocator import keep_freed_memory, release_freed_memory
+from .conversations import Conversations
+from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
 from .events import Done, Failed, Handle, Log
 from .handlers import RequestHandlers
+from .kv_reserve import IdleTopUp
 from .loaded_model import LoadedModel
+from .limits import within_range
+from .memory_guard import MemoryGuard
+from .parking import Parking
+from .scheduler import Scheduler, Stop
 from .serving import Serving, for_this_process
 
 log = logging.getLogger("strata")
-DRAFT_IDLE_S = 30.0     # a draft model no request used for this long is released (engine/handlers.py)
-
-
-class _Stop:
-    pass
 
 
 _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -62,12 +65,12 @@ def _quiet_at_exit() -> None:
     cancel_everything()
     engines = list(_ENGINES)
     for engine in engines:
-        engine._idle_work = False
+        engine.scheduler.idle_allowed = False
     deadline = time.monotonic() + EXIT_WAIT_S
     for engine in engines:
         t = engine._thread      # None for run_forever() on the caller's thread (the Qt app stops its own)
         if t is not None and t.is_alive() and not engine.stopped.is_set():
-            engine.idle.wait(max(0.0, deadline - time.monotonic()))
+            engine.scheduler.idle.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _loaded(name: str, default=None) -> property:
@@ -78,36 +81,28 @@ def _loaded(name: str, default=None) -> property:
 
 class Engine:
     def __init__(self, options: EngineOptions | None = None):
-        from .memory_guard import MemoryGuard
         self.options = options or EngineOptions()
-        self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.stopped = threading.Event()
-        # Set while the engine waits for a request with nothing else to do (no idle-time K/V top-up
-        # running): benches wait for it before timing a peer in the same process.
-        self.idle = threading.Event()
-        self.kv_topup = None                      # kv_reserve.TopUp on the CPU, set at each model load
-        self._idle_work = True                    # False from interpreter exit on (_quiet_at_exit)
-        self._topping_up = False
+        # What runs next on the engine thread, and the only owner of the request queue.
+        self.scheduler = Scheduler(self._serve)
         _ENGINES.add(self)
-        self._handle: Handle | None = None        # the request being served (for its log lines)
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
         self.disk = None                          # disk_tier.DiskTier under parking, made on the engine thread
         # What is loaded: one LoadedModel value (engine/loaded_model.py) replaced whole at each load;
         # model, tokenizer, info, n_ctx, dtype, ... below read it.
         self.loaded: LoadedModel | None = None
-        # The engine's state the handlers (engine/handlers.py, which hold none of their own) keep up to date:
-        self._pace = None                         # (model, generate.PrefillPace) measured for the loaded model
-        self._verdicts = None                     # speculative.Verdicts: what each draft pair measured
-        self.draft = None                         # speculative.DraftModel a request named (not the load's)
+        self.drafts = Drafts(self)                # speculation's state: a named draft, the MTP head, verdicts
+        # On the CPU, the K/V memory touched again in idle time (kv_reserve.py); each load sets its TopUp.
+        self.kv_topup = IdleTopUp(lambda: self.conversations.held_bytes(), self.log)
         # The start-up load (options.model): its handle is the starter's, whose result() is the load's.
         self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering,
                                                        self.options.draft)) if self.options.model else None
         # How requests are served (engine/serving.py): this process alone, or every rank of a distributed
         # group in lockstep (engine/distributed.py); asked, never told apart.
         self.serving: Serving = for_this_process()
-        self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py): no state
+        self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
 
     # ---- caller side (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -120,8 +115,7 @@ class Engine:
         if self.serving.broken:                   # a distributed ring is gone: answered now
             handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
-        self.idle.clear()
-        self._queue.put(handle)
+        self.scheduler.put(handle)
         return handle
 
     def call(self, request: Any, timeout: float | None = None):
@@ -138,60 +132,55 @@ class Engine:
         """Wait until the engine waits for a request with its idle-time work done (True), or for
         `timeout` (False). For a caller that has the results it waited for: a request submitted from
         another thread meanwhile may still be queued."""
-        return self.idle.wait(timeout)
+        return self.scheduler.idle.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._queue.put(_Stop())
+        self.scheduler.put(Stop())
         self.stopped.wait(timeout)
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
-        from .allocator import keep_freed_memory, release_freed_memory
-        from .conversations import Conversations
-        from .limits import within_range
-        from .parking import Parking
-        self._log(keep_freed_memory())
-        self._log(self.guard.startup_line())
+        self.log(keep_freed_memory())
+        self.log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
         # bigger machine) is brought into range with a log line rather than refused at start.
-        cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self.handlers._cache_range())
+        cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self.handlers.cache_limits())
         if note:
-            self._log(f"conversation cache: {note}")
+            self.log(f"conversation cache: {note}")
         self.options.cache_mib, self.options.cache_slots = cap, slots
-        self.conversations = Conversations(Parking(cap, slots, self.guard, self._log), self._log)
-        self.conversations.parking.on_event = self._emit
-        from . import disk_tier
+        self.conversations = Conversations(Parking(cap, slots, self.guard, self.log), self.log)
+        self.conversations.parking.on_event = self.scheduler.emit
         self.disk = disk_tier.attach(self)
-        self.handlers._clean_session_folder()
+        # Idle work, in this order: the disk tier's writes, then the K/V top-up; the named draft's
+        # release once no request came for DRAFT_IDLE_S.
+        self.scheduler.add_idle(disk_tier.IdleWrites(self))
+        self.scheduler.add_idle(self.kv_topup)
+        self.scheduler.add_idle(self.drafts.idle_release, timed=True)
+        self.handlers.clean_session_folder()
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
-            self._serve(self.startup)
-        while True:
-            # A distributed follower rank serves rank 0's requests instead of its own queue.
-            item = self._next_request() if self.serving.leads else self._follow()
-            # issue 34: generate requests run as rows of one batch (engine/batching.py) while any is
-            # live; it hands back the first request that had to wait for the batch to end (or None).
-            from . import batching
-            while item is not None and batching.enabled(self) and batching.batchable(self, item):
-                item = batching.run(self, item)
-            if item is None:
-                continue
-            if isinstance(item, _Stop):
-                self.serving.stop()
-                disk_tier.stop(self)                # what the held conversations lack on disk, written
-                release_freed_memory()
-                self.stopped.set()
-                if threading.current_thread() is self._thread:
-                    # mlx 0.32.4 aborts the process at exit ("terminate called without an active
-                    # exception") once a thread that ran compiled functions or random sampling has
-                    # ended; a daemon engine thread that never ends avoids it. Callers running
-                    # run_forever() on their own thread (the Qt app) handle exit themselves.
-                    threading.Event().wait()
-                return
-            self._serve(item)
+            self.scheduler.serve(self.startup)
+        # A distributed follower rank serves rank 0's requests instead of its own queue.
+        self.scheduler.run(
+            batched=lambda item: batching.enabled(self) and batching.batchable(self, item),
+            run_batch=lambda item: batching.run(self, item),
+            next_item=self.scheduler.next_request if self.serving.leads else self._follow,
+            on_stop=self._on_stop)
+
+    def _on_stop(self) -> None:
+        self.serving.stop()
+        disk_tier.stop(self)                # what the held conversations lack on disk, written
+        release_freed_memory()
+        self.stopped.set()
+        if threading.current_thread() is self._thread:
+            # mlx 0.32.4 aborts the process at exit ("terminate called without an active
+            # exception") once a thread that ran compiled functions or random sampling has
+            # ended; a daemon engine thread that never ends avoids it. Callers running
+            # run_forever() on their own thread (the Qt app) handle exit themselves.
+            threading.Event().wait()
 
     def _serve(self, handle: Handle) -> None:
-        self._handle = handle
+        """One request to its end (the scheduler's `serve`, which routes the engine's events to it)."""
         failed = None
         try:
             if handle.cancelled and isinstance(handle.request, (GenerateRequest, SaveSession)):
@@ -200,7 +189,7 @@ class Engine:
             result = self.serving.dispatch(self, handle)
             handle.emit(Done(result))
         except StrataError as e:
-            self._log(f"error: {e}")
+            self.log(f"error: {e}")
             err = EngineError.of(e)
             failed = Failed(err.message, err.code, err.reason, err.vector)
         except Exception as e:  # a bug must not kill the engine thread: report it, keep serving
@@ -210,8 +199,6 @@ class Engine:
                 self.conversations.drop_suspect(self.info.n_vocab if self.info else 0)
             err = EngineError.of(e)
             failed = Failed(err.message, err.code)
-        finally:
-            self._handle = None
         if failed is not None:
             # The failed work's MLX arrays (a refused load's weights, held by the exception's frames)
             # are freed here, on this thread, before the caller hears of it: a CLI exits right after a
@@ -222,94 +209,42 @@ class Engine:
                 gc.collect()
             handle.emit(failed)
 
-    def _next_request(self):
-        """The next queued request; while there is none, the disk tier's writes (disk_tier.idle) and
-        the K/V top-up's steps (kv_reserve.TopUp)."""
-        if self.disk is not None and self._idle_work and self._queue.empty():
-            from .disk_tier import idle
-            idle(self)
-        topup = self.kv_topup
-        self._topping_up = True
-        try:
-            if topup is not None and self._idle_work and self._queue.empty() \
-                    and topup.wanted(self.conversations.held_bytes()):
-                while self._queue.empty() and self._idle_work:
-                    done = topup.step()
-                    if done:
-                        self._log(done)
-                        break
-                topup.release()             # a request came first: what was touched so far is free again
-        except Exception as e:              # an optimisation: never worth the engine thread
-            if topup is not None:
-                topup.release()
-            self.kv_topup = None
-            self._log(f"K/V memory: idle-time top-up stopped ({e!r})")
-        finally:
-            self._topping_up = False
-        self.idle.set()
-        while True:
-            try:    # a draft a request loaded waits DRAFT_IDLE_S for a request, then is released
-                item = self._queue.get(timeout=DRAFT_IDLE_S if self.draft is not None else None)
-                break
-            except queue.Empty:
-                self.idle.clear()
-                self._topping_up = True             # before _idle_work is read: see _quiet_at_exit
-                try:
-                    if self._idle_work:
-                        self.handlers._release_draft(f"no request used it for {DRAFT_IDLE_S:g} s")
-                except Exception as e:  # noqa: BLE001 -- never worth the engine thread
-                    self.draft = None
-                    self._log(f"draft model: release failed ({e!r})")
-                finally:
-                    self._topping_up = False
-                    self.idle.set()
-        self.idle.clear()
-        return item
-
     def _follow(self):
         """A follower rank's next request: rank 0's, as a handle nobody waits on (or _Stop)."""
         try:
             req = self.serving.next_request()
         except RuntimeError as e:       # rank 0 is gone: nothing left to follow
-            self._log(f"distributed: lost rank 0 ({e}); stopping")
-            return _Stop()
-        return _Stop() if req is None else Handle(req)
+            self.log(f"distributed: lost rank 0 ({e}); stopping")
+            return Stop()
+        return Stop() if req is None else Handle(req)
 
     def log(self, line: str) -> None:
         """A line for the engine log and, as a Log event, for the request being served (engine thread)."""
         log.info(line)
-        self._emit(Log(line))
-
-    _log = log          # the engine's own name for it
+        self.scheduler.emit(Log(line))
 
     def require_model(self) -> None:
         """ModelNotLoaded unless a model is loaded (engine thread)."""
         if self.model is None:
             raise ModelNotLoaded()
 
-    def _emit(self, event) -> None:
-        """An event for the request being served (a log line, a KVMoved); none is served: dropped."""
-        if self._handle is not None:
-            self._handle.emit(event)
-
     def dispatch(self, handle: Handle):
         """Run one request's handler now, on the engine thread (the distributed strategy calls it on every
         rank around its collectives); callers on other threads submit() instead."""
-        from . import disk_tier as disk_requests
         req, h = handle.request, self.handlers
         handlers = {
-            GenerateRequest: lambda: h._generate(req, handle),
-            LoadModel: lambda: h._load(req, handle),
-            SaveSession: lambda: h._save(req, handle),
-            RestoreSession: lambda: h._restore(req, handle),
-            Configure: lambda: h._configure(req),
+            GenerateRequest: lambda: h.generate(req, handle),
+            LoadModel: lambda: h.load(req, handle),
+            SaveSession: lambda: h.save(req, handle),
+            RestoreSession: lambda: h.restore(req, handle),
+            Configure: lambda: h.configure(req),
             Status: h.status,
-            CountTokens: lambda: h._count_tokens(req),
-            SessionSteering: lambda: h._session_steering(req),
-            CaptureStates: lambda: h._capture(req, handle),
+            CountTokens: lambda: h.count_tokens(req),
+            SessionSteering: lambda: h.session_steering(req),
+            CaptureStates: lambda: h.capture(req, handle),
             Call: lambda: CallResult(req.fn(self)),
-            ClearDiskCache: lambda: disk_requests.clear_request(self),
-            ForgetConversation: lambda: disk_requests.forget_request(self, req),
+            ClearDiskCache: lambda: disk_tier.clear_request(self),
+            ForgetConversation: lambda: disk_tier.forget_request(self, req),
         }
         serve = handlers.get(type(req))
         if serve is None:

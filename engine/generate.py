@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from .constraints import GrammarMasks
 from .device import on_gpu
 
 
@@ -212,19 +213,60 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     read, before it is handed out; the last token (n == max_tokens) is never fed. A consumer that
     stops early (EOS, a stop string, cancel) leaves the cache holding exactly `fed`.
     `pending`: prompt tokens not yet in the cache, fed with `last_token` in the first step.
-    `constraint`: a compiled grammar (engine/constraints.py): its loop, the mask beside each pass."""
-    if constraint is not None:
-        from .constraints import decode_masked
-        yield from decode_masked(model, cache, last_token, fed, history=history, sampler=sampler,
-                                 processors=processors, max_tokens=max_tokens, stats=stats,
-                                 constraint=constraint, seed=seed, cancelled=cancelled, pending=pending)
-        return
+    `constraint`: a compiled grammar (engine/constraints.py): step n+1's forward pass is queued alone,
+    the grammar's mask for it is computed on the host from token n while the device runs it, and the
+    masked sample is queued after (constraints.GrammarMasks)."""
     if seed is not None:
         mx.random.seed(seed)
+    masks = GrammarMasks(constraint) if constraint is not None else None
+    forward, pick = _step_parts(model, cache, history, sampler, processors)
+    logits = forward(mx.array([*pending, last_token]), first=True)
+    fed.extend(pending)
+    fed.append(last_token)
+    if masks is None:
+        y = pick(logits)
+    else:
+        mx.async_eval(logits)
+        y = pick(logits, masks.first(logits.shape[-1]))     # the first mask: beside the first pass
+    mx.async_eval(y)
+    n = 0
+    while n < max_tokens:
+        if cancelled():
+            return
+        fed_next = n + 1 < max_tokens
+        if fed_next:
+            nxt = forward(y)            # from the lazy token n: queued behind it on the device
+            if masks is None:
+                nxt = pick(nxt)
+            mx.async_eval(nxt)
+        token = y.item()
+        if n == 0:
+            stats.t_first = time.perf_counter()
+        if masks is not None:
+            masks.advance(token)
+        if fed_next:
+            fed.append(token)
+        n += 1
+        if n % 256 == 0:
+            mx.clear_cache()
+        allowed = masks.after(token) if masks is not None and fed_next else None
+        yield token
+        if fed_next and masks is None:
+            y = nxt
+        elif fed_next:
+            y = pick(nxt, masks.or_eos(allowed))
+            mx.async_eval(y)
+
+
+def _step_parts(model, cache, history: list[int], sampler, processors):
+    """A decode step in two parts on mlx-lm's generation stream: the forward pass with the logits
+    processors (their context grows by each fed token), and the sample from logits (masked where a
+    grammar allows only some tokens)."""
     stream = _stream()
     ctx = mx.array(history, dtype=mx.int32) if processors else None
+    neg_inf = mx.array(-float("inf"), dtype=mx.float32)
 
-    def step(tok: mx.array, first: bool = False) -> mx.array:
+    def forward(tok: mx.array, first: bool = False) -> mx.array:
         nonlocal ctx
         with mx.stream(stream):
             logits = model(tok[None], cache=cache)[:, -1, :]
@@ -233,32 +275,16 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                     ctx = mx.concatenate([ctx, tok.astype(mx.int32)])
                 for p in processors:
                     logits = p(ctx, logits)
+            return logits
+
+    def pick(logits: mx.array, allowed=None) -> mx.array:
+        with mx.stream(stream):
+            if allowed is not None:
+                logits = mx.where(mx.array(allowed)[None], logits, neg_inf.astype(logits.dtype))
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return sampler(logprobs)
 
-    y = step(mx.array([*pending, last_token]), first=True)
-    fed.extend(pending)
-    fed.append(last_token)
-    mx.async_eval(y)
-    n = 0
-    while n < max_tokens:
-        if cancelled():
-            return
-        fed_next = n + 1 < max_tokens
-        if fed_next:
-            next_y = step(y)            # from the lazy token n: queued behind it on the device
-            mx.async_eval(next_y)
-        token = y.item()
-        if n == 0:
-            stats.t_first = time.perf_counter()
-        if fed_next:
-            fed.append(token)
-        n += 1
-        if n % 256 == 0:
-            mx.clear_cache()
-        yield token
-        if fed_next:
-            y = next_y
+    return forward, pick
 
 
 # ---- one reply: prefill, decode, stop strings, stats ----------------------------------------------

@@ -23,15 +23,16 @@ MAX_CHARS_PER_TOKEN = 32
 
 class RequestHandlers:
     """One method per request, and the queries they share (the K/V identity, the prompt's tokens).
-    Holds nothing but its engine: what they read and replace is the engine's (`loaded`, `options`,
-    `conversations`, `guard`, `serving`, the draft and the measured paces), so a handler never keeps a
-    value that a load or another request has since replaced."""
+    What they read and replace is the engine's (`loaded`, `conversations`, `guard`, `serving`), so a
+    handler never keeps a value that a load or another request has since replaced; its own state is
+    the measured prefill pace (per model). Speculation's state is engine/drafts.py's."""
 
     def __init__(self, engine):
         self.eng = engine
+        self._pace = None           # (model, generate.PrefillPace) measured for the loaded model
 
     # ---- model -------------------------------------------------------------------------------
-    def _load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
+    def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
         import mlx.core as mx
 
         from . import steering
@@ -43,8 +44,8 @@ class RequestHandlers:
 
         path = resolve_model(req.path)
         g = open_gguf(path)
-        self._release_draft("a model load")      # drafts for the old target; its memory counts for the fit
-        self.eng._mtp = None                         # an MTP head holds the old target (engine/mtp_spec.py)
+        self.eng.drafts.release("a model load")      # drafts for the old target; its memory counts for the fit
+        self.eng.drafts.forget_mtp()
         handle.emit(Progress("load", 0, len(g.reader.tensors)))
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
@@ -69,7 +70,7 @@ class RequestHandlers:
         kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
-        draft = self._load_draft(req.draft, path, dtype, n_ctx) if req.draft else None
+        draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
         model_hash = content_hash(path)
         from .chat_template import generation_prompt
         from .reasoning import opens_think
@@ -125,15 +126,15 @@ class RequestHandlers:
         creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
         from . import kv_reserve
         from .device import on_gpu
-        self.eng.kv_topup = None
+        self.eng.kv_topup.use(None)
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")
         if self.eng.serving.distributed or self.eng.kv_fmt.quantized:
             return kv_reserve.Reserved.none("distributed or quantized K/V")
         reserved = kv_reserve.touch(self.eng.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
                                     admit=self.eng.guard.admit)
-        # ... and touched again in idle time once restores or prefills have used it (engine._next_request)
-        self.eng.kv_topup = kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit)
+        # ... and touched again in idle time once restores or prefills have used it (kv_reserve.IdleTopUp)
+        self.eng.kv_topup.use(kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit))
         return reserved
 
     def steering_fingerprint(self, projection: bool | None = None) -> str:
@@ -183,26 +184,26 @@ class RequestHandlers:
         return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
                 or tok.encode_prompt(text, add_bos=add_bos))
 
-    def _prefill_pace(self):
+    def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
         from request to request and started afresh for each model."""
         from .generate import PrefillPace
-        pace = getattr(self.eng, "_pace", None)
+        pace = self._pace
         if pace is None or pace[0] is not self.eng.model:
-            pace = self.eng._pace = (self.eng.model, PrefillPace(self.eng.info.n_layer if self.eng.info else 1))
+            pace = self._pace = (self.eng.model, PrefillPace(self.eng.info.n_layer if self.eng.info else 1))
         return pace[1]
 
-    def _take_kv(self, tokens: list[int], owner: str = ""):
+    def take_kv(self, tokens: list[int], owner: str = ""):
         """The K/V to extend for `tokens` (engine/conversations.py) under the current K/V identity."""
         return self.eng.conversations.take(tokens, owner, self.cache_key(), self.make_cache)
 
     # ---- generation --------------------------------------------------------------------------
-    def _generate(self, req: GenerateRequest, handle: Handle) -> Generation:
+    def generate(self, req: GenerateRequest, handle: Handle) -> Generation:
         from .generate import reply
-        turn = self._begin_turn(req, handle)
+        turn = self.begin_turn(req, handle)
         entry, tokens, reuse, stats = turn.entry, turn.tokens, turn.reuse, turn.stats
         cancelled = lambda: handle.cancelled  # noqa: E731
-        spec, steps = self._spec_steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
+        spec, steps = self.eng.drafts.steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
         # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
         r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse, tokenizer=self.eng.tokenizer,
@@ -210,16 +211,16 @@ class RequestHandlers:
                   n_vocab=self.eng.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.eng.options.prefill_chunk,
                   on_token=lambda t, text: handle.emit(Token(t, text)),
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
-                  cancelled=cancelled, steps=steps, stats=stats, pace=self._prefill_pace(),
+                  cancelled=cancelled, steps=steps, stats=stats, pace=self.prefill_pace(),
                   layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
-                  marks=self._message_marks(req, entry, tokens))
-        self._spec_done(req, turn.drafter, spec, r)
+                  marks=self.message_marks(req, entry, tokens))
+        self.eng.drafts.done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
         entry.checkpoint()      # a finished reply is a message boundary (none for full K/V)
-        return self._end_turn(turn, r, spec)
+        return self.end_turn(turn, r, spec)
 
-    def _message_marks(self, req: GenerateRequest, entry, tokens: list[int]) -> list[int]:
+    def message_marks(self, req: GenerateRequest, entry, tokens: list[int]) -> list[int]:
         """Where in `tokens` the prefill takes a checkpoint besides the prompt's end (engine/layer_cache.py's
         policy; none for a cache that trims freely): the start and the end of the last message, as the
         history renders without a generation prompt. A template that renders a past reply otherwise
@@ -244,17 +245,17 @@ class RequestHandlers:
             marks.append(common_prefix(tokens, tok.encode_prompt(text, add_bos=add_bos)))
         return marks
 
-    # issue 34 (continuous batching, engine/batching.py): _generate split in two so a batched row
+    # issue 34 (continuous batching, engine/batching.py): generate split in two so a batched row
     # prepares and finishes its turn exactly as a lone request does; `batched` checks the K/V out
     # (engine/conversations.py `busy`) instead of making it the live one.
-    def _begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
+    def begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
         """Everything before the reply's prefill: validation, the prompt's tokens, the K/V taken and
         trimmed to what it reuses (a `Turn`)."""
         from .generate import StepStats
         from .parking import KVEntry
         self.eng.require_model()
         req.sampling.validate()
-        drafter = self._spec_drafter(req)        # speculative decoding hook (validates before any work)
+        drafter = self.eng.drafts.drafter_for(req)        # speculative decoding hook (validates before any work)
         constraint = None
         if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
             from .constraints import compile as compile_constraint
@@ -270,7 +271,7 @@ class RequestHandlers:
             # Its own throwaway K/V: the conversations (live and parked) keep their places.
             entry, reuse = KVEntry([], self.make_cache(), self.cache_key()), 0
         else:
-            entry, reuse = self._take_kv(tokens, req.conversation)
+            entry, reuse = self.take_kv(tokens, req.conversation)
             entry.owner = req.conversation or entry.owner
         reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
         # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
@@ -288,7 +289,7 @@ class RequestHandlers:
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
                     self.eng.steering.active)
 
-    def _end_turn(self, turn: "Turn", r, spec=None) -> Generation:
+    def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
         req, stats, tokens = turn.req, turn.stats, turn.tokens
         turn.entry.messages = list(req.messages or []) + (
@@ -303,124 +304,8 @@ class RequestHandlers:
                                     decode_tps=round(stats.decode_tps, 2), finish_reason=r.finish,
                                     speed_projection=turn.projection, restored_from_disk=turn.from_disk)
 
-    # ---- speculative decoding hooks (the loop and drafters live in speculative.py) -------------
-    def _spec_drafter(self, req: GenerateRequest):
-        """The drafter a request asks for (None: off); a draft model is loaded once and kept."""
-        from . import speculative
-        mode = speculative.parse_spec(req.speculative)
-        if mode.kind == "off":
-            return None
-        if mode.kind == "lookup":
-            return speculative.LookupDrafter()
-        if mode.kind == "mtp":
-            return self._mtp_drafter(mode.draft_path)
-        path = _draft_path(mode.draft_path)
-        if self.eng.loaded.draft is not None and self.eng.loaded.draft.path == path:
-            return self.eng.loaded.draft        # the draft loaded with the model
-        # Another draft than the load's is loaded now, for the requests that name it (Engine.draft: released
-        # after DRAFT_IDLE_S unused, or by a load), not refused: the draft is a request's field in the API
-        # (the server's `speculative: draft:NAME`, an app config's draft) and refusing it would break every
-        # client that names its own; only the load's draft is held as long as the model.
-        d = self.eng.draft
-        stale = d is None or d.path != path or d.target_path != self.eng.model_path
-        del d
-        if stale:
-            self._release_draft("another draft asked for")   # its memory counts for the new one's fit
-            self.eng.draft = self._load_draft(str(path), self.eng.model_path, self.eng.dtype, self.eng.n_ctx)
-        return self.eng.draft
-
-    def _load_draft(self, name: str, target: Path, dtype, n_ctx: int):
-        """A draft GGUF for `target` (speculative.load_draft: the same vocabulary, refused by name
-        otherwise), through the load's memory estimate and guard before any tensor is read."""
-        from . import speculative
-        return speculative.load_draft(str(_draft_path(name)), target, dtype, n_ctx, self.eng.log,
-                                      admit=lambda p: self._admit_draft(p, n_ctx, dtype))
-
-    def _mtp_drafter(self, head_path: str | None):
-        """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
-        target (and head file) and kept; each request gets its own head K/V."""
-        from . import mtp_spec
-        if self.eng.serving.distributed:
-            raise RequestError("speculative mtp is not available on a distributed engine")
-        h = getattr(self.eng, "_mtp", None)
-        if h is None or h.model is not self.eng.model or h.head_path != head_path:
-            self.eng._mtp = None
-            self.eng._mtp = mtp_spec.load_mtp(self.eng.model_path, self.eng.model, self.eng.dtype, head_path, self.eng.log,
-                                          admit=self._admit_head)
-        return mtp_spec.drafter_for(self.eng._mtp.head, self.eng.model, self.eng._mtp.path)
-
-    def _admit_head(self, nbytes: int) -> None:
-        """A sibling head file's tensors go through the memory guard (MemoryRefused, one line)."""
-        ok, line = self.eng.guard.admit(nbytes)
-        if not ok:
-            raise MemoryRefused(f"mtp head: {line}")
-
-    def _admit_draft(self, path, n_ctx: int, dtype) -> None:
-        """A draft model goes through the load's memory estimate and guard (MemoryRefused, one line)."""
-        from .memory_estimate import fit_for_load, gpu_working_set
-        try:
-            _, line = fit_for_load(path, n_ctx, str(dtype).rsplit(".", 1)[-1], self.eng.guard, gpu_working_set())
-        except MemoryRefused as e:
-            raise type(e)(f"draft model: {e}") from None
-        self.eng.log(f"draft {line}")
-
-    def _release_draft(self, why: str) -> None:
-        """Drop the loaded draft model (no request uses it any more) and give its memory back."""
-        d, self.eng.draft = getattr(self.eng, "draft", None), None
-        if d is None:
-            return
-        name = d.path.name
-        del d
-        import gc
-
-        import mlx.core as mx
-
-        from .allocator import release_freed_memory
-        gc.collect()
-        mx.clear_cache()
-        release_freed_memory()
-        self.eng.log(f"draft model {name} released ({why})")
-
-    def _spec_steps(self, req, drafter, entry, tokens, max_tokens, stats, cancelled, constraint=None):
-        from . import speculative
-        spec = speculative.SpecStats(speculative.parse_spec(req.speculative).label)
-        verdicts = getattr(self.eng, "_verdicts", None)
-        if verdicts is None:
-            verdicts = self.eng._verdicts = speculative.Verdicts()
-        if drafter is None:
-            return spec, None
-        sp = req.sampling
-        key = self._spec_key(drafter, sp)
-        spec.plain_tps_hint = verdicts.plain_tps.get(str(self.eng.model_path), 0.0)
-        if key is not None:
-            why = verdicts.slower(key)
-            if why:     # measured slower in an earlier reply: plain from the start, saying why
-                spec.stopped = f"off for this model and draft: slower than plain decoding in an earlier reply ({why})"
-                return spec, None
-            spec.speedup_hint = verdicts.speedup(key)
-        # mtp: the target through the tap that keeps its hidden states (engine/mtp_spec.py)
-        return spec, speculative.decode(
-            getattr(drafter, "target", self.eng.model), entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
-            processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,
-            seed=sp.seed, cancelled=cancelled, constraint=constraint)
-
-    def _spec_key(self, drafter, sampling):
-        """The Verdicts key of a draft-model request (None for lookup: its drafts depend on the text)."""
-        path = getattr(drafter, "path", None)
-        return None if path is None else (str(self.eng.model_path), str(path), sampling.temperature > 0)
-
-    def _spec_done(self, req, drafter, spec, result) -> None:
-        """Remember what this reply measured: the plain decode speed, and a draft pair's verdict."""
-        verdicts = self.eng._verdicts
-        if drafter is None or (spec.stopped and not spec.passes):
-            if result.finish != "cancelled" and len(result.tokens) > 8:
-                verdicts.note_plain(str(self.eng.model_path), result.stats.decode_tps)
-        key = self._spec_key(drafter, req.sampling) if drafter is not None else None
-        if key is not None and spec.passes:
-            verdicts.record(key, spec)
-
     # ---- settings, status --------------------------------------------------------------------
-    def _configure(self, req: Configure) -> EngineStatus:
+    def configure(self, req: Configure) -> EngineStatus:
         """Applied whole or not at all: the bounds were checked when `req` was built (engine/limits.py);
         what only the loaded model can refuse (a K/V width its head size cannot take) is checked first."""
         kv_format = self._kv_format_for(req.kv_bits) if req.kv_bits is not None else None
@@ -455,7 +340,7 @@ class RequestHandlers:
         except RequestError as e:
             raise CacheLimitError(str(e), "kv_bits") from None
 
-    def _cache_range(self):
+    def cache_limits(self):
         from .limits import cache_range
         reading = self.eng.guard.reading()
         return cache_range(reading.total_bytes if reading is not None else None)
@@ -487,16 +372,16 @@ class RequestHandlers:
             disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
         )
 
-    def _count_tokens(self, req: CountTokens) -> TokenCount:
+    def count_tokens(self, req: CountTokens) -> TokenCount:
         self.eng.require_model()
         return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
                                                                  tools=req.tools))))
 
-    def _session_steering(self, req: SessionSteering) -> SessionSteeringInfo:
+    def session_steering(self, req: SessionSteering) -> SessionSteeringInfo:
         from .sessions import read_header
         return SessionSteeringInfo(_vector_spec(read_header(req.path)[1].get("fp.steering_vector")))
 
-    def _capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
+    def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
         import numpy as np
 
         from .capture import last_token_states
@@ -528,7 +413,7 @@ class RequestHandlers:
                 "steering": steer or "none", "steering_vector": described,
                 "kv_format": self.eng.kv_fmt.label}
 
-    def _save(self, req: SaveSession, handle: Handle) -> SessionSaved:
+    def save(self, req: SaveSession, handle: Handle) -> SessionSaved:
         from . import sessions
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
@@ -572,11 +457,11 @@ class RequestHandlers:
                         owner=req.conversation)
         prefill(self.eng.model, entry.cache, tokens, entry.tokens, chunk=self.eng.options.prefill_chunk,
                 progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
-                pace=self._prefill_pace(), layerwise=not self.eng.serving.distributed)
+                pace=self.prefill_pace(), layerwise=not self.eng.serving.distributed)
         self.eng.conversations.make_live(entry)
         return entry
 
-    def _clean_session_folder(self) -> None:
+    def clean_session_folder(self) -> None:
         """Temporary files of saves killed in an earlier run (only those no live save holds)."""
         from . import sessions
         from .paths import sessions_dir
@@ -584,7 +469,7 @@ class RequestHandlers:
         if folder.is_dir():
             sessions.remove_stale_parts(folder, self.eng.log)
 
-    def _restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
+    def restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
         from . import sessions
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
@@ -643,7 +528,7 @@ class RequestHandlers:
 
 @dataclass
 class Turn:
-    """One generate request between _begin_turn and _end_turn: its K/V entry (holding tokens[:reuse]),
+    """One generate request between begin_turn and end_turn: its K/V entry (holding tokens[:reuse]),
     the prompt's tokens, the reply's length cap and timing, and what was decided before any work."""
     req: GenerateRequest
     entry: object                   # parking.KVEntry
@@ -655,15 +540,6 @@ class Turn:
     constraint: object = None
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
-
-
-def _draft_path(name: str) -> Path:
-    """A draft model's file (models.resolve_model), a one-line RequestError for a name the file system refuses."""
-    from .models import resolve_model
-    try:
-        return resolve_model(name)
-    except OSError as e:                # a name too long for the file system, ...
-        raise RequestError(f"draft model: {e.strerror or e}") from None
 
 
 def _vector_spec(raw: str | None) -> dict:

@@ -4,7 +4,7 @@ writes into pages the process already has.
 Why: a session restored into a new process -- what session files are for -- needs the cache's arrays
 (94 MB of float32 for 2,048 tokens of SmolLM2), and fresh memory costs a page fault and a kernel-zeroed
 page per 4 KiB: ~45 ms of a ~95 ms restore on the project's 2-vCPU VM, against 3.5 ms on pages the
-process has touched before (bench/README.md, issue 18). llama.cpp pays the same cost when its context is
+process has touched before (bench/README.md). llama.cpp pays the same cost when its context is
 created: it allocates and clears the whole K/V buffer for n_ctx tokens, and its restore reads into it.
 This does the same at load: it allocates the arrays a restore of the whole context would (capped), in
 the cache's dtype, lets MLX zero them and frees them. With glibc's thresholds raised
@@ -20,7 +20,7 @@ Later, between requests (TopUp): once the K/V held has used up a quarter or more
 between looks at its queue, so the next restore in this process also writes to resident pages. A
 request that arrives meanwhile waits for one array at most (~1-8 MiB) and the top-up stops there.
 Without it a second restore in one process, while parking keeps the conversation it replaced, took
-71-292 ms on fresh pages against 26-28 ms on reused ones (bench/README.md, session 6).
+71-292 ms on fresh pages against 26-28 ms on reused ones (bench/README.md).
 """
 from __future__ import annotations
 
@@ -139,3 +139,38 @@ class TopUp:
         if self._held:
             self._held.clear()
             mx.clear_cache()            # MLX's own buffer cache would keep some; malloc should have them
+
+
+class IdleTopUp:
+    """The scheduler's idle task (engine/scheduler.py) around the loaded model's TopUp, if any: one
+    array touched between looks at the queue, a request that comes first ends it and frees what was
+    touched so far."""
+
+    def __init__(self, held_bytes, log):
+        self.topup: TopUp | None = None
+        self._held_bytes = held_bytes       # () -> the K/V bytes held, live and parked
+        self._log = log
+
+    def use(self, topup: TopUp | None) -> None:
+        """The TopUp of the model just loaded (None: nothing to top up)."""
+        self.topup = topup
+
+    def due_in(self) -> float | None:
+        return None
+
+    def run(self, interrupted) -> None:
+        topup = self.topup
+        try:
+            if topup is None or not topup.wanted(self._held_bytes()):
+                return
+            while not interrupted():
+                done = topup.step()
+                if done:
+                    self._log(done)
+                    break
+            topup.release()             # a request came first: what was touched so far is free again
+        except Exception as e:  # noqa: BLE001 - an optimisation: never worth the engine thread
+            if topup is not None:
+                topup.release()
+            self.topup = None
+            self._log(f"K/V memory: idle-time top-up stopped ({e!r})")

@@ -5,7 +5,7 @@ attributes set one by one. Plain Python: the MLX objects inside are only referen
 Mutable parts it references stay the engine thread's: the SteeringState's per-request switch, the
 model's weights, the draft's K/V. A draft model named by the load (`LoadModel.draft`) is part of it, as
 mlx-lm's ModelProvider loads a draft with its model: built with the model, dropped with it. A request
-naming another draft loads that one for itself (engine/handlers.py _spec_drafter, `Engine.draft`).
+naming another draft loads that one for itself (engine/drafts.py, `Engine.drafts.named`).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import archs, attention
+from .archs.common import FactorRoPE, apply_rope_factors, common_args  # noqa: F401 - re-exported
 from .device import on_gpu
 from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
@@ -35,32 +36,6 @@ def mlx_name(gguf_name: str) -> str | None:
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{kind}"
     return None  # e.g. rope_freqs: not a weight of the mlx-lm module
-
-
-class FactorRoPE(nn.Module):
-    """RoPE with llama.cpp's per-pair frequency factors (`rope_freqs.weight`, written for Llama 3.1+
-    "llama3" scaling): theta_i = pos * base^(-2i/d) / factor_i. mx.fast.rope takes the periods."""
-
-    def __init__(self, dims: int, base: float, traditional: bool, factors: mx.array):
-        super().__init__()
-        self.dims, self.traditional = dims, traditional
-        self._freqs = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors.astype(mx.float32)
-
-    def __call__(self, x, offset: int = 0):
-        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
-                            offset=offset, freqs=self._freqs)
-
-
-def _apply_rope_factors(model, g: GGUFFile, args) -> bool:
-    t = g.tensors().get("rope_freqs.weight")
-    if t is None:
-        return False
-    import numpy as np
-    factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1))
-    for layer in model.model.layers:
-        rope = layer.self_attn.rope
-        layer.self_attn.rope = FactorRoPE(rope.dims, args.rope_theta, rope.traditional, factors)
-    return True
 
 
 def warm_up(model) -> float:
@@ -135,34 +110,6 @@ def model_args(g: GGUFFile):
     return Model, ModelArgs(**common, head_dim=head_dim)
 
 
-def _first(value):
-    """Layer 0's value of a per-layer array (Gemma 4's feed_forward_length, head_count_kv); the
-    architecture module reads the whole array."""
-    return value[0] if hasattr(value, "__len__") and not isinstance(value, str) and len(value) else value
-
-
-def common_args(g: GGUFFile) -> tuple[dict, int]:
-    """The hyperparameters every architecture has, as mlx-lm ModelArgs fields, and the head width."""
-    arch = g.architecture
-    key = lambda s, d=None: _first(g.arch_key(s, d))  # noqa: E731
-    try:
-        n_embd = int(key("embedding_length"))
-        n_head = int(key("attention.head_count"))
-        common = dict(
-            model_type=arch, hidden_size=n_embd, num_hidden_layers=int(key("block_count")),
-            intermediate_size=int(key("feed_forward_length")), num_attention_heads=n_head,
-            num_key_value_heads=int(key("attention.head_count_kv", n_head)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            vocab_size=int(key("vocab_size", 0) or len(g.require("tokenizer.ggml.tokens"))),
-            max_position_embeddings=int(key("context_length", 4096)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            tie_word_embeddings="output.weight" not in g.tensors(),
-        )
-    except (TypeError, ValueError):
-        raise ModelFileError(f"{g.path.name}: missing or bad '{arch}.*' hyperparameters") from None
-    return common, int(key("attention.key_length", n_embd // n_head))
-
-
 def load_model(g: GGUFFile, *, dtype=mx.float32,
                progress: Callable[[int, int], None] | None = None, part=None) -> tuple[nn.Module, ModelInfo]:
     """part: a pipeline_model.PipelinePart when this process holds only some layers (distributed)."""
@@ -223,7 +170,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     if plugin is not None and plugin.after_load:
         extra = plugin.after_load(model, g, args)
         note += f"; {extra}" if extra else ""
-    elif _apply_rope_factors(model, g, args):
+    elif apply_rope_factors(model, g, args):
         note += "; RoPE frequency factors from rope_freqs.weight"
     if attention.install(model):
         note += "; short chunks: explicit attention (cuDNN plans fused attention per shape)"

@@ -35,8 +35,8 @@ def interleaved_rope(model, g, args) -> str:
     (its "normal" RoPE): MLX's traditional RoPE on the rows as stored, no un-permuting. mlx-lm's granite and
     ministral3 build rotate-half RoPE, so the flag is switched on every layer's rope. A Llama 3.1-style
     `rope_freqs.weight` is applied as for llama."""
-    from ..model_loader import _apply_rope_factors
+    from .common import apply_rope_factors
     interleave(model)
-    if _apply_rope_factors(model, g, args):
+    if apply_rope_factors(model, g, args):
         return "RoPE frequency factors from rope_freqs.weight"
     return ""

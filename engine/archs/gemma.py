@@ -324,7 +324,7 @@ def after_load(model, g, args) -> str:
             layer.self_attn.__class__ = _sharing_attention(type(layer.self_attn))
     import mlx.core as mx
     import mlx.nn as nn
-    from ..model_loader import FactorRoPE
+    from .common import FactorRoPE
     t = g.tensors().get("rope_freqs.weight")
     factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1)) if t is not None else None
     n_rot = int(g.arch_key("rope.dimension_count", args.global_head_dim))

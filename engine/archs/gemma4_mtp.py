@@ -239,7 +239,7 @@ def check_matches(a: AssistantArgs, g, model, target_g) -> None:
 def load_assistant(g, model, target_g, *, dtype=mx.float32) -> Gemma4Assistant:
     """The drafter in GGUF `g` attached to the loaded gemma4 `model` (from `target_g`)."""
     from .. import quants
-    from ..model_loader import FactorRoPE
+    from .common import FactorRoPE
     a = assistant_args(g)
     check_matches(a, g, model, target_g)
     weights: dict[str, mx.array] = {}

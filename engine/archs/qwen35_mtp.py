@@ -108,7 +108,7 @@ def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, He
     """The NextN head of GGUF `g` (the model's own file, or a sibling MTP file with `target_g` the
     model's) as an MTPHead attached to the loaded target `model`."""
     from .. import quants
-    from ..model_loader import common_args
+    from .common import common_args
     if target_g is not None:
         check_matches(g, target_g)
     if g.architecture not in ("qwen35", "qwen35moe"):

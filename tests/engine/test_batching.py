@@ -4,7 +4,7 @@ alone, keep their own sampling, steering, stops and cancel, are parked as themse
 The reference is the same model in an engine with max_sequences=1 (the lone-request path, unchanged),
 fed the same requests one after another. Batched engines are held at a gate (a Call that blocks the
 engine thread) while the requests are queued, so they really step together; the counters the batch
-keeps (engine.batch_counters) show how many rows shared a step. On the tiny models the batched greedy
+keeps (engine.scheduler.batch_counters) show how many rows shared a step. On the tiny models the batched greedy
 tokens are identical to the lone ones (measured: every stream, every token, 1-8 streams); for
 SmolLM2 see test_real_model_streams_match_alone_up_to_a_near_tie.
 """

@@ -2,7 +2,7 @@
 a LoadModel that names a draft builds the LoadedModel with it; a request naming that draft uses it with
 nothing loaded inside the request, and it stays as long as the model does (no idle release); a draft
 that cannot load refuses the whole load, the old model serving on; a request naming another draft still
-loads that one then (engine/handlers.py _spec_drafter says why), and the next load drops the draft.
+loads that one then (engine/drafts.py says why), and the next load drops the draft.
 Real engine, tiny GGUFs from tests/gguf_factory.py; greedy drafts must give plain decoding's tokens."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine import engine as engine_mod
+from engine import drafts as drafts_mod
 from engine import speculative
 from engine.engine import Call, Engine, EngineOptions, GenerateRequest, LoadModel, Status
 from engine.errors import EngineError
@@ -38,7 +38,7 @@ def run(engine, spec: str):
 
 def test_a_draft_named_at_load_is_used_by_requests_and_held_with_the_model(tiny_gguf, tiny_gguf_other,
                                                                              monkeypatch):
-    monkeypatch.setattr(engine_mod, "DRAFT_IDLE_S", 0.2)   # what would release a request's own draft
+    monkeypatch.setattr(drafts_mod, "DRAFT_IDLE_S", 0.2)   # what would release a request's own draft
     eng = Engine(EngineOptions(model=str(tiny_gguf), draft=str(tiny_gguf_other), cache_mib=0)).start()
     try:
         loaded = eng.startup.result(120)
@@ -50,7 +50,7 @@ def test_a_draft_named_at_load_is_used_by_requests_and_held_with_the_model(tiny_
         assert spec.tokens == plain.tokens and spec.drafted_tokens > 0
         assert not [s for s in lines if s.startswith("draft model:")], lines   # nothing loaded in the request
         time.sleep(1.0)                   # five idle periods: the load's draft is not a request's to release
-        assert eng.call(Call(lambda e: (e.loaded.draft is held, e.draft))).value == (True, None)
+        assert eng.call(Call(lambda e: (e.loaded.draft is held, e.drafts.named))).value == (True, None)
 
         # Another draft than the load's: loaded for that request (and released when idle), same tokens.
         other, lines = run(eng, f"draft:{tiny_gguf}")
@@ -60,7 +60,7 @@ def test_a_draft_named_at_load_is_used_by_requests_and_held_with_the_model(tiny_
 
         # A load without a draft drops it with the old model.
         eng.call(LoadModel(str(tiny_gguf)), timeout=120)
-        assert eng.call(Call(lambda e: (e.loaded.draft, e.draft))).value == (None, None)
+        assert eng.call(Call(lambda e: (e.loaded.draft, e.drafts.named))).value == (None, None)
     finally:
         eng.stop()
 

@@ -207,7 +207,7 @@ def test_greedy_equals_plain_past_the_window_and_the_kv_holds_the_delivered_toke
         assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
         offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
         assert offs and all(o == len(live.tokens) for o in offs)
-    assert "Gemma 4 MTP drafter" in engine._mtp.note and engine._mtp.path.name == "mtp-gemma4-F32.gguf"
+    assert "Gemma 4 MTP drafter" in engine.drafts.mtp_note and engine.drafts.mtp_path.name == "mtp-gemma4-F32.gguf"
 
 
 def test_sampled_mtp_runs_and_keeps_bookkeeping(engine):

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import engine as engine_mod
+from engine import drafts as drafts_mod
 from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import ModelFileError, StrataError
 from engine.frontends.server import ServerThread, create_app
@@ -136,14 +136,14 @@ def test_draft_names_resolve_in_the_models_folder_only(server, engine, home, tmp
 
 
 def test_a_draft_from_the_models_folder_is_used_and_released_when_idle(server, engine, monkeypatch, home):
-    monkeypatch.setattr(engine_mod, "DRAFT_IDLE_S", 0.3)
+    monkeypatch.setattr(drafts_mod, "DRAFT_IDLE_S", 0.3)
     out = _turn(server, [{"role": "user", "content": "Hello there"}], speculative="draft:tiny-draft")
     assert "speculative" in out["usage"], out["usage"]
-    assert engine.draft is None or engine.draft.path.name == "tiny-draft.gguf"
+    assert engine.drafts.named is None or engine.drafts.named.path.name == "tiny-draft.gguf"
     deadline = time.monotonic() + 10      # the engine thread waits DRAFT_IDLE_S (read at its next wait)
-    while engine.draft is not None and time.monotonic() < deadline:
+    while engine.drafts.named is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.draft is None, "the draft was not released"
+    assert engine.drafts.named is None, "the draft was not released"
 
 
 def test_a_draft_goes_through_the_memory_estimate_and_guard(server, engine, home):
@@ -154,7 +154,7 @@ def test_a_draft_goes_through_the_memory_estimate_and_guard(server, engine, home
     convo += [first["choices"][0]["message"], {"role": "user", "content": "Why?"}]
     old = engine.guard
     tight = MemoryGuard(reserve_bytes=GiB, reader=lambda: MemoryReading(16 * GiB, GiB + MiB, "test reading"))
-    engine.call(Call(lambda e: e.handlers._release_draft("test")))
+    engine.call(Call(lambda e: e.drafts.release("test")))
     engine.guard = tight
     try:
         r, secs = _post(server, {"model": "default", "messages": convo, "max_tokens": 4,
@@ -163,7 +163,7 @@ def test_a_draft_goes_through_the_memory_estimate_and_guard(server, engine, home
         engine.guard = old
     msg = _one_line_error(r, 400)
     assert r.json()["error"]["code"] == "memory_refused" and msg.startswith("draft model:"), msg
-    assert "does not fit" in msg and engine.draft is None and secs < 10
+    assert "does not fit" in msg and engine.drafts.named is None and secs < 10
     follow = _turn(server, convo)
     assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
@@ -247,11 +247,11 @@ def test_a_context_over_the_model_s_is_capped_with_a_warning(home, caplog):
 SLOW_SERVE = """
 import sys, time
 from engine.handlers import RequestHandlers
-real = RequestHandlers._load
+real = RequestHandlers.load
 def slow(self, req, handle):
     time.sleep(float(sys.argv[1]))
     return real(self, req, handle)
-RequestHandlers._load = slow
+RequestHandlers.load = slow
 from engine.frontends.cli import main
 sys.exit(main(["serve", "--model", sys.argv[2], "--port", sys.argv[3]]))
 """

@@ -151,7 +151,7 @@ def test_the_engine_tops_the_reserve_up_in_idle_time_after_a_long_prompt(tiny_gg
     eng = Engine(EngineOptions(context_length=1024)).start()
     try:
         eng.call(LoadModel(str(tiny_gguf)))
-        assert eng.kv_topup is not None and eng.wait_idle(30)
+        assert eng.kv_topup.topup is not None and eng.wait_idle(30)
         assert not [m for m in caplog.messages if "touched again" in m]
         prompt = " ".join(f"w{i % 10}" for i in range(300))
         r = eng.call(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=2, temperature=0.0)))
@@ -175,9 +175,9 @@ tok = engine.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning. " * 20)[:64]
 engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
 deadline = time.monotonic() + 30
-while not engine._topping_up and time.monotonic() < deadline:     # the top-up after the reply
+while not engine.scheduler.in_idle_work and time.monotonic() < deadline:     # the top-up after the reply
     pass
-print("exiting while topping up" if engine._topping_up else "no top-up seen", flush=True)
+print("exiting while topping up" if engine.scheduler.in_idle_work else "no top-up seen", flush=True)
 sys.exit(0)
 """
 

@@ -243,7 +243,7 @@ def test_control_vector_steers_the_target_only(mdir, tmp_path):
         assert steered.tokens != stock.tokens
         assert _gen(e, PROMPTS[0], "mtp", speed_projection=True).tokens == steered.tokens
         assert _gen(e, PROMPTS[0], "mtp", speed_projection=False).tokens == stock.tokens
-        assert not isinstance(e._mtp.head.layer, SteeredLayer)
+        assert not isinstance(e.drafts.mtp_head.layer, SteeredLayer)
         assert any(isinstance(l, SteeredLayer) for l in e.model.language_model.model.layers)
     finally:
         e.stop()
@@ -367,6 +367,6 @@ def test_a_sibling_head_file_found_by_name_or_given_drafts(tmp_path, mdir):
         for spec in ("mtp", f"mtp:{sib}"):
             r = _gen(e, PROMPTS[0], spec, n=24)
             assert r.tokens == plain.tokens and r.drafted_tokens > 0, spec
-        assert e._mtp.path == sib
+        assert e.drafts.mtp_path == sib
     finally:
         e.stop()

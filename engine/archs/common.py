@@ -1,0 +1,64 @@
+"""What every architecture module shares with the loader: the hyperparameters every GGUF has, and
+RoPE with llama.cpp's per-pair frequency factors. Here, below both, so an architecture module never
+imports the loader that imports it (engine/model_loader.py -> engine/archs -> here)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import ModelFileError
+from ..gguf_file import GGUFFile
+
+
+def _first(value):
+    """Layer 0's value of a per-layer array (Gemma 4's feed_forward_length, head_count_kv); the
+    architecture module reads the whole array."""
+    return value[0] if hasattr(value, "__len__") and not isinstance(value, str) and len(value) else value
+
+
+def common_args(g: GGUFFile) -> tuple[dict, int]:
+    """The hyperparameters every architecture has, as mlx-lm ModelArgs fields, and the head width."""
+    arch = g.architecture
+    key = lambda s, d=None: _first(g.arch_key(s, d))  # noqa: E731
+    try:
+        n_embd = int(key("embedding_length"))
+        n_head = int(key("attention.head_count"))
+        common = dict(
+            model_type=arch, hidden_size=n_embd, num_hidden_layers=int(key("block_count")),
+            intermediate_size=int(key("feed_forward_length")), num_attention_heads=n_head,
+            num_key_value_heads=int(key("attention.head_count_kv", n_head)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            vocab_size=int(key("vocab_size", 0) or len(g.require("tokenizer.ggml.tokens"))),
+            max_position_embeddings=int(key("context_length", 4096)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in g.tensors(),
+        )
+    except (TypeError, ValueError):
+        raise ModelFileError(f"{g.path.name}: missing or bad '{arch}.*' hyperparameters") from None
+    return common, int(key("attention.key_length", n_embd // n_head))
+
+
+class FactorRoPE(nn.Module):
+    """RoPE with llama.cpp's per-pair frequency factors (`rope_freqs.weight`, written for Llama 3.1+
+    "llama3" scaling): theta_i = pos * base^(-2i/d) / factor_i. mx.fast.rope takes the periods."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, factors: mx.array):
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        self._freqs = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * factors.astype(mx.float32)
+
+    def __call__(self, x, offset: int = 0):
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                            offset=offset, freqs=self._freqs)
+
+
+def apply_rope_factors(model, g: GGUFFile, args) -> bool:
+    t = g.tensors().get("rope_freqs.weight")
+    if t is None:
+        return False
+    factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1))
+    for layer in model.model.layers:
+        rope = layer.self_attn.rope
+        layer.self_attn.rope = FactorRoPE(rope.dims, args.rope_theta, rope.traditional, factors)
+    return True
