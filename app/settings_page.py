@@ -154,8 +154,23 @@ class SettingsPage(QDialog):
         self.old = settings.snapshot()
         s = copy.deepcopy(self.old)
         self.error = QLabel(wordWrap=True, visible=False, objectName="settingsError")
+        cache, steer = self._cache_group(s, status), self._steering_group(s)
+        samp, srv, fold, look = self._sampling_group(s), self._server_group(s), self._folders_group(s), self._look_group(s)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.submit)
+        self.buttons.rejected.connect(self.reject)
+        left, right = QVBoxLayout(), QVBoxLayout()
+        left.addWidget(cache)
+        left.addWidget(samp)
+        right.addWidget(steer)
+        right.addWidget(fold)
+        right.addWidget(srv)
+        right.addWidget(look)
+        right.addStretch(1)
+        self._lay_out(left, right)
 
-        # Conversation cache: the range is what the engine takes (engine.limits: 0..half of RAM)
+    def _cache_group(self, s: Settings, status) -> QGroupBox:
+        """Conversation cache: the range is what the engine takes (engine.limits: 0..half of RAM)."""
         self.cache_range = self._cache_range(status)
         top = self.cache_range.max_mib if self.cache_range.max_mib is not None else 1 << 22
         self.cache_mib = NumberField(0, top, s.cache_mib, " MiB")
@@ -169,7 +184,7 @@ class SettingsPage(QDialog):
                                  "an eviction or a restart instead of reading the conversation again; 0 turns it off")
         self.disk_used = QLabel(self._disk_text(status), objectName="diskUsed")
         self.disk_clear = QPushButton("Clear", objectName="diskClear", clicked=self._clear_disk)
-        self.disk_clear.setEnabled(client is not None)
+        self.disk_clear.setEnabled(self.client is not None)
         disk_row = QHBoxLayout()          # under the cap's row: the cap's message has the row's width
         disk_row.addWidget(self.disk_used, 1)
         disk_row.addWidget(self.disk_clear)
@@ -192,8 +207,10 @@ class SettingsPage(QDialog):
         f.addRow("", disk_row)
         f.addRow("K/V cache precision", kv_box)
         f.addRow("Memory guard", self.guard)
+        return cache
 
-        # Control vectors
+    def _steering_group(self, s: Settings) -> QGroupBox:
+        """Control vectors: files, layers, mode, direction, on by default."""
         st = s.steering
         self.cv_list = QListWidget(maximumHeight=80)
         for path, scale in st.files:
@@ -226,13 +243,17 @@ class SettingsPage(QDialog):
         f.addRow("Mode", self.mode)
         f.addRow("Direction", self.direction)
         f.addRow("", self.cv_on)
+        return steer
 
-        # Sampling defaults: the form a config's dialog uses too
+    def _sampling_group(self, s: Settings) -> QGroupBox:
+        """Sampling defaults: the form a config's dialog uses too."""
         self.sampling_form = SamplingForm(s.sampling, prompt_lines=2)
         samp = QGroupBox("Sampling defaults (the Default config)")
         QVBoxLayout(samp).addWidget(self.sampling_form)
+        return samp
 
-        # The OpenAI-compatible server
+    def _server_group(self, s: Settings) -> QGroupBox:
+        """The OpenAI-compatible server."""
         self.server_on = QCheckBox("Serve the loaded model over the OpenAI API", checked=s.server_enabled)
         self.server_host = QLineEdit(s.server_host, placeholderText="127.0.0.1")
         self.server_port = NumberField(1, 65535, s.server_port)
@@ -251,8 +272,10 @@ class SettingsPage(QDialog):
         f.addRow("API key", self.server_key)
         f.addRow("", self.server_url)
         self._update_server_url()
+        return srv
 
-        # Model folders
+    def _folders_group(self, s: Settings) -> QGroupBox:
+        """Model folders."""
         self.folders = QListWidget(maximumHeight=70)
         self.folders.addItems(s.model_folders)
         add_f = QPushButton("Add folder…", clicked=self._pick_folder)
@@ -265,27 +288,17 @@ class SettingsPage(QDialog):
         row.addWidget(add_f)
         row.addWidget(rm_f)
         fl.addLayout(row)
+        return fold
 
-        # Appearance (app/theme.py)
+    def _look_group(self, s: Settings) -> QGroupBox:
+        """Appearance (app/theme.py)."""
         self.theme = QComboBox(objectName="theme")
         for label, value in THEMES:
             self.theme.addItem(label, value)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
         look = QGroupBox("Appearance")
         QFormLayout(look).addRow("Theme", self.theme)
-
-        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
-        self.buttons.accepted.connect(self.submit)
-        self.buttons.rejected.connect(self.reject)
-        left, right = QVBoxLayout(), QVBoxLayout()
-        left.addWidget(cache)
-        left.addWidget(samp)
-        right.addWidget(steer)
-        right.addWidget(fold)
-        right.addWidget(srv)
-        right.addWidget(look)
-        right.addStretch(1)
-        self._lay_out(left, right)
+        return look
 
     def _lay_out(self, left: QVBoxLayout, right: QVBoxLayout) -> None:
         """The two columns scroll; the message and Save/Cancel stay below them, always on screen (the

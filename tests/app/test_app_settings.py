@@ -131,17 +131,21 @@ def test_app_settings_says_what_a_lower_cap_drops(qtbot, window):
     assert blocker.args[0].parking["entries"] == 0
 
 
-def test_app_corrupt_database_is_moved_aside(qtbot, app_home):
+def test_app_a_file_that_is_not_a_database_is_left_and_chats_go_beside_it(qtbot, app_home):
+    """A file at the chats database's path that is not SQLite is not Strata's to replace: its bytes are
+    left as they are, the chats go to a database beside it, and the window says so."""
     from app import paths
     db = paths.db_path()
-    db.write_bytes(b"definitely not sqlite " * 100)
+    garbage = b"definitely not sqlite " * 100
+    db.write_bytes(garbage)
     w = open_window(qtbot, start_engine=False)
     try:
-        assert w.store.moved_aside is not None and w.store.moved_aside.exists()
-        assert w.store.moved_aside.read_bytes().startswith(b"definitely not sqlite")
-        assert "copy was kept aside" in w.message_bar.text()
+        beside = w.store.path
+        assert beside != db and beside.parent == db.parent and beside.exists()
+        assert beside.read_bytes()[:15] == b"SQLite format 3"
+        assert "left as it is" in w.message_bar.text() and str(beside) in w.message_bar.text()
         assert w.tabs.count() == 1
-        assert db.exists() and db.read_bytes()[:15] == b"SQLite format 3"
+        assert db.read_bytes() == garbage
     finally:
         w.close()
 
