@@ -251,8 +251,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError.
     A format-3 file (engine/session_v3.py) is validated against `probe_cache()`, this model's cache
     after one token."""
-    from . import layer_cache
-
     _, head, _ = read_header(path)
     if head.get("version") == "3":
         from . import session_v3
@@ -260,15 +258,20 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
             raise SessionFileError(f"{Path(path).name}: a format-3 session cannot be restored here")
         return session_v3.load(path, expected, make_cache, key=key, probe_cache=probe_cache, dtype=dtype,
                                n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log)
-    t0 = time.perf_counter()
-    prof = RestoreProfile()
-    p = Path(path).expanduser()
-    name = p.name
     if expected.get("kv_format", KV_DTYPE) != KV_DTYPE:        # 8/4-bit K/V, restored as stored
         from . import session_quant
         return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
                                   admit=admit, progress=progress, log=log)
-    g = Geometry.of(expected, n_vocab, n_ctx)
+    return _load_v2(Path(path).expanduser(), expected, make_cache, key, dtype, Geometry.of(expected, n_vocab, n_ctx),
+                    admit, progress, log)
+
+
+def _load_v2(p: Path, expected: dict, make_cache, key: str, dtype, g: Geometry, admit, progress, log):
+    """A format-2 file of 16-bit K/V into this model's cache (`load` checked the format)."""
+    from . import layer_cache
+    t0 = time.perf_counter()
+    prof = RestoreProfile()
+    name = p.name
     dtype = dtype or compute_dtype()
     np_dtype = _NP_OF.get(dtype, np.float32)        # bfloat16: via float32, cast by MLX at the end
     prof.cast = "none (float16 file, float16 cache)" if np_dtype == np.float16 else (
@@ -329,42 +332,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
                 if progress and (k % step == 0 or k == total - 1):
                     progress(k + 1, total)
         elif in_place:
-            # float32 (the CPU's compute dtype): the cast in two halves on two threads, one tensor at
-            # a time through two buffers. A reader thread reads the next tensor, hashes it and widens
-            # its float16 bits to float32's places (half_cast.widen_bits), while this thread scales the
-            # one before into the cache's array (half_cast.finish). read(2), xxhash and numpy's ops
-            # release the GIL. For 2,048 SmolLM2 tokens the engine's own restore took 22.6-23.6 ms so,
-            # against 25.8-37.6 with the whole cast on this thread (bench/README.md, session 7).
-            staging = [np.zeros((1, g.n_kv_heads, n, g.head_dim), np.float16) for _ in range(2)]
-            bits = [np.empty(staging[0].shape, np.int32) for _ in range(2)]
-            widen_ms = [0.0]                    # the reader's share of the cast (prof is this thread's)
-
-            def read_widened(spec: TensorSpec, j: int) -> bool:
-                if not read_heads(spec, staging[j]):
-                    return False
-                t = time.perf_counter()
-                half_cast.widen_bits(bits[j], staging[j])
-                widen_ms[0] += (time.perf_counter() - t) * 1e3
-                return True
-
-            with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
-                ahead = pool.submit(read_widened, kv[0], 0)
-                try:
-                    for k, spec in enumerate(kv):
-                        if not ahead.result():
-                            raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
-                        # the other buffer is free: the tensor it held is in place
-                        ahead = pool.submit(read_widened, kv[k + 1], (k + 1) % 2) if k + 1 < total else None
-                        target = dest(k)[:, :, :n, :]
-                        t = time.perf_counter()
-                        half_cast.finish(target, bits[k % 2], staging[k % 2])
-                        prof.cast_ms += (time.perf_counter() - t) * 1e3
-                        if progress and (k % step == 0 or k == total - 1):
-                            progress(k + 1, total)
-                finally:
-                    if ahead is not None:
-                        ahead.cancel() or ahead.exception()   # never leave a read running on a closed fd
-            prof.cast_ms += widen_ms[0]
+            _read_widening(kv, read_heads, dest, (1, g.n_kv_heads, n, g.head_dim), prof, name, progress)
         else:
             arrays = _read_to_device(fd, hdr, g, digest, prof, name, progress)
     except OSError as e:
@@ -384,6 +352,47 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     log(f"restored {n} tokens from {name} in {ms:.1f} ms (read {prof.read_ms:.1f}, checksum "
         f"{prof.checksum_ms:.1f}, cast {prof.cast_ms:.1f}, build {prof.build_ms:.1f} ms)")
     return restored(tokens, cache, key, hdr, size, ms, prof)
+
+
+def _read_widening(kv: list, read_heads, dest, shape: tuple, prof: RestoreProfile, name: str, progress) -> None:
+    """A float16 file into a float32 cache (the CPU's compute dtype): the cast in two halves on two
+    threads, one tensor at a time through two buffers. A reader thread reads the next tensor, hashes it
+    and widens its float16 bits to float32's places (half_cast.widen_bits), while this thread scales
+    the one before into the cache's array (half_cast.finish). read(2), xxhash and numpy's ops release
+    the GIL. For 2,048 SmolLM2 tokens the engine's own restore took 22.6-23.6 ms so, against 25.8-37.6
+    with the whole cast on this thread (bench/README.md)."""
+    n, total = shape[2], len(kv)
+    step = max(1, total // 20)
+    staging = [np.zeros(shape, np.float16) for _ in range(2)]
+    bits = [np.empty(shape, np.int32) for _ in range(2)]
+    widen_ms = [0.0]                    # the reader's share of the cast (prof is this thread's)
+
+    def read_widened(spec: TensorSpec, j: int) -> bool:
+        if not read_heads(spec, staging[j]):
+            return False
+        t = time.perf_counter()
+        half_cast.widen_bits(bits[j], staging[j])
+        widen_ms[0] += (time.perf_counter() - t) * 1e3
+        return True
+
+    with ThreadPoolExecutor(1, thread_name_prefix="session-read") as pool:
+        ahead = pool.submit(read_widened, kv[0], 0)
+        try:
+            for k, spec in enumerate(kv):
+                if not ahead.result():
+                    raise SessionFileError(f"{name} is truncated (tensor {spec.name})")
+                # the other buffer is free: the tensor it held is in place
+                ahead = pool.submit(read_widened, kv[k + 1], (k + 1) % 2) if k + 1 < total else None
+                target = dest(k)[:, :, :n, :]
+                t = time.perf_counter()
+                half_cast.finish(target, bits[k % 2], staging[k % 2])
+                prof.cast_ms += (time.perf_counter() - t) * 1e3
+                if progress and (k % step == 0 or k == total - 1):
+                    progress(k + 1, total)
+        finally:
+            if ahead is not None:
+                ahead.cancel() or ahead.exception()   # never leave a read running on a closed fd
+    prof.cast_ms += widen_ms[0]
 
 
 GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed, copied to the device)

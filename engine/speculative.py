@@ -453,6 +453,64 @@ def _draft_gap_too_costly(drafter: DraftModel, context: list[int], left: int, sp
 
 
 
+def _account(spec: SpecStats, draft: list[int], n_ok: int, seconds: float, delivered: int, drafting: bool) -> None:
+    """One verify pass in the reply's speculation figures: a drafted pass's acceptance and time, or a
+    plain pass's time (the baseline) and, where a draft was due, one more pass without one."""
+    if draft:
+        spec.record(len(draft), n_ok, seconds)
+        spec.idle = 0
+        return
+    if delivered > 0:       # the first pass carries set-up costs: not a fair baseline
+        spec.record_plain(seconds)
+    if drafting:
+        spec.idle += 1
+
+
+def _propose(drafter, context: list[int], room: int, dist, constraint):
+    """(draft, its distributions or None, seconds of catch-up reading not to count against the pass).
+    Under a grammar the draft is cut at its first refused token (kept for sampled drafts: verification
+    rejects it with certainty)."""
+    catchup = 0.0
+    if isinstance(drafter, DraftModel):
+        draft, draft_dists = drafter.propose(context, room, dist)
+        catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
+    elif getattr(drafter, "samples_drafts", False):     # the MTP head: drafts from q
+        draft, draft_dists = drafter.propose(context, room, dist)
+        catchup = drafter.catchup_s     # its first read of the prompt: once, not per pass
+    else:
+        draft, draft_dists = drafter.propose(context, room)
+    if constraint is not None and draft:
+        n_keep = constraint.valid_prefix(draft)
+        if draft_dists is not None and n_keep < len(draft):
+            n_keep += 1
+        draft = draft[:n_keep]
+        draft_dists = draft_dists[:n_keep] if draft_dists is not None else None
+    return draft, draft_dists, catchup
+
+
+def _verify_logits(model, cache, inputs: list[int], draft: list[int], context: list[int], processors, constraint):
+    """The verify pass's (k+1, V) logits: the target over `inputs`, each row through the logits
+    processors with its own context, masked by the grammar after that row's draft prefix (the masks
+    computed on the CPU while the pass runs)."""
+    logits = model(mx.array(inputs)[None], cache=cache)[0]        # (k+1, V)
+    allowed = None
+    if constraint is not None:
+        mx.async_eval(logits)
+        allowed, _ = constraint.draft_masks(draft, logits.shape[-1], keep_refused=True)
+    if processors:
+        rows = []
+        for i in range(len(inputs)):
+            row = logits[i:i + 1]
+            ctx = mx.array(context + draft[:i])
+            for proc in processors:
+                row = proc(ctx, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    if allowed is not None:
+        logits = mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
+    return logits
+
+
 def decode(model, cache, last_token: int, fed: list[int], *, history: list[int], sampling, processors,
            max_tokens: int, stats, spec: SpecStats, drafter, seed: int | None = None,
            cancelled=lambda: False, constraint=None) -> Iterator[int]:
@@ -481,12 +539,9 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         while delivered < max_tokens:
             if cancelled():
                 return
-            why = spec.too_low()
+            why = spec.too_low() or (f"no draft in {MAX_IDLE} tokens" if spec.idle >= MAX_IDLE else "")
             if why:
                 spec.stopped = why
-                break
-            if spec.idle >= MAX_IDLE:
-                spec.stopped = f"no draft in {MAX_IDLE} tokens"
                 break
             room = max_tokens - delivered - 1     # the pass itself yields one token beyond the drafts
             if not gap_checked and room > 0 and delivered >= PLAIN_FIRST:
@@ -499,58 +554,22 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
                 if why:
                     spec.stopped = why
                     break
-            draft, draft_dists = [], None
             t0 = time.perf_counter()
-            catchup = 0.0
+            draft, draft_dists, catchup = [], None, 0.0
             if room > 0 and delivered >= PLAIN_FIRST:
-                if isinstance(drafter, DraftModel):
-                    draft, draft_dists = drafter.propose(context, room, dist)
-                    catchup = drafter.catchup_s     # a gap read is judged by the catch-up rule, not here
-                elif getattr(drafter, "samples_drafts", False):     # the MTP head: drafts from q
-                    draft, draft_dists = drafter.propose(context, room, dist)
-                    catchup = drafter.catchup_s     # its first read of the prompt: once, not per pass
-                else:
-                    draft, draft_dists = drafter.propose(context, room)
-            if constraint is not None and draft:
-                n_keep = constraint.valid_prefix(draft)
-                if draft_dists is not None and n_keep < len(draft):
-                    n_keep += 1
-                draft = draft[:n_keep]
-                draft_dists = draft_dists[:n_keep] if draft_dists is not None else None
+                draft, draft_dists, catchup = _propose(drafter, context, room, dist, constraint)
             inputs = [pending] + draft
             # A cache that cannot trim back (a recurrent state; a window the pass may wrap) is
             # snapshotted first: rejected drafts are then undone by restoring the snapshot and feeding
             # the accepted tokens again (layer_cache.rollback). None for full K/V: a trim, as before.
             snap = layer_cache.snapshot(cache, len(fed))
-            logits = model(mx.array(inputs)[None], cache=cache)[0]        # (k+1, V)
+            logits = _verify_logits(model, cache, inputs, draft, context, processors, constraint)
             fed.extend(inputs)
-            allowed = None
-            if constraint is not None:      # the rows' masks on the CPU while the pass runs
-                mx.async_eval(logits)
-                allowed, _ = constraint.draft_masks(draft, logits.shape[-1], keep_refused=True)
-            if processors:
-                rows = []
-                for i in range(len(inputs)):
-                    row = logits[i:i + 1]
-                    ctx = mx.array(context + draft[:i])
-                    for proc in processors:
-                        row = proc(ctx, row)
-                    rows.append(row)
-                logits = mx.concatenate(rows, axis=0)
-            if allowed is not None:
-                logits = mx.where(mx.array(allowed), logits, mx.array(-float("inf"), dtype=logits.dtype))
             n_ok, nxt = verify(logits, draft, dist, draft_dists)
             if constraint is not None:
                 constraint.advance_all(draft[:n_ok] + [nxt])
-            seconds = time.perf_counter() - t0 - catchup
-            if draft:
-                spec.record(len(draft), n_ok, seconds)
-                spec.idle = 0
-            else:
-                if delivered > 0:       # the first pass carries set-up costs: not a fair baseline
-                    spec.record_plain(seconds)
-                if room > 0 and delivered >= PLAIN_FIRST:
-                    spec.idle += 1
+            _account(spec, draft, n_ok, time.perf_counter() - t0 - catchup, delivered,
+                     drafting=room > 0 and delivered >= PLAIN_FIRST)
             rejected = len(draft) - n_ok
             if rejected:
                 layer_cache.rollback(cache, len(fed), rejected, snap, replay)
