@@ -113,18 +113,25 @@ class ConstraintSpec:
         """The llguidance grammar (JSON) for this spec. `special`: special-token texts of the
         tokenizer (tool_call's begin/end name them as tokens). ConstraintError on bad input."""
         import llguidance as llg
-        if self.kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
-        if self.kind == "json_schema":
-            schema = closed(self.schema) if self.strict else self.schema
-            return llg.LLMatcher.grammar_from_json_schema(_schema_text(schema, self.param),
-                                                          overrides=JSON_OPTIONS)
-        if self.kind == "lark":
-            if not isinstance(self.grammar, str) or not self.grammar.strip():
-                raise ConstraintError("the grammar must be a non-empty string", self.param)
-            return llg.LLMatcher.grammar_from_lark(self.grammar)
-        if self.kind == "tool_call":
-            return llg.LLMatcher.grammar_from_lark(self._tool_lark(special))
+        try:
+            if self.kind == "json_object":
+                return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                refuse_extensions(self.schema, self.param)
+                schema = closed(self.schema) if self.strict else self.schema
+                return llg.LLMatcher.grammar_from_json_schema(_schema_text(schema, self.param),
+                                                              overrides=JSON_OPTIONS)
+            if self.kind == "lark":
+                if not isinstance(self.grammar, str) or not self.grammar.strip():
+                    raise ConstraintError("the grammar must be a non-empty string", self.param)
+                return llg.LLMatcher.grammar_from_lark(self.grammar)
+            if self.kind == "tool_call":
+                return llg.LLMatcher.grammar_from_lark(self._tool_lark(special))
+        except ConstraintError:
+            raise
+        except Exception as e:                   # noqa: BLE001 - llguidance's own errors, as a 400
+            raise ConstraintError(f"invalid {'JSON schema' if self.param == 'response_format' else 'grammar'}: "
+                                  f"{_one_line(e)}", self.param) from None
         raise ConstraintError(f"unknown constraint kind {self.kind!r}", self.param)
 
     def _tool_lark(self, special) -> str:
@@ -144,6 +151,7 @@ class ConstraintSpec:
             if not isinstance(params, dict):
                 raise ConstraintError(f"tools[{i}].function.parameters must be a JSON schema object",
                                       f"tools[{i}].function.parameters")
+            refuse_extensions(params, f"tools[{i}].function.parameters")
             choices.append({"type": "object",
                             "properties": {"name": {"const": fn["name"]}, self.arguments_key: closed(params)},
                             "required": ["name", self.arguments_key], "additionalProperties": False})
@@ -189,6 +197,36 @@ def closed(schema, depth: int = 0):
     return out
 
 
+def _one_line(e: Exception) -> str:
+    text = " ".join((str(e) or type(e).__name__).split())
+    return text[:400]
+
+
+def refuse_extensions(schema, param: str) -> None:
+    """ConstraintError naming the first vendor extension (a key starting with "x-", such as llguidance's
+    "x-guidance", which changes the grammar: a whitespace pattern can let non-JSON through) where a
+    schema keyword stands. Only the JSON-schema keywords themselves shape a reply. Iterative."""
+    stack = [(schema, param)]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in node:
+            if isinstance(key, str) and key.lower().startswith("x-"):
+                raise ConstraintError(f"{where}: the vendor extension {json.dumps(key[:40])} is not supported "
+                                      "(JSON-schema keywords only)", param)
+        for k in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(k), list):
+                stack.extend((x, f"{where}.{k}[{j}]") for j, x in enumerate(node[k]))
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                stack.extend((x, f"{where}.{k}.{n}") for n, x in node[k].items())
+        for k in _SUBSCHEMA_ONE + ("additionalProperties", "propertyNames", "unevaluatedProperties",
+                                    "unevaluatedItems", "contentSchema"):
+            if isinstance(node.get(k), dict):
+                stack.append((node[k], f"{where}.{k}"))
+
+
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
@@ -228,7 +266,7 @@ def _validate(grammar: str, tokenizer, param: str) -> str:
         err = str(e) or type(e).__name__
     if err:
         raise ConstraintError(f"invalid {'JSON schema' if param == 'response_format' else 'grammar'}: "
-                              f"{err[:400]}", param)
+                              f"{_one_line(err)}", param)
     return grammar
 
 
