@@ -167,8 +167,10 @@ def protocol_class(limits: ConnectionLimits, cap: int) -> type:
             if self.transport.is_closing():
                 return
             if phase != "over cap":
+                # waiting for headers, no response is under way; waiting for a body, one may be (an
+                # early 413): the 408 only where the connection has not started one
                 cycle = self.cycle
-                if cycle is None or not getattr(cycle, "response_started", True):
+                if phase == "headers" or cycle is None or not getattr(cycle, "response_started", True):
                     self.transport.write(RAW_408)
                 _log.warning("a slow client was closed: its %s did not arrive within %.0f s", phase,
                              limits.header_timeout_s if phase == "headers" else limits.body_timeout_s)
