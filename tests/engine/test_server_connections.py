@@ -259,3 +259,15 @@ def test_descriptor_exhaustion_logs_one_line(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if "open files" in ln or "out of system resource" in ln]
     assert 1 <= len(lines) <= 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--max-connections", "0"], "strata: --max-connections must be in 1..65536, got 0"),
+    (["--header-timeout", "0"], "strata: --header-timeout must be in (0, 3600] seconds, got 0.0"),
+    (["--body-timeout", "nan"], "strata: --body-timeout must be in (0, 3600] seconds, got nan"),
+])
+def test_serve_refuses_bad_connection_flags(tiny_gguf, capsys, flags, line):
+    from engine.frontends.cli import main
+    code = main(["serve", "--model", str(tiny_gguf), "--port", "0", *flags])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and lines == [line]
