@@ -112,18 +112,26 @@ class ConstraintSpec:
         """The llguidance grammar (JSON) for this spec. `special`: special-token texts of the
         tokenizer (tool_call's begin/end name them as tokens). ConstraintError on bad input."""
         import llguidance as llg
-        if self.kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
-        if self.kind == "json_schema":
-            schema = closed(self.schema) if self.strict else self.schema
-            return llg.LLMatcher.grammar_from_json_schema(_schema_text(schema, self.param),
-                                                          overrides=JSON_OPTIONS)
-        if self.kind == "lark":
-            if not isinstance(self.grammar, str) or not self.grammar.strip():
-                raise ConstraintError("the grammar must be a non-empty string", self.param)
-            return llg.LLMatcher.grammar_from_lark(self.grammar)
-        if self.kind == "tool_call":
-            return llg.LLMatcher.grammar_from_lark(self._tool_lark(special))
+        try:
+            if self.kind == "json_object":
+                return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                refuse_extensions(self.schema, self.param)
+                refuse_unproductive(self.schema, self.param)
+                schema = closed(self.schema) if self.strict else self.schema
+                return llg.LLMatcher.grammar_from_json_schema(_schema_text(schema, self.param),
+                                                              overrides=JSON_OPTIONS)
+            if self.kind == "lark":
+                if not isinstance(self.grammar, str) or not self.grammar.strip():
+                    raise ConstraintError("the grammar must be a non-empty string", self.param)
+                return llg.LLMatcher.grammar_from_lark(self.grammar)
+            if self.kind == "tool_call":
+                return llg.LLMatcher.grammar_from_lark(self._tool_lark(special))
+        except ConstraintError:
+            raise
+        except Exception as e:                   # noqa: BLE001 - llguidance's own errors, as a 400
+            raise ConstraintError(f"invalid {'JSON schema' if self.param == 'response_format' else 'grammar'}: "
+                                  f"{_one_line(e)}", self.param) from None
         raise ConstraintError(f"unknown constraint kind {self.kind!r}", self.param)
 
     def _tool_lark(self, special) -> str:
@@ -143,6 +151,8 @@ class ConstraintSpec:
             if not isinstance(params, dict):
                 raise ConstraintError(f"tools[{i}].function.parameters must be a JSON schema object",
                                       f"tools[{i}].function.parameters")
+            refuse_extensions(params, f"tools[{i}].function.parameters")
+            refuse_unproductive(params, f"tools[{i}].function.parameters")
             choices.append({"type": "object",
                             "properties": {"name": {"const": fn["name"]}, self.arguments_key: closed(params)},
                             "required": ["name", self.arguments_key], "additionalProperties": False})
@@ -188,6 +198,98 @@ def closed(schema, depth: int = 0):
     return out
 
 
+def _one_line(e: Exception) -> str:
+    text = " ".join((str(e) or type(e).__name__).split())
+    return text[:400]
+
+
+def refuse_extensions(schema, param: str) -> None:
+    """ConstraintError naming the first vendor extension (a key starting with "x-", such as llguidance's
+    "x-guidance", which changes the grammar: a whitespace pattern can let non-JSON through) where a
+    schema keyword stands. Only the JSON-schema keywords themselves shape a reply. Iterative."""
+    stack = [(schema, param)]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in node:
+            if isinstance(key, str) and key.lower().startswith("x-"):
+                raise ConstraintError(f"{where}: the vendor extension {json.dumps(key[:40])} is not supported "
+                                      "(JSON-schema keywords only)", param)
+        for k in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(k), list):
+                stack.extend((x, f"{where}.{k}[{j}]") for j, x in enumerate(node[k]))
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                stack.extend((x, f"{where}.{k}.{n}") for n, x in node[k].items())
+        for k in _SUBSCHEMA_ONE + ("additionalProperties", "propertyNames", "unevaluatedProperties",
+                                    "unevaluatedItems", "contentSchema"):
+            if isinstance(node.get(k), dict):
+                stack.append((node[k], f"{where}.{k}"))
+
+
+class _Productive:
+    """Whether some JSON value matches a schema, as far as its local `$ref`s, anyOf/oneOf/allOf, required
+    properties and minItems go: a `$ref` loop with nothing between (`{"$ref": "#"}`, a = b = a) matches
+    nothing, and llguidance would take it and let an empty reply stop. A loop assumed unproductive
+    while it is being followed (the least fixpoint); results that hold are kept; work bounded."""
+
+    MAX_STEPS = 20_000
+
+    def __init__(self, root):
+        self.root, self.known, self.visiting, self.steps = root, set(), set(), 0
+
+    def _target(self, ref: str):
+        if ref == "#":
+            return self.root
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(prefix) and isinstance(self.root, dict):
+                defs = self.root.get(prefix[2:-1])
+                name = ref[len(prefix):]
+                if isinstance(defs, dict) and "/" not in name and name in defs:
+                    return defs[name]
+        return True                                   # not followed here: llguidance judges it
+
+    def __call__(self, node) -> bool:
+        self.steps += 1
+        if not isinstance(node, dict) or id(node) in self.known or self.steps > self.MAX_STEPS:
+            return node is not False
+        if id(node) in self.visiting:
+            return False
+        self.visiting.add(id(node))
+        try:
+            ok = self._check(node)
+        finally:
+            self.visiting.discard(id(node))
+        if ok:
+            self.known.add(id(node))
+        return ok
+
+    def _check(self, node: dict) -> bool:
+        if isinstance(node.get("$ref"), str) and not self(self._target(node["$ref"])):
+            return False
+        if isinstance(node.get("allOf"), list) and not all(self(x) for x in node["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(self(x) for x in node[key]):
+                return False
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if any(isinstance(r, str) and r in props and not self(props[r]) for r in required):
+            return False
+        min_items = node.get("minItems")
+        if isinstance(min_items, int) and min_items > 0 and "items" in node and not self(node["items"]):
+            return False
+        return True
+
+
+def refuse_unproductive(schema, param: str) -> None:
+    """ConstraintError when no JSON value can match `schema` (a `$ref` loop with nothing between)."""
+    if isinstance(schema, dict) and not _Productive(schema)(schema):
+        raise ConstraintError(f"{param}: no JSON value matches the schema (a $ref loop with nothing "
+                              "between, or a required part that is such a loop)", param)
+
+
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
@@ -227,7 +329,7 @@ def _validate(grammar: str, tokenizer, param: str) -> str:
         err = str(e) or type(e).__name__
     if err:
         raise ConstraintError(f"invalid {'JSON schema' if param == 'response_format' else 'grammar'}: "
-                              f"{err[:400]}", param)
+                              f"{_one_line(err)}", param)
     return grammar
 
 

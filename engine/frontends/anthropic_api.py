@@ -35,7 +35,7 @@ from ..events import Done, Failed, Token
 from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import ToolError, new_call_id
-from .wire import (APIError, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+from .wire import (APIError, ErrorJSON, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
                    _sampling, chat_plan, engine_error, reply_stream, think_stream,
                    with_think_apart)
 
@@ -49,7 +49,7 @@ def error_body(status: int, message: str) -> dict:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.status, e.message), status_code=e.status)
+    return ErrorJSON(error_body(e.status, e.message), status_code=e.status)
 
 
 def _bad(message: str) -> APIError:

@@ -223,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="a web origin (e.g. https://chat.example) whose pages may call the server; "
                         "loopback origins are always allowed, others get 403")
+    s.add_argument("--max-connections", type=int, default=128,
+                   help="connections open at once (default 128, lowered to fit the file-descriptor limit); "
+                        "one more is answered 503")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a request's headers must arrive within this (default 10; a slow client gets 408)")
+    s.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's body must arrive within this after its headers (default 60)")
     s.set_defaults(fn=lambda a: __import__("engine.frontends.server", fromlist=["x"]).cmd_serve(a))
 
     c = sub.add_parser("cvec", help="control vectors")

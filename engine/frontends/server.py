@@ -40,6 +40,7 @@ from ..errors import ErrorCode, SessionRefusal, StrataError
 from ..events import Done, Failed, Token
 from ..paths import SESSION_EXTENSION
 from ..sampling import SamplingError
+from .connections import ConnectionLimits, uvicorn_options
 from .wire import (  # noqa: F401 - HTTP_OF_ERROR and the parsers stay importable from here
     _await_watching, _bool, _Bridge, _chat_message, _check_model, _content_text, _EngineStream, _finish,
     _json_body, _messages, _model_id, _models, _number, _plain, _response_format, _sampling, _speculative,
@@ -511,12 +512,13 @@ class ServerThread:
         srv = ServerThread(create_app(engine), port=0).start();  srv.base_url  ...  srv.stop()
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: ConnectionLimits | None = None):
         import uvicorn
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                                    timeout_graceful_shutdown=3))
+                                                    timeout_graceful_shutdown=3, **uvicorn_options(limits)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="strata-server", daemon=True)
 
@@ -554,6 +556,17 @@ def _server_class():
     return Server
 
 
+def _connection_limits(args) -> ConnectionLimits:
+    """--max-connections, --header-timeout and --body-timeout checked (StrataError in one line)."""
+    if not (1 <= args.max_connections <= 65536):
+        raise StrataError(f"--max-connections must be in 1..65536, got {args.max_connections}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not (0 < value <= 3600):
+            raise StrataError(f"{flag} must be in (0, 3600] seconds, got {value}")
+    return ConnectionLimits(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                            body_timeout_s=args.body_timeout)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
     _Server = _server_class()
@@ -565,6 +578,7 @@ def cmd_serve(args) -> int:
     check_engine_flags(args)                     # before the port is taken
     if not (0 < args.max_body_mib <= 4096):
         raise StrataError(f"--max-body-mib must be in (0, 4096], got {args.max_body_mib}")
+    limits = _connection_limits(args)
     sock = bind_socket(args.host, args.port)      # fail before loading the model
     try:
         loopback = ipaddress.ip_address(args.host).is_loopback
@@ -582,7 +596,7 @@ def cmd_serve(args) -> int:
                      loading=engine.options.model)
     host = f"[{args.host}]" if ":" in args.host else args.host
     server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
-                                    lifespan="off", timeout_graceful_shutdown=5))
+                                    lifespan="off", timeout_graceful_shutdown=5, **uvicorn_options(limits)))
     failure: list[BaseException] = []
     url = f"http://{host}:{sock.getsockname()[1]}/v1"
 

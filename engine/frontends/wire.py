@@ -14,13 +14,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ..api import Generation
 from ..errors import ErrorCode, SessionRefusal, StrataError
 from ..events import Done, Failed, Progress, Token
 from ..sampling import FIELD, FIELDS, SamplingParams
+from .body_check import BodyError, parse_body
 
 MAX_STOP = 16
 
@@ -38,7 +39,21 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return ErrorJSON(self.body(), status_code=self.status)
+
+
+class ErrorJSON(JSONResponse):
+    """An error body as ASCII JSON: whatever it echoes (a name, a value) is escaped, so it always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class ClientGone(APIError):
+    """The client went away before its body arrived: nothing to answer, nothing to log."""
+
+    def __init__(self):
+        super().__init__(499, "the client disconnected before sending its whole body", code="client_disconnected")
 
 
 # An engine error code as an HTTP answer: (status, OpenAI error type, the API's code or None).
@@ -65,14 +80,16 @@ def engine_error(failed: Failed, param: str | None = None) -> APIError:
 
 # ---- request parsing ---------------------------------------------------------------------------
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+    """The body as a JSON object whose values are valid text and bounded numbers and depth
+    (body_check.py), or a 400 naming the field."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request ({e}). "
-                            "Send a JSON object with Content-Type: application/json.") from None
-    except RecursionError:
-        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+    try:
+        body = parse_body(raw)
+    except BodyError as e:
+        raise APIError(400, e.message, param=e.param, code=e.code) from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
