@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,8 +35,8 @@ from ..errors import StrataError
 from ..events import Done, Failed, Token
 from ..reasoning import split_reply
 from ..sampling import SamplingError
-from ..tool_calls import ToolError, new_call_id
-from .wire import (APIError, ErrorJSON, ToolFormats, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
+from .wire import (APIError, ErrorJSON, Served, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
                    _sampling, chat_plan, engine_error, reply_stream, think_stream,
                    with_think_apart)
 
@@ -183,202 +184,239 @@ def _sse(event: str, data: dict) -> str:
 
 
 # ---- routes ----------------------------------------------------------------------------------------
-def routes(engine, formats: ToolFormats, volatile=()) -> list[Route]:
+def _served(request: Request) -> Served:
+    return request.app.state.served
 
-    def prepare(body: dict):
-        from ..tool_calls import ToolError as _TE
-        messages = convert_messages(body)
-        tools, choice, parallel = convert_tools(body)
-        try:
-            return chat_plan(engine, formats, messages, tools, choice, parallel=parallel, volatile=volatile)
-        except _TE as e:
-            raise _anthropic_tool_error(e) from None
 
-    async def messages_endpoint(request: Request) -> Response:
-        try:
-            return await _messages(request)
-        except APIError as e:
-            return error_response(e)
+def _prepare(s: Served, body: dict):
+    """The request's messages in the engine's form and its tool plan (tool_calls.chat_plan)."""
+    messages = convert_messages(body)
+    tools, choice, parallel = convert_tools(body)
+    try:
+        return chat_plan(s.engine, s.formats, messages, tools, choice, parallel=parallel, volatile=s.volatile)
+    except ToolError as e:
+        raise _anthropic_tool_error(e) from None
 
-    async def _messages(request: Request) -> Response:
-        body = await _json_body(request)
-        max_tokens = body.get("max_tokens")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise _bad("max_tokens: Field required (an integer >= 1)" if max_tokens is None
-                       else "max_tokens: must be an integer >= 1")
-        stop = body.get("stop_sequences")
-        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-            raise _bad("stop_sequences: must be a list of strings")
-        sampling = _sampling({"max_tokens": max_tokens, "temperature": body.get("temperature"),
-                              "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": stop}, max_tokens)
-        try:
-            sampling.validate()
-        except (SamplingError, StrataError) as e:
-            raise _bad(str(e)) from None
-        messages, plan = prepare(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _bad("stream: must be true or false")
-        thinking = body.get("thinking")
-        if thinking is not None and (not isinstance(thinking, dict)
-                                     or thinking.get("type") not in ("enabled", "disabled")):
-            raise _bad('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
-        show_thinking = bool(thinking) and thinking["type"] == "enabled"
-        fmt = formats.get(engine)
-        model = body.get("model") if isinstance(body.get("model"), str) else _model_id(engine)
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
-        bridge = _Bridge(engine, GenerateRequest(
-            messages=messages, sampling=sampling, conversation=f"http {mid}",
-            constraint=plan.constraint if plan is not None else None,
-            tools=plan.template_tools if plan is not None else None))
-        handle = bridge.handle
-        from ..tool_calls import StreamParser, finish_calls, parse
 
-        if not stream:
-            outcome = await _await_watching(request, handle, bridge.outcome())
-            if isinstance(outcome, Failed):
-                raise engine_error(outcome, "messages")
-            r = outcome.result
-            blocks, calls = [], []
-            if plan is not None and plan.active:
-                parsed = parse(r.text, plan.fmt, plan.tools)
-                calls = finish_calls(plan, parsed.calls)
-                text, thought = with_think_apart(parsed, plan.fmt)
-            else:
-                ch = split_reply(r.text, fmt.think_open)
-                text, thought = ch.content, ch.reasoning
-            if thought and show_thinking:
-                blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
-            if text:
-                blocks.append({"type": "text", "text": text})
-            for c in calls:
-                blocks.append({"type": "tool_use", "id": new_call_id(prefix="toolu_"), "name": c.name,
-                               "input": c.arguments})
-            out = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-                   "stop_reason": _stop_reason(r.finish_reason, bool(calls)), "stop_sequence": None,
-                   "usage": _usage(r)}
-            if plan is not None and plan.note:
-                out["strata"] = {"tool_choice": plan.note}
-            return JSONResponse(out)
+async def messages_endpoint(request: Request) -> Response:
+    try:
+        return await _messages(request)
+    except APIError as e:
+        return error_response(e)
 
-        first = await _await_watching(request, handle, bridge.get())
-        if isinstance(first, Failed):
-            raise engine_error(first, "messages")
-        parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
-        channels = reply_stream(fmt) if parser is None else None
 
+@dataclass
+class _Ask:
+    """One /v1/messages request as read from its body."""
+    messages: list
+    plan: object                    # wire.chat_plan's plan (tools), or None
+    sampling: object
+    stream: bool
+    show_thinking: bool
+    model: str                      # the name asked for, echoed
+    mid: str
+
+
+def _read_ask(s: Served, body: dict) -> _Ask:
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise _bad("max_tokens: Field required (an integer >= 1)" if max_tokens is None
+                   else "max_tokens: must be an integer >= 1")
+    stop = body.get("stop_sequences")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise _bad("stop_sequences: must be a list of strings")
+    sampling = _sampling({"max_tokens": max_tokens, "temperature": body.get("temperature"),
+                          "top_p": body.get("top_p"), "top_k": body.get("top_k"), "stop": stop}, max_tokens)
+    try:
+        sampling.validate()
+    except (SamplingError, StrataError) as e:
+        raise _bad(str(e)) from None
+    messages, plan = _prepare(s, body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream: must be true or false")
+    thinking = body.get("thinking")
+    if thinking is not None and (not isinstance(thinking, dict)
+                                 or thinking.get("type") not in ("enabled", "disabled")):
+        raise _bad('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
+    model = body.get("model") if isinstance(body.get("model"), str) else _model_id(s.engine)
+    return _Ask(messages, plan, sampling, stream, bool(thinking) and thinking["type"] == "enabled", model,
+                f"msg_{uuid.uuid4().hex[:24]}")
+
+
+async def _messages(request: Request) -> Response:
+    s = _served(request)
+    ask = _read_ask(s, await _json_body(request))
+    plan = ask.plan
+    bridge = _Bridge(s.engine, GenerateRequest(
+        messages=ask.messages, sampling=ask.sampling, conversation=f"http {ask.mid}",
+        constraint=plan.constraint if plan is not None else None,
+        tools=plan.template_tools if plan is not None else None))
+    if not ask.stream:
+        outcome = await _await_watching(request, bridge.handle, bridge.outcome())
+        if isinstance(outcome, Failed):
+            raise engine_error(outcome, "messages")
+        return _whole_message(s, ask, outcome.result)
+    first = await _await_watching(request, bridge.handle, bridge.get())
+    if isinstance(first, Failed):
+        raise engine_error(first, "messages")
+    return _EngineStream(_MessageStream(s, ask).events(first, bridge), bridge.handle)
+
+
+def _whole_message(s: Served, ask: _Ask, r) -> Response:
+    plan = ask.plan
+    blocks, calls = [], []
+    if plan is not None and plan.active:
+        parsed = parse(r.text, plan.fmt, plan.tools)
+        calls = finish_calls(plan, parsed.calls)
+        text, thought = with_think_apart(parsed, plan.fmt)
+    else:
+        ch = split_reply(r.text, s.formats.get(s.engine).think_open)
+        text, thought = ch.content, ch.reasoning
+    if thought and ask.show_thinking:
+        blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
+    if text:
+        blocks.append({"type": "text", "text": text})
+    for c in calls:
+        blocks.append({"type": "tool_use", "id": new_call_id(prefix="toolu_"), "name": c.name,
+                       "input": c.arguments})
+    out = {"id": ask.mid, "type": "message", "role": "assistant", "model": ask.model, "content": blocks,
+           "stop_reason": _stop_reason(r.finish_reason, bool(calls)), "stop_sequence": None,
+           "usage": _usage(r)}
+    if plan is not None and plan.note:
+        out["strata"] = {"tool_choice": plan.note}
+    return JSONResponse(out)
+
+
+class _MessageStream:
+    """A streamed reply as Anthropic's events: a content block per run of text, of thinking (when asked
+    for) and per tool call, each started, given its deltas and stopped in turn."""
+
+    def __init__(self, s: Served, ask: _Ask):
+        self.ask = ask
+        plan = ask.plan
+        fmt = s.formats.get(s.engine)
+        self.parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
+        self.channels = reply_stream(fmt) if self.parser is None else None
         # the tool-call parser's text keeps a <think> block: told apart as without tools
-        think = think_stream(fmt) if parser is not None and fmt.name != "harmony" else None
+        self.think = think_stream(fmt) if self.parser is not None and fmt.name != "harmony" else None
+        self.index, self.open, self.calls = 0, None, []
 
-        def items(text: str | None):
-            """A reply's new text (None: its end) as ("thinking" | "text" | call) items."""
-            if parser is None:
-                parts = channels.feed(text) if text is not None else channels.finish()
-            else:
-                parts = []
-                for kind, v in (parser.feed(text) if text is not None else parser.finish()):
-                    if kind != "text":
-                        parts.append((kind, v))
-                    elif think is None:
-                        parts.append(("content", v))
-                    else:
-                        parts += think.feed(v)
-                if text is None and think is not None:
-                    parts += think.finish()
-            return [("thinking" if kind == "reasoning" else "text" if kind == "content" else kind, v)
-                    for kind, v in parts if kind != "reasoning" or show_thinking]
+    def items(self, text: str | None):
+        """A reply's new text (None: its end) as ("thinking" | "text" | call) items."""
+        if self.parser is None:
+            parts = self.channels.feed(text) if text is not None else self.channels.finish()
+        else:
+            parts = []
+            for kind, v in (self.parser.feed(text) if text is not None else self.parser.finish()):
+                if kind != "text":
+                    parts.append((kind, v))
+                elif self.think is None:
+                    parts.append(("content", v))
+                else:
+                    parts += self.think.feed(v)
+            if text is None and self.think is not None:
+                parts += self.think.finish()
+        return [("thinking" if kind == "reasoning" else "text" if kind == "content" else kind, v)
+                for kind, v in parts if kind != "reasoning" or self.ask.show_thinking]
 
-        async def events():
-            state = {"index": 0, "open": None, "calls": []}
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        i = self.index
+        self.index += 1
+        return [_sse("content_block_stop", {"type": "content_block_stop", "index": i})]
 
-            def close():
-                if state["open"] is not None:
-                    state["open"] = None
-                    i = state["index"]
-                    state["index"] += 1
-                    return [_sse("content_block_stop", {"type": "content_block_stop", "index": i})]
-                return []
+    def emit(self, new) -> list[str]:
+        lines = []
+        for kind, value in new:
+            if kind in ("text", "thinking"):
+                if value:
+                    lines += self._delta(kind, value)
+                continue
+            if not finish_calls(self.ask.plan, self.calls + [value])[len(self.calls):]:
+                continue
+            self.calls.append(value)
+            lines += self.close()
+            self.open = "tool_use"
+            lines.append(_sse("content_block_start", {
+                "type": "content_block_start", "index": self.index,
+                "content_block": {"type": "tool_use", "id": new_call_id(prefix="toolu_"),
+                                  "name": value.name, "input": {}}}))
+            lines.append(_sse("content_block_delta", {
+                "type": "content_block_delta", "index": self.index,
+                "delta": {"type": "input_json_delta", "partial_json": value.arguments_json}}))
+            lines += self.close()
+        return lines
 
-            def emit(new):
-                lines = []
-                for kind, value in new:
-                    if kind in ("text", "thinking"):
-                        if not value:
-                            continue
-                        if state["open"] != kind:
-                            lines += close()
-                            state["open"] = kind
-                            lines.append(_sse("content_block_start", {
-                                "type": "content_block_start", "index": state["index"],
-                                "content_block": ({"type": "text", "text": ""} if kind == "text" else
-                                                  {"type": "thinking", "thinking": "", "signature": ""})}))
-                        lines.append(_sse("content_block_delta", {
-                            "type": "content_block_delta", "index": state["index"],
-                            "delta": ({"type": "text_delta", "text": value} if kind == "text" else
-                                      {"type": "thinking_delta", "thinking": value})}))
-                        continue
-                    if not finish_calls(plan, state["calls"] + [value])[len(state["calls"]):]:
-                        continue
-                    state["calls"].append(value)
-                    lines += close()
-                    state["open"] = "tool_use"
-                    i = state["index"]
-                    lines.append(_sse("content_block_start", {
-                        "type": "content_block_start", "index": i,
-                        "content_block": {"type": "tool_use", "id": new_call_id(prefix="toolu_"),
-                                          "name": value.name, "input": {}}}))
-                    lines.append(_sse("content_block_delta", {
-                        "type": "content_block_delta", "index": i,
-                        "delta": {"type": "input_json_delta", "partial_json": value.arguments_json}}))
-                    lines += close()
-                return lines
+    def _delta(self, kind: str, value: str) -> list[str]:
+        lines = []
+        if self.open != kind:
+            lines += self.close()
+            self.open = kind
+            lines.append(_sse("content_block_start", {
+                "type": "content_block_start", "index": self.index,
+                "content_block": ({"type": "text", "text": ""} if kind == "text" else
+                                  {"type": "thinking", "thinking": "", "signature": ""})}))
+        lines.append(_sse("content_block_delta", {
+            "type": "content_block_delta", "index": self.index,
+            "delta": ({"type": "text_delta", "text": value} if kind == "text" else
+                      {"type": "thinking_delta", "thinking": value})}))
+        return lines
 
-            yield _sse("message_start", {"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-                          "output_tokens": 0}}})
-            yield _sse("ping", {"type": "ping"})
-            ev = first
-            while True:
-                if isinstance(ev, Token):
-                    text, ev = bridge.drain_tokens(ev)
-                    if text:
-                        for line in emit(items(text)):
-                            yield line
-                    if ev is None:
-                        ev = await bridge.get()
-                    continue
-                if isinstance(ev, Done):
-                    r = ev.result
-                    for line in emit(items(None)) + close():
+    def start(self) -> list[str]:
+        return [_sse("message_start", {"type": "message_start", "message": {
+            "id": self.ask.mid, "type": "message", "role": "assistant", "model": self.ask.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                      "output_tokens": 0}}}), _sse("ping", {"type": "ping"})]
+
+    def end(self, r) -> list[str]:
+        return self.emit(self.items(None)) + self.close() + [
+            _sse("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(r.finish_reason, bool(self.calls)), "stop_sequence": None},
+                "usage": _usage(r)}),
+            _sse("message_stop", {"type": "message_stop"})]
+
+    async def events(self, first, bridge):
+        for line in self.start():
+            yield line
+        ev = first
+        while True:
+            if isinstance(ev, Token):
+                text, ev = bridge.drain_tokens(ev)
+                if text:
+                    for line in self.emit(self.items(text)):
                         yield line
-                    yield _sse("message_delta", {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": _stop_reason(r.finish_reason, bool(state["calls"])),
-                                  "stop_sequence": None},
-                        "usage": _usage(r)})
-                    yield _sse("message_stop", {"type": "message_stop"})
-                    return
-                if isinstance(ev, Failed):
-                    e = engine_error(ev, "messages")
-                    yield _sse("error", error_body(e.status, e.message))
-                    return
-                ev = await bridge.get()                # Progress
+                if ev is None:
+                    ev = await bridge.get()
+                continue
+            if isinstance(ev, Done):
+                for line in self.end(ev.result):
+                    yield line
+                return
+            if isinstance(ev, Failed):
+                e = engine_error(ev, "messages")
+                yield _sse("error", error_body(e.status, e.message))
+                return
+            ev = await bridge.get()                # Progress
 
-        return _EngineStream(events(), handle)
 
-    async def count_tokens(request: Request) -> Response:
-        try:
-            body = await _json_body(request)
-            messages, plan = prepare(body)
-            outcome = await _Bridge(engine, CountTokens(
-                messages=messages, tools=plan.template_tools if plan is not None else None)).outcome()
-            if isinstance(outcome, Failed):
-                raise engine_error(outcome, "messages")
-            return JSONResponse({"input_tokens": outcome.result.tokens})
-        except APIError as e:
-            return error_response(e)
+async def count_tokens(request: Request) -> Response:
+    s = _served(request)
+    try:
+        body = await _json_body(request)
+        messages, plan = _prepare(s, body)
+        outcome = await _Bridge(s.engine, CountTokens(
+            messages=messages, tools=plan.template_tools if plan is not None else None)).outcome()
+        if isinstance(outcome, Failed):
+            raise engine_error(outcome, "messages")
+        return JSONResponse({"input_tokens": outcome.result.tokens})
+    except APIError as e:
+        return error_response(e)
 
-    return [Route("/v1/messages", messages_endpoint, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+
+ROUTES = [Route("/v1/messages", messages_endpoint, methods=["POST"]),
+          Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]

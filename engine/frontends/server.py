@@ -11,7 +11,10 @@ Engine events reach the event loop through the handle's callback (`call_soon_thr
 blocking the loop. A client that goes away - while queued, during prefill or mid-stream - cancels its
 request (`Handle.cancel()`), so the engine moves on to the next one.
 
-Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the matching status.
+The endpoints are engine/frontends/openai_api.py's and anthropic_api.py's route tables; this module
+holds the app (`create_app`: the routes, the middleware that guards them, the error handlers) and how
+it is served. Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
+matching status.
 
 `create_app(engine, api_key=None)` returns the Starlette app; `ServerThread(app).start()` runs it on
 a background thread (tests, the bench, the Qt app's settings toggle); `cmd_serve(args)` is the CLI.
@@ -20,340 +23,61 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import re
 import socket
 import sys
 import threading
 import time
-import uuid
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
-from ..api import GenerateRequest, RestoreSession, SaveSession
-from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import Done, Failed, Token
-from ..paths import SESSION_EXTENSION
-from ..sampling import SamplingError
+from ..tool_calls import DEFAULT_VOLATILE_LINES
+from . import anthropic_api, openai_api
 from .connections import ConnectionLimits, uvicorn_options
-from .wire import (  # noqa: F401 - HTTP_OF_ERROR and the parsers stay importable from here
-    _await_watching, _bool, _Bridge, _chat_message, _check_model, _content_text, _EngineStream, _finish,
-    _json_body, _messages, _model_id, _models, _number, _plain, _response_format, _sampling, _speculative,
-    _sse, _stop, _timings, _usage, API_CODE_OF_REASON, APIError, chat_plan, engine_error, HTTP_OF_ERROR,
-    MAX_STOP, reply_stream, think_stream, tool_error, ToolFormats)
+from .wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
+    _chat_message, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
 
-SESSION_NAME_MAX = 64
-_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy completions endpoint
 
 
 def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                max_body_bytes: int = DEFAULT_MAX_BODY, allowed_origins: tuple[str, ...] = (),
                loading: str | None = None, volatile_lines=None) -> Starlette:
-    """The OpenAI-compatible app over a started Engine. With `api_key`, every request needs
-    `Authorization: Bearer <api_key>`. `host` is the address the server listens on (the Host and
+    """The OpenAI- and Anthropic-compatible app over a started Engine. With `api_key`, every request
+    needs `Authorization: Bearer <api_key>`. `host` is the address the server listens on (the Host and
     Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413.
     `loading`: the model of the engine's start-up load, listed as loading until it is done (the
     engine thread is busy loading; this answers from the server's own state).
     `volatile_lines`: regular expressions of system-prompt lines dropped before rendering (a
     per-request header must not cost the conversation's K/V; None: tool_calls.DEFAULT_VOLATILE_LINES)."""
-    from ..tool_calls import DEFAULT_VOLATILE_LINES, ToolError
     volatile = tuple(DEFAULT_VOLATILE_LINES if volatile_lines is None else volatile_lines)
-    formats = ToolFormats()
-
-    def fingerprint() -> str:
-        facts = engine.model_facts()
-        return f"strata-{((facts.model_hash if facts else '') or 'none')[:12]}"
-
-    def still_loading() -> bool:
-        startup = getattr(engine, "startup", None)
-        return bool(loading) and engine.model_facts() is None and startup is not None \
-            and not startup.finished.is_set()
-
-    async def list_models(request: Request) -> Response:
-        models = _models(engine)
-        if not models and still_loading():
-            from ..api import model_id
-            models = [{"id": model_id(loading), "object": "model", "created": 0, "owned_by": "strata",
-                       "status": "loading"}]
-        return JSONResponse({"object": "list", "data": models})
-
-    async def health(request: Request) -> Response:
-        """llama.cpp's /health: 200 {"status": "ok"} with a model loaded, else 503 in the API's shape."""
-        if engine.model_facts() is not None:
-            return JSONResponse({"status": "ok"})
-        if still_loading():
-            raise APIError(503, "the model is loading", type="unavailable_error", code="model_loading")
-        raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
-
-    async def get_model(request: Request) -> Response:
-        _check_model(engine, {"model": request.path_params["model"]})
-        models = _models(engine)
-        if not models:
-            raise APIError(503, "no model is loaded", type="server_error", code="model_not_loaded")
-        return JSONResponse(models[0])
-
-    async def generate(request: Request, chat: bool) -> Response:
-        body = await _json_body(request)
-        model_id = _check_model(engine, body)
-        plan = fmt = None
-        if chat:
-            fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
-            from ..tool_calls import openai_messages
-            try:
-                messages, plan = chat_plan(engine, formats, openai_messages(body.get("messages")), body.get("tools"),
-                                           body.get("tool_choice"), volatile=volatile,
-                                           parallel=_bool(body, "parallel_tool_calls", True))
-            except ToolError as e:
-                raise tool_error(e) from None
-            prompt, param = None, "messages"
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise APIError(400, "'prompt' must be a string (token arrays and batches are not supported)",
-                               param="prompt", code="invalid_type" if prompt is not None else
-                               "missing_required_parameter")
-            if body.get("echo") or body.get("suffix"):
-                raise APIError(400, "'echo' and 'suffix' are not supported", param="echo",
-                               code="unsupported_parameter")
-            messages, param = None, "prompt"
-        facts = engine.model_facts()
-        sampling = _sampling(body, ((facts.n_ctx if facts else 0) or 8192) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
-        stream = _bool(body, "stream", False)
-        opts = body.get("stream_options")
-        include_usage = bool(stream and isinstance(opts, dict) and opts.get("include_usage"))
-        speed = _bool(body, "experimental_speed_projection", None)
-        speculative = _speculative(body)
-        try:
-            sampling.validate()                  # the engine's own checks (engine/sampling.py), as 400
-        except SamplingError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-        except StrataError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
-
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        # A forced tool call (tool_choice 'required' or named) is decoded under its grammar.
-        constraint = (plan.constraint if plan is not None else None) or fmt
-        bridge = _Bridge(engine, GenerateRequest(messages=messages, prompt=prompt, sampling=sampling,
-                                                 speed_projection=speed, conversation=f"http {rid}",
-                                                 speculative=speculative, constraint=constraint,
-                                                 tools=plan.template_tools if plan is not None else None))
-        handle = bridge.handle
-
-        if not stream:
-            outcome = await _await_watching(request, handle, bridge.outcome())
-            if isinstance(outcome, Failed):
-                raise engine_error(outcome, param)
-            model_id = model_id or _model_id(engine)
-            res = outcome.result
-            if chat:
-                message, finish = _chat_message(res.text, _finish(res), plan, formats.get(engine).think_open)
-                choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": res.text, "logprobs": None, "finish_reason": _finish(res)}
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": model_id, "system_fingerprint": fingerprint(),
-                                 "choices": [choice], "usage": _usage(res),
-                                 "strata": {**_timings(res, body.get("speculative")), **({"tool_choice": plan.note} if plan and plan.note else {})}})
-
-        # Streaming: wait for the engine to take the request (its first event) before answering, so
-        # a refused request (prompt too long) still gets its status code and JSON error.
-        first = await _await_watching(request, handle, bridge.get())
-        if isinstance(first, Failed):
-            raise engine_error(first, param)
-        model_id = model_id or _model_id(engine)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                if role:
-                    delta = {"role": "assistant", "content": ""}
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": obj, "created": created, "model": model_id,
-                    "system_fingerprint": fingerprint(), "choices": [c]}
-
-        from ..tool_calls import StreamParser, finish_calls, new_call_id
-        parser = StreamParser(plan.fmt, plan.tools) if plan is not None and plan.active else None
-        calls_sent: list = []
-        # the reasoning (a harmony model's analysis channel, a <think> block) as delta.reasoning_content,
-        # the rest as delta.content
-        fmt = formats.get(engine)
-        channels = reply_stream(fmt) if chat and parser is None else None
-
-        def channel_chunks(items):
-            for kind, value in items:
-                c = chunk(value)
-                if kind == "reasoning":
-                    c["choices"][0]["delta"] = {"reasoning_content": value}
-                yield _sse(c)
-
-        # the tool-call parser's text keeps a <think> block: told apart as without tools
-        think = think_stream(fmt) if parser is not None and fmt.name != "harmony" else None
-
-        def out(items):
-            """Parsed stream items as chunks: content (and reasoning) deltas, and each call as
-            delta.tool_calls. None: the reply's end."""
-            if items is None:
-                if think is not None:
-                    yield from channel_chunks(think.finish())
-                return
-            for kind, value in items:
-                if kind == "text":
-                    if think is not None:
-                        yield from channel_chunks(think.feed(value))
-                    else:
-                        yield _sse(chunk(value))
-                    continue
-                if not finish_calls(plan, calls_sent + [value])[len(calls_sent):]:
-                    continue
-                k = len(calls_sent)
-                calls_sent.append(value)
-                for part in ({"index": k, "id": value.id or new_call_id(plan.fmt), "type": "function",
-                              "function": {"name": value.name, "arguments": ""}},
-                             {"index": k, "function": {"arguments": value.arguments_json}}):
-                    c = chunk(None)
-                    c["choices"][0]["delta"] = {"tool_calls": [part]}
-                    yield _sse(c)
-
-        async def events():
-            if chat:
-                yield _sse(chunk(None, role=True))
-            ev = first
-            while True:
-                if isinstance(ev, Token):
-                    text, ev = bridge.drain_tokens(ev)
-                    if text:
-                        if channels is not None:
-                            for line in channel_chunks(channels.feed(text)):
-                                yield line
-                        elif parser is None:
-                            yield _sse(chunk(text))
-                        else:
-                            for line in out(parser.feed(text)):
-                                yield line
-                    if ev is None:
-                        ev = await bridge.get()
-                    continue
-                if isinstance(ev, Done):
-                    res = ev.result
-                    if parser is not None:
-                        for line in out(parser.finish()):
-                            yield line
-                        for line in out(None):
-                            yield line
-                    if channels is not None:
-                        for line in channel_chunks(channels.finish()):
-                            yield line
-                    last = chunk(None, "tool_calls" if calls_sent else _finish(res))
-                    last["strata"] = _timings(res, body.get("speculative"))
-                    yield _sse(last)
-                    if include_usage:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_id,
-                                    "system_fingerprint": fingerprint(), "choices": [], "usage": _usage(res)})
-                    yield "data: [DONE]\n\n"
-                    return
-                if isinstance(ev, Failed):
-                    yield _sse(engine_error(ev, param).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                ev = await bridge.get()               # Progress
-
-        return _EngineStream(events(), handle)
-
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, chat=True)
-
-    async def completions(request: Request) -> Response:
-        return await generate(request, chat=False)
-
-    def session_path(body: dict) -> tuple[str, Path]:
-        from ..paths import sessions_dir
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
-            raise APIError(400, "'name' must be a non-empty string", param="name", code="invalid_session_name")
-        if (len(name) > SESSION_NAME_MAX or not _SESSION_NAME.fullmatch(name) or ".." in name):
-            raise APIError(400, f"invalid session name {name[:80]!r}: use 1-{SESSION_NAME_MAX} letters, digits, "
-                                "'.', '_' or '-', starting with a letter or digit, without '..'",
-                           param="name", code="invalid_session_name")
-        return name, sessions_dir() / f"{name}{SESSION_EXTENSION}"
-
-    async def save_session(request: Request) -> Response:
-        body = await _json_body(request)
-        name, path = session_path(body)
-        # With several clients, "the last conversation served" may be someone else's: a client names
-        # its conversation by sending its messages (as it would to continue it, replies included).
-        messages = _messages(body) if body.get("messages") is not None else None
-        force = body.get("force", False)
-        if not isinstance(force, bool):
-            raise APIError(400, "'force' must be true or false", param="force", code="invalid_force")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise APIError(500, f"cannot create the sessions folder: {e.strerror}", type="server_error") from None
-        outcome = await _Bridge(engine, SaveSession(str(path), messages=messages, force=force)).outcome()
-        if isinstance(outcome, Failed):
-            # A file holding a longer conversation is kept unless the client resends with "force": true.
-            overwrite = outcome.code == ErrorCode.SESSION_REFUSED and outcome.reason == SessionRefusal.OVERWRITE
-            code = "session_overwrite" if overwrite else "session_refused"
-            raise APIError(400, outcome.message, param="name", code=code)
-        return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result)})
-
-    async def restore_session(request: Request) -> Response:
-        name, path = session_path(await _json_body(request))
-        if not path.is_file():
-            raise APIError(404, f"no session named '{name}'", param="name", code="session_not_found")
-        outcome = await _Bridge(engine, RestoreSession(str(path))).outcome()
-        if isinstance(outcome, Failed):
-            raise APIError(400, outcome.message, param="name", code="session_refused")
-        # The restored conversation's messages: send them back (plus a new turn) to continue it.
-        return JSONResponse({"object": "session", "name": name, "path": str(path), **_plain(outcome.result),
-                             "messages": outcome.result.messages})
-
-    from .anthropic_api import routes as anthropic_routes
-
-    async def on_api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-        return APIError(exc.status_code, message, code=code).response()
-
-    async def on_error(request: Request, exc: Exception) -> Response:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
-    routes = [
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/health", health, methods=["GET"]),
-        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/sessions/save", save_session, methods=["POST"]),
-        Route("/v1/sessions/restore", restore_session, methods=["POST"]),
-        *anthropic_routes(engine, formats, volatile),
-    ]
     middleware = [Middleware(_RequestGuard, host=host, max_body_bytes=max_body_bytes,
                              allowed_origins=tuple(allowed_origins))]
     if api_key:
         middleware.append(Middleware(_BearerAuth, api_key=api_key))
-    app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={APIError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+    app = Starlette(routes=[*openai_api.ROUTES, *anthropic_api.ROUTES], middleware=middleware,
+                    exception_handlers={APIError: _on_api_error, HTTPException: _on_http_error, Exception: _on_error})
     app.state.engine = engine
+    app.state.served = Served(engine, ToolFormats(), volatile, loading)
     return app
+
+
+async def _on_api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return APIError(exc.status_code, message, code=code).response()
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
 
 def _hostname(value: str) -> str | None:

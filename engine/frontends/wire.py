@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,23 @@ def _response_format(body: dict):
 def tool_error(e) -> APIError:
     """A tool_calls.ToolError as OpenAI's 400."""
     return APIError(400, e.message, param=e.param, code=e.code)
+
+
+@dataclass
+class Served:
+    """What every handler of both APIs reads (`request.app.state.served`): the engine, the served
+    model's tool-call family, the system-prompt lines dropped before rendering, and the model of the
+    engine's start-up load (listed as loading until it is done)."""
+    engine: object
+    formats: "ToolFormats"
+    volatile: tuple = ()
+    loading: str | None = None
+
+    def still_loading(self) -> bool:
+        """The start-up load is still running (the engine thread is busy: answered from this state)."""
+        startup = getattr(self.engine, "startup", None)
+        return bool(self.loading) and self.engine.model_facts() is None and startup is not None \
+            and not startup.finished.is_set()
 
 
 class ToolFormats:
