@@ -68,10 +68,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model: Path, port: int, home: Path) -> subprocess.Popen:
+def _serve(model: Path, port: int, home: Path, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, STRATA_HOME=str(home))
     p = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", str(port),
-                          "-v"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          "-v", *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
@@ -288,3 +288,4 @@ def test_forget_and_clear(make_engine, strata_home):
     assert s.disk["entries"] == 1 and len(_files(strata_home)) == 1
     s = e.call(ClearDiskCache())
     assert s.disk["entries"] == 0 and s.disk["bytes"] == 0 and not _files(strata_home)
+

@@ -1,5 +1,5 @@
 """The disk tier for conversations with a sliding window (Gemma 3: a tiny real gemma3 GGUF, window 32) or
-a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 2
+a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 4
 (engine/disk_states.py). After a restart (a new Engine on the same data folder) the next turn is
 restored from disk, reusing exactly what the same conversation held in RAM reuses, and its greedy reply
 equals a fresh read of the same prompt; an Edit restores from an earlier boundary; a torn last segment
@@ -293,7 +293,7 @@ def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
 
 
 def test_a_file_whose_layers_are_not_the_models_is_dropped(model, tmp_path):
-    """A whole, checksummed version-2 file under this model's key and fingerprint whose layer list says
+    """A whole, checksummed version-4 file under this model's key and fingerprint whose layer list says
     other widths (a file of another build of the model, or a crafted one): its layers are checked
     against a one-token probe of the loaded model before anything is read: dropped with a line, the
     prompt read again."""
