@@ -393,6 +393,12 @@ class DiskTier:
                 e = None
         else:
             e = None
+        if e is not None and keep_tokens >= n:
+            # Its file holds every token already (a session restored over a conversation on disk, under
+            # another chat or this one's): nothing to write, only the link to the file kept. A write
+            # would be a segment of no tokens.
+            self._adopt(entry, e)
+            return True
         from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
             if e is not None and e.layers is None:
@@ -440,6 +446,14 @@ class DiskTier:
             self._compact(e, g, store)
         return True
 
+    @staticmethod
+    def _adopt(entry: KVEntry, e: DiskEntry) -> None:
+        """`entry` is held whole by e's file: linked to it (its next turn appends there)."""
+        entry.disk_id = e.id
+        e.owner, e.last_used = entry.owner or e.owner, time.time()
+        if len(entry.messages) and len(e.tokens) == len(entry.tokens):
+            e.messages = list(entry.messages)
+
     def _make_room(self, entry: KVEntry, e: DiskEntry, n: int, size: int) -> bool:
         """Room for e's file at `size` bytes (least recently used files out); False, with its file removed,
         when it alone is larger than the cap."""
@@ -472,6 +486,9 @@ class DiskTier:
         parts = disk_states.host_parts(entry, keep_tokens, stop, shared)
         if parts is None:
             return False
+        if e is not None and parts[-1].start + len(parts[-1].tokens) <= keep_tokens:
+            self._adopt(entry, e)                        # what the next turn shares is on disk already
+            return True
         copy_ms = (time.perf_counter() - t0) * 1e3
         n = parts[-1].start + len(parts[-1].tokens)      # < len(entry.tokens): the rest is not shared
         if e is None:
@@ -887,7 +904,8 @@ def _append(path: Path, at: int, pieces: list) -> int:
             raise OSError(f"{path.name} is shorter ({size} bytes) than its last whole segment ends ({at})")
         if size != at:
             os.ftruncate(fd, at)
-        views = [memoryview(p).cast("B") for p in pieces]
+        # an empty piece (a region of no tensors) writes nothing; memoryview cannot cast one
+        views = [memoryview(p).cast("B") for p in pieces if (p.nbytes if isinstance(p, np.ndarray) else len(p))]
         total = sum(len(v) for v in views)
         off = at
         while views:

@@ -289,3 +289,40 @@ def test_forget_and_clear(make_engine, strata_home):
     s = e.call(ClearDiskCache())
     assert s.disk["entries"] == 0 and s.disk["bytes"] == 0 and not _files(strata_home)
 
+
+def test_a_restored_session_keeps_its_disk_file_across_a_restart(tiny_gguf, strata_home, tmp_path, caplog):
+    """A session restored over a conversation the disk tier holds already (the app's launch with a copy
+    of a chat's session: the same tokens under another chat): its idle-time write used to be a segment of
+    no tokens, which failed ("memoryview: cannot cast view with zeros in shape or strides") and removed
+    the file. Now the restored conversation is linked to that file and comes back from disk after a
+    restart, its reply equal to a fresh read."""
+    import logging
+
+    from engine.api import RestoreSession, SaveSession
+    from test_disk_tier_states import fresh_read
+    caplog.set_level(logging.INFO, logger="strata")
+    session = tmp_path / "copy.stratasession"
+    e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()
+    try:
+        e.startup.result(60)
+        msgs, _ = _turns(e, 2, conv="chat-1")
+        e.call(SaveSession(str(session), conversation="chat-1"))
+        e.stop()
+        e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()    # the app's launch
+        e.startup.result(60)
+        e.call(RestoreSession(str(session), conversation="chat-2"))
+        e.wait_idle(30)
+        _flush(e)
+        assert e.call(Status()).disk["entries"] == 1
+    finally:
+        e.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [x for x in lines if "failed" in x], lines
+    e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()
+    try:
+        e.startup.result(60)
+        r = e.call(GenerateRequest(messages=msgs, sampling=SP, conversation="chat-2"))
+        assert r.restored_from_disk == r.cached_tokens > 0
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
