@@ -32,6 +32,7 @@ field by field before anything is allocated; a file of another model, steering s
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -47,7 +48,7 @@ from . import disk_segments as ds
 from . import disk_states
 from .kv_key import KVKey
 from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
-from .paths import data_dir
+from .paths import data_dir, unusable_folder
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -269,6 +270,11 @@ class DiskTier:
         turned on again and they are indexed anew)."""
         was = self.enabled
         self.cap_bytes = max(0, int(cap_mib)) * MIB
+        if self.enabled and not was:
+            unusable = unusable_folder(self.folder)
+            if unusable:
+                self.log(f"disk cache: stays off: {unusable}")
+                self.cap_bytes = 0
         if not self.enabled:
             self.flush()
             self.entries.clear()
@@ -804,8 +810,15 @@ def attach(engine) -> DiskTier | None:
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
                                    engine.n_ctx or 1 << 31, engine.guard.admit), probe, next_shares)
     if cap:
-        folder.mkdir(parents=True, exist_ok=True)
-        disk.scan()
+        unusable = unusable_folder(folder)
+        if unusable:
+            # only the cache's folder fails: the engine serves without it (the data folder itself is
+            # checked at start by the front ends)
+            logging.getLogger("strata").warning(f"disk cache: off: {unusable}")
+            disk.set_cap(0)
+            engine.options.disk_mib = 0
+        else:
+            disk.scan()
     engine.conversations.disk = disk
     engine.conversations.parking.on_evict = disk.persist
     return disk

@@ -29,7 +29,7 @@ from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, Engin
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import Done, Failed, Handle, Log
+from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .loaded_model import LoadedModel
 from .serving import Serving, for_this_process
@@ -91,6 +91,11 @@ class Engine:
         self._topping_up = False
         _ENGINES.add(self)
         self._handle: Handle | None = None        # the request being served (for its log lines)
+        # Why the engine thread ended on an error (None while it runs): every request waiting or
+        # submitted later fails at once with it, and the server's /health reports it.
+        self.failure: str | None = None
+        self._waiting: "weakref.WeakSet[Handle]" = weakref.WeakSet()   # submitted, not yet answered
+        self._fail_lock = threading.Lock()
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
         self.disk = None                          # disk_tier.DiskTier under parking, made on the engine thread
@@ -120,8 +125,14 @@ class Engine:
         if self.serving.broken:                   # a distributed ring is gone: answered now
             handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
+        if self.failure is not None:              # the engine thread is gone: answered now
+            handle.emit(Failed(self.failure, ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
+            return handle
         self.idle.clear()
+        self._waiting.add(handle)
         self._queue.put(handle)
+        if self.failure is not None:              # it died between the check and the put
+            self._fail_waiting()
         return handle
 
     def call(self, request: Any, timeout: float | None = None):
@@ -146,6 +157,39 @@ class Engine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
+        """Serve requests until stopped. Should the thread end on an error instead (a bug, a folder
+        that cannot be used, anything), the start-up load and every request waiting or submitted later
+        fail at once with its one line (`failure`), rather than wait for a thread that is gone."""
+        try:
+            self._run()
+        except BaseException as e:
+            self.failure = f"the engine stopped: {type(e).__name__}: {str(e)[:300]}"
+            log.error("engine: %s", self.failure, exc_info=not isinstance(e, (KeyboardInterrupt, SystemExit)))
+            self._fail_waiting()
+            self.stopped.set()
+            self.idle.set()
+
+    def _fail_waiting(self) -> None:
+        """Every handle submitted and not answered (the start-up load's too) fails with `failure`."""
+        with self._fail_lock:           # a submit on another thread may call it too: one Failed each
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        handles = list(self._waiting)
+        if self.startup is not None:
+            handles.append(self.startup)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Handle):
+                handles.append(item)
+        for h in handles:
+            if not h.finished.is_set():
+                h.emit(Failed(self.failure or "the engine stopped", ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
+
+    def _run(self) -> None:
         from .allocator import keep_freed_memory, release_freed_memory
         from .conversations import Conversations
         from .limits import within_range

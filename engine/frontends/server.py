@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from ..api import GenerateRequest, RestoreSession, SaveSession
 from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import Done, Failed, Token
+from ..events import ENGINE_STOPPED, Done, Failed, Token
 from ..paths import SESSION_EXTENSION
 from ..sampling import SamplingError
 from .wire import (  # noqa: F401 - HTTP_OF_ERROR and the parsers stay importable from here
@@ -73,7 +73,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
     def still_loading() -> bool:
         startup = getattr(engine, "startup", None)
         return bool(loading) and engine.model_facts() is None and startup is not None \
-            and not startup.finished.is_set()
+            and not startup.finished.is_set() and not getattr(engine, "failure", None)
 
     async def list_models(request: Request) -> Response:
         models = _models(engine)
@@ -84,7 +84,11 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
         return JSONResponse({"object": "list", "data": models})
 
     async def health(request: Request) -> Response:
-        """llama.cpp's /health: 200 {"status": "ok"} with a model loaded, else 503 in the API's shape."""
+        """llama.cpp's /health: 200 {"status": "ok"} with a model loaded, else 503 in the API's shape
+        (the engine's own line once its thread has ended on an error)."""
+        failure = getattr(engine, "failure", None)
+        if failure:
+            raise APIError(503, failure, type="server_error", code=ENGINE_STOPPED)
         if engine.model_facts() is not None:
             return JSONResponse({"status": "ok"})
         if still_loading():

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..api import Generation
 from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import Done, Failed, Progress, Token
+from ..events import ENGINE_STOPPED, Done, Failed, Progress, Token
 from ..sampling import FIELD, FIELDS, SamplingParams
 
 MAX_STOP = 16
@@ -52,7 +52,7 @@ HTTP_OF_ERROR = {
     ErrorCode.INTERNAL: (500, "server_error", None),
 }
 # Finer API codes for some reasons within an engine code.
-API_CODE_OF_REASON = {"context_length": "context_length_exceeded",
+API_CODE_OF_REASON = {"context_length": "context_length_exceeded", ENGINE_STOPPED: ENGINE_STOPPED,
                       SessionRefusal.OVERWRITE.value: "session_overwrite"}
 
 
