@@ -366,3 +366,40 @@ def test_server_journey_with_a_recurrent_state(tmp_path_factory, strata_home, ho
     # of its user message, where the next turn diverges (this template renders the last reply
     # otherwise; its generation prompt, with an empty think block, is the other 13 tokens)
     assert cached > first["usage"]["prompt_tokens"] // 2, again["usage"]
+
+
+def test_a_restored_session_keeps_its_disk_file_across_a_restart(model, tmp_path, caplog):
+    """A session of this conversation restored under another chat in a new engine (the app's launch with
+    a copy of a chat's session): its idle-time write links it to the file on disk or appends to it, never
+    fails; after a restart the follow-up comes back from disk and equals a fresh read."""
+    import logging
+
+    from engine.api import RestoreSession, SaveSession
+    caplog.set_level(logging.INFO, logger="strata")
+    name, path = model
+    session = tmp_path / "copy.stratasession"
+    e = start(path, tmp_path / "d")
+    try:
+        msgs, _ = turns(e, 2, conv="chat-1")
+        e.call(SaveSession(str(session), conversation="chat-1"), timeout=300)
+    finally:
+        e.stop()
+    e = start(path, tmp_path / "d")
+    try:
+        e.call(RestoreSession(str(session), conversation="chat-2"), timeout=300)
+        e.wait_idle(60)
+        e.call(Call(lambda x: x.disk.flush()))
+        s = e.call(Status()).disk
+        assert s["entries"] >= 1 and s["bytes"] > 0, s
+    finally:
+        e.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("disk cache:" in x for x in lines), lines      # the records are the engine's log
+    assert not [x for x in lines if "failed" in x], lines
+    e = start(path, tmp_path / "d")
+    try:
+        r, lines = ask(e, msgs, conv="chat-2")
+        assert r.restored_from_disk == r.cached_tokens > 0, lines
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()
