@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import xxhash
 
 from . import disk_segments as ds
 from . import disk_states
@@ -652,11 +653,17 @@ class DiskTier:
         (`tokens`, the ones about to be restored) are e's and the prompt's. The index was right when the
         file was written; a file swapped, replaced or linked in since then is caught here."""
         from .errors import SessionFileError
+        indexed = np.asarray(e.tokens, dtype="<i4")
+        running, at = xxhash.xxh3_128(), 0         # segments run from token 0 on: one pass over the ids
         for s in segs:
             if s.meta.get("conv") != e.id:
                 raise SessionFileError("it holds another conversation's K/V (swapped or replaced on disk)")
             end = s.start + s.n
-            if end <= len(e.tokens) and s.meta.get("prefix") != ds.prefix_hash(e.tokens[:end]):
+            if s.start != at or end > len(indexed):
+                break                              # past the index (cut back after a damaged segment)
+            running.update(indexed[at:end])
+            at = end
+            if s.meta.get("prefix") != running.hexdigest():
                 raise SessionFileError("its token ids are not its index entry's (changed on disk)")
         n = len(tokens)
         held = tokens.tolist()
