@@ -163,7 +163,7 @@ class Engine:
         try:
             self._run()
         except BaseException as e:
-            self.failure = f"the engine stopped: {type(e).__name__}: {str(e)[:300]}"
+            self.failure = f"the engine stopped: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
             log.error("engine: %s", self.failure, exc_info=not isinstance(e, (KeyboardInterrupt, SystemExit)))
             self._fail_waiting()
             self.stopped.set()
