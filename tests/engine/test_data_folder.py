@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from engine.api import Call, Status
 from engine.engine import Engine, EngineOptions
 from engine.errors import EngineError
 from engine.frontends.server import ServerThread, create_app
+from test_disk_tier import _chat, _port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 120          # seconds: a start-up check takes a second or two; a hang never ends
@@ -69,7 +71,6 @@ def test_a_read_only_data_folder_is_one_line_and_exit_2(tiny_gguf, tmp_path):
 
 
 def test_only_the_cache_folder_unusable_serves_with_the_disk_tier_off(tiny_gguf, strata_home):
-    from test_disk_tier import _chat, _port
     (strata_home / "cache").write_text("a file where the cache folder goes")
     port = _port()
     env = dict(os.environ, STRATA_HOME=str(strata_home))
@@ -88,7 +89,6 @@ def test_only_the_cache_folder_unusable_serves_with_the_disk_tier_off(tiny_gguf,
 
 
 def _wait_healthy(port: int, p: subprocess.Popen) -> None:
-    import time
     deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
         assert p.poll() is None, "the server exited"

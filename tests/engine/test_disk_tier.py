@@ -3,6 +3,7 @@ a clean stop and a kill -9 (a real `strata serve` process, a real HTTP client), 
 cap's eviction, the off switch, hostile files, another model's files, a deleted chat."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import ClearDiskCache, ForgetConversation, Status
+from engine.api import ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 
@@ -296,10 +297,7 @@ def test_a_restored_session_keeps_its_disk_file_across_a_restart(tiny_gguf, stra
     no tokens, which failed ("memoryview: cannot cast view with zeros in shape or strides") and removed
     the file. Now the restored conversation is linked to that file and comes back from disk after a
     restart, its reply equal to a fresh read."""
-    import logging
-
-    from engine.api import RestoreSession, SaveSession
-    from test_disk_tier_states import fresh_read
+    from test_disk_tier_states import fresh_read     # lazy: that module imports this one
     caplog.set_level(logging.INFO, logger="strata")
     session = tmp_path / "copy.stratasession"
     e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()

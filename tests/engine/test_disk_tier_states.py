@@ -6,6 +6,7 @@ equals a fresh read of the same prompt; an Edit restores from an earlier boundar
 falls back to the one before it; compaction keeps the latest boundaries and still restores exactly."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from engine import disk_segments as ds
 from engine import disk_states
-from engine.api import Call, Status
+from engine.api import Call, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 
@@ -372,9 +373,6 @@ def test_a_restored_session_keeps_its_disk_file_across_a_restart(model, tmp_path
     """A session of this conversation restored under another chat in a new engine (the app's launch with
     a copy of a chat's session): its idle-time write links it to the file on disk or appends to it, never
     fails; after a restart the follow-up comes back from disk and equals a fresh read."""
-    import logging
-
-    from engine.api import RestoreSession, SaveSession
     caplog.set_level(logging.INFO, logger="strata")
     name, path = model
     session = tmp_path / "copy.stratasession"

@@ -10,14 +10,14 @@ import logging
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from engine import disk_segments as ds
 from engine.api import Call, Status
-from engine.engine import Engine, EngineOptions, GenerateRequest
+from engine.engine import Engine, EngineOptions
+from test_disk_tier import _chat, _files, _port, _serve
 from test_disk_tier_states import FIRST, ask, fresh_read, model, start, turns  # noqa: F401 - `model`: a fixture
 
 OTHER = [{"role": "system", "content": "You are a patient storyteller."},
@@ -139,7 +139,6 @@ def test_server_swap_while_running_reads_afresh(tiny_gguf, strata_home):
     come from disk), A's and B's files swapped while it runs: A's next turn reports no cached tokens and
     answers as a server with no disk tier does. (The follow-up's assistant message is fixed text: a
     random reply's text need not tokenize back to its ids, and both servers must read the same prompt.)"""
-    from test_disk_tier import _chat, _port, _serve
     a_msgs = [{"role": "user", "content": "Tell me about rivers and the sea. " * 6}]
     b_msgs = [{"role": "user", "content": "Something else entirely: the trees of a northern forest. " * 5}]
     follow = a_msgs + [{"role": "assistant", "content": "Rivers run down to the sea."},
@@ -171,8 +170,6 @@ def test_server_swap_while_running_reads_afresh(tiny_gguf, strata_home):
 def _settled_files(home: Path, n: int) -> list[Path]:
     """The segment files once there are n and their sizes hold still for a second (the idle-time write
     done; a generous deadline for a loaded machine, not a timing)."""
-    import time
-    from test_disk_tier import _files
     deadline = time.monotonic() + 120
     last = None
     while True:
