@@ -18,9 +18,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject, QTimer
 from PySide6.QtGui import QIcon
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
 
-from .paths import set_identity
+from .paths import set_identity, settle_data_dir
 
 
 class FileOpenQueue(QObject):
@@ -51,6 +51,21 @@ class FileOpenQueue(QObject):
         pending, self.pending = self.pending, []
         for p in pending:        # requests queue behind the model load on the engine thread
             window.sessions.open_file(p)
+
+
+def ask_for_data_folder(why: str) -> Path | None:
+    """The data folder cannot be used: say where and why, and offer to choose another (None: Quit)."""
+    box = QMessageBox(QMessageBox.Icon.Critical, "Strata cannot use its data folder",
+                      f"{why[:1].upper()}{why[1:]}.\n\nStrata keeps its chats, models and settings there. "
+                      "Choose another folder for this run, or quit and fix that one.")
+    choose = box.addButton("Choose another folder…", QMessageBox.ButtonRole.AcceptRole)
+    box.addButton("Quit", QMessageBox.ButtonRole.RejectRole)
+    box.setDefaultButton(choose)
+    box.exec()
+    if box.clickedButton() is not choose:
+        return None
+    picked = QFileDialog.getExistingDirectory(None, "A folder for Strata's data")
+    return Path(picked) if picked else None
 
 
 def make_app(argv=None) -> QApplication:
@@ -120,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from .self_test import run_self_test
         return run_self_test(args.model, soak_tokens=max(0, args.soak_tokens))
     app = make_app([sys.argv[0], *qt_args])
+    unusable = settle_data_dir(ask_for_data_folder)     # before anything creates a file in it
+    if unusable:
+        print(f"strata-app: {unusable}", file=sys.stderr)
+        return 2
     from .paths import AppPaths
     from .single_instance import SingleInstance
     app_paths = AppPaths.default()   # the one data folder (engine.paths), handed to what uses it

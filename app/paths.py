@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+from engine.paths import check_data_dir
 
 
 def _made(p: Path) -> Path:
@@ -39,6 +42,19 @@ class AppPaths:
     @property
     def settings_path(self) -> Path:
         return self.data_dir / "settings.ini"
+
+
+def settle_data_dir(choose: Callable[[str], Path | None]) -> str | None:
+    """Make sure the data folder can be created and written before anything uses it: while it cannot,
+    `choose(why)` is asked for another folder (the user's pick; None: they gave up), which STRATA_HOME
+    then names for this process (the engine in it reads the same variable). None once a folder works,
+    else the last reason (one line naming the folder)."""
+    while (why := check_data_dir()) is not None:
+        chosen = choose(why)
+        if chosen is None:
+            return why
+        os.environ["STRATA_HOME"] = str(chosen)
+    return None
 
 
 def legacy_data_dir() -> Path | None:

@@ -152,7 +152,7 @@ class Conversations:
         found, m = self.disk.best(tokens, key)
         if found is None or m <= ram:
             return None
-        got = self.disk.restore(found, m, make_cache)
+        got = self.disk.restore(found, m, make_cache, tokens)
         if got is None:
             return None
         if self.live is not None and self.parking.enabled:

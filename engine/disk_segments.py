@@ -5,7 +5,11 @@ A segment holds the K/V of the tokens a turn added (tokens [start, start + n)):
 
     64-byte fixed part   magic "STRKVSG1", version (u32), JSON length (u32), n tokens (u32),
                          K/V length (u64), head digest (16), K/V digest (16), 4 zero bytes
-    JSON                 key, fingerprint (engine/handlers.py session_fingerprint), start, owner, messages
+    JSON                 key, fingerprint (engine/handlers.py session_fingerprint), start, owner, messages,
+                         conv (the conversation's id: its file's name) and prefix (xxh3-128 of the
+                         conversation's token ids [0, start + n), int32): what a read checks against
+                         the index entry and the prompt it resumes, so a file swapped, replaced or
+                         linked in while the engine runs never lends another conversation's K/V
     tokens               int32, n
     K/V                  the session file's tensor table (engine/sessions.py `layout`) for n tokens,
                          minus its `tokens`: per layer K then V (1, kv_heads, n, head_dim) in the cache's
@@ -13,7 +17,8 @@ A segment holds the K/V of the tokens a turn added (tokens [start, start + n)):
                          back exactly the K/V the engine held, so a reply continues as it would have),
                          or the 8/4-bit codes, scales and biases as held (engine/session_quant.py)
 
-Version 2 (engine/disk_states.py): a conversation whose cache has a sliding window or a recurrent
+Version 3 (full K/V; 1 before the conv and prefix fields, dropped with a log line) and version 4
+(engine/disk_states.py; 2 before them): a conversation whose cache has a sliding window or a recurrent
 state (Gemma 3/4, gpt-oss, OLMo 3, Qwen3.5). The fixed part is followed by 24 more bytes (the state
 region's length, u64, and its digest, 16); the JSON names every layer (`layers`: kind, tensor dtypes
 and shapes, a window's size); the K/V region holds, per layer in order, the full K/V layers' tensors
@@ -24,15 +29,17 @@ segment's last token. A segment's end is a message boundary, restorable on its o
 from every segment up to it, the window from the tails of the segments before it, the state from it.
 
 The head digest (xxh3-128) covers the fixed part (digests read as zeros), the JSON and the tokens; the
-K/V digest covers the K/V (version 2's state region has its own digest). So a scan reads only the small parts and checks them; a restore checks the
+K/V digest covers the K/V (version 4's state region has its own digest). So a scan reads only the small parts and checks them; a restore checks the
 K/V it reads. A torn segment (a write cut by a kill or a power cut: short, or its digest wrong) ends
 the conversation's valid run: it falls back to its last whole segment. Every field is checked for
 type and range before anything is allocated (a hostile cache folder costs a log line, never the engine).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -42,17 +49,21 @@ import xxhash
 from .sessions import Geometry, TensorSpec, layout, pread_exact, validate_messages
 
 MAGIC = b"STRKVSG1"
-VERSION = 1                        # full K/V only
-VERSION_STATES = 2                 # windows and recurrent states (engine/disk_states.py)
+VERSION = 3                        # full K/V only
+VERSION_STATES = 4                 # windows and recurrent states (engine/disk_states.py)
+# Versions 1 and 2 lack the conv and prefix fields: dropped with a log line, never read (their K/V
+# cannot be told apart from another conversation's once a file is swapped).
+OLD_VERSIONS = (1, 2)
+MAX_CONV = 64                      # a conversation id (disk_tier names files with 16 hex digits)
 SUFFIX = ".kvseg"
 _FIXED = struct.Struct("<8sIIIQ16s16s4x")      # 64 bytes
 FIXED_BYTES = _FIXED.size
-_STATE = struct.Struct("<Q16s")                # version 2: the state region's length and digest
+_STATE = struct.Struct("<Q16s")                # version 4: the state region's length and digest
 FIXED_STATES_BYTES = FIXED_BYTES + _STATE.size
 MAX_JSON = 16 << 20                # fingerprint and messages: far below this
 MAX_TOKENS = 1 << 22               # per segment (a context is far below)
 _NP = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4"),
-       "BF16": np.dtype("<u2")}          # bfloat16 as its bits (version 2 stores tensors as held)
+       "BF16": np.dtype("<u2")}          # bfloat16 as its bits (version 4 stores tensors as held)
 STORES = ("float16", "float32")    # how 16-bit-format K/V is stored (the cache's own dtype)
 _ZERO16 = b"\0" * 16
 _FP_INTS = {"n_layer": 4096, "n_kv_heads": 4096, "head_dim": 65536}
@@ -60,6 +71,38 @@ _FP_INTS = {"n_layer": 4096, "n_kv_heads": 4096, "head_dim": 65536}
 
 class SegmentError(Exception):
     """A segment that is not whole or not ours; the message is one line."""
+
+
+def prefix_hash(tokens) -> str:
+    """The `prefix` field: xxh3-128 (hex) of token ids as little-endian int32."""
+    return xxhash.xxh3_128(np.ascontiguousarray(tokens, dtype="<i4")).hexdigest()
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | os.O_NONBLOCK
+
+
+def open_file(path, write: bool = False) -> int:
+    """An fd for a cache file that is a regular file itself: a symbolic link is refused, not followed
+    (O_NOFOLLOW; it could lend another conversation's file or write through to anything), and so is a
+    FIFO, socket or device (O_NONBLOCK: the open never waits for a FIFO's other end). OSError, one line."""
+    flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+    try:
+        fd = os.open(path, flags | _NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(f"{os.path.basename(path)} is a symbolic link, not a cache file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{os.path.basename(path)} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _valid_conv(conv) -> bool:
+    return isinstance(conv, str) and 0 < len(conv) <= MAX_CONV and conv.isascii() and conv.isalnum()
 
 
 @dataclass
@@ -73,7 +116,7 @@ class Segment:
     kv_len: int
     kv_digest: bytes
     version: int = VERSION
-    state_offset: int = 0  # version 2: the state region (recurrent layers' state after the last token)
+    state_offset: int = 0  # version 4: the state region (recurrent layers' state after the last token)
     state_len: int = 0
     state_digest: bytes = b""
 
@@ -115,7 +158,7 @@ def header_json(meta: dict) -> bytes:
     return json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-# ---- version 2: the layer list and its tensors -------------------------------------------------------
+# ---- version 4: the layer list and its tensors -------------------------------------------------------
 LAYER_KINDS = ("kv", "kv_quant", "rotating", "arrays")
 PER_TOKEN = ("kv", "kv_quant")            # every token's K/V kept (the tails of `rotating`: the window's)
 _LAYER_KEYS = {"kv": {"kind", "t"}, "kv_quant": {"kind", "t", "group", "bits"},
@@ -128,7 +171,7 @@ def _int(v, lo: int, hi: int) -> bool:
 
 
 def check_layers(layers) -> list:
-    """A version-2 header's layer list, checked for type and range (SegmentError): each layer
+    """A version-4 header's layer list, checked for type and range (SegmentError): each layer
     {"kind", "t": [[dtype, B, heads, width], ...] (arrays: [dtype, *shape] or null per slot), and a
     window's max_size/keep or quantized K/V's group/bits}."""
     if not isinstance(layers, list) or not 0 < len(layers) <= 4096:
@@ -194,7 +237,7 @@ def segment_bytes_states(json_len: int, n: int, layers: list) -> int:
 
 
 def encode_states(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray], state: list[np.ndarray]) -> list:
-    """A version-2 segment's pieces in file order (digests computed here: the writer thread calls it)."""
+    """A version-4 segment's pieces in file order (digests computed here: the writer thread calls it)."""
     return _encode(VERSION_STATES, meta_json, tokens, kv, state)
 
 
@@ -223,7 +266,7 @@ def encode(meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray]) -> list:
 
 
 def _encode(version: int, meta_json: bytes, tokens: np.ndarray, kv: list[np.ndarray], state: list | None) -> list:
-    """Version 1: fixed part, JSON, tokens, K/V. Version 2: the fixed part's state extension after it,
+    """Version 3: fixed part, JSON, tokens, K/V. Version 4: the fixed part's state extension after it,
     and the state region (its own digest) after the K/V."""
     tokens = np.ascontiguousarray(tokens, dtype="<i4")
     kv_digest, state_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
@@ -253,6 +296,10 @@ def _check_meta(meta, start: int, first: dict | None, version: int = VERSION) ->
     key, fp, owner = meta.get("key"), meta.get("fp"), meta.get("owner", "")
     if not isinstance(key, str) or not 0 < len(key) < 4096:
         raise SegmentError("bad key")
+    if not _valid_conv(meta.get("conv")):
+        raise SegmentError("bad conversation id")
+    if not isinstance(meta.get("prefix"), str) or len(meta["prefix"]) != 32:
+        raise SegmentError("bad token hash")
     if not isinstance(owner, str) or len(owner) > 4096:
         raise SegmentError("bad owner")
     if not isinstance(fp, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fp.items()):
@@ -266,12 +313,14 @@ def _check_meta(meta, start: int, first: dict | None, version: int = VERSION) ->
         raise SegmentError(why)
     if first is not None and (key != first["key"] or fp != first["fp"]):
         raise SegmentError("its key differs from the first segment's")
+    if first is not None and meta["conv"] != first["conv"]:
+        raise SegmentError("another conversation's segment")
     if version == VERSION_STATES:
         check_layers(meta.get("layers"))
         if first is not None and meta["layers"] != first.get("layers"):
             raise SegmentError("its layers differ from the first segment's")
     elif "layers" in meta:
-        raise SegmentError("a layer list in a version-1 segment")
+        raise SegmentError("a layer list in a version-3 segment")
     return meta
 
 
@@ -281,6 +330,7 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
     the first one's version."""
     segs: list[Segment] = []
     off, start, first = 0, 0, None
+    running = xxhash.xxh3_128()          # the token ids so far: each segment's `prefix` is checked on it
     while off < size:
         try:
             if size - off < FIXED_BYTES:
@@ -289,6 +339,9 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
             magic, version, jlen, n, kv_len, hd, kd = _FIXED.unpack(raw)
             if magic != MAGIC:
                 raise SegmentError(f"not a segment at byte {off}")
+            if version in OLD_VERSIONS:
+                raise SegmentError(f"segment version {version}, written by an older Strata (this one reads "
+                                   f"{VERSION} and {VERSION_STATES})")
             if version not in (VERSION, VERSION_STATES) or (segs and version != segs[0].version):
                 raise SegmentError(f"segment version {version} (this Strata reads {VERSION} and {VERSION_STATES})")
             if not 0 < jlen <= MAX_JSON or not 0 < n <= MAX_TOKENS:
@@ -323,6 +376,9 @@ def scan(fd: int, size: int) -> tuple[list[Segment], str | None]:
             elif kv_len != kv_bytes(n, g, meta.get("store", "float16")):
                 raise SegmentError(f"K/V length {kv_len} does not match {n} tokens")
             tokens = np.frombuffer(body[jlen:], dtype="<i4").copy()
+            running.update(tokens)
+            if running.hexdigest() != meta["prefix"]:
+                raise SegmentError(f"the token hash at byte {off} does not match the tokens before it")
             kv_off = off + fixed_len + jlen + 4 * n
             segs.append(Segment(off, end, start, tokens, meta, kv_off, kv_len, kd, version,
                                 kv_off + kv_len, state_len, sd))

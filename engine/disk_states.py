@@ -1,6 +1,6 @@
 """The disk tier (engine/disk_tier.py) for conversations whose cache has a sliding window or a recurrent
 state (engine/layer_cache.py `needs_checkpoints`: Gemma 3/4, gpt-oss, OLMo 3, Qwen3.5/3.6): segment
-version 2 (engine/disk_segments.py).
+version 4 (engine/disk_segments.py).
 
 A turn's write is still append-only, split at the conversation's message boundaries (its checkpoints,
 RAM parking's own restore points: generate.reply's marks, the prompt's end less its last token, each
@@ -58,7 +58,7 @@ def _dt(a) -> str:
 
 
 def describe(cache: list) -> list | None:
-    """The layer list a version-2 header holds for this cache (holding at least one token): each layer's
+    """The layer list a version-4 header holds for this cache (holding at least one token): each layer's
     kind, its tensors' dtypes and shapes (the token axis left out), a window's size. None when a layer
     is one this tier cannot hold (a window with pinned cells: no model Strata loads has one)."""
     out = []
@@ -206,16 +206,19 @@ def wants_compaction(bounds: list[tuple[int, int]], layers: list) -> bool:
 
 
 def compact_job(path: Path, merged_meta: bytes, layers: list, n_merged: int, n_segs: int,
-                append: Callable[[Path, int, list], int]) -> Callable[[], int]:
+                append: Callable[[Path, int, list], int], conv: str, prefix: str) -> Callable[[], int]:
     """The writer thread's compaction of `path`: its first n_segs - KEEP_BOUNDARIES segments (n_merged
     tokens) into one, the rest copied byte for byte (`append`: disk_tier's writer). Returns the bytes
-    written."""
+    written. `conv`, `prefix`: the conversation's id and the hash of its first n_merged token ids, which
+    the file must still hold (a file swapped since it was indexed is never relabelled as this one)."""
     def job() -> int:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = ds.open_file(path)
         try:
             segs, why = ds.scan(fd, os.fstat(fd).st_size)
             if why or len(segs) != n_segs or segs[-KEEP_BOUNDARIES].start != n_merged:
                 raise OSError(f"not as indexed before compaction ({why or 'segments differ'})")
+            if any(s.meta["conv"] != conv for s in segs) or segs[-KEEP_BOUNDARIES - 1].meta["prefix"] != prefix:
+                raise OSError("not this conversation's before compaction (changed on disk)")
             old = segs[:-KEEP_BOUNDARIES]
             regions = [ds.read_region(fd, s.kv_offset, ds.layer_specs(layers, s.n)[0], s.kv_digest, "K/V")
                        for s in old]
@@ -254,9 +257,10 @@ def merge_regions(layers: list, ns: list[int], regions: list[list[np.ndarray]]) 
 
 
 # ---- restoring (the engine thread) ---------------------------------------------------------------------
-def restore(tier, e, m: int, make_cache: Callable[[], list]):
+def restore(tier, e, m: int, make_cache: Callable[[], list], prompt: list[int] | None = None):
     """The conversation of DiskEntry e up to its last segment end at or before m, as a new KVEntry:
-    (entry, tokens) or None (logged; a damaged file removed)."""
+    (entry, tokens) or None (logged; a damaged file or one that is not e's conversation removed).
+    `prompt`: the tokens it resumes (tier.verify)."""
     from .errors import SessionFileError
     from .parking import MIN_PREFIX_REUSE, KVEntry
     from .sessions import check_fingerprint, check_memory
@@ -282,6 +286,7 @@ def restore(tier, e, m: int, make_cache: Callable[[], list]):
             return None                       # no restore point early enough: nothing wrong with the file
         end = segs[k].start + segs[k].n
         tokens = np.concatenate([s.tokens for s in segs[:k + 1]])
+        tier.verify(e, segs[:k + 1], tokens, prompt)
         if end >= tier._n_ctx or int(tokens.min()) < 0 or int(tokens.max()) >= tier._n_vocab:
             raise SessionFileError("its token ids do not fit this model")
         kv_s, st_s = ds.layer_specs(layers, end)

@@ -9,7 +9,7 @@ conversation (Regenerate, Edit: the same owner) cuts the file back to the last s
 shares and appends from there; a file of more than COMPACT_SEGMENTS segments is rewritten as one by
 the writer thread (into a temporary file renamed over it). Bounded by a cap in MiB: the least recently
 used files go first. A conversation with a sliding window or a recurrent state is written as segment
-version 2 (engine/disk_states.py): a segment per message boundary, each restorable on its own.
+version 4 (engine/disk_states.py): a segment per message boundary, each restorable on its own.
 
 Threads: everything here runs on the engine thread except `_Writer`, which owns the files. The engine
 thread copies the new tokens' K/V slice to host memory (numpy; float16 for 16-bit K/V, codes as held
@@ -19,6 +19,12 @@ hashes it and writes it (pwritev). Nothing happens on the decode path. The engin
 index (tokens, segment boundaries, sizes) and updates it when it queues a write, so it never waits
 for the disk except before a restore (the writer's queue drained first) and at stop.
 
+Every read checks what it reads before its K/V is used, not only the scan at start: a segment names
+its conversation (the file's id) and a hash of the token ids up to its end, which must match the index
+entry, and its token ids must be the prompt's it resumes; a file swapped, replaced or linked in while
+the engine runs (another conversation's K/V under this one's name) is dropped with a log line and the
+turn reads its prompt afresh. Files are opened without following symbolic links, regular files only.
+
 No fsync: a kill -9 leaves the written pages to the OS; a power cut may tear the last segment, which
 its checksum detects (the conversation falls back to its last whole segment). Files are validated
 field by field before anything is allocated; a file of another model, steering setting or K/V format
@@ -26,6 +32,7 @@ field by field before anything is allocated; a file of another model, steering s
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -36,11 +43,13 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import xxhash
 
 from . import disk_segments as ds
 from . import disk_states
 from .kv_key import KVKey
 from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
+from .paths import data_dir, unusable_folder
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -57,7 +66,7 @@ class DiskEntry:
     bounds: list[tuple[int, int]]          # (token end, byte end) of each segment, as queued
     messages: list = field(default_factory=list)
     last_used: float = 0.0
-    # segment version 2 (engine/disk_states.py: a window or a recurrent state): its layer list; None for
+    # segment version 4 (engine/disk_states.py: a window or a recurrent state): its layer list; None for
     # full K/V
     layers: list | None = None
 
@@ -85,8 +94,8 @@ class WriteStats:
     file_bytes: int = 0
     kind: str = ""           # append | rewrite | compact
     total_bytes: int = 0     # written since start
-    state_bytes: int = 0     # of `bytes`: windows' K/V and recurrent states at boundaries (version 2)
-    segments: int = 0        # segments the last write appended (version 2: one per message boundary)
+    state_bytes: int = 0     # of `bytes`: windows' K/V and recurrent states at boundaries (version 4)
+    segments: int = 0        # segments the last write appended (version 4: one per message boundary)
 
 
 class _Writer(threading.Thread):
@@ -126,7 +135,7 @@ class DiskTier:
         # The loaded model's context (use_model): fingerprint of a key, dtype, vocabulary, context, guard
         self._fp_of: Callable[[KVKey], dict | None] = lambda key: None
         self._model: Callable[[], tuple] = lambda: (None, 1 << 31, 1 << 31, None)
-        # this model's cache after one token (session_v3.probe): what a version-2 file's layers must be
+        # this model's cache after one token (session_v3.probe): what a version-4 file's layers must be
         self._probe: Callable[[], list] = lambda: []
         # how much of a conversation its next turn's prompt shares (None: unknown): disk_states.boundaries
         self._next_shares: Callable[[KVEntry], int | None] = lambda entry: None
@@ -141,7 +150,7 @@ class DiskTier:
                   next_shares: Callable[[KVEntry], int | None] | None = None) -> None:
         """`fp_of(key)`: the fingerprint K/V of that key must have (None: not the loaded model's);
         `model()`: (compute dtype, vocabulary size, context length, the memory guard's admit);
-        `probe()`: the loaded model's cache after one token (version-2 files' layers are checked on it)."""
+        `probe()`: the loaded model's cache after one token (version-4 files' layers are checked on it)."""
         self._fp_of, self._model = fp_of, model
         if probe is not None:
             self._probe = probe
@@ -230,6 +239,10 @@ class DiskTier:
             self.log(f"disk cache: {p.name}: {why}; falling back to its last whole segment "
                      f"({segs[-1].start + segs[-1].n} tokens)")
         first, last = segs[0].meta, segs[-1].meta
+        if first["conv"] != p.stem:
+            self.log(f"disk cache: {p.name} dropped (it holds another conversation's segments)")
+            _unlink(p)
+            return None
         tokens = np.concatenate([s.tokens for s in segs]).tolist()
         key = KVKey.parse(first["key"])          # the text form the header holds (str(KVKey))
         if key is None:
@@ -258,6 +271,11 @@ class DiskTier:
         turned on again and they are indexed anew)."""
         was = self.enabled
         self.cap_bytes = max(0, int(cap_mib)) * MIB
+        if self.enabled and not was:
+            unusable = unusable_folder(self.folder)
+            if unusable:
+                self.log(f"disk cache: stays off: {unusable}")
+                self.cap_bytes = 0
         if not self.enabled:
             self.flush()
             self.entries.clear()
@@ -327,7 +345,7 @@ class DiskTier:
             return False
         from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
-            # A sliding window or a recurrent state: segment version 2 (engine/disk_states.py), unless a
+            # A sliding window or a recurrent state: segment version 4 (engine/disk_states.py), unless a
             # layer is one it cannot describe (a window with pinned cells: none of the loaded families)
             try:
                 if disk_states.describe(entry.cache) is None:
@@ -382,6 +400,12 @@ class DiskTier:
                 e = None
         else:
             e = None
+        if e is not None and keep_tokens >= n:
+            # Its file holds every token already (a session restored over a conversation on disk, under
+            # another chat or this one's): nothing to write, only the link to the file kept. A write
+            # would be a segment of no tokens.
+            self._adopt(entry, e)
+            return True
         from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
             if e is not None and e.layers is None:
@@ -399,7 +423,8 @@ class DiskTier:
             eid = secrets.token_hex(8)
             e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [])
         meta = ds.header_json({"key": str(entry.key), "fp": fp, "start": keep_tokens, "owner": entry.owner or e.owner,
-                               "store": store, "messages": list(entry.messages)})
+                               "store": store, "messages": list(entry.messages), "conv": e.id,
+                               "prefix": ds.prefix_hash(entry.tokens[:n])})
         seg = ds.segment_bytes(len(meta), n - keep_tokens, g, store)
         if not self._make_room(entry, e, n, keep_bytes + seg):
             return False
@@ -427,6 +452,14 @@ class DiskTier:
         if len(e.bounds) > COMPACT_SEGMENTS:
             self._compact(e, g, store)
         return True
+
+    @staticmethod
+    def _adopt(entry: KVEntry, e: DiskEntry) -> None:
+        """`entry` is held whole by e's file: linked to it (its next turn appends there)."""
+        entry.disk_id = e.id
+        e.owner, e.last_used = entry.owner or e.owner, time.time()
+        if len(entry.messages) and len(e.tokens) == len(entry.tokens):
+            e.messages = list(entry.messages)
 
     def _make_room(self, entry: KVEntry, e: DiskEntry, n: int, size: int) -> bool:
         """Room for e's file at `size` bytes (least recently used files out); False, with its file removed,
@@ -460,6 +493,9 @@ class DiskTier:
         parts = disk_states.host_parts(entry, keep_tokens, stop, shared)
         if parts is None:
             return False
+        if e is not None and parts[-1].start + len(parts[-1].tokens) <= keep_tokens:
+            self._adopt(entry, e)                        # what the next turn shares is on disk already
+            return True
         copy_ms = (time.perf_counter() - t0) * 1e3
         n = parts[-1].start + len(parts[-1].tokens)      # < len(entry.tokens): the rest is not shared
         if e is None:
@@ -467,7 +503,8 @@ class DiskTier:
             e = DiskEntry(eid, self.folder / f"{eid}{ds.SUFFIX}", entry.key, entry.owner, fp, [], [], layers=layers)
         owner = entry.owner or e.owner
         metas = [ds.header_json({"key": str(entry.key), "fp": fp, "start": p.start, "owner": owner,
-                                 "messages": p.messages, "layers": layers}) for p in parts]
+                                 "messages": p.messages, "layers": layers, "conv": e.id,
+                                 "prefix": ds.prefix_hash(entry.tokens[:p.start + len(p.tokens)])}) for p in parts]
         sizes = [ds.segment_bytes_states(len(mj), len(p.tokens), layers) for mj, p in zip(metas, parts)]
         seg = sum(sizes)
         if not self._make_room(entry, e, n, keep_bytes + seg):
@@ -514,10 +551,11 @@ class DiskTier:
         n_segs = len(e.bounds)
         n_merged, old_end = e.bounds[-keep - 1]
         meta = ds.header_json({"key": str(e.key), "fp": e.fp, "start": 0, "owner": e.owner, "messages": [],
-                               "layers": e.layers})
+                               "layers": e.layers, "conv": e.id, "prefix": ds.prefix_hash(e.tokens[:n_merged])})
         size = ds.segment_bytes_states(len(meta), n_merged, e.layers)
         e.bounds = [(n_merged, size)] + [(t, b - old_end + size) for t, b in e.bounds[-keep:]]
-        run = disk_states.compact_job(e.path, meta, e.layers, n_merged, n_segs, _append)
+        run = disk_states.compact_job(e.path, meta, e.layers, n_merged, n_segs, _append,
+                                      e.id, ds.prefix_hash(e.tokens[:n_merged]))
         path, stats, log, merged = e.path, self.stats, self.log, n_segs - keep
 
         def job() -> None:
@@ -532,12 +570,12 @@ class DiskTier:
     def _compact(self, e: DiskEntry, g, store: str) -> None:
         """Queue the rewrite of e's segments as one (by the writer thread: it reads the file, not the engine)."""
         meta = ds.header_json({"key": str(e.key), "fp": e.fp, "start": 0, "owner": e.owner, "store": store,
-                               "messages": e.messages})
+                               "messages": e.messages, "conv": e.id, "prefix": ds.prefix_hash(e.tokens)})
         n = len(e.tokens)
         size = ds.segment_bytes(len(meta), n, g, store)
         specs = ds.kv_specs(1, g, store)
         e.bounds = [(n, size)]
-        path, stats, log = e.path, self.stats, self.log
+        path, stats, log, eid, held = e.path, self.stats, self.log, e.id, list(e.tokens)
 
         def job() -> None:
             fd = _open_regular(path)
@@ -545,6 +583,10 @@ class DiskTier:
                 segs, why = ds.scan(fd, os.fstat(fd).st_size)
                 if why or sum(s.n for s in segs) != n:
                     raise OSError(f"not whole before compaction ({why or 'tokens differ'})")
+                # never relabel another conversation's K/V (a file swapped since it was indexed) as this one's
+                if any(s.meta["conv"] != eid for s in segs) \
+                        or np.concatenate([s.tokens for s in segs]).tolist() != held:
+                    raise OSError("not this conversation's before compaction (changed on disk)")
                 parts = [ds.read_kv(fd, s, g) for s in segs]
             finally:
                 os.close(fd)
@@ -580,7 +622,7 @@ class DiskTier:
     # ---- finding and restoring -------------------------------------------------------------------
     def best(self, tokens: list[int], key: KVKey) -> tuple[DiskEntry | None, int]:
         """The file that restores the longest prefix of `tokens` under `key`, and that length: parking's
-        prefix rule (parking.longest_prefix), checkpoints included: a file of version 2 restores to a
+        prefix rule (parking.longest_prefix), checkpoints included: a file of version 4 restores to a
         segment end (a message boundary) at or before the shared prefix and the prompt's last token."""
         if not self.enabled:
             return None, 0
@@ -604,8 +646,34 @@ class DiskTier:
         limit = min(shared, n_prompt - 1)
         return max((t for t, _ in e.bounds if t <= limit), default=0)
 
-    def restore(self, e: DiskEntry, m: int, make_cache: Callable[[], list]) -> tuple[KVEntry, int] | None:
-        """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged)."""
+    @staticmethod
+    def verify(e: DiskEntry, segs: list, tokens: np.ndarray, prompt: list[int] | None) -> None:
+        """SessionFileError unless `segs`, read from e's file just now, are e's conversation: each names
+        e's id, each token hash up to its end is that of e's indexed tokens, and the token ids they give
+        (`tokens`, the ones about to be restored) are e's and the prompt's. The index was right when the
+        file was written; a file swapped, replaced or linked in since then is caught here."""
+        from .errors import SessionFileError
+        indexed = np.asarray(e.tokens, dtype="<i4")
+        running, at = xxhash.xxh3_128(), 0         # segments run from token 0 on: one pass over the ids
+        for s in segs:
+            if s.meta.get("conv") != e.id:
+                raise SessionFileError("it holds another conversation's K/V (swapped or replaced on disk)")
+            end = s.start + s.n
+            if s.start != at or end > len(indexed):
+                break                              # past the index (cut back after a damaged segment)
+            running.update(indexed[at:end])
+            at = end
+            if s.meta.get("prefix") != running.hexdigest():
+                raise SessionFileError("its token ids are not its index entry's (changed on disk)")
+        n = len(tokens)
+        held = tokens.tolist()
+        if held != e.tokens[:n] or (prompt is not None and held != list(prompt[:n])):
+            raise SessionFileError("its token ids are not the prompt's (changed on disk)")
+
+    def restore(self, e: DiskEntry, m: int, make_cache: Callable[[], list],
+                prompt: list[int] | None = None) -> tuple[KVEntry, int] | None:
+        """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged). `prompt`:
+        the tokens it resumes (what is read must be their first m, checked with verify)."""
         import mlx.core as mx
 
         from . import kv_format
@@ -613,7 +681,7 @@ class DiskTier:
         from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
         from .errors import SessionFileError
         if e.layers is not None:
-            return disk_states.restore(self, e, m, make_cache)
+            return disk_states.restore(self, e, m, make_cache, prompt)
         t0 = time.perf_counter()
         self.flush()
         expected = self._fp_of(e.key)
@@ -631,6 +699,7 @@ class DiskTier:
                     raise SessionFileError(f"changed on disk ({why or 'another conversation'})")
                 m = min(m, segs[-1].start + segs[-1].n)
                 tokens = np.concatenate([s.tokens for s in segs])[:m]
+                self.verify(e, segs, tokens, prompt)
                 if len(tokens) < m or m >= self._n_ctx or int(tokens.min()) < 0 \
                         or int(tokens.max()) >= self._n_vocab:
                     raise SessionFileError("its token ids do not fit this model")
@@ -705,7 +774,6 @@ class DiskTier:
 def attach(engine) -> DiskTier | None:
     """The engine's disk tier, made at start (none for a distributed rank: each holds some layers only)."""
     from .limits import check_disk_mib
-    from .paths import data_dir
     if engine.serving.distributed:
         return None
     try:
@@ -749,8 +817,15 @@ def attach(engine) -> DiskTier | None:
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
                                    engine.n_ctx or 1 << 31, engine.guard.admit), probe, next_shares)
     if cap:
-        folder.mkdir(parents=True, exist_ok=True)
-        disk.scan()
+        unusable = unusable_folder(folder)
+        if unusable:
+            # only the cache's folder fails: the engine serves without it (the data folder itself is
+            # checked at start by the front ends)
+            logging.getLogger("strata").warning(f"disk cache: off: {unusable}")
+            disk.set_cap(0)
+            engine.options.disk_mib = 0
+        else:
+            disk.scan()
     engine.conversations.disk = disk
     engine.conversations.parking.on_evict = disk.persist
     return disk
@@ -845,15 +920,17 @@ def _host_copy(cache: list, a: int, b: int, g, store: str, stop: Callable[[], bo
 
 
 def _append(path: Path, at: int, pieces: list) -> int:
-    """The pieces written at byte `at` of path (cut there first): the bytes written."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    """The pieces written at byte `at` of path (cut there first): the bytes written. Never through a
+    symbolic link, never into anything but a regular file (disk_segments.open_file)."""
+    fd = ds.open_file(path, write=True)
     try:
         size = os.fstat(fd).st_size
         if size < at:
             raise OSError(f"{path.name} is shorter ({size} bytes) than its last whole segment ends ({at})")
         if size != at:
             os.ftruncate(fd, at)
-        views = [memoryview(p).cast("B") for p in pieces]
+        # an empty piece (a region of no tensors) writes nothing; memoryview cannot cast one
+        views = [memoryview(p).cast("B") for p in pieces if (p.nbytes if isinstance(p, np.ndarray) else len(p))]
         total = sum(len(v) for v in views)
         off = at
         while views:
@@ -870,12 +947,7 @@ def _append(path: Path, at: int, pieces: list) -> int:
 
 
 def _open_regular(p: Path) -> int:
-    from .errors import SessionFileError
-    from .sessions import _open_regular as open_regular
-    try:
-        return open_regular(p)
-    except SessionFileError as e:
-        raise OSError(str(e)) from None
+    return ds.open_file(p)
 
 
 def _unlink(p: Path) -> None:

@@ -32,7 +32,7 @@ from .allocator import keep_freed_memory, release_freed_memory
 from .conversations import Conversations
 from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import Done, Failed, Handle, Log
+from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .kv_reserve import IdleTopUp
 from .loaded_model import LoadedModel
@@ -87,6 +87,11 @@ class Engine:
         # What runs next on the engine thread, and the only owner of the request queue.
         self.scheduler = Scheduler(self._serve)
         _ENGINES.add(self)
+        # Why the engine thread ended on an error (None while it runs): every request waiting or
+        # submitted later fails at once with it, and the server's /health reports it.
+        self.failure: str | None = None
+        self._waiting: "weakref.WeakSet[Handle]" = weakref.WeakSet()   # submitted, not yet answered
+        self._fail_lock = threading.Lock()
         self.guard = MemoryGuard()
         self.conversations = None                 # conversations.Conversations, made on the engine thread
         self.disk = None                          # disk_tier.DiskTier under parking, made on the engine thread
@@ -115,7 +120,13 @@ class Engine:
         if self.serving.broken:                   # a distributed ring is gone: answered now
             handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
+        if self.failure is not None:              # the engine thread is gone: answered now
+            handle.emit(Failed(self.failure, ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
+            return handle
+        self._waiting.add(handle)
         self.scheduler.put(handle)
+        if self.failure is not None:              # it died between the check and the put
+            self._fail_waiting()
         return handle
 
     def call(self, request: Any, timeout: float | None = None):
@@ -140,6 +151,29 @@ class Engine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def run_forever(self) -> None:
+        """Serve requests until stopped. Should the thread end on an error instead (a bug, a folder
+        that cannot be used, anything), the start-up load and every request waiting or submitted later
+        fail at once with its one line (`failure`), rather than wait for a thread that is gone."""
+        try:
+            self._run()
+        except BaseException as e:
+            self.failure = f"the engine stopped: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            log.error("engine: %s", self.failure, exc_info=not isinstance(e, (KeyboardInterrupt, SystemExit)))
+            self._fail_waiting()
+            self.stopped.set()
+            self.scheduler.idle.set()
+
+    def _fail_waiting(self) -> None:
+        """Every handle submitted and not answered (the start-up load's too) fails with `failure`."""
+        with self._fail_lock:           # a submit on another thread may call it too: one Failed each
+            handles = list(self._waiting) + [h for h in self.scheduler.drain() if isinstance(h, Handle)]
+            if self.startup is not None:
+                handles.append(self.startup)
+            for h in handles:
+                if not h.finished.is_set():
+                    h.emit(Failed(self.failure or "the engine stopped", ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
+
+    def _run(self) -> None:
         self.log(keep_freed_memory())
         self.log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a

@@ -96,6 +96,9 @@ def cancel_everything() -> None:
     _EVERYTHING_CANCELLED.set()
 
 
+ENGINE_STOPPED = "engine_stopped"   # Failed.reason once the engine thread has ended on an error (Engine.failure)
+
+
 class Handle:
     """One submitted request. Iterate `events()` or call `result()`; `cancel()` stops it between tokens."""
 

@@ -58,6 +58,13 @@ class Scheduler:
     def pending(self) -> bool:
         return not self._queue.empty()
 
+    def drain(self) -> list:
+        """Everything still queued, taken out (the engine thread has ended: each is answered)."""
+        items = []
+        while (item := self.take_nowait()) is not None:
+            items.append(item)
+        return items
+
     # ---- the engine thread -----------------------------------------------------------------------
     def add_idle(self, task: IdleTask, timed: bool = False) -> None:
         (self._timed if timed else self._tasks).append(task)

@@ -442,7 +442,28 @@ def validate_messages(messages) -> str | None:
             return f"message {i} has no valid role"
         if not isinstance(m.get("content"), str):
             return f"message {i} has no text content"
+        if not _encodable(m):
+            return f"message {i} holds text that is not valid Unicode (a lone surrogate)"
     return None
+
+
+def _encodable(value) -> bool:
+    """Whether every string in `value` (keys too, nested lists and objects) encodes as UTF-8: a lone
+    surrogate ("\\ud800" in JSON) parses but cannot be written, shown or sent anywhere."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return True
 
 
 def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict | None = None, *,

@@ -51,6 +51,10 @@ def check_engine_flags(args) -> None:
     from ..limits import MAX_SEQUENCES_MAX      # issue 34
     if not 1 <= args.max_sequences <= MAX_SEQUENCES_MAX:
         raise StrataError(f"--max-sequences must be 1 to {MAX_SEQUENCES_MAX}; got {args.max_sequences}")
+    from ..paths import check_data_dir
+    unusable = check_data_dir()       # sessions, models, the disk cache: before the model loads
+    if unusable:
+        raise StrataError(unusable)
     if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
         # (too large a context is refused by the memory estimate at load, with the numbers)
         raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")

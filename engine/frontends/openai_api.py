@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from ..api import GenerateRequest, RestoreSession, SaveSession, model_id
 from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import Done, Failed, Token
+from ..events import ENGINE_STOPPED, Done, Failed, Token
 from ..paths import SESSION_EXTENSION, sessions_dir
 from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, openai_messages
@@ -55,6 +55,9 @@ async def list_models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """llama.cpp's /health: 200 {"status": "ok"} with a model loaded, else 503 in the API's shape."""
     s = _served(request)
+    failure = getattr(s.engine, "failure", None)
+    if failure:     # the engine's own line once its thread has ended on an error
+        raise APIError(503, failure, type="server_error", code=ENGINE_STOPPED)
     if s.engine.model_facts() is not None:
         return JSONResponse({"status": "ok"})
     if s.still_loading():

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ..api import Generation
 from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import Done, Failed, Progress, Token
+from ..events import ENGINE_STOPPED, Done, Failed, Progress, Token
 from ..sampling import FIELD, FIELDS, SamplingParams
 from .body_check import BodyError, parse_body
 
@@ -67,7 +67,7 @@ HTTP_OF_ERROR = {
     ErrorCode.INTERNAL: (500, "server_error", None),
 }
 # Finer API codes for some reasons within an engine code.
-API_CODE_OF_REASON = {"context_length": "context_length_exceeded",
+API_CODE_OF_REASON = {"context_length": "context_length_exceeded", ENGINE_STOPPED: ENGINE_STOPPED,
                       SessionRefusal.OVERWRITE.value: "session_overwrite"}
 
 
@@ -256,7 +256,7 @@ class Served:
         """The start-up load is still running (the engine thread is busy: answered from this state)."""
         startup = getattr(self.engine, "startup", None)
         return bool(self.loading) and self.engine.model_facts() is None and startup is not None \
-            and not startup.finished.is_set()
+            and not startup.finished.is_set() and not getattr(self.engine, "failure", None)
 
 
 class ToolFormats:

@@ -3,6 +3,7 @@ a clean stop and a kill -9 (a real `strata serve` process, a real HTTP client), 
 cap's eviction, the off switch, hostile files, another model's files, a deleted chat."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import ClearDiskCache, ForgetConversation, Status
+from engine.api import ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 
@@ -68,10 +69,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model: Path, port: int, home: Path) -> subprocess.Popen:
+def _serve(model: Path, port: int, home: Path, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, STRATA_HOME=str(home))
     p = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--port", str(port),
-                          "-v"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          "-v", *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
@@ -288,3 +289,38 @@ def test_forget_and_clear(make_engine, strata_home):
     assert s.disk["entries"] == 1 and len(_files(strata_home)) == 1
     s = e.call(ClearDiskCache())
     assert s.disk["entries"] == 0 and s.disk["bytes"] == 0 and not _files(strata_home)
+
+
+def test_a_restored_session_keeps_its_disk_file_across_a_restart(tiny_gguf, strata_home, tmp_path, caplog):
+    """A session restored over a conversation the disk tier holds already (the app's launch with a copy
+    of a chat's session: the same tokens under another chat): its idle-time write used to be a segment of
+    no tokens, which failed ("memoryview: cannot cast view with zeros in shape or strides") and removed
+    the file. Now the restored conversation is linked to that file and comes back from disk after a
+    restart, its reply equal to a fresh read."""
+    from test_disk_tier_states import fresh_read     # lazy: that module imports this one
+    caplog.set_level(logging.INFO, logger="strata")
+    session = tmp_path / "copy.stratasession"
+    e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()
+    try:
+        e.startup.result(60)
+        msgs, _ = _turns(e, 2, conv="chat-1")
+        e.call(SaveSession(str(session), conversation="chat-1"))
+        e.stop()
+        e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()    # the app's launch
+        e.startup.result(60)
+        e.call(RestoreSession(str(session), conversation="chat-2"))
+        e.wait_idle(30)
+        _flush(e)
+        assert e.call(Status()).disk["entries"] == 1
+    finally:
+        e.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [x for x in lines if "failed" in x], lines
+    e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64)).start()
+    try:
+        e.startup.result(60)
+        r = e.call(GenerateRequest(messages=msgs, sampling=SP, conversation="chat-2"))
+        assert r.restored_from_disk == r.cached_tokens > 0
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()

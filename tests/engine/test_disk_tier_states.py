@@ -1,11 +1,12 @@
 """The disk tier for conversations with a sliding window (Gemma 3: a tiny real gemma3 GGUF, window 32) or
-a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 2
+a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 4
 (engine/disk_states.py). After a restart (a new Engine on the same data folder) the next turn is
 restored from disk, reusing exactly what the same conversation held in RAM reuses, and its greedy reply
 equals a fresh read of the same prompt; an Edit restores from an earlier boundary; a torn last segment
 falls back to the one before it; compaction keeps the latest boundaries and still restores exactly."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from engine import disk_segments as ds
 from engine import disk_states
-from engine.api import Call, Status
+from engine.api import Call, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 
@@ -293,7 +294,7 @@ def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
 
 
 def test_a_file_whose_layers_are_not_the_models_is_dropped(model, tmp_path):
-    """A whole, checksummed version-2 file under this model's key and fingerprint whose layer list says
+    """A whole, checksummed version-4 file under this model's key and fingerprint whose layer list says
     other widths (a file of another build of the model, or a crafted one): its layers are checked
     against a one-token probe of the loaded model before anything is read: dropped with a line, the
     prompt read again."""
@@ -366,3 +367,37 @@ def test_server_journey_with_a_recurrent_state(tmp_path_factory, strata_home, ho
     # of its user message, where the next turn diverges (this template renders the last reply
     # otherwise; its generation prompt, with an empty think block, is the other 13 tokens)
     assert cached > first["usage"]["prompt_tokens"] // 2, again["usage"]
+
+
+def test_a_restored_session_keeps_its_disk_file_across_a_restart(model, tmp_path, caplog):
+    """A session of this conversation restored under another chat in a new engine (the app's launch with
+    a copy of a chat's session): its idle-time write links it to the file on disk or appends to it, never
+    fails; after a restart the follow-up comes back from disk and equals a fresh read."""
+    caplog.set_level(logging.INFO, logger="strata")
+    name, path = model
+    session = tmp_path / "copy.stratasession"
+    e = start(path, tmp_path / "d")
+    try:
+        msgs, _ = turns(e, 2, conv="chat-1")
+        e.call(SaveSession(str(session), conversation="chat-1"), timeout=300)
+    finally:
+        e.stop()
+    e = start(path, tmp_path / "d")
+    try:
+        e.call(RestoreSession(str(session), conversation="chat-2"), timeout=300)
+        e.wait_idle(60)
+        e.call(Call(lambda x: x.disk.flush()))
+        s = e.call(Status()).disk
+        assert s["entries"] >= 1 and s["bytes"] > 0, s
+    finally:
+        e.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("disk cache:" in x for x in lines), lines      # the records are the engine's log
+    assert not [x for x in lines if "failed" in x], lines
+    e = start(path, tmp_path / "d")
+    try:
+        r, lines = ask(e, msgs, conv="chat-2")
+        assert r.restored_from_disk == r.cached_tokens > 0, lines
+        assert r.tokens == fresh_read(e, r)
+    finally:
+        e.stop()

@@ -192,6 +192,12 @@ def _crafted(conv) -> dict[str, tuple[bytes, str]]:
         "content a number": (assemble(set_meta(messages=json.dumps([{"role": "user", "content": 5}])), data),
                              "is corrupted (message 0 has no text content)"),
         "messages an object": (assemble(set_meta(messages="{}"), data), "is corrupted (the messages are not a list)"),
+        "a lone surrogate in a message": (
+            assemble(set_meta(messages=json.dumps(msgs[:-1] + [dict(msgs[-1], content="ab\ud800cd")])), data),
+            "is corrupted (message 2 holds text that is not valid Unicode (a lone surrogate))"),
+        "a lone surrogate in a field": (
+            assemble(set_meta(messages=json.dumps([dict(msgs[0], name="\udfff")] + msgs[1:])), data),
+            "is corrupted (message 0 holds text that is not valid Unicode (a lone surrogate))"),
         "bytes after the data": (assemble(head, data + b"\0" * 16), "is corrupted (16 bytes after its data)"),
         "another kv dtype": (assemble(set_meta(kv_dtype="bfloat16"), data), ": incompatible K/V layout (bfloat16"),
         "another format": (assemble(set_meta(format="other"), data), "is not a Strata session file"),
@@ -243,6 +249,33 @@ def test_a_refused_crafted_file_does_not_poison_the_engine(conv):
     assert out.cached_tokens == r.restored_tokens
     out, _ = ask(engine, [{"role": "user", "content": "Another topic."}], "B", n=4)
     assert out.generated_tokens == 4
+
+
+def test_a_session_with_a_lone_surrogate_is_refused_over_http_before_it_takes_effect(conv, strata_home):
+    """A session file whose messages hold "\\ud800" (valid JSON, checksum recomputed) restored through the
+    server (real HTTP): a 400 naming the problem, where it used to answer 500 after the restore had taken
+    effect; the engine holds what it held, and the good file still restores."""
+    import httpx
+
+    from engine.frontends.server import ServerThread, create_app
+    engine = conv["engine"]
+    folder = strata_home / "sessions"
+    folder.mkdir()
+    (folder / "bad.stratasession").write_bytes(_crafted(conv)["a lone surrogate in a message"][0])
+    (folder / "good.stratasession").write_bytes(conv["raw"])
+    ask(engine, [{"role": "user", "content": "Something held before the restore."}], "B", n=4)
+    before = engine.call(Status())
+    srv = ServerThread(create_app(engine)).start()
+    try:
+        r = httpx.post(f"{srv.base_url}/sessions/restore", json={"name": "bad"}, timeout=600)
+        assert r.status_code == 400, r.text
+        assert "not valid Unicode" in r.json()["error"]["message"]
+        after = engine.call(Status())
+        assert (after.live_tokens, after.parking) == (before.live_tokens, before.parking)
+        ok = httpx.post(f"{srv.base_url}/sessions/restore", json={"name": "good"}, timeout=600)
+        assert ok.status_code == 200 and ok.json()["messages"] == conv["messages"], ok.text
+    finally:
+        srv.stop()
 
 
 def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
