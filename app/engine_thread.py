@@ -93,7 +93,7 @@ class EngineThread(QThread):
         super().__init__(parent)
         self.setObjectName("strata-engine")
         from engine.limits import DEFAULT_MAX_SEQUENCES
-        # issue 34: replies of several tabs (and the server on this engine) decoded together
+        # replies of several tabs (and the server on this engine) decoded together
         self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
                           kv_bits=kv_bits, disk_mib=disk_mib, max_sequences=DEFAULT_MAX_SEQUENCES)
         self._steering = steering

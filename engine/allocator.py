@@ -4,14 +4,14 @@ MLX's CPU backend allocates with malloc. glibc serves any block above its mmap t
 raised only to the size of the last freed block) with a fresh mmap and gives it back at free, and it
 trims a freed heap top above 128 KiB: so each K/V array (1-10 MiB a layer) is new memory that the
 kernel faults in page by page and zeroes. A restored session's 94 MB float32 cache then costs ~48 ms
-of building alone, several times llama.cpp's whole 12 ms restore (bench/README.md, issue 18). With a
+of building alone, several times llama.cpp's whole 12 ms restore (bench/README.md). With a
 32 MiB mmap threshold and a 256 MiB trim threshold the arrays live on the heap, and a conversation
 evicted or replaced leaves memory the next one reuses without faults (`bench/allocator_probe.py`:
 the restore's build 22.8 ms with the setting, 48.0 ms without). The engine thread allocates from its
 own arena, whose 64 MiB heaps glibc unmaps as soon as one is wholly free, whatever the trim threshold;
 a top pad of 64 MiB keeps them (glibc's heap_trim keeps a heap when the pad is at least a heap's
 size), so K/V memory touched at load (kv_reserve.py) is still there for a restore: a restore into a
-new process 25 ms with it, 45 ms without it, 67 ms with nothing touched (bench/README.md, session 5).
+new process 25 ms with it, 45 ms without it, 67 ms with nothing touched (bench/README.md).
 
 The cost is memory malloc holds after a free instead of returning it: at most what the engine thread
 held at its peak (the live and parked conversations, which the conversation cache bounds).

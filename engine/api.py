@@ -53,7 +53,7 @@ class EngineOptions:
     # their default, limits.DEFAULT_DISK_MIB.
     disk_mib: int = 0
     disk_dir: str | None = None               # its folder (None: the data folder's cache/conversations)
-    # issue 34: generate requests decoded together in one batch (engine/batching.py), at most this many
+    # generate requests decoded together in one batch (engine/batching.py), at most this many
     # at once (the rest queue); 1 = one request at a time. 1 for an engine built in code; the CLI, the
     # server and the app pass their default, limits.DEFAULT_MAX_SEQUENCES.
     max_sequences: int = 1

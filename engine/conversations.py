@@ -21,7 +21,7 @@ class Conversations:
     def __init__(self, parking: Parking, log: Callable[[str], None]):
         self.parking = parking
         self.live: KVEntry | None = None
-        # issue 34: conversations checked out by the batch (engine/batching.py), neither live nor
+        # conversations checked out by the batch (engine/batching.py), neither live nor
         # parked while their replies run; each comes back whole (check_in) when its reply ends.
         self.busy: list[KVEntry] = []
         self._log = log
@@ -42,13 +42,13 @@ class Conversations:
         self.parking.clear()
 
     def check_out(self, entry: KVEntry) -> None:
-        """issue 34: `entry` (just taken) joins the batch: not live, not parked, not taken again."""
+        """`entry` (just taken) joins the batch: not live, not parked, not taken again."""
         if self.live is entry:
             self.live = None
         self.busy.append(entry)
 
     def check_in(self, entry: KVEntry) -> None:
-        """issue 34: a batched reply ended: its conversation takes the engine as a lone reply's
+        """a batched reply ended: its conversation takes the engine as a lone reply's
         would (the live one, if another, is parked)."""
         self.busy = [e for e in self.busy if e is not entry]     # by identity: KVEntry's == compares arrays
         self.make_live(entry)

@@ -421,7 +421,7 @@ def read_kv_streamed(fd: int, seg: Segment, g: Geometry, keep: int, send) -> Non
     ring of reused host buffers a tensor at a time, one thread hashes them in file order (xxh3 is a
     stream, so the digest is the whole K/V's), and the caller's upload of tensor k overlaps the reads of
     the next ones. A single buffer for the whole segment (264 MB at 8,000 tokens of Llama-1B) cost its
-    page faults and serialized the read before the upload (bench/gpu.md, session 9)."""
+    page faults and serialized the read before the upload (bench/gpu.md)."""
     specs = kv_specs(seg.n, g, seg.meta.get("store", "float16"))
     if not specs:
         return

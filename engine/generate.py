@@ -151,7 +151,7 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
                 def queue(i: int) -> None:
                     # Layer i + 1 is queued before the host waits for layer i, so the worker does not
                     # idle between two layers while the host wakes, checks and queues the next one
-                    # (~3% of a paced CPU prefill of Gemma 3 1B's layout: bench/README.md, issue 29).
+                    # (~3% of a paced CPU prefill of Gemma 3 1B's layout: bench/README.md).
                     before[i] = None
                     mx.async_eval(layer_cache.kind_of(cache[i]).arrays(cache[i]))
                 queue(0)
@@ -314,7 +314,7 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     # with the first decode step; what comes before it, whole multiples of the limit, is prefilled.
     # Nor where checkpoints are due (`marks`: a cache that cannot trim): the turn's message boundaries
     # and the prompt's end fall in that last part, and a merged pass takes no checkpoint inside it, so
-    # the next turn of a Qwen3.5-like model found none and read its history again (bench/gpu.md, session 9).
+    # the next turn of a Qwen3.5-like model found none and read its history again (bench/gpu.md).
     limit = first_step_merge_limit(chunk) if steps is None and not marks else 0
     n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
     pending = new[len(new) - n_merged:]

@@ -245,7 +245,7 @@ class RequestHandlers:
             marks.append(common_prefix(tokens, tok.encode_prompt(text, add_bos=add_bos)))
         return marks
 
-    # issue 34 (continuous batching, engine/batching.py): generate split in two so a batched row
+    # The turn API (continuous batching, engine/batching.py): generate split in two so a batched row
     # prepares and finishes its turn exactly as a lone request does; `batched` checks the K/V out
     # (engine/conversations.py `busy`) instead of making it the live one.
     def begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):

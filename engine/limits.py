@@ -22,7 +22,7 @@ DEFAULT_CACHE_SLOTS = 4
 # 4 GiB holds about 22 conversations of 8,000 SmolLM2 tokens at 16-bit K/V (23,040 B/token).
 DEFAULT_DISK_MIB = 4096
 DISK_MIB_MAX = 1 << 20          # 1 TiB: a bound on typing, not a recommendation
-# issue 34: generate requests decoded together in one batch (engine/batching.py); the rest queue.
+# generate requests decoded together in one batch (engine/batching.py); the rest queue.
 # The CLI, the server and the app start from this; an engine built in code from 1 (one at a time).
 DEFAULT_MAX_SEQUENCES = 8
 MAX_SEQUENCES_MAX = 256

@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own NextN / MTP head (`--spec mtp`, `mtp:PATH`; issue 36).
+"""Speculative decoding with the model's own NextN / MTP head (`--spec mtp`, `mtp:PATH`).
 
 The head (engine/archs/qwen35_mtp.py) at target position p reads the target's final hidden state h_p
 (after the output norm) and the embedding of token p+1, and predicts token p+2. Its own K/V (one

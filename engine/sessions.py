@@ -397,8 +397,8 @@ def _read_widening(kv: list, read_heads, dest, shape: tuple, prof: RestoreProfil
 
 GPU_BUFFERS = 6          # host buffers in flight on a GPU restore (read, hashed, copied to the device)
 # Threads reading the file into them: one reader is below the page cache's speed; with 4, 8,192 tokens
-# of Llama-1B restored on the H200 in 62.1-68.1 ms (three runs), with 2 in 60.8-70.2 (four runs; bench/gpu.md,
-# session 6): within the machine's spread, but 2 of 3 runs at >= 4 GB/s against 1 of 4.
+# of Llama-1B restored on the H200 in 62.1-68.1 ms (three runs), with 2 in 60.8-70.2 (four runs; bench/gpu.md):
+# within the machine's spread, but 2 of 3 runs at >= 4 GB/s against 1 of 4.
 GPU_READERS = 4
 
 
@@ -416,8 +416,8 @@ def _read_to_device(fd: int, hdr: ParsedHeader, g: Geometry, digest, prof: Resto
     total, step = len(kv), max(1, len(kv) // 20)
     # Device buffers from MLX's cache (what an evicted conversation freed) made the uploads slower than
     # new ones from CUDA's pool on the H200: 8,192 tokens of Llama-1B 86-103 ms after evictions against
-    # 57-66 ms with nothing cached (bench/gpu.md, session 5; 74.5 against 70.1 ms without the clear in
-    # session 6). So a restore starts from an empty cache.
+    # 57-66 ms with nothing cached (bench/gpu.md; 74.5 against 70.1 ms without the clear in a later
+    # run). So a restore starts from an empty cache.
     mx.clear_cache()
     ring = [np.zeros((1, g.n_kv_heads, cells, g.head_dim), np.float16) for _ in range(min(GPU_BUFFERS, total))]
 

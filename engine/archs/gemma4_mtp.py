@@ -1,4 +1,4 @@
-"""Gemma 4's MTP drafter ("assistant"): a small decoder that reads the target's K/V (issue 36). Drafting
+"""Gemma 4's MTP drafter ("assistant"): a small decoder that reads the target's K/V. Drafting
 with it: engine/gemma4_mtp_spec.py.
 
 Google ships one per Gemma 4 model (google/gemma-4-*-it-assistant, transformers'

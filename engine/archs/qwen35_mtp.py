@@ -1,4 +1,4 @@
-"""The NextN / multi-token-prediction head of a Qwen3.5 / Qwen3.6 GGUF (issue 36). Drafting with it:
+"""The NextN / multi-token-prediction head of a Qwen3.5 / Qwen3.6 GGUF. Drafting with it:
 engine/mtp_spec.py.
 
 The file counts the head in block_count and says how many with `{arch}.nextn_predict_layers` (llama.cpp

@@ -35,7 +35,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=16,
                    help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
-    from ..limits import DEFAULT_MAX_SEQUENCES   # issue 34
+    from ..limits import DEFAULT_MAX_SEQUENCES
     p.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                    help=f"requests decoded together in one batch, the rest queue (default {DEFAULT_MAX_SEQUENCES}; "
                         "1 = one at a time)")
@@ -48,7 +48,7 @@ def check_engine_flags(args) -> None:
     check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
     from ..limits import check_disk_mib
     check_disk_mib(args.conversation_disk_mib, what="--conversation-disk-mib")
-    from ..limits import MAX_SEQUENCES_MAX      # issue 34
+    from ..limits import MAX_SEQUENCES_MAX
     if not 1 <= args.max_sequences <= MAX_SEQUENCES_MAX:
         raise StrataError(f"--max-sequences must be 1 to {MAX_SEQUENCES_MAX}; got {args.max_sequences}")
     from ..paths import check_data_dir
