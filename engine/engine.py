@@ -38,9 +38,11 @@ from .kv_reserve import IdleTopUp
 from .loaded_model import LoadedModel
 from .limits import within_range
 from .memory_guard import MemoryGuard
+from .model_load import ModelLoad
 from .parking import Parking
 from .scheduler import Scheduler, Stop
 from .serving import Serving, for_this_process
+from .session_requests import SessionRequests
 
 log = logging.getLogger("strata")
 
@@ -108,6 +110,8 @@ class Engine:
         # group in lockstep (engine/distributed.py); asked, never told apart.
         self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
+        self.loads = ModelLoad(self)              # LoadModel (engine/model_load.py)
+        self.sessions = SessionRequests(self)     # SaveSession, RestoreSession, SessionSteering
 
     # ---- caller side (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -190,7 +194,7 @@ class Engine:
         self.scheduler.add_idle(disk_tier.IdleWrites(self))
         self.scheduler.add_idle(self.kv_topup)
         self.scheduler.add_idle(self.drafts.idle_release, timed=True)
-        self.handlers.clean_session_folder()
+        self.sessions.clean_folder()
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
             self.scheduler.serve(self.startup)
@@ -268,13 +272,13 @@ class Engine:
         req, h = handle.request, self.handlers
         handlers = {
             GenerateRequest: lambda: h.generate(req, handle),
-            LoadModel: lambda: h.load(req, handle),
-            SaveSession: lambda: h.save(req, handle),
-            RestoreSession: lambda: h.restore(req, handle),
+            LoadModel: lambda: self.loads.load(req, handle),
+            SaveSession: lambda: self.sessions.save(req, handle),
+            RestoreSession: lambda: self.sessions.restore(req, handle),
             Configure: lambda: h.configure(req),
             Status: h.status,
             CountTokens: lambda: h.count_tokens(req),
-            SessionSteering: lambda: h.session_steering(req),
+            SessionSteering: lambda: self.sessions.steering(req),
             CaptureStates: lambda: h.capture(req, handle),
             Call: lambda: CallResult(req.fn(self)),
             ClearDiskCache: lambda: disk_tier.clear_request(self),
@@ -307,7 +311,7 @@ class Engine:
         return self.handlers.steering_fingerprint(projection)
 
     def session_fingerprint(self, steering_fp: str | None = None) -> dict:
-        return self.handlers.session_fingerprint(steering_fp)
+        return self.sessions.fingerprint(steering_fp)
 
     def make_cache(self) -> list:
         return self.handlers.make_cache()

@@ -1,5 +1,6 @@
-"""What each request does, on the engine thread: the model and its load, the K/V identity (model,
-steering, K/V format), generation, session files, settings and status.
+"""What each request does, on the engine thread: the K/V identity (model, steering, K/V format), the
+prompt's tokens, generation (the turn API a batched row shares), settings and status. The model load is
+engine/model_load.py, the session-file requests engine/session_requests.py.
 
 `Engine` (engine/engine.py) owns the thread and the dispatch and holds one `RequestHandlers(engine)`; the held
 conversations are `self.conversations` (engine/conversations.py), the decode loop with its stop strings
@@ -7,15 +8,12 @@ and stats is engine/generate.py. Everything here runs on the engine thread only.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
-                  Generation, LoadModel, ModelFacts, ModelLoaded, RestoreSession, SaveSession,
-                  SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo, TokenCount, model_id)
-from .errors import ContextTooLong, MemoryRefused, RequestError, SessionSteeringRefused, VectorSpec
+                  Generation, TokenCount)
+from .errors import ContextTooLong, RequestError
 from .events import Handle, KVChanged, Progress, Token
 
 MAX_CHARS_PER_TOKEN = 32
@@ -32,111 +30,6 @@ class RequestHandlers:
         self._pace = None           # (model, generate.PrefillPace) measured for the loaded model
 
     # ---- model -------------------------------------------------------------------------------
-    def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
-        import mlx.core as mx
-
-        from . import steering
-        from .device import compute_dtype
-        from .gguf_file import content_hash, open_gguf
-        from .memory_estimate import fit_for_load, gpu_working_set
-        from .models import resolve_model
-        from .tokenizer import load_tokenizer
-
-        path = resolve_model(req.path)
-        g = open_gguf(path)
-        self.eng.drafts.release("a model load")      # drafts for the old target; its memory counts for the fit
-        self.eng.drafts.forget_mtp()
-        handle.emit(Progress("load", 0, len(g.reader.tensors)))
-        tokenizer = load_tokenizer(g)
-        dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
-            self.eng.options.dtype or "", compute_dtype())
-        # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
-        n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
-                                          self.eng.guard, gpu_working_set())
-        progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
-        model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
-        steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
-        vector, steering_error = None, None
-        if steer_cfg is not None and getattr(steer_cfg, "files", ()):
-            from .control_vector import ControlVector, ControlVectorError
-            try:
-                vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
-            except ControlVectorError as e:
-                # A vector made for another model must not cost the user the model: serve without it.
-                steering_error = str(e)
-        from .kv_format import choose_for
-        from .loaded_model import LoadedModel
-        # --kv-bits this head size or this attention cannot take: refused
-        kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
-        # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
-        # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
-        draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
-        model_hash = content_hash(path)
-        from .chat_template import generation_prompt
-        from .reasoning import opens_think
-        template = g.get("tokenizer.chat_template")
-        facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
-                           info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
-                           distributed=self.eng.serving.status(),
-                           think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)))
-        # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
-        self.eng.options.steering = steer_cfg
-        self.eng.loaded = LoadedModel(
-            model=model, tokenizer=tokenizer, info=info, path=path, template=template,
-            model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
-            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
-            steering_error=steering_error, facts=facts, draft=draft)
-        if vector is not None:
-            # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
-            steering.install(self.eng.model, self.eng.steering)
-            # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
-            secs = steering.warm_up(vector, dtype)
-            self.eng.log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
-        self.eng.serving.after_load(self.eng)
-        self.eng.conversations.clear()
-        reserved = self._touch_kv_memory(info, dtype)
-        self.eng.log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
-                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.eng.n_ctx}, "
-                  f"compute {str(dtype).removeprefix('mlx.core.')}")
-        self.eng.log(f"weights: {info.load_note}")
-        self.eng.log(memory_line)
-        asked = self.eng.options.context_length
-        if asked and asked > n_ctx and info.context_length <= n_ctx:
-            # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
-            import logging
-
-            from .events import Log
-            note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
-                    f"using {n_ctx}")
-            logging.getLogger("strata").warning(note)
-            handle.emit(Log(note))
-        self.eng.log(f"K/V: {self.eng.kv_fmt.describe()}")
-        self.eng.log(reserved.note)
-        if self.eng.serving.describe():
-            self.eng.log(self.eng.serving.describe())
-        if vector is not None:
-            self.eng.log(vector.describe())
-        if steering_error:
-            self.eng.log(f"control vector refused: {steering_error}; serving without it")
-        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts,
-                           draft=str(draft.path) if draft is not None else None)
-
-    def _touch_kv_memory(self, info, dtype):
-        """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
-        creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
-        from . import kv_reserve
-        from .device import on_gpu
-        self.eng.kv_topup.use(None)
-        if on_gpu():
-            return kv_reserve.Reserved.none("the K/V lives in GPU memory")
-        if self.eng.serving.distributed or self.eng.kv_fmt.quantized:
-            return kv_reserve.Reserved.none("distributed or quantized K/V")
-        reserved = kv_reserve.touch(self.eng.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
-                                    admit=self.eng.guard.admit)
-        # ... and touched again in idle time once restores or prefills have used it (kv_reserve.IdleTopUp)
-        self.eng.kv_topup.use(kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit))
-        return reserved
-
     def steering_fingerprint(self, projection: bool | None = None) -> str:
         """The steering identity of K/V computed with `projection` (None: the setting in force):
         the loaded vector's fingerprint when it is applied, '' when not."""
@@ -152,7 +45,7 @@ class RequestHandlers:
         from .kv_key import KVKey
         return KVKey(self.eng.model_hash, self.steering_fingerprint(projection), self.eng.kv_fmt.label)
 
-    def _projection(self, requested: bool | None) -> bool:
+    def projection(self, requested: bool | None) -> bool:
         return bool(self.eng.steering.vector) and (
             self.eng.options.speed_projection if requested is None else bool(requested))
 
@@ -262,7 +155,7 @@ class RequestHandlers:
             constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
-        self.eng.steering.speed_projection = self._projection(asked)
+        self.eng.steering.speed_projection = self.projection(asked)
         stats = StepStats()
         tokens = self.prompt_tokens(req)
         if len(tokens) >= self.eng.n_ctx:
@@ -377,10 +270,6 @@ class RequestHandlers:
         return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
                                                                  tools=req.tools))))
 
-    def session_steering(self, req: SessionSteering) -> SessionSteeringInfo:
-        from .sessions import read_header
-        return SessionSteeringInfo(_vector_spec(read_header(req.path)[1].get("fp.steering_vector")))
-
     def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
         import numpy as np
 
@@ -393,139 +282,6 @@ class RequestHandlers:
                               architecture=self.eng.info.architecture, seconds=time.perf_counter() - t0)
 
     # ---- session files -----------------------------------------------------------------------
-    def session_fingerprint(self, steering_fp: str | None = None) -> dict:
-        """What a session file must match. `steering_fp`: the steering applied to the conversation's
-        K/V (None: the setting in force); the vector's files and settings are named alongside so a
-        refusal elsewhere can say which vector to load."""
-        from .gguf_file import text_hash
-        info = self.eng.info
-        steer = self.steering_fingerprint() if steering_fp is None else steering_fp
-        vector = self.eng.steering.vector if self.eng.steering else None
-        cfg = self.eng.options.steering
-        described = "none"
-        if steer and vector is not None and steer == vector.fingerprint() and cfg is not None:
-            described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
-                                    "layer_range": list(cfg.layer_range) if cfg.layer_range else None,
-                                    "mode": cfg.mode, "direction": cfg.direction})
-        return {"model_hash": self.eng.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
-                "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
-                "tokenizer": self.eng.tokenizer.fingerprint, "chat_template": text_hash(self.eng.template or ""),
-                "steering": steer or "none", "steering_vector": described,
-                "kv_format": self.eng.kv_fmt.label}
-
-    def save(self, req: SaveSession, handle: Handle) -> SessionSaved:
-        from . import sessions
-        self.eng.require_model()
-        reason = self.eng.guard.unavailable_reason()
-        if reason:
-            raise MemoryRefused(f"session save refused: {reason}")
-        entry, reread = self.eng.live, False
-        if req.messages is not None:
-            keys = None if req.speed_projection is None else {self.cache_key(self._projection(req.speed_projection))}
-            entry = self.eng.conversations.find(req.messages, keys, req.conversation)
-            if entry is None:
-                entry, reread = self._read_again(req, handle), True
-        if entry is None or not entry.tokens:
-            raise RequestError("there is no conversation to save")
-        steer = entry.key.steering                # the steering its K/V was computed with
-        result = sessions.save(req.path, entry, self.session_fingerprint(steer),
-                               sync=req.sync, force=req.force, progress=lambda d, t: handle.emit(Progress("save", d, t)), log=self.eng.log)
-        return SessionSaved.from_dict(result, reread=reread, speed_projection=entry.key.steered)
-
-    def _read_again(self, req: SaveSession, handle: Handle):
-        """A conversation whose K/V is no longer held (evicted, or from before a restart): read its
-        messages again, with the steering asked for, into a new live K/V (progress "prefill",
-        cancellable), then it is saved like any other."""
-        from .chat_template import render
-        from .generate import prefill
-        from .parking import KVEntry
-        if not req.messages or not any(m.get("role") != "system" for m in req.messages):
-            raise RequestError("there is no conversation to save")
-        self.eng.steering.speed_projection = self._projection(req.speed_projection)
-        tok = self.eng.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        # As it was held after its last reply: no generation prompt at the end, so a follow-up
-        # (rendered with one) extends these tokens.
-        text = render(self.eng.template, req.messages, bos_token=bos, add_generation_prompt=False,
-                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
-        add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        tokens = tok.encode_prompt(text, add_bos=add_bos)
-        if len(tokens) >= self.eng.n_ctx:
-            raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
-        self.eng.log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
-        entry = KVEntry([], self.make_cache(), self.cache_key(), messages=list(req.messages),
-                        owner=req.conversation)
-        prefill(self.eng.model, entry.cache, tokens, entry.tokens, chunk=self.eng.options.prefill_chunk,
-                progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
-                pace=self.prefill_pace(), layerwise=not self.eng.serving.distributed)
-        self.eng.conversations.make_live(entry)
-        return entry
-
-    def clean_session_folder(self) -> None:
-        """Temporary files of saves killed in an earlier run (only those no live save holds)."""
-        from . import sessions
-        from .paths import sessions_dir
-        folder = sessions_dir()
-        if folder.is_dir():
-            sessions.remove_stale_parts(folder, self.eng.log)
-
-    def restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
-        from . import sessions
-        self.eng.require_model()
-        reason = self.eng.guard.unavailable_reason()
-        if reason:
-            raise MemoryRefused(f"session restore refused: {reason}")
-        # Validated (every field, the checksum over every byte, token ids, the memory guard) before
-        # it is kept: a refused file never becomes the live or a parked entry.
-        name = Path(req.path).expanduser().name
-        _, meta, _ = sessions.read_header(req.path)
-        theirs = meta.get("fp.steering") or "none"
-        expected = self.session_fingerprint("")
-        # Model, geometry and tokenizer first: a file from another model is refused for that.
-        sessions.check_fingerprint(name, meta, dict(expected, steering=theirs))
-        projection = self._session_projection(name, theirs, meta.get("fp.steering_vector"), req.speed_projection)
-        steer = self.steering_fingerprint(projection)
-        entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.make_cache,
-                                      key=self.cache_key(projection), dtype=self.eng.dtype,
-                                      n_vocab=self.eng.info.n_vocab, n_ctx=self.eng.n_ctx, admit=self.eng.guard.admit,
-                                      progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                      log=self.eng.log, probe_cache=self._cache_probe)
-        entry.owner = req.conversation
-        # Validated and read: only now does the live conversation step aside.
-        self.eng.conversations.make_live(entry)
-        return SessionRestored.from_dict(result, speed_projection=bool(steer), steering=None if not steer else {
-            "fingerprint": steer, **_vector_spec(meta.get("fp.steering_vector"))})
-
-    def _cache_probe(self) -> list:
-        """This model's cache after one token: what a format-3 session file's layers are checked against."""
-        from .session_v3 import probe
-        return probe(self.eng.model, self.make_cache)
-
-    def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
-        """The projection setting that reproduces a file's steering, or a one-line refusal that
-        names the vector the file needs."""
-        vector = self.eng.steering.vector if self.eng.steering else None
-        ours = vector.fingerprint() if vector is not None else ""
-        if asked is not None:
-            asked = bool(asked) and vector is not None     # no vector: the switch changes nothing
-        if theirs == "none" and not asked:
-            return False
-        if theirs != "none" and theirs == ours and asked is not False:
-            return True
-        now = "no control vector" if not ours else f"control vector {ours[:12]}"
-        if asked is not None:
-            now = f"now {now} with the projection {'on' if asked else 'off'}"
-        else:
-            now = f"now {now}"
-        if theirs == "none":
-            raise SessionSteeringRefused(f"{name} was saved with another steering setting (no control vector; {now})")
-        needed = VectorSpec.of(_vector_spec(spec))      # the refusal carries it: the app offers it as is
-        named = needed.describe() if needed is not None else ""
-        hint = f"load {named} to restore it" if named else "load the control vector it was saved with"
-        raise SessionSteeringRefused(f"{name} was saved with another steering setting (control vector "
-                                     f"{theirs[:12]}{': ' + named if named else ''}; {now}); {hint}", needed)
-
-
 @dataclass
 class Turn:
     """One generate request between begin_turn and end_turn: its K/V entry (holding tokens[:reuse]),
@@ -540,17 +296,6 @@ class Turn:
     constraint: object = None
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
-
-
-def _vector_spec(raw: str | None) -> dict:
-    """The steering a session file names (files, layer_range, mode, direction), {} when none."""
-    if not raw or raw == "none":
-        return {}
-    try:
-        spec = json.loads(raw)
-    except ValueError:
-        return {}
-    return spec if isinstance(spec, dict) else {}
 
 
 def _load_budget(guard) -> dict | None:

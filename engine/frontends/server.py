@@ -34,11 +34,12 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..errors import StrataError
 from ..tool_calls import DEFAULT_VOLATILE_LINES
 from . import anthropic_api, openai_api
 from .connections import ConnectionLimits, uvicorn_options
 from .wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
-    _chat_message, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
+    _chat_message, _models, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
 
 DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 
@@ -213,7 +214,6 @@ class _BearerAuth:
 # ---- running it --------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one), or StrataError in one line."""
-    from ..errors import StrataError
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
@@ -296,7 +296,6 @@ def cmd_serve(args) -> int:
     _Server = _server_class()
 
     from .launch import check_engine_flags, loaded, start_engine
-    from ..errors import StrataError
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
     check_engine_flags(args)                     # before the port is taken

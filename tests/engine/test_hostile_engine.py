@@ -246,12 +246,12 @@ def test_a_context_over_the_model_s_is_capped_with_a_warning(home, caplog):
 
 SLOW_SERVE = """
 import sys, time
-from engine.handlers import RequestHandlers
-real = RequestHandlers.load
+from engine.model_load import ModelLoad
+real = ModelLoad.load
 def slow(self, req, handle):
     time.sleep(float(sys.argv[1]))
     return real(self, req, handle)
-RequestHandlers.load = slow
+ModelLoad.load = slow
 from engine.frontends.cli import main
 sys.exit(main(["serve", "--model", sys.argv[2], "--port", sys.argv[3]]))
 """

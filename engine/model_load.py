@@ -1,0 +1,119 @@
+"""The LoadModel request on the engine thread: a GGUF (and the draft it names) read, checked against the
+memory guard before any tensor is read, built into one LoadedModel that replaces the last one whole
+(a refused load leaves the old one serving)."""
+from __future__ import annotations
+
+from .api import LoadModel, ModelFacts, ModelLoaded, model_id
+from .events import Handle, Progress
+
+
+class ModelLoad:
+    """One per engine (`Engine.loads`); holds nothing but its engine."""
+
+    def __init__(self, engine):
+        self.eng = engine
+
+    def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
+        import mlx.core as mx
+
+        from . import steering
+        from .device import compute_dtype
+        from .gguf_file import content_hash, open_gguf
+        from .memory_estimate import fit_for_load, gpu_working_set
+        from .models import resolve_model
+        from .tokenizer import load_tokenizer
+
+        path = resolve_model(req.path)
+        g = open_gguf(path)
+        self.eng.drafts.release("a model load")      # drafts for the old target; its memory counts for the fit
+        self.eng.drafts.forget_mtp()
+        handle.emit(Progress("load", 0, len(g.reader.tensors)))
+        tokenizer = load_tokenizer(g)
+        dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
+            self.eng.options.dtype or "", compute_dtype())
+        # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
+        n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
+                                          self.eng.guard, gpu_working_set())
+        progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
+        model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
+        steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
+        vector, steering_error = None, None
+        if steer_cfg is not None and getattr(steer_cfg, "files", ()):
+            from .control_vector import ControlVector, ControlVectorError
+            try:
+                vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
+            except ControlVectorError as e:
+                # A vector made for another model must not cost the user the model: serve without it.
+                steering_error = str(e)
+        from .kv_format import choose_for
+        from .loaded_model import LoadedModel
+        # --kv-bits this head size or this attention cannot take: refused
+        kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
+        # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
+        # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
+        draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
+        model_hash = content_hash(path)
+        from .chat_template import generation_prompt
+        from .reasoning import opens_think
+        template = g.get("tokenizer.chat_template")
+        facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
+                           info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
+                           distributed=self.eng.serving.status(),
+                           think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)))
+        # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
+        self.eng.options.steering = steer_cfg
+        self.eng.loaded = LoadedModel(
+            model=model, tokenizer=tokenizer, info=info, path=path, template=template,
+            model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
+            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
+            steering_error=steering_error, facts=facts, draft=draft)
+        if vector is not None:
+            # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
+            steering.install(self.eng.model, self.eng.steering)
+            # Compile the steering kernel now (seconds on a GPU's first use), not in a request.
+            secs = steering.warm_up(vector, dtype)
+            self.eng.log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
+        self.eng.serving.after_load(self.eng)
+        self.eng.conversations.clear()
+        reserved = self._touch_kv_memory(info, dtype)
+        self.eng.log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
+                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.eng.n_ctx}, "
+                  f"compute {str(dtype).removeprefix('mlx.core.')}")
+        self.eng.log(f"weights: {info.load_note}")
+        self.eng.log(memory_line)
+        asked = self.eng.options.context_length
+        if asked and asked > n_ctx and info.context_length <= n_ctx:
+            # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
+            import logging
+
+            from .events import Log
+            note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
+                    f"using {n_ctx}")
+            logging.getLogger("strata").warning(note)
+            handle.emit(Log(note))
+        self.eng.log(f"K/V: {self.eng.kv_fmt.describe()}")
+        self.eng.log(reserved.note)
+        if self.eng.serving.describe():
+            self.eng.log(self.eng.serving.describe())
+        if vector is not None:
+            self.eng.log(vector.describe())
+        if steering_error:
+            self.eng.log(f"control vector refused: {steering_error}; serving without it")
+        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts,
+                           draft=str(draft.path) if draft is not None else None)
+
+    def _touch_kv_memory(self, info, dtype):
+        """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
+        creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
+        from . import kv_reserve
+        from .device import on_gpu
+        self.eng.kv_topup.use(None)
+        if on_gpu():
+            return kv_reserve.Reserved.none("the K/V lives in GPU memory")
+        if self.eng.serving.distributed or self.eng.kv_fmt.quantized:
+            return kv_reserve.Reserved.none("distributed or quantized K/V")
+        reserved = kv_reserve.touch(self.eng.n_ctx, info.n_layer, info.n_head_kv, info.head_dim, dtype,
+                                    admit=self.eng.guard.admit)
+        # ... and touched again in idle time once restores or prefills have used it (kv_reserve.IdleTopUp)
+        self.eng.kv_topup.use(kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit))
+        return reserved
