@@ -16,6 +16,13 @@ Lines are appended to bench/results/results.jsonl, or --out, or $BENCH_RESULTS.
 Reading them back:
 
     python bench/harness.py show [--bench engine] [--commit 268c1b6] [--file PATH] [--all]
+
+Keeping a run's whole output (the raw log) beside the figures, indexed:
+
+    python bench/harness.py log s14-run2-engine-llama1b -- python bench/engine.py --random-shape llama1b
+
+runs the command, writes its output (stdout and stderr) to bench/results/raw/NAME.txt headed by the
+command, the commit and the time, and adds the file's line to the index, bench/results/README.md.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -242,6 +251,62 @@ def show(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# --- the runner: one command's raw log, indexed ------------------------------------------------------
+
+RAW_DIR = REPO / "bench" / "results" / "raw"
+
+
+def index_row(name: str, command: str, rc: int, lines: int) -> str:
+    """The index's line for a log: file, session and call (from an sN-runM- name), command, outcome."""
+    m = re.match(r"s(\d+)-run(\d+)-", name)
+    where = f"{m.group(1)}, {m.group(2)}" if m else "-"
+    return f"| [{name}](raw/{name}) | {where} | `{command.replace('|', '/')}` | exit {rc}, {lines} lines |"
+
+
+def log(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="harness.py log", description="run a command, keep its output indexed")
+    ap.add_argument("name", help="the log's name (e.g. s14-run2-engine-llama1b; .txt added)")
+    ap.add_argument("--dir", default=str(RAW_DIR), help="where the log goes (its parent's README.md is the index)")
+    argv = list(argv)
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        print("usage: harness.py log NAME [--dir DIR] -- COMMAND...", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    a, cmd = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    if "/" in a.name or not a.name.strip("."):
+        print(f"log name {a.name!r}: a file name, no folders", file=sys.stderr)
+        return 2
+    path = Path(a.dir) / (a.name if a.name.endswith(".txt") else a.name + ".txt")
+    if path.exists():
+        print(f"{path} exists: raw logs are never overwritten, pick another name", file=sys.stderr)
+        return 2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(cmd)
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    except OSError as e:
+        print(f"cannot run {cmd[0]!r}: {e.strerror}", file=sys.stderr)
+        return 2
+    with path.open("w", encoding="utf-8") as f:
+        f.write(f"# {now}, {socket.gethostname()}, code {commit()}: {command}\n")
+        n = 0
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+            n += 1
+        rc = proc.wait()
+    index = path.parent.parent / "README.md"
+    row = index_row(path.name, command, rc, n)
+    if index.exists():
+        with index.open("a", encoding="utf-8") as f:
+            f.write(row + "\n")
+    print(f"[harness] log {path}; index {index if index.exists() else '(none: add this line) ' + row}",
+          file=sys.stderr)
+    return rc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -249,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv[0] == "show":
         return show(argv[1:])
-    print(f"unknown command {argv[0]!r}: use `show`", file=sys.stderr)
+    if argv[0] == "log":
+        return log(argv[1:])
+    print(f"unknown command {argv[0]!r}: use `show` or `log`", file=sys.stderr)
     return 2
 
 
