@@ -5,8 +5,8 @@ In a script:
     from bench.harness import Run, add_args
     add_args(ap)                                  # --out PATH (the results file)
     run = Run(out=args.out)
-    run.record("decode / mlx-lm", 1.02, "x", peer="mlx-lm", spread=(0.98, 1.02, 1.1), rounds=10,
-               line="decode / mlx-lm 1.02")      # line: printed as the script's human output
+    run.record("decode / mlx-lm", statistics.median(ratios), "x", peer="mlx-lm", spread=ratios, rounds=10,
+               line="decode / mlx-lm 1.02")      # spread: min/median/max of the list; line: also printed
 
 Each line holds time, machine (hostname, cpu, cores, RAM), device (MLX's default device and the GPU's
 name when on one), commit (HEAD, "+dirty" when tracked files changed), command, bench (the script),
