@@ -8,7 +8,7 @@ In a script:
     run.record("decode / mlx-lm", statistics.median(ratios), "x", peer="mlx-lm", spread=ratios, rounds=10,
                line="decode / mlx-lm 1.02")      # spread: min/median/max of the list; line: also printed
 
-Each line holds time, machine (hostname, cpu, cores, RAM), device (MLX's default device and the GPU's
+Each line holds time, machine (hostname, cpu, cores, RAM, load), device (MLX's default device and the GPU's
 name when on one), commit (HEAD, "+dirty" when tracked files changed), command, bench (the script),
 figure, value, unit, and any optional fields given (peer, spread {min, median, max}, rounds, ...).
 Lines are appended to bench/results/results.jsonl, or --out, or $BENCH_RESULTS.
@@ -78,8 +78,13 @@ def machine() -> dict[str, Any]:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         ram = None
+    try:        # a shared machine's other work moves every figure: the load when the run's figures began
+        load = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
     return {"hostname": socket.gethostname(), "os": f"{platform.system()} {platform.machine()}",
-            "cpu": _cpu_model(), "cores": os.cpu_count(), "ram_gib": round(ram, 1) if ram else None}
+            "cpu": _cpu_model(), "cores": os.cpu_count(), "ram_gib": round(ram, 1) if ram else None,
+            "load_1m": load}
 
 
 def _gpu_name(mx) -> str | None:

@@ -48,7 +48,7 @@ def test_two_figures_are_two_json_lines_with_every_field(tmp_path, capsys):
     assert len(rows) == 2
     for r in rows:
         assert set(BASE_FIELDS) <= set(r)
-        assert set(r["machine"]) >= {"hostname", "cpu", "cores", "ram_gib"}
+        assert set(r["machine"]) >= {"hostname", "cpu", "cores", "ram_gib", "load_1m"}
         assert r["machine"]["cores"] == os.cpu_count() and r["machine"]["ram_gib"] > 0
         assert r["device"]                              # MLX's device, or "none (no mlx)"
         head = _head()
