@@ -78,7 +78,7 @@ def machine() -> dict[str, Any]:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         ram = None
-    try:        # a shared machine's other work moves every figure: the load when the run's figures began
+    try:        # a shared machine's other work moves every figure: the 1-minute load as the run ends
         load = round(os.getloadavg()[0], 2)
     except OSError:
         load = None
