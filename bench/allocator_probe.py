@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args   # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--restores", type=int, default=24)
+    add_args(ap)
     a = ap.parse_args()
     if a.restores < 2:
         print("need --restores >= 2 (one of each setting at least)", file=sys.stderr)
@@ -48,9 +50,12 @@ def main() -> int:
         r = e.call(RestoreSession(str(path)))
         res[mode].append((time.perf_counter() - t) * 1e3)
         build[mode].append(r.profile["build_ms"])
+    run = Run(out=a.out)
     for m in res:
-        print(f"{m}: restore median {statistics.median(res[m]):.1f} ms {[round(x) for x in res[m]]}, "
-              f"build median {statistics.median(build[m]):.1f} ms")
+        run.record(f"{m} restore", statistics.median(res[m]), "ms", spread=res[m], rounds=len(res[m]),
+                   line=f"{m}: restore median {statistics.median(res[m]):.1f} ms {[round(x) for x in res[m]]}, "
+                        f"build median {statistics.median(build[m]):.1f} ms")
+        run.record(f"{m} build", statistics.median(build[m]), "ms", spread=build[m], rounds=len(build[m]))
     path.unlink()
     sys.stdout.flush()
     os._exit(0)

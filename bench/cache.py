@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args   # noqa: E402
 
 PARAGRAPHS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -385,6 +386,23 @@ def session_rows(n: int, res: dict) -> list[tuple]:
     return rows
 
 
+def record_session(run: Run, n: int, res: dict) -> None:
+    """The session part's headline figures, one JSON line each (bench/harness.py)."""
+    for key, figure in (("save", "session save"), ("save_sync", "session save with fsync"),
+                        ("load", "session restore"), ("load_own", "the engine's own restore")):
+        run.record(figure, med(res[key]), "ms", spread=res[key], rounds=len(res[key]), session_tokens=n)
+    run.record("session file bytes per token", res["bytes"] / n, "B", session_tokens=n)
+    if res["l_save"]:
+        for key, lkey, figure in (("save", "l_save", "session save"), ("load", "l_load", "session restore")):
+            run.record(f"{figure} / llama.cpp", med(res[key]) / med(res[lkey]), "x", peer="llama.cpp",
+                       session_tokens=n)
+        run.record("session file bytes / llama.cpp", res["bytes"] / res["l_bytes"], "x", peer="llama.cpp",
+                   session_tokens=n)
+    for kind, xs in (res.get("new") or {}).items():
+        run.record(f"session restore into a new process, {kind}", med(xs), "ms", spread=xs, rounds=len(xs),
+                   session_tokens=n)
+
+
 def own_row(res: dict, nbytes: int) -> tuple:
     """The engine's own restore time (RestoreSession's restore_ms: open to the cache built), without
     the wall time's queue hop and the parking of the conversation the restored one replaces."""
@@ -427,7 +445,8 @@ def print_table(rows, head=("metric", "Strata (MLX)", "llama.cpp", "ratio", "tar
         print("| " + " | ".join(row) + " |")
 
 
-def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None, rounds: int = 1) -> int:
+def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None, rounds: int = 1,
+                  run: Run | None = None) -> int:
     """--restart: returning to a conversation of each size after a restart, the disk tier
     (engine/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes.
     --restart-rounds R: R rounds per size, the two arms alternating (disk first, then re-read first),
@@ -508,6 +527,13 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
         states = f" ({w2_segs} segments, {w2_state / 1e3:.0f} KB windows/states)" if w2_state else ""
         print(f"| {n} | {p} | {rd} | {span(dt)} | {span(ct)} | {span(x)}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB"
               f"{states} | {size / 1e6:.2f} MB |")
+        if run is not None:
+            run.record(f"ttft after a restart, disk tier, {n} tokens", statistics.median(dt), "ms", spread=dt,
+                       rounds=rounds, model=model.name)
+            run.record(f"ttft after a restart, re-read, {n} tokens", statistics.median(ct), "ms", spread=ct,
+                       rounds=rounds, model=model.name)
+            run.record(f"restart speed-up, {n} tokens", statistics.median(x), "x", peer="re-read", spread=x,
+                       rounds=rounds, model=model.name)
     return 0
 
 
@@ -549,6 +575,7 @@ def main() -> int:
                     help="--restart: history sizes (default 2000,8000 on a GPU, 2000 on a CPU)")
     ap.add_argument("--restart-rounds", type=int, default=1, metavar="R",
                     help="--restart: rounds per size, disk tier and re-read alternating (medians [min-max])")
+    add_args(ap)
     args = ap.parse_args()
     if args.restart:
         from engine.device import on_gpu
@@ -559,7 +586,8 @@ def main() -> int:
             model = build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
         else:
             model = Path(args.model) if args.model else _default()
-        return restart_bench(model, sizes, args.reply_tokens, args.dtype, max(1, args.restart_rounds))
+        return restart_bench(model, sizes, args.reply_tokens, args.dtype, max(1, args.restart_rounds),
+                             Run(out=args.out))
     if args.child_restore:
         return child_restore(*args.child_restore, args.model, args.session_tokens, args.threads, args.context,
                              args.dtype)
@@ -596,13 +624,14 @@ def main() -> int:
         print(f"the model did not load: {model}", file=sys.stderr)
         return 2
     tok = on.tokenizer
+    run = Run(out=args.out)
     rows, history_tokens, notes = [], 0, []
     if not args.session_only:
         off = Engine(EngineOptions(model=str(model), cache_mib=0, dtype=args.dtype)).start()
         if not off.call(Status()).model:
             print(f"the model did not load: {model}", file=sys.stderr)
             return 2
-        rows, history_tokens, raw = aba(on, off, tok, args)
+        rows, history_tokens, raw = aba(on, off, tok, args, run)
         notes.append(raw)
         off.stop()
         live_n = on.call(Status()).live_tokens
@@ -626,6 +655,7 @@ def main() -> int:
     compute = str(on.dtype).removeprefix("mlx.core.")
     on.stop()
     rows += session_rows(len(ids), res)
+    record_session(run, len(ids), res)
 
     import mlx.core as mx
     print(f"\nmodel {model.name}{' (random weights)' if args.random_shape else ''}, session {len(ids)} tokens "
@@ -656,7 +686,7 @@ def main() -> int:
     return 0
 
 
-def aba(on, off, tok, args) -> tuple[list[tuple], int, str]:
+def aba(on, off, tok, args, run: Run) -> tuple[list[tuple], int, str]:
     """The A/B/A part: (table rows, A's first prompt tokens, a raw line)."""
     first_user = "Here are my sources. " + history_text(tok, args.history)
     messages = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": first_user}]
@@ -691,6 +721,9 @@ def aba(on, off, tok, args) -> tuple[list[tuple], int, str]:
               f"(cached {ra.cached_tokens}), not parked {ro.ttft_ms:.0f} ms (cached {ro.cached_tokens})",
               file=sys.stderr, flush=True)
     ratio = med(ttft_off) / med(ttft_on)
+    run.record("follow-up ttft, parked", med(ttft_on), "ms", spread=ttft_on, history_tokens=history_tokens)
+    run.record("follow-up ttft, not parked", med(ttft_off), "ms", spread=ttft_off, history_tokens=history_tokens)
+    run.record("ttft not parked / parked", ratio, "x", peer="not parked", history_tokens=history_tokens)
     rows = [
         ("A's follow-up ttft, parked (ms)", fmt(med(ttft_on)), "", "", ""),
         ("A's follow-up ttft, not parked (ms)", fmt(med(ttft_off)), "", "", ""),

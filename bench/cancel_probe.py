@@ -6,6 +6,7 @@ cancelled at the first report after 8 s; prints the reports, the longest gap and
 import sys, time, threading
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.events import Progress, Failed
 from engine.sampling import SamplingParams
@@ -25,4 +26,7 @@ box["h"] = h = e.submit(GenerateRequest(messages=[{"role": "user", "content": te
 list(h.events())
 gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
 print("reports:", [(round(t, 1), d) for t, d, _ in times])
-print(f"total {times[0][2]} tokens; longest gap between reports {max(gaps):.2f} s; cancel answered in {box['f'] - box['c']:.2f} s after {box['c'] - t0:.1f} s, {times[-1][1]} tokens read")
+run = Run()   # results file: $BENCH_RESULTS or bench/results/results.jsonl
+run.record("longest gap between reports", max(gaps), "s", prompt_tokens=times[0][2])
+run.record("cancel answered", box['f'] - box['c'], "s", prompt_tokens=times[0][2],
+           line=f"total {times[0][2]} tokens; longest gap between reports {max(gaps):.2f} s; cancel answered in {box['f'] - box['c']:.2f} s after {box['c'] - t0:.1f} s, {times[-1][1]} tokens read")

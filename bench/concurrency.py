@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import machine, prompt_ids, spread  # noqa: E402
+from bench.harness import Run, add_args  # noqa: E402
 
 
 class Gate:
@@ -195,6 +196,7 @@ def main() -> int:
     ap.add_argument("--join-streams", type=int, default=8, help="batch size the joining stream makes (0: skip)")
     ap.add_argument("--raw-on-engine-thread", action="store_true",
                     help="also run BatchGenerator on the engine's thread (a diagnostic: is a gap the thread?)")
+    add_args(ap)
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     if args.gen < 2 or args.prompt_tokens < 2 or min(streams) < 1:
@@ -285,6 +287,8 @@ def main() -> int:
     print("| streams | Strata aggregate tok/s | mlx-lm aggregate tok/s | Strata decode tok/s | mlx-lm decode tok/s "
           "| decode Strata / mlx-lm, median [min-max] | Strata vs 1 stream | slowest stream x N / alone |")
     print("|---|---|---|---|---|---|---|---|")
+    rec = Run(out=args.out)
+    setup = dict(model=label, prompt_tokens=len(base), gen=args.gen, rounds=args.rounds)
     for n in streams:
         s, m = rows[n]["strata"], rows[n]["mlx-lm"]
         agg_s, agg_m = statistics.median(x[0] for x in s), statistics.median(x[0] for x in m)
@@ -293,11 +297,23 @@ def main() -> int:
         vs1 = f"{dec_s / one['strata']:.2f}x" if one else "-"
         slow = f"{statistics.median(x[2] for x in s) * n / one['strata']:.2f}" if one else "-"
         print(f"| {n} | {agg_s:.1f} | {agg_m:.1f} | {dec_s:.1f} | {dec_m:.1f} | {spread(ratio)} | {vs1} | {slow} |")
+        for who, agg, dec in (("strata", agg_s, dec_s), ("mlx-lm", agg_m, dec_m)):
+            rec.record(f"{who} aggregate, {n} streams", agg, "tok/s", streams=n, **setup)
+            rec.record(f"{who} decode, {n} streams", dec, "tok/s", streams=n, **setup)
+        rec.record(f"decode strata / mlx-lm, {n} streams", statistics.median(ratio), "x", peer="mlx-lm BatchGenerator",
+                   spread=ratio, streams=n, **setup)
+        if one:
+            rec.record(f"slowest stream x N / alone, {n} streams", statistics.median(x[2] for x in s) * n / one["strata"],
+                       "x", streams=n, **setup)
     if join:
         idle_s, join_s, idle_m, join_m = join
         print(f"\njoining stream's time to first token ({args.join_streams - 1} streams decoding, its prompt "
               f"{len(base)} tokens): Strata {join_s:.0f} ms (idle engine {idle_s:.0f} ms, {join_s / idle_s:.2f}x); "
               f"mlx-lm BatchGenerator {join_m:.0f} ms (idle {idle_m:.0f} ms, {join_m / idle_m:.2f}x)")
+        rec.record("joining stream ttft / idle, strata", join_s / idle_s, "x", peer="idle engine",
+                   streams=args.join_streams, join_ms=join_s, idle_ms=idle_s, **setup)
+        rec.record("joining stream ttft / idle, mlx-lm", join_m / idle_m, "x", peer="idle BatchGenerator",
+                   streams=args.join_streams, join_ms=join_m, idle_ms=idle_m, **setup)
     if c is not None:
         print(f"Strata batch counters: {c}")
     if steps_of:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.harness import Run, add_args  # noqa: E402
 
 DEFAULT_VECTOR = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
 EFFECT_PROMPTS = REPO / "resources" / "prompts" / "cvec-effect.txt"
@@ -287,6 +288,27 @@ def print_cost(res: dict) -> None:
           f"decode off {[round(x, 1) for x in d['off_all']]} on {[round(x, 1) for x in d['on_all']]}")
 
 
+def record_cost(run: Run, res: dict) -> None:
+    """The cost table's on/off ratios and the kernel's time, one JSON line each (bench/harness.py)."""
+    p, d, k1 = res["prefill_ms"], res["decode_ms_per_tok"], res["kernel_token"]
+    sd, sp = res["steps"]["decode"], res["steps"]["prefill"]
+    setup = dict(steering=str(res["steering"]), rounds=res["repeat"])
+    run.record("prefill on / off", p["paired_ratio"], "x", peer="off", prompt_tokens=res["prompt_tokens"], **setup)
+    run.record("decode on / off", d["paired_ratio"], "x", peer="off", decode_tokens=res["decode_tokens"], **setup)
+    run.record("forward alone, decode step on / off", sd["paired_ratio"], "x", peer="off", pairs=sd["n"], **setup)
+    run.record("forward alone, prefill chunk on / off", sp["paired_ratio"], "x", peer="off", pairs=sp["n"],
+               chunk=sp["rows"], **setup)
+    run.record("steer() per token, all layers", k1["all_layers_ms"], "ms", backend=k1["backend"],
+               layers=k1["layers"], **setup)
+
+
+def record_effect(run: Run, res: dict) -> None:
+    for s, v in res["summary"].items():
+        run.record(f"mean reply, {s}", v["mean_tokens"], "tokens", prompts=v["n"], eos=v["eos"],
+                   max_tokens=res["max_tokens"])
+        run.record(f"mean wall, {s}", v["mean_wall_s"], "s", prompts=v["n"], max_tokens=res["max_tokens"])
+
+
 # ------------------------------------------------------------------------------------------ effect
 def parse_setting(s: str):
     if s == "off":
@@ -380,6 +402,7 @@ def main() -> int:
                          "call under mx.compile (A/Bs against the plain kernel call); residual-add: a steered "
                          "block does its last residual add and no steering (the wrapper's own cost, a floor)")
     ap.add_argument("--shader", default=None, help="build the GPU kernel from this body instead of shaders/cvec.metal")
+    add_args(ap)
     args = ap.parse_args()
     import engine.steering as steering
     if args.steering_op == "portable":
@@ -412,9 +435,11 @@ def main() -> int:
     if args.effect:
         res = effect(args)
         print_effect(res)
+        record_effect(Run(out=args.out), res)
     else:
         res = cost(args)
         print_cost(res)
+        record_cost(Run(out=args.out), res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     sys.stdout.flush()

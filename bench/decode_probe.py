@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args   # noqa: E402
 
 
 PATHS = ("raw", "raw@engine-model", "decode", "request")     # the runs main() alternates
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--paths", default=",".join(PATHS),
                     help="comma-separated, raw first (fewer paths: each pair of runs closer in time)")
+    add_args(ap)
     a = ap.parse_args()
     if a.rounds < 1 or a.gen < 2 or a.prompt_tokens < 2:
         print("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2", file=sys.stderr)
@@ -89,9 +91,14 @@ def main() -> int:
             print(f"round {r}: " + ", ".join(f"{k} {out[k][-1]:.0f}" for k in names), file=sys.stderr, flush=True)
     print(f"\n{a.random_shape}, prompt {len(ids)}, {a.gen} tokens, {a.rounds} rounds after a warm-up; decode tok/s")
     print("| path | tok/s median | / raw, median [min-max] |\n|---|---|---|")
+    run = Run(out=a.out)
     for k in names:
         rs = [x / y for x, y in zip(out[k], out["raw"])]
         print(f"| {k} | {statistics.median(out[k]):.1f} | {statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}] |")
+        setup = dict(shape=a.random_shape, prompt_tokens=len(ids), gen=a.gen, rounds=a.rounds)
+        run.record(f"{k} decode", statistics.median(out[k]), "tok/s", spread=out[k], **setup)
+        if k != "raw":
+            run.record(f"{k} decode / raw", statistics.median(rs), "x", peer="raw", spread=rs, **setup)
     sys.stdout.flush()
     os._exit(0)
 

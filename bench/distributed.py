@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.harness import Run, add_args   # noqa: E402
 
 
 def _ports(n: int) -> list[int]:
@@ -70,6 +72,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt", default="Write a short story about a lighthouse keeper and a storm.")
+    add_args(ap)
     a = ap.parse_args()
     args = ["-p", a.prompt, "-n", str(a.max_tokens)] + (["-m", a.model] if a.model else [])
     rows: dict[int, list[dict]] = {1: [], a.ranks: []}
@@ -85,9 +88,14 @@ def main() -> int:
            for n, rs in rows.items()}
     print("| ranks | ttft ms (median) | decode tok/s (median) | decode vs 1 |")
     print("|---|---|---|---|")
+    rec = Run(out=a.out)
     for n in (1, a.ranks):
         label = "1 (single process)" if n == 1 else f"{n} ({a.mode}, ring on 127.0.0.1)"
         print(f"| {label} | {med[n][0]:.0f} | {med[n][1]:.2f} | {med[n][1] / med[1][1]:.2f} |")
+        rec.record(f"{label} ttft", med[n][0], "ms", rounds=a.rounds)
+        rec.record(f"{label} decode", med[n][1], "tok/s", rounds=a.rounds)
+    rec.record(f"{a.ranks} ranks decode / 1", med[a.ranks][1] / med[1][1], "x", peer="1 (single process)",
+               rounds=a.rounds, same_tokens=same)
     print(f"same tokens in every run: {same}")
     return 0
 

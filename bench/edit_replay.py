@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 from bench.shapes import CHOICES  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "edit_trace.json"
@@ -197,6 +198,13 @@ def replay(args) -> int:
           f"**{statistics.median(ratios):.2f}x** [{ratios[0]:.2f}-{ratios[-1]:.2f}] | "
           f"{accepted // max(1, args.rounds)}/{drafted // max(1, args.rounds)} per reply | {t_acc}/{t_dr} | "
           f"{'yes' if same else 'NO'} |" + (f" stopped: {'; '.join(sorted(stopped))}" if stopped else ""))
+    rec = Run(out=args.out)
+    setup = dict(model=path.name, dtype=str(dtype).split('.')[-1], history_tokens=len(history), reply_tokens=max_tokens,
+                 draft_len=draft_len, rounds=args.rounds, same_tokens=same)
+    rec.record("off reply", tps(statistics.median(rows['off'])), "tok/s", **setup)
+    rec.record("lookup (replayed) reply", tps(statistics.median(rows['replay'])), "tok/s", **setup)
+    rec.record("lookup (replayed) speed-up", statistics.median(ratios), "x", peer="off", spread=ratios,
+               accepted=accepted // max(1, args.rounds), drafted=drafted // max(1, args.rounds), **setup)
     return 0 if same and settled and (split is None or not args.exact) else 1
 
 
@@ -217,6 +225,7 @@ def main() -> int:
                          "on the H200 replies then varied between rounds: bench/gpu.md, session 13)")
     ap.add_argument("--exact", action="store_true",
                     help="fail unless speculation's greedy reply is the plain one (float32: no near-ties)")
+    add_args(ap)
     args = ap.parse_args()
     return record(args) if args.record else replay(args)
 

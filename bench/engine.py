@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args   # noqa: E402
 from bench.shapes import CHOICES   # noqa: E402  (plain Python: the shape names)
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -118,6 +119,7 @@ def main() -> int:
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--raw-on-engine-thread", action="store_true",
                     help="also run raw mlx-lm on the engine's thread (a diagnostic: is a gap the thread?)")
+    add_args(ap)
     args = ap.parse_args()
     if args.rounds < 1 or args.gen < 2 or args.prompt_tokens < 2:
         raise SystemExit("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2")
@@ -180,9 +182,17 @@ def main() -> int:
     print("| engine | prefill tok/s (median) | decode tok/s (median) | prefill / mlx-lm, median [min-max] "
           "| decode / mlx-lm, median [min-max] |")
     print("|---|---|---|---|---|")
+    run = Run(out=args.out)
     for k in names:
         p, d = med[k]
         print(f"| {k} | {p:.1f} | {d:.1f} | {spread(ratio[k][0])} | {spread(ratio[k][1])} |")
+        setup = dict(model=label, prompt_tokens=len(ids), gen=args.gen, rounds=args.rounds)
+        run.record(f"{k} prefill", p, "tok/s", **setup)
+        run.record(f"{k} decode", d, "tok/s", **setup)
+        if k != "mlx-lm":
+            for i, what in enumerate(("prefill", "decode")):
+                run.record(f"{k} {what} / mlx-lm", statistics.median(ratio[k][i]), "x", peer="mlx-lm",
+                           spread=ratio[k][i], **setup)
     for k in names:
         print(f"raw {k}: prefill {[round(x[0], 1) for x in results[k]]}, "
               f"decode {[round(x[1], 1) for x in results[k]]}")

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.harness import Run  # noqa: E402
 
 SHAPES = {
     # target (write_tiny_gemma4 keywords), drafter (write_tiny_gemma4_assistant keywords)
@@ -112,6 +114,14 @@ def gemma4_mtp_costs(args) -> int:
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     print(f"| {ms(t[1])} | {ms(t[2])} | {ms(t[3])} | {ms(t[4])} | {ms(head_s)} | {head_s / t[1]:.2f} | "
           f"{ms(snap_s)} | {ms(restore_s)} |")
+    rec = Run(out=args.out)
+    setup = dict(model=path.name, drafter=loaded.path.name, context=args.context, rounds=args.reps)
+    for n in (1, 2, 3, 4):
+        rec.record(f"T_{n}", t[n] * 1e3, "ms", spread=[x * 1e3 for x in times[n]], **setup)
+    rec.record("drafter step H", head_s * 1e3, "ms", **setup)
+    rec.record("H / T_1", head_s / t[1], "x", peer="T_1", **setup)
+    rec.record("snapshot", snap_s * 1e3, "ms", **setup)
+    rec.record("restore", restore_s * 1e3, "ms", **setup)
     print()
     print("| acceptance a | bound (1+a)/(2-a) | k=1 | k=2 | k=3 |")
     print("|---|---|---|---|---|")

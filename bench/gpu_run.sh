@@ -4,8 +4,13 @@
 # STEPS picks steps (default: test engine turns cvec; also: probe, spec, cache, transfer, and the
 # same-call A/Bs cacheab, cachereaders, cvecab, cvecvariants, turnsab, engineab, decodeprobe and decodepairs). spec needs the real
 # SmolLM2 file in SMOLLM2 (bench/gpu.md: carried in two parts like the wheels).
+# Every script's figures go as JSON lines (bench/harness.py) to $OUT/results.jsonl; BENCH_COMMIT names
+# the code where the device copy has no git. Back here: the logs go to bench/results/raw/ as
+# sN-runM-<log name>.txt with a line each in bench/results/README.md, the JSON lines onto
+# bench/results/results.jsonl.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export BENCH_RESULTS=${BENCH_RESULTS:-$OUT/results.jsonl}
 STEPS=${STEPS:-"test engine turns cvec"}
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}

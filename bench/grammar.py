@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 
 SCHEMA = {"type": "object",
           "properties": {"story": {"type": "string", "minLength": 4000}},
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--kv-bits", type=int, default=16)
     ap.add_argument("--spec", default="off", help="speculative mode for both runs (off, lookup)")
+    add_args(ap)
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -94,6 +96,12 @@ def main() -> None:
            "ratio_median": round(statistics.median(ratios), 3),
            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3), "rounds": len(rows)}
     print(json.dumps(out))
+    rec = Run(out=args.out)
+    setup = dict(model=Path(model).name, max_tokens=args.max_tokens, temperature=args.temperature, spec=args.spec,
+                 kv_bits=args.kv_bits, rounds=len(rows))
+    rec.record("unmasked decode", statistics.median(plain), "tok/s", spread=plain, **setup)
+    rec.record("masked decode", statistics.median(masked), "tok/s", spread=masked, **setup)
+    rec.record("masked / unmasked decode", statistics.median(ratios), "x", peer="unmasked", spread=ratios, **setup)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -52,7 +53,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_1,F16,Q8_0,Q4_K_M,Q6_K")
     ap.add_argument("--tokens", type=int, default=32)
+    add_args(ap)
     args = ap.parse_args()
+    rec = Run(out=args.out)
     n = args.tokens
     print("| file | K/V | teacher-forced greedy agree | median abs logit diff | max abs logit diff "
           "| free-run tokens equal |")
@@ -97,6 +100,10 @@ def main() -> int:
             fmt = kv_format.choose(bits, info.head_dim)
             print(f"| {ftype} | {fmt.describe()} | {agree}/{total} | {min(med):.3f}-{max(med):.3f} "
                   f"| {max(mx_):.3f} | {free}/{total} |", flush=True)
+            setup = dict(file=ftype, kv=fmt.describe(), positions=total)
+            rec.record(f"{ftype} {bits}-bit K/V teacher-forced greedy agree", agree / total, "fraction", **setup)
+            rec.record(f"{ftype} {bits}-bit K/V max abs logit diff", max(mx_), "logit", **setup)
+            rec.record(f"{ftype} {bits}-bit K/V free-run tokens equal", free / total, "fraction", **setup)
     return 0
 
 

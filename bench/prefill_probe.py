@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shape-dir", default=str(Path(tempfile.gettempdir()) / "strata-bench-shapes"))
+    add_args(ap)
     args = ap.parse_args()
     import mlx.core as mx
 
@@ -74,11 +76,17 @@ def main() -> None:
     print(f"\n{path.name}, {args.prompt_tokens}-token prompt, {args.rounds} rounds after a warm-up\n")
     print("| prefill | tok/s (median) | / raw, median [min-max] |")
     print("|---|---|---|")
+    rec = Run(out=args.out)
+    setup = dict(model=path.name, prompt_tokens=args.prompt_tokens, rounds=args.rounds)
     for k in order:
         r = [a / b for a, b in zip(rates[k], rates["raw"])]
         print(f"| {k} | {med[k]:.1f} | {statistics.median(r):.3f} [{min(r):.3f}-{max(r):.3f}] |")
-    print(f"\npaced: longest wait between two cancel checks, median of rounds {statistics.median(waits[1:]):.2f} s "
-          f"(max {max(waits[1:]):.2f} s)")
+        rec.record(f"{k} prefill", med[k], "tok/s", spread=rates[k], **setup)
+        if k != "raw":
+            rec.record(f"{k} prefill / raw", statistics.median(r), "x", peer="raw", spread=r, **setup)
+    rec.record("paced: longest wait between cancel checks", statistics.median(waits[1:]), "s", spread=waits[1:],
+               line=f"\npaced: longest wait between two cancel checks, median of rounds "
+                    f"{statistics.median(waits[1:]):.2f} s (max {max(waits[1:]):.2f} s)", **setup)
     engine.stop()
 
 

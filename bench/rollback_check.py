@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from bench.shapes import build_random_model
 from bench.edit_replay import ReplayDrafter
+from bench.harness import Run
 from engine import generate, layer_cache, speculative
 from engine.device import compute_dtype
 from engine.gguf_file import open_gguf
@@ -32,6 +33,8 @@ model, info = load_model(open_gguf(build_random_model(shape, Path("/tmp/strata-s
 V = model.args.vocab_size
 hist = [16 + t % (V - 16) for t in trace["prompt"]]
 greedy = SamplingParams(temperature=0.0, max_tokens=160)
+RUN = Run()     # figures to $BENCH_RESULTS or bench/results/results.jsonl (no argparse here)
+SETUP = dict(shape=shape, dtype=str(dtype).split(".")[-1])
 
 
 def pre(cap=0):
@@ -97,15 +100,18 @@ A, fa = pre()
 B, fb = pre()
 print("two fresh reads: max|d|", maxd(A, B), "K/V capacity", caps(A))
 R, fr, first_reply = rolled_back(dec)
-print("after a plain reply and its rollback vs a fresh read: max|d|", maxd(R, A), "capacity", caps(R), "vs", caps(A))
+RUN.record("max |d| after a plain reply's rollback vs a fresh read", maxd(R, A), "", **SETUP,
+           line=f"after a plain reply and its rollback vs a fresh read: max|d| {maxd(R, A)} capacity {caps(R)} vs {caps(A)}")
 plain = dec(A, fa)
 print("plain replies from two fresh reads: first difference", first(first_reply, plain))
 print("reply from the rolled-back cache vs from a fresh read: first difference", first(dec(R, fr), plain))
 
 # 2. a speculative reply, rolled back
 S, fs, (outS, acc) = rolled_back(lambda c, f: spec(c, f, plain))
-print("speculative reply vs plain: first difference", first(outS, plain), "accepted", acc)
-print("after it and its rollback vs a fresh read: max|d|", maxd(S, B))
+RUN.record("speculative reply vs plain: first difference", first(outS, plain), "token", accepted=acc, **SETUP,
+           line=f"speculative reply vs plain: first difference {first(outS, plain)} accepted {acc}")
+RUN.record("max |d| after a speculative reply's rollback vs a fresh read", maxd(S, B), "", **SETUP,
+           line=f"after it and its rollback vs a fresh read: max|d| {maxd(S, B)}")
 print("reply from that cache vs from a fresh read: first difference", first(dec(S, fs), plain))
 
 # 3. the K/V buffer's capacity

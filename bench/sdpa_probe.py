@@ -23,7 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run  # noqa: E402
 from engine.attention import explicit_attention  # noqa: E402
+
+RUN = Run()         # figures to $BENCH_RESULTS or bench/results/results.jsonl (no argparse here)
 
 DT = mx.float16 if mx.default_device() == mx.gpu else mx.float32
 
@@ -70,9 +73,12 @@ def _padded(L, K, pad):
 def returning_turns() -> None:
     for K in (53, 2033, 8033):
         med, worst, first = timed(explicit, lambda i, K=K: (33, K), "causal", n=20)
-        print(f"returning turn (L 33, K {K}) explicit (rows): median {med:.3f} ms, max {worst:.2f} ms")
+        RUN.record(f"returning turn (L 33, K {K}) explicit", med, "ms", max=worst,
+                   line=f"returning turn (L 33, K {K}) explicit (rows): median {med:.3f} ms, max {worst:.2f} ms")
         med, worst, _ = timed(explicit, lambda i, K=K: (33, K), None, n=20)
-        print(f"returning turn (L 33, K {K}) explicit (rows), no mask (what the mask costs): median {med:.3f} ms")
+        RUN.record(f"returning turn (L 33, K {K}) explicit, no mask", med, "ms", max=worst,
+                   line=f"returning turn (L 33, K {K}) explicit (rows), no mask (what the mask costs): "
+                        f"median {med:.3f} ms")
         for pad in (8, 64):
             q, k, m = _padded(33, K, pad)
             xs = []
@@ -80,8 +86,9 @@ def returning_turns() -> None:
                 t = time.perf_counter()
                 mx.eval(explicit(q, k, m))
                 xs.append((time.perf_counter() - t) * 1e3)
-            print(f"returning turn (L 33, K {K}) explicit (rows), keys padded to a multiple of {pad}: "
-                  f"median {statistics.median(xs):.3f} ms, max {max(xs):.2f} ms")
+            RUN.record(f"returning turn (L 33, K {K}) explicit, keys padded to {pad}", statistics.median(xs), "ms",
+                       spread=xs, line=f"returning turn (L 33, K {K}) explicit (rows), keys padded to a multiple of "
+                                       f"{pad}: median {statistics.median(xs):.3f} ms, max {max(xs):.2f} ms")
 
 
 def main() -> None:
@@ -106,7 +113,8 @@ def main() -> None:
             if fn is explicit and mask is None:
                 continue
             med, worst, first = timed(fn, shape, mask)
-            print(f"{name} {fn_name}: median {med:.3f} ms, max {worst:.2f} ms, first {first:.2f} ms")
+            RUN.record(f"{name} {fn_name}", med, "ms", max=worst, first=first,
+                       line=f"{name} {fn_name}: median {med:.3f} ms, max {worst:.2f} ms, first {first:.2f} ms")
     returning_turns()
 
 

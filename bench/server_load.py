@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 
 PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "Name a colour.", "What is the capital of Italy?",
            "Give me a synonym for happy.", "Name a planet.", "What do bees make?", "Name an ocean.",
@@ -95,6 +96,15 @@ def row(mode: str, results: list[dict], wall: float) -> str:
             f"{percentile(lat, 50):.0f} | {percentile(lat, 95):.0f} | {mean(ttft)} | {mean(eng)} |")
 
 
+def record(rec: Run, mode: str, results: list[dict], wall: float, **setup) -> None:
+    """A table row's headline figures, one JSON line each (bench/harness.py)."""
+    lat = [r["latency"] * 1e3 for r in results]
+    rec.record(f"{mode} req/s", len(results) / wall, "req/s", requests=len(results), **setup)
+    rec.record(f"{mode} gen tok/s", sum(r["tokens"] for r in results) / wall, "tok/s", requests=len(results), **setup)
+    rec.record(f"{mode} p50 latency", percentile(lat, 50), "ms", p95=percentile(lat, 95), requests=len(results),
+               **setup)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=8, help="sequential requests")
@@ -105,6 +115,7 @@ def main(argv=None) -> int:
     from engine.limits import DEFAULT_MAX_SEQUENCES
     ap.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES,
                     help="requests decoded together (the server's default; 1 = one at a time)")
+    add_args(ap)
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -141,6 +152,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     print(row("sequential", seq, seq_wall))
     print(row(f"concurrent ({args.m} clients)", conc, conc_wall))
+    rec = Run(out=args.out)
+    setup = dict(model=model.name, max_tokens=args.max_tokens, stream=args.stream, max_sequences=args.max_sequences)
+    record(rec, "sequential", seq, seq_wall, **setup)
+    record(rec, f"concurrent ({args.m} clients)", conc, conc_wall, **setup)
     return 0
 
 

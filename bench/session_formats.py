@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.harness import Run, add_args  # noqa: E402
 
 
 def old_module(rev: str, folder: Path):
@@ -44,6 +45,7 @@ def main() -> int:
     ap.add_argument("--old", default="cf325b9")
     ap.add_argument("--dtype", choices=("float32", "float16"), default=None,
                     help="the cache's dtype (default: the engine's, float32 on a CPU)")
+    add_args(ap)
     args = ap.parse_args()
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -91,12 +93,17 @@ def main() -> int:
             keep.append(e)
     print(f"{N} tokens, SmolLM2 K/V shape, {str(dtype).removeprefix('mlx.core.')} cache on {mx.default_device()}, "
           f"{args.rounds} rounds, medians (ms):")
+    rec = Run(out=args.out)
+    setup = dict(tokens=N, dtype=str(dtype).removeprefix('mlx.core.'), old=args.old, rounds=args.rounds)
     for k, v in res.items():
-        print(f"  {k:20s} {statistics.median(v):8.1f}   {[round(x) for x in v]}")
+        rec.record(k, statistics.median(v), "ms", spread=v, **setup,
+                   line=f"  {k:20s} {statistics.median(v):8.1f}   {[round(x) for x in v]}")
     def ratio(a, b):   # per round (the two formats ran back to back), then the median
         return statistics.median(x / y for x, y in zip(res[a], res[b]))
-    print(f"new / old, median of per-round ratios: save {ratio('new save (fsync)', 'old save (fsync)'):.2f}x, "
-          f"restore {ratio('new restore', 'old restore'):.2f}x")
+    rec.record("new / old save", ratio('new save (fsync)', 'old save (fsync)'), "x", peer="old", **setup)
+    rec.record("new / old restore", ratio('new restore', 'old restore'), "x", peer="old", **setup,
+               line=f"new / old, median of per-round ratios: save {ratio('new save (fsync)', 'old save (fsync)'):.2f}x, "
+                    f"restore {ratio('new restore', 'old restore'):.2f}x")
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()

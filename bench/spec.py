@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import Run, add_args  # noqa: E402 - after the path line
 from bench.mtp_model import mtp_speedup  # noqa: E402 - after the path line
 
 
@@ -83,6 +84,7 @@ def main() -> int:
     ap.add_argument("--mtp-costs", action="store_true", help="measure the MTP pass costs and the speed-ups they give")
     ap.add_argument("--context", type=int, default=256, help="--mtp-costs: the context the passes run at")
     ap.add_argument("--reps", type=int, default=31, help="--mtp-costs: rounds (medians)")
+    add_args(ap)
     args = ap.parse_args()
     if args.shape and args.shape.startswith("gemma4"):     # a gemma4 with its MTP drafter beside it
         from bench.gemma4_mtp_costs import build_pair
@@ -122,6 +124,7 @@ def main() -> int:
                       file=sys.stderr, flush=True)
     print("| workload | mode | decode tok/s (median) | vs off | accepted/drafted | same tokens as off |")
     print("|---|---|---|---|---|---|")
+    rec = Run(out=args.out)
     for w in args.workloads.split(","):
         base = statistics.median(x.decode_tps for x in results[(w, "off")])
         ref = results[(w, "off")][0].tokens
@@ -134,6 +137,10 @@ def main() -> int:
             label = "draft" if mode.startswith("draft:") else mode
             print(f"| {w} | {label} | {tps:.2f} | {tps / base:.2f}x | {acc}/{dr}"
                   f"{f' ({acc / dr:.0%})' if dr else ''} | {'yes' if same else 'NO'} |", flush=True)
+            setup = dict(model=Path(args.model).name, max_tokens=args.max_tokens, rounds=args.rounds, same_tokens=same)
+            rec.record(f"{w} {label} decode", tps, "tok/s", spread=[x.decode_tps for x in runs], **setup)
+            if mode != "off":
+                rec.record(f"{w} {label} decode / off", tps / base, "x", peer="off", accepted=acc, drafted=dr, **setup)
     engine.stop()
     return 0
 
@@ -200,6 +207,14 @@ def mtp_costs(args) -> int:
     ms = lambda x: f"{x * 1e3:.2f} ms"  # noqa: E731
     print(f"| {ms(t[1])} | {ms(t[2])} | {ms(t[3])} | {ms(t[4])} | {ms(head_s)} | {head_s / t[1]:.2f} | "
           f"{ms(snap_s)} | {ms(restore_s)} |")
+    rec = Run(out=args.out)
+    setup = dict(model=Path(args.model).name, context=args.context, rounds=reps)
+    for n in (1, 2, 3, 4):
+        rec.record(f"T_{n}", t[n] * 1e3, "ms", spread=[x * 1e3 for x in times[n]], **setup)
+    rec.record("head step H", head_s * 1e3, "ms", **setup)
+    rec.record("H / T_1", head_s / t[1], "x", peer="T_1", **setup)
+    rec.record("snapshot", snap_s * 1e3, "ms", **setup)
+    rec.record("restore", restore_s * 1e3, "ms", **setup)
     print()
     print("| acceptance a | bound (1+a)/(2-a) | k=1 | k=2 | k=3 |")
     print("|---|---|---|---|---|")

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mlx.core as mx  # noqa: E402
 
 import engine.steering as steering  # noqa: E402
+from bench.harness import Run, add_args  # noqa: E402
 
 
 def main() -> int:
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=576)
     ap.add_argument("--layers", type=int, default=17)
     ap.add_argument("--iters", type=int, default=300)
+    add_args(ap)
     a = ap.parse_args()
     if a.width < 1 or a.layers < 1 or a.iters < 1:
         print("width, layers and iters must be positive", file=sys.stderr)
@@ -63,6 +65,7 @@ def main() -> int:
           f"{a.layers} calls per chain, {a.iters} chains")
     print("| form | build, us per call | build + eval, us per call |")
     print("|---|---:|---:|")
+    rec = Run(out=a.out)
     for name, fn in forms.items():
         for _ in range(5):
             x = h
@@ -81,6 +84,9 @@ def main() -> int:
             build.append((t1 - t0) / a.layers * 1e6)
             total.append((t2 - t0) / a.layers * 1e6)
         print(f"| {name} | {statistics.median(build):.1f} | {statistics.median(total):.1f} |")
+        setup = dict(width=a.width, layers=a.layers, rounds=a.iters, backend=backend)
+        rec.record(f"{name} build", statistics.median(build), "us/call", **setup)
+        rec.record(f"{name} build + eval", statistics.median(total), "us/call", **setup)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ def main() -> None:
     if a.no_warm_up:
         model_loader.warm_up = lambda model: 0.0
     faulthandler.dump_traceback_later(a.every, repeat=True, file=sys.stderr)
+    # the figures' "command" (bench/harness.py) is this wrapper's whole line: its switches are part of the A/B
+    os.environ["BENCH_COMMAND"] = " ".join(sys.argv)
     sys.argv = [a.script] + [x for x in a.args if x != "--"]
     runpy.run_path(a.script, run_name="__main__")
 

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.harness import Run, add_args  # noqa: E402
 from engine.device_upload import to_device  # noqa: E402
 
 
@@ -39,7 +40,9 @@ def timed(fn, n=5):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
+    add_args(ap)
     a = ap.parse_args()
+    rec = Run(out=a.out)
     nbytes = a.mib << 20
     host = np.random.default_rng(0).integers(0, 1 << 15, nbytes // 2, dtype=np.uint16).view(np.float16)
     pieces = np.split(host, a.mib // 8)
@@ -47,7 +50,8 @@ def main() -> None:
     print(f"mlx {mx.__version__} on {mx.default_device()}, {a.mib} MiB")
 
     def report(name, r):
-        print(f"{name}: median {r[0]:.1f} ms [{r[1]:.1f}-{r[2]:.1f}], {gb / (r[0] / 1e3):.2f} GB/s")
+        rec.record(name, r[0], "ms", spread={"min": r[1], "median": r[0], "max": r[2]}, gb_s=gb / (r[0] / 1e3),
+                   mib=a.mib, line=f"{name}: median {r[0]:.1f} ms [{r[1]:.1f}-{r[2]:.1f}], {gb / (r[0] / 1e3):.2f} GB/s")
 
     report("mx.array(numpy), one array, + eval", timed(lambda: mx.eval(mx.array(host))))
     report("mx.array(numpy), 8 MiB pieces, + eval", timed(lambda: mx.eval([mx.array(p) for p in pieces])))

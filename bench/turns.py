@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import Run, add_args  # noqa: E402
 from bench.shapes import CHOICES  # noqa: E402
 
 WORDS = ("the printing press spread from Mainz to more than two hundred cities within fifty years "
@@ -112,6 +113,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reply-tokens", type=int, default=8)
     ap.add_argument("--cache-mib", type=int, default=4096)
+    add_args(ap)
     args = ap.parse_args()
     histories = sorted(set(args.histories))
 
@@ -217,11 +219,18 @@ def main() -> int:
     print(f"| history (tokens) | prompt tokens / cached (last round) | parked ttft ms, median [min-max] "
           f"| ttft / ttft({base}), median [min-max] | prompt build ms | model alone ms, same shape / new shapes |")
     print("|---|---|---|---|---|---|")
+    rec = Run(out=args.out)
     for h in histories:
         ratios = [a / b for a, b in zip(ttft[h], ttft[base])]
         p, c = cached[h][-1]
         print(f"| {h} | {p} / {c} | {spread(ttft[h])} | {spread(ratios)} | {prompt[h]:.2f} "
               f"| {alone[h][0]:.2f} / {alone[h][1]:.2f} |")
+        setup = dict(model=path.name, history=h, prompt_tokens=p, cached_tokens=c, rounds=args.rounds)
+        rec.record(f"parked ttft, history {h}", statistics.median(ttft[h]), "ms", spread=ttft[h], **setup)
+        if h != base:
+            rec.record(f"ttft history {h} / history {base}", statistics.median(ratios), "x", peer=f"history {base}",
+                       spread=ratios, **setup)
+        rec.record(f"prompt build, history {h}", prompt[h], "ms", **setup)
     print("\nwhere a parked turn's time goes (engine thread, ms, medians over the rounds):\n")
     names = ["build", "take_kv", "prefill", "clear_cache", "first_token"]
     print("| history | " + " | ".join(names) + " |")

@@ -400,7 +400,7 @@ def test_steering_with_kv_cache_matches_full_forward(tmp_path):
     rest = [model(TOKENS[:, i:i + 1], cache=cache) for i in range(5, TOKENS.shape[1])]
     got = np.concatenate([np.array(first)] + [np.array(r) for r in rest], axis=1)
     # On the H200 (MLX's CUDA backend) one-token steps and the whole prompt differ by up to 1.6e-3 on
-    # logits up to 4.2 (bench/gpu-results/s6-run8-cvdiff.txt): cuBLAS's float32 matmul precision. A
+    # logits up to 4.2 (bench/results/raw/s6-run8-cvdiff.txt): cuBLAS's float32 matmul precision. A
     # wrong cache path is off by whole units; the CPU checks the path to 1e-4.
     assert np.allclose(got, full, **(dict(rtol=2e-3, atol=5e-3) if on_gpu() else dict(atol=1e-4)))
 
