@@ -37,8 +37,11 @@ from .sampling import SamplingParams
 
 
 # ---- options -------------------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
+    """How an engine starts (immutable): the values that change while it runs live where they are used
+    (the parking cap and slots in Parking, the disk cap in DiskTier, the K/V width, the projection's default
+    and the control-vector config in `Engine.in_force`)."""
     model: str | None = None                  # loaded at start; a failure is the start-up load's Failed
     context_length: int | None = None         # None: the model's own, capped at 8192
     cache_mib: int = DEFAULT_CACHE_MIB        # conversation parking cap (0 = off)

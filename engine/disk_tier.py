@@ -781,7 +781,6 @@ def attach(engine) -> DiskTier | None:
     except Exception as e:  # noqa: BLE001 - a bad setting from elsewhere: off, with a log line
         engine.log(f"disk cache: off ({e})")
         cap = 0
-    engine.options.disk_mib = cap
     folder = Path(engine.options.disk_dir) if engine.options.disk_dir else data_dir() / "cache" / "conversations"
     disk = DiskTier(folder, cap, engine.log)
 
@@ -823,7 +822,6 @@ def attach(engine) -> DiskTier | None:
             # checked at start by the front ends)
             logging.getLogger("strata").warning(f"disk cache: off: {unusable}")
             disk.set_cap(0)
-            engine.options.disk_mib = 0
         else:
             disk.scan()
     engine.conversations.disk = disk

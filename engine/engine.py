@@ -35,6 +35,7 @@ from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestEr
 from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .kv_reserve import IdleTopUp
+from .loaded_model import InForce
 from .loaded_model import LoadedModel
 from .limits import within_range
 from .memory_guard import MemoryGuard
@@ -84,6 +85,8 @@ def _loaded(name: str, default=None) -> property:
 class Engine:
     def __init__(self, options: EngineOptions | None = None):
         self.options = options or EngineOptions()
+        # The settings in force, started from the options and changed by Configure and loads.
+        self.in_force = InForce.of(self.options)
         self._thread: threading.Thread | None = None
         self.stopped = threading.Event()
         # What runs next on the engine thread, and the only owner of the request queue.
@@ -185,7 +188,6 @@ class Engine:
         cap, slots, note = within_range(self.options.cache_mib, self.options.cache_slots, self.handlers.cache_limits())
         if note:
             self.log(f"conversation cache: {note}")
-        self.options.cache_mib, self.options.cache_slots = cap, slots
         self.conversations = Conversations(Parking(cap, slots, self.guard, self.log), self.log)
         self.conversations.parking.on_event = self.scheduler.emit
         self.disk = disk_tier.attach(self)

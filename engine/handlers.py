@@ -47,7 +47,7 @@ class RequestHandlers:
 
     def projection(self, requested: bool | None) -> bool:
         return bool(self.eng.steering.vector) and (
-            self.eng.options.speed_projection if requested is None else bool(requested))
+            self.eng.in_force.speed_projection if requested is None else bool(requested))
 
     def make_cache(self) -> list:
         from .kv_format import make_cache
@@ -206,16 +206,14 @@ class RequestHandlers:
             cap = self.eng.parking.cap_bytes >> 20 if req.cache_mib is None else req.cache_mib
             slots = self.eng.parking.slots if req.cache_slots is None else req.cache_slots
             self.eng.parking.set_limits(cap, slots)
-            self.eng.options.cache_mib, self.eng.options.cache_slots = cap, slots
             self.eng.log(f"conversation cache: {cap} MiB, {slots} slots")
         if req.disk_mib is not None and self.eng.disk is not None:
-            self.eng.options.disk_mib = req.disk_mib
-            self.eng.disk.set_cap(self.eng.options.disk_mib)
-            self.eng.log(f"conversation disk cache: {self.eng.options.disk_mib} MiB")
+            self.eng.disk.set_cap(req.disk_mib)
+            self.eng.log(f"conversation disk cache: {req.disk_mib} MiB")
         if req.speed_projection is not None:
-            self.eng.options.speed_projection = bool(req.speed_projection)
+            self.eng.in_force.speed_projection = bool(req.speed_projection)
         if req.kv_bits is not None:
-            self.eng.options.kv_bits = req.kv_bits
+            self.eng.in_force.kv_bits = req.kv_bits
             if kv_format is not None:
                 self.eng.loaded = self.eng.loaded.with_kv_format(kv_format)
                 self.eng.log(f"K/V: {self.eng.kv_fmt.describe()} for new conversations")
@@ -259,8 +257,8 @@ class RequestHandlers:
             load_budget=_load_budget(self.eng.guard),
             steering=self.eng.steering.vector.describe() if self.eng.steering and self.eng.steering.vector else None,
             steering_error=self.eng.steering_error,
-            speed_projection_default=self.eng.options.speed_projection,
-            kv_bits=self.eng.options.kv_bits,
+            speed_projection_default=self.eng.in_force.speed_projection,
+            kv_bits=self.eng.in_force.kv_bits,
             distributed=self.eng.serving.status(),
             disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
         )

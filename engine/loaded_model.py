@@ -36,3 +36,17 @@ class LoadedModel:
     def with_kv_format(self, kv_format) -> "LoadedModel":
         """The same load with another K/V format for new conversations (held ones keep theirs)."""
         return dataclasses.replace(self, kv_format=kv_format)
+
+
+@dataclass
+class InForce:
+    """The engine's settings in force (`Engine.in_force`): started from its immutable EngineOptions and
+    changed by Configure and loads: the K/V width of new conversations, the projection's default, and
+    the control-vector config a load keeps ("keep")."""
+    kv_bits: int
+    speed_projection: bool
+    steering: Any
+
+    @classmethod
+    def of(cls, options) -> "InForce":
+        return cls(options.kv_bits, options.speed_projection, options.steering)

@@ -36,7 +36,7 @@ class ModelLoad:
                                           self.eng.guard, gpu_working_set())
         progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
         model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
-        steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
+        steer_cfg = self.eng.in_force.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
             from .control_vector import ControlVector, ControlVectorError
@@ -48,7 +48,7 @@ class ModelLoad:
         from .kv_format import choose_for
         from .loaded_model import LoadedModel
         # --kv-bits this head size or this attention cannot take: refused
-        kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
+        kv_format = choose_for(model, self.eng.in_force.kv_bits, info.head_dim)
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
@@ -61,11 +61,11 @@ class ModelLoad:
                            distributed=self.eng.serving.status(),
                            think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)))
         # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
-        self.eng.options.steering = steer_cfg
+        self.eng.in_force.steering = steer_cfg
         self.eng.loaded = LoadedModel(
             model=model, tokenizer=tokenizer, info=info, path=path, template=template,
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
-            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.options.speed_projection),
+            steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.in_force.speed_projection),
             steering_error=steering_error, facts=facts, draft=draft)
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.

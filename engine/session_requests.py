@@ -26,7 +26,7 @@ class SessionRequests:
         info = self.eng.info
         steer = self.eng.handlers.steering_fingerprint() if steering_fp is None else steering_fp
         vector = self.eng.steering.vector if self.eng.steering else None
-        cfg = self.eng.options.steering
+        cfg = self.eng.in_force.steering
         described = "none"
         if steer and vector is not None and steer == vector.fingerprint() and cfg is not None:
             described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
