@@ -161,7 +161,7 @@ class MainWindow(QMainWindow):
     def _on_view_added(self, view: ChatView) -> None:
         view.think_open = self.library.think_open
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
-        view.live_figures.connect(lambda live, v=view: self.current_view() is v and self.status.show_streaming(live))
+        view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
         for w in (view.input.viewport(), view.transcript.viewport()):
             w.installEventFilter(self.sessions)
@@ -202,6 +202,14 @@ class MainWindow(QMainWindow):
             self.status.show_result(view.last_result)
         else:
             self.status.clear_result()
+
+    def _on_live_figures(self, view: ChatView, live: dict) -> None:
+        """A reply's figures as it streams; {} once it is over (stopped or failed too): the tab's own again."""
+        if self.current_view() is view:
+            if live:
+                self.status.show_streaming(live)
+            else:
+                self.show_tab_figures(view)
 
     def _on_stats(self, view: ChatView, result: dict) -> None:
         if self.current_view() is view:
