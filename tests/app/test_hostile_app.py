@@ -238,7 +238,7 @@ def test_scan_bounds_a_file_that_reads_forever(tmp_path, tiny_model, monkeypatch
     t0 = time.monotonic()
     rows = model_list.scan_models([d], None, file_seconds=0.5)
     release.set()
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10          # gave up on the slow file (held 30 s) after its 0.5 s, with room
     errors = {Path(m.path).name: m.error for m, _ in rows}
     assert "takes longer than 0.5 s" in errors["aaa-slow.gguf"] and errors["good.gguf"] == ""
 
