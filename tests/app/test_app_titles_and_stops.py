@@ -98,6 +98,16 @@ def test_a_stopped_reply_asks_no_title_and_a_chat_is_titled_once(qtbot, idle_win
     assert titles_asked(fake_client) == 1                          # once per chat
 
 
+def test_a_failed_reply_asks_no_title(qtbot, idle_window, fake_client):
+    from fake_engine import Refusal
+    view = fake_view(idle_window, fake_client)
+    fake_client.answers["generate"] = replies(Refusal("out of memory"))
+    view.send("Tell me about the sea")
+    qtbot.waitUntil(lambda: not view.busy, timeout=5000)
+    qtbot.wait(50)
+    assert titles_asked(fake_client) == 0 and view.chat.title == "New chat"
+
+
 class HeldClient:
     """The fake engine, except that the chat's replies are answered when the test says (`end`)."""
 
