@@ -138,15 +138,18 @@ class TitleQueue(QObject):
         self._pump()
 
     def drop(self, owner) -> None:
-        """`owner` goes away (its tab closed): its queued title is forgotten (a running one finishes)."""
-        self._holders.discard(owner)
+        """`owner` goes away (its tab closed): its queued title is forgotten (a running one finishes; a
+        reply it still holds the engine for releases as it ends)."""
         self._jobs = [j for j in self._jobs if j.owner is not owner]
-        self._pump()
+        if self._running is not None and self._running.owner is owner:
+            self._running.preempted = False     # cancelled for a reply: it ends for good, not queued again
 
     def _forget(self, owner) -> None:
         self.drop(owner)
+        self._holders.discard(owner)
         if self._running is not None and self._running.owner is owner:
             self._running.on_text = lambda _text: None
+        self._pump()
 
     # ---- the queue -------------------------------------------------------------------------------
     def _pump(self) -> None:

@@ -303,3 +303,24 @@ def test_regenerate_then_esc_before_the_first_token_restores_the_previous_reply(
     assert view.chat.messages == before
     assert view.transcript_text() == shown and view.transcript_text().count("Assistant") == 1
     assert "streaming" not in window.status.speed.text()
+
+
+def test_a_closed_chats_waiting_title_is_not_asked(qtbot, idle_window, fake_client):
+    from app.chat_view import ChatView
+    from app.store import Chat
+    from app.titles import TitleQueue
+    queue = TitleQueue(fake_client)
+    fake_client.answers["generate"] = replies(Generation(text="Waves and tides.", finish_reason="stop"))
+    held = HeldClient(fake_client)
+    a = ChatView(Chat(), fake_client, idle_window.presets, titles=queue)
+    b = ChatView(Chat(), held, idle_window.presets, titles=queue)
+    b.send("A long question")
+    with qtbot.waitSignal(a.stats, timeout=5000):
+        a.send("Tell me about the sea")
+    assert queue.pending(a) and titles_asked(fake_client) == 0
+    a.drop_title()                                   # its tab closes while the title waits
+    a.deleteLater()
+    qtbot.wait(20)
+    with qtbot.waitSignal(b.title_changed, timeout=5000):
+        held.end("A long answer.")
+    assert titles_asked(fake_client) == 1 and not queue.pending(a)     # b's own title only
