@@ -16,7 +16,7 @@ from engine import reasoning
 from .markdown_render import insert_message_body
 from .prefill_eta import PrefillEta
 from .store import Chat
-from .titles import TitleQueue, clean_title, fallback_title, title_messages
+from .titles import TitleQueue, title_for, title_messages
 
 DEFAULT_TITLE = "New chat"
 LIMIT_NOTE = "The reply stopped at the token limit"
@@ -559,7 +559,7 @@ class ChatView(QWidget):
         first_user = next((m["content"] for m in self.chat.messages if m["role"] == "user"), "")
         reply = next((m["content"] for m in self.chat.messages if m["role"] == "assistant"), "")
         self._title_asked = self.titles.ask(self, title_messages(first_user, reply), f"title-{self.chat.id}",
-                                            lambda text: self._on_title(text, first_user)) or self._title_asked
+                                            lambda text: self._on_title(text, first_user, reply)) or self._title_asked
 
     def _on_title_started(self, owner, req) -> None:
         if owner is self:
@@ -574,11 +574,11 @@ class ChatView(QWidget):
         """The tab goes: a title still queued is not asked for (one running finishes)."""
         self.titles.drop(self)
 
-    def _on_title(self, text: str, fallback: str) -> None:
+    def _on_title(self, text: str, first_user: str, reply: str = "") -> None:
         self.title_request = None
         # the reply without its reasoning (gpt-oss's channels, a <think> block): its tokens may be all reasoning
         text = reasoning.split_reply(text, self.think_open).content
-        self.set_title(clean_title(text) or fallback_title(fallback) or DEFAULT_TITLE)
+        self.set_title(title_for(text, first_user, reply) or DEFAULT_TITLE)
 
     def set_title(self, title: str) -> None:
         if title != self.chat.title:

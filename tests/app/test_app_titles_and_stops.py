@@ -26,7 +26,7 @@ def fake_view(idle_window, fake_client):
     return view
 
 
-def replies(answer_reply, answer_title="Ocean life facts"):
+def replies(answer_reply, answer_title="Facts about the sea"):
     """FakeClient's generate answer: `answer_reply` for the chat's replies, `answer_title` for titles."""
     def answer(messages, sampling, conversation="", **kw):
         if kw.get("side"):
@@ -49,11 +49,30 @@ def titles_asked(fake_client) -> int:
     ("Here's a short title for this conversation\nOcean facts", "Ocean facts"),
     ("**Lighthouse keeper story**", "Lighthouse keeper story"),
     ("one two three four five six seven eight", "One two three four five six"),
+    # SmolLM2-135M's answers (the default model, on this prompt and the old one)
+    ("1. Python learning tips: 1. Practice every day. 2.", "Python learning tips"),
+    ("The sea is a vast and mysterious place, full of wonders and wonders.", "The sea"),
+    ("The Lone Lighthouse: A tale of solitude and the unforgiving beauty of", "The Lone Lighthouse"),
+    ("The lighthouse keeper's a lonely soul, but they're a loyal one.", "The lighthouse keeper"),
+    ("How to make a cup of coffee", "How to make a cup"),
+    ("What is recursion", "What is recursion"),
     ("", ""),
 ])
 def test_a_title_is_a_short_phrase_without_a_sentence_start(said, title):
     from app.titles import clean_title
     assert clean_title(said) == title
+
+
+def test_a_title_that_names_another_conversation_gives_way_to_the_question():
+    """SmolLM2-135M answered "How to make a cup of coffee" for a chat that said Hello; a small model
+    may also copy the prompt's worked example."""
+    from app.titles import EXAMPLE, title_for
+    assert title_for("How to make a cup of coffee", "Hello", "Hello! How can I help you today?") == "Hello"
+    assert title_for(EXAMPLE[1], "Tell me about the sea", "The sea is wide.") == "The sea"
+    assert title_for("1. Python for beginners", "Give me three tips for learning Python.",
+                     "1. Practice every day.") == "Python for beginners"
+    assert title_for("Lighthouse keeper, a tale of solitude and resilience.",
+                     "Write a short story about a lighthouse keeper", "Once upon a time...") == "Lighthouse keeper"
 
 
 def test_a_title_from_the_question_drops_its_polite_opening():
@@ -74,7 +93,9 @@ def test_the_title_request_states_the_shape_and_length_it_wants(qtbot, idle_wind
     # the model answered with a sentence about itself: the question names the chat instead
     assert blocker.args[0] == "The sea"
     (messages, sampling), kw = next((a, k) for n, a, k in fake_client.calls if n == "generate" and k.get("side"))
-    assert "noun phrase of 2 to 5 words" in messages[0]["content"] and "Tell me about the sea" in messages[1]["content"]
+    assert "noun phrase of 2 to 5 words" in messages[0]["content"] and "Tell me about the sea" in messages[-1]["content"]
+    # a worked example first; the task in a user turn (some templates refuse a system role)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert sampling["max_tokens"] == TITLE_MAX_TOKENS and sampling["temperature"] == 0.0
     assert kw["speed_projection"] is False
 
@@ -90,7 +111,7 @@ def test_a_stopped_reply_asks_no_title_and_a_chat_is_titled_once(qtbot, idle_win
     fake_client.answers["generate"] = replies(Generation(text="The sea is wide.", finish_reason="stop"))
     with qtbot.waitSignal(view.title_changed, timeout=5000):
         view.regenerate()
-    assert view.chat.title == "Ocean life facts" and titles_asked(fake_client) == 1
+    assert view.chat.title == "Facts about the sea" and titles_asked(fake_client) == 1
     for ask in (view.regenerate, lambda: view.send("And rivers?")):
         with qtbot.waitSignal(view.stats, timeout=5000):
             ask()
