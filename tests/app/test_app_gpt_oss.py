@@ -83,5 +83,5 @@ def test_a_harmony_title_reply_gives_its_final_channel_or_the_fallback(qtbot, id
     view._on_title("<|channel|>analysis<|message|>The user wants a title about boats", "Boats at dawn")
     assert view.chat.title == "Boats at dawn"           # only reasoning within the title's 12 tokens
     view._on_title("<|channel|>analysis<|message|>Short.<|end|><|start|>assistant<|channel|>final<|message|>"
-                   "**The Little Boat**", "x")
+                   "**The Little Boat**", "Tell me a story about a little boat")
     assert view.chat.title == "The Little Boat"

@@ -47,16 +47,16 @@ def test_a_long_prompt_on_a_slow_cpu_shows_progress_cancels_at_once_and_can_be_r
     total = reports[0][2]
     assert reports[0][1] == 0 and reports[-1][1] < total, reports
     gaps = [b[0] - a[0] for a, b in zip(reports, reports[1:])]
-    # The targets (progress every ~2 s, Cancel within 1 s) are measured by bench/cancel_probe.py; here the
-    # bounds only tell the behaviour from the old one (a report per chunk: 16-64 s apart; Cancel at the
-    # chunk's end) with room for a loaded CI machine.
-    assert max(gaps) < 5.0, gaps
+    # The targets (progress every ~1 s, Cancel within 1 s) are measured by bench/cancel_probe.py; here the
+    # bounds are hang deadlines, 10x the targets, for a loaded machine: they still tell the behaviour
+    # from the old one (a report per chunk: 16-64 s apart; Cancel at the chunk's end).
+    assert max(gaps) < HANG_S, gaps
     # Cancel answers mid-chunk.
-    with qtbot.waitSignal(req.failed, timeout=10_000):
+    with qtbot.waitSignal(req.failed, timeout=int(HANG_S * 1000)):
         t0 = time.perf_counter()
         view.task_cancel.click()
     answered = time.perf_counter() - t0
-    assert answered < 3.0, answered
+    assert answered < HANG_S, answered
     assert not view.busy and not view.task_visible()
     assert view.chat.messages[-1]["role"] == "user"
     # ... and the question can be asked again: Regenerate is enabled and resumes from what was read.
@@ -69,6 +69,7 @@ def test_a_long_prompt_on_a_slow_cpu_shows_progress_cancels_at_once_and_can_be_r
     assert [m["role"] for m in view.chat.messages] == ["user", "assistant"]
 
 
+HANG_S = 10.0                # a report or a Cancel this late is a hang, not a slow machine
 PROMPT_WORDS = 25            # ~250 tokens of the tiny vocabulary: ~10 s to read on a 2-vCPU box
 
 

@@ -832,7 +832,8 @@ def test_single_instance_channel_bounds_the_line(channel, caplog):
         reply, files, _, took = channel(b"x" * (MAX_LINE + 4096))
         assert reply == b"refused\n" and files == [] and took < 5
         reply, files, _, took = channel(b'{"files": [')
-        assert reply == b"refused\n" and files == [] and 0.8 < took < 4
+        # closed by the 1 s deadline, not before it; a hang meets the client's 5 s timeout (no reply)
+        assert reply == b"refused\n" and files == [] and took > 0.8
     assert sum("single instance" in r.getMessage() for r in caplog.records) == 2
     reply, files, activated, _ = channel(b'{"files": ["/tmp/a.stratasession"]}\n')
     assert reply == b"ok\n" and files == [["/tmp/a.stratasession"]] and activated == 1

@@ -125,7 +125,8 @@ def test_ctrl_c_on_the_server_ends_a_live_stream_and_exits_130(model):
             p.kill()
     assert "Traceback" not in err and "terminate called" not in err, err[-1500:]
     assert p.returncode == 130, (p.returncode, err[-800:])
-    assert ended_s < 5, f"the stream ran on {ended_s:.1f} s after Ctrl-C"
+    # a hang bound (a second or two on a quiet machine; the reply asked for 20,000 tokens would run on)
+    assert ended_s < 30, f"the stream ran on {ended_s:.1f} s after Ctrl-C"
     events = [x for x in lines if x]
     assert events[-1] == "data: [DONE]", events[-3:]     # the stream was ended, not cut
     import json

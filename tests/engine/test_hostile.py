@@ -118,7 +118,7 @@ def test_hostile_templates_are_bounded_and_one_line(short_budget, source):
         assert len(text) <= chat_template.MAX_OUTPUT
     except RequestError as e:
         assert str(e).startswith("the chat template of x.gguf failed: ") and "\n" not in str(e)
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 5.0        # a hang bound: 10x the 0.5 s budget, for a loaded machine
 
 
 def test_the_issues_template_attacks_are_refused(short_budget):

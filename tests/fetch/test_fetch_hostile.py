@@ -31,6 +31,7 @@ from local_index import MEMBER, WHEEL_NAME, LocalIndex, make_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 0.5                     # PIP_TIMEOUT: deadlines (4 x) are 2 s
+LOADED = 4                        # room for a loaded machine over a quiet one's times (refused's max_s)
 TOKEN = "tok-9f8e7d6c5b4a3f2e"
 CASES: list[str] = []             # every hostile case run (the README's count)
 
@@ -143,7 +144,10 @@ def refused(out: Outcome, *needles: str, max_bytes: int = 0, max_s: float = 5.0)
     for needle in needles:
         assert needle in out.message, out.message
     assert out.written <= max_bytes, f"{out.written} bytes written, at most {max_bytes} allowed: {out.message}"
-    assert out.seconds < max_s, f"took {out.seconds:.1f} s: {out.message}"
+    # `max_s`: the time on a quiet machine (a deadline's 2 s plus a little); asserted with LOADED times
+    # that, so a busy machine does not fail it while a hang (a peer that waits 30 s) still does. Which
+    # deadline fired is the message's to say (`needles`).
+    assert out.seconds < max_s * LOADED, f"took {out.seconds:.1f} s: {out.message}"
     assert temp_folders() == [] and data_files() == [], (temp_folders(), data_files())
 
 
@@ -656,7 +660,9 @@ def test_cancel_in_every_stage(stage, tmp_path, gguf):
         ended = time.perf_counter()
     refused(out, "model download cancelled", max_bytes=len(big) + len(gguf))
     assert out.message == "model download cancelled"
-    assert ended - fired[0] < 1.5, f"the cancel took {ended - fired[0]:.2f} s"
+    # the message says the cancel ended it (a missed cancel meets the 2 s deadline's own message): the
+    # time is a hang bound only, with room for a loaded machine
+    assert ended - fired[0] < 10, f"the cancel took {ended - fired[0]:.2f} s"
 
 
 # ---- credentials in the index URL -----------------------------------------------------------------

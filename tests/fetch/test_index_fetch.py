@@ -118,7 +118,9 @@ def test_cancel_mid_download(tmp_path, gguf):
         ended = time.perf_counter()
     assert str(e.value) == "model download cancelled"
     cancelled_at = next(t for s, t, _ in seen if s == "cancel")
-    assert ended - cancelled_at < 2.0, f"the cancel took {ended - cancelled_at:.1f} s"
+    # a hang bound for a loaded machine (~0.1 s on a quiet one): half the 15 s read timeout that held a
+    # cancel before the transfer's sockets were shut down on it
+    assert ended - cancelled_at < 7.5, f"the cancel took {ended - cancelled_at:.1f} s"
     got = [d for s, d, _ in seen if s == "download"]
     assert 0 < max(got) < big.stat().st_size            # it was mid-download
     assert models_folder() == []
