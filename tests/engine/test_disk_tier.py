@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
+from engine.api import Call, ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 
@@ -44,7 +44,6 @@ def _turns(engine, n: int, conv: str = "c1", first=FIRST):
 
 
 def _flush(engine) -> None:
-    from engine.api import Call
     engine.call(Call(lambda e: e.disk.flush()))
 
 
@@ -155,7 +154,8 @@ def test_eviction_writes_and_restores(make_engine, strata_home):
     assert r.restored_from_disk > 0 and r.cached_tokens == r.restored_from_disk
 
 
-def test_disk_cap_evicts_least_recently_used(make_engine, strata_home):
+def test_disk_cap_evicts_least_recently_used(make_engine, strata_home, caplog):
+    caplog.set_level(logging.INFO, logger="strata")
     e = make_engine(disk_mib=1, cache_mib=0)
     one = e.call(Status()).disk
     assert one["cap_bytes"] == 1 << 20
@@ -169,7 +169,9 @@ def test_disk_cap_evicts_least_recently_used(make_engine, strata_home):
     s = e.call(Status()).disk
     assert s["bytes"] <= s["cap_bytes"]
     assert s["entries"] < 3 and len(_files(strata_home)) == s["entries"]
-    assert any("for the disk cap" in line for line in [])  or True
+    assert any("for the disk cap" in line for line in caplog.messages), caplog.messages
+    kept = e.call(Call(lambda eng: sorted(x.owner for x in eng.disk.entries.values()))).value
+    assert "t2" in kept and "t0" not in kept, kept        # the oldest went first, the newest stayed
 
 
 def test_off_switch_writes_nothing(make_engine, strata_home):
