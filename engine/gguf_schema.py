@@ -152,7 +152,20 @@ def common(view: HeaderView) -> Common:
     else:
         head = int_key(view, "attention.key_length", hi=MAX_HEAD_DIM)
     context = int_key(view, "context_length", 4096, hi=MAX_CONTEXT)
+    _value_length(view)
     return Common(n_layer, n_embd, n_head, head, context)
+
+
+def _value_length(view: HeaderView) -> None:
+    """value_length sizes the K/V in the memory estimate: a head size like key_length."""
+    if view.raw("attention.value_length") is not None:
+        int_key(view, "attention.value_length", hi=MAX_HEAD_DIM)
+
+
+def _same(view: HeaderView, suffix: str, want: int, what: str) -> None:
+    """An optional key that must agree with what the tensors (or key_length) say: the estimate reads it."""
+    if view.raw(suffix) is not None and int_key(view, suffix, hi=MAX_WIDTH) != want:
+        raise view.bad(f"{view.key(suffix)} is {view.raw(suffix)}, but {what} is {want}")
 
 
 def tensor(view: HeaderView, name: str, *shape: int, required: bool = True) -> None:
@@ -285,8 +298,6 @@ def _gemma4(view: HeaderView, c: Common) -> None:
 def _gpt_oss(view: HeaderView, c: Common) -> None:
     int_key(view, "attention.sliding_window", lo=1, hi=c.context)
     n_expert, _ = _experts(view, required=True)
-    if view.raw("expert_feed_forward_length") is not None:
-        int_key(view, "expert_feed_forward_length", hi=MAX_WIDTH)
     if view.raw("rope.scaling.type") is not None:
         float_key(view, "rope.scaling.factor", 1.0, lo=0.0, hi=MAX_FACTOR)
         int_key(view, "rope.scaling.original_context_length", 4096, hi=MAX_CONTEXT)
@@ -298,6 +309,8 @@ def _gpt_oss(view: HeaderView, c: Common) -> None:
         raise view.bad(f"tensor 'blk.0.ffn_up_exps.weight' has shape {None if up is None else list(up)}, "
                        f"the hyperparameters need [{c.n_embd}, n_ff, {n_expert}]")
     n, ff, e, q, kv = c.n_embd, up[1], n_expert, c.n_head * c.head, n_kv * c.head
+    _same(view, "expert_feed_forward_length", ff, "the experts' width in blk.0.ffn_up_exps.weight")
+    _same(view, "attention.value_length", c.head, "the key length")
     for i in range(c.n_layer):
         p = f"blk.{i}."
         tensor(view, p + "attn_norm.weight", n)
@@ -360,6 +373,7 @@ def _qwen35(view: HeaderView, c: Common) -> None:
     if moe:
         _finite_numbers(view, ("expert_weights_scale",))
     n, q, kv = c.n_embd, c.n_head * c.head, n_kv * c.head
+    _same(view, "attention.value_length", c.head, "the key length")
     n_ff = 0 if moe else int_key(view, "feed_forward_length", hi=MAX_WIDTH)
     for i in range(h.n_layer):
         p = f"blk.{i}."
@@ -414,6 +428,8 @@ def _qwen35_experts(view: HeaderView, p: str, n: int, e: int) -> None:
     tensor(view, p + "ffn_gate_shexp.weight", n, sh[1])
     tensor(view, p + "ffn_down_shexp.weight", sh[1], n)
     tensor(view, p + "ffn_gate_inp_shexp.weight", n)
+    _same(view, "expert_feed_forward_length", ff, f"the experts' width in {p}ffn_down_exps.weight")
+    _same(view, "expert_shared_feed_forward_length", sh[1], f"the shared expert's width in {p}ffn_up_shexp.weight")
 
 
 _FAMILIES: dict[str, Callable[[HeaderView, Common], None]] = {
@@ -430,6 +446,9 @@ def check_view(view: HeaderView) -> None:
     family = _FAMILIES.get(view.arch)
     if family is None:
         check_blocks(view)
+        _value_length(view)
         _finite_numbers(view, _FINITE)
+        if view.raw("rope.scaling.original_context_length") is not None:     # 0: not set (mistral3)
+            int_key(view, "rope.scaling.original_context_length", lo=0, hi=MAX_CONTEXT)
         return
     family(view, common(view))
