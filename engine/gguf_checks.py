@@ -145,9 +145,14 @@ def check_hyperparameters(g) -> Hyperparameters:
     if rope is not None and math.prod(rope.shape) != head_dim // 2:
         raise bad(f"tensor 'rope_freqs.weight' has {math.prod(rope.shape)} factors, "
                   f"the head size {head_dim} needs {head_dim // 2}")
-    # the families read through engine/archs/: their own keys and tensors (engine/gguf_schema.py)
-    check_view(header_view(g, {name: tuple(t.shape) for name, t in tensors.items()}))
+    check_schema(g)
     return Hyperparameters(n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, context, eps, theta)
+
+
+def check_schema(g) -> None:
+    """The families read through engine/archs/: their own keys and tensors (engine/gguf_schema.py)."""
+    tensors = g.header.tensors if g.header is not None else {t.name: t for t in g.reader.tensors}
+    check_view(header_view(g, {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}))
 
 
 def header_view(g, shapes: dict[str, tuple[int, ...]]) -> HeaderView:

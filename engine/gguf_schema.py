@@ -432,8 +432,29 @@ def _qwen35_experts(view: HeaderView, p: str, n: int, e: int) -> None:
     _same(view, "expert_shared_feed_forward_length", sh[1], f"the shared expert's width in {p}ffn_up_shexp.weight")
 
 
+def _gemma4_assistant(view: HeaderView, c: Common) -> None:
+    """Gemma 4's MTP drafter (engine/archs/gemma4_mtp.py): its blocks read the target's K/V, so it has
+    per-block sizes and RoPE widths but no K/V tensors; the target match is checked at its load."""
+    int_key(view, "embedding_length_out", hi=MAX_WIDTH)
+    int_key(view, "nextn_predict_layers", c.n_layer, lo=c.n_layer, hi=c.n_layer)
+    per_layer(view, "attention.sliding_window_pattern", c.n_layer, lo=0, hi=1)
+    per_layer(view, "feed_forward_length", c.n_layer, hi=MAX_WIDTH)
+    per_layer(view, "attention.head_count_kv", c.n_layer, c.n_head, hi=c.n_head)
+    head_swa = int_key(view, "attention.key_length_swa", c.head, hi=MAX_HEAD_DIM)
+    int_key(view, "attention.value_length_swa", head_swa, hi=MAX_HEAD_DIM)
+    int_key(view, "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
+    rope_dims(view, "rope.dimension_count", c.head)
+    rope_dims(view, "rope.dimension_count_swa", head_swa)
+    float_key(view, "rope.freq_base", 10000.0, lo=0.0, hi=MAX_THETA)
+    float_key(view, "rope.freq_base_swa", 10000.0, lo=0.0, hi=MAX_THETA)
+    float_key(view, "attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0)
+    for i in range(c.n_layer):
+        tensor(view, f"blk.{i}.attn_norm.weight", c.n_embd)
+
+
 _FAMILIES: dict[str, Callable[[HeaderView, Common], None]] = {
     "gemma3": _gemma3, "gemma4": _gemma4, "gpt-oss": _gpt_oss, "qwen35": _qwen35, "qwen35moe": _qwen35,
+    "gemma4-assistant": _gemma4_assistant,
 }
 # numbers the other families read as they are (engine/archs/family_rope.positive checks its own)
 _FINITE = ("attention.temperature_scale", "rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor",

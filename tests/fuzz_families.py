@@ -35,6 +35,7 @@ def _writers() -> dict[str, Callable[[Path], Path]]:
     import gguf_factory as gf
     import gguf_factory_families as fam
     import gguf_factory_gemma as gem
+    import gguf_factory_gemma4_mtp as mtp
     import gguf_factory_gpt_oss as oss
     import gguf_factory_qwen35 as q35
     small = dict(n_embd=64, n_head=4, n_head_kv=2)
@@ -57,6 +58,9 @@ def _writers() -> dict[str, Callable[[Path], Path]]:
         "olmo3": lambda p: fam.write_family_gguf(p, "olmo3", n_embd=64, n_ff=128),
         "mistral3": lambda p: fam.write_family_gguf(p, "mistral3", n_embd=64, n_ff=128),
         "phi3": lambda p: fam.write_family_gguf(p, "phi3", n_embd=64, n_ff=128),
+        # Gemma 4's MTP drafter, read beside its target (the gemma4 file above): its own job kind
+        "gemma4-assistant": lambda p: mtp.write_tiny_gemma4_assistant(
+            p, n_embd=32, n_ff=64, n_embd_target=64, head_dim=16, global_head_dim=32, tensor_type="F32"),
     }
 
 
@@ -195,3 +199,11 @@ def mutant(path: Path, arch: str, label: str) -> bytes:
 def arch_of(family: str) -> str:
     """The GGUF architecture of a family's file (OLMo 3 files say olmo2)."""
     return {"olmo3": "olmo2"}.get(family, family)
+
+
+def job(family: str, path: Path, folder: Path) -> dict:
+    """The worker job that reads `path` as the engine reads a file of `family`: a model through the memory
+    estimate and the load, a Gemma 4 drafter beside its target (family_file("gemma4", folder))."""
+    if family == "gemma4-assistant":
+        return {"kind": "mtp", "path": str(path), "target": str(Path(folder) / "gemma4-tiny.gguf")}
+    return {"kind": "gguf", "path": str(path), "estimate": True}

@@ -4,6 +4,7 @@ Run as `python tests/fuzz_worker.py MEMORY_CAP_BYTES`; reads one JSON job a line
 JSON line on stdout:
     {"kind": "gguf", "path": P, "estimate": bool}   the memory estimate (when asked), then open +
                                             tokenizer + model + one forward pass, as Engine._load
+    {"kind": "mtp", "path": P, "target": T}  a Gemma 4 MTP drafter loaded beside its gemma4 target
     {"kind": "template", "source": S, "messages": [...]}   engine.chat_template.render
 Answer: {"outcome": "accepted" | "refused" | "crash", "detail": str}. "refused" is a StrataError with
 a one-line message; anything else raised is a "crash" with its traceback. A hang or a death (the cap
@@ -52,6 +53,22 @@ def _gguf(job: dict) -> str:
     return f"{info.n_layer} layers, width {info.n_embd}"
 
 
+_TARGETS: dict = {}         # target path -> (GGUFFile, model): the drafter jobs' target, loaded once
+
+
+def _mtp(job: dict) -> str:
+    """A Gemma 4 MTP drafter read beside its target, as `--spec mtp` does (engine/archs/gemma4_mtp.py)."""
+    from engine.archs.gemma4_mtp import load_sibling
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    if job["target"] not in _TARGETS:
+        g = open_gguf(job["target"])
+        _TARGETS[job["target"]] = (g, load_model(g)[0])
+    target_g, model = _TARGETS[job["target"]]
+    _, note = load_sibling(job["path"], model, target_g)
+    return note
+
+
 def _template(job: dict) -> str:
     from engine.chat_template import render
     text = render(job["source"], job.get("messages") or [{"role": "user", "content": "hi"}],
@@ -69,7 +86,7 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            detail = (_gguf if job["kind"] == "gguf" else _template)(job)
+            detail = {"gguf": _gguf, "mtp": _mtp, "template": _template}[job["kind"]](job)
             out = {"outcome": "accepted", "detail": detail}
         except StrataError as e:
             msg = str(e)

@@ -2,11 +2,16 @@
 
 Each input must end as a clear one-line refusal or a correct result: never a traceback, never a hang
 (per-input timeout, the worker is killed), never past the memory cap (the worker runs under
-RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes well under a minute; the `fuzz_long`
+RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes about two minutes; the `fuzz_long`
 marker runs ~20x more inputs:
 
     pytest tests/engine/test_fuzz.py -s                 # default
     pytest tests/engine/test_fuzz.py -s -m fuzz_long    # long
+
+The schema campaign covers every architecture the engine reads (tests/fuzz_families.py): the default
+run a seeded sample of each family's key and tensor mutants, the long one all of them plus
+STRATA_FUZZ_FAMILY_RANDOM (default 2,000) random header mutants per family, each through the memory
+estimate and the load.
 
 Each test prints its tally (the README's Reliability section quotes them). Seeds are fixed, so a
 crash is reproduced from the label printed with it.
@@ -25,7 +30,7 @@ import pytest
 
 from engine.engine import Engine, EngineOptions, Status
 from engine.frontends.server import ServerThread, create_app
-from fuzz_families import FAMILIES, arch_of, family_file, sample
+from fuzz_families import FAMILIES, arch_of, family_file, job, sample
 from fuzz_harness import (HOSTILE_TEMPLATES, Tally, Worker, layout, random_mutant, random_template,
                           targeted_mutants)
 
@@ -78,7 +83,7 @@ def test_fuzz_gguf_headers_long(tmp_path):
 
 
 # ---- every architecture's schema: each family's tiny file, mutated over its keys and tensors ---------
-FAMILY_SAMPLE = 20             # schema mutants per architecture in the default run (15 architectures)
+FAMILY_SAMPLE = 20             # schema mutants per architecture in the default run (16 architectures)
 
 
 def _fuzz_families(tmp_path: Path, per_family: int | None, n_random: int, seed: int) -> Tally:
@@ -93,7 +98,7 @@ def _fuzz_families(tmp_path: Path, per_family: int | None, n_random: int, seed: 
             src = family_file(family, tmp_path / "src")
             original = src.read_bytes()
             lay = layout(src)
-            ok = worker.run({"kind": "gguf", "path": str(src), "estimate": True}, GGUF_TIMEOUT_S)
+            ok = worker.run(job(family, src, tmp_path / "src"), GGUF_TIMEOUT_S)
             assert ok["outcome"] == "accepted", (family, ok)
             randoms = (random_mutant(original, lay, rng) for _ in range(n_random))
             for label, data in itertools.chain(sample(src, arch_of(family), per_family, rng), randoms):
@@ -101,8 +106,7 @@ def _fuzz_families(tmp_path: Path, per_family: int | None, n_random: int, seed: 
                 path = tmp_path / f"m{n}.gguf"
                 n += 1
                 path.write_bytes(data)
-                job = {"kind": "gguf", "path": str(path), "estimate": True}
-                tally.add(f"{family} {label}", worker.run(job, GGUF_TIMEOUT_S))
+                tally.add(f"{family} {label}", worker.run(job(family, path, tmp_path / "src"), GGUF_TIMEOUT_S))
                 path.unlink()
     finally:
         tally.peak_rss = worker.peak_rss
