@@ -173,7 +173,7 @@ def tensor(view: HeaderView, name: str, *shape: int, required: bool = True) -> N
     got = view.tensors.get(name)
     if got is None:
         if required:
-            raise view.bad(f"missing tensor '{name}', which a {view.arch} model needs")
+            raise view.bad(f"tensor '{name}' is missing (a {view.arch} model needs it)")
         return
     if tuple(got) != shape:
         raise view.bad(f"tensor '{name}' has shape {list(got)}, the hyperparameters need {list(shape)}")
@@ -195,7 +195,8 @@ def _experts(view: HeaderView, required: bool) -> tuple[int, int]:
 # ---- the families --------------------------------------------------------------------------------
 def _gemma_common(view: HeaderView, c: Common) -> int:
     """What Gemma 3 and 4 share: window, soft-cap, the sliding layers' RoPE base. Returns the window."""
-    window = int_key(view, "attention.sliding_window", 0, lo=0, hi=c.context)
+    # within the context: checked where it is used (engine/archs/gemma.py), bounded here
+    window = int_key(view, "attention.sliding_window", 0, lo=0, hi=MAX_CONTEXT)
     float_key(view, "final_logit_softcapping", 0.0, lo=0.0, hi=MAX_FACTOR, lo_open=False)
     float_key(view, "rope.freq_base_swa", 10000.0, lo=0.0, hi=MAX_THETA)
     if view.raw("rope.scaling.factor") is not None:
@@ -296,7 +297,7 @@ def _gemma4(view: HeaderView, c: Common) -> None:
 
 
 def _gpt_oss(view: HeaderView, c: Common) -> None:
-    int_key(view, "attention.sliding_window", lo=1, hi=c.context)
+    int_key(view, "attention.sliding_window", lo=1, hi=MAX_CONTEXT)    # <= the context: archs/gpt_oss.py
     n_expert, _ = _experts(view, required=True)
     if view.raw("rope.scaling.type") is not None:
         float_key(view, "rope.scaling.factor", 1.0, lo=0.0, hi=MAX_FACTOR)
@@ -436,7 +437,6 @@ def _gemma4_assistant(view: HeaderView, c: Common) -> None:
     """Gemma 4's MTP drafter (engine/archs/gemma4_mtp.py): its blocks read the target's K/V, so it has
     per-block sizes and RoPE widths but no K/V tensors; the target match is checked at its load."""
     int_key(view, "embedding_length_out", hi=MAX_WIDTH)
-    int_key(view, "nextn_predict_layers", c.n_layer, lo=c.n_layer, hi=c.n_layer)
     per_layer(view, "attention.sliding_window_pattern", c.n_layer, lo=0, hi=1)
     per_layer(view, "feed_forward_length", c.n_layer, hi=MAX_WIDTH)
     per_layer(view, "attention.head_count_kv", c.n_layer, c.n_head, hi=c.n_head)

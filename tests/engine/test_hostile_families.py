@@ -30,7 +30,7 @@ ESTIMATE_CASES = [
     ("gemma4", "gemma4.block_count=4294967295", "'gemma4.block_count' is 4294967295, outside 1..4096"),
     ("gpt-oss", "gpt-oss.block_count=2147483647", "'gpt-oss.block_count' is 2147483647, outside 1..4096"),
     ("gemma4", "gemma4.block_count=3", "block_count is 3 but the file has tensors for 4 blocks"),
-    ("qwen35", "tensor blk.0.ssm_dt.bias dropped", "missing tensor 'blk.0.ssm_dt.bias'"),
+    ("qwen35", "tensor blk.0.ssm_dt.bias dropped", "tensor 'blk.0.ssm_dt.bias' is missing"),
 ]
 LOAD_CASES = [
     ("gemma4", "gemma4.rope.dimension_count=4294967295", "'gemma4.rope.dimension_count' is 4294967295, outside 2..32"),
@@ -41,16 +41,16 @@ LOAD_CASES = [
     ("gemma4", "gemma4.rope.dimension_count_swa=65535", "'gemma4.rope.dimension_count_swa' is 65535, outside 2..16"),
     ("gemma4", "gemma4.rope.dimension_count_swa=2147483647", "'gemma4.rope.dimension_count_swa' is 2147483647"),
     ("gemma4", "gemma4.rope.dimension_count_swa=3", "'gemma4.rope.dimension_count_swa' is 3: RoPE turns pairs"),
-    ("qwen35", "tensor blk.0.ssm_dt.bias dropped", "missing tensor 'blk.0.ssm_dt.bias'"),
+    ("qwen35", "tensor blk.0.ssm_dt.bias dropped", "tensor 'blk.0.ssm_dt.bias' is missing"),
     ("qwen35", "qwen35.block_count=4294967295", "'qwen35.block_count' is 4294967295, outside 1..4096"),
     ("qwen35", "qwen35.rope.dimension_count=65535", "'qwen35.rope.dimension_count' is 65535, outside 2..32"),
     ("qwen35moe", "tensor blk.0.ffn_up_shexp.weight ne0 halved", "tensor 'blk.0.ffn_up_shexp.weight' has shape"),
     ("gemma3", "gemma3.block_count=4294967295", "'gemma3.block_count' is 4294967295, outside 1..4096"),
-    ("gemma3", "tensor blk.1.post_ffw_norm.weight dropped", "missing tensor 'blk.1.post_ffw_norm.weight'"),
+    ("gemma3", "tensor blk.1.post_ffw_norm.weight dropped", "tensor 'blk.1.post_ffw_norm.weight' is missing"),
     ("gemma4", "tensor blk.0.proj.weight ne0 halved", "tensor 'blk.0.proj.weight' has shape [8, 64]"),
     ("gemma4", "gemma4.final_logit_softcapping=nan", "'gemma4.final_logit_softcapping' is nan"),
     ("gpt-oss", "gpt-oss.block_count=2147483647", "'gpt-oss.block_count' is 2147483647, outside 1..4096"),
-    ("gpt-oss", "tensor blk.1.attn_sinks.weight dropped", "missing tensor 'blk.1.attn_sinks.weight'"),
+    ("gpt-oss", "tensor blk.1.attn_sinks.weight dropped", "tensor 'blk.1.attn_sinks.weight' is missing"),
     ("gpt-oss", "gpt-oss.expert_used_count=65535", "'gpt-oss.expert_used_count' is 65535, outside 1..4"),
 ]
 
@@ -155,3 +155,41 @@ def test_a_per_layer_array_of_another_length_is_refused():
     with pytest.raises(ModelFileError, match="'gemma4.feed_forward_length' has 1048576 values for 4 layers"):
         per_layer(view, "feed_forward_length", 4, hi=1 << 17)
     assert per_layer(view, "attention.sliding_window_pattern", 3, lo=0, hi=1) == (1, 0, 1)
+
+
+def test_the_server_answers_400_for_a_hostile_draft_of_these_families(tmp_path, monkeypatch):
+    """A hostile qwen35 file in the models folder named as the draft (`"speculative": "draft:NAME"`): 400
+    in the API's shape naming the key or tensor, and the server still serves."""
+    import httpx
+
+    from engine.engine import Engine, EngineOptions, Status
+    from engine.frontends.server import ServerThread, create_app
+    from gguf_factory import write_tiny_gguf
+    home = tmp_path / "home"
+    models = home / "models"
+    models.mkdir(parents=True)
+    monkeypatch.setenv("STRATA_HOME", str(home))
+    target = write_tiny_gguf(models / "target.gguf", arch="llama")
+    src = family_file("qwen35", tmp_path)          # the same tiny vocabulary as the target: it may draft
+    cases = {"qwen35.block_count=4294967295": "'qwen35.block_count' is 4294967295",
+             "qwen35.rope.dimension_count=65535": "'qwen35.rope.dimension_count' is 65535",
+             "tensor blk.0.ssm_dt.bias dropped": "tensor 'blk.0.ssm_dt.bias' is missing"}
+    for i, label in enumerate(cases):
+        (models / f"bad{i}.gguf").write_bytes(mutant(src, "qwen35", label))
+    eng = Engine(EngineOptions(model=str(target))).start()
+    try:
+        assert eng.call(Status(), timeout=120).model
+        srv = ServerThread(create_app(eng)).start()
+        try:
+            body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            for i, want in enumerate(cases.values()):
+                r = httpx.post(f"{srv.base_url}/chat/completions", json={**body, "speculative": f"draft:bad{i}"},
+                               timeout=DEADLINE_S)
+                assert r.status_code == 400, r.text
+                msg = r.json()["error"]["message"]
+                assert want in _one_line(msg) and "Traceback" not in r.text, msg
+            assert httpx.post(f"{srv.base_url}/chat/completions", json=body, timeout=DEADLINE_S).status_code == 200
+        finally:
+            srv.stop()
+    finally:
+        eng.stop()
