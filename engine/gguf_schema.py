@@ -464,6 +464,10 @@ _FINITE = ("attention.temperature_scale", "rope.scaling.yarn_log_multiplier", "r
 def check_view(view: HeaderView) -> None:
     """Every value `view`'s architecture reads, and every tensor it needs; ModelFileError on the first
     problem. Other architectures get the block count and the finite numbers (gguf_checks has the rest)."""
+    # an empty dimension holds no bytes, so it fits any file; the layers sized from it divide by it
+    empty = next((n for n, shape in view.tensors.items() if 0 in shape), None)
+    if empty is not None:
+        raise view.bad(f"tensor '{empty}' has shape {list(view.tensors[empty])}: a dimension of 0")
     family = _FAMILIES.get(view.arch)
     if family is None:
         check_blocks(view)

@@ -193,3 +193,24 @@ def test_the_server_answers_400_for_a_hostile_draft_of_these_families(tmp_path, 
             srv.stop()
     finally:
         eng.stop()
+
+
+def test_an_empty_dimension_is_refused_for_every_architecture(tmp_path):
+    """A tensor dimension of 0 takes no bytes, so it fits the file: found by the long fuzz run as a
+    ZeroDivisionError inside mlx-lm's experts (qwen3moe blk.0.ffn_down_exps ne0 = 0)."""
+    from engine import memory_estimate as me
+    src = family_file("qwen3moe", tmp_path)
+    data = bytearray(src.read_bytes())
+    name = b"blk.0.ffn_down_exps.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name) + 4     # its ne0
+    data[at:at + 8] = bytes(8)
+    bad = tmp_path / "empty-dim.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.ffn_down_exps\.weight' has shape \[0, .*: a dimension of 0"):
+        me.estimate(me.read_header(bad), 256)
+    w = Worker()
+    try:
+        out = w.run({"kind": "gguf", "path": str(bad)}, timeout=DEADLINE_S)
+    finally:
+        w.close()
+    assert out["outcome"] == "refused" and "a dimension of 0" in out["detail"], out
