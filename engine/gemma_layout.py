@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ModelFileError
+from .gguf_schema import check_blocks
 
 ARCHITECTURES = ("gemma3", "gemma4", "gpt-oss")
 _GEMMA3_GLOBAL_EVERY = 6
@@ -44,7 +45,7 @@ def layout(h, chunk: int) -> GemmaLayout | None:
     `chunk`: the prefill chunk a sliding layer's cache holds on top of its window."""
     if h.architecture not in ARCHITECTURES:
         return None
-    n_layer = h.arch_int("block_count")
+    n_layer = check_blocks(h.view())        # bounded by the tensor table, not by the header's word
     n_embd, n_head = h.arch_int("embedding_length"), h.arch_int("attention.head_count")
     if n_layer < 1 or n_head < 1:
         raise ModelFileError(f"{h.path.name}: missing '{h.architecture}.*' hyperparameters")

@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGUFValueType
 
 from .errors import ModelFileError
-
-MAX_WIDTH = 1 << 17            # embedding / feed-forward width: 8x the largest current models
-MAX_LAYERS = 1 << 12
-MAX_HEAD_DIM = 1 << 12
-MAX_HEADS = 1 << 12
-MAX_CONTEXT = 1 << 24          # 16M positions; current models stop at 1-10M
-MAX_VOCAB = 1 << 24
-_BLOCK = re.compile(r"blk\.(\d+)\.")
+from .gguf_schema import (BLOCK_RE, MAX_CONTEXT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH,
+                          ArrayLen, HeaderView, check_view)
 
 
 @dataclass(frozen=True)
@@ -111,7 +105,7 @@ def check_hyperparameters(g) -> Hyperparameters:
             raise bad(f"tokenizer.ggml.{key} {int(tid)} is outside the vocabulary of {n_tokens}")
 
     # block_count must be exactly the blocks whose tensors are present.
-    present = {int(m.group(1)) for t in tensors if (m := _BLOCK.match(t))}
+    present = {int(m.group(1)) for t in tensors if (m := BLOCK_RE.match(t))}
     if present != set(range(n_layer)):
         extra = sorted(present - set(range(n_layer)))[:3]
         missing = sorted(set(range(n_layer)) - present)[:3]
@@ -151,7 +145,31 @@ def check_hyperparameters(g) -> Hyperparameters:
     if rope is not None and math.prod(rope.shape) != head_dim // 2:
         raise bad(f"tensor 'rope_freqs.weight' has {math.prod(rope.shape)} factors, "
                   f"the head size {head_dim} needs {head_dim // 2}")
+    check_schema(g)
     return Hyperparameters(n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, context, eps, theta)
+
+
+def check_schema(g) -> None:
+    """The families read through engine/archs/: their own keys and tensors (engine/gguf_schema.py)."""
+    tensors = g.header.tensors if g.header is not None else {t.name: t for t in g.reader.tensors}
+    check_view(header_view(g, {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}))
+
+
+def header_view(g, shapes: dict[str, tuple[int, ...]]) -> HeaderView:
+    """GGUFFile `g`'s `<arch>.*` values as gguf_schema reads them: arrays of up to MAX_LAYERS numbers as
+    tuples, longer ones (or arrays of strings) as their length only."""
+    prefix = f"{g.architecture}."
+    values = {}
+    for key, f in g.reader.fields.items():
+        if not key.startswith(prefix):
+            continue
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            n = len(f.data)
+            strings = len(f.types) > 1 and f.types[-1] == GGUFValueType.STRING
+            values[key] = ArrayLen(n) if n > MAX_LAYERS or strings else tuple(np.asarray(g.get(key)).tolist())
+        else:
+            values[key] = f.contents()
+    return HeaderView(g.path.name, g.architecture, values, shapes)
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,26 @@ _ARCH = {
     "attention.head_count": "int", "attention.head_count_kv": "int*", "attention.key_length": "int",
     "attention.value_length": "int", "vocab_size": "int",
     "attention.layer_norm_rms_epsilon": "num", "rope.freq_base": "num",
+    # the keys of the families read through engine/archs/ (checked for range in gguf_family_checks)
+    "attention.sliding_window": "int", "attention.sliding_window_pattern": "flag*",
+    "attention.shared_kv_layers": "int", "attention.key_length_swa": "int", "attention.value_length_swa": "int",
+    "embedding_length_per_layer_input": "int", "embedding_length_out": "int",
+    "rope.dimension_count": "int", "rope.dimension_count_swa": "int", "rope.freq_base_swa": "num",
+    "final_logit_softcapping": "num", "expert_count": "int", "expert_used_count": "int",
+    "expert_feed_forward_length": "int", "expert_shared_feed_forward_length": "int",
+    "expert_weights_scale": "num", "nextn_predict_layers": "int", "full_attention_interval": "int",
+    "ssm.group_count": "int", "ssm.time_step_rank": "int", "ssm.state_size": "int", "ssm.inner_size": "int",
+    "ssm.conv_kernel": "int", "rope.scaling.type": "str", "rope.scaling.factor": "num",
+    "rope.scaling.original_context_length": "int", "rope.scaling.yarn_beta_fast": "num",
+    "rope.scaling.yarn_beta_slow": "num", "rope.scaling.yarn_log_multiplier": "num",
+    "rope.scaling.attn_factor": "num", "rope.scaling.finetuned": "flag", "logit_scale": "num",
+    "embedding_scale": "num", "residual_scale": "num", "attention.scale": "num",
+    "attention.temperature_scale": "num",
 }
 _KIND_TEXT = {"str": "a string", "u32": "a uint32", "int": "an integer", "num": "a number",
               "flag": "a bool", "str[]": "an array of strings", "num[]": "an array of numbers",
-              "int[]": "an array of integers", "int*": "an integer or one per layer"}
+              "int[]": "an array of integers", "int*": "an integer or one per layer",
+              "flag*": "a bool or integer, or one per layer"}
 
 
 @dataclass
@@ -113,8 +129,8 @@ class HeaderScan:
 
 
 def _kind_ok(kind: str, vtype: int, etype: int | None) -> bool:
-    if kind == "int*":          # llama.cpp's get_key_or_arr: one value, or one per layer (Gemma 4)
-        return _kind_ok("int", vtype, etype) or _kind_ok("int[]", vtype, etype)
+    if kind.endswith("*"):      # llama.cpp's get_key_or_arr: one value, or one per layer (Gemma 4)
+        return _kind_ok(kind[:-1], vtype, etype) or _kind_ok(kind[:-1] + "[]", vtype, etype)
     if kind.endswith("[]"):
         if vtype != _ARR:
             return False

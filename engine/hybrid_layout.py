@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ModelFileError
+from .gguf_schema import check_blocks
 
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")
 STATE_DTYPE_BYTES = 4          # the DeltaNet state is float32
@@ -38,7 +39,7 @@ def layout(h) -> HybridLayout | None:
     K/V in every layer."""
     if h.architecture not in HYBRID_ARCHITECTURES:
         return None
-    n_block = h.arch_int("block_count")
+    n_block = check_blocks(h.view())        # bounded by the tensor table, not by the header's word
     n_layer = n_block - h.arch_int("nextn_predict_layers", 0)
     interval = h.arch_int("full_attention_interval", 4)
     n_k, n_v = h.arch_int("ssm.group_count"), h.arch_int("ssm.time_step_rank")
@@ -46,7 +47,7 @@ def layout(h) -> HybridLayout | None:
     if n_layer < 1 or interval < 1 or min(n_k, n_v, d_state, d_inner, d_conv) < 1 or d_inner % n_v:
         raise ModelFileError(f"{h.path.name}: missing or bad '{h.architecture}' layer layout (block_count, "
                              "nextn_predict_layers, full_attention_interval, ssm.*)")
-    n_attention = sum((i + 1) % interval == 0 for i in range(n_layer))
+    n_attention = n_layer // interval       # layers interval-1, 2*interval-1, ...
     conv_dim = 2 * n_k * d_state + d_inner
     return HybridLayout(n_layer, n_attention, n_layer - n_attention, (d_conv - 1) * conv_dim,
                         n_v * (d_inner // n_v) * d_state)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from . import gemma_layout, hybrid_layout
 from .errors import MemoryRefused, ModelFileError, StrataError
+from .gguf_schema import ArrayLen, HeaderView, check_view
 
 MiB, GiB = 1 << 20, 1 << 30
 RUNTIME_OVERHEAD = 300 * MiB
@@ -81,10 +82,19 @@ class GGUFHeader:
     metadata: dict              # scalars and strings; arrays as their length, but small integer/bool ones
                                 # (per-layer values: Gemma 4's sliding pattern, feed-forward widths) as tuples
     tensors: tuple[TensorInfo, ...]
+    array_keys: frozenset[str] = frozenset()    # the keys whose value is an array (in `metadata` as a
+                                                # tuple, or as its length when long or not integers)
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def view(self) -> HeaderView:
+        """The header as engine/gguf_schema checks it."""
+        prefix = f"{self.architecture}."
+        values = {k: (ArrayLen(int(v)) if k in self.array_keys and not isinstance(v, tuple) else v)
+                  for k, v in self.metadata.items() if k.startswith(prefix)}
+        return HeaderView(self.path.name, self.architecture, values, {t.name: t.shape for t in self.tensors})
 
     def arch_int(self, suffix: str, default: int = 0) -> int:
         """An `<arch>.<suffix>` count: a whole number from 0 to MAX_COUNT (a float one is taken when it is
@@ -196,7 +206,7 @@ def _read_header(p: Path) -> GGUFHeader:
             n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
             if n_tensors > 1 << 24 or n_kv > 1 << 24 or (n_tensors + n_kv) * 13 > r.left():
                 raise ValueError("implausible tensor or key count")
-            meta = {}
+            meta, arrays = {}, set()
             for i in range(n_kv):
                 r.in_time(i)
                 key = r.string()
@@ -205,6 +215,7 @@ def _read_header(p: Path) -> GGUFHeader:
                 if vtype == 9:                 # peek the element type, for the key's type check
                     etype = r.unpack("<I")
                     r.f.seek(-4, 1)
+                    arrays.add(key)
                 meta[key] = r.value(vtype)
                 kind = expected_kind(key)
                 if kind is not None and not _kind_ok(kind, vtype, etype):
@@ -229,7 +240,7 @@ def _read_header(p: Path) -> GGUFHeader:
         raise ModelFileError(f"{p.name}: its header does not fit in the memory the reader may use") from None
     except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as e:
         raise ModelFileError(f"{p.name} is truncated or corrupt ({e})") from None
-    return GGUFHeader(p, meta, tuple(tensors))
+    return GGUFHeader(p, meta, tuple(tensors), frozenset(arrays))
 
 
 def tensor_bytes(t: TensorInfo, dtype_bytes: int) -> int:
@@ -312,6 +323,9 @@ def estimate(h: GGUFHeader, n_ctx: int, dtype: str = "float32") -> MemoryEstimat
     if dtype not in _DTYPE_BYTES:
         raise StrataError(f"unknown compute dtype {dtype!r}")
     db = _DTYPE_BYTES[dtype]
+    # the block count tied to the tensor table and each family's keys checked: the layouts below size
+    # per-layer lists from them
+    check_view(h.view())
     n_embd = h.arch_int("embedding_length")
     n_head = h.arch_int("attention.head_count")
     n_layer = h.arch_int("block_count")

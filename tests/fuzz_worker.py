@@ -2,7 +2,9 @@
 
 Run as `python tests/fuzz_worker.py MEMORY_CAP_BYTES`; reads one JSON job a line on stdin, answers one
 JSON line on stdout:
-    {"kind": "gguf", "path": P}             open + tokenizer + model + one forward pass, as Engine._load
+    {"kind": "gguf", "path": P, "estimate": bool}   the memory estimate (when asked), then open +
+                                            tokenizer + model + one forward pass, as Engine._load
+    {"kind": "mtp", "path": P, "target": T}  a Gemma 4 MTP drafter loaded beside its gemma4 target
     {"kind": "template", "source": S, "messages": [...]}   engine.chat_template.render
 Answer: {"outcome": "accepted" | "refused" | "crash", "detail": str}. "refused" is a StrataError with
 a one-line message; anything else raised is a "crash" with its traceback. A hang or a death (the cap
@@ -19,18 +21,52 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _estimate(path: str):
+    """`strata models estimate`'s path (and the app's model list): the header alone, no mlx. Returns its
+    refusal (a StrataError) or None."""
+    from engine import memory_estimate as me
+    from engine.errors import StrataError
+    try:
+        h = me.read_header(path)
+        me.check_fit(h, me.default_context(h), "float32", None)
+    except StrataError as e:
+        return e
+    return None
+
+
 def _gguf(job: dict) -> str:
     import mlx.core as mx
 
     from engine.gguf_file import open_gguf
     from engine.model_loader import load_model
     from engine.tokenizer import load_tokenizer
+    # the estimate first, as a load does (engine/handlers.py); both paths must end well on their own, so
+    # the load runs even when the estimate refused
+    refused = _estimate(job["path"]) if job.get("estimate") else None
     g = open_gguf(job["path"])
     tok = load_tokenizer(g)
     model, info = load_model(g)
     ids = tok.encode("Hello there", add_bos=True)[:4] or [0]
     mx.eval(model(mx.array([ids])))
+    if refused is not None:
+        raise refused
     return f"{info.n_layer} layers, width {info.n_embd}"
+
+
+_TARGETS: dict = {}         # target path -> (GGUFFile, model): the drafter jobs' target, loaded once
+
+
+def _mtp(job: dict) -> str:
+    """A Gemma 4 MTP drafter read beside its target, as `--spec mtp` does (engine/archs/gemma4_mtp.py)."""
+    from engine.archs.gemma4_mtp import load_sibling
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    if job["target"] not in _TARGETS:
+        g = open_gguf(job["target"])
+        _TARGETS[job["target"]] = (g, load_model(g)[0])
+    target_g, model = _TARGETS[job["target"]]
+    _, note = load_sibling(job["path"], model, target_g)
+    return note
 
 
 def _template(job: dict) -> str:
@@ -50,7 +86,7 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            detail = (_gguf if job["kind"] == "gguf" else _template)(job)
+            detail = {"gguf": _gguf, "mtp": _mtp, "template": _template}[job["kind"]](job)
             out = {"outcome": "accepted", "detail": detail}
         except StrataError as e:
             msg = str(e)

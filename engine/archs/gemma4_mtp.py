@@ -42,6 +42,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ModelFileError
+from ..gguf_checks import check_schema
 
 ARCH = "gemma4-assistant"
 
@@ -159,6 +160,7 @@ def assistant_args(g) -> AssistantArgs:
     name = g.path.name
     if g.architecture != ARCH:
         raise ModelFileError(f"{name}: a Gemma 4 MTP drafter is a '{ARCH}' file, not '{g.architecture}'")
+    check_schema(g)         # every key below in range, the block count the blocks present
     try:
         n_layer = int(g.arch_key("block_count"))
         n_embd = int(g.arch_key("embedding_length"))

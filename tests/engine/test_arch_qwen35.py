@@ -268,7 +268,7 @@ def test_broken_files_are_refused_in_one_line(qdir):
     cases = {
         "positive A": (_rewrite(src, qdir / "a.gguf", tensor="blk.1.ssm_a", fn=np.abs), "'blk.1.ssm_a' must be -exp"),
         "no ssm sizes": (_rewrite(src, qdir / "k.gguf", drop_key="qwen35.ssm.group_count"),
-                         "missing or bad 'qwen35.ssm.group_count'"),
+                         "missing metadata 'qwen35.ssm.group_count'"),
         "conv kernel": (_rewrite(src, qdir / "c.gguf", tensor="blk.0.ssm_conv1d.weight", fn=lambda a: a[:, :3].copy()),
                         "'blk.0.ssm_conv1d.weight' has shape"),
     }

@@ -2,11 +2,16 @@
 
 Each input must end as a clear one-line refusal or a correct result: never a traceback, never a hang
 (per-input timeout, the worker is killed), never past the memory cap (the worker runs under
-RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes well under a minute; the `fuzz_long`
+RLIMIT_AS = fuzz_harness.MEMORY_CAP). The default run takes about two minutes; the `fuzz_long`
 marker runs ~20x more inputs:
 
     pytest tests/engine/test_fuzz.py -s                 # default
     pytest tests/engine/test_fuzz.py -s -m fuzz_long    # long
+
+The schema campaign covers every architecture the engine reads (tests/fuzz_families.py): the default
+run a seeded sample of each family's key and tensor mutants, the long one all of them plus
+STRATA_FUZZ_FAMILY_RANDOM (default 2,000) random header mutants per family, each through the memory
+estimate and the load.
 
 Each test prints its tally (the README's Reliability section quotes them). Seeds are fixed, so a
 crash is reproduced from the label printed with it.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -24,6 +30,7 @@ import pytest
 
 from engine.engine import Engine, EngineOptions, Status
 from engine.frontends.server import ServerThread, create_app
+from fuzz_families import FAMILIES, arch_of, family_file, job, sample
 from fuzz_harness import (HOSTILE_TEMPLATES, Tally, Worker, layout, random_mutant, random_template,
                           targeted_mutants)
 
@@ -73,6 +80,51 @@ def test_fuzz_gguf_headers(tmp_path):
 @pytest.mark.fuzz_long
 def test_fuzz_gguf_headers_long(tmp_path):
     _report(_fuzz_gguf(_sources(tmp_path), 5000, seed=1212, tmp_path=tmp_path), "gguf headers (long)")
+
+
+# ---- every architecture's schema: each family's tiny file, mutated over its keys and tensors ---------
+FAMILY_SAMPLE = 20             # schema mutants per architecture in the default run (16 architectures)
+
+
+def _fuzz_families(tmp_path: Path, per_family: int | None, n_random: int, seed: int) -> Tally:
+    """Each family's original (must load), `per_family` of its schema mutants (all: None) and `n_random`
+    random header mutants, through the estimate and the load in the worker."""
+    tally = Tally()
+    worker = Worker()
+    rng = random.Random(seed)
+    n = 0
+    try:
+        for family in FAMILIES:
+            src = family_file(family, tmp_path / "src")
+            original = src.read_bytes()
+            lay = layout(src)
+            ok = worker.run(job(family, src, tmp_path / "src"), GGUF_TIMEOUT_S)
+            assert ok["outcome"] == "accepted", (family, ok)
+            randoms = (random_mutant(original, lay, rng) for _ in range(n_random))
+            for label, data in itertools.chain(sample(src, arch_of(family), per_family, rng), randoms):
+                # a fresh name each: the estimate's header cache keys on (path, size, mtime)
+                path = tmp_path / f"m{n}.gguf"
+                n += 1
+                path.write_bytes(data)
+                tally.add(f"{family} {label}", worker.run(job(family, path, tmp_path / "src"), GGUF_TIMEOUT_S))
+                path.unlink()
+    finally:
+        tally.peak_rss = worker.peak_rss
+        worker.close()
+    return tally
+
+
+def test_fuzz_gguf_families(tmp_path):
+    tally = _fuzz_families(tmp_path, FAMILY_SAMPLE, 0, seed=14)
+    _report(tally, "gguf schema, every architecture")
+    assert tally.tried == FAMILY_SAMPLE * len(FAMILIES) and tally.refused > tally.tried // 2
+
+
+@pytest.mark.fuzz_long
+def test_fuzz_gguf_families_long(tmp_path):
+    """Every schema mutant of every family, and STRATA_FUZZ_FAMILY_RANDOM random ones per family."""
+    n_random = int(os.environ.get("STRATA_FUZZ_FAMILY_RANDOM", "2000"))
+    _report(_fuzz_families(tmp_path, None, n_random, seed=1414), "gguf schema, every architecture (long)")
 
 
 def _fuzz_templates(n_random: int, seed: int) -> Tally:
