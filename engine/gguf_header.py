@@ -207,31 +207,10 @@ def scan_header(path: Path) -> HeaderScan:
         raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _scan(buf, name: str, size: int) -> HeaderScan:
-    (version,) = struct.unpack_from("<I", buf, 4)
-    endian = "<"
-    if version & 0xFFFF == 0 and version != 0:   # a big-endian file, as gguf-py detects it
-        endian = ">"
-        (version,) = struct.unpack_from(">I", buf, 4)
-    if version not in (2, 3):
-        raise ModelFileError(f"{name}: GGUF version {version} is not supported (2 and 3 are)")
-    c = _Cursor(buf, name, endian)
-    c.pos = 8
-    deadline = time.monotonic() + SCAN_SECONDS
-
-    def in_time(j: int) -> None:
-        if j & 0xFFFF == 0 and time.monotonic() > deadline:
-            raise ModelFileError(f"{name}: the header takes longer than {SCAN_SECONDS:.0f} s to read "
-                                 f"(at byte {c.pos}); not a model file")
-    n_tensors = c.unpack("Q", "tensor count")
-    n_kv = c.unpack("Q", "key/value count")
-    # The smallest KV is 8 (key length) + 1 (key) + 4 (type) + 1 (a uint8); the smallest tensor info
-    # 8 (name length) + 4 (n_dims) + 4 (type) + 8 (offset).
-    if n_kv > MAX_KV or n_kv * 14 > size - c.pos:
-        raise c.fail(f"key/value count {n_kv} cannot fit in the file (limit {MAX_KV})")
-    if n_tensors > MAX_TENSORS or n_tensors * 24 > size - c.pos:
-        raise c.fail(f"tensor count {n_tensors} cannot fit in the file (limit {MAX_TENSORS})")
-    scan = HeaderScan(version)
+def _scan_kv(c: "_Cursor", scan: HeaderScan, n_kv: int, size: int, in_time) -> int:
+    """The key/value section, every value's type and size checked (an array's count against what the
+    file holds); the keys' types into `scan`. Returns the file's alignment."""
+    name = c.name
     alignment = DEFAULT_ALIGNMENT
     for i in range(n_kv):
         in_time(i)
@@ -274,6 +253,11 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
             raise ModelFileError(f"{name}: metadata '{key}' must be {_KIND_TEXT[kind]}, the file has {got}")
         scan.kv_types[key] = (vtype, etype)
 
+    return alignment
+
+
+def _scan_tensors(c: "_Cursor", scan: HeaderScan, n_tensors: int, in_time) -> list:
+    """The tensor infos, each name, shape and type checked; into `scan.tensors`, and returned in order."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     sizes = {int(k): v for k, v in GGML_QUANT_SIZES.items()}
     infos = []
@@ -284,7 +268,7 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
         if not 1 <= n_dims <= MAX_DIMS:
             raise c.fail(f"tensor '{tname[:80]}' has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
         c.need(8 * n_dims, f"dims of tensor '{tname[:80]}'")
-        shape = struct.unpack_from(f"{endian}{n_dims}Q", buf, c.pos)
+        shape = struct.unpack_from(f"{c.e}{n_dims}Q", c.buf, c.pos)
         c.pos += 8 * n_dims
         gtype = c.unpack("I", f"type of tensor '{tname[:80]}'")
         offset = c.unpack("Q", f"offset of tensor '{tname[:80]}'")
@@ -302,6 +286,36 @@ def _scan(buf, name: str, size: int) -> HeaderScan:
         info = TensorInfo(tname, tuple(shape), gtype, offset, n_el // block * type_size)
         scan.tensors[tname] = info
         infos.append(info)
+    return infos
+
+
+def _scan(buf, name: str, size: int) -> HeaderScan:
+    (version,) = struct.unpack_from("<I", buf, 4)
+    endian = "<"
+    if version & 0xFFFF == 0 and version != 0:   # a big-endian file, as gguf-py detects it
+        endian = ">"
+        (version,) = struct.unpack_from(">I", buf, 4)
+    if version not in (2, 3):
+        raise ModelFileError(f"{name}: GGUF version {version} is not supported (2 and 3 are)")
+    c = _Cursor(buf, name, endian)
+    c.pos = 8
+    deadline = time.monotonic() + SCAN_SECONDS
+
+    def in_time(j: int) -> None:
+        if j & 0xFFFF == 0 and time.monotonic() > deadline:
+            raise ModelFileError(f"{name}: the header takes longer than {SCAN_SECONDS:.0f} s to read "
+                                 f"(at byte {c.pos}); not a model file")
+    n_tensors = c.unpack("Q", "tensor count")
+    n_kv = c.unpack("Q", "key/value count")
+    # The smallest KV is 8 (key length) + 1 (key) + 4 (type) + 1 (a uint8); the smallest tensor info
+    # 8 (name length) + 4 (n_dims) + 4 (type) + 8 (offset).
+    if n_kv > MAX_KV or n_kv * 14 > size - c.pos:
+        raise c.fail(f"key/value count {n_kv} cannot fit in the file (limit {MAX_KV})")
+    if n_tensors > MAX_TENSORS or n_tensors * 24 > size - c.pos:
+        raise c.fail(f"tensor count {n_tensors} cannot fit in the file (limit {MAX_TENSORS})")
+    scan = HeaderScan(version)
+    alignment = _scan_kv(c, scan, n_kv, size, in_time)
+    infos = _scan_tensors(c, scan, n_tensors, in_time)
     data_start = c.pos + (-c.pos % alignment)
     scan.data_start = data_start
     for t in infos:
