@@ -5,6 +5,17 @@ from __future__ import annotations
 
 from .api import LoadModel, ModelFacts, ModelLoaded, model_id
 from .events import Handle, Progress
+import mlx.core as mx
+from . import kv_reserve, steering
+from .chat_template import generation_prompt
+from .device import compute_dtype, on_gpu
+from .gguf_file import content_hash, open_gguf
+from .kv_format import choose_for
+from .loaded_model import LoadedModel
+from .memory_estimate import fit_for_load, gpu_working_set
+from .models import resolve_model
+from .reasoning import opens_think
+from .tokenizer import load_tokenizer
 
 
 class ModelLoad:
@@ -14,14 +25,7 @@ class ModelLoad:
         self.eng = engine
 
     def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
-        import mlx.core as mx
 
-        from . import steering
-        from .device import compute_dtype
-        from .gguf_file import content_hash, open_gguf
-        from .memory_estimate import fit_for_load, gpu_working_set
-        from .models import resolve_model
-        from .tokenizer import load_tokenizer
 
         path = resolve_model(req.path)
         g = open_gguf(path)
@@ -45,16 +49,12 @@ class ModelLoad:
             except ControlVectorError as e:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
-        from .kv_format import choose_for
-        from .loaded_model import LoadedModel
         # --kv-bits this head size or this attention cannot take: refused
         kv_format = choose_for(model, self.eng.options.kv_bits, info.head_dim)
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
         model_hash = content_hash(path)
-        from .chat_template import generation_prompt
-        from .reasoning import opens_think
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
@@ -105,8 +105,6 @@ class ModelLoad:
     def _touch_kv_memory(self, info, dtype):
         """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
         creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
-        from . import kv_reserve
-        from .device import on_gpu
         self.eng.kv_topup.use(None)
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")

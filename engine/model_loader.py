@@ -8,8 +8,11 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import gguf as gguf_py
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 
-from . import archs, attention
+from . import archs, attention, moe, quants
 from .archs.common import FactorRoPE, apply_rope_factors, common_args  # noqa: F401 - re-exported
 from .device import on_gpu
 from .errors import ModelFileError
@@ -44,8 +47,6 @@ def warm_up(model) -> float:
     for it: 0.4-17 s on an H200, 31.7 s for the first returning turn (bench/gpu.md). The shapes touch
     a prefill chunk past the explicit-attention limit (the fused kernel), a short chunk (the explicit
     form) and a decode step. Not on the CPU, which builds nothing at run time. Returns seconds."""
-    from mlx_lm.generate import generation_stream
-    from mlx_lm.models.cache import make_prompt_cache
     t0 = time.perf_counter()
     cache = make_prompt_cache(model)
     # on the stream every request steps on: evaluated on the engine thread's default stream, this
@@ -95,7 +96,6 @@ def model_args(g: GGUFFile):
     plugin = archs.find(arch)
     if plugin is not None:
         return plugin.model_args(g, common, head_dim)
-    from . import moe
     if moe.is_moe(g):
         return moe.model_args(g, common, head_dim)[:2]
     if arch == "llama":
@@ -113,7 +113,6 @@ def model_args(g: GGUFFile):
 def load_model(g: GGUFFile, *, dtype=mx.float32,
                progress: Callable[[int, int], None] | None = None, part=None) -> tuple[nn.Module, ModelInfo]:
     """part: a pipeline_model.PipelinePart when this process holds only some layers (distributed)."""
-    from . import moe, quants
     model_cls, args = model_args(g)
     plugin = archs.find(g.architecture)
     spec = moe.moe_spec(g) if plugin is None and moe.is_moe(g) else None
@@ -178,7 +177,6 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
         note += f"; kernels warmed up in {warm_up(model) * 1e3:.0f} ms"
     if spec:
         note += f"; {spec.describe()}"
-    import gguf as gguf_py
     ft = g.get("general.file_type")
     try:
         file_type = gguf_py.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "?"

@@ -27,9 +27,14 @@ import functools
 import re
 
 import numpy as np
+import math
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gemma4_text
 
 from . import Architecture
 from ..errors import ModelFileError
+from .common import FactorRoPE
 
 _BLOCK = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -236,9 +241,7 @@ def _exact_embedding_scale(weights: dict, args) -> None:
     1152, not 33.94), llama.cpp by sqrt(n_embd) itself: the embedding rows take the ratio, and a tied
     output head (the same rows) is given it back through the final norm (mlx-lm scales by 1+w).
     Measured on a 1152-wide F32 file (test_arch_gemma): |dlogit| median against llama.cpp 0.0028 -> 0.0013."""
-    import math
 
-    import mlx.core as mx
     exact = math.sqrt(args.hidden_size)
     ratio = exact / mx.array(exact, dtype=mx.bfloat16).astype(mx.float32).item()
     if ratio == 1.0:
@@ -253,7 +256,6 @@ def _exact_embedding_scale(weights: dict, args) -> None:
 
 
 def fix_weights(weights: dict, qparams: dict, g, args) -> None:
-    import mlx.core as mx
     if g.architecture == "gemma3":
         for k in list(weights):
             if k.endswith("norm.weight"):           # stored 1+w; gemma3_text adds the 1 itself
@@ -271,7 +273,6 @@ def _split_gate_up(weights: dict, qparams: dict, prefix: str) -> None:
     """The fused expert gate/up stack (GGUF ffn_gate_up_exps: gate rows first, as Gemma4's
     experts.gate_up_proj) into gemma4_text's gate_proj and up_proj; a quantized stack's scales and
     biases split the same way (rows are independent)."""
-    import mlx.core as mx
     fused = prefix + "gate_up_proj"
     if f"{fused}.weight" not in weights:
         return
@@ -299,7 +300,6 @@ def _sharing_attention(base: type) -> type:
     8/4-bit K/V): mlx-lm hands such a layer the source layer's quantized (packed, scales, biases)
     tuples but no cache, so its attention call has no bits to read and fails. This one reads them
     from the tuples' shapes and calls the same attention function (the module's, as patched)."""
-    from mlx_lm.models import gemma4_text
 
     class SharingAttention(base):
         def __call__(self, x, mask=None, cache=None, shared_kv=None, offset=None):
@@ -322,9 +322,6 @@ def after_load(model, g, args) -> str:
     for layer in model.model.layers:
         if not layer.self_attn.has_kv:
             layer.self_attn.__class__ = _sharing_attention(type(layer.self_attn))
-    import mlx.core as mx
-    import mlx.nn as nn
-    from .common import FactorRoPE
     t = g.tensors().get("rope_freqs.weight")
     factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1)) if t is not None else None
     n_rot = int(g.arch_key("rope.dimension_count", args.global_head_dim))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 
 from . import Architecture
+from ..errors import ModelFileError
+from .family_rope import positive
 
 _NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
@@ -22,7 +24,6 @@ _NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "p
 def model_args(g, common: dict, head_dim: int):
     from mlx_lm.models.olmo2 import Model, ModelArgs
 
-    from ..errors import ModelFileError
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     if head_dim != n_embd // n_head:
         # llama.cpp's olmo2 sizes heads as width / heads whatever key_length says
@@ -40,7 +41,6 @@ def model_args(g, common: dict, head_dim: int):
 def _olmo3(g, common: dict, head_dim: int, window: int):
     from mlx_lm.models.olmo3 import Model, ModelArgs
 
-    from ..errors import ModelFileError
     n_layer, context = common["num_hidden_layers"], common["max_position_embeddings"]
     if window > context:
         raise ModelFileError(f"{g.path.name}: sliding window {window} is larger than the context {context}")
@@ -72,8 +72,6 @@ def _rope_scaling(g) -> dict | None:
     only (llama.cpp: the sliding layers keep plain RoPE). llama.cpp's magnitude factor with no log
     multiplier is 1 + 0.1 ln(factor) (ggml's YaRN mscale), which is mlx-lm's YarnRoPE with mscale 1 and
     mscale_all_dim 0; a log multiplier m makes it get_mscale(f, 1) / get_mscale(f, m), as for mistral3."""
-    from ..errors import ModelFileError
-    from .family_rope import positive
     kind = str(g.arch_key("rope.scaling.type", "none") or "none")
     if kind == "none":
         return None

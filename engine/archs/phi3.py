@@ -22,8 +22,12 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.phi3 import Model, ModelArgs
 
 from . import Architecture
+from ..errors import ModelFileError
+from .family_rope import positive
 
 _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -36,12 +40,10 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 
 
 def _bad(g, what: str):
-    from ..errors import ModelFileError
     return ModelFileError(f"{g.path.name}: {what}")
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.phi3 import Model, ModelArgs
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     if head_dim != n_embd // n_head:
         raise _bad(g, f"head size {head_dim} is not width {n_embd} / {n_head} heads, which phi3 needs")
@@ -120,9 +122,7 @@ class LongRoPE(nn.Module):
 
 
 def after_load(model, g, args) -> str:
-    import numpy as np
 
-    from .family_rope import positive
     tensors = g.tensors()
     long_t, short_t = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
     if long_t is None and short_t is None:

@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from ..errors import ModelFileError
 from . import Architecture
+from ..pipeline_model import first_layer
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
@@ -321,7 +322,6 @@ def _a_log_in_float32(model, g, args: Qwen35Args) -> bool:
     s = args.shape
     r = s.n_v_heads // s.n_k_heads
     changed = False
-    from ..pipeline_model import first_layer
     for i, layer in enumerate(model.layers, start=first_layer(model)):
         if not layer.is_linear or layer.linear_attn.A_log.dtype == mx.float32:
             continue

@@ -21,9 +21,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from ..errors import ModelFileError
 from . import qwen35
+from .. import quants
+from .common import common_args
 
 _NEXTN_NAMES = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
                 "nextn.shared_head_norm": "norm", "nextn.shared_head_head": "lm_head",
@@ -43,7 +47,6 @@ class MTPHead(nn.Module):
 
     def __init__(self, text_args, *, own: set[str]):
         super().__init__()
-        from mlx_lm.models.qwen3_5 import DecoderLayer
         n = text_args.hidden_size
         self.eh_proj = nn.Linear(2 * n, n, bias=False)
         self.enorm = nn.RMSNorm(n, eps=text_args.rms_norm_eps)
@@ -70,7 +73,6 @@ class MTPHead(nn.Module):
     def features(self, hidden: mx.array, next_tokens: mx.array, cache: Any = None) -> mx.array:
         """The head's own hidden states after its shared-head norm (B, L, n_embd): what a chained
         draft step feeds back as `hidden` (as vLLM's Qwen3.5 MTP does for depth > 1)."""
-        from mlx_lm.models.base import create_attention_mask
         lm = self._target.module
         embed = self.embed_tokens if "embed_tokens" in self else lm.model.embed_tokens
         x = mx.concatenate([self.enorm(embed(next_tokens)), self.hnorm(hidden)], axis=-1)
@@ -107,8 +109,6 @@ def check_matches(head_g, target_g) -> None:
 def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, HeadInfo]:
     """The NextN head of GGUF `g` (the model's own file, or a sibling MTP file with `target_g` the
     model's) as an MTPHead attached to the loaded target `model`."""
-    from .. import quants
-    from .common import common_args
     if target_g is not None:
         check_matches(g, target_g)
     if g.architecture not in ("qwen35", "qwen35moe"):
@@ -150,7 +150,6 @@ def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, He
                                  f"'{need.replace('layer.', '').split('.')[0]}' tensors")
     qwen35.fix_moe_weights(weights, qparams)
     own = {k.split(".")[0] for k in weights if k.split(".")[0] in ("norm", "lm_head", "embed_tokens")}
-    from mlx_lm.models.qwen3_5 import TextModelArgs
     head = MTPHead(TextModelArgs.from_dict(args.text_config), own=own)
     if qparams:
         nn.quantize(head, class_predicate=lambda path, module: qparams.get(path, False))
