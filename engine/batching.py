@@ -52,10 +52,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .api import CountTokens, GenerateRequest, Status
 from .errors import Cancelled, EngineError, StrataError
 from .events import Done, Failed, Handle, Progress, Token
+from . import layer_cache
+from .batch_prefill import GroupPrefill
+from .generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
 
 log = logging.getLogger("strata")
 
@@ -209,7 +213,6 @@ def seeded_sampler(sp, n_vocab: int):
     """mlx-lm's sampler chain (make_sampler: top_p, min_p, top_k, then categorical) with the key given
     per call: a row draws from its own seed's chain, the draws a lone request gets after
     mx.random.seed(seed) (that seeds the process-wide key, which rows share)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
     top_k = 0 if sp.top_k >= n_vocab else sp.top_k
     temp = sp.temperature
 
@@ -326,7 +329,6 @@ class Batch:
         inputs = mx.array(merged + firsts)[None] if merged else inputs[:, None]   # (rows, tokens)
         st = eng.steering
         steered = [r.steered for r in self.rows]
-        from .generate import _stream
         with mx.stream(_stream()):
             if st is not None:
                 st.speed_projection = any(steered)
@@ -356,7 +358,6 @@ class Batch:
         rows step together); a lone reply never feeds its last token. Where the cache cannot be cut back
         (a recurrent state, a wrapped window) the row's state before it is kept, so the row leaves
         holding what it would hold alone (_hand_back)."""
-        from . import layer_cache
         for i, r in enumerate(self.rows):
             if r in joined or r.snap is not None or r.n + 1 < r.turn.max_tokens:
                 continue
@@ -369,7 +370,6 @@ def _hand_back(r: Row) -> None:
     after its last read token fed that token too (rows step together, and the pipeline builds a step
     before reading the last). Cut back where every layer can; else its state from before that token is
     restored (its last: `snap`); else (a cancel) the token is held, as a lone reply's cancel holds it."""
-    from . import layer_cache
     held = len(r.entry.tokens)
     if r.unheld is not None:    # the one token a cache can hold beyond `entry.tokens`
         if layer_cache.floor(r.cache, held + 1) <= held:
@@ -495,7 +495,6 @@ class BatchLoop:
 
     def _start(self, h: Handle) -> Row | None:
         """The request's turn prepared (engine/handlers.py begin_turn); None when it failed."""
-        from .generate import ReplyText
         eng = self.engine
         req = h.request
         with eng.scheduler.serving_as(h):
@@ -558,7 +557,6 @@ class BatchLoop:
         fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
         if len(fresh) < 2:
             return False
-        from .batch_prefill import GroupPrefill
         for r in fresh:
             self.prefilling.remove(r)
         self.group = GroupPrefill(self.engine, fresh)
@@ -605,7 +603,6 @@ class BatchLoop:
         return g.rows
 
     def _prefill_chunk(self, row: Row) -> None:
-        from .generate import FIRST_CHUNK, next_chunk, on_gpu, prefill
         eng = self.engine
         h = row.handle
         if self.batch.rows and row.pending:     # it will not step alone: no part goes with a step
@@ -751,6 +748,5 @@ def run(engine, first: Handle):
     inputs built from the last step's tokens on another stream (the thread's default) make a
     cross-stream dependency, which the CUDA backend may settle by waiting for the last step on the
     host, so the next step's graph is no longer built while the device runs the last one."""
-    from .generate import _stream
     with mx.stream(_stream()):
         return BatchLoop(engine).run(first)

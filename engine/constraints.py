@@ -53,6 +53,8 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import llguidance as llg
+import llguidance.numpy as lnp
 
 from .errors import RequestError
 
@@ -111,7 +113,6 @@ class ConstraintSpec:
     def grammar_text(self, special: set[str] = frozenset()) -> str:
         """The llguidance grammar (JSON) for this spec. `special`: special-token texts of the
         tokenizer (tool_call's begin/end name them as tokens). ConstraintError on bad input."""
-        import llguidance as llg
         try:
             if self.kind == "json_object":
                 return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
@@ -322,7 +323,6 @@ def _lark_text(text: str, special) -> str:
 
 
 def _validate(grammar: str, tokenizer, param: str) -> str:
-    import llguidance as llg
     try:
         err = llg.LLMatcher.validate_grammar(grammar, tokenizer)
     except Exception as e:                       # noqa: BLE001 - llguidance's own errors, as a 400
@@ -355,8 +355,6 @@ class Constraint:
     """One request's grammar state (an llguidance LLMatcher) and its masks."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer):
-        import llguidance as llg
-        import llguidance.numpy as lnp
         self.spec = spec
         self.llt = ll_tokenizer(tokenizer)
         self.vocab = self.llt.vocab_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenizers import Regex, Tokenizer, pre_tokenizers
+import json
 
 from . import harmony
 from .errors import ModelFileError
@@ -111,7 +112,6 @@ def _phi3_special_rstrip(backend: Tokenizer, model_name: str) -> Tokenizer:
     and <|endoftext|>: "<|user|>\nHi" is <|user|> then "Hi". The same flags on the added tokens here."""
     if not any(k in model_name.lower() for k in ("phi-3", "phi3")):
         return backend
-    import json
     spec = json.loads(backend.to_str())
     for t in spec.get("added_tokens", []):      # llama.cpp: every control and user-defined token
         t["rstrip"] = t["content"] not in ("<unk>", "<s>", "<|endoftext|>")
