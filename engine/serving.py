@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Protocol
+from .model_loader import load_model
 
 
 class Serving(Protocol):
@@ -56,7 +57,6 @@ class LocalServing:
         pass
 
     def load_model(self, g, dtype, progress):
-        from .model_loader import load_model
         return load_model(g, dtype=dtype, progress=progress)
 
     def after_load(self, engine) -> None:

@@ -25,6 +25,8 @@ import xxhash
 
 from .device_upload import drop_host_copies
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
+from .kv_format import describe_label
+from .parking import KVEntry
 
 FORMAT = "strata-session"
 VERSION = 2                        # what a full-K/V conversation is written in (format 3: engine/session_v3.py)
@@ -261,7 +263,6 @@ def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: 
         raise
     size = 8 + len(header) + specs[-1].end
     ms = (time.perf_counter() - t0) * 1e3
-    from .kv_format import describe_label
     what = "" if kv_dtype == KV_DTYPE else f" ({describe_label(kv_dtype)})"
     log(f"saved {n} tokens{what} to {final.name}: {size} B in {ms:.1f} ms "
         f"({'sync ' + format(prof.sync_ms, '.1f') + ' ms' if sync else 'not synced'})")
@@ -618,7 +619,6 @@ def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) 
 
 def restored(tokens: np.ndarray, cache: list, key: str, hdr, size: int, ms: float, prof) -> tuple:
     """The restored entry and the result fields both restores report."""
-    from .parking import KVEntry
     entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
     return entry, {"restored_tokens": len(tokens), "restore_ms": round(ms, 2), "messages": hdr.messages,
                    "session_bytes": size, "profile": asdict(prof)}
