@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import gguf as gguf_py
 from mlx_lm.generate import generation_stream
+from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import archs, attention, moe, quants
@@ -99,15 +100,12 @@ def model_args(g: GGUFFile):
     if moe.is_moe(g):
         return moe.model_args(g, common, head_dim)[:2]
     if arch == "llama":
-        from mlx_lm.models.llama import Model, ModelArgs
         # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
         # exactly MLX's "traditional" RoPE, so the rows need no un-permuting.
-        return Model, ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
+        return llama.Model, llama.ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
     if arch == "qwen2":
-        from mlx_lm.models.qwen2 import Model, ModelArgs
-        return Model, ModelArgs(**common)
-    from mlx_lm.models.qwen3 import Model, ModelArgs
-    return Model, ModelArgs(**common, head_dim=head_dim)
+        return qwen2.Model, qwen2.ModelArgs(**common)
+    return qwen3.Model, qwen3.ModelArgs(**common, head_dim=head_dim)
 
 
 def load_model(g: GGUFFile, *, dtype=mx.float32,

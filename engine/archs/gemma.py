@@ -30,7 +30,7 @@ import numpy as np
 import math
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma4_text
+from mlx_lm.models import gemma3_text, gemma4_text
 
 from . import Architecture
 from ..errors import ModelFileError
@@ -121,7 +121,6 @@ def _linear_scale(g) -> float:
 
 
 def _gemma3_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.gemma3_text import Model, ModelArgs
     n_layer = common["num_hidden_layers"]
     window = _window(g, common)
     pattern = g.arch_key("attention.sliding_window_pattern")
@@ -145,7 +144,7 @@ def _gemma3_args(g, common: dict, head_dim: int):
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     # llama.cpp: 1/sqrt(n_embd/n_head) for the 27B (62 layers), 1/sqrt(head size) otherwise
     scalar = n_embd // n_head if n_layer == 62 else head_dim
-    args = ModelArgs(**{k: v for k, v in common.items() if k != "tie_word_embeddings"},
+    args = gemma3_text.ModelArgs(**{k: v for k, v in common.items() if k != "tie_word_embeddings"},
                      head_dim=head_dim, query_pre_attn_scalar=scalar,
                      rope_local_base_freq=float(g.arch_key("rope.freq_base_swa", _DEFAULT_SWA_BASE)),
                      sliding_window=window or common["max_position_embeddings"],
@@ -153,11 +152,10 @@ def _gemma3_args(g, common: dict, head_dim: int):
                      rope_scaling={"rope_type": "linear", "factor": scale} if (scale := _linear_scale(g)) != 1.0
                      else None)
     args.tie_word_embeddings = common["tie_word_embeddings"]
-    return Model, args
+    return gemma3_text.Model, args
 
 
 def _gemma4_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.gemma4_text import Model, ModelArgs
     name = g.path.name
     tensors = g.tensors()
     n_layer = common["num_hidden_layers"]
@@ -213,7 +211,7 @@ def _gemma4_args(g, common: dict, head_dim: int):
     base_swa = float(g.arch_key("rope.freq_base_swa", _DEFAULT_SWA_BASE))
     fields = {k: v for k, v in common.items() if k not in ("rope_theta", "intermediate_size")}
     fields["num_key_value_heads"] = kv_local[0]
-    args = ModelArgs(
+    args = gemma4_text.ModelArgs(
         **fields, head_dim=head_swa, global_head_dim=head_dim, num_global_key_value_heads=kv_global[0],
         num_kv_shared_layers=n_shared, hidden_size_per_layer_input=n_pl,
         vocab_size_per_layer_input=int(pl_rows.shape[-1]) if pl_rows is not None else common["vocab_size"],
@@ -227,7 +225,7 @@ def _gemma4_args(g, common: dict, head_dim: int):
                          "sliding_attention": {"rope_theta": base_swa, "rope_type": "default"}},
         enable_moe_block=any(moe), num_experts=n_expert or None, top_k_experts=n_used or None,
         moe_intermediate_size=n_ff_exp or None)
-    return Model, args
+    return gemma4_text.Model, args
 
 
 def model_args(g, common: dict, head_dim: int):

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models import qwen3_5, qwen3_5_moe
 
 from ..errors import ModelFileError
 from . import Architecture
@@ -193,14 +194,14 @@ def model_args(g, common: dict, head_dim: int):
         text.update(num_experts=moe.n_expert, num_experts_per_tok=moe.n_used, decoder_sparse_step=1,
                     moe_intermediate_size=moe.n_ff_exp, shared_expert_intermediate_size=moe.n_ff_shexp,
                     norm_topk_prob=True)
-        from mlx_lm.models.qwen3_5_moe import Model
+        family = qwen3_5_moe
     else:
-        from mlx_lm.models.qwen3_5 import Model
+        family = qwen3_5
     args = Qwen35Args(text["model_type"], text, common["hidden_size"], shape.n_layer,
                       common["num_attention_heads"], common["num_key_value_heads"], head_dim,
                       moe.n_ff_exp if moe else common["intermediate_size"], common["vocab_size"],
                       common["tie_word_embeddings"], shape, moe)
-    return Model, args
+    return family.Model, args
 
 
 def tensor_name(gguf_name: str, args: Qwen35Args) -> str | None:
