@@ -57,7 +57,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from .api import CountTokens, GenerateRequest, Status
 from .errors import Cancelled, EngineError, StrataError
 from .events import Done, Failed, Handle, Progress, Token
-from . import layer_cache
+from . import layer_cache, generate
 from .batch_prefill import GroupPrefill
 from .generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
 
@@ -122,7 +122,6 @@ def _cache_facts(engine) -> tuple[bool, bool]:
     memo = engine.scheduler.batch_memo
     got = memo.get("cache_facts")
     if got is None or got[0] is not engine.model or got[1] != engine.options.kv_bits:
-        from . import layer_cache
         cache = engine.make_cache()
         facts = (not engine.kv_fmt.quantized and layer_cache.batchable(cache), not layer_cache.needs_checkpoints(cache))
         got = memo["cache_facts"] = (engine.model, engine.options.kv_bits, facts)
@@ -509,7 +508,6 @@ class BatchLoop:
         processors = sp.processors()
         # On a GPU the prompt's last part goes in with the first decode step, as a lone request's does
         # (generate.first_step_merge_limit), when the row steps alone; else it is prefilled first.
-        from . import generate, layer_cache
         new = turn.tokens[turn.reuse:-1]
         # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.

@@ -338,7 +338,6 @@ def ll_tokenizer(tokenizer):
     """The llguidance tokenizer for a GGUFTokenizer (built once, kept on it)."""
     llt = getattr(tokenizer, "_llg_tokenizer", None)
     if llt is None:
-        import llguidance as llg
         llt = llg.LLTokenizer(tokenizer.backend.to_str(), eos_token=sorted(tokenizer.eos_ids) or None)
         tokenizer._llg_tokenizer = llt
     return llt

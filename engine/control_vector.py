@@ -48,6 +48,7 @@ import numpy as np
 from engine.errors import StrataError
 import gguf
 import mlx.core as mx
+from engine.steering import fused_steerer, steerer
 from .errors import ModelFileError
 from .gguf_header import scan_header
 
@@ -287,7 +288,6 @@ class ControlVector:
             vec = self.directions.get(layer)
             if vec is None:
                 return h + res
-            from engine.steering import fused_steerer
             fn = self._fused[layer] = fused_steerer(vec, self.scale, self.mode)
         return fn(h, res)
 
@@ -297,7 +297,6 @@ class ControlVector:
             vec = self.directions.get(layer)
             if vec is None:
                 return h
-            from engine.steering import steerer
             # Made on first use, kept: the per-step call then costs only the kernel call.
             fn = self._steerers[layer] = steerer(vec, self.scale, self.mode)
         return fn(h)

@@ -398,7 +398,6 @@ _pool = None
 def _readers():
     global _pool
     if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
         _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-tier-read")
     return _pool
 

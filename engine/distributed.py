@@ -33,9 +33,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from .errors import ErrorCode, StrataError
+from .errors import ErrorCode, StrataError, RequestError
 from .events import Progress, Failed
-from . import parking, sessions
+from . import parking, sessions, archs, pipeline_sessions
 from .api import (Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession, SessionRestored,
                   SessionSaved)
 from .model_loader import load_model, model_args
@@ -90,7 +90,6 @@ class Distributed:
         """The model part this rank holds (pipeline) or its shard (tensor), and the full ModelInfo."""
         _, args = model_args(g)
         if self.mode == "tensor":
-            from . import archs
             if archs.find(g.architecture) is not None:
                 # TensorModel applies the head itself (not a family's logit scaling or soft-capping) and
                 # mlx-lm's shard() is not written for every family: refused rather than wrong
@@ -269,7 +268,6 @@ class Distributed:
         """Rank 0's go/no-go on every rank (a check that could differ per rank must not split them)."""
         verdict = pickle.loads(self._bytes_collective(pickle.dumps(error) if self.rank == 0 else None))
         if verdict:
-            from .errors import RequestError
             raise RequestError(verdict)
 
     def save(self, engine, req, handle) -> dict:
@@ -289,12 +287,10 @@ class Distributed:
             error = f"session save refused: {engine.guard.unavailable_reason()}"
         self._decide(error)
         if self.mode == "pipeline":         # any cache kinds, through the cache contract
-            from . import pipeline_sessions
             full = pipeline_sessions.gather(self, entry.cache, engine.model)
             checkpoints = pipeline_sessions.gather_checkpoints(self, entry, engine.model)
         else:
             full, checkpoints = self._gather(entry), []
-        from .errors import StrataError
         result, error = None, None
         if self.rank == 0:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
@@ -310,14 +306,13 @@ class Distributed:
 
     def restore(self, engine, req, handle) -> dict:
 
-        from .errors import RequestError, StrataError
         engine.require_model()
         n_layer = engine.info.n_layer
         # Pipeline: any cache kinds, through the cache contract (engine/pipeline_sessions.py); a format-3
         # file is checked against the whole model's one-token probe, which every rank runs together.
-        from . import pipeline_sessions as ps
         pipeline = self.mode == "pipeline"
-        probe = ps.probe(self, engine.model, engine.make_cache) if pipeline and ps.needs_probe(engine.model) else None
+        probe = (pipeline_sessions.probe(self, engine.model, engine.make_cache)
+                 if pipeline and pipeline_sessions.needs_probe(engine.model) else None)
         whole, result, error = None, None, None
         if self.rank == 0:
             try:
@@ -325,7 +320,7 @@ class Distributed:
                 if reason:
                     raise RequestError(f"session restore refused: {reason}")
                 whole, result = sessions.load(req.path, engine.session_fingerprint(),
-                                              (lambda: ps.whole_cache(engine)) if pipeline
+                                              (lambda: pipeline_sessions.whole_cache(engine)) if pipeline
                                               else (lambda: [KVCache() for _ in range(n_layer)]),
                                               key=engine.cache_key(), dtype=engine.dtype,
                                               progress=lambda d, t: handle.emit(Progress("restore", d, t)),
@@ -355,8 +350,9 @@ class Distributed:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
                 mine.append(c)
-        cache, checkpoints = ps.scatter(self, whole.cache if self.rank == 0 else None,
-                                        whole.checkpoints if self.rank == 0 else None, engine.model) \
+        cache, checkpoints = pipeline_sessions.scatter(self, whole.cache if self.rank == 0 else None,
+                                                       whole.checkpoints if self.rank == 0 else None,
+                                                       engine.model) \
             if pipeline else (engine.make_cache(), [])
         for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))

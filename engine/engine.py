@@ -24,6 +24,7 @@ from typing import Any, Callable
 # ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
 import mlx_lm.generate  # noqa: F401,E402
 import time
+import gc
 
 from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
@@ -242,7 +243,6 @@ class Engine:
             # refusal, and MLX arrays freed under the interpreter's exit abort the process ("terminate
             # called without an active exception", exit 134 instead of 2).
             if isinstance(handle.request, (LoadModel, RestoreSession)):   # rare, and they hold the most
-                import gc
                 gc.collect()
             handle.emit(failed)
 

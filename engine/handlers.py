@@ -25,6 +25,7 @@ from .kv_key import KVKey
 from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
+from .constraints import compile as compile_constraint
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -151,7 +152,6 @@ class RequestHandlers:
         drafter = self.eng.drafts.drafter_for(req)        # speculative decoding hook (validates before any work)
         constraint = None
         if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
-            from .constraints import compile as compile_constraint
             constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False

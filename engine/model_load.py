@@ -4,8 +4,9 @@ memory guard before any tensor is read, built into one LoadedModel that replaces
 from __future__ import annotations
 
 from .api import LoadModel, ModelFacts, ModelLoaded, model_id
-from .events import Handle, Progress
+from .events import Handle, Progress, Log
 import mlx.core as mx
+import logging
 from . import kv_reserve, steering
 from .chat_template import generation_prompt
 from .device import compute_dtype, on_gpu
@@ -16,6 +17,7 @@ from .memory_estimate import fit_for_load, gpu_working_set
 from .models import resolve_model
 from .reasoning import opens_think
 from .tokenizer import load_tokenizer
+from .control_vector import ControlVector, ControlVectorError
 
 
 class ModelLoad:
@@ -43,7 +45,6 @@ class ModelLoad:
         steer_cfg = self.eng.options.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
-            from .control_vector import ControlVector, ControlVectorError
             try:
                 vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
             except ControlVectorError as e:
@@ -84,9 +85,7 @@ class ModelLoad:
         asked = self.eng.options.context_length
         if asked and asked > n_ctx and info.context_length <= n_ctx:
             # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
-            import logging
 
-            from .events import Log
             note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
                     f"using {n_ctx}")
             logging.getLogger("strata").warning(note)

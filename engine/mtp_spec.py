@@ -48,10 +48,11 @@ from mlx_lm.models.cache import KVCache
 from .device import on_gpu
 from .errors import ModelFileError, RequestError
 from .mtp_depth import MTP_DRAFT_CPU, MTP_DRAFT_GPU, target_offset
-from .archs.qwen35_mtp import load_head
+from .archs.qwen35_mtp import load_head, check_matches
 from .gguf_file import open_gguf
 from .memory_estimate import read_header, tensor_bytes
 from .models import resolve_model
+from .archs.gemma4_mtp import load_sibling
 
 MAX_ROWS = 8192         # hidden states the tap keeps unread at most (a plain fallback decode adds one a token)
 READ_CHUNK = 512        # the head reads a long prompt's positions this many at a time
@@ -227,7 +228,6 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
                                f"({target.architecture}.nextn_predict_layers is 0) and no mtp-*.gguf beside it")
     sibling = p.resolve() != model_path.resolve()
     if gemma4:          # the drafter is its own file (engine/archs/gemma4_mtp.py)
-        from .archs.gemma4_mtp import load_sibling
         if not sibling:
             raise RequestError(f"speculative mtp: {p.name} is the model itself; Gemma 4's drafter is a separate "
                                "gemma4-assistant GGUF")
@@ -239,7 +239,6 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
         return LoadedHead(head, p, model, head_path, f"{note} ({p.name})")
     g = open_gguf(p) if sibling else target
     if sibling and admit is not None:
-        from .archs.qwen35_mtp import check_matches
         check_matches(g, target)               # refused by name before any byte is admitted
         layer = int(g.arch_key("block_count") or 0) - int(g.arch_key("nextn_predict_layers") or 0)
         admit(head_bytes(g, layer))

@@ -25,7 +25,7 @@ import xxhash
 
 from .device_upload import drop_host_copies
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
-from .kv_format import describe_label
+from .kv_format import describe_label, choose, format_of_label
 from .parking import KVEntry
 
 FORMAT = "strata-session"
@@ -555,12 +555,10 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
     if theirs != ours:
         # Refused, not converted: widening 8-bit codes or re-quantizing them would give a K/V that
         # no engine run produced.
-        from .kv_format import describe_label, format_of_label
         fmt = format_of_label(theirs)
         if fmt is None:
             raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
                                    f"{describe_label(ours)}")
-        from .kv_format import choose
         try:
             group = choose(fmt.bits, int(expected["head_dim"])).group
         except (StrataError, ValueError, TypeError):

@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import half_cast, session_v3, layer_cache
+from . import half_cast, session_v3, layer_cache, session_quant
 from .device import compute_dtype, on_cuda, on_gpu
 from .device_upload import host_view, to_device
 from . import session_container
@@ -77,7 +77,6 @@ _ST = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2")}
 def layout(n_tokens: int, g: Geometry) -> list[TensorSpec]:
     """The one tensor table a file of n_tokens for this geometry may have, in file order."""
     if g.kv != KV_DTYPE:
-        from . import session_quant
         return session_quant.layout(n_tokens, g)
     specs, off = [], 0
     nbytes = n_tokens * 4
@@ -133,7 +132,6 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         return session_v3.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
                                log=log)
     if fingerprint.get("kv_format", KV_DTYPE) != KV_DTYPE:      # 8/4-bit K/V, stored as held
-        from . import session_quant
         return session_quant.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
                                   log=log)
     g = Geometry.of(fingerprint)
@@ -252,13 +250,11 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     after one token."""
     _, head, _ = read_header(path)
     if head.get("version") == "3":
-        from . import session_v3
         if probe_cache is None:
             raise SessionFileError(f"{Path(path).name}: a format-3 session cannot be restored here")
         return session_v3.load(path, expected, make_cache, key=key, probe_cache=probe_cache, dtype=dtype,
                                n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log)
     if expected.get("kv_format", KV_DTYPE) != KV_DTYPE:        # 8/4-bit K/V, restored as stored
-        from . import session_quant
         return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
                                   admit=admit, progress=progress, log=log)
     return _load_v2(Path(path).expanduser(), expected, make_cache, key, dtype, Geometry.of(expected, n_vocab, n_ctx),

@@ -287,8 +287,6 @@ class DraftModel:
         """Cut the draft's K/V back to at most n tokens (engine/layer_cache.py: a trim, else its
         latest checkpoint at or before n, else from scratch): tokens held."""
         if len(self.fed) > n:
-            from mlx_lm.models.cache import make_prompt_cache
-            from . import layer_cache
             self.cache, n = layer_cache.rewind(self.cache, len(self.fed), n, self.checkpoints,
                                                lambda: make_prompt_cache(self.model))
             del self.fed[n:]

@@ -9,6 +9,7 @@ import json
 from . import harmony
 from .errors import ModelFileError
 from .gguf_file import GGUFFile, text_hash
+from .prompt_encoder import PromptEncoder
 
 
 def _smollm_pre_tokenizer():
@@ -51,7 +52,6 @@ class GGUFTokenizer:
         """encode(text) for a rendered chat: the same ids, tokenizing only what follows the longest
         prefix it shares with a recent prompt, up to a special token (engine/prompt_encoder.py)."""
         if self.prompts is None:
-            from .prompt_encoder import PromptEncoder
             self.prompts = PromptEncoder(self.backend)
         ids = self.prompts.encode(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:

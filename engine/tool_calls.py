@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from .generate import partial_suffix
 from .reasoning import opens_think
-from .constraints import ConstraintSpec
+from .constraints import ConstraintSpec, ConstraintError
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANTHROPIC_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -853,7 +853,6 @@ def plan(fmt: ToolFormat, messages: list[dict], tools: list[dict], choice, *, pa
     if tools and choice not in ("auto", "none"):
         constraint, note = forced_constraint(fmt, tools, choice, parallel) if constrain else (None, "not asked")
         if constraint is not None:
-            from .constraints import ConstraintError
             try:
                 constraint.check()
             except ConstraintError as e:

@@ -43,6 +43,7 @@ from .connections import ConnectionLimits, uvicorn_options
 from .wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
     _chat_message, _models, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
 from .launch import check_engine_flags, loaded, start_engine
+from ..events import cancel_everything
 
 DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 
@@ -274,7 +275,6 @@ def _server_class():
             # Ctrl-C / SIGTERM: the replies still streaming end now (cancelled: each client gets its last
             # chunk and [DONE]), so their connections close within the graceful period; uvicorn would
             # otherwise wait it out and then cancel them under the ASGI app (a CancelledError traceback).
-            from ..events import cancel_everything
             cancel_everything()
             super().handle_exit(sig, frame)
     return Server

@@ -25,10 +25,11 @@ from .body_check import BodyError, parse_body
 from ..constraints import ConstraintError, ConstraintSpec
 from ..harmony import ChannelStream
 from ..memory_estimate import read_header
-from ..reasoning import split
+from ..reasoning import split, split_reply
 from ..speculative import parse_spec
 from ..tool_calls import (ToolError, check_tool_choice, check_tools, content_text, detect, finish_calls,
                           new_call_id, parse, plan, strip_volatile, uses_tools)
+from .. import draft_names
 
 MAX_STOP = 16
 
@@ -174,7 +175,6 @@ def _speculative(body: dict) -> str:
         raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     if mode.kind in ("draft", "mtp") and mode.draft_path:
         # A name in the models folder only (engine/draft_names.py): the engine gets the file's path.
-        from .. import draft_names
         try:
             return f"{mode.kind}:{draft_names.resolve(mode.draft_path)}"
         except StrataError as e:
@@ -325,7 +325,6 @@ def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[
     model's analysis channel, a <think> block, opened by the template when `think_open`) and
     finish_reason of a finished reply."""
     if p is None or not p.active:
-        from ..reasoning import split_reply
         ch = split_reply(text, think_open)
         return {"role": "assistant", "content": ch.content,
                 **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
