@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.paths import check_data_dir
+from PySide6.QtCore import QStandardPaths
 
 
 def _made(p: Path) -> Path:
@@ -60,7 +61,6 @@ def settle_data_dir(choose: Callable[[str], Path | None]) -> str | None:
 def legacy_data_dir() -> Path | None:
     """Where the app kept its files before it used engine.paths' folder: QStandardPaths' AppDataLocation
     (the application's identity must be set: set_identity)."""
-    from PySide6.QtCore import QStandardPaths
     loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
     return Path(loc) if loc else None
 
