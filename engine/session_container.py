@@ -467,6 +467,26 @@ def _encodable(value) -> bool:
     return True
 
 
+def check_layout(name: str, meta: dict[str, str], kv_dtype: str, kv_layout: str) -> None:
+    """The file's K/V element type and layout are the ones this reader restores, or SessionFileError."""
+    if meta.get("kv_dtype") != kv_dtype or meta.get("kv_layout") != kv_layout:
+        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
+                               f"{meta.get('kv_layout', '?')[:60]})")
+
+
+def token_count(name: str, meta: dict[str, str], n_ctx: int) -> int:
+    """The header's token count, checked before anything is sized from it: 1 to n_ctx - 1."""
+    nt = meta.get("n_tokens", "")
+    if not re.fullmatch(r"[0-9]{1,10}", nt):
+        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
+    n = int(nt)
+    if n < 1:
+        raise SessionFileError(f"{name} holds no tokens")
+    if n >= n_ctx:
+        raise SessionFileError(f"{name} holds {n} tokens; the context holds {n_ctx} (a longer --ctx may restore it)")
+    return n
+
+
 def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict | None = None, *,
                  layout: Callable[[int, Geometry], list[TensorSpec]], kv_layout: str) -> ParsedHeader:
     """Validate a format-2 raw header completely (type and range of every field) before anything is
@@ -483,18 +503,8 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
                                f"does not have")
     if expected is not None:
         check_fingerprint(name, meta, expected)
-    if meta.get("kv_dtype") != g.kv or meta.get("kv_layout") != kv_layout:
-        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
-                               f"{meta.get('kv_layout', '?')[:60]})")
-    nt = meta.get("n_tokens", "")
-    if not re.fullmatch(r"[0-9]{1,10}", nt):
-        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
-    n = int(nt)
-    if n < 1:
-        raise SessionFileError(f"{name} holds no tokens")
-    if n >= g.n_ctx:
-        raise SessionFileError(f"{name} holds {n} tokens; the context holds {g.n_ctx} "
-                               f"(a longer --ctx may restore it)")
+    check_layout(name, meta, g.kv, kv_layout)
+    n = token_count(name, meta, g.n_ctx)
     specs = layout(n, g)
     messages = check_table_and_tail(name, table, specs, raw, size, meta,
                                     f"{n} tokens of {g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} {g.kv}")
