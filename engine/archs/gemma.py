@@ -34,14 +34,11 @@ from mlx_lm.models import gemma3_text, gemma4_text
 
 from . import Architecture
 from ..errors import ModelFileError
-from .common import FactorRoPE
+from .common import DENSE_BLOCK_NAMES, FactorRoPE
 
 _BLOCK = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    **DENSE_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     # Gemma 4's per-layer embedding path
     "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
     # Gemma 4's mixture-of-experts blocks (26B-A4B): the dense FFN above runs beside the experts
@@ -239,7 +236,6 @@ def _exact_embedding_scale(weights: dict, args) -> None:
     1152, not 33.94), llama.cpp by sqrt(n_embd) itself: the embedding rows take the ratio, and a tied
     output head (the same rows) is given it back through the final norm (mlx-lm scales by 1+w).
     Measured on a 1152-wide F32 file (test_arch_gemma): |dlogit| median against llama.cpp 0.0028 -> 0.0013."""
-
     exact = math.sqrt(args.hidden_size)
     ratio = exact / mx.array(exact, dtype=mx.bfloat16).astype(mx.float32).item()
     if ratio == 1.0:
@@ -298,7 +294,6 @@ def _sharing_attention(base: type) -> type:
     8/4-bit K/V): mlx-lm hands such a layer the source layer's quantized (packed, scales, biases)
     tuples but no cache, so its attention call has no bits to read and fails. This one reads them
     from the tuples' shapes and calls the same attention function (the module's, as patched)."""
-
     class SharingAttention(base):
         def __call__(self, x, mask=None, cache=None, shared_kv=None, offset=None):
             if shared_kv is None or not isinstance(shared_kv[0], tuple):

@@ -26,8 +26,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from ..errors import ModelFileError
 from . import qwen35
-from .. import quants
-from .common import common_args
+from .common import add_tensor, common_args, load_checked
 
 _NEXTN_NAMES = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
                 "nextn.shared_head_norm": "norm", "nextn.shared_head_head": "lm_head",
@@ -135,15 +134,7 @@ def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, He
             name = f"layer.{qwen35._LAYER_NAMES[base]}.{kind}"
         else:
             raise ModelFileError(f"{g.path.name}: unexpected tensor '{t.name}' in the NextN head")
-        try:
-            mt = quants.convert_tensor(t, dtype=dtype)
-        except quants.UnsupportedTensorType as e:
-            raise ModelFileError(f"{g.path.name}: {e}") from None
-        weights[name] = mt.weight
-        if mt.quantized:
-            p = name.rsplit(".", 1)[0]
-            weights[f"{p}.scales"], weights[f"{p}.biases"] = mt.scales, mt.biases
-            qparams[p] = {"group_size": mt.group_size, "bits": mt.bits}
+        add_tensor(weights, qparams, name, t, dtype, g.path.name)
     for need in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "layer.self_attn.q_proj.weight"):
         if need not in weights:
             raise ModelFileError(f"{g.path.name}: the NextN head (blk.{layer}) lacks "
@@ -153,12 +144,7 @@ def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, He
     head = MTPHead(TextModelArgs.from_dict(args.text_config), own=own)
     if qparams:
         nn.quantize(head, class_predicate=lambda path, module: qparams.get(path, False))
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelFileError(f"{g.path.name}: the NextN head's tensors do not match ({str(e)[:160]})") from None
-    head.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
-    mx.eval(head.parameters())
+    load_checked(head, weights, dtype, f"{g.path.name}: the NextN head's tensors do not match")
     head.attach(model)
     note = (f"NextN head from blk.{layer}" + (f" with its own {', '.join(sorted(own))}" if own else
                                                " sharing the model's norm, embedding and output"))
