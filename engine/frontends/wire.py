@@ -371,6 +371,23 @@ class _Bridge:
                 return text, ev
         return text, None
 
+    async def stream(self, first):
+        """The reply from `first` on, as both APIs stream it: the tokens queued together merged into one
+        text (str), Progress left out, and the closing Done or Failed last."""
+        ev = first
+        while True:
+            if isinstance(ev, Token):
+                text, ev = self.drain_tokens(ev)
+                if text:
+                    yield text
+                if ev is None:
+                    ev = await self.get()
+                continue
+            if isinstance(ev, (Done, Failed)):
+                yield ev
+                return
+            ev = await self.get()                # Progress
+
     async def outcome(self):
         while True:
             ev = await self.queue.get()
