@@ -34,8 +34,6 @@ def last_token_states(engine, prompts: list[str], progress=None, first: list | N
     ``first``, when given a list, receives the same for the FIRST prompt position (one
     (n_layer, n_embd) array per prompt). Runs on the engine thread (the CaptureStates request).
     The speed projection is switched off while it runs."""
-
-
     owner = _layers_owner(engine.model)
     layers = owner.layers
     n_layer = len(layers)

@@ -307,7 +307,6 @@ def write_control_vector(path, directions: dict[int, np.ndarray], model_hint: st
     ``general.architecture = "controlvector"``, ``controlvector.model_hint`` (string),
     ``controlvector.layer_count`` (int32, the number of direction tensors), tensors
     ``direction.N`` (F32, 1-D) in ascending N."""
-
     if not directions:
         raise ControlVectorError("no directions to write")
     width = None

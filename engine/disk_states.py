@@ -340,7 +340,6 @@ def build(layers: list, ns: list[int], regions: list[list[np.ndarray]], state: l
           probe: list) -> list:
     """The per-layer caches after sum(ns) tokens from the segments' regions (host arrays), each float
     tensor in this model's dtype (the probe's)."""
-
     m = sum(ns)
     merged = merge_regions(layers, ns, regions)
     kv_it, st_it = iter(merged), iter(state)

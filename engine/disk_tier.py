@@ -678,7 +678,6 @@ class DiskTier:
                 prompt: list[int] | None = None) -> tuple[KVEntry, int] | None:
         """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged). `prompt`:
         the tokens it resumes (what is read must be their first m, checked with verify)."""
-
         if e.layers is not None:
             return disk_states.restore(self, e, m, make_cache, prompt)
         t0 = time.perf_counter()
@@ -893,7 +892,6 @@ def _store_of(cache: list) -> str:
 def _host_copy(cache: list, a: int, b: int, g, store: str, stop: Callable[[], bool]) -> list[np.ndarray] | None:
     """Cells [a, b) of every layer's K/V as numpy host arrays in the segment's order (16-bit K/V in
     `store`, quantized as held), one layer at a time; None when `stop()` says a request is waiting."""
-
     out: list[np.ndarray] = []
     for c in cache[:g.n_layer]:
         if stop():

@@ -305,7 +305,6 @@ class Distributed:
         return result if result is not None else {"tokens": len(entry.tokens)}
 
     def restore(self, engine, req, handle) -> dict:
-
         engine.require_model()
         n_layer = engine.info.n_layer
         # Pipeline: any cache kinds, through the cache contract (engine/pipeline_sessions.py); a format-3

@@ -267,7 +267,6 @@ class RequestHandlers:
                                                                  tools=req.tools))))
 
     def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
-
         self.eng.require_model()
         t0 = time.perf_counter()
         first: list = []

@@ -72,7 +72,6 @@ def _copy(x):
 
 
 def _half_scale_cache_class():
-
     class HalfScaleQuantizedKVCache(QuantizedKVCache):
         """mlx-lm's QuantizedKVCache with float16 scales and biases whatever the compute dtype.
 

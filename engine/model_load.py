@@ -27,8 +27,6 @@ class ModelLoad:
         self.eng = engine
 
     def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
-
-
         path = resolve_model(req.path)
         g = open_gguf(path)
         self.eng.drafts.release("a model load")      # drafts for the old target; its memory counts for the fit

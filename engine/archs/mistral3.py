@@ -20,7 +20,6 @@ from ..errors import ModelFileError
 
 
 def model_args(g, common: dict, head_dim: int):
-
     if "rope_freqs.weight" in g.tensors():
         raise ModelFileError(f"{g.path.name}: mistral3 with 'rope_freqs.weight' factors is not supported")
     if int(g.arch_key("rope.dimension_count", head_dim) or head_dim) != head_dim:

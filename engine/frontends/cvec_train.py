@@ -117,7 +117,6 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
           sink: bool = True) -> tuple[dict[int, np.ndarray], dict]:
     """Run the pairs through `model`; returns (directions, info). ``sink``: orthogonal to the first
     position's state (see the module docstring)."""
-
     engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
     try:
         engine.startup.result()                     # the start-up load's own error, if it failed
@@ -145,8 +144,6 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
 
 
 def cmd_train(args) -> int:
-
-
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     pairs = read_pairs(args.positive, args.negative)

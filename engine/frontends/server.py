@@ -269,7 +269,6 @@ class ServerThread:
 
 
 def _server_class():
-
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # Ctrl-C / SIGTERM: the replies still streaming end now (cancelled: each client gets its last
