@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.paths import check_data_dir
+from engine.paths import check_data_dir, data_dir as engine_data_dir
 from PySide6.QtCore import QStandardPaths
 
 
@@ -25,8 +25,7 @@ class AppPaths:
 
     @classmethod
     def default(cls) -> "AppPaths":
-        from engine.paths import data_dir
-        return cls(_made(data_dir()))
+        return cls(_made(engine_data_dir()))
 
     @property
     def models_dir(self) -> Path:

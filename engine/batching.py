@@ -58,6 +58,7 @@ from .api import CountTokens, GenerateRequest, Status
 from .errors import Cancelled, EngineError, StrataError
 from .events import Done, Failed, Handle, Progress, Token
 from . import layer_cache, generate
+from .memory_estimate import estimate, read_header
 from .batch_prefill import GroupPrefill
 from .generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
 
@@ -139,7 +140,6 @@ def row_cost(engine) -> tuple[int, int]:
         info = engine.info
         cost = (2 * info.n_layer * info.n_head_kv * info.head_dim * itemsize, 0)
         try:
-            from .memory_estimate import estimate, read_header
             est = estimate(read_header(engine.loaded.path), 256, str(engine.dtype).rsplit(".", 1)[-1])
             cost = (est.kv_bytes_per_token, est.state_bytes + est.window_bytes)
         except Exception:  # noqa: BLE001 - the conservative count above stands

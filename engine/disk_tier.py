@@ -48,6 +48,7 @@ import mlx.core as mx
 
 from . import disk_segments as ds, kv_format, layer_cache
 from . import disk_states
+from .session_quant import restore_bytes as quant_bytes
 from .kv_key import KVKey
 from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
 from .paths import data_dir, unusable_folder
@@ -704,7 +705,6 @@ class DiskTier:
                 if g.kv == "float16":
                     need = restore_bytes(m, g, np.dtype(_np_dtype(self._dtype)).itemsize)
                 else:
-                    from .session_quant import restore_bytes as quant_bytes
                     need = quant_bytes(m, g)
                 try:
                     check_memory(e.path.name, m, need, self._admit)      # before any K/V is allocated

@@ -93,6 +93,7 @@ def _gguf_converter():
     """transformers' GGUF -> `tokenizers` converter. It is a private module that has moved between
     releases, so pyproject pins transformers to the tested version; the older location is a fallback
     and anything else is one clear line rather than an ImportError deep in a load."""
+    # lazy: transformers takes seconds to import and only a GGUF tokenizer's conversion needs it
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:

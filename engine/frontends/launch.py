@@ -109,8 +109,8 @@ def loaded(engine):
 def follow(args) -> int:
     """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
     requests until rank 0 stops (or is lost)."""
-    from ..distributed import FollowerGuard
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
+    from ..distributed import FollowerGuard
     from ..engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
