@@ -13,7 +13,13 @@ import logging
 
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal
 
-from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT   # plain Python: no mlx
+from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT,
+                           DEFAULT_MAX_SEQUENCES)
+from engine.api import (ClearDiskCache, Configure, CountTokens, ForgetConversation, GenerateRequest,
+                        LoadModel, RestoreSession, SaveSession, Status)
+from engine.errors import ErrorCode
+from engine.events import Done, Failed, KVChanged, KVMoved, Log, Progress, Token
+from engine.sampling import SamplingParams
 
 log = logging.getLogger("strata.app")
 
@@ -53,7 +59,6 @@ class Request(QObject):
         self._event.emit(event)
 
     def _deliver(self, event) -> None:
-        from engine.events import Done, Failed, KVChanged, KVMoved, Log, Progress, Token
         if isinstance(event, Token):
             self.token.emit(event.text)
         elif isinstance(event, Progress):
@@ -92,7 +97,6 @@ class EngineThread(QThread):
         refused at load with the engine's reason)."""
         super().__init__(parent)
         self.setObjectName("strata-engine")
-        from engine.limits import DEFAULT_MAX_SEQUENCES
         # replies of several tabs (and the server on this engine) decoded together
         self._opts = dict(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
                           kv_bits=kv_bits, disk_mib=disk_mib, max_sequences=DEFAULT_MAX_SEQUENCES)
@@ -102,6 +106,7 @@ class EngineThread(QThread):
 
     def run(self) -> None:
         try:
+            # lazy: engine.engine imports MLX, which the app's own modules never import
             from engine.engine import Engine, EngineOptions
             self.engine = Engine(EngineOptions(model=None, steering=_steering_config(self._steering),
                                                **self._opts))
@@ -126,6 +131,7 @@ class EngineThread(QThread):
 def start_server(engine, host: str, port: int, api_key: str = ""):
     """The OpenAI-compatible server (engine.frontends.server) on the app's engine: a started ServerThread, or
     StrataError (one line, e.g. the port in use). Blocks until it listens: call it off the GUI thread."""
+    # lazy: the server imports the engine (MLX), which the app's own modules never import
     from engine.frontends.server import ServerThread, create_app
     return ServerThread(create_app(engine, api_key=api_key or None, host=host), host=host, port=port).start()
 
@@ -134,6 +140,7 @@ def _steering_config(spec):
     """settings.Steering (or None) -> engine.control_vector.SteeringConfig (or None when no files)."""
     if spec is None or not getattr(spec, "files", None):
         return None
+    # lazy: engine.control_vector imports MLX, which the app's own modules never import
     from engine.control_vector import SteeringConfig
     layer_range = (spec.layer_from, spec.layer_to) if spec.layer_from or spec.layer_to else None
     return SteeringConfig(files=tuple((p, float(s)) for p, s in spec.files), layer_range=layer_range,
@@ -201,7 +208,6 @@ class EngineClient(QObject):
             QTimer.singleShot(0, req, lambda: req.fail(why))
             return
         if req._cancel:
-            from engine.errors import ErrorCode
             QTimer.singleShot(0, req, lambda: req.fail("cancelled", ErrorCode.CANCELLED))
             return
         req.handle = self.thread.engine.submit(request, callback=req._callback)
@@ -211,8 +217,6 @@ class EngineClient(QObject):
                  speed_projection: bool | None = None, speculative: str = "off", side: bool = False) -> Request:
         """`side`: a request of the app's own (a title) that must not cost a conversation its K/V."""
         def make():
-            from engine.api import GenerateRequest
-            from engine.sampling import SamplingParams
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
                                    speculative=speculative, side=side)
@@ -220,7 +224,6 @@ class EngineClient(QObject):
 
     def load_model(self, path: str, steering="keep") -> Request:
         def make():
-            from engine.api import LoadModel
             return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering))
         return self._submit("load", make)
 
@@ -232,7 +235,6 @@ class EngineClient(QObject):
         loaded model's head size cannot take it. `disk_mib`: the disk tier's cap (engine/disk_tier.py),
         0 = off. The app sends it from one place: app/engine_settings.py."""
         def make():
-            from engine.api import Configure
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,
                              kv_bits=kv_bits, disk_mib=disk_mib)
         return self._submit("configure", make)
@@ -240,27 +242,23 @@ class EngineClient(QObject):
     def clear_disk_cache(self) -> Request:
         """Every conversation in the disk tier removed: result is the EngineStatus (its `disk` figures)."""
         def make():
-            from engine.api import ClearDiskCache
             return ClearDiskCache()
         return self._submit("disk", make)
 
     def forget_conversation(self, conversation: str) -> Request:
         """A deleted chat: its K/V dropped from the disk tier and from parking."""
         def make():
-            from engine.api import ForgetConversation
             return ForgetConversation(conversation)
         return self._submit("disk", make)
 
     def count_prompt_tokens(self, messages: list[dict]) -> Request:
         """How many tokens these messages make as a prompt (the model's template): result.tokens."""
         def make():
-            from engine.api import CountTokens
             return CountTokens(messages=list(messages))
         return self._submit("count", make)
 
     def status(self) -> Request:
         def make():
-            from engine.api import Status
             return Status()
         return self._submit("status", make)
 
@@ -270,7 +268,6 @@ class EngineClient(QObject):
         K/V is not held, with progress "prefill"), or the live one. `speed_projection`: the steering
         its K/V has (the tab's toggle)."""
         def make():
-            from engine.api import SaveSession
             return SaveSession(path, messages=list(messages) if messages is not None else None,
                                speed_projection=speed_projection, conversation=conversation)
         return self._submit("save", make)
@@ -278,7 +275,6 @@ class EngineClient(QObject):
     def restore_session(self, path: str, speed_projection: bool | None = None, conversation: str = "") -> Request:
         """Restore a session file; None keeps the file's own steering (result.speed_projection)."""
         def make():
-            from engine.api import RestoreSession
             return RestoreSession(path, speed_projection=speed_projection, conversation=conversation)
         return self._submit("restore", make)
 

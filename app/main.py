@@ -16,11 +16,16 @@ import signal
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, QTimer
+from PySide6.QtCore import QEvent, QObject, QTimer, QCoreApplication
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
+from engine.paths import resources_dir
 
-from .paths import set_identity, settle_data_dir
+from .paths import set_identity, settle_data_dir, AppPaths, adopt_legacy, legacy_data_dir
+from .model_fetch import fetch_headless
+from .self_test import run_self_test
+from .single_instance import SingleInstance
+from .window import MainWindow
 
 
 class FileOpenQueue(QObject):
@@ -75,7 +80,6 @@ def make_app(argv=None) -> QApplication:
         app.installEventFilter(app._strata_files)
     set_identity(app)
     app.setApplicationDisplayName("Strata")
-    from engine.paths import resources_dir
     icon = resources_dir() / "icon.png"
     if icon.exists():
         app.setWindowIcon(QIcon(str(icon)))
@@ -89,7 +93,6 @@ def start_window(app: QApplication, files: list[str], app_paths=None):
     for f in files:
         queue.open_file(str(Path(f).expanduser().resolve()))
     app.processEvents()          # a Finder open at launch arrives now, before the window exists
-    from .window import MainWindow
     window = MainWindow(paths=app_paths)
     window.show()
     queue.set_window(window)
@@ -125,22 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     args, qt_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.fetch_default_model:
-        from PySide6.QtCore import QCoreApplication
 
-        from .model_fetch import fetch_headless
         core = QCoreApplication.instance() or QCoreApplication(sys.argv[:1])
         set_identity(core)
         return fetch_headless()      # into engine.paths' models folder: the one the window uses
     if args.self_test:
-        from .self_test import run_self_test
         return run_self_test(args.model, soak_tokens=max(0, args.soak_tokens))
     app = make_app([sys.argv[0], *qt_args])
     unusable = settle_data_dir(ask_for_data_folder)     # before anything creates a file in it
     if unusable:
         print(f"strata-app: {unusable}", file=sys.stderr)
         return 2
-    from .paths import AppPaths
-    from .single_instance import SingleInstance
     app_paths = AppPaths.default()   # the one data folder (engine.paths), handed to what uses it
     instance = SingleInstance(app_paths.data_dir)
     if not instance.acquire():
@@ -155,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     instance.listen()
     if not os.environ.get("STRATA_HOME"):
         # This Strata has the data folder: bring over what an older version kept in Qt's own folder.
-        from .paths import adopt_legacy, legacy_data_dir
         moved = adopt_legacy(app_paths, legacy_data_dir())
         if moved:
             logging.getLogger("strata.app").info("moved %s from %s to %s", ", ".join(moved), legacy_data_dir(),

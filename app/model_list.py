@@ -14,6 +14,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontMetrics
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
+from engine import memory_estimate as me
+from engine.memory_guard import MemoryGuard
 
 from .gguf_meta import ModelMeta
 from .model_scan import scan_models
@@ -26,8 +28,6 @@ log = logging.getLogger("strata.app")
 def memory_budget(engine_budget: dict | None):
     """The budget the engine reported in its status (on a Mac the Metal working set, which only MLX can
     read), or, before the engine has answered, the memory guard's available reading less its reserve."""
-    from engine import memory_estimate as me
-    from engine.memory_guard import MemoryGuard
     if engine_budget:
         return me.Budget(int(engine_budget["bytes"]), str(engine_budget["source"]))
     return me.load_budget(MemoryGuard(), None)

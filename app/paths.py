@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.paths import check_data_dir
+from engine.paths import check_data_dir, data_dir as engine_data_dir
+from PySide6.QtCore import QStandardPaths
 
 
 def _made(p: Path) -> Path:
@@ -24,8 +25,7 @@ class AppPaths:
 
     @classmethod
     def default(cls) -> "AppPaths":
-        from engine.paths import data_dir
-        return cls(_made(data_dir()))
+        return cls(_made(engine_data_dir()))
 
     @property
     def models_dir(self) -> Path:
@@ -60,7 +60,6 @@ def settle_data_dir(choose: Callable[[str], Path | None]) -> str | None:
 def legacy_data_dir() -> Path | None:
     """Where the app kept its files before it used engine.paths' folder: QStandardPaths' AppDataLocation
     (the application's identity must be set: set_identity)."""
-    from PySide6.QtCore import QStandardPaths
     loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
     return Path(loc) if loc else None
 

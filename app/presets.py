@@ -22,6 +22,7 @@ from engine.sampling import APP_KEYS
 
 from .sampling_form import SamplingForm
 from .settings import Sampling
+from .paths import models_dir
 
 DEFAULT_ID = "default"
 DEFAULT_NAME = "Default"
@@ -268,7 +269,6 @@ class PresetDialog(QDialog):
         vocabulary by name, shown in the chat like any request error."""
         start = self.models_dir
         if start is None:
-            from .paths import models_dir
             start = models_dir()
         current = str(self.spec.itemData(self._spec_index) or "")      # the choice before "Draft model…"
         if current.startswith("draft:"):                                 # another draft: start beside this one

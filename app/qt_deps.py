@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+import os
 
 # soname -> Debian package, for the ones whose package name is not the soname's obvious spelling.
 _PACKAGES = {
@@ -56,7 +57,6 @@ def missing_libraries(root: Path | None = None) -> list[str]:
 
 
 def install_line(missing: list[str]) -> str:
-    import os
     sudo = "sudo " if hasattr(os, "geteuid") and os.geteuid() != 0 else ""
     return f"{sudo}apt-get install -y " + " ".join(dict.fromkeys(debian_package(m) for m in missing))
 

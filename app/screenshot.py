@@ -11,6 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from PySide6.QtCore import QTimer
+
+from .main import make_app
+from .window import MainWindow
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m app.screenshot")
@@ -23,19 +28,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
-
-    from PySide6.QtCore import QTimer
-
-    from .main import make_app
-    app = make_app(sys.argv[:1])
-    from .window import MainWindow
-    w = MainWindow(offer_fetch=False)
-    w.settings.sampling.max_tokens = args.max_tokens
-    w.settings.sampling.temperature = 0.2
-    if args.model:
-        w.settings.value.model = args.model
-    w.resize(1280, 800)
-    w.show()
+    app, w = shot_window(args.model, args.max_tokens)
     rc = [1]
 
     def grab_settings():
@@ -68,15 +61,38 @@ def main(argv=None) -> int:
         QTimer.singleShot(800, lambda: (save(w, "main-window.png"), grab_library()))
 
     def on_loaded(_p):
-        view = w.current_view()
-        if view.chat.messages:
-            view = w.new_tab()
+        view = fresh_view(w)
         view.title_changed.connect(after_reply)
         view.input.setPlainText(args.message)
         view.send_input()
 
     w.library.loaded.connect(on_loaded)
-    QTimer.singleShot(int(args.timeout * 1000), lambda: (print("timed out"), app.quit()))
+    return run_window(app, w, args.timeout, rc)
+
+
+def shot_window(model: str | None, max_tokens: int):
+    """The app and its window as the screenshots show them: 1280 x 800, replies at temperature 0.2."""
+    app = make_app(sys.argv[:1])
+    w = MainWindow(offer_fetch=False)
+    w.settings.sampling.max_tokens = max_tokens
+    w.settings.sampling.temperature = 0.2
+    if model:
+        w.settings.value.model = model
+    w.resize(1280, 800)
+    w.show()
+    return app, w
+
+
+def fresh_view(w):
+    """The current tab, or a new one when it already holds a chat."""
+    view = w.current_view()
+    return w.new_tab() if view.chat.messages else view
+
+
+def run_window(app, w, timeout_s: float, rc: list) -> int:
+    """Run the event loop until the shots are taken (or `timeout_s` passes), then stop the window's engine:
+    the exit code the shots left in rc[0]."""
+    QTimer.singleShot(int(timeout_s * 1000), lambda: (print("timed out"), app.quit()))
     app.exec()
     w.shutdown()
     return rc[0]

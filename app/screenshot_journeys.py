@@ -12,6 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from PySide6.QtCore import QTimer
+
+from .screenshot import fresh_view, run_window, shot_window
+
 LONG_PROMPT = ("Summarise the following notes in three bullet points.\n\n" + " ".join(
     f"Note {i}: the river keeper checked the lock gates at dawn, logged the water level, and "
     f"wrote down which barges passed before noon." for i in range(1, 40)))
@@ -26,19 +30,7 @@ def main(argv=None) -> int:
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)
     session = Path(tempfile.mkdtemp()) / "rivers.stratasession"
-
-    from PySide6.QtCore import QTimer
-
-    from .main import make_app
-    app = make_app(sys.argv[:1])
-    from .window import MainWindow
-    w = MainWindow(offer_fetch=False)
-    w.settings.sampling.max_tokens = 40
-    w.settings.sampling.temperature = 0.2
-    if args.model:
-        w.settings.value.model = args.model
-    w.resize(1280, 800)
-    w.show()
+    app, w = shot_window(args.model, 40)
     rc = [1]
 
     def finish():
@@ -71,19 +63,14 @@ def main(argv=None) -> int:
     w.sessions.saved.connect(lambda p: w.sessions.open_file(p))
 
     def on_loaded(_p):
-        view = w.current_view()
-        if view.chat.messages:
-            view = w.new_tab()
+        view = fresh_view(w)
         view.projection.setChecked(True)
         view.stats.connect(lambda _r: w.sessions.save_session(view, str(session)))
         view.input.setPlainText("Name three rivers in Europe.")
         view.send_input()
 
     w.library.loaded.connect(on_loaded)
-    QTimer.singleShot(int(args.timeout * 1000), lambda: (print("timed out"), app.quit()))
-    app.exec()
-    w.shutdown()
-    return rc[0]
+    return run_window(app, w, args.timeout, rc)
 
 
 if __name__ == "__main__":

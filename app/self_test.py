@@ -13,19 +13,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from PySide6.QtCore import QEventLoop, QTimer
+from PySide6.QtWidgets import QApplication
+from engine.models import default_model_path
+from .binding_check import reference_loss
+from .engine_thread import EngineClient, EngineThread
+from .model_fetch import fetch_headless
+from .paths import set_identity
 
 
 def run_self_test(model: str | None, timeout_s: float = 300.0, soak_tokens: int = 0) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from PySide6.QtCore import QEventLoop, QTimer
-    from PySide6.QtWidgets import QApplication
 
-    from .engine_thread import EngineClient, EngineThread
-
-    from .paths import set_identity     # not from .main, which imports this module: no import circle
     app = QApplication.instance() or QApplication(sys.argv[:1])
     set_identity(app)
-    from .binding_check import reference_loss
     loss = reference_loss(20_000)
     print(f"self-test: Qt binding: {loss.iterations} rounds of the app's Qt calls lost {loss.none} references "
           f"to None, {loss.true} to True, {loss.false} to False")
@@ -33,10 +34,8 @@ def run_self_test(model: str | None, timeout_s: float = 300.0, soak_tokens: int 
         print("self-test: FAIL: the Qt binding loses references (the app would abort)")
         return 1
     if model is None:
-        from engine.models import default_model_path
         model = str(default_model_path())
         if not Path(model).exists():
-            from .model_fetch import fetch_headless
             print(f"self-test: no model at {model}: fetching the default model")
             if fetch_headless(err=sys.stdout) != 0:
                 print("self-test: FAIL: the default model could not be fetched")

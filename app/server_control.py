@@ -13,6 +13,7 @@ import logging
 import threading
 
 from PySide6.QtCore import QObject, Qt, Signal
+from .engine_thread import start_server
 
 log = logging.getLogger("strata.app")
 
@@ -78,7 +79,6 @@ class ServerControl(QObject):
                              daemon=True).start()
 
     def _start_worker(self, engine, config) -> None:
-        from .engine_thread import start_server
         host, port, key = config
         try:
             server = start_server(engine, host, int(port), key)

@@ -20,6 +20,7 @@ from PySide6.QtCore import QObject, QSettings, Signal
 from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB,   # plain Python: no mlx
                            KV_BITS, SPEED_PROJECTION_DEFAULT)
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
+from engine.paths import resources_dir
 
 from .paths import AppPaths
 
@@ -106,7 +107,6 @@ def defaults() -> Settings:
     It ships the default model's speed projection configured but off: a chat turns it on with its
     toggle (it halves reply length on SmolLM2 but worsens answers; see bench/README.md). Relative
     control-vector paths are inside resources/."""
-    from engine.paths import resources_dir
     s = Settings()
     try:
         data = json.loads((resources_dir() / "default-settings.json").read_text())

@@ -15,7 +15,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QScrollArea, QVBoxLayout, QWidget)
 
-from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX
+from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX, cache_range, machine_cache_range
+from engine.errors import ErrorCode, SessionRefusal
 
 from .engine_settings import ENGINE_KEYS, EngineSettings
 from .sampling_form import SamplingForm, spin
@@ -43,7 +44,6 @@ KV_BITS_CONTROL = "Settings > K/V cache precision"
 def refusal_hint(code, reason: str) -> str:
     """What to add to an engine refusal shown in the window, from its code and reason (never its text):
     a session of another K/V precision names the setting to change."""
-    from engine.errors import ErrorCode, SessionRefusal
     if code == ErrorCode.SESSION_REFUSED and reason == SessionRefusal.KV_FORMAT:
         return f". To restore it, set {KV_BITS_CONTROL} to the file's precision, then restore it again."
     return ""
@@ -320,7 +320,6 @@ class SettingsPage(QDialog):
     @staticmethod
     def _cache_range(status):
         """The engine's range when it has told us, else this machine's (the same rule, engine.limits)."""
-        from engine.limits import cache_range, machine_cache_range
         m = status.memory if status is not None else None
         return cache_range(m["total_bytes"]) if m else machine_cache_range()
 

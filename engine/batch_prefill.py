@@ -25,6 +25,8 @@ import time
 import mlx.core as mx
 
 from .events import Progress
+from . import layer_cache
+from .generate import _stream, on_gpu
 
 MIN_CPU_CHUNK = 32
 
@@ -46,7 +48,6 @@ class GroupPrefill:
         return all(r.done >= len(r.todo) for r in self.rows)
 
     def chunk_size(self) -> int:
-        from .generate import on_gpu
         chunk = self.engine.options.prefill_chunk
         # On the CPU a pass costs about rows x chunk tokens: keep one pass (the cancel and Status
         # latency) near a lone row's chunk. On a GPU wider passes are what batching is for.
@@ -54,7 +55,6 @@ class GroupPrefill:
 
     def step(self) -> None:
         """One chunk of every row still reading (a row that has read all its prompt gets padding)."""
-        from .generate import _stream
         eng = self.engine
         n = self.chunk_size()
         # a row's part stops at its next checkpoint (a cache that cannot trim: message boundaries, the
@@ -83,7 +83,6 @@ class GroupPrefill:
                 c.finalize()
             mx.eval([a for c in self.cache for a in _arrays(c)])
         eng.handlers.prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
-        from . import layer_cache
         for i, (r, p) in enumerate(zip(self.rows, parts)):
             r.entry.tokens.extend(p)
             r.done += len(p)

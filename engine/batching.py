@@ -52,10 +52,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .api import CountTokens, GenerateRequest, Status
 from .errors import Cancelled, EngineError, StrataError
 from .events import Done, Failed, Handle, Progress, Token
+from . import layer_cache, generate
+from .memory_estimate import estimate, read_header
+from .batch_prefill import GroupPrefill
+from .generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
 
 log = logging.getLogger("strata")
 
@@ -118,7 +123,6 @@ def _cache_facts(engine) -> tuple[bool, bool]:
     memo = engine.scheduler.batch_memo
     got = memo.get("cache_facts")
     if got is None or got[0] is not engine.model or got[1] != engine.in_force.kv_bits:
-        from . import layer_cache
         cache = engine.make_cache()
         facts = (not engine.kv_fmt.quantized and layer_cache.batchable(cache), not layer_cache.needs_checkpoints(cache))
         got = memo["cache_facts"] = (engine.model, engine.in_force.kv_bits, facts)
@@ -136,7 +140,6 @@ def row_cost(engine) -> tuple[int, int]:
         info = engine.info
         cost = (2 * info.n_layer * info.n_head_kv * info.head_dim * itemsize, 0)
         try:
-            from .memory_estimate import estimate, read_header
             est = estimate(read_header(engine.loaded.path), 256, str(engine.dtype).rsplit(".", 1)[-1])
             cost = (est.kv_bytes_per_token, est.state_bytes + est.window_bytes)
         except Exception:  # noqa: BLE001 - the conservative count above stands
@@ -209,7 +212,6 @@ def seeded_sampler(sp, n_vocab: int):
     """mlx-lm's sampler chain (make_sampler: top_p, min_p, top_k, then categorical) with the key given
     per call: a row draws from its own seed's chain, the draws a lone request gets after
     mx.random.seed(seed) (that seeds the process-wide key, which rows share)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
     top_k = 0 if sp.top_k >= n_vocab else sp.top_k
     temp = sp.temperature
 
@@ -326,7 +328,6 @@ class Batch:
         inputs = mx.array(merged + firsts)[None] if merged else inputs[:, None]   # (rows, tokens)
         st = eng.steering
         steered = [r.steered for r in self.rows]
-        from .generate import _stream
         with mx.stream(_stream()):
             if st is not None:
                 st.speed_projection = any(steered)
@@ -356,7 +357,6 @@ class Batch:
         rows step together); a lone reply never feeds its last token. Where the cache cannot be cut back
         (a recurrent state, a wrapped window) the row's state before it is kept, so the row leaves
         holding what it would hold alone (_hand_back)."""
-        from . import layer_cache
         for i, r in enumerate(self.rows):
             if r in joined or r.snap is not None or r.n + 1 < r.turn.max_tokens:
                 continue
@@ -369,7 +369,6 @@ def _hand_back(r: Row) -> None:
     after its last read token fed that token too (rows step together, and the pipeline builds a step
     before reading the last). Cut back where every layer can; else its state from before that token is
     restored (its last: `snap`); else (a cancel) the token is held, as a lone reply's cancel holds it."""
-    from . import layer_cache
     held = len(r.entry.tokens)
     if r.unheld is not None:    # the one token a cache can hold beyond `entry.tokens`
         if layer_cache.floor(r.cache, held + 1) <= held:
@@ -495,7 +494,6 @@ class BatchLoop:
 
     def _start(self, h: Handle) -> Row | None:
         """The request's turn prepared (engine/handlers.py begin_turn); None when it failed."""
-        from .generate import ReplyText
         eng = self.engine
         req = h.request
         with eng.scheduler.serving_as(h):
@@ -510,7 +508,6 @@ class BatchLoop:
         processors = sp.processors()
         # On a GPU the prompt's last part goes in with the first decode step, as a lone request's does
         # (generate.first_step_merge_limit), when the row steps alone; else it is prefilled first.
-        from . import generate, layer_cache
         new = turn.tokens[turn.reuse:-1]
         # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
@@ -558,7 +555,6 @@ class BatchLoop:
         fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
         if len(fresh) < 2:
             return False
-        from .batch_prefill import GroupPrefill
         for r in fresh:
             self.prefilling.remove(r)
         self.group = GroupPrefill(self.engine, fresh)
@@ -605,7 +601,6 @@ class BatchLoop:
         return g.rows
 
     def _prefill_chunk(self, row: Row) -> None:
-        from .generate import FIRST_CHUNK, next_chunk, on_gpu, prefill
         eng = self.engine
         h = row.handle
         if self.batch.rows and row.pending:     # it will not step alone: no part goes with a step
@@ -751,6 +746,5 @@ def run(engine, first: Handle):
     inputs built from the last step's tokens on another stream (the thread's default) make a
     cross-stream dependency, which the CUDA backend may settle by waiting for the last step on the
     host, so the next step's graph is no longer built while the device runs the last one."""
-    from .generate import _stream
     with mx.stream(_stream()):
         return BatchLoop(engine).run(first)

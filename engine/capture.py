@@ -7,6 +7,9 @@ adds ``direction.N`` (see engine/control_vector.py).
 from __future__ import annotations
 
 import numpy as np
+import mlx.core as mx
+from .api import GenerateRequest
+from .steering import _layers_owner
 
 
 class _Capture:
@@ -31,11 +34,6 @@ def last_token_states(engine, prompts: list[str], progress=None, first: list | N
     ``first``, when given a list, receives the same for the FIRST prompt position (one
     (n_layer, n_embd) array per prompt). Runs on the engine thread (the CaptureStates request).
     The speed projection is switched off while it runs."""
-    import mlx.core as mx
-
-    from .api import GenerateRequest
-    from .steering import _layers_owner
-
     owner = _layers_owner(engine.model)
     layers = owner.layers
     n_layer = len(layers)

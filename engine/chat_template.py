@@ -31,6 +31,7 @@ from functools import lru_cache
 
 from jinja2 import DictLoader, TemplateError, TemplateNotFound
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+import psutil
 
 from .errors import RequestError
 
@@ -141,7 +142,6 @@ class _Budget:
     """A sys.settrace tracer that raises inside the template's frames once time or memory runs out."""
 
     def __init__(self):
-        import psutil
         self.proc = psutil.Process()
         self.deadline = time.monotonic() + TIME_BUDGET_S
         self.rss_limit = self.proc.memory_info().rss + MEMORY_BUDGET

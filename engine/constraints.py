@@ -111,6 +111,7 @@ class ConstraintSpec:
     def grammar_text(self, special: set[str] = frozenset()) -> str:
         """The llguidance grammar (JSON) for this spec. `special`: special-token texts of the
         tokenizer (tool_call's begin/end name them as tokens). ConstraintError on bad input."""
+        # lazy: llguidance reads its package metadata on import, which the frozen app lacks
         import llguidance as llg
         try:
             if self.kind == "json_object":
@@ -322,6 +323,7 @@ def _lark_text(text: str, special) -> str:
 
 
 def _validate(grammar: str, tokenizer, param: str) -> str:
+    # lazy: llguidance reads its package metadata on import, which the frozen app lacks
     import llguidance as llg
     try:
         err = llg.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -338,6 +340,7 @@ def ll_tokenizer(tokenizer):
     """The llguidance tokenizer for a GGUFTokenizer (built once, kept on it)."""
     llt = getattr(tokenizer, "_llg_tokenizer", None)
     if llt is None:
+        # lazy: llguidance reads its package metadata on import, which the frozen app lacks
         import llguidance as llg
         llt = llg.LLTokenizer(tokenizer.backend.to_str(), eos_token=sorted(tokenizer.eos_ids) or None)
         tokenizer._llg_tokenizer = llt
@@ -355,6 +358,7 @@ class Constraint:
     """One request's grammar state (an llguidance LLMatcher) and its masks."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer):
+        # lazy: llguidance reads its package metadata on import, which the frozen app lacks
         import llguidance as llg
         import llguidance.numpy as lnp
         self.spec = spec

@@ -46,6 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import StrataError
+import gguf
+import mlx.core as mx
+from engine.steering import fused_steerer, steerer
+from .errors import ModelFileError
+from .gguf_header import scan_header
 
 MODES = ("add", "project")
 _DIRECTION_RE = re.compile(r"^direction\.(-?\d+)$")
@@ -105,10 +110,7 @@ def _read_file(path: str, n_embd: int) -> tuple[dict[int, np.ndarray], str]:
         raise ControlVectorError(f"control vector file unreadable: {path} ({e.strerror or e})") from None
     if magic != b"GGUF":
         raise ControlVectorError(f"control vector file is not a GGUF file: {path}")
-    import gguf  # deferred: only needed when a vector is loaded
 
-    from .errors import ModelFileError
-    from .gguf_header import scan_header
     try:
         scan_header(Path(path))      # counts and lengths checked before gguf-py allocates for them
     except ModelFileError as e:
@@ -168,7 +170,6 @@ class ControlVector:
     def __init__(self, *, mode: str, direction: str, lo: int, hi: int, n_layer: int, n_embd: int,
                  directions: dict[int, np.ndarray], scale: float, files: tuple[tuple[str, float], ...],
                  model_hints: tuple[str, ...]):
-        import mlx.core as mx
 
         self.mode = mode
         self.direction = direction
@@ -287,7 +288,6 @@ class ControlVector:
             vec = self.directions.get(layer)
             if vec is None:
                 return h + res
-            from engine.steering import fused_steerer
             fn = self._fused[layer] = fused_steerer(vec, self.scale, self.mode)
         return fn(h, res)
 
@@ -297,7 +297,6 @@ class ControlVector:
             vec = self.directions.get(layer)
             if vec is None:
                 return h
-            from engine.steering import steerer
             # Made on first use, kept: the per-step call then costs only the kernel call.
             fn = self._steerers[layer] = steerer(vec, self.scale, self.mode)
         return fn(h)
@@ -308,8 +307,6 @@ def write_control_vector(path, directions: dict[int, np.ndarray], model_hint: st
     ``general.architecture = "controlvector"``, ``controlvector.model_hint`` (string),
     ``controlvector.layer_count`` (int32, the number of direction tensors), tensors
     ``direction.N`` (F32, 1-D) in ascending N."""
-    import gguf
-
     if not directions:
         raise ControlVectorError("no directions to write")
     width = None

@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Callable
 
 from .kv_key import KVKey
-from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix
+from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix, TEXT_CONTEXT
+from . import layer_cache
+from .prompt_encoder import shared_chars
 
 
 class Conversations:
@@ -209,7 +211,6 @@ def _reach(e: KVEntry, shared: int, n_prompt: int) -> int:
     its rewind gives): all of it where its cache trims there, else its latest checkpoint at or before
     (a window or a recurrent state), else nothing. The disk tier's `reach` is the same rule on its
     segment ends: the one that keeps more serves the prompt."""
-    from . import layer_cache
     n = min(shared, n_prompt - 1)
     if n >= len(e.tokens) or layer_cache.floor(e.cache, len(e.tokens)) <= n:
         return shared
@@ -224,8 +225,6 @@ def held_run(tok, ids: list[int], text: str, full: str) -> int:
     the history (a whole-prefix binary search decoded ~14 x 8,000 tokens: 47 ms on this box). One
     decode of the result confirms it; a tokenizer where the tail's text does not add up gets the
     whole-prefix binary search."""
-    from .parking import TEXT_CONTEXT
-    from .prompt_encoder import shared_chars
     n = len(ids)
     k = shared_chars(full, text)
 

@@ -45,8 +45,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+from concurrent.futures import ThreadPoolExecutor
 
 from .sessions import Geometry, TensorSpec, layout, pread_exact, validate_messages
+from .kv_format import format_of_label
 
 MAGIC = b"STRKVSG1"
 VERSION = 3                        # full K/V only
@@ -131,7 +133,6 @@ def geometry(fp: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> Geometry
         v = fp.get(k)
         if not isinstance(v, str) or not v.isdigit() or not 1 <= int(v) <= hi:
             raise SegmentError(f"bad {k} {str(v)[:20]!r}")
-    from .kv_format import format_of_label
     if format_of_label(fp.get("kv_format")) is None:
         raise SegmentError(f"bad K/V format {str(fp.get('kv_format'))[:20]!r}")
     return Geometry.of(fp, n_vocab, n_ctx)
@@ -397,7 +398,6 @@ _pool = None
 def _readers():
     global _pool
     if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
         _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="disk-tier-read")
     return _pool
 
@@ -445,7 +445,6 @@ def read_kv_streamed(fd: int, seg: Segment, g: Geometry, keep: int, send) -> Non
         digest.update(memoryview(ring[k % len(ring)])[:specs[k].end - specs[k].start])
         return True
 
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1, thread_name_prefix="disk-tier-hash") as hasher:
         reads: dict = {}
         hashes: dict = {}

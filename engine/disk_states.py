@@ -41,9 +41,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import mlx.core as mx
 
 from . import disk_segments as ds
 from . import layer_cache
+from .device_upload import to_device
+from .errors import SessionFileError
+from .parking import KVEntry, MIN_PREFIX_REUSE
+from .sessions import check_fingerprint, check_memory
 
 KEEP_BOUNDARIES = layer_cache.MAX_CHECKPOINTS   # segments a compaction keeps as they are
 MAX_SEGMENTS = 64                               # more: compacted whatever the bytes (a scan reads each head)
@@ -131,7 +136,6 @@ def boundaries(entry, keep: int, shared: int | None = None) -> list[int]:
 
 
 def _host(a) -> np.ndarray:
-    import mlx.core as mx
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     a = mx.contiguous(a)
@@ -261,9 +265,6 @@ def restore(tier, e, m: int, make_cache: Callable[[], list], prompt: list[int] |
     """The conversation of DiskEntry e up to its last segment end at or before m, as a new KVEntry:
     (entry, tokens) or None (logged; a damaged file or one that is not e's conversation removed).
     `prompt`: the tokens it resumes (tier.verify)."""
-    from .errors import SessionFileError
-    from .parking import MIN_PREFIX_REUSE, KVEntry
-    from .sessions import check_fingerprint, check_memory
     t0 = time.perf_counter()
     tier.flush()
     expected = tier._fp_of(e.key)
@@ -339,9 +340,6 @@ def build(layers: list, ns: list[int], regions: list[list[np.ndarray]], state: l
           probe: list) -> list:
     """The per-layer caches after sum(ns) tokens from the segments' regions (host arrays), each float
     tensor in this model's dtype (the probe's)."""
-    import mlx.core as mx
-
-    from .device_upload import to_device
     m = sum(ns)
     merged = merge_regions(layers, ns, regions)
     kv_it, st_it = iter(merged), iter(state)

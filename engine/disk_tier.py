@@ -44,12 +44,20 @@ from typing import Callable
 
 import numpy as np
 import xxhash
+import mlx.core as mx
 
-from . import disk_segments as ds
+from . import disk_segments as ds, kv_format, layer_cache
 from . import disk_states
+from .session_quant import restore_bytes as quant_bytes
 from .kv_key import KVKey
 from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
 from .paths import data_dir, unusable_folder
+from .chat_template import render
+from .device_upload import to_device
+from .errors import SessionFileError
+from .limits import check_disk_mib
+from .session_v3 import probe as cache_probe
+from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -343,7 +351,6 @@ class DiskTier:
         """Whether `entry` holds tokens its file does not (or has no file)."""
         if not self.enabled or len(entry.tokens) < MIN_TOKENS:
             return False
-        from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
             # A sliding window or a recurrent state: segment version 4 (engine/disk_states.py), unless a
             # layer is one it cannot describe (a window with pinned cells: none of the loaded families)
@@ -406,7 +413,6 @@ class DiskTier:
             # would be a segment of no tokens.
             self._adopt(entry, e)
             return True
-        from . import layer_cache
         if layer_cache.needs_checkpoints(entry.cache):
             if e is not None and e.layers is None:
                 e, keep_tokens, keep_bytes = None, 0, 0
@@ -652,7 +658,6 @@ class DiskTier:
         e's id, each token hash up to its end is that of e's indexed tokens, and the token ids they give
         (`tokens`, the ones about to be restored) are e's and the prompt's. The index was right when the
         file was written; a file swapped, replaced or linked in since then is caught here."""
-        from .errors import SessionFileError
         indexed = np.asarray(e.tokens, dtype="<i4")
         running, at = xxhash.xxh3_128(), 0         # segments run from token 0 on: one pass over the ids
         for s in segs:
@@ -674,12 +679,6 @@ class DiskTier:
                 prompt: list[int] | None = None) -> tuple[KVEntry, int] | None:
         """The first `m` tokens of e's conversation as a new KVEntry (None: not usable; logged). `prompt`:
         the tokens it resumes (what is read must be their first m, checked with verify)."""
-        import mlx.core as mx
-
-        from . import kv_format
-        from .device_upload import to_device
-        from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
-        from .errors import SessionFileError
         if e.layers is not None:
             return disk_states.restore(self, e, m, make_cache, prompt)
         t0 = time.perf_counter()
@@ -706,7 +705,6 @@ class DiskTier:
                 if g.kv == "float16":
                     need = restore_bytes(m, g, np.dtype(_np_dtype(self._dtype)).itemsize)
                 else:
-                    from .session_quant import restore_bytes as quant_bytes
                     need = quant_bytes(m, g)
                 try:
                     check_memory(e.path.name, m, need, self._admit)      # before any K/V is allocated
@@ -773,7 +771,6 @@ class DiskTier:
 # ---- the engine's hooks (engine/engine.py, engine/scheduler.py) ---------------------------------------
 def attach(engine) -> DiskTier | None:
     """The engine's disk tier, made at start (none for a distributed rank: each holds some layers only)."""
-    from .limits import check_disk_mib
     if engine.serving.distributed:
         return None
     try:
@@ -792,7 +789,6 @@ def attach(engine) -> DiskTier | None:
         return {k: str(v) for k, v in fp.items()}
 
     def probe() -> list:
-        from .session_v3 import probe as cache_probe
         return cache_probe(engine.model, engine.make_cache)
 
     def next_shares(entry: KVEntry) -> int | None:
@@ -802,7 +798,6 @@ def attach(engine) -> DiskTier | None:
         msgs = entry.messages
         if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
             return None
-        from .chat_template import render
         tok = engine.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""
@@ -883,14 +878,11 @@ def forget_request(engine, req):
 
 # ---- helpers -------------------------------------------------------------------------------------
 def _np_dtype(dtype):
-    import mlx.core as mx
     return np.float16 if dtype == mx.float16 else np.float32
 
 
 def _store_of(cache: list) -> str:
     """How 16-bit K/V is stored: in the cache's own precision (float32 on the CPU; bfloat16 widened)."""
-    import mlx.core as mx
-    from . import kv_format
     arrays = kv_format.arrays_of(cache[0]) if cache else []
     return "float16" if arrays and arrays[0].dtype == mx.float16 else "float32"
 
@@ -898,9 +890,6 @@ def _store_of(cache: list) -> str:
 def _host_copy(cache: list, a: int, b: int, g, store: str, stop: Callable[[], bool]) -> list[np.ndarray] | None:
     """Cells [a, b) of every layer's K/V as numpy host arrays in the segment's order (16-bit K/V in
     `store`, quantized as held), one layer at a time; None when `stop()` says a request is waiting."""
-    import mlx.core as mx
-
-    from . import kv_format
     out: list[np.ndarray] = []
     for c in cache[:g.n_layer]:
         if stop():

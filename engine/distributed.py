@@ -30,9 +30,18 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
 
-from .errors import ErrorCode, StrataError
-from .events import Progress
+from .errors import ErrorCode, StrataError, RequestError
+from .events import Progress, Failed
+from . import parking, sessions, archs, pipeline_sessions
+from .api import (Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession, SessionRestored,
+                  SessionSaved)
+from .model_loader import load_model, model_args
+from .parking import KVEntry
+from .pipeline_model import PipelineModel, PipelinePart, TensorModel, embeds_everywhere, split_for
+from .steering import SteeredLayer
 
 MODE_ENV = "STRATA_DIST_MODE"
 TIMEOUT_ENV = "STRATA_DIST_TIMEOUT"
@@ -79,11 +88,8 @@ class Distributed:
     # ---- load ----------------------------------------------------------------------------------
     def load_model(self, g, dtype, progress):
         """The model part this rank holds (pipeline) or its shard (tensor), and the full ModelInfo."""
-        from .model_loader import load_model, model_args
-        from .pipeline_model import PipelineModel, PipelinePart, TensorModel, embeds_everywhere, split_for
         _, args = model_args(g)
         if self.mode == "tensor":
-            from . import archs
             if archs.find(g.architecture) is not None:
                 # TensorModel applies the head itself (not a family's logit scaling or soft-capping) and
                 # mlx-lm's shard() is not written for every family: refused rather than wrong
@@ -108,7 +114,6 @@ class Distributed:
         inner, info = load_model(g, dtype=dtype, progress=progress, part=part)
         model = PipelineModel(inner, part, self.group, args.vocab_size, args.hidden_size,
                               args.tie_word_embeddings, dtype)
-        from . import parking
         parking.WHOLE_MODEL_LAYERS[:] = [args.num_hidden_layers, end - start]
         return model, info
 
@@ -124,7 +129,6 @@ class Distributed:
         model.on_step = self.step
         if self.mode != "pipeline":
             return
-        from .steering import SteeredLayer
         start = self.split[self.rank][0]
         for block in model.model.layers:
             if isinstance(block, SteeredLayer) and not getattr(block, "global_index", False):
@@ -147,7 +151,6 @@ class Distributed:
         """Rank 0's bytes on every rank (an all_sum where the others add zeros)."""
         n = mx.array([len(data) if data is not None else 0], dtype=mx.int32)
         n = int(mx.distributed.all_sum(n, group=self.group).item())
-        import numpy as np
         buf = mx.array(np.frombuffer(data, dtype=np.uint8).astype(np.int32)) if data is not None \
             else mx.zeros((n,), dtype=mx.int32)
         out = mx.distributed.all_sum(buf, group=self.group)
@@ -156,7 +159,6 @@ class Distributed:
 
     def announce(self, handle) -> None:
         """Rank 0: send the request to the followers before serving it (replicated requests only)."""
-        from .api import GenerateRequest
         req = handle.request
         if isinstance(req, GenerateRequest):
             if req.sampling.seed is None:
@@ -188,7 +190,6 @@ class Distributed:
             self._busy_since = time.monotonic()
 
     def _watch(self) -> None:
-        from .events import Failed
         while self.broken is None:
             time.sleep(0.2)
             since, handle = self._busy_since, self._handle
@@ -219,7 +220,6 @@ class Distributed:
             self.announce(handle)
         if not replicated:
             return engine.dispatch(handle)
-        from .api import RestoreSession, SaveSession, SessionRestored, SessionSaved
         req = handle.request
         if isinstance(req, SaveSession):        # rank 0 gathers every rank's layers into one file
             serve = lambda: SessionSaved.from_dict(self.save(engine, req, handle))  # noqa: E731
@@ -227,8 +227,6 @@ class Distributed:
             serve = lambda: SessionRestored.from_dict(self.restore(engine, req, handle))  # noqa: E731
         else:
             serve = lambda: engine.dispatch(handle)  # noqa: E731
-        from .api import GenerateRequest
-        from .pipeline_model import PipelineModel, TensorModel
         if isinstance(handle.request, GenerateRequest) and isinstance(engine.model, (PipelineModel, TensorModel)):
             LockstepCancel.install(handle, engine.model, rank0=self.rank == 0)
         error = None
@@ -247,7 +245,6 @@ class Distributed:
     def _check_agree(self, ok: bool, model_hash: str) -> None:
         """all_gather of (succeeded, model content hash) from every rank: a request that failed on
         some ranks only, or ranks holding different model files, leave them out of step for good."""
-        import numpy as np
         raw = bytes.fromhex(model_hash) if model_hash else b""
         row = np.zeros(17, dtype=np.int32)
         row[0] = int(ok)
@@ -271,11 +268,9 @@ class Distributed:
         """Rank 0's go/no-go on every rank (a check that could differ per rank must not split them)."""
         verdict = pickle.loads(self._bytes_collective(pickle.dumps(error) if self.rank == 0 else None))
         if verdict:
-            from .errors import RequestError
             raise RequestError(verdict)
 
     def save(self, engine, req, handle) -> dict:
-        from . import sessions
         engine.require_model()
         # The same choice as Engine._save (every rank holds the same entries in the same order).
         entry = engine.live
@@ -292,13 +287,10 @@ class Distributed:
             error = f"session save refused: {engine.guard.unavailable_reason()}"
         self._decide(error)
         if self.mode == "pipeline":         # any cache kinds, through the cache contract
-            from . import pipeline_sessions
             full = pipeline_sessions.gather(self, entry.cache, engine.model)
             checkpoints = pipeline_sessions.gather_checkpoints(self, entry, engine.model)
         else:
             full, checkpoints = self._gather(entry), []
-        from .errors import StrataError
-        from .parking import KVEntry
         result, error = None, None
         if self.rank == 0:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
@@ -313,18 +305,13 @@ class Distributed:
         return result if result is not None else {"tokens": len(entry.tokens)}
 
     def restore(self, engine, req, handle) -> dict:
-        from mlx_lm.models.cache import KVCache
-
-        from . import sessions
-        from .errors import RequestError, StrataError
-        from .parking import KVEntry
         engine.require_model()
         n_layer = engine.info.n_layer
         # Pipeline: any cache kinds, through the cache contract (engine/pipeline_sessions.py); a format-3
         # file is checked against the whole model's one-token probe, which every rank runs together.
-        from . import pipeline_sessions as ps
         pipeline = self.mode == "pipeline"
-        probe = ps.probe(self, engine.model, engine.make_cache) if pipeline and ps.needs_probe(engine.model) else None
+        probe = (pipeline_sessions.probe(self, engine.model, engine.make_cache)
+                 if pipeline and pipeline_sessions.needs_probe(engine.model) else None)
         whole, result, error = None, None, None
         if self.rank == 0:
             try:
@@ -332,7 +319,7 @@ class Distributed:
                 if reason:
                     raise RequestError(f"session restore refused: {reason}")
                 whole, result = sessions.load(req.path, engine.session_fingerprint(),
-                                              (lambda: ps.whole_cache(engine)) if pipeline
+                                              (lambda: pipeline_sessions.whole_cache(engine)) if pipeline
                                               else (lambda: [KVCache() for _ in range(n_layer)]),
                                               key=engine.cache_key(), dtype=engine.dtype,
                                               progress=lambda d, t: handle.emit(Progress("restore", d, t)),
@@ -362,8 +349,9 @@ class Distributed:
                 c = KVCache()
                 c.state = (*kv, len(tokens))
                 mine.append(c)
-        cache, checkpoints = ps.scatter(self, whole.cache if self.rank == 0 else None,
-                                        whole.checkpoints if self.rank == 0 else None, engine.model) \
+        cache, checkpoints = pipeline_sessions.scatter(self, whole.cache if self.rank == 0 else None,
+                                                       whole.checkpoints if self.rank == 0 else None,
+                                                       engine.model) \
             if pipeline else (engine.make_cache(), [])
         for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))
@@ -381,7 +369,6 @@ class Distributed:
 
     def _gather(self, entry):
         """Rank 0: every layer's K/V in order; the other ranks contribute theirs (see restore)."""
-        from mlx_lm.models.cache import KVCache
         n = len(entry.tokens)
         ref = entry.cache[0].keys
         shape = tuple(ref.shape[:2]) + (n,) + tuple(ref.shape[3:])
@@ -419,7 +406,6 @@ class Distributed:
 
 def _replicated(req) -> bool:
     """Requests every rank serves (they touch the model or the K/V); Status and Call stay on rank 0."""
-    from .api import Configure, GenerateRequest, LoadModel, RestoreSession, SaveSession
     return isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure))
 
 
@@ -486,7 +472,6 @@ class LockstepGuard:
         return getattr(self.inner, name)
 
     def _agree(self, refusal: str | None) -> str | None:
-        import numpy as np
         flags = mx.distributed.all_gather(mx.array([[int(refusal is not None)]], dtype=mx.int32),
                                           group=self.dist.group)
         refusing = [r for r, f in enumerate(np.asarray(flags).reshape(-1)) if f]

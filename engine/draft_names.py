@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from .errors import ModelFileError, RequestError
+from .paths import models_dir
 
 NAME_MAX = 255          # a file name's limit on macOS and Linux
 
@@ -46,7 +47,6 @@ def _regular(p: Path) -> bool | None:
 
 def resolve(name: str, folder: Path | None = None) -> Path:
     """The model file `name` stands for in the models folder (`folder`, default paths.models_dir())."""
-    from .paths import models_dir
     check_name(name)
     folder = Path(folder) if folder is not None else models_dir()
     for candidate in (folder / name, folder / f"{name}.gguf"):

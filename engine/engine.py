@@ -23,6 +23,8 @@ from typing import Any, Callable
 # thread instead, a CLI that exits right after a refused load aborts in MLX's thread teardown
 # ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
 import mlx_lm.generate  # noqa: F401,E402
+import time
+import gc
 
 from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
@@ -32,7 +34,7 @@ from .allocator import keep_freed_memory, release_freed_memory
 from .conversations import Conversations
 from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
+from .events import ENGINE_STOPPED, Done, Failed, Handle, Log, cancel_everything
 from .handlers import RequestHandlers
 from .kv_reserve import IdleTopUp
 from .loaded_model import InForce
@@ -63,8 +65,6 @@ def _quiet_at_exit() -> None:
     time, as did a script exiting during the idle-time K/V top-up). So the idle-time work stops, every
     request still running or queued is cancelled (a reply stops between tokens, a CPU prefill between
     layers) and each engine thread is given up to EXIT_WAIT_S to be back waiting for a request."""
-    import time
-    from .events import cancel_everything
     cancel_everything()
     engines = list(_ENGINES)
     for engine in engines:
@@ -245,7 +245,6 @@ class Engine:
             # refusal, and MLX arrays freed under the interpreter's exit abort the process ("terminate
             # called without an active exception", exit 134 instead of 2).
             if isinstance(handle.request, (LoadModel, RestoreSession)):   # rare, and they hold the most
-                import gc
                 gc.collect()
             handle.emit(failed)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from .device import on_gpu
 from .mtp_depth import MTP_DRAFT_CPU as DRAFT_CPU, MTP_DRAFT_GPU as DRAFT_GPU, target_offset as _offset
@@ -43,7 +44,6 @@ class Gemma4Tap:
         return getattr(self.__dict__["model"], name)
 
     def __call__(self, inputs: mx.array, cache=None, **kw):
-        from mlx_lm.models.gemma4_text import logit_softcap
         m = self.model
         pos0 = _offset(cache)
         h = m.model(inputs, cache=cache, **kw)

@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from .constraints import GrammarMasks
 from .device import on_gpu
+from . import layer_cache
+from .errors import Cancelled
+from .tokenizer import StreamDecoder
 
 
 @dataclass
@@ -28,7 +32,6 @@ class StepStats:
 def _stream():
     """mlx-lm's generation stream (one per thread, on the default device): the engine steps on the
     same stream raw mlx-lm does, so the two are measured alike."""
-    from mlx_lm.generate import generation_stream
     return generation_stream
 
 
@@ -104,8 +107,6 @@ def prefill(model, cache, tokens: list[int], fed: list[int], *, chunk: int = 512
     `layerwise`: step a chunk layer by layer (default: on the CPU; never across processes).
     `last_logits`: return the (1, vocab) logits after the last token (evaluated with the last chunk),
     for a caller that feeds the whole prompt and samples the first token from this pass."""
-    from . import layer_cache
-    from .errors import Cancelled
     done = 0
     # The doubling start is for progress on a slow machine (the CPU: ~50 ms per 16 SmolLM2 tokens).
     # On a GPU a full chunk takes milliseconds and the small ones only add syncs and launches (an
@@ -352,7 +353,6 @@ class ReplyText:
     batched row (engine/batching.py), which pushes its tokens one step at a time."""
 
     def __init__(self, tokenizer, stops: list[str], on_token: Callable[[int, str], None]):
-        from .tokenizer import StreamDecoder
         self.eos = tokenizer.eos_ids
         self.stops = stops
         self.on_token = on_token

@@ -11,8 +11,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
+import xxhash
 
 from .errors import ModelFileError
+from .gguf_header import scan_header
+from .paths import data_dir
 
 GGUF_MAGIC = b"GGUF"
 
@@ -74,7 +77,6 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         raise ModelFileError(f"cannot read {p}: {e.strerror or e}") from None
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{p.name} is not a GGUF file (bad magic {magic!r})")
-    from .gguf_header import scan_header
     header = scan_header(p)          # counts, lengths, UTF-8, key types: checked before gguf-py allocates
     try:
         reader = GGUFReader(p, "r")
@@ -93,7 +95,6 @@ _hash_cache: dict[tuple[str, int, int], str] = {}
 
 def content_hash(path: str | os.PathLike) -> str:
     """xxh3-128 of the whole file, cached per (path, size, mtime) so a 5 GB model is hashed once."""
-    import xxhash
 
     p = Path(path).resolve()
     st = p.stat()
@@ -123,7 +124,6 @@ def content_hash(path: str | os.PathLike) -> str:
 
 
 def _hash_cache_file() -> Path:
-    from .paths import data_dir
     return data_dir() / "model-hashes.json"
 
 

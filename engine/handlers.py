@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+import numpy as np
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
                   Generation, TokenCount)
 from .errors import ContextTooLong, RequestError
 from .events import Handle, KVChanged, Progress, Token
+from . import layer_cache
+from .capture import last_token_states
+from .chat_template import render
+from .generate import PrefillPace, StepStats, reply
+from .kv_format import choose_for, make_cache
+from .kv_key import KVKey
+from .limits import CacheLimitError, cache_range
+from .memory_estimate import gpu_working_set, load_budget
+from .parking import KVEntry, common_prefix
+from .constraints import compile as compile_constraint
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -42,7 +53,6 @@ class RequestHandlers:
     def cache_key(self, projection: bool | None = None):
         """What the K/V depends on (a kv_key.KVKey): the model's content, the steering applied to it
         (under `projection`; None: the setting in force) and the K/V format."""
-        from .kv_key import KVKey
         return KVKey(self.eng.model_hash, self.steering_fingerprint(projection), self.eng.kv_fmt.label)
 
     def projection(self, requested: bool | None) -> bool:
@@ -50,11 +60,9 @@ class RequestHandlers:
             self.eng.in_force.speed_projection if requested is None else bool(requested))
 
     def make_cache(self) -> list:
-        from .kv_format import make_cache
         return make_cache(self.eng.model, self.eng.kv_fmt)
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
-        from .chat_template import render
         tok = self.eng.tokenizer
         # A huge body must not cost a tokenization (or a template render) to be refused: no real
         # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
@@ -80,7 +88,6 @@ class RequestHandlers:
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
         from request to request and started afresh for each model."""
-        from .generate import PrefillPace
         pace = self._pace
         if pace is None or pace[0] is not self.eng.model:
             pace = self._pace = (self.eng.model, PrefillPace(self.eng.info.n_layer if self.eng.info else 1))
@@ -92,7 +99,6 @@ class RequestHandlers:
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, req: GenerateRequest, handle: Handle) -> Generation:
-        from .generate import reply
         turn = self.begin_turn(req, handle)
         entry, tokens, reuse, stats = turn.entry, turn.tokens, turn.reuse, turn.stats
         cancelled = lambda: handle.cancelled  # noqa: E731
@@ -120,9 +126,6 @@ class RequestHandlers:
         than it was generated (Qwen3.5's dropped thinking, harmony's channels) makes the next turn
         diverge right after the last message's end, before the prompt's end: these are the points an
         Edit or the next turn shares."""
-        from . import layer_cache
-        from .chat_template import render
-        from .parking import common_prefix
         if not req.messages or req.prompt is not None or not layer_cache.needs_checkpoints(entry.cache):
             return []
         tok = self.eng.tokenizer
@@ -144,14 +147,11 @@ class RequestHandlers:
     def begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
         """Everything before the reply's prefill: validation, the prompt's tokens, the K/V taken and
         trimmed to what it reuses (a `Turn`)."""
-        from .generate import StepStats
-        from .parking import KVEntry
         self.eng.require_model()
         req.sampling.validate()
         drafter = self.eng.drafts.drafter_for(req)        # speculative decoding hook (validates before any work)
         constraint = None
         if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
-            from .constraints import compile as compile_constraint
             constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
@@ -222,8 +222,6 @@ class RequestHandlers:
     def _kv_format_for(self, bits: int):
         """The loaded model's K/V format at `bits` (None when no model is loaded: the width alone counts,
         checked with the request); a width this model cannot take is refused naming the setting."""
-        from .kv_format import choose_for
-        from .limits import CacheLimitError
         if self.eng.loaded is None or self.eng.info is None:
             return None
         try:
@@ -232,12 +230,10 @@ class RequestHandlers:
             raise CacheLimitError(str(e), "kv_bits") from None
 
     def cache_limits(self):
-        from .limits import cache_range
         reading = self.eng.guard.reading()
         return cache_range(reading.total_bytes if reading is not None else None)
 
     def status(self) -> EngineStatus:
-        from .limits import cache_range
         reading = self.eng.guard.reading()
         live = self.eng.live
         return EngineStatus(
@@ -269,9 +265,6 @@ class RequestHandlers:
                                                                  tools=req.tools))))
 
     def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
-        import numpy as np
-
-        from .capture import last_token_states
         self.eng.require_model()
         t0 = time.perf_counter()
         first: list = []
@@ -298,7 +291,6 @@ class Turn:
 
 def _load_budget(guard) -> dict | None:
     """What a model may take (engine/memory_estimate.py), for the app, which cannot ask MLX."""
-    from .memory_estimate import gpu_working_set, load_budget
     b = load_budget(guard, gpu_working_set())
     return None if b is None else {"bytes": b.bytes, "source": b.source}
 

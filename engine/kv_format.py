@@ -15,6 +15,7 @@ K/V that no engine run produced).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from mlx_lm.models.cache import make_prompt_cache
 
 
 from . import layer_cache
@@ -79,7 +80,6 @@ def make_cache(model, fmt: KVFormat) -> list:
     """The model's own per-layer caches (mlx-lm's make_prompt_cache), its full K/V layers quantized
     when `fmt` says so (a sliding window or a recurrent state stays as the model made it: mlx-lm
     cannot quantize those). Every layer must be a kind engine/layer_cache.py knows."""
-    from mlx_lm.models.cache import make_prompt_cache
     cache = make_prompt_cache(model)
     if fmt.quantized:
         half = half_scale_cache_class()

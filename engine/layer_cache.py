@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .errors import ModelFileError
 
@@ -70,9 +72,6 @@ def _copy(x):
 
 
 def _half_scale_cache_class():
-    from mlx_lm.models.cache import QuantizedKVCache
-    from mlx.utils import tree_map
-
     class HalfScaleQuantizedKVCache(QuantizedKVCache):
         """mlx-lm's QuantizedKVCache with float16 scales and biases whatever the compute dtype.
 
@@ -168,7 +167,6 @@ class FullKV(LayerKind):
     batches = True
 
     def _cls(self):
-        from mlx_lm.models.cache import KVCache
         return KVCache
 
     def arrays(self, c) -> list:
@@ -280,7 +278,6 @@ class Rotating(LayerKind):
             c.trim(c.offset - n)
 
     def copy_prefix(self, c, n: int):
-        from mlx_lm.models.cache import RotatingKVCache
         if c.offset > c.max_size or n > c.offset:
             return None
         dst = RotatingKVCache(max_size=c.max_size, keep=c.keep)
@@ -296,7 +293,6 @@ class Rotating(LayerKind):
         return (_copy(c.keys), _copy(c.values), c.offset, c.keep, c.max_size, c._idx)
 
     def restore(self, snap):
-        from mlx_lm.models.cache import RotatingKVCache
         keys, values, offset, keep, max_size, idx = snap
         c = RotatingKVCache(max_size=max_size, keep=keep)
         if keys is not None:
@@ -315,7 +311,6 @@ class Rotating(LayerKind):
         return {"offset": int(c.offset), "keep": int(c.keep), "max_size": int(c.max_size), "idx": int(idx)}
 
     def from_state(self, tensors, meta):
-        from mlx_lm.models.cache import RotatingKVCache
         c = RotatingKVCache(max_size=int(meta["max_size"]), keep=int(meta["keep"]))
         if tensors:
             c.state = (tensors[0], tensors[1], int(meta["offset"]), int(meta["keep"]), int(meta["max_size"]),
@@ -341,7 +336,6 @@ class Recurrent(LayerKind):
             raise ValueError(f"a recurrent state of {held} tokens cannot be cut back to {n}")
 
     def copy_prefix(self, c, n: int):
-        from mlx_lm.models.cache import ArraysCache
         return ArraysCache(len(c.cache)) if n == 0 else None
 
     def checkpoint(self, c):
@@ -350,7 +344,6 @@ class Recurrent(LayerKind):
         return [_copy(a) for a in c.cache]
 
     def restore(self, snap):
-        from mlx_lm.models.cache import ArraysCache
         c = ArraysCache(len(snap))
         c.cache = [_copy(a) for a in snap]
         return c
@@ -362,7 +355,6 @@ class Recurrent(LayerKind):
         return {"size": len(c.cache), "present": [a is not None for a in c.cache]}
 
     def from_state(self, tensors, meta):
-        from mlx_lm.models.cache import ArraysCache
         c = ArraysCache(int(meta["size"]))
         it = iter(tensors)
         c.cache = [next(it) if p else None for p in meta["present"]]

@@ -64,6 +64,7 @@ def cache_range(total_bytes: int | None) -> CacheRange:
 
 def machine_cache_range() -> CacheRange:
     """The range on this machine, read now (the memory guard's reader)."""
+    # lazy: the memory guard loads numpy, which the app (it imports this module) does not need
     from .memory_guard import MemoryUnavailable, read_memory
     try:
         return cache_range(read_memory().total_bytes)

@@ -211,6 +211,7 @@ def read_vm_statistics64() -> MemoryReading:
 
 def read_psutil() -> MemoryReading:
     try:
+        # lazy: psutil may be missing, which is a MemoryUnavailable reading, not an import error
         import psutil
     except ImportError as e:
         raise MemoryUnavailable(f"psutil is not installed ({e})") from e

@@ -4,7 +4,20 @@ memory guard before any tensor is read, built into one LoadedModel that replaces
 from __future__ import annotations
 
 from .api import LoadModel, ModelFacts, ModelLoaded, model_id
-from .events import Handle, Progress
+from .events import Handle, Progress, Log
+import mlx.core as mx
+import logging
+from . import kv_reserve, steering
+from .chat_template import generation_prompt
+from .device import compute_dtype, on_gpu
+from .gguf_file import content_hash, open_gguf
+from .kv_format import choose_for
+from .loaded_model import LoadedModel
+from .memory_estimate import fit_for_load, gpu_working_set
+from .models import resolve_model
+from .reasoning import opens_think
+from .tokenizer import load_tokenizer
+from .control_vector import ControlVector, ControlVectorError
 
 
 class ModelLoad:
@@ -14,15 +27,6 @@ class ModelLoad:
         self.eng = engine
 
     def load(self, req: LoadModel, handle: Handle) -> ModelLoaded:
-        import mlx.core as mx
-
-        from . import steering
-        from .device import compute_dtype
-        from .gguf_file import content_hash, open_gguf
-        from .memory_estimate import fit_for_load, gpu_working_set
-        from .models import resolve_model
-        from .tokenizer import load_tokenizer
-
         path = resolve_model(req.path)
         g = open_gguf(path)
         self.eng.drafts.release("a model load")      # drafts for the old target; its memory counts for the fit
@@ -39,22 +43,17 @@ class ModelLoad:
         steer_cfg = self.eng.in_force.steering if req.steering == "keep" else req.steering
         vector, steering_error = None, None
         if steer_cfg is not None and getattr(steer_cfg, "files", ()):
-            from .control_vector import ControlVector, ControlVectorError
             try:
                 vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
             except ControlVectorError as e:
                 # A vector made for another model must not cost the user the model: serve without it.
                 steering_error = str(e)
-        from .kv_format import choose_for
-        from .loaded_model import LoadedModel
         # --kv-bits this head size or this attention cannot take: refused
         kv_format = choose_for(model, self.eng.in_force.kv_bits, info.head_dim)
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
         model_hash = content_hash(path)
-        from .chat_template import generation_prompt
-        from .reasoning import opens_think
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
@@ -84,9 +83,7 @@ class ModelLoad:
         asked = self.eng.options.context_length
         if asked and asked > n_ctx and info.context_length <= n_ctx:
             # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
-            import logging
 
-            from .events import Log
             note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
                     f"using {n_ctx}")
             logging.getLogger("strata").warning(note)
@@ -105,8 +102,6 @@ class ModelLoad:
     def _touch_kv_memory(self, info, dtype):
         """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
         creation does, so a restore into this new process does not pay for fresh pages (kv_reserve.py)."""
-        from . import kv_reserve
-        from .device import on_gpu
         self.eng.kv_topup.use(None)
         if on_gpu():
             return kv_reserve.Reserved.none("the K/V lives in GPU memory")

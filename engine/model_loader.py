@@ -1,16 +1,20 @@
 """Build an mlx-lm model from a GGUF file: metadata -> ModelArgs, GGUF tensor names -> mlx-lm names."""
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import gguf as gguf_py
+from mlx_lm.generate import generation_stream
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models.cache import make_prompt_cache
 
-from . import archs, attention
-from .archs.common import FactorRoPE, apply_rope_factors, common_args  # noqa: F401 - re-exported
+from . import archs, attention, moe, quants
+from .archs.common import (FactorRoPE, apply_rope_factors, common_args,  # noqa: F401 - re-exported
+                           DENSE_BLOCK_NAMES, TOP_NAMES, add_tensor, load_checked, mapped_name)
 from .device import on_gpu
 from .errors import ModelFileError
 from .gguf_checks import check_hyperparameters
@@ -19,23 +23,11 @@ from .gguf_file import GGUFFile
 # llama also covers Mixtral-style files (llama.expert_count > 0); the MoE ones live in engine/moe.py
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {**DENSE_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"}
 
 
 def mlx_name(gguf_name: str) -> str | None:
-    base, _, kind = gguf_name.rpartition(".")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{kind}"
-    if base in _TOP_NAMES:
-        return f"{_TOP_NAMES[base]}.{kind}"
-    return None  # e.g. rope_freqs: not a weight of the mlx-lm module
+    return mapped_name(gguf_name, _BLOCK_NAMES, TOP_NAMES)  # None e.g. for rope_freqs: not an mlx-lm weight
 
 
 def warm_up(model) -> float:
@@ -44,8 +36,6 @@ def warm_up(model) -> float:
     for it: 0.4-17 s on an H200, 31.7 s for the first returning turn (bench/gpu.md). The shapes touch
     a prefill chunk past the explicit-attention limit (the fused kernel), a short chunk (the explicit
     form) and a decode step. Not on the CPU, which builds nothing at run time. Returns seconds."""
-    from mlx_lm.generate import generation_stream
-    from mlx_lm.models.cache import make_prompt_cache
     t0 = time.perf_counter()
     cache = make_prompt_cache(model)
     # on the stream every request steps on: evaluated on the engine thread's default stream, this
@@ -95,25 +85,20 @@ def model_args(g: GGUFFile):
     plugin = archs.find(arch)
     if plugin is not None:
         return plugin.model_args(g, common, head_dim)
-    from . import moe
     if moe.is_moe(g):
         return moe.model_args(g, common, head_dim)[:2]
     if arch == "llama":
-        from mlx_lm.models.llama import Model, ModelArgs
         # llama.cpp's converter permutes Q/K rows so that adjacent pairs rotate together: that is
         # exactly MLX's "traditional" RoPE, so the rows need no un-permuting.
-        return Model, ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
+        return llama.Model, llama.ModelArgs(**common, head_dim=head_dim, rope_traditional=True)
     if arch == "qwen2":
-        from mlx_lm.models.qwen2 import Model, ModelArgs
-        return Model, ModelArgs(**common)
-    from mlx_lm.models.qwen3 import Model, ModelArgs
-    return Model, ModelArgs(**common, head_dim=head_dim)
+        return qwen2.Model, qwen2.ModelArgs(**common)
+    return qwen3.Model, qwen3.ModelArgs(**common, head_dim=head_dim)
 
 
 def load_model(g: GGUFFile, *, dtype=mx.float32,
                progress: Callable[[int, int], None] | None = None, part=None) -> tuple[nn.Module, ModelInfo]:
     """part: a pipeline_model.PipelinePart when this process holds only some layers (distributed)."""
-    from . import moe, quants
     model_cls, args = model_args(g)
     plugin = archs.find(g.architecture)
     spec = moe.moe_spec(g) if plugin is None and moe.is_moe(g) else None
@@ -133,19 +118,8 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
             name = part.local_name(name, args.tie_word_embeddings)
         if name is None:
             continue
-        try:
-            mt = quants.convert_tensor(t, dtype=dtype)
-        except quants.UnsupportedTensorType as e:
-            raise ModelFileError(f"{g.path.name}: {e}") from None
-        notes.append(mt.note)
+        notes.append(add_tensor(weights, qparams, name, t, dtype, g.path.name).note)
         n_params += int(t.n_elements)
-        weights[name] = mt.weight
-        if mt.quantized:
-            prefix = name.rsplit(".", 1)[0]
-            weights[f"{prefix}.scales"] = mt.scales
-            if mt.biases is not None:          # mxfp4 has none
-                weights[f"{prefix}.biases"] = mt.biases
-            qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits, "mode": mt.mode}
         if progress:
             progress(i + 1, len(tensors))
     if spec:
@@ -160,12 +134,7 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
     weights = model.sanitize(weights)
     if part is not None:
         weights = part.localize(weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelFileError(f"{g.path.name}: tensors do not match a {args.model_type} model ({str(e)[:160]})") from None
-    model.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
-    mx.eval(model.parameters())
+    load_checked(model, weights, dtype, f"{g.path.name}: tensors do not match a {args.model_type} model")
     note = f"{quants.summarize(notes)}; loaded in {time.perf_counter() - t0:.1f} s"
     if plugin is not None and plugin.after_load:
         extra = plugin.after_load(model, g, args)
@@ -178,7 +147,6 @@ def load_model(g: GGUFFile, *, dtype=mx.float32,
         note += f"; kernels warmed up in {warm_up(model) * 1e3:.0f} ms"
     if spec:
         note += f"; {spec.describe()}"
-    import gguf as gguf_py
     ft = g.get("general.file_type")
     try:
         file_type = gguf_py.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_") if ft is not None else "?"

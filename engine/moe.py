@@ -38,6 +38,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from mlx_lm.models import mixtral, qwen2_moe, qwen3_moe
+
 from .errors import ModelFileError
 from .gguf_file import GGUFFile
 
@@ -152,20 +154,20 @@ def model_args(g: GGUFFile, common: dict, head_dim: int):
                              f"n_embd / n_head ({n_embd // n_head}) is not supported")
     moe = dict(num_experts_per_tok=spec.n_expert_used, rope_scaling=None)
     if spec.model_type == "qwen3_moe":
-        from mlx_lm.models.qwen3_moe import Model, ModelArgs
+        family = qwen3_moe
         args = dict(common, **moe, num_experts=spec.n_expert, moe_intermediate_size=spec.n_ff_exp,
                     decoder_sparse_step=1, mlp_only_layers=[], head_dim=head_dim, norm_topk_prob=True)
     elif spec.model_type == "qwen2_moe":
-        from mlx_lm.models.qwen2_moe import Model, ModelArgs
+        family = qwen2_moe
         args = dict(common, **moe, num_experts=spec.n_expert, moe_intermediate_size=spec.n_ff_exp,
                     shared_expert_intermediate_size=spec.n_ff_shexp)
     else:
-        from mlx_lm.models.mixtral import Model, ModelArgs
+        family = mixtral
         # GGUF llama Q/K rows are permuted for adjacent-pair RoPE = MLX "traditional" (as for llama)
         args = dict(common, **moe, num_local_experts=spec.n_expert, intermediate_size=spec.n_ff_exp,
                     rope_traditional=True)
     args["model_type"] = spec.model_type
-    return Model, ModelArgs.from_dict(args), spec
+    return family.Model, family.ModelArgs.from_dict(args), spec
 
 
 def mlx_name(gguf_name: str, spec: MoeSpec) -> str | None:

@@ -43,10 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .device import on_gpu
 from .errors import ModelFileError, RequestError
 from .mtp_depth import MTP_DRAFT_CPU, MTP_DRAFT_GPU, target_offset
+from .archs.qwen35_mtp import load_head, check_matches
+from .gguf_file import open_gguf
+from .memory_estimate import read_header, tensor_bytes
+from .models import resolve_model
+from .archs.gemma4_mtp import load_sibling
 
 MAX_ROWS = 8192         # hidden states the tap keeps unread at most (a plain fallback decode adds one a token)
 READ_CHUNK = 512        # the head reads a long prompt's positions this many at a time
@@ -91,7 +97,6 @@ class MTPDrafter:
     samples_drafts = True                   # speculative.decode hands it the target distribution
 
     def __init__(self, head, model, path: Path, draft_len: int | None = None):
-        from mlx_lm.models.cache import KVCache
         self.head, self.path = head, path
         self.target = TargetTap(model)
         self.cache = KVCache()
@@ -111,7 +116,6 @@ class MTPDrafter:
     def _read(self, context: list[int]) -> tuple[mx.array, mx.array]:
         """Read every target position up to the last fed one (len(context) - 2; its next token is
         context[-1]); (logits, normed hidden) of the last."""
-        from mlx_lm.models.cache import KVCache
         rows = self.target.rows
         last = len(context) - 2
         if self.start is None or any(p not in rows for p in range(self.upto, last + 1)):
@@ -184,7 +188,6 @@ class LoadedHead:
 def head_bytes(g, layer: int) -> int:
     """Bytes of the head's own tensors (blk.{layer}.*) as the loader holds them (float16 upper bound for
     unquantized ones counted by engine/memory_estimate.tensor_bytes)."""
-    from .memory_estimate import read_header, tensor_bytes
     h = read_header(g.path)
     return sum(tensor_bytes(t, 4) for t in h.tensors if t.name.startswith(f"blk.{layer}."))
 
@@ -206,9 +209,6 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
     """The head for the loaded target at `model_path`: from `head_path` (mtp:PATH), else the model's
     own nextn.* tensors, else a sibling mtp-*.gguf. One-line refusals (RequestError / ModelFileError);
     `admit(nbytes)` (the memory guard) runs before a sibling's tensors are read."""
-    from .archs.qwen35_mtp import load_head
-    from .gguf_file import open_gguf
-    from .models import resolve_model
     target = open_gguf(model_path)
     gemma4 = target.architecture == "gemma4"
     if target.architecture not in ("qwen35", "qwen35moe") and not gemma4:
@@ -228,7 +228,6 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
                                f"({target.architecture}.nextn_predict_layers is 0) and no mtp-*.gguf beside it")
     sibling = p.resolve() != model_path.resolve()
     if gemma4:          # the drafter is its own file (engine/archs/gemma4_mtp.py)
-        from .archs.gemma4_mtp import load_sibling
         if not sibling:
             raise RequestError(f"speculative mtp: {p.name} is the model itself; Gemma 4's drafter is a separate "
                                "gemma4-assistant GGUF")
@@ -240,7 +239,6 @@ def load_mtp(model_path: Path, model, dtype, head_path: str | None = None, log=l
         return LoadedHead(head, p, model, head_path, f"{note} ({p.name})")
     g = open_gguf(p) if sibling else target
     if sibling and admit is not None:
-        from .archs.qwen35_mtp import check_matches
         check_matches(g, target)               # refused by name before any byte is admitted
         layer = int(g.arch_key("block_count") or 0) - int(g.arch_key("nextn_predict_layers") or 0)
         admit(head_bytes(g, layer))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .kv_key import KVKey
+from . import layer_cache
+from .events import KVMoved
 
 
 MIB = 1 << 20
@@ -47,7 +49,6 @@ class KVEntry:
     checkpoints: list = field(default_factory=list, repr=False, compare=False)
 
     def nbytes(self) -> int:
-        from . import layer_cache   # the buffers really held, whatever the layers' kinds, and checkpoints
         size = layer_cache.nbytes(self.cache) + sum(k.nbytes for k in self.checkpoints)
         # Distributed: each rank counts the whole model's K/V, so every rank evicts alike.
         return size * WHOLE_MODEL_LAYERS[0] // WHOLE_MODEL_LAYERS[1]
@@ -55,13 +56,11 @@ class KVEntry:
     def checkpoint(self) -> None:
         """A message boundary: the cache holds exactly `tokens`. A checkpoint where the cache needs
         them (layer_cache.add_checkpoint: none for full K/V)."""
-        from . import layer_cache
         layer_cache.add_checkpoint(self.checkpoints, self.cache, len(self.tokens))
 
     def rewind(self, n: int, make_cache: Callable[[], list]) -> int:
         """Cut back to at most n tokens (trim, else the latest checkpoint at or before n, else
         nothing): the tokens now held (<= n)."""
-        from . import layer_cache
         held = len(self.tokens)
         self.cache, m = layer_cache.rewind(self.cache, held, n, self.checkpoints, make_cache)
         if m < held:
@@ -127,7 +126,6 @@ def longest_prefix(entries, key, tokens: list[int]):
 def copy_prefix(entry: KVEntry, n: int, make_cache: Callable[[], list]) -> tuple[list, int, list]:
     """(a copy of the entry's first m <= n tokens' cache, m, the checkpoints that go with it):
     m < n only for a cache that cannot copy that prefix (engine/layer_cache.py)."""
-    from . import layer_cache
     return layer_cache.copy_prefix(entry.cache, len(entry.tokens), n, entry.checkpoints, make_cache)
 
 
@@ -147,7 +145,6 @@ class Parking:
     def tell(self, kind: str, entry: KVEntry, why: str = "", nbytes: int | None = None) -> None:
         if self.on_event is None:
             return
-        from .events import KVMoved
         if nbytes is None:
             try:
                 nbytes = entry.nbytes()

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from . import layer_cache
 
 _LAYER_RE = re.compile(r"(.*?model\.)layers\.(\d+)(\..*|)")
 _EMBED_RE = re.compile(r"(.*?model\.)embed_tokens\..*")
@@ -245,7 +247,6 @@ class _RankModel(nn.Module):
         return self.model.layers
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
         return make_prompt_cache(self.inner)
 
     def _all_sum_with_flag(self, logits: mx.array, rank0: bool, group) -> mx.array:
@@ -261,13 +262,11 @@ class _RankModel(nn.Module):
 
 def _fresh(template):
     """A new empty cache of the same kind and window as `template`."""
-    from . import layer_cache
     return layer_cache.kind_of(template).restore(layer_cache.kind_of(template).checkpoint(template))
 
 
 def _kind_key(c) -> tuple:
     """Which caches answer a mask the same way: the same kind and, for a window, the same size."""
-    from . import layer_cache
     name = layer_cache.kind_of(c).name
     return ("kv" if name in ("kv", "kv_quant") else name, getattr(c, "max_size", None))
 
@@ -347,7 +346,6 @@ class PipelineModel(_RankModel):
         return own + [_fresh(t) for t in self._ghost_kinds(own)]
 
     def _ghost_kinds(self, own: list) -> list:
-        from . import layer_cache
         have = {_kind_key(c) for c in own}
         out = {}
         for t in self.whole_template:
@@ -362,7 +360,6 @@ class PipelineModel(_RankModel):
         return max(0, min(self.part.end, len(self.whole_template)) - self.part.start)
 
     def _feed_ghosts(self, ghosts: list, B: int, L: int) -> None:
-        from . import layer_cache
         for g in ghosts:
             if layer_cache.kind_of(g).name == "arrays":
                 if g.cache[0] is None:

@@ -15,7 +15,9 @@ import pickle
 
 import mlx.core as mx
 
-from . import layer_cache
+from . import layer_cache, session_v3
+from .kv_format import make_cache
+from .pipeline_model import _kind_key
 
 
 def _dtype(name: str):
@@ -101,7 +103,6 @@ def scatter(dist, whole: list | None, checkpoints: list | None, model) -> tuple[
     """Every rank: its own blocks' caches of the whole model's `whole` (held by rank 0), then its ghosts,
     each one cut from a layer of its kind (the same offset, window position and wrap, one wide); and
     the conversation's checkpoints for those same caches."""
-    from .pipeline_model import _kind_key
     states = _from(dist, 0, layer_cache.to_states(whole) if dist.rank == 0 else None)
     own = layer_cache.from_states(states[model.part.start:model.part.start + model.n_own_caches])
     whole_caches = layer_cache.from_states(states)
@@ -130,7 +131,6 @@ def probe(dist, model, make_cache) -> list | None:
 def needs_probe(model) -> bool:
     """Whether this model's sessions are format 3 (some layer is not full K/V): the same answer on
     every rank, from the whole model's cache kinds."""
-    from . import session_v3
     return session_v3.needed(model.whole_template)
 
 
@@ -146,5 +146,4 @@ class WholeModel:
 
 
 def whole_cache(engine) -> list:
-    from .kv_format import make_cache
     return make_cache(WholeModel(engine.model), engine.kv_fmt)

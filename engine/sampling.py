@@ -123,6 +123,7 @@ class SamplingParams:
     def sampler(self, vocab_size: int | None = None):
         # top_k at or above the vocabulary keeps every token: the same as no top_k (and mlx's
         # argpartition refuses a k past the axis).
+        # lazy: mlx_lm imports MLX, which the app (it imports this module) never loads
         from mlx_lm.sample_utils import make_sampler
         top_k = 0 if vocab_size is not None and self.top_k >= vocab_size else self.top_k
         return make_sampler(temp=self.temperature, top_p=self.top_p if self.top_p < 1 else 0.0,
@@ -131,5 +132,6 @@ class SamplingParams:
     def processors(self):
         if self.repetition_penalty == 1.0:
             return []
+        # lazy: mlx_lm imports MLX, which the app (it imports this module) never loads
         from mlx_lm.sample_utils import make_logits_processors
         return make_logits_processors(repetition_penalty=self.repetition_penalty)

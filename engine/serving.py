@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 from typing import Any, Protocol
+from .model_loader import load_model
+from . import distributed
 
 
 class Serving(Protocol):
@@ -56,7 +58,6 @@ class LocalServing:
         pass
 
     def load_model(self, g, dtype, progress):
-        from .model_loader import load_model
         return load_model(g, dtype=dtype, progress=progress)
 
     def after_load(self, engine) -> None:
@@ -72,7 +73,6 @@ class LocalServing:
 def for_this_process() -> Serving:
     """Distributed when launched as a rank of a group of two or more (MLX_RANK set), else local."""
     if "MLX_RANK" in os.environ:
-        from . import distributed
         group = distributed.detect()
         if group is not None:
             return group

@@ -25,6 +25,8 @@ import xxhash
 
 from .device_upload import drop_host_copies
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
+from .kv_format import describe_label, choose, format_of_label
+from .parking import KVEntry
 
 FORMAT = "strata-session"
 VERSION = 2                        # what a full-K/V conversation is written in (format 3: engine/session_v3.py)
@@ -261,7 +263,6 @@ def write_session(final: Path, entry, fingerprint: dict, specs: list, kv_dtype: 
         raise
     size = 8 + len(header) + specs[-1].end
     ms = (time.perf_counter() - t0) * 1e3
-    from .kv_format import describe_label
     what = "" if kv_dtype == KV_DTYPE else f" ({describe_label(kv_dtype)})"
     log(f"saved {n} tokens{what} to {final.name}: {size} B in {ms:.1f} ms "
         f"({'sync ' + format(prof.sync_ms, '.1f') + ' ms' if sync else 'not synced'})")
@@ -466,6 +467,26 @@ def _encodable(value) -> bool:
     return True
 
 
+def check_layout(name: str, meta: dict[str, str], kv_dtype: str, kv_layout: str) -> None:
+    """The file's K/V element type and layout are the ones this reader restores, or SessionFileError."""
+    if meta.get("kv_dtype") != kv_dtype or meta.get("kv_layout") != kv_layout:
+        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
+                               f"{meta.get('kv_layout', '?')[:60]})")
+
+
+def token_count(name: str, meta: dict[str, str], n_ctx: int) -> int:
+    """The header's token count, checked before anything is sized from it: 1 to n_ctx - 1."""
+    nt = meta.get("n_tokens", "")
+    if not re.fullmatch(r"[0-9]{1,10}", nt):
+        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
+    n = int(nt)
+    if n < 1:
+        raise SessionFileError(f"{name} holds no tokens")
+    if n >= n_ctx:
+        raise SessionFileError(f"{name} holds {n} tokens; the context holds {n_ctx} (a longer --ctx may restore it)")
+    return n
+
+
 def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict | None = None, *,
                  layout: Callable[[int, Geometry], list[TensorSpec]], kv_layout: str) -> ParsedHeader:
     """Validate a format-2 raw header completely (type and range of every field) before anything is
@@ -482,18 +503,8 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
                                f"does not have")
     if expected is not None:
         check_fingerprint(name, meta, expected)
-    if meta.get("kv_dtype") != g.kv or meta.get("kv_layout") != kv_layout:
-        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
-                               f"{meta.get('kv_layout', '?')[:60]})")
-    nt = meta.get("n_tokens", "")
-    if not re.fullmatch(r"[0-9]{1,10}", nt):
-        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
-    n = int(nt)
-    if n < 1:
-        raise SessionFileError(f"{name} holds no tokens")
-    if n >= g.n_ctx:
-        raise SessionFileError(f"{name} holds {n} tokens; the context holds {g.n_ctx} "
-                               f"(a longer --ctx may restore it)")
+    check_layout(name, meta, g.kv, kv_layout)
+    n = token_count(name, meta, g.n_ctx)
     specs = layout(n, g)
     messages = check_table_and_tail(name, table, specs, raw, size, meta,
                                     f"{n} tokens of {g.n_layer} layers x {g.n_kv_heads} K/V heads x {g.head_dim} {g.kv}")
@@ -554,12 +565,10 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
     if theirs != ours:
         # Refused, not converted: widening 8-bit codes or re-quantizing them would give a K/V that
         # no engine run produced.
-        from .kv_format import describe_label, format_of_label
         fmt = format_of_label(theirs)
         if fmt is None:
             raise SessionFileError(f"{name} holds {describe_label(theirs[:20])}; this engine runs "
                                    f"{describe_label(ours)}")
-        from .kv_format import choose
         try:
             group = choose(fmt.bits, int(expected["head_dim"])).group
         except (StrataError, ValueError, TypeError):
@@ -618,7 +627,6 @@ def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) 
 
 def restored(tokens: np.ndarray, cache: list, key: str, hdr, size: int, ms: float, prof) -> tuple:
     """The restored entry and the result fields both restores report."""
-    from .parking import KVEntry
     entry = KVEntry(tokens.tolist(), cache, key, messages=hdr.messages)
     return entry, {"restored_tokens": len(tokens), "restore_ms": round(ms, 2), "messages": hdr.messages,
                    "session_bytes": size, "profile": asdict(prof)}

@@ -31,6 +31,8 @@ import xxhash
 from .device_upload import host_view, to_device
 from .errors import SessionFileError
 from .kv_format import KVFormat, describe_label, format_of_label
+from . import session_container as S
+from .session_container import TensorSpec, padded_cells
 
 QUANT_LAYOUT = "mlx-quantizedkvcache (batch, kv_heads, tokens, packed codes | groups)"
 _PARTS = (("q", "U32", np.dtype("<u4")), ("s", "F16", np.dtype("<f2")), ("b", "F16", np.dtype("<f2")))
@@ -56,7 +58,6 @@ def cell_bytes(g, fmt: KVFormat) -> int:
 
 def layout(n_tokens: int, g) -> list:
     """The one tensor table a quantized file of n_tokens for this geometry (g.kv: its format) may have."""
-    from .session_container import TensorSpec
     fmt = fmt_of(g.kv)
     specs, off = [TensorSpec("tokens", "I32", (n_tokens,), 0, n_tokens * 4)], n_tokens * 4
     for i in range(g.n_layer):
@@ -70,7 +71,6 @@ def layout(n_tokens: int, g) -> list:
 
 
 def restore_bytes(n_tokens: int, g) -> int:
-    from .session_container import padded_cells
     return padded_cells(n_tokens) * cell_bytes(g, fmt_of(g.kv))
 
 
@@ -93,7 +93,6 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool = True,
          progress: Callable[[int, int], None] | None = None,
          log: Callable[[str], None] = lambda s: None) -> dict:
     """sessions.save for quantized K/V (the target path already checked there): the tensors as held."""
-    from . import session_container as S
     prof = S.SaveProfile()
     g = S.Geometry.of(fingerprint)
     fmt = fmt_of(g.kv)
@@ -132,7 +131,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
          admit: Callable[[int], tuple[bool, str]] | None = None,
          progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
     """sessions.load for a quantized engine: validate everything, then build a KVEntry."""
-    from . import session_container as S
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="none (codes uint32, scales and biases float16 in file and cache)")
     p = Path(path).expanduser()

@@ -10,6 +10,14 @@ from pathlib import Path
 from .api import RestoreSession, SaveSession, SessionRestored, SessionSaved, SessionSteering, SessionSteeringInfo
 from .errors import ContextTooLong, MemoryRefused, RequestError, SessionSteeringRefused, VectorSpec
 from .events import Handle, Progress
+from . import sessions
+from .chat_template import render
+from .generate import prefill
+from .gguf_file import text_hash
+from .parking import KVEntry
+from .paths import sessions_dir
+from .session_v3 import probe
+from .sessions import read_header
 
 
 class SessionRequests:
@@ -22,7 +30,6 @@ class SessionRequests:
         """What a session file must match. `steering_fp`: the steering applied to the conversation's
         K/V (None: the setting in force); the vector's files and settings are named alongside so a
         refusal elsewhere can say which vector to load."""
-        from .gguf_file import text_hash
         info = self.eng.info
         steer = self.eng.handlers.steering_fingerprint() if steering_fp is None else steering_fp
         vector = self.eng.steering.vector if self.eng.steering else None
@@ -39,7 +46,6 @@ class SessionRequests:
                 "kv_format": self.eng.kv_fmt.label}
 
     def save(self, req: SaveSession, handle: Handle) -> SessionSaved:
-        from . import sessions
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
         if reason:
@@ -61,9 +67,6 @@ class SessionRequests:
         """A conversation whose K/V is no longer held (evicted, or from before a restart): read its
         messages again, with the steering asked for, into a new live K/V (progress "prefill",
         cancellable), then it is saved like any other."""
-        from .chat_template import render
-        from .generate import prefill
-        from .parking import KVEntry
         if not req.messages or not any(m.get("role") != "system" for m in req.messages):
             raise RequestError("there is no conversation to save")
         self.eng.steering.speed_projection = self.eng.handlers.projection(req.speed_projection)
@@ -88,14 +91,11 @@ class SessionRequests:
 
     def clean_folder(self) -> None:
         """Temporary files of saves killed in an earlier run (only those no live save holds)."""
-        from . import sessions
-        from .paths import sessions_dir
         folder = sessions_dir()
         if folder.is_dir():
             sessions.remove_stale_parts(folder, self.eng.log)
 
     def restore(self, req: RestoreSession, handle: Handle) -> SessionRestored:
-        from . import sessions
         self.eng.require_model()
         reason = self.eng.guard.unavailable_reason()
         if reason:
@@ -123,7 +123,6 @@ class SessionRequests:
 
     def _cache_probe(self) -> list:
         """This model's cache after one token: what a format-3 session file's layers are checked against."""
-        from .session_v3 import probe
         return probe(self.eng.model, self.eng.handlers.make_cache)
 
     def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
@@ -153,7 +152,6 @@ class SessionRequests:
 
 
     def steering(self, req: SessionSteering) -> SessionSteeringInfo:
-        from .sessions import read_header
         return SessionSteeringInfo(_vector_spec(read_header(req.path)[1].get("fp.steering_vector")))
 
 

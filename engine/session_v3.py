@@ -200,17 +200,8 @@ def parse(name: str, raw: bytes, size: int, meta: dict, table: dict, expected: d
           n_vocab: int, n_ctx: int):
     """The format-3 header validated completely (before any allocation): (ParsedHeader, layers)."""
     S.check_fingerprint(name, meta, expected)
-    if meta.get("kv_layout") != LAYOUT or meta.get("kv_dtype") != str(expected.get("kv_format", S.KV_DTYPE)):
-        raise SessionFileError(f"{name}: incompatible K/V layout ({meta.get('kv_dtype', '?')[:20]}, "
-                               f"{meta.get('kv_layout', '?')[:60]})")
-    nt = meta.get("n_tokens", "")
-    if not re.fullmatch(r"[0-9]{1,10}", nt):
-        raise SessionFileError(f"{name} is corrupted (bad token count {nt[:20]!r})")
-    n = int(nt)
-    if n < 1:
-        raise SessionFileError(f"{name} holds no tokens")
-    if n >= n_ctx:
-        raise SessionFileError(f"{name} holds {n} tokens; the context holds {n_ctx} (a longer --ctx may restore it)")
+    S.check_layout(name, meta, str(expected.get("kv_format", S.KV_DTYPE)), LAYOUT)
+    n = S.token_count(name, meta, n_ctx)
     try:
         layers = json.loads(meta.get("layers", ""))
     except (ValueError, RecursionError):

@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import half_cast
+from . import half_cast, session_v3, layer_cache, session_quant
 from .device import compute_dtype, on_cuda, on_gpu
 from .device_upload import host_view, to_device
 from . import session_container
@@ -64,6 +64,7 @@ from .session_container import (  # noqa: F401
     _read_raw_header, _meta_of, validate_messages, read_header, check_fingerprint, _steer_label,
     check_finite, check_memory, check_read, restored,
 )
+from .session_quant import QUANT_LAYOUT
 
 KV_LAYOUT = "mlx-kvcache (batch, kv_heads, tokens, head_dim)"
 STAGING_BYTES = 2 << 20            # each of the save's two staging buffers (large writes, no full-size copy)
@@ -76,7 +77,6 @@ _ST = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2")}
 def layout(n_tokens: int, g: Geometry) -> list[TensorSpec]:
     """The one tensor table a file of n_tokens for this geometry may have, in file order."""
     if g.kv != KV_DTYPE:
-        from . import session_quant
         return session_quant.layout(n_tokens, g)
     specs, off = [], 0
     nbytes = n_tokens * 4
@@ -128,12 +128,10 @@ def save(path: str, entry, fingerprint: dict, *, sync: bool = True, force: bool 
         raise SessionFileError(f"cannot save the session: {final} is a folder")
     if os.path.lexists(final) and not final.is_file():
         raise SessionFileError(f"cannot save the session: {final} exists and is not a regular file")
-    from . import session_v3
     if session_v3.needed(entry.cache):          # a sliding window or a recurrent state: format 3
         return session_v3.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
                                log=log)
     if fingerprint.get("kv_format", KV_DTYPE) != KV_DTYPE:      # 8/4-bit K/V, stored as held
-        from . import session_quant
         return session_quant.save(final, entry, fingerprint, t0=t0, sync=sync, force=force, progress=progress,
                                   log=log)
     g = Geometry.of(fingerprint)
@@ -236,7 +234,6 @@ def parse_header(name: str, raw: bytes, size: int, g: Geometry, expected: dict |
 def _kv_layout(g: Geometry) -> str:
     if g.kv == KV_DTYPE:
         return KV_LAYOUT
-    from .session_quant import QUANT_LAYOUT
     return QUANT_LAYOUT
 
 
@@ -253,13 +250,11 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
     after one token."""
     _, head, _ = read_header(path)
     if head.get("version") == "3":
-        from . import session_v3
         if probe_cache is None:
             raise SessionFileError(f"{Path(path).name}: a format-3 session cannot be restored here")
         return session_v3.load(path, expected, make_cache, key=key, probe_cache=probe_cache, dtype=dtype,
                                n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log)
     if expected.get("kv_format", KV_DTYPE) != KV_DTYPE:        # 8/4-bit K/V, restored as stored
-        from . import session_quant
         return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
                                   admit=admit, progress=progress, log=log)
     return _load_v2(Path(path).expanduser(), expected, make_cache, key, dtype, Geometry.of(expected, n_vocab, n_ctx),
@@ -268,7 +263,6 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
 
 def _load_v2(p: Path, expected: dict, make_cache, key: str, dtype, g: Geometry, admit, progress, log):
     """A format-2 file of 16-bit K/V into this model's cache (`load` checked the format)."""
-    from . import layer_cache
     t0 = time.perf_counter()
     prof = RestoreProfile()
     name = p.name

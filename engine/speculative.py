@@ -59,9 +59,17 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
+import xxhash
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .device import on_gpu
 from .errors import Cancelled, RequestError
+from . import generate, layer_cache
+from .generate import PrefillPace, prefill
+from .gguf_file import open_gguf
+from .model_loader import load_model
+from .models import resolve_model
 
 # Prompt lookup: the longest suffix n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before
 # proposes the tokens that followed it. n = 1 matches are mostly noise on chat text; longer than 4
@@ -256,7 +264,6 @@ class DraftModel:
     """A second model with the target's vocabulary; owns its K/V, kept in step by prefix trimming."""
 
     def __init__(self, path: Path, model, vocab_hash: str, n_ctx: int, target_path: Path | None = None):
-        from mlx_lm.models.cache import make_prompt_cache
         self.path, self.model, self.vocab_hash, self.n_ctx = path, model, vocab_hash, n_ctx
         self.target_path = target_path
         self.cache = make_prompt_cache(model)
@@ -266,7 +273,6 @@ class DraftModel:
         # (engine/layer_cache.py; always empty for full K/V).
         self.checkpoints: list = []
         self.draft_len = MODEL_DRAFT
-        from .generate import PrefillPace
         self.pace = PrefillPace(len(self.cache))   # its prompt-reading speed (the catch-up rule)
         self.catchup_s = 0.0                       # time the last propose spent reading a gap
 
@@ -281,8 +287,6 @@ class DraftModel:
         """Cut the draft's K/V back to at most n tokens (engine/layer_cache.py: a trim, else its
         latest checkpoint at or before n, else from scratch): tokens held."""
         if len(self.fed) > n:
-            from mlx_lm.models.cache import make_prompt_cache
-            from . import layer_cache
             self.cache, n = layer_cache.rewind(self.cache, len(self.fed), n, self.checkpoints,
                                                lambda: make_prompt_cache(self.model))
             del self.fed[n:]
@@ -294,7 +298,6 @@ class DraftModel:
 
     def read(self, context: list[int], upto: int, cancelled=lambda: False) -> None:
         """Read context[:upto] into the draft's K/V (timed into `pace`; generate.Cancelled on a cancel)."""
-        from .generate import prefill
         n = self._cut_to(self._common(context))
         if upto > n:
             t0 = time.perf_counter()
@@ -316,7 +319,6 @@ class DraftModel:
         k = min(k, self.draft_len)
         self.catchup_s = 0.0
         logits = self._catch_up(context)
-        from . import layer_cache
         layer_cache.add_checkpoint(self.checkpoints, self.cache, len(self.fed))   # none for full K/V
         out, dists = [], []
         for i in range(k):
@@ -335,7 +337,6 @@ class DraftModel:
 
 def vocab_hash(gguf) -> str:
     """Hash of the whole token list (and its types): drafts are only meaningful over the same ids."""
-    import xxhash
     h = xxhash.xxh3_64()
     for t in gguf.get("tokenizer.ggml.tokens") or []:
         h.update(str(t).encode("utf-8", "surrogatepass") + b"\0")
@@ -349,9 +350,6 @@ def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda 
                admit=None) -> DraftModel:
     """Load a draft GGUF beside the target, refusing one whose vocabulary differs (by name);
     `admit(path)` (the engine's memory estimate and guard) runs before any tensor is read."""
-    from .gguf_file import open_gguf
-    from .model_loader import load_model
-    from .models import resolve_model
     p = resolve_model(path)
     g = open_gguf(p)
     target = open_gguf(target_gguf_path)
@@ -372,7 +370,6 @@ def load_draft(path: str, target_gguf_path: Path, dtype, n_ctx: int, log=lambda 
 # ---- verification -----------------------------------------------------------------------------
 def target_distribution(sampling):
     """logprobs (rows, V) -> the probabilities the request's sampler draws from (temperature > 0)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
     temp, top_p, min_p, top_k = sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k
 
     def dist(logits: mx.array) -> mx.array:
@@ -518,7 +515,6 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     `constraint` (engine/constraints.py): drafts are cut at the grammar's first refused token (kept
     for a draft model's sampled drafts: verification rejects it with certainty) and each verify row
     is masked by the grammar after that row's draft prefix."""
-    from . import generate, layer_cache
     if seed is not None:
         mx.random.seed(seed)
     context = list(history)

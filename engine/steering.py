@@ -29,6 +29,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import time
 
 from .device import on_cuda
 
@@ -317,7 +318,6 @@ def warm_up(vector, dtype) -> float:
     """Compile (and run once) the steering op for `vector`'s width, mode and scale in `dtype`, on
     one row and on two (the portable path traces per shape; the kernel compiles once per dtype and
     width), so the first steered request does not stall on a compiler. Returns seconds spent."""
-    import time
     t0 = time.perf_counter()
     if vector is None or not vector.directions:
         return 0.0

@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenizers import Regex, Tokenizer, pre_tokenizers
+import json
 
 from . import harmony
 from .errors import ModelFileError
 from .gguf_file import GGUFFile, text_hash
+from .prompt_encoder import PromptEncoder
 
 
 def _smollm_pre_tokenizer():
@@ -50,7 +52,6 @@ class GGUFTokenizer:
         """encode(text) for a rendered chat: the same ids, tokenizing only what follows the longest
         prefix it shares with a recent prompt, up to a special token (engine/prompt_encoder.py)."""
         if self.prompts is None:
-            from .prompt_encoder import PromptEncoder
             self.prompts = PromptEncoder(self.backend)
         ids = self.prompts.encode(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
@@ -92,6 +93,7 @@ def _gguf_converter():
     """transformers' GGUF -> `tokenizers` converter. It is a private module that has moved between
     releases, so pyproject pins transformers to the tested version; the older location is a fallback
     and anything else is one clear line rather than an ImportError deep in a load."""
+    # lazy: transformers takes seconds to import and only a GGUF tokenizer's conversion needs it
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
     except ImportError:
@@ -111,7 +113,6 @@ def _phi3_special_rstrip(backend: Tokenizer, model_name: str) -> Tokenizer:
     and <|endoftext|>: "<|user|>\nHi" is <|user|> then "Hi". The same flags on the added tokens here."""
     if not any(k in model_name.lower() for k in ("phi-3", "phi3")):
         return backend
-    import json
     spec = json.loads(backend.to_str())
     for t in spec.get("added_tokens", []):      # llama.cpp: every control and user-defined token
         t["rstrip"] = t["content"] not in ("<unk>", "<s>", "<|endoftext|>")

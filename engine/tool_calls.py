@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from .generate import partial_suffix
 from .reasoning import opens_think
+from .constraints import ConstraintSpec, ConstraintError
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ANTHROPIC_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -829,7 +830,6 @@ class ToolPlan:
 def forced_constraint(fmt: ToolFormat, tools: list[dict], choice, parallel: bool):
     """The grammar (engine/constraints.py) a forced call is decoded under, in the family's own format,
     or (None, why) where the format has no JSON-object form the grammar can take."""
-    from .constraints import ConstraintSpec
     name = choice["name"] if isinstance(choice, dict) else None
     # One call: a forced reply's grammar could otherwise go on call after call up to max_tokens (a
     # small model does); parallel calls are parsed from unforced replies.
@@ -853,7 +853,6 @@ def plan(fmt: ToolFormat, messages: list[dict], tools: list[dict], choice, *, pa
     if tools and choice not in ("auto", "none"):
         constraint, note = forced_constraint(fmt, tools, choice, parallel) if constrain else (None, "not asked")
         if constraint is not None:
-            from .constraints import ConstraintError
             try:
                 constraint.check()
             except ConstraintError as e:

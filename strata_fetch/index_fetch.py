@@ -456,6 +456,7 @@ class _Redirects(urllib.request.HTTPRedirectHandler):
 def ssl_context() -> ssl.SSLContext:
     """TLS with the operating system's trust store (truststore); the stdlib default if it is missing."""
     try:
+        # lazy: truststore is optional (without it the stdlib's default context stands)
         import truststore
     except ImportError:
         return ssl.create_default_context()

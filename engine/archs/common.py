@@ -3,12 +3,67 @@ RoPE with llama.cpp's per-pair frequency factors. Here, below both, so an archit
 imports the loader that imports it (engine/model_loader.py -> engine/archs -> here)."""
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import quants
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
+# The block tensors that llama-like families all name alike in mlx-lm (attention, its norms, the gated FFN)
+# and the top-level ones: each family's table adds its own to these.
+DENSE_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def mapped_name(gguf_name: str, block: dict[str, str], top: dict[str, str]) -> str | None:
+    """A GGUF tensor name -> the mlx-lm parameter name, through a table of block tensors (blk.N.<key> ->
+    model.layers.N.<value>) and one of top-level tensors; None for a tensor neither table names."""
+    base, _, kind = gguf_name.rpartition(".")
+    m = _BLOCK_RE.fullmatch(base)
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{kind}"
+    if base in top:
+        return f"{top[base]}.{kind}"
+    return None
+
+
+def load_checked(module, weights: dict, dtype, mismatch: str) -> None:
+    """`weights` into `module` (every parameter, nothing extra), its floating ones cast to `dtype`, then
+    evaluated; tensors that do not fit are ModelFileError: `mismatch` and the start of MLX's reason."""
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelFileError(f"{mismatch} ({str(e)[:160]})") from None
+    module.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
+    mx.eval(module.parameters())
+
+
+def add_tensor(weights: dict, qparams: dict, name: str, t, dtype, file_name: str):
+    """GGUF tensor `t` converted for MLX (quants.convert_tensor) into `weights` under `name`, with its scales
+    and biases and, in `qparams`, its quantization when it stays quantized; an unsupported type is
+    ModelFileError naming the file. Returns the converted tensor."""
+    try:
+        mt = quants.convert_tensor(t, dtype=dtype)
+    except quants.UnsupportedTensorType as e:
+        raise ModelFileError(f"{file_name}: {e}") from None
+    weights[name] = mt.weight
+    if mt.quantized:
+        prefix = name.rsplit(".", 1)[0]
+        weights[f"{prefix}.scales"] = mt.scales
+        if mt.biases is not None:          # mxfp4 has none
+            weights[f"{prefix}.biases"] = mt.biases
+        qparams[prefix] = {"group_size": mt.group_size, "bits": mt.bits, "mode": mt.mode}
+    return mt
 
 
 def _first(value):

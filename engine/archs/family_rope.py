@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ModelFileError
+from .common import apply_rope_factors
 
 
 def positive(g, key: str, default: float | None) -> float:
@@ -35,7 +36,6 @@ def interleaved_rope(model, g, args) -> str:
     (its "normal" RoPE): MLX's traditional RoPE on the rows as stored, no un-permuting. mlx-lm's granite and
     ministral3 build rotate-half RoPE, so the flag is switched on every layer's rope. A Llama 3.1-style
     `rope_freqs.weight` is applied as for llama."""
-    from .common import apply_rope_factors
     interleave(model)
     if apply_rope_factors(model, g, args):
         return "RoPE frequency factors from rope_freqs.weight"

@@ -27,16 +27,18 @@ import functools
 import re
 
 import numpy as np
+import math
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gemma3_text, gemma4_text
 
 from . import Architecture
 from ..errors import ModelFileError
+from .common import DENSE_BLOCK_NAMES, FactorRoPE
 
 _BLOCK = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    **DENSE_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     # Gemma 4's per-layer embedding path
     "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
     # Gemma 4's mixture-of-experts blocks (26B-A4B): the dense FFN above runs beside the experts
@@ -116,7 +118,6 @@ def _linear_scale(g) -> float:
 
 
 def _gemma3_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.gemma3_text import Model, ModelArgs
     n_layer = common["num_hidden_layers"]
     window = _window(g, common)
     pattern = g.arch_key("attention.sliding_window_pattern")
@@ -140,7 +141,7 @@ def _gemma3_args(g, common: dict, head_dim: int):
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     # llama.cpp: 1/sqrt(n_embd/n_head) for the 27B (62 layers), 1/sqrt(head size) otherwise
     scalar = n_embd // n_head if n_layer == 62 else head_dim
-    args = ModelArgs(**{k: v for k, v in common.items() if k != "tie_word_embeddings"},
+    args = gemma3_text.ModelArgs(**{k: v for k, v in common.items() if k != "tie_word_embeddings"},
                      head_dim=head_dim, query_pre_attn_scalar=scalar,
                      rope_local_base_freq=float(g.arch_key("rope.freq_base_swa", _DEFAULT_SWA_BASE)),
                      sliding_window=window or common["max_position_embeddings"],
@@ -148,11 +149,10 @@ def _gemma3_args(g, common: dict, head_dim: int):
                      rope_scaling={"rope_type": "linear", "factor": scale} if (scale := _linear_scale(g)) != 1.0
                      else None)
     args.tie_word_embeddings = common["tie_word_embeddings"]
-    return Model, args
+    return gemma3_text.Model, args
 
 
 def _gemma4_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.gemma4_text import Model, ModelArgs
     name = g.path.name
     tensors = g.tensors()
     n_layer = common["num_hidden_layers"]
@@ -208,7 +208,7 @@ def _gemma4_args(g, common: dict, head_dim: int):
     base_swa = float(g.arch_key("rope.freq_base_swa", _DEFAULT_SWA_BASE))
     fields = {k: v for k, v in common.items() if k not in ("rope_theta", "intermediate_size")}
     fields["num_key_value_heads"] = kv_local[0]
-    args = ModelArgs(
+    args = gemma4_text.ModelArgs(
         **fields, head_dim=head_swa, global_head_dim=head_dim, num_global_key_value_heads=kv_global[0],
         num_kv_shared_layers=n_shared, hidden_size_per_layer_input=n_pl,
         vocab_size_per_layer_input=int(pl_rows.shape[-1]) if pl_rows is not None else common["vocab_size"],
@@ -222,7 +222,7 @@ def _gemma4_args(g, common: dict, head_dim: int):
                          "sliding_attention": {"rope_theta": base_swa, "rope_type": "default"}},
         enable_moe_block=any(moe), num_experts=n_expert or None, top_k_experts=n_used or None,
         moe_intermediate_size=n_ff_exp or None)
-    return Model, args
+    return gemma4_text.Model, args
 
 
 def model_args(g, common: dict, head_dim: int):
@@ -236,9 +236,6 @@ def _exact_embedding_scale(weights: dict, args) -> None:
     1152, not 33.94), llama.cpp by sqrt(n_embd) itself: the embedding rows take the ratio, and a tied
     output head (the same rows) is given it back through the final norm (mlx-lm scales by 1+w).
     Measured on a 1152-wide F32 file (test_arch_gemma): |dlogit| median against llama.cpp 0.0028 -> 0.0013."""
-    import math
-
-    import mlx.core as mx
     exact = math.sqrt(args.hidden_size)
     ratio = exact / mx.array(exact, dtype=mx.bfloat16).astype(mx.float32).item()
     if ratio == 1.0:
@@ -253,7 +250,6 @@ def _exact_embedding_scale(weights: dict, args) -> None:
 
 
 def fix_weights(weights: dict, qparams: dict, g, args) -> None:
-    import mlx.core as mx
     if g.architecture == "gemma3":
         for k in list(weights):
             if k.endswith("norm.weight"):           # stored 1+w; gemma3_text adds the 1 itself
@@ -271,7 +267,6 @@ def _split_gate_up(weights: dict, qparams: dict, prefix: str) -> None:
     """The fused expert gate/up stack (GGUF ffn_gate_up_exps: gate rows first, as Gemma4's
     experts.gate_up_proj) into gemma4_text's gate_proj and up_proj; a quantized stack's scales and
     biases split the same way (rows are independent)."""
-    import mlx.core as mx
     fused = prefix + "gate_up_proj"
     if f"{fused}.weight" not in weights:
         return
@@ -299,8 +294,6 @@ def _sharing_attention(base: type) -> type:
     8/4-bit K/V): mlx-lm hands such a layer the source layer's quantized (packed, scales, biases)
     tuples but no cache, so its attention call has no bits to read and fails. This one reads them
     from the tuples' shapes and calls the same attention function (the module's, as patched)."""
-    from mlx_lm.models import gemma4_text
-
     class SharingAttention(base):
         def __call__(self, x, mask=None, cache=None, shared_kv=None, offset=None):
             if shared_kv is None or not isinstance(shared_kv[0], tuple):
@@ -322,9 +315,6 @@ def after_load(model, g, args) -> str:
     for layer in model.model.layers:
         if not layer.self_attn.has_kv:
             layer.self_attn.__class__ = _sharing_attention(type(layer.self_attn))
-    import mlx.core as mx
-    import mlx.nn as nn
-    from .common import FactorRoPE
     t = g.tensors().get("rope_freqs.weight")
     factors = mx.array(np.asarray(t.data, dtype=np.float32).reshape(-1)) if t is not None else None
     n_rot = int(g.arch_key("rope.dimension_count", args.global_head_dim))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from mlx_lm.models.gpt_oss import Model, ModelArgs
 
 from ..errors import ModelFileError
 from . import Architecture
@@ -89,7 +90,6 @@ def _rope_scaling(g) -> dict | None:
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.gpt_oss import Model, ModelArgs
     name = g.path.name
     n_layer = common["num_hidden_layers"]
     if n_layer < 2:      # mlx-lm's model needs a sliding and a full block to build its two masks

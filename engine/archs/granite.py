@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from . import Architecture
 from .family_rope import interleaved_rope, positive
+from mlx_lm.models.granite import Model, ModelArgs
+from ..errors import ModelFileError
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.granite import Model, ModelArgs
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     if head_dim != n_embd // n_head:
         raise _bad(g, f"head size {head_dim} is not width {n_embd} / {n_head} heads, which granite needs")
@@ -33,7 +34,6 @@ def model_args(g, common: dict, head_dim: int):
 
 
 def _bad(g, what: str):
-    from ..errors import ModelFileError
     return ModelFileError(f"{g.path.name}: {what}")
 
 

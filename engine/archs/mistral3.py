@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from . import Architecture
 from .family_rope import interleave, positive
+from mlx_lm.models.ministral3 import Model, ModelArgs
+from ..errors import ModelFileError
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.ministral3 import Model, ModelArgs
-
-    from ..errors import ModelFileError
     if "rope_freqs.weight" in g.tensors():
         raise ModelFileError(f"{g.path.name}: mistral3 with 'rope_freqs.weight' factors is not supported")
     if int(g.arch_key("rope.dimension_count", head_dim) or head_dim) != head_dim:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import re
 
+from mlx_lm.models import olmo2, olmo3
+
 from . import Architecture
+from ..errors import ModelFileError
+from .family_rope import positive
 
 _NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.olmo2 import Model, ModelArgs
-
-    from ..errors import ModelFileError
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     if head_dim != n_embd // n_head:
         # llama.cpp's olmo2 sizes heads as width / heads whatever key_length says
@@ -33,14 +34,11 @@ def model_args(g, common: dict, head_dim: int):
         raise ModelFileError(f"{g.path.name}: olmo2 needs an 'output.weight' tensor (llama.cpp requires it too)")
     window = int(g.arch_key("attention.sliding_window", 0) or 0)
     if window <= 0:
-        return Model, ModelArgs(**common, head_dim=head_dim)
+        return olmo2.Model, olmo2.ModelArgs(**common, head_dim=head_dim)
     return _olmo3(g, common, head_dim, window)
 
 
 def _olmo3(g, common: dict, head_dim: int, window: int):
-    from mlx_lm.models.olmo3 import Model, ModelArgs
-
-    from ..errors import ModelFileError
     n_layer, context = common["num_hidden_layers"], common["max_position_embeddings"]
     if window > context:
         raise ModelFileError(f"{g.path.name}: sliding window {window} is larger than the context {context}")
@@ -55,7 +53,8 @@ def _olmo3(g, common: dict, head_dim: int, window: int):
         # mlx-lm's olmo3 takes each mask's shape from a layer of each kind
         raise ModelFileError(f"{g.path.name}: a sliding-window pattern of {period} over {n_layer} layers leaves "
                              "no sliding or no full-attention layer")
-    return _with_sanitize(Model), ModelArgs(**common, head_dim=head_dim, sliding_window=window, layer_types=types)
+    return _with_sanitize(olmo3.Model), olmo3.ModelArgs(**common, head_dim=head_dim, sliding_window=window,
+                                                        layer_types=types)
 
 
 def _with_sanitize(base):
@@ -72,8 +71,6 @@ def _rope_scaling(g) -> dict | None:
     only (llama.cpp: the sliding layers keep plain RoPE). llama.cpp's magnitude factor with no log
     multiplier is 1 + 0.1 ln(factor) (ggml's YaRN mscale), which is mlx-lm's YarnRoPE with mscale 1 and
     mscale_all_dim 0; a log multiplier m makes it get_mscale(f, 1) / get_mscale(f, m), as for mistral3."""
-    from ..errors import ModelFileError
-    from .family_rope import positive
     kind = str(g.arch_key("rope.scaling.type", "none") or "none")
     if kind == "none":
         return None

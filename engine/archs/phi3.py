@@ -18,12 +18,16 @@ is disabled), and so does Strata, to compute what llama.cpp computes.
 """
 from __future__ import annotations
 
-import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.phi3 import Model, ModelArgs
 
 from . import Architecture
+from ..errors import ModelFileError
+from .common import mapped_name
+from .family_rope import positive
 
 _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -36,12 +40,10 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 
 
 def _bad(g, what: str):
-    from ..errors import ModelFileError
     return ModelFileError(f"{g.path.name}: {what}")
 
 
 def model_args(g, common: dict, head_dim: int):
-    from mlx_lm.models.phi3 import Model, ModelArgs
     n_embd, n_head = common["hidden_size"], common["num_attention_heads"]
     if head_dim != n_embd // n_head:
         raise _bad(g, f"head size {head_dim} is not width {n_embd} / {n_head} heads, which phi3 needs")
@@ -94,13 +96,7 @@ def _model_class(base, separate_qkv: bool):
 
 
 def tensor_name(gguf_name: str, args) -> str | None:
-    base, _, kind = gguf_name.rpartition(".")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _NAMES:
-        return f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}.{kind}"
-    if base in _TOP:
-        return f"{_TOP[base]}.{kind}"
-    return None   # rope_factors_long/short: read by after_load
+    return mapped_name(gguf_name, _NAMES, _TOP)   # None for rope_factors_long/short: read by after_load
 
 
 class LongRoPE(nn.Module):
@@ -120,9 +116,6 @@ class LongRoPE(nn.Module):
 
 
 def after_load(model, g, args) -> str:
-    import numpy as np
-
-    from .family_rope import positive
     tensors = g.tensors()
     long_t, short_t = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
     if long_t is None and short_t is None:

@@ -33,21 +33,21 @@ import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models import qwen3_5, qwen3_5_moe
 
 from ..errors import ModelFileError
 from . import Architecture
+from ..pipeline_model import first_layer
+from .common import DENSE_BLOCK_NAMES, TOP_NAMES
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # GGUF block tensor -> attribute path under `language_model.model.layers.N` (mlx-lm qwen3_5 naming)
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    **DENSE_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
     "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
     "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     # MoE
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
     "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj",
@@ -55,7 +55,6 @@ _LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _ROOT = "language_model."
 
 
@@ -192,20 +191,20 @@ def model_args(g, common: dict, head_dim: int):
         text.update(num_experts=moe.n_expert, num_experts_per_tok=moe.n_used, decoder_sparse_step=1,
                     moe_intermediate_size=moe.n_ff_exp, shared_expert_intermediate_size=moe.n_ff_shexp,
                     norm_topk_prob=True)
-        from mlx_lm.models.qwen3_5_moe import Model
+        family = qwen3_5_moe
     else:
-        from mlx_lm.models.qwen3_5 import Model
+        family = qwen3_5
     args = Qwen35Args(text["model_type"], text, common["hidden_size"], shape.n_layer,
                       common["num_attention_heads"], common["num_key_value_heads"], head_dim,
                       moe.n_ff_exp if moe else common["intermediate_size"], common["vocab_size"],
                       common["tie_word_embeddings"], shape, moe)
-    return Model, args
+    return family.Model, args
 
 
 def tensor_name(gguf_name: str, args: Qwen35Args) -> str | None:
     base, _, kind = gguf_name.rpartition(".")
-    if base in _TOP_NAMES:
-        return f"{_ROOT}{_TOP_NAMES[base]}.{kind}"
+    if base in TOP_NAMES:
+        return f"{_ROOT}{TOP_NAMES[base]}.{kind}"
     m = _BLOCK_RE.fullmatch(base)
     if m is None:
         m = _BLOCK_RE.fullmatch(gguf_name)          # blk.N.ssm_a has no .weight
@@ -321,7 +320,6 @@ def _a_log_in_float32(model, g, args: Qwen35Args) -> bool:
     s = args.shape
     r = s.n_v_heads // s.n_k_heads
     changed = False
-    from ..pipeline_model import first_layer
     for i, layer in enumerate(model.layers, start=first_layer(model)):
         if not layer.is_linear or layer.linear_attn.A_log.dtype == mx.float32:
             continue

@@ -21,9 +21,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from ..errors import ModelFileError
 from . import qwen35
+from .common import add_tensor, common_args, load_checked
 
 _NEXTN_NAMES = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
                 "nextn.shared_head_norm": "norm", "nextn.shared_head_head": "lm_head",
@@ -43,7 +46,6 @@ class MTPHead(nn.Module):
 
     def __init__(self, text_args, *, own: set[str]):
         super().__init__()
-        from mlx_lm.models.qwen3_5 import DecoderLayer
         n = text_args.hidden_size
         self.eh_proj = nn.Linear(2 * n, n, bias=False)
         self.enorm = nn.RMSNorm(n, eps=text_args.rms_norm_eps)
@@ -70,7 +72,6 @@ class MTPHead(nn.Module):
     def features(self, hidden: mx.array, next_tokens: mx.array, cache: Any = None) -> mx.array:
         """The head's own hidden states after its shared-head norm (B, L, n_embd): what a chained
         draft step feeds back as `hidden` (as vLLM's Qwen3.5 MTP does for depth > 1)."""
-        from mlx_lm.models.base import create_attention_mask
         lm = self._target.module
         embed = self.embed_tokens if "embed_tokens" in self else lm.model.embed_tokens
         x = mx.concatenate([self.enorm(embed(next_tokens)), self.hnorm(hidden)], axis=-1)
@@ -107,8 +108,6 @@ def check_matches(head_g, target_g) -> None:
 def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, HeadInfo]:
     """The NextN head of GGUF `g` (the model's own file, or a sibling MTP file with `target_g` the
     model's) as an MTPHead attached to the loaded target `model`."""
-    from .. import quants
-    from .common import common_args
     if target_g is not None:
         check_matches(g, target_g)
     if g.architecture not in ("qwen35", "qwen35moe"):
@@ -135,31 +134,17 @@ def load_head(g, model, *, dtype=mx.float32, target_g=None) -> tuple[MTPHead, He
             name = f"layer.{qwen35._LAYER_NAMES[base]}.{kind}"
         else:
             raise ModelFileError(f"{g.path.name}: unexpected tensor '{t.name}' in the NextN head")
-        try:
-            mt = quants.convert_tensor(t, dtype=dtype)
-        except quants.UnsupportedTensorType as e:
-            raise ModelFileError(f"{g.path.name}: {e}") from None
-        weights[name] = mt.weight
-        if mt.quantized:
-            p = name.rsplit(".", 1)[0]
-            weights[f"{p}.scales"], weights[f"{p}.biases"] = mt.scales, mt.biases
-            qparams[p] = {"group_size": mt.group_size, "bits": mt.bits}
+        add_tensor(weights, qparams, name, t, dtype, g.path.name)
     for need in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "layer.self_attn.q_proj.weight"):
         if need not in weights:
             raise ModelFileError(f"{g.path.name}: the NextN head (blk.{layer}) lacks "
                                  f"'{need.replace('layer.', '').split('.')[0]}' tensors")
     qwen35.fix_moe_weights(weights, qparams)
     own = {k.split(".")[0] for k in weights if k.split(".")[0] in ("norm", "lm_head", "embed_tokens")}
-    from mlx_lm.models.qwen3_5 import TextModelArgs
     head = MTPHead(TextModelArgs.from_dict(args.text_config), own=own)
     if qparams:
         nn.quantize(head, class_predicate=lambda path, module: qparams.get(path, False))
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelFileError(f"{g.path.name}: the NextN head's tensors do not match ({str(e)[:160]})") from None
-    head.set_dtype(dtype, lambda x: mx.issubdtype(x, mx.floating))
-    mx.eval(head.parameters())
+    load_checked(head, weights, dtype, f"{g.path.name}: the NextN head's tensors do not match")
     head.attach(model)
     note = (f"NextN head from blk.{layer}" + (f" with its own {', '.join(sorted(own))}" if own else
                                                " sharing the model's norm, embedding and output"))

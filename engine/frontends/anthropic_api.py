@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from ..api import CountTokens, GenerateRequest
 from ..errors import StrataError
-from ..events import Done, Failed, Token
+from ..events import Done, Failed
 from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
@@ -383,25 +383,16 @@ class _MessageStream:
     async def events(self, first, bridge):
         for line in self.start():
             yield line
-        ev = first
-        while True:
-            if isinstance(ev, Token):
-                text, ev = bridge.drain_tokens(ev)
-                if text:
-                    for line in self.emit(self.items(text)):
-                        yield line
-                if ev is None:
-                    ev = await bridge.get()
-                continue
-            if isinstance(ev, Done):
+        async for ev in bridge.stream(first):
+            if isinstance(ev, str):
+                for line in self.emit(self.items(ev)):
+                    yield line
+            elif isinstance(ev, Done):
                 for line in self.end(ev.result):
                     yield line
-                return
-            if isinstance(ev, Failed):
+            else:
                 e = engine_error(ev, "messages")
                 yield _sse("error", error_body(e.status, e.message))
-                return
-            ev = await bridge.get()                # Progress
 
 
 async def count_tokens(request: Request) -> Response:

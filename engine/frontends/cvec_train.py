@@ -36,8 +36,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import logging
 
 from ..errors import StrataError
+from ..api import CaptureStates, EngineOptions
+from ..control_vector import write_control_vector
+from ..engine import Engine
+from ..events import Done, Failed, Progress
+from ..models import default_model_path
 
 
 class TrainInputError(StrataError, ValueError):
@@ -111,10 +117,6 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
           sink: bool = True) -> tuple[dict[int, np.ndarray], dict]:
     """Run the pairs through `model`; returns (directions, info). ``sink``: orthogonal to the first
     position's state (see the module docstring)."""
-    from ..api import CaptureStates, EngineOptions
-    from ..engine import Engine
-    from ..events import Done, Failed, Progress
-
     engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
     try:
         engine.startup.result()                     # the start-up load's own error, if it failed
@@ -142,11 +144,6 @@ def train(model: str, pairs: list[tuple[str, str]], method: str = "mean", progre
 
 
 def cmd_train(args) -> int:
-    import logging
-
-    from ..control_vector import write_control_vector
-    from ..models import default_model_path
-
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     pairs = read_pairs(args.positive, args.negative)

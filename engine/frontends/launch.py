@@ -10,8 +10,11 @@ import logging
 import sys
 
 from ..errors import StrataError
-from ..limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, KV_BITS, SLOTS_MAX,
-                      SPEED_PROJECTION_DEFAULT)
+from ..limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, DEFAULT_MAX_SEQUENCES, KV_BITS,
+                      MAX_SEQUENCES_MAX, SLOTS_MAX, SPEED_PROJECTION_DEFAULT, check_cache_mib, check_cache_slots,
+                      check_disk_mib)
+from ..models import default_model_path
+from ..paths import check_data_dir
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -35,7 +38,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=16,
                    help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
-    from ..limits import DEFAULT_MAX_SEQUENCES
     p.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                    help=f"requests decoded together in one batch, the rest queue (default {DEFAULT_MAX_SEQUENCES}; "
                         "1 = one at a time)")
@@ -43,15 +45,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 def check_engine_flags(args) -> None:
     """Flags with a valid range (engine.limits), checked before anything is loaded: StrataError, one line."""
-    from ..limits import check_cache_mib, check_cache_slots
     check_cache_mib(args.conversation_cache_mib, what="--conversation-cache-mib")
     check_cache_slots(args.conversation_cache_slots, what="--conversation-cache-slots")
-    from ..limits import check_disk_mib
     check_disk_mib(args.conversation_disk_mib, what="--conversation-disk-mib")
-    from ..limits import MAX_SEQUENCES_MAX
     if not 1 <= args.max_sequences <= MAX_SEQUENCES_MAX:
         raise StrataError(f"--max-sequences must be 1 to {MAX_SEQUENCES_MAX}; got {args.max_sequences}")
-    from ..paths import check_data_dir
     unusable = check_data_dir()       # sessions, models, the disk cache: before the model loads
     if unusable:
         raise StrataError(unusable)
@@ -61,9 +59,10 @@ def check_engine_flags(args) -> None:
 
 
 def engine_options(args):
+    # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
     from ..control_vector import SteeringConfig
+    # lazy: the engine's request types cost `strata --help` a third more start-up
     from ..api import EngineOptions
-    from ..models import default_model_path
     check_engine_flags(args)
     files = [(f, 1.0) for f in args.control_vector]
     files += [SteeringConfig.parse_scaled(s) for s in args.control_vector_scaled]
@@ -81,6 +80,7 @@ def engine_options(args):
 
 def _draft_of(spec: str | None) -> str | None:
     """--spec draft:PATH: the draft loads with the model at start (one unit), not in the first request."""
+    # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
     from ..speculative import parse_spec
     mode = parse_spec(spec)
     return mode.draft_path if mode.kind == "draft" else None
@@ -89,6 +89,7 @@ def _draft_of(spec: str | None) -> str | None:
 def start_engine(args, wait: bool = True):
     """An engine with the model loaded, or EngineError with the start-up load's own message.
     wait=False: the engine with its start-up load under way (then `loaded(engine)` waits for it)."""
+    # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
     from ..engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
@@ -108,9 +109,7 @@ def loaded(engine):
 def follow(args) -> int:
     """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
     requests until rank 0 stops (or is lost)."""
-    import logging
-    import sys
-
+    # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
     from ..distributed import FollowerGuard
     from ..engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from ..api import GenerateRequest, RestoreSession, SaveSession, model_id
 from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import ENGINE_STOPPED, Done, Failed, Token
+from ..events import ENGINE_STOPPED, Done, Failed
 from ..paths import SESSION_EXTENSION, sessions_dir
 from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, openai_messages
@@ -259,25 +259,16 @@ class _ReplyStream:
     async def events(self, first, bridge):
         if self.call.chat:
             yield _sse(self.chunk(None, role=True))
-        ev = first
-        while True:
-            if isinstance(ev, Token):
-                text, ev = bridge.drain_tokens(ev)
-                if text:
-                    for line in self.text(text):
-                        yield line
-                if ev is None:
-                    ev = await bridge.get()
-                continue
-            if isinstance(ev, Done):
+        async for ev in bridge.stream(first):
+            if isinstance(ev, str):
+                for line in self.text(ev):
+                    yield line
+            elif isinstance(ev, Done):
                 for line in self.end(ev.result):
                     yield line
-                return
-            if isinstance(ev, Failed):
+            else:
                 yield _sse(engine_error(ev, self.call.param).body())
                 yield "data: [DONE]\n\n"
-                return
-            ev = await bridge.get()               # Progress
 
 
 async def chat_completions(request: Request) -> Response:

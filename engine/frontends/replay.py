@@ -16,6 +16,8 @@ from pathlib import Path
 from .. import harmony
 from ..errors import RequestError, StrataError
 from ..sampling import FIELDS, SamplingParams
+from ..api import GenerateRequest, RestoreSession, SaveSession
+from .launch import start_engine
 
 # A step's reply length when it names none: shorter than the engine's (sampling.FIELDS) default of
 # 256, as scripts are tests and demos. Every other sampling default is the table's.
@@ -55,7 +57,6 @@ def load_script(path: str) -> list[dict]:
 
 def run_script(engine, steps: list[dict], spec: str = "off"):
     """Yield one result dict per step."""
-    from ..api import GenerateRequest, RestoreSession, SaveSession
     histories: dict[str, list[dict]] = {}
     for step in steps:
         name = step.get("conversation", "default")
@@ -93,7 +94,6 @@ def run_script(engine, steps: list[dict], spec: str = "off"):
 
 
 def cmd_replay(args) -> int:
-    from .launch import start_engine
     steps = load_script(args.script)
     engine = start_engine(args)
     for out in run_script(engine, steps, getattr(args, "spec", "off")):

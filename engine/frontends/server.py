@@ -33,6 +33,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
+import uvicorn
+from urllib.parse import urlsplit
 
 from ..errors import StrataError
 from ..tool_calls import DEFAULT_VOLATILE_LINES
@@ -40,6 +42,8 @@ from . import anthropic_api, openai_api
 from .connections import ConnectionLimits, uvicorn_options
 from .wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
     _chat_message, _models, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
+from .launch import check_engine_flags, loaded, start_engine
+from ..events import cancel_everything
 
 DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 
@@ -83,7 +87,6 @@ async def _on_error(request: Request, exc: Exception) -> Response:
 
 def _hostname(value: str) -> str | None:
     """The host name of a Host header value or an Origin URL ("h:port", "[::1]:port", "http://h:port")."""
-    from urllib.parse import urlsplit
     try:
         parts = urlsplit(value if "//" in value else "//" + value)
         parts.port                       # noqa: B018 - raises on a malformed port
@@ -238,7 +241,6 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  limits: ConnectionLimits | None = None):
-        import uvicorn
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
@@ -267,14 +269,11 @@ class ServerThread:
 
 
 def _server_class():
-    import uvicorn
-
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # Ctrl-C / SIGTERM: the replies still streaming end now (cancelled: each client gets its last
             # chunk and [DONE]), so their connections close within the graceful period; uvicorn would
             # otherwise wait it out and then cancel them under the ASGI app (a CancelledError traceback).
-            from ..events import cancel_everything
             cancel_everything()
             super().handle_exit(sig, frame)
     return Server
@@ -292,10 +291,8 @@ def _connection_limits(args) -> ConnectionLimits:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
     _Server = _server_class()
 
-    from .launch import check_engine_flags, loaded, start_engine
     if not (0 <= args.port <= 65535):
         raise StrataError(f"--port must be in 0..65535, got {args.port}")
     check_engine_flags(args)                     # before the port is taken

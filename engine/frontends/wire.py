@@ -22,6 +22,14 @@ from ..errors import ErrorCode, SessionRefusal, StrataError
 from ..events import ENGINE_STOPPED, Done, Failed, Progress, Token
 from ..sampling import FIELD, FIELDS, SamplingParams
 from .body_check import BodyError, parse_body
+from ..constraints import ConstraintError, ConstraintSpec
+from ..harmony import ChannelStream
+from ..memory_estimate import read_header
+from ..reasoning import split, split_reply
+from ..speculative import parse_spec
+from ..tool_calls import (ToolError, check_tool_choice, check_tools, content_text, detect, finish_calls,
+                          new_call_id, parse, plan, strip_volatile, uses_tools)
+from .. import draft_names
 
 MAX_STOP = 16
 
@@ -156,7 +164,6 @@ def _speculative(body: dict) -> str:
     value = body.get("speculative", "off")
     if value is None:
         return "off"
-    from ..speculative import parse_spec
     try:
         if not isinstance(value, str):
             raise StrataError("speculative must be a string")
@@ -168,7 +175,6 @@ def _speculative(body: dict) -> str:
         raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     if mode.kind in ("draft", "mtp") and mode.draft_path:
         # A name in the models folder only (engine/draft_names.py): the engine gets the file's path.
-        from .. import draft_names
         try:
             return f"{mode.kind}:{draft_names.resolve(mode.draft_path)}"
         except StrataError as e:
@@ -177,7 +183,6 @@ def _speculative(body: dict) -> str:
 
 
 def _content_text(content, i: int) -> str:
-    from ..tool_calls import ToolError, content_text
     try:
         return content_text(content, f"messages[{i}].content")
     except ToolError as e:
@@ -207,7 +212,6 @@ def _response_format(body: dict):
     """`response_format` as a constraints.ConstraintSpec (None: text). OpenAI's shapes: {"type": "text"},
     {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name", "schema", "strict"?,
     "description"?}}; the schema is compiled here (llguidance, no tokenizer), so a bad one is a 400."""
-    from ..constraints import ConstraintError, ConstraintSpec
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -267,8 +271,6 @@ class ToolFormats:
         self.key, self.fmt = None, None
 
     def get(self, engine):
-        from ..memory_estimate import read_header
-        from ..tool_calls import detect
         facts = engine.model_facts()
         key = (facts.model_path, facts.model_hash) if facts is not None else None
         if self.fmt is None or key != self.key:
@@ -289,7 +291,6 @@ def chat_plan(engine, formats: ToolFormats, messages: list[dict], tools_in, choi
               parallel=True, volatile=()):
     """(messages to render, ToolPlan or None) for checked OpenAI-form messages and raw tools/tool_choice.
     ToolError on bad input."""
-    from ..tool_calls import check_tool_choice, check_tools, plan, strip_volatile, uses_tools
     messages = strip_volatile(messages, volatile)
     tools = check_tools(tools_in)
     choice = check_tool_choice(choice_in, tools)
@@ -304,22 +305,18 @@ def with_think_apart(parsed, fmt) -> tuple[str, str]:
     (calls are never parsed inside one), told apart here as in a reply without tools."""
     if fmt.name == "harmony":
         return parsed.content, parsed.reasoning
-    from ..reasoning import split
     ch = split(parsed.content, fmt.think_open)
     return ch.content, ch.reasoning
 
 
 def think_stream(fmt):
     """The tool-call parser's streamed text with its <think> block apart: ("reasoning" | "content", delta)."""
-    from ..harmony import ChannelStream
-    from ..reasoning import split
     return ChannelStream(lambda text, final: split(text, fmt.think_open, final=final))
 
 
 def reply_stream(fmt):
     """A streamed reply without tools, its reasoning apart: harmony's own parser (it reads a growing reply
     incrementally) for gpt-oss, else the <think> block's."""
-    from ..harmony import ChannelStream
     return ChannelStream() if fmt.name == "harmony" else think_stream(fmt)
 
 
@@ -327,9 +324,7 @@ def _chat_message(text: str, finish: str, p, think_open: bool = False) -> tuple[
     """The assistant message (content, tool_calls, and the reasoning as reasoning_content: a harmony
     model's analysis channel, a <think> block, opened by the template when `think_open`) and
     finish_reason of a finished reply."""
-    from ..tool_calls import finish_calls, new_call_id, parse
     if p is None or not p.active:
-        from ..reasoning import split_reply
         ch = split_reply(text, think_open)
         return {"role": "assistant", "content": ch.content,
                 **({"reasoning_content": ch.reasoning} if ch.reasoning else {})}, finish
@@ -375,6 +370,23 @@ class _Bridge:
             elif not isinstance(ev, Progress):
                 return text, ev
         return text, None
+
+    async def stream(self, first):
+        """The reply from `first` on, as both APIs stream it: the tokens queued together merged into one
+        text (str), Progress left out, and the closing Done or Failed last."""
+        ev = first
+        while True:
+            if isinstance(ev, Token):
+                text, ev = self.drain_tokens(ev)
+                if text:
+                    yield text
+                if ev is None:
+                    ev = await self.get()
+                continue
+            if isinstance(ev, (Done, Failed)):
+                yield ev
+                return
+            ev = await self.get()                # Progress
 
     async def outcome(self):
         while True:
