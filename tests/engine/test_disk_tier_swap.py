@@ -53,17 +53,24 @@ def _two_conversations(engine):
     return a_msgs, paths
 
 
+def _tampered_file_is_never_used(e, how: str) -> dict:
+    """Conversation a's file changed `how` while the engine runs: a's next turn restores nothing from
+    disk, says the file was dropped, and replies as a fresh read. The two files' paths."""
+    a_msgs, paths = _two_conversations(e)
+    tamper(paths["a"], paths["b"], how)
+    r, lines = ask(e, a_msgs, conv="a")
+    assert r.restored_from_disk == 0, (r.cached_tokens, lines)      # (RAM may lend the shared system prompt)
+    assert any("dropped" in x and paths["a"].name in x for x in lines), lines
+    assert r.tokens == fresh_read(e, r)
+    return paths
+
+
 @pytest.mark.parametrize("how", HOW)
 def test_full_kv_file_changed_while_running_is_never_used(tiny_gguf, tmp_path, how):
     e = Engine(EngineOptions(model=str(tiny_gguf), disk_mib=64, cache_mib=0, disk_dir=str(tmp_path))).start()
     try:
         e.startup.result(60)
-        a_msgs, paths = _two_conversations(e)
-        tamper(paths["a"], paths["b"], how)
-        r, lines = ask(e, a_msgs, conv="a")
-        assert r.restored_from_disk == 0, (r.cached_tokens, lines)      # (RAM may lend the shared system prompt)
-        assert any("dropped" in x and paths["a"].name in x for x in lines), lines
-        assert r.tokens == fresh_read(e, r)
+        paths = _tampered_file_is_never_used(e, how)
         if how == "symlink":
             assert paths["b"].is_file()                     # the link removed, never what it points to
     finally:
@@ -77,12 +84,7 @@ def test_window_or_state_file_changed_while_running_is_never_used(model, tmp_pat
         pytest.skip("the 8-bit K/V variant is covered by the swap; the file handling is the same")
     e = start((path, {**opts, "cache_mib": 0}), tmp_path)
     try:
-        a_msgs, paths = _two_conversations(e)
-        tamper(paths["a"], paths["b"], how)
-        r, lines = ask(e, a_msgs, conv="a")
-        assert r.restored_from_disk == 0, (r.cached_tokens, lines)      # (RAM may lend the shared system prompt)
-        assert any("dropped" in x and paths["a"].name in x for x in lines), lines
-        assert r.tokens == fresh_read(e, r)
+        _tampered_file_is_never_used(e, how)
     finally:
         e.stop()
 

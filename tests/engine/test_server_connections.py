@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from log_records import LogRecords
 
 from engine.frontends.connections import ConnectionLimits, RateLimitFilter
 from engine.frontends.server import ServerThread, create_app
@@ -35,21 +36,6 @@ def engine(tmp_path_factory):
     eng.stop()
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def texts(self) -> list[str]:
-        return [r.getMessage() + (f" {r.exc_info[1]!r}" if r.exc_info else "") for r in self.records]
-
-    def tracebacks(self) -> list[str]:
-        return [t for r, t in zip(self.records, self.texts()) if r.exc_info or r.levelno >= logging.ERROR]
-
-
 _LOGGERS = ("uvicorn", "asyncio", "strata")     # uvicorn.error and strata.server propagate to these
 
 
@@ -57,7 +43,7 @@ _LOGGERS = ("uvicorn", "asyncio", "strata")     # uvicorn.error and strata.serve
 def serve(engine):
     """serve(**limits) -> (server, log records); stopped after the test."""
     started = []
-    records = _Records()
+    records = LogRecords()
 
     def start(**limits):
         srv = ServerThread(create_app(engine), limits=ConnectionLimits(**limits)).start()
@@ -190,7 +176,7 @@ def test_rate_limit_filter_counts_what_it_held_back():
     f = RateLimitFilter(interval_s=3600)
     logger = logging.getLogger("strata.test-rate-limit")
     logger.propagate = False
-    seen = _Records()
+    seen = LogRecords()
     logger.addHandler(seen)
     logger.addFilter(f)
     try:

@@ -15,6 +15,7 @@ import logging
 
 import httpx
 import pytest
+from log_records import LogRecords
 
 SURROGATE, BIGNUM, DEEP, WRONG, NUL, HUGE = "surrogate", "bignum", "deep", "wrong type", "nul", "1 MiB"
 CLASSES = (SURROGATE, BIGNUM, DEEP, WRONG, NUL, HUGE)
@@ -142,23 +143,6 @@ def cases(body: dict):
 
 
 # ---- the server -------------------------------------------------------------------------------------
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def tracebacks(self, start: int = 0) -> list[str]:
-        out = []
-        for r in self.records[start:]:
-            text = r.getMessage()
-            if r.exc_info or "Traceback" in text or r.levelno >= logging.ERROR:
-                out.append(f"{r.name}: {text[:300]} {r.exc_info[1]!r:.300}" if r.exc_info else f"{r.name}: {text[:300]}")
-        return out
-
-
 _LOGGERS = ("uvicorn", "asyncio", "starlette", "strata")     # their children propagate to them
 
 
@@ -172,7 +156,7 @@ def served(tmp_path_factory):
                            n_layer=2, n_embd=64, seed=5, context_length=4096)
     eng = Engine(EngineOptions(model=str(path), context_length=2048, cache_mib=16)).start()
     srv = ServerThread(create_app(eng)).start()
-    records = _Records()
+    records = LogRecords()
     for name in _LOGGERS:                 # after uvicorn's logging set-up, which replaces handlers
         logging.getLogger(name).addHandler(records)
     yield srv, records
