@@ -152,16 +152,22 @@ class HeldClient:
         req.finished.emit()
 
 
-def test_a_title_waits_while_any_tab_replies(qtbot, idle_window, fake_client):
-    """Two chats share the window's title queue: a chat's title is not asked while the other's reply runs."""
+def _two_chats(window, fake_client):
+    """Two chats sharing one title queue: `a` answered at once, `b` on a client whose replies are held."""
     from app.chat_view import ChatView
     from app.store import Chat
     from app.titles import TitleQueue
     queue = TitleQueue(fake_client)
     fake_client.answers["generate"] = replies(Generation(text="Waves and tides.", finish_reason="stop"))
     held = HeldClient(fake_client)
-    a = ChatView(Chat(), fake_client, idle_window.presets, titles=queue)
-    b = ChatView(Chat(), held, idle_window.presets, titles=queue)
+    a = ChatView(Chat(), fake_client, window.presets, titles=queue)
+    b = ChatView(Chat(), held, window.presets, titles=queue)
+    return queue, held, a, b
+
+
+def test_a_title_waits_while_any_tab_replies(qtbot, idle_window, fake_client):
+    """Two chats share the window's title queue: a chat's title is not asked while the other's reply runs."""
+    queue, held, a, b = _two_chats(idle_window, fake_client)
     b.send("A long question")                                       # b's reply is in flight
     with qtbot.waitSignal(a.stats, timeout=5000):
         a.send("Tell me about the sea")
@@ -327,14 +333,7 @@ def test_regenerate_then_esc_before_the_first_token_restores_the_previous_reply(
 
 
 def test_a_closed_chats_waiting_title_is_not_asked(qtbot, idle_window, fake_client):
-    from app.chat_view import ChatView
-    from app.store import Chat
-    from app.titles import TitleQueue
-    queue = TitleQueue(fake_client)
-    fake_client.answers["generate"] = replies(Generation(text="Waves and tides.", finish_reason="stop"))
-    held = HeldClient(fake_client)
-    a = ChatView(Chat(), fake_client, idle_window.presets, titles=queue)
-    b = ChatView(Chat(), held, idle_window.presets, titles=queue)
+    queue, held, a, b = _two_chats(idle_window, fake_client)
     b.send("A long question")
     with qtbot.waitSignal(a.stats, timeout=5000):
         a.send("Tell me about the sea")
