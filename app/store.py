@@ -49,21 +49,26 @@ CREATE TABLE IF NOT EXISTS chats (
     updated REAL NOT NULL DEFAULT 0, model TEXT NOT NULL DEFAULT '', open INTEGER NOT NULL DEFAULT 1);
 CREATE TABLE IF NOT EXISTS messages (
     chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, idx INTEGER NOT NULL,
-    role TEXT NOT NULL, content TEXT NOT NULL, PRIMARY KEY (chat_id, idx));
+    role TEXT NOT NULL, content TEXT NOT NULL, fields TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (chat_id, idx));
 CREATE TABLE IF NOT EXISTS presets (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, position INTEGER NOT NULL, data TEXT NOT NULL DEFAULT '{}');
 """
 APPLICATION_ID = 0x53747261     # "Stra": PRAGMA application_id of a Strata chats database
 # PRAGMA user_version: this schema's format. Raise it with any change to SCHEMA: an older Strata then
 # leaves the newer file alone instead of failing on columns it does not know.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _HEADER_APP_ID = slice(68, 72)  # where SQLite keeps application_id in the file header (big-endian)
 # Tables FTS5 makes for chats_fts (allowed in an unmarked database beside Strata's own)
 FTS_SHADOW = ("chats_fts_data", "chats_fts_idx", "chats_fts_content", "chats_fts_docsize", "chats_fts_config")
-# Columns added since the first schema: (name, definition) for ALTER TABLE on an older database.
-ADDED_COLUMNS = (("updated", "REAL NOT NULL DEFAULT 0"), ("model", "TEXT NOT NULL DEFAULT ''"),
-                 ("open", "INTEGER NOT NULL DEFAULT 1"))
+# Columns added since the first schema, per table: (name, definition) for ALTER TABLE on an older database.
+ADDED_COLUMNS = {"chats": (("updated", "REAL NOT NULL DEFAULT 0"), ("model", "TEXT NOT NULL DEFAULT ''"),
+                           ("open", "INTEGER NOT NULL DEFAULT 1")),
+                 # a message's fields beyond role and content (images, tool calls, documents, branches) as
+                 # one JSON object: each feature keeps its keys in the message dict, the store round-trips them
+                 "messages": (("fields", "TEXT NOT NULL DEFAULT '{}'"),)}
+MESSAGE_COLUMNS = ("role", "content")   # the message keys with their own column; the rest go to `fields`
+MAX_FIELDS = 16 << 20          # a stored message's fields longer than this are read as {}
 # chat_id is an indexed column so that a chat's row is found through the index (user queries are
 # restricted to {title body}); remove_diacritics: "cafe" finds "café".
 FTS_SCHEMA = ("CREATE VIRTUAL TABLE chats_fts USING fts5(chat_id, title, body, "
@@ -111,6 +116,19 @@ def chat_config(text) -> dict:
         if key in cfg and (not isinstance(cfg[key], kind) or (kind is str and "\x00" in cfg[key])):
             del cfg[key]
     return cfg
+
+
+def message_fields(text) -> dict:
+    """A stored message's fields beyond role and content: a JSON object, or {} for anything else (damaged, too long)."""
+    if isinstance(text, bytes):
+        text = _lenient_text(text)
+    if not isinstance(text, str) or len(text) > MAX_FIELDS:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    return {k: v for k, v in value.items() if k not in MESSAGE_COLUMNS} if isinstance(value, dict) else {}
 
 
 def valid_text(text: str) -> str:
@@ -477,11 +495,12 @@ class Store:
         return mem
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        have = {r[1] for r in db.execute("PRAGMA table_info(chats)")}
         with db:
-            for name, definition in ADDED_COLUMNS:
-                if name not in have:
-                    db.execute(f"ALTER TABLE chats ADD COLUMN {name} {definition}")
+            for table, added in ADDED_COLUMNS.items():
+                have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+                for name, definition in added:
+                    if name not in have:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {definition}")
             db.execute("UPDATE chats SET updated=created WHERE updated=0")
         exists = db.execute("SELECT 1 FROM sqlite_master WHERE name='chats_fts'").fetchone()
         if exists:
@@ -536,8 +555,8 @@ class Store:
 
     def _chat(self, row) -> Chat:
         cid, title, config, model, created, updated, is_open = row
-        msgs = [{"role": _text(r, "user"), "content": _text(c)} for r, c in self.db.execute(
-            "SELECT role, content FROM messages WHERE chat_id=? ORDER BY idx", (cid,))]
+        msgs = [{**message_fields(x), "role": _text(r, "user"), "content": _text(c)} for r, c, x in self.db.execute(
+            "SELECT role, content, fields FROM messages WHERE chat_id=? ORDER BY idx", (cid,))]
         created = _number(created, 0.0)
         return Chat(_text(cid), _text(title, "Chat"), msgs, chat_config(config), _text(model), created,
                     _number(updated, created), bool(_number(is_open, 1.0)))
@@ -561,7 +580,9 @@ class Store:
                 position = row[0] if row else (self.db.execute(
                     "SELECT COALESCE(MAX(position), -1) + 1 FROM chats").fetchone()[0])
             title = valid_text(chat.title)
-            messages = [{"role": valid_text(m["role"]), "content": valid_text(m["content"])} for m in chat.messages]
+            messages = [{"role": valid_text(m["role"]), "content": valid_text(m["content"]),
+                         "fields": _json_text({k: v for k, v in m.items() if k not in MESSAGE_COLUMNS})}
+                        for m in chat.messages]
             self.db.execute(
                 "INSERT INTO chats (id, title, position, config, created, updated, model, open) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
@@ -570,8 +591,9 @@ class Store:
                 (valid_text(chat.id), title, position, _json_text(chat.config), chat.created,
                  chat.updated or chat.created, valid_text(chat.model), int(chat.open)))
             self.db.execute("DELETE FROM messages WHERE chat_id=?", (valid_text(chat.id),))
-            self.db.executemany("INSERT INTO messages (chat_id, idx, role, content) VALUES (?, ?, ?, ?)",
-                                [(valid_text(chat.id), i, m["role"], m["content"]) for i, m in enumerate(messages)])
+            self.db.executemany("INSERT INTO messages (chat_id, idx, role, content, fields) VALUES (?, ?, ?, ?, ?)",
+                                [(valid_text(chat.id), i, m["role"], m["content"], m["fields"])
+                                 for i, m in enumerate(messages)])
             self._index(valid_text(chat.id), title, messages)
 
     def set_order(self, ids: list[str]) -> None:

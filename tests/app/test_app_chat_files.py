@@ -240,3 +240,34 @@ def test_markdown_export_closes_a_fence_a_message_left_open(qapp, name, reply):
                                   "> ```\n> quoted", "plain text", "~~~\nx\n~~~~"])
 def test_markdown_export_leaves_a_closed_or_inline_fence_as_it_is(text):
     assert close_fence(text) == text
+
+
+FORMAT_1_MESSAGES = """
+CREATE TABLE chats (
+    id TEXT PRIMARY KEY, title TEXT NOT NULL, position INTEGER NOT NULL,
+    config TEXT NOT NULL DEFAULT '{}', created REAL NOT NULL,
+    updated REAL NOT NULL DEFAULT 0, model TEXT NOT NULL DEFAULT '', open INTEGER NOT NULL DEFAULT 1);
+CREATE TABLE messages (
+    chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, idx INTEGER NOT NULL,
+    role TEXT NOT NULL, content TEXT NOT NULL, PRIMARY KEY (chat_id, idx));
+"""
+
+
+def test_a_messages_fields_beyond_role_and_content_round_trip_and_format_1_gains_them(tmp_path):
+    db = tmp_path / "chats.sqlite3"
+    _sql(db, f"PRAGMA application_id={APPLICATION_ID}; PRAGMA user_version=1;" + FORMAT_1_MESSAGES
+         + "INSERT INTO chats VALUES ('c1', 'Old', 0, '{}', 1000, 1000, '', 1); "
+           "INSERT INTO messages VALUES ('c1', 0, 'user', 'Hi');")
+    st = Store(db)
+    assert st.notice == "" and st.chat("c1").messages == [{"role": "user", "content": "Hi"}]
+    rich = [{"role": "user", "content": "Look", "images": [{"sha256": "ab" * 32, "name": "cat.png"}]},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "name": "add", "arguments": {"a": 1}}]},
+            {"role": "tool", "content": "2", "tool_call_id": "t1"}]
+    st.save_chat(Chat(id="c2", title="Rich", messages=rich))
+    st.close()
+    st = Store(db)
+    assert st.db.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+    assert st.chat("c2").messages == rich and st.chat("c1").messages == [{"role": "user", "content": "Hi"}]
+    st.db.execute("UPDATE messages SET fields='not json' WHERE chat_id='c2' AND idx=0")
+    assert st.chat("c2").messages[0] == {"role": "user", "content": "Look"}      # damaged fields: dropped
+    st.close()
