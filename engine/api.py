@@ -66,6 +66,15 @@ class EngineOptions:
 
 
 # ---- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImageInput:
+    """An image in a user message, as its encoded file (PNG, JPEG, WebP, GIF, ...): the engine decodes it
+    (bounded) and keys the K/V by the decoded pixels. In a message, `content` is then a list of parts:
+    {"type": "text", "text": str} and {"type": "image", "image": ImageInput}, in the order shown."""
+    data: bytes
+    name: str = ""                            # the file's name, for messages and logs
+
+
 @dataclass
 class GenerateRequest:
     messages: list[dict] | None = None        # chat: rendered with the model's template
@@ -219,6 +228,8 @@ class ModelFacts(Result):
     model_hash: str
     distributed: dict | None = None
     think_open: bool = False                  # the chat template opens a <think> block for the reply (Qwen3.5)
+    vision: str | None = None                 # the image projector's type (an mmproj loaded with the
+                                              # model, e.g. "gemma3"); None: the model reads text only
 
 
 @dataclass
