@@ -2,8 +2,9 @@
 - "Fork" on a middle message opens a new chat of the history up to it, titled "<parent> (fork)", its
   parent shown in the library; its first reply reads the shared history from the parent's K/V (parked
   in RAM, or only on disk after a relaunch) and is the parent's reply at that point;
-- a Regenerate and an Edit keep what they replaced as branches, "< 1/2 >" switches them, a follow-up
-  on a switched branch reuses the K/V it shares, and all of it survives reopening the store;
+- a Regenerate and an Edit keep what they replaced as branches, "< 1/2 >" switches them (a third
+  alternative shows "< 2/3 >"), a follow-up on a switched branch reuses the K/V it shares with the
+  branch last answered, and all of it survives reopening the store;
 - Export writes the branch shown as Markdown and the whole tree as JSON."""
 from __future__ import annotations
 
@@ -178,6 +179,40 @@ def test_edit_and_regenerate_keep_branches_that_switch_and_survive_reopening(qtb
         assert _contents(again)[0] == QUESTIONS[1]
     finally:
         w2.close()
+
+
+def test_a_third_alternative_and_a_follow_up_on_a_switched_branch_reuse_the_shared_kv(qtbot, app_home):
+    """An Edit in the middle of a chat, then two Regenerates: "< 2/3 >" on the reply; switching back to
+    the first question's branch and going on there reuses the K/V both branches share (the first turn)."""
+    w = _launch(qtbot)
+    try:
+        view = w.current_view() or w.new_tab()
+        first = send_and_wait(qtbot, view, QUESTIONS[0])
+        send_and_wait(qtbot, view, QUESTIONS[1])
+        r2 = view.chat.messages[3]["content"]
+        edited = _edit(qtbot, view, 2, QUESTIONS[2])
+        assert edited.cached_tokens > first.prompt_tokens        # the first turn, question and reply
+        for _ in range(2):
+            _regenerate(qtbot, view)
+        assert branches.info(view.chat.messages[3]) == branches.BranchInfo(2, 3)
+        assert branches.info(view.chat.messages[2]) == branches.BranchInfo(1, 2)
+        view.transcript.anchorClicked.emit(_url("prevbranch:3"))
+        assert "< 2/3 >" in view.transcript_text() and "< 2/2 >" in view.transcript_text()
+        shown = view.chat.messages[3]["content"]
+        assert view.switch_branch(2, 0)
+        assert _contents(view) == [QUESTIONS[0], view.chat.messages[1]["content"], QUESTIONS[1], r2]
+        assert "< 1/2 >" in view.transcript_text() and "/3 >" not in view.transcript_text()
+        follow = send_and_wait(qtbot, view, "Thank you, and the fishermen?")
+        assert first.prompt_tokens < follow.cached_tokens < follow.prompt_tokens
+        assert follow.cached_tokens >= edited.cached_tokens - 2
+        # back on the edited branch: its three replies are there, the one shown before still shown
+        assert view.switch_branch(2, 1)
+        assert _contents(view)[2:] == [QUESTIONS[2], shown]
+        assert branches.info(view.chat.messages[3]) == branches.BranchInfo(1, 3)
+        # the first turn; Q1, its reply and the follow-up turn; Q2 and its three replies
+        assert len(branches.tree(view.chat.messages)["messages"]) == 2 + 4 + 4
+    finally:
+        w.close()
 
 
 def _url(text: str):
