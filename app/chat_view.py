@@ -282,9 +282,10 @@ class ChatView(QWidget):
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         actions = ""
         if not streaming:
-            if branch is not None:
-                actions += (f' &nbsp; <a href="prevbranch:{i}">&lt;</a> {branch.index + 1}/{branch.count} '
-                            f'<a href="nextbranch:{i}">&gt;</a>')
+            if branch is not None:      # the count in the text's colour: the muted grey is hard to read
+                text = pal.color(QPalette.ColorRole.Text).name()
+                actions += (f' &nbsp; <a href="prevbranch:{i}">&lt;</a> <span style="color:{text}">'
+                            f'{branch.index + 1}/{branch.count}</span> <a href="nextbranch:{i}">&gt;</a>')
             actions += f' &nbsp; <a href="copy:{i}">Copy</a>'
             if role == "user":
                 actions += f' &nbsp; <a href="edit:{i}">Edit</a>'
