@@ -4,8 +4,10 @@ Markdown: the title as a heading, a line with the model and dates, then each mes
 heading ("## User", "## Assistant", "## System") with its text verbatim (it is Markdown already), except
 that a code fence a message leaves open (a reply cut mid-block) is closed at its end, so the next heading
 is not read as code.
-JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}]}, the times as ISO 8601
-local time with the UTC offset.
+Both write the branch shown (app/branches.py); JSON adds every branch as "tree" (Open WebUI's history).
+JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}], "tree": {"messages": {id:
+{"id", "parentId", "childrenIds", "role", "content"}}, "currentId"}}, the times as ISO 8601 local time with
+the UTC offset.
 Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from .branches import tree
 from .store import Chat, valid_text
 
 ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
@@ -72,6 +75,7 @@ def to_json(chat: Chat) -> str:
         "created": iso_time(chat.created),
         "updated": iso_time(chat.updated or chat.created),
         "messages": [{"role": m["role"], "content": m["content"]} for m in chat.messages],
+        "tree": tree(chat.messages),
     }, ensure_ascii=False, indent=2) + "\n"
 
 

@@ -1,10 +1,12 @@
 """The chat library: every chat in the store (title, model, last used; last used first), open ones in
 bold; a search field filtering live over titles and message text (the store's FTS5 index); Open
 (double-click or Enter), Rename, Delete (asks first; "Undo delete" for UNDO_MS afterwards brings the
-chat back with every message) and Export as Markdown or JSON (app/chat_export.py). It follows the
+chat back with every message) and Export as Markdown or JSON (app/chat_export.py). A fork names its
+parent (in its tooltip, and under the list when selected, with a link that opens it). It follows the
 tabs' `library_changed`, so a chat closed, renamed or answered in a tab shows at once."""
 from __future__ import annotations
 
+import html
 import time
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +17,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QInp
                                QMenu, QMessageBox, QPushButton, QToolButton, QTreeWidget, QTreeWidgetItem,
                                QVBoxLayout, QWidget, QFileDialog)
 
+from .branches import fork_origin
 from .chat_export import export_chat, file_name
 from .store import Chat, ChatSummary
 
@@ -71,6 +74,9 @@ class ChatLibrary(QWidget):
         self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.tree.customContextMenuRequested.connect(self._context_menu)
         self.empty = QLabel("No chat matches.", visible=False, alignment=Qt.AlignmentFlag.AlignCenter)
+        self.fork_label = QLabel(visible=False, wordWrap=True, textFormat=Qt.TextFormat.RichText)
+        self.fork_label.linkActivated.connect(self.open_chat)
+        self._forked: dict[str, tuple[str, str]] = {}    # fork id -> (parent id, "forked from ..." line)
 
         # Tool buttons: narrower than push buttons, so the side pane stays narrow (the window fits 1024 px)
         self.open_btn = QToolButton(text="Open", clicked=lambda: self.open_chat(self.current_id()))
@@ -101,6 +107,7 @@ class ChatLibrary(QWidget):
         lay.addWidget(self.search)
         lay.addWidget(self.tree, 1)
         lay.addWidget(self.empty)
+        lay.addWidget(self.fork_label)
         lay.addWidget(self.undo_row)
         lay.addLayout(buttons)
 
@@ -125,11 +132,13 @@ class ChatLibrary(QWidget):
         bold = QFont(self.tree.font())
         bold.setBold(True)
         now = time.time()
+        self._forked = self._fork_lines()
         for s in rows:
             item = QTreeWidgetItem([s.title, model_label(s.model), human_time(s.updated, now)])
             item.setData(0, ID_ROLE, s.id)
             n = f"{s.n_messages} message{'s' if s.n_messages != 1 else ''}"
-            item.setToolTip(0, f"{s.title}\n{n}{' · open in a tab' if s.open else ''}")
+            fork = self._forked.get(s.id)
+            item.setToolTip(0, f"{s.title}\n{n}{' · open in a tab' if s.open else ''}" + (f"\n{fork[1]}" if fork else ""))
             item.setToolTip(1, s.model or "no reply yet")
             item.setToolTip(2, datetime.fromtimestamp(s.updated).strftime("%Y-%m-%d %H:%M:%S"))
             if s.open:
@@ -141,6 +150,24 @@ class ChatLibrary(QWidget):
         if not (self.tree.hasFocus() or self.search.hasFocus()):
             self._follow_current()               # not browsing the list: it shows the chat in front
         self._update_buttons()
+
+    def _fork_lines(self) -> dict[str, tuple[str, str]]:
+        """Each fork's parent id and its line: "Forked from “Title” at message N"."""
+        configs = self.store.configs()
+        out = {}
+        for cid, (_title, config) in configs.items():
+            origin = fork_origin(config)
+            if origin is None:
+                continue
+            parent = configs.get(origin.chat_id)
+            what = f"“{parent[0]}”" if parent else "a deleted chat"
+            out[cid] = (origin.chat_id if parent else "", f"Forked from {what} at message {origin.message + 1}")
+        return out
+
+    def fork_text(self, chat_id: str) -> str:
+        """The line under the list for chat `chat_id` ('' when it is not a fork)."""
+        got = self._forked.get(chat_id)
+        return got[1] if got else ""
 
     def ids(self) -> list[str]:
         """The listed chats' ids, in order (tests)."""
@@ -172,6 +199,11 @@ class ChatLibrary(QWidget):
         has = bool(self.current_id())
         for w in (self.open_btn, self.rename_btn, self.delete_btn, self.export_btn):
             w.setEnabled(has)
+        fork = self._forked.get(self.current_id())
+        if fork:
+            link = f' &nbsp; <a href="{html.escape(fork[0])}">Open it</a>' if fork[0] else ""
+            self.fork_label.setText(html.escape(fork[1]) + link)
+        self.fork_label.setVisible(bool(fork))
 
     def focus_search(self) -> None:
         self.search.setFocus(Qt.FocusReason.ShortcutFocusReason)

@@ -17,6 +17,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 
+from . import branches
 from .chat_view import DEFAULT_TITLE, ChatView
 from .presets import DEFAULT_ID
 from .store import Chat
@@ -84,6 +85,7 @@ class ChatTabs(QTabWidget):
         view = ChatView(chat, self.client, self.presets, titles=self.titles)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
+        view.fork_requested.connect(lambda i, v=view: self.fork_chat(v.chat.id, i))
         index = self.addTab(view, chat.title)
         self._set_tab_title(view, chat.title)
         self._seen[chat.id] = _signature(chat)
@@ -114,6 +116,15 @@ class ChatTabs(QTabWidget):
         if i >= 0:
             self.setTabText(i, title if len(title) <= 28 else title[:27] + "…")
             self.setTabToolTip(i, title)
+
+    def fork_chat(self, chat_id: str, index: int) -> ChatView | None:
+        """A new chat, in a new tab, of chat `chat_id`'s history up to and including message `index`
+        (app/branches.py): its parent recorded, its first reply reusing the parent's K/V prefix."""
+        view = self.view_for(chat_id) or self._closing.get(chat_id)
+        parent = view.chat if view is not None else self.store.chat(chat_id)
+        if parent is None or not 0 <= index < len(parent.messages):
+            return None
+        return self.add_chat_tab(branches.fork(parent, index))
 
     # ---- close, reopen ------------------------------------------------------------------------
     def close_tab(self, index: int) -> None:

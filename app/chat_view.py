@@ -1,5 +1,9 @@
 """One chat tab: the transcript (Markdown, highlighted code, copy links), the prompt box and the
-Stop / Regenerate / Edit-and-resend / Copy actions. Replies stream in from the engine thread."""
+Stop / Regenerate / Edit-and-resend / Copy actions. Replies stream in from the engine thread.
+
+An Edit or a Regenerate keeps what it replaced as another branch (app/branches.py), switched with the
+"< 2/3 >" links on the message where branches part; "Fork" on any message (a link, or the transcript's
+context menu) asks for a new chat of the history up to it (`fork_requested`, which the tabs answer)."""
 from __future__ import annotations
 
 import html
@@ -13,6 +17,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, 
 
 from engine import reasoning
 
+from . import branches
 from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
@@ -65,6 +70,7 @@ class ChatView(QWidget):
     progress = Signal(str, object, object)
     live_speed = Signal(float)         # tok/s of the reply streaming in this tab
     live_figures = Signal(object)      # `live` changed: the figures of the reply in flight
+    fork_requested = Signal(int)       # "Fork from here" on message N: a new chat of messages[:N + 1]
 
     def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None, titles: TitleQueue | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
@@ -103,6 +109,9 @@ class ChatView(QWidget):
 
         self.transcript = QTextBrowser(openLinks=False, openExternalLinks=False)
         self.transcript.anchorClicked.connect(self._on_anchor)
+        self.transcript.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.transcript.customContextMenuRequested.connect(self._context_menu)
+        self._starts: list[tuple[int, int]] = []      # (document position, message index) of each header
         self.input = PromptEdit(placeholderText="Message (Enter sends, Shift+Enter for a new line)")
         self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 4 + 12)
         self.input.submitted.connect(self.send_input)
@@ -236,6 +245,7 @@ class ChatView(QWidget):
         doc = self.transcript.document()
         doc.clear()
         self._code = []
+        self._starts = []
         cursor = QTextCursor(doc)
         # A note stays where it was made: after the messages there were then (a note added later
         # takes the message count of the first render that shows it).
@@ -248,7 +258,8 @@ class ChatView(QWidget):
                     self._insert_note(cursor, note)
             if m["role"] == "system":
                 continue               # a restored file's system prompt: the original never showed it
-            self._insert_header(cursor, i, m["role"])
+            self._starts.append((cursor.position(), i))
+            self._insert_header(cursor, i, m["role"], branch=branches.info(m))
             if m.get("reasoning"):
                 self._insert_reasoning(cursor, i, m["reasoning"])
             if m["role"] == "user":       # shown exactly as typed: not Markdown, not HTML
@@ -264,15 +275,21 @@ class ChatView(QWidget):
             self._insert_streaming(cursor)
         self._scroll_to_end()
 
-    def _insert_header(self, cursor: QTextCursor, i: int, role: str, streaming: bool = False) -> None:
+    def _insert_header(self, cursor: QTextCursor, i: int, role: str, streaming: bool = False,
+                       branch: branches.BranchInfo | None = None) -> None:
         pal = QApplication.palette()
         muted = pal.color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         actions = ""
         if not streaming:
-            actions = f' &nbsp; <a href="copy:{i}">Copy</a>'
+            if branch is not None:      # the count in the text's colour: the muted grey is hard to read
+                text = pal.color(QPalette.ColorRole.Text).name()
+                actions += (f' &nbsp; <a href="prevbranch:{i}">&lt;</a> <span style="color:{text}">'
+                            f'{branch.index + 1}/{branch.count}</span> <a href="nextbranch:{i}">&gt;</a>')
+            actions += f' &nbsp; <a href="copy:{i}">Copy</a>'
             if role == "user":
                 actions += f' &nbsp; <a href="edit:{i}">Edit</a>'
+            actions += f' &nbsp; <a href="fork:{i}">Fork</a>'
         new_block(cursor)
         cursor.insertHtml(f'<p style="margin-top:10px"><b>{html.escape(who)}</b>'
                           f'<span style="color:{muted}; font-size:small">{actions}</span></p>')
@@ -344,11 +361,14 @@ class ChatView(QWidget):
     def send(self, text: str) -> None:
         if self.busy:
             return
+        at, old = len(self.chat.messages), []
         if self.edit_index is not None:
+            at, old = self.edit_index, self.chat.messages[self.edit_index:]
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
             self._drop_reply_notes()
         self.chat.messages.append({"role": "user", "content": text})
+        branches.replace_tail(self.chat.messages, at, old)     # the edited branch is kept beside it
         self.changed.emit()
         self._generate()
 
@@ -411,12 +431,57 @@ class ChatView(QWidget):
         elif kind == "reasoning":
             self._open_reasoning ^= {n}
             self.render_all()
+        elif kind in ("prevbranch", "nextbranch") and 0 <= n < len(self.chat.messages):
+            b = branches.info(self.chat.messages[n])
+            if b is not None:
+                self.switch_branch(n, (b.index + (1 if kind == "nextbranch" else -1)) % b.count)
+        elif kind == "fork":
+            self.fork(n)
+
+    def message_at(self, pos) -> int | None:
+        """The index of the message shown at viewport point `pos` (None above the first)."""
+        at = self.transcript.cursorForPosition(pos).position()
+        found = None
+        for start, i in self._starts:
+            if start <= at:
+                found = i
+        return found
+
+    def _context_menu(self, pos) -> None:
+        menu = self.transcript.createStandardContextMenu(self.transcript.viewport().mapToGlobal(pos))
+        i = self.message_at(pos)
+        if i is not None:
+            menu.addSeparator()
+            menu.addAction("Fork from here", lambda: self.fork(i))
+        menu.exec(self.transcript.viewport().mapToGlobal(pos))
+        menu.deleteLater()
+
+    # ---- branches and forks ---------------------------------------------------------------------
+    def switch_branch(self, index: int, to: int) -> bool:
+        """Show alternative `to` of message `index` and what follows it on that branch (not while a
+        reply runs). The branch left is kept."""
+        if self.busy or not branches.switch(self.chat.messages, index, to):
+            return False
+        self.cancel_edit()
+        self._drop_reply_notes()
+        self._open_reasoning = {i for i in self._open_reasoning if i < index}
+        self.render_all()
+        self._update_buttons()
+        self.changed.emit()
+        return True
+
+    def fork(self, index: int) -> None:
+        """Ask for a new chat of the history up to and including message `index`."""
+        if 0 <= index < len(self.chat.messages):
+            self.fork_requested.emit(index)
 
     # ---- generation --------------------------------------------------------------------------
     def request_messages(self) -> list[dict]:
         system = self.preset.system_prompt
         # a reply's reasoning is shown, not sent back (gpt-oss's template drops past reasoning anyway)
-        msgs = [{k: v for k, v in m.items() if k != "reasoning"} for m in self.chat.messages]
+        # nor are the branches not shown (app/branches.py)
+        msgs = [{k: v for k, v in m.items() if k != "reasoning" and k not in branches.KEYS}
+                for m in self.chat.messages]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
@@ -516,7 +581,7 @@ class ChatView(QWidget):
             self.changed.emit()
             self.message.emit("Stopped")
             return
-        self.chat.messages.append(_assistant_message(result.text, self.think_open))
+        self._append_reply(_assistant_message(result.text, self.think_open))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
             self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
                               "Max tokens in the chat's config, for a longer reply.")
@@ -538,11 +603,22 @@ class ChatView(QWidget):
 
     def _end_failed(self, note: str) -> None:
         partial = self.streaming
+        replaced = self._replaced
         self._finish(restore=not partial)
         if partial:
-            self.chat.messages.append(_assistant_message(partial, self.think_open))
+            self._replaced = replaced
+            self._append_reply(_assistant_message(partial, self.think_open))
+            self._replaced = None
+            self.render_all()
             self.changed.emit()
         self.message.emit(note)
+
+    def _append_reply(self, message: dict) -> None:
+        """The reply joins the chat; the one a Regenerate replaced is kept as another branch of it."""
+        at = len(self.chat.messages)
+        self.chat.messages.append(message)
+        if self._replaced is not None:
+            branches.replace_tail(self.chat.messages, at, self._replaced.messages)
 
     def _drop_reply_notes(self) -> None:
         """The token-limit notes of replies that are gone (regenerated, edited away)."""

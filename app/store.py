@@ -571,6 +571,11 @@ class Store:
         row = self.db.execute(f"SELECT {self._COLS} FROM chats WHERE id=?", (chat_id,)).fetchone()
         return self._chat(row) if row else None
 
+    def configs(self) -> dict[str, tuple[str, dict]]:
+        """Every chat's (title, config) by id, without its messages (the library reads a fork's parent)."""
+        return {_text(cid): (_text(title, "Chat"), chat_config(config))
+                for cid, title, config in self.db.execute("SELECT id, title, config FROM chats")}
+
     def save_chat(self, chat: Chat, position: int | None = None) -> None:
         """Insert or update `chat` (title, config, model, last used, messages). An update keeps the
         stored `open` flag and creation time (`set_open` changes the flag)."""
@@ -720,3 +725,4 @@ for _name, _default in (("chats", list), ("chat", lambda: None), ("save_chat", l
                         ("search", list), ("presets", list), ("save_preset", lambda: None),
                         ("delete_preset", lambda: None), ("close", lambda: None)):
     setattr(Store, _name, _guarded(getattr(Store, _name), _default))
+Store.configs = _guarded(Store.configs, dict)

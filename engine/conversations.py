@@ -173,8 +173,11 @@ class Conversations:
         Each held entry keeps the text its tokens decode to (KVEntry.text, extended as it grows),
         so the check is a string comparison and only the new part of `text` is tokenized. A new
         branch of `owner`'s conversation (Regenerate, Edit) keeps the longest run of its held tokens
-        that the text starts with (only its own: another conversation's tokens cut mid-word would
-        give this one an unnatural tokenization)."""
+        that the text starts with. Another named conversation's held run counts too (a fork of a chat
+        goes on from its parent's tokens, so it shares the parent's K/V and answers as the parent did),
+        but only up to the start of a special token inside it: the text from a special token on
+        tokenizes the same whatever came before it (engine/prompt_encoder.py), whereas another
+        conversation's tokens cut mid-word would give this one an unnatural tokenization."""
         candidates = []
         best, best_n = None, 0
         on_disk = [e for e in self.disk.entries.values() if e.key == key] \
@@ -196,10 +199,14 @@ class Conversations:
                 best, best_n = e.tokens + tok.encode(text[len(prefix):], add_bos=False), len(e.tokens)
         if best is not None:
             return best
+        cuts = tok.cut_ids() if owner else frozenset()
         for e, lead, ids in candidates:           # then the longest held run the text starts with
-            if not owner or e.owner != owner:
+            own = owner and e.owner == owner
+            if not own and not cuts:
                 continue
             lo = held_run(tok, ids, text, e.text(tok, skip=lead))
+            if not own:
+                lo = before_special(ids, lo, cuts)
             if lo >= MIN_PREFIX_REUSE and lead + lo > best_n:
                 prefix = tok.decode(ids[:lo], skip_special=False)
                 best, best_n = e.tokens[:lead + lo] + tok.encode(text[len(prefix):], add_bos=False), lead + lo
@@ -215,6 +222,15 @@ def _reach(e: KVEntry, shared: int, n_prompt: int) -> int:
     if n >= len(e.tokens) or layer_cache.floor(e.cache, len(e.tokens)) <= n:
         return shared
     return max((ck.n for ck in e.checkpoints if ck.n <= n), default=0)
+
+
+def before_special(ids: list[int], lo: int, cuts: frozenset[int]) -> int:
+    """The largest j < lo where ids[j] is one of the special tokens `cuts` (0 when none): ids[:j] ends
+    where a message boundary starts, so the rest of the text is tokenized as it would be anyway."""
+    for j in range(min(lo, len(ids)) - 1, -1, -1):
+        if ids[j] in cuts:
+            return j
+    return 0
 
 
 def held_run(tok, ids: list[int], text: str, full: str) -> int:

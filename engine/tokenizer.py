@@ -59,6 +59,13 @@ class GGUFTokenizer:
                 ids = [self.bos_id] + ids
         return ids
 
+    def cut_ids(self) -> frozenset[int]:
+        """The special tokens a text's ids split at exactly (engine/prompt_encoder.py): the ids of the
+        text from one of them on do not depend on the text before it. Empty for a tokenizer without."""
+        if self.prompts is None:
+            self.prompts = PromptEncoder(self.backend)
+        return self.prompts.cut_ids
+
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         if not (skip_special and self.rendered and not self.rendered.isdisjoint(ids)):
             return self.backend.decode(ids, skip_special_tokens=skip_special)

@@ -389,7 +389,7 @@ def test_export_markdown_and_json_contents(tmp_path):
     assert "\n## Assistant\n\nRoses are red,\nviolets are blue.\n\n```py\nx = 1\n```\n" in md
     assert md.index("## System") < md.index("## User") < md.index("## Assistant")
     data = json.loads(to_json(ch))
-    assert set(data) == {"title", "model", "created", "updated", "messages"}
+    assert set(data) == {"title", "model", "created", "updated", "messages", "tree"}
     assert data["title"] == "Poems: *short*/long" and data["model"] == "tiny-llama.gguf"
     assert data["messages"] == ch.messages
     from datetime import datetime

@@ -125,7 +125,7 @@ def test_typed_messages_are_shown_exactly_as_typed(qtbot, idle_window):
         assert header.text().startswith("You"), header.text()
         assert _text(body) == typed.strip(), (typed, _text(body))
         assert all(_structure(b) == [] for b in body), (typed, [_structure(b) for b in body])
-        assert _anchors(header) == [f"copy:{i}", f"edit:{i}"] and not any(_anchors(b) for b in body)
+        assert _anchors(header) == [f"copy:{i}", f"edit:{i}", f"fork:{i}"] and not any(_anchors(b) for b in body)
     plain = view.transcript_text()
     assert all(t.strip() in plain for t in TYPED)
 
