@@ -94,7 +94,12 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 # The columns Strata reads and writes, per table: a table of this name without them is another program's
 REQUIRED = {"chats": ("id", "title", "position", "config", "created"),
             "messages": ("chat_id", "idx", "role", "content"),
-            "presets": ("id", "name", "position", "data")}
+            "presets": ("id", "name", "position", "data"),
+            "documents": ("id", "chat_id", "name", "kind", "text", "pages", "mode", "tokens", "created"),
+            "doc_chunks": ("id", "doc_id", "idx", "place", "body")}
+# The documents' indexes, triggers and search index (with FTS5's tables for it): Strata's own objects
+DOC_OBJECTS = ("documents_chat", "doc_chunks_doc", "doc_chunks_ai", "doc_chunks_ad", "doc_fts", "doc_fts_data",
+               "doc_fts_idx", "doc_fts_docsize", "doc_fts_config")
 UNDO_CHATS = 4                # deleted chats whose documents are kept for an undo (in memory)
 BUSY_TIMEOUT_S = 2.0          # how long a start-up waits for another process's lock
 MAX_JSON = 1 << 20            # a stored config or preset longer than this is read as {}
@@ -398,7 +403,8 @@ class Store:
         if not marked:
             if not objects:
                 raise ForeignDatabase("it holds no tables, and no Strata mark")
-            others = sorted(n for n in objects if n not in REQUIRED and n != "chats_fts" and n not in FTS_SHADOW)
+            others = sorted(n for n in objects if n not in REQUIRED and n != "chats_fts" and n not in FTS_SHADOW
+                            and n not in DOC_OBJECTS)
             if others:
                 raise ForeignDatabase(f"it holds a {objects[others[0]]} '{others[0]}' that Strata never makes, "
                                       f"and no Strata mark")

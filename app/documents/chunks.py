@@ -41,8 +41,12 @@ def _cut(text: str, start: int, size: int) -> int:
 
 
 def _next_start(text: str, end: int, overlap: int, prev: int) -> int:
-    """The next chunk's start: `overlap` characters before `end`, moved on to a word's start."""
+    """The next chunk's start: `overlap` characters before `end`, moved on to a line's start, or else
+    to a word's."""
     at = max(prev + 1, end - overlap)
+    line = text.find("\n", at, end - 1)
+    if line >= 0:
+        return line + 1
     m = _SPACE.search(text, at, end)
     return m.end() if m else at
 
