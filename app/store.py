@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS presets (
 CREATE TABLE IF NOT EXISTS documents (
     id TEXT PRIMARY KEY, chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, name TEXT NOT NULL,
     kind TEXT NOT NULL, text TEXT NOT NULL, pages TEXT NOT NULL DEFAULT '[]', mode TEXT NOT NULL DEFAULT '',
-    tokens INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL);
+    tokens INTEGER NOT NULL DEFAULT 0, k INTEGER NOT NULL DEFAULT 4, created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS documents_chat ON documents(chat_id);
 CREATE TABLE IF NOT EXISTS doc_chunks (
     id INTEGER PRIMARY KEY, doc_id TEXT NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
@@ -95,7 +95,7 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 REQUIRED = {"chats": ("id", "title", "position", "config", "created"),
             "messages": ("chat_id", "idx", "role", "content"),
             "presets": ("id", "name", "position", "data"),
-            "documents": ("id", "chat_id", "name", "kind", "text", "pages", "mode", "tokens", "created"),
+            "documents": ("id", "chat_id", "name", "kind", "text", "pages", "mode", "tokens", "k", "created"),
             "doc_chunks": ("id", "doc_id", "idx", "place", "body")}
 # The documents' indexes, triggers and search index (with FTS5's tables for it): Strata's own objects
 DOC_OBJECTS = ("documents_chat", "doc_chunks_doc", "doc_chunks_ai", "doc_chunks_ad", "doc_fts", "doc_fts_data",
@@ -684,7 +684,7 @@ class Store:
         self.set_open(chat.id, chat.open)
         docs, chunks = self._doc_trash.pop(chat.id, ([], []))
         with self.db:
-            self.db.executemany("INSERT OR IGNORE INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", docs)
+            self.db.executemany("INSERT OR IGNORE INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", docs)
             self.db.executemany("INSERT OR IGNORE INTO doc_chunks VALUES (?, ?, ?, ?, ?)", chunks)
 
     # ---- the library -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 relevant to a question retrieved by BM25 (SQLite's bm25(), no embedding model).
 
 Retrieval: the question's words (stop words dropped, at most MAX_QUERY_TERMS, each a prefix term)
-OR-ed, ranked by bm25() over the chunks of the chat's documents that go in by passages; TOP_K chunks.
+OR-ed, ranked by bm25() over the chunks of the chat's documents that go in by passages; TOP_K chunks,
+fewer where a document's `k` says so (a small context: as many as fit half of what the chat has left).
 A question with no word found in them gets the documents' first chunks. Without FTS5 (an SQLite built
 without it) the chunks are ranked in Python by how many of the question's words they hold."""
 from __future__ import annotations
@@ -34,6 +35,7 @@ class DocInfo:
     kind: str
     mode: str                 # WHOLE, PASSAGES, or "" (not decided yet: retrieved as PASSAGES)
     tokens: int               # its tokens as the engine counted them (0: not counted)
+    k: int                    # passages a question takes (TOP_K, fewer in a small context)
     chars: int
     pages: int                # PDF pages (0 for other kinds)
     chunks: int
@@ -75,16 +77,16 @@ class ChatDocuments:
                                 [(doc_id, c.index, c.place, c.text) for c in parts])
         return self.info(doc_id)
 
-    def set_mode(self, doc_id: str, mode: str, tokens: int = 0) -> None:
+    def set_mode(self, doc_id: str, mode: str, tokens: int = 0, k: int = TOP_K) -> None:
         with self.db:
-            self.db.execute("UPDATE documents SET mode=?, tokens=? WHERE id=? AND chat_id=?",
-                            (mode, int(tokens), doc_id, self.chat_id))
+            self.db.execute("UPDATE documents SET mode=?, tokens=?, k=? WHERE id=? AND chat_id=?",
+                            (mode, int(tokens), max(1, min(int(k), TOP_K)), doc_id, self.chat_id))
 
     def remove(self, doc_id: str) -> None:
         with self.db:
             self.db.execute("DELETE FROM documents WHERE id=? AND chat_id=?", (doc_id, self.chat_id))
 
-    _INFO = ("SELECT d.id, d.name, d.kind, d.mode, d.tokens, length(d.text), json_array_length(d.pages), "
+    _INFO = ("SELECT d.id, d.name, d.kind, d.mode, d.tokens, d.k, length(d.text), json_array_length(d.pages), "
              "(SELECT COUNT(*) FROM doc_chunks k WHERE k.doc_id=d.id) FROM documents d ")
 
     def info(self, doc_id: str) -> DocInfo | None:
@@ -102,8 +104,16 @@ class ChatDocuments:
     # ---- retrieval ------------------------------------------------------------------------------
     _PASSAGE = ("SELECT d.id, d.name, k.idx, k.place, k.body FROM doc_chunks k JOIN documents d ON d.id=k.doc_id ")
 
-    def retrieve(self, question: str, k: int = TOP_K) -> list[Passage]:
-        """The `k` chunks of the chat's by-passage documents most relevant to `question` (BM25), best first."""
+    def first_passages(self, doc_id: str, k: int = TOP_K) -> list[Passage]:
+        return [Passage(*r) for r in self.db.execute(self._PASSAGE + "WHERE d.id=? AND d.chat_id=? ORDER BY k.idx LIMIT ?",
+                                                     (doc_id, self.chat_id, k))]
+
+    def retrieve(self, question: str, k: int | None = None) -> list[Passage]:
+        """The `k` chunks (None: the least `k` of the chat's by-passage documents) of those documents most
+        relevant to `question` (BM25), best first."""
+        if k is None:
+            k = self.db.execute("SELECT MIN(k) FROM documents WHERE chat_id=? AND mode IN (?, '')",
+                                (self.chat_id, PASSAGES)).fetchone()[0] or TOP_K
         terms = query_terms(question)
         rows = []
         if terms:

@@ -42,6 +42,13 @@ def _limit_memory(limit: int) -> None:
 
 
 def _child(conn, path: str, limit: int) -> None:
+    try:
+        _read(conn, path, limit)
+    except (BrokenPipeError, EOFError, OSError):
+        pass                 # the app stopped listening (cancelled, closed): nothing to tell
+
+
+def _read(conn, path: str, limit: int) -> None:
     _limit_memory(limit)
     try:
         doc = extract(path, progress=lambda done, total: conn.send(("progress", done, total)))
