@@ -1,23 +1,28 @@
 """Documents in a chat, on the real engine (a tiny GGUF): a small Markdown file dropped on the message
 box goes in whole (the engine's counts say it fits); a 200-page PDF attached goes in by passages, and a
-question about a fact on its page 150 sends that passage with its source name; the prompt the engine
+question about a fact on its page 150 sends that passage with its source name; the notes in the chat say
+which (with the engine's count, or the passages a question takes); the prompt the engine
 received (Status: the live conversation's messages) holds both; the sources' links show the passage;
 the chat, its documents and their sources come back after a restart; the library search finds a word
-that only the PDF holds; export lists the sources."""
+that only the PDF holds; export lists the sources. Bad files (a zip renamed .pdf, an encrypted PDF, a
+scanned one) are refused with one line each and lose nothing; Cancel kills the reader mid-file and
+empties the queue, and the chat goes on."""
 from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDragEnterEvent, QDropEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from app_fixtures import REPLY_TIMEOUT_MS, open_window, send_and_wait  # noqa: E402
-from pdf_factory import book, write_pdf  # noqa: E402
+from pdf_factory import book, encrypted, image_only, write_pdf  # noqa: E402
 
 pytestmark = pytest.mark.gui
 
@@ -54,6 +59,8 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         _drop(view.input.viewport(), notes)                # dropped on the message box
     assert small.args[0].mode == "whole" and small.args[0].tokens > 0
     assert view.input.toPlainText() == ""                  # the drop attached it, no URL typed
+    assert f"Attached notes.md ({small.args[0].tokens:,} tokens): it goes in whole with the next question" \
+        in view.transcript_text()                          # the chat says how it goes in, with the engine's count
     send_and_wait(qtbot, view, "What is the door code?")
     asked = view.chat.messages[-2]
     assert [(s["name"], s["mode"]) for s in asked["documents"]] == [("notes.md", "whole")]
@@ -67,6 +74,8 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         docs.attach(pdf)
     info = big.args[0]
     assert info.mode == "passages" and info.pages == 200 and 1 <= info.k <= 4
+    assert f"the {info.k} passages most relevant to each question go in (1600-character chunks ranked by BM25)" \
+        in view.transcript_text()
     send_and_wait(qtbot, view, "What is the name of the lighthouse keeper's cat?")
     at = len(view.chat.messages) - 2
     srcs = view.chat.messages[at]["documents"]
@@ -82,6 +91,16 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
     view.transcript.anchorClicked.emit(QUrl(f"cite:{at}:1"))
     assert docs.passage_dialog.isVisible() and "Quillfeather" in docs.passage_text.toPlainText()
     assert docs.passage_dialog.windowTitle() == f"[1] survey.pdf, {srcs[0]['place']}"
+    # the reply's citation links to the same passage. The tiny random model cannot write one, so the
+    # reply is given the "[1]" a real model writes (the prompt asks for it), as an edited reply would be
+    view.chat.messages[at + 1]["content"] += " (see [1])"
+    view.changed.emit()
+    view.render_all()
+    html = view.transcript.toHtml()
+    assert html.count(f'href="cite:{at}:1"') == 2              # under the question and in the reply
+    docs.passage_dialog.close()
+    view.transcript.anchorClicked.emit(QUrl(f"cite:{at}:1"))
+    assert docs.passage_dialog.isVisible() and "Quillfeather" in docs.passage_text.toPlainText()
     cid, messages = view.chat.id, [dict(m) for m in view.chat.messages]
     assert [s.id for s in w.store.search("quillfeather")] == [cid]
     docs.passage_dialog.close()
@@ -93,6 +112,7 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         assert reopened is not None and reopened.chat.messages == messages
         assert "notes.md (whole)" in reopened.documents.label.text()
         assert "survey.pdf" in reopened.documents.label.text()
+        assert reopened.transcript.toHtml().count(f'href="cite:{at}:1"') == 2
         reopened.transcript.anchorClicked.emit(QUrl(f"cite:{at - 2}:1"))     # the whole document, from the database
         assert "The door code is 4711." in reopened.documents.passage_text.toPlainText()
         # the prompt of the reopened chat is the one sent before (its K/V prefix stands)
@@ -104,3 +124,87 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         assert exported[at]["documents"][0]["name"] == "survey.pdf"
     finally:
         again.close()
+
+
+def _bad_files(tmp_path) -> list:
+    """A zip renamed .pdf, a password-protected PDF and a scanned one (pages without a text layer)."""
+    with zipfile.ZipFile(tmp_path / "report.zip", "w") as z:
+        z.writestr("report.txt", "quarterly figures\n" * 200)
+    zipped = tmp_path / "report.pdf"
+    (tmp_path / "report.zip").rename(zipped)
+    locked = encrypted(tmp_path / "locked.pdf", [["the vault code is 9912"]])
+    scan = tmp_path / "scan.pdf"
+    scan.write_bytes(image_only(3))
+    return [zipped, locked, scan]
+
+
+def test_bad_files_are_refused_in_one_line_and_nothing_is_lost(qtbot, window, tmp_path):
+    view = window.current_view()
+    docs = view.documents
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The door code is 4711.\n")
+    with qtbot.waitSignal(docs.decided, timeout=EXTRACT_TIMEOUT_MS):
+        docs.attach(notes)
+    send_and_wait(qtbot, view, "What is the door code?")
+    before = [dict(m) for m in view.chat.messages]
+    listed = docs.docs.documents()
+    view.input.setPlainText("a draft being written")
+    refused: list[str] = []
+    docs.refused.connect(refused.append)
+    zipped, locked, scan = _bad_files(tmp_path)
+    _drop(view.input.viewport(), zipped)                      # dropped, like a good file
+    docs.attach(locked)                                       # queued behind it
+    docs.attach(scan)
+    qtbot.waitUntil(lambda: len(refused) == 3 and docs.thread is None, timeout=EXTRACT_TIMEOUT_MS)
+    assert refused == ["report.pdf is not a PDF file (it has no %PDF- header)",
+                       "locked.pdf is password-protected; Strata does not open encrypted PDFs: save a copy "
+                       "without a password",
+                       "scan.pdf has no text layer (a scanned PDF?): Strata reads a PDF's text and does not "
+                       "recognise text in images"]
+    shown = view.transcript_text()
+    assert all(f"Not attached: {why}" in shown for why in refused)      # each reason in the chat, one line
+    # nothing lost: the chat, its documents, the draft; the bar is gone and the list says what is attached
+    assert view.chat.messages == before and docs.docs.documents() == listed
+    assert view.input.toPlainText() == "a draft being written"
+    assert docs.bar.isHidden() and docs.cancel_btn.isHidden()
+    assert docs.label.text() == "Documents: notes.txt (whole)"
+    # and the chat goes on: the next question is answered (notes.txt went in once, with the first)
+    send_and_wait(qtbot, view, "Thanks. And the vault code?")
+    assert len(view.chat.messages) == len(before) + 2 and "documents" not in view.chat.messages[-2]
+
+
+def _readers(before: set[int]) -> list[psutil.Process]:
+    """The app's child processes started since `before` (the document reader among them)."""
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+
+def test_cancel_stops_the_reading_at_once_and_the_chat_goes_on(qtbot, window, tmp_path):
+    view = window.current_view()
+    docs = view.documents
+    big = write_pdf(tmp_path / "atlas.pdf", book(600, {}))       # read page by page for several seconds
+    small = tmp_path / "small.md"
+    small.write_text("# Small\n\nA few words.\n")
+    said: list[str] = []
+    view.message.connect(said.append)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    docs.attach(big)
+    docs.attach(small)                                           # waits behind it
+    assert docs.label.text() == "Reading atlas.pdf…" and docs.cancel_btn.isVisible()
+    # the window thread is free while the child reads: the page count arrives and moves on
+    qtbot.waitUntil(lambda: docs.bar.maximum() == 600 and docs.bar.value() >= 3, timeout=EXTRACT_TIMEOUT_MS)
+    readers = _readers(before)
+    assert readers, "the PDF is read in a child process"
+    at = docs.bar.value()
+    docs.cancel_btn.click()
+    qtbot.waitUntil(lambda: docs.thread is None, timeout=EXTRACT_TIMEOUT_MS)
+    assert at < 600 and "atlas.pdf: not attached (cancelled)" in said
+    qtbot.waitUntil(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in readers),
+                    timeout=10_000)                              # the reader was killed, not left reading
+    assert docs.docs.documents() == [] and docs.queue == []        # nothing half-stored; Cancel emptied the queue
+    assert docs.bar.isHidden() and docs.cancel_btn.isHidden() and docs.label.text() == ""
+    # attaching works again after a Cancel, and the chat goes on
+    with qtbot.waitSignal(docs.decided, timeout=EXTRACT_TIMEOUT_MS) as got:
+        docs.attach(small)
+    assert got.args[0].mode == "whole"
+    send_and_wait(qtbot, view, "What does the file say?")
+    assert [s["name"] for s in view.chat.messages[-2]["documents"]] == ["small.md"]
