@@ -20,8 +20,9 @@ def _content(lines: list[str]) -> bytes:
     return "\n".join(ops).encode("latin-1", "replace")
 
 
-def pdf_bytes(pages: list[list[str]], compress: bool = True) -> bytes:
-    """A PDF whose page i draws the lines pages[i] (latin-1 text)."""
+def pdf_bytes(pages: list[list[str]], compress: bool = True, busy_ops: int = 0) -> bytes:
+    """A PDF whose page i draws the lines pages[i] (latin-1 text); `busy_ops`: each page's content also
+    holds that many save/restore pairs, which draw nothing but take a text extractor time (slow pages)."""
     n = len(pages)
     objs: list[bytes] = []
     kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(n))
@@ -31,7 +32,7 @@ def pdf_bytes(pages: list[list[str]], compress: bool = True) -> bytes:
     for i, lines in enumerate(pages):
         objs.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
                     f"/Contents {5 + 2 * i} 0 R >>".encode())
-        data = _content(lines)
+        data = _content(lines) + b"\n" + b"q Q " * busy_ops
         if compress:
             data = zlib.compress(data)
             objs.append(f"<< /Length {len(data)} /Filter /FlateDecode >>\nstream\n".encode() + data + b"\nendstream")

@@ -93,15 +93,15 @@ def extract_bounded(path: str | Path, progress: Callable[[int, int], None] | Non
             if cancelled():
                 return Outcome(cancelled=True)
             try:
-                if ours.poll(WATCH_SECONDS):
-                    msg = ours.recv()
-                    if msg[0] == "progress":
-                        if progress is not None:
-                            progress(msg[1], msg[2])
-                        continue
-                    return Outcome(doc=msg[1]) if msg[0] == "done" else Outcome(error=msg[1])
+                msg = ours.recv() if ours.poll(WATCH_SECONDS) else None
             except (EOFError, OSError):
                 return Outcome(error=f"{name} could not be read: the reader stopped (exit code {proc.exitcode})")
+            if msg is not None and msg[0] != "progress":
+                return Outcome(doc=msg[1]) if msg[0] == "done" else Outcome(error=msg[1])
+            if msg is not None and progress is not None:
+                progress(msg[1], msg[2])
+            # the bounds are checked after every message too: a reader that keeps reporting pages is
+            # still stopped at its time and memory bounds
             base = base or rss()           # its size once started: the bound is `memory` over it
             if base and rss() - base > memory:
                 return Outcome(error=f"{name} needs more memory than a document may take ({memory >> 20} MiB); not read")

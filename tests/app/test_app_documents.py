@@ -174,8 +174,16 @@ def test_bad_files_are_refused_in_one_line_and_nothing_is_lost(qtbot, window, tm
 
 
 def _readers(before: set[int]) -> list[psutil.Process]:
-    """The app's child processes started since `before` (the document reader among them)."""
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    """The app's processes started by multiprocessing's spawn since `before` (the document reader; not
+    multiprocessing's resource tracker, which stays for the process's life)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in before and any("spawn_main" in part for part in p.cmdline()):
+                out.append(p)
+        except psutil.Error:           # gone meanwhile
+            pass
+    return out
 
 
 def test_cancel_stops_the_reading_at_once_and_the_chat_goes_on(qtbot, window, tmp_path):

@@ -12,6 +12,7 @@ import sqlite3
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from app.documents import extract as ex
@@ -181,6 +182,35 @@ def test_the_child_process_reads_refuses_and_cancels(book_pdf, tmp_path):
     assert bad.doc is None and bad.error.startswith("locked.pdf is password-protected")
     gone = extract_bounded(book_pdf, cancelled=lambda: True)
     assert gone.cancelled and gone.doc is None
+
+
+def _spawned() -> list[psutil.Process]:
+    """This process's children started by multiprocessing's spawn (the readers; not its resource tracker)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any("spawn_main" in part for part in p.cmdline()):
+                out.append(p)
+        except psutil.Error:           # gone meanwhile
+            pass
+    return out
+
+
+def test_the_reader_is_stopped_at_its_time_and_memory_bounds_while_it_reports_pages(tmp_path):
+    """A reader still making progress (a page a message) is held to both bounds; none is left running."""
+    # 200 slow pages: a tenth to a quarter of a second each, so a minute or so to read, and 2 s is a bound
+    # it meets only by being stopped
+    slow_pdf = tmp_path / "slow.pdf"
+    slow_pdf.write_bytes(pdf_bytes(book(200, {}), busy_ops=20_000))
+    before = {p.pid for p in _spawned()}
+    pages: list[int] = []
+    slow = extract_bounded(slow_pdf, progress=lambda d, t: pages.append(d), seconds=2)
+    assert slow.doc is None and slow.error == "slow.pdf takes longer than 2 s to read; not read"
+    assert pages and pages[-1] < 200                           # stopped while it was reporting pages
+    long_pdf = write_pdf(tmp_path / "long.pdf", book(600, {}))
+    big = extract_bounded(long_pdf, memory=16 << 20)
+    assert big.doc is None and big.error == "long.pdf needs more memory than a document may take (16 MiB); not read"
+    assert [p for p in _spawned() if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
 
 
 def test_documents_go_with_their_chat_come_back_on_undo_and_are_searched(tmp_path, book_pdf):
