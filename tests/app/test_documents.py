@@ -198,14 +198,14 @@ def _spawned() -> list[psutil.Process]:
 
 def test_the_reader_is_stopped_at_its_time_and_memory_bounds_while_it_reports_pages(tmp_path):
     """A reader still making progress (a page a message) is held to both bounds; none is left running."""
-    # 200 slow pages: a tenth to a quarter of a second each, so a minute or so to read, and 2 s is a bound
-    # it meets only by being stopped
+    # 200 slow pages: a quarter to half a second each, so one to two minutes to read; 8 s is a bound it
+    # meets only by being stopped, and leaves a loaded machine time to start the reader and report pages
     slow_pdf = tmp_path / "slow.pdf"
-    slow_pdf.write_bytes(pdf_bytes(book(200, {}), busy_ops=20_000))
+    slow_pdf.write_bytes(pdf_bytes(book(200, {}), busy_ops=40_000))
     before = {p.pid for p in _spawned()}
     pages: list[int] = []
-    slow = extract_bounded(slow_pdf, progress=lambda d, t: pages.append(d), seconds=2)
-    assert slow.doc is None and slow.error == "slow.pdf takes longer than 2 s to read; not read"
+    slow = extract_bounded(slow_pdf, progress=lambda d, t: pages.append(d), seconds=8)
+    assert slow.doc is None and slow.error == "slow.pdf takes longer than 8 s to read; not read"
     assert pages and pages[-1] < 200                           # stopped while it was reporting pages
     long_pdf = write_pdf(tmp_path / "long.pdf", book(600, {}))
     big = extract_bounded(long_pdf, memory=16 << 20)
