@@ -82,6 +82,7 @@ class TabDocuments(QObject):
         self._build_row()
         view.documents = self
         view.cite_clicked.connect(self.show_source)
+        view.changed.connect(self.refresh)       # a question sent takes the whole documents waiting for it
         view.input.viewport().installEventFilter(self)
         self.refresh()
 
@@ -207,9 +208,7 @@ class TabDocuments(QObject):
             self._settle(info, PASSAGES, 0, TOP_K, "no model is loaded to count it")
             return
         history = self.view.request_messages()
-        sent = {s.get("doc") for m in self.view.chat.messages if isinstance(m.get("documents"), list)
-                for s in m["documents"]}
-        pending = [d for d in self.docs.documents() if d.mode == WHOLE and d.id not in sent and d.id != info.id]
+        pending = [d for d in self.pending() if d.id != info.id]
 
         def probe(whole: list[DocInfo], passages: list) -> list[dict]:
             q = {"role": "user", "content": "?", "documents": prompt.sources(whole, passages)}
@@ -260,10 +259,21 @@ class TabDocuments(QObject):
         if mode == WHOLE:
             self.view.add_note(f"Attached {info.name} ({size}): it goes in whole with the next question")
         else:
-            self.view.add_note(f"Attached {info.name} ({size}; {why}): the {k} passages most relevant to "
-                               f"each question go in ({CHUNK_CHARS}-character chunks ranked by BM25)")
+            self.view.add_note(f"Attached {info.name} ({size}; {why}): the {k} of its {info.chunks} passages "
+                               f"most relevant to each question go in ({CHUNK_CHARS}-character chunks ranked "
+                               f"by BM25)")
         self.refresh()
         self.decided.emit(self.docs.info(info.id))
+
+    def pending(self) -> list[DocInfo]:
+        """The whole documents the next question takes (attached, not sent yet), with their token counts:
+        what the prompt will grow by beyond the chat's messages."""
+        sent = {s.get("doc") for m in self.view.chat.messages if isinstance(m.get("documents"), list)
+                for s in m["documents"]}
+        try:
+            return [d for d in self.docs.documents() if d.mode == WHOLE and d.id not in sent]
+        except sqlite3.Error:
+            return []
 
     def refresh(self) -> None:
         if self.thread is not None:
@@ -272,8 +282,13 @@ class TabDocuments(QObject):
             listed = self.docs.documents()
         except sqlite3.Error:
             listed = []
-        items = [f"{html.escape(d.name)} ({'whole' if d.mode == WHOLE else f'{d.k} passages a question'})"
-                 for d in listed]
+        waiting = {d.id for d in self.pending()}
+
+        def how(d: DocInfo) -> str:
+            if d.mode != WHOLE:
+                return f"{d.k} of {d.chunks} passages a question"
+            return f"whole, {d.tokens:,} tokens with the next question" if d.id in waiting else "whole"
+        items = [f"{html.escape(d.name)} ({how(d)})" for d in listed]
         self.label.setText("Documents: " + " · ".join(items) if items else "")
 
     # ---- a citation clicked --------------------------------------------------------------------------

@@ -61,6 +61,8 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
     assert view.input.toPlainText() == ""                  # the drop attached it, no URL typed
     assert f"Attached notes.md ({small.args[0].tokens:,} tokens): it goes in whole with the next question" \
         in view.transcript_text()                          # the chat says how it goes in, with the engine's count
+    assert docs.label.text() == f"Documents: notes.md (whole, {small.args[0].tokens:,} tokens with the next question)"
+    assert [d.name for d in docs.pending()] == ["notes.md"]
     send_and_wait(qtbot, view, "What is the door code?")
     asked = view.chat.messages[-2]
     assert [(s["name"], s["mode"]) for s in asked["documents"]] == [("notes.md", "whole")]
@@ -74,8 +76,11 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         docs.attach(pdf)
     info = big.args[0]
     assert info.mode == "passages" and info.pages == 200 and 1 <= info.k <= 4
-    assert f"the {info.k} passages most relevant to each question go in (1600-character chunks ranked by BM25)" \
-        in view.transcript_text()
+    assert info.chunks > 100
+    assert f"the {info.k} of its {info.chunks} passages most relevant to each question go in (1600-character " \
+        "chunks ranked by BM25)" in view.transcript_text()
+    assert docs.label.text() == f"Documents: notes.md (whole) · survey.pdf ({info.k} of {info.chunks} passages " \
+        "a question)" and docs.pending() == []              # notes.md went with the first question
     send_and_wait(qtbot, view, "What is the name of the lighthouse keeper's cat?")
     at = len(view.chat.messages) - 2
     srcs = view.chat.messages[at]["documents"]
