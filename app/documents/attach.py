@@ -16,7 +16,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt, QThread, Signal
+from PySide6.QtCore import QEvent, QObject, QThread, Signal
 from PySide6.QtWidgets import (QApplication, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout, QLabel, QProgressBar,
                                QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
@@ -58,6 +58,16 @@ class ExtractThread(QThread):
 
 
 RUNNING: set[ExtractThread] = set()
+_QUIT_HOOKED: set[int] = set()           # the applications whose aboutToQuit stops the readers
+
+
+def _stop_all_on_quit() -> None:
+    # Qt's UniqueConnection takes only a QObject's member function: a plain function is connected once
+    # per application by hand instead
+    app = QApplication.instance()
+    if app is not None and id(app) not in _QUIT_HOOKED:
+        _QUIT_HOOKED.add(id(app))
+        app.aboutToQuit.connect(_stop_all)
 
 
 def _stop_all() -> None:
@@ -144,8 +154,7 @@ class TabDocuments(QObject):
         self.cancel_btn.show()
         t = self.thread = ExtractThread(path)
         RUNNING.add(t)
-        if len(RUNNING) == 1:
-            QApplication.instance().aboutToQuit.connect(_stop_all, Qt.ConnectionType.UniqueConnection)
+        _stop_all_on_quit()
         t.progressed.connect(self._on_progress)
         t.outcome.connect(self._on_outcome)
         t.finished.connect(self._on_thread_end)
@@ -259,9 +268,10 @@ class TabDocuments(QObject):
         if mode == WHOLE:
             self.view.add_note(f"Attached {info.name} ({size}): it goes in whole with the next question")
         else:
-            self.view.add_note(f"Attached {info.name} ({size}; {why}): the {k} of its {info.chunks} passages "
-                               f"most relevant to each question go in ({CHUNK_CHARS}-character chunks ranked "
-                               f"by BM25)")
+            which = f"the {k} of its {info.chunks} passages most relevant to each question go in" if k > 1 else \
+                f"the one of its {info.chunks} passages most relevant to each question goes in"
+            self.view.add_note(f"Attached {info.name} ({size}; {why}): {which} ({CHUNK_CHARS}-character chunks "
+                               f"ranked by BM25)")
         self.refresh()
         self.decided.emit(self.docs.info(info.id))
 
