@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -221,3 +224,65 @@ def test_cancel_stops_the_reading_at_once_and_the_chat_goes_on(qtbot, window, tm
     assert got.args[0].mode == "whole"
     send_and_wait(qtbot, view, "What does the file say?")
     assert [s["name"] for s in view.chat.messages[-2]["documents"]] == ["small.md"]
+
+
+# The real entry point (app.main.main): a PDF attached once the model is loaded, and Quit (the window
+# closed, the application quit, as the menu's Quit and a SIGTERM do) while its third page is read. The
+# readers counted are the spawned processes that were not there before the attach (the model list's
+# header reader lives for the app's life).
+QUIT_DRIVER = """
+import sys
+import psutil
+from PySide6.QtWidgets import QApplication
+import app.main as m
+
+
+def spawned():
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if any("spawn_main" in c for c in p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+before = set()
+real_start = m.start_window
+
+def start_window(*a, **kw):
+    w = real_start(*a, **kw)
+    docs = w.current_view().documents
+    asked = []
+
+    def on_progress(done, total):
+        if done >= 3 and not asked:
+            asked.append(done)
+            print("quit while reading page", done, "of", total, flush=True)
+            w.close()
+            QApplication.instance().quit()
+
+    def attach(_path):                    # once the model is loaded: a quit here is the reader's alone
+        before.update(spawned())
+        docs.attach(sys.argv[1])
+        docs.thread.progressed.connect(on_progress)
+    w.library.loaded.connect(attach)
+    return w
+m.start_window = start_window
+rc = m.main([])
+print("readers left:", len(spawned() - before), flush=True)
+sys.exit(rc)
+"""
+
+
+def test_quit_while_a_document_is_read_stops_its_reader_and_exits_cleanly(app_home, tmp_path):
+    pdf = write_pdf(tmp_path / "atlas.pdf", book(600, {}))
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", QUIT_DRIVER, str(pdf)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = done.stdout + done.stderr
+    assert "quit while reading page" in out and done.returncode == 0, out[-3000:]
+    assert "readers left: 0" in out, out[-3000:]
+    assert "Destroyed while thread" not in out, out[-3000:]
