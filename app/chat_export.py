@@ -7,7 +7,8 @@ is not read as code.
 Both write the branch shown (app/branches.py); JSON adds every branch as "tree" (Open WebUI's history).
 JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}], "tree": {"messages": {id:
 {"id", "parentId", "childrenIds", "role", "content"}}, "currentId"}}, the times as ISO 8601 local time with
-the UTC offset.
+the UTC offset. A question sent with documents lists its sources (names, places and the passages it
+used) after its text, and as its "documents" in JSON.
 Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .branches import tree
+from .documents.prompt import export_markdown
 from .store import Chat, valid_text
 
 ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
@@ -43,6 +45,8 @@ def to_markdown(chat: Chat) -> str:
     for m in chat.messages:
         role = m["role"]
         parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", "", close_fence(m["content"])]
+        if isinstance(m.get("documents"), list) and m["documents"]:     # the question's sources, quoted
+            parts += ["", export_markdown(m["documents"])]
     return "\n".join(parts) + "\n"
 
 
@@ -74,7 +78,9 @@ def to_json(chat: Chat) -> str:
         "model": chat.model,
         "created": iso_time(chat.created),
         "updated": iso_time(chat.updated or chat.created),
-        "messages": [{"role": m["role"], "content": m["content"]} for m in chat.messages],
+        "messages": [{"role": m["role"], "content": m["content"],
+                      **({"documents": m["documents"]} if isinstance(m.get("documents"), list) else {})}
+                     for m in chat.messages],
         "tree": tree(chat.messages),
     }, ensure_ascii=False, indent=2) + "\n"
 

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, 
 from engine import reasoning
 
 from . import branches
+from .documents import prompt as doc_prompt
 from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
@@ -71,6 +72,7 @@ class ChatView(QWidget):
     live_speed = Signal(float)         # tok/s of the reply streaming in this tab
     live_figures = Signal(object)      # `live` changed: the figures of the reply in flight
     fork_requested = Signal(int)       # "Fork from here" on message N: a new chat of messages[:N + 1]
+    cite_clicked = Signal(int, int)    # a source link: (index of the question carrying it, its number)
 
     def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None, titles: TitleQueue | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
@@ -83,6 +85,7 @@ class ChatView(QWidget):
         self.titles = titles if titles is not None else TitleQueue(client, self)
         self.titles.started.connect(self._on_title_started)
         self.request = None            # the generate request in flight
+        self.documents = None          # app/documents/attach.py's TabDocuments (the window gives it)
         self.title_request = None      # the title's side request in flight (tests follow its result)
         self._title_asked = False      # a chat is titled once: a stopped reply or a regenerate asks no more
         # What a Regenerate replaces (the reply, and the notes under it), until the new reply has text
@@ -264,8 +267,12 @@ class ChatView(QWidget):
                 self._insert_reasoning(cursor, i, m["reasoning"])
             if m["role"] == "user":       # shown exactly as typed: not Markdown, not HTML
                 insert_plain(cursor, m["content"])
-            else:
-                insert_message_body(cursor, m["content"], self._code)
+                if isinstance(m.get("documents"), list) and m["documents"]:
+                    new_block(cursor)
+                    cursor.insertHtml(f'<p style="font-size:small">{doc_prompt.sources_html(i, m["documents"])}</p>')
+            else:        # its citations ([1]) link to the sources of the question it answers
+                insert_message_body(cursor, doc_prompt.link_citations(
+                    m["content"], *doc_prompt.sources_of_reply(self.chat.messages, i)), self._code)
         for note, at in zip(self.notes, self._note_at):
             if at >= n:
                 self._insert_note(cursor, note)
@@ -367,7 +374,11 @@ class ChatView(QWidget):
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
             self._drop_reply_notes()
-        self.chat.messages.append({"role": "user", "content": text})
+        message = {"role": "user", "content": text}
+        srcs = self.documents.sources(text, self.chat.messages) if self.documents is not None else []
+        if srcs:                       # the chat's documents: whole ones not sent yet, the passages for it
+            message["documents"] = srcs
+        self.chat.messages.append(message)
         branches.replace_tail(self.chat.messages, at, old)     # the edited branch is kept beside it
         self.changed.emit()
         self._generate()
@@ -416,6 +427,11 @@ class ChatView(QWidget):
 
     def _on_anchor(self, url: QUrl) -> None:
         kind, _, arg = url.toString().partition(":")
+        if kind == "cite":
+            at, _, n = arg.partition(":")
+            if at.isdigit() and n.isdigit():
+                self.cite_clicked.emit(int(at), int(n))
+            return
         try:
             n = int(arg)
         except ValueError:
@@ -484,7 +500,8 @@ class ChatView(QWidget):
                 for m in self.chat.messages]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
-        return msgs
+        # a question's documents become its content (the same text every turn: its K/V is reused)
+        return self.documents.expand(msgs) if self.documents is not None else doc_prompt.expand(msgs, lambda _d: None)
 
     def _generate(self) -> None:
         # The user's reply comes before any title: a title running now stops, and runs after it

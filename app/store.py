@@ -52,6 +52,15 @@ CREATE TABLE IF NOT EXISTS messages (
     role TEXT NOT NULL, content TEXT NOT NULL, fields TEXT NOT NULL DEFAULT '{}', PRIMARY KEY (chat_id, idx));
 CREATE TABLE IF NOT EXISTS presets (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, position INTEGER NOT NULL, data TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS documents (
+    id TEXT PRIMARY KEY, chat_id TEXT NOT NULL REFERENCES chats(id) ON DELETE CASCADE, name TEXT NOT NULL,
+    kind TEXT NOT NULL, text TEXT NOT NULL, pages TEXT NOT NULL DEFAULT '[]', mode TEXT NOT NULL DEFAULT '',
+    tokens INTEGER NOT NULL DEFAULT 0, k INTEGER NOT NULL DEFAULT 4, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS documents_chat ON documents(chat_id);
+CREATE TABLE IF NOT EXISTS doc_chunks (
+    id INTEGER PRIMARY KEY, doc_id TEXT NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL, place TEXT NOT NULL, body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS doc_chunks_doc ON doc_chunks(doc_id, idx);
 """
 APPLICATION_ID = 0x53747261     # "Stra": PRAGMA application_id of a Strata chats database
 # PRAGMA user_version: this schema's format. Raise it with any change to SCHEMA: an older Strata then
@@ -73,11 +82,25 @@ MAX_FIELDS = 16 << 20          # a stored message's fields longer than this are 
 # restricted to {title body}); remove_diacritics: "cafe" finds "café".
 FTS_SCHEMA = ("CREATE VIRTUAL TABLE chats_fts USING fts5(chat_id, title, body, "
               "tokenize='unicode61 remove_diacritics 2')")
+# Documents' chunks (app/documents): an external-content index kept in step by triggers, so a chunk
+# deleted with its chat (ON DELETE CASCADE) leaves the index too; ranked by bm25()
+DOC_FTS_SCHEMA = ("CREATE VIRTUAL TABLE doc_fts USING fts5(body, content='doc_chunks', content_rowid='id', "
+                  "tokenize='unicode61 remove_diacritics 2')",
+                  "CREATE TRIGGER IF NOT EXISTS doc_chunks_ai AFTER INSERT ON doc_chunks BEGIN "
+                  "INSERT INTO doc_fts(rowid, body) VALUES (new.id, new.body); END",
+                  "CREATE TRIGGER IF NOT EXISTS doc_chunks_ad AFTER DELETE ON doc_chunks BEGIN "
+                  "INSERT INTO doc_fts(doc_fts, rowid, body) VALUES ('delete', old.id, old.body); END")
 _WORD = re.compile(r"\w+", re.UNICODE)
 # The columns Strata reads and writes, per table: a table of this name without them is another program's
 REQUIRED = {"chats": ("id", "title", "position", "config", "created"),
             "messages": ("chat_id", "idx", "role", "content"),
-            "presets": ("id", "name", "position", "data")}
+            "presets": ("id", "name", "position", "data"),
+            "documents": ("id", "chat_id", "name", "kind", "text", "pages", "mode", "tokens", "k", "created"),
+            "doc_chunks": ("id", "doc_id", "idx", "place", "body")}
+# The documents' indexes, triggers and search index (with FTS5's tables for it): Strata's own objects
+DOC_OBJECTS = ("documents_chat", "doc_chunks_doc", "doc_chunks_ai", "doc_chunks_ad", "doc_fts", "doc_fts_data",
+               "doc_fts_idx", "doc_fts_docsize", "doc_fts_config")
+UNDO_CHATS = 4                # deleted chats whose documents are kept for an undo (in memory)
 BUSY_TIMEOUT_S = 2.0          # how long a start-up waits for another process's lock
 MAX_JSON = 1 << 20            # a stored config or preset longer than this is read as {}
 log = logging.getLogger("strata.app")
@@ -263,6 +286,8 @@ class Store:
         self.notice = ""                       # one line for the user ('' when all is well)
         self.persistent = True                 # False: the chats live in memory (the file is locked)
         self.fts = False                       # FTS5 available (else search falls back to LIKE)
+        self.doc_fts = False                   # the documents' chunk index (doc_fts) is there
+        self._doc_trash: dict[str, list] = {}  # a deleted chat's documents, for restore_chat (undo)
         self.db = self._start()
         if self.notice:
             log.warning("chat database: %s", self.notice)
@@ -378,7 +403,8 @@ class Store:
         if not marked:
             if not objects:
                 raise ForeignDatabase("it holds no tables, and no Strata mark")
-            others = sorted(n for n in objects if n not in REQUIRED and n != "chats_fts" and n not in FTS_SHADOW)
+            others = sorted(n for n in objects if n not in REQUIRED and n != "chats_fts" and n not in FTS_SHADOW
+                            and n not in DOC_OBJECTS)
             if others:
                 raise ForeignDatabase(f"it holds a {objects[others[0]]} '{others[0]}' that Strata never makes, "
                                       f"and no Strata mark")
@@ -502,6 +528,7 @@ class Store:
                     if name not in have:
                         db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {definition}")
             db.execute("UPDATE chats SET updated=created WHERE updated=0")
+        self.doc_fts = self._migrate_doc_fts(db)
         exists = db.execute("SELECT 1 FROM sqlite_master WHERE name='chats_fts'").fetchone()
         if exists:
             try:
@@ -524,6 +551,29 @@ class Store:
             self.fts = True
         except sqlite3.OperationalError:      # an SQLite built without FTS5: search uses LIKE
             self.fts = False
+
+    @staticmethod
+    def _migrate_doc_fts(db: sqlite3.Connection) -> bool:
+        """The documents' chunk index: made (from the chunks there are) when missing, rebuilt when damaged;
+        False without FTS5 (retrieval then ranks in Python, app/documents/index.py)."""
+        try:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE name='doc_fts'").fetchone() is None:
+                with db:
+                    for statement in DOC_FTS_SCHEMA:
+                        db.execute(statement)
+                    db.execute("INSERT INTO doc_fts(doc_fts) VALUES('rebuild')")
+                return True
+            try:
+                db.execute("INSERT INTO doc_fts(doc_fts) VALUES('integrity-check')")
+            except sqlite3.DatabaseError as e:
+                if "no such module" in str(e):
+                    return False
+                log.warning("chat database: the documents' index is damaged (%s); it is built again", e)
+                with db:
+                    db.execute("INSERT INTO doc_fts(doc_fts) VALUES('rebuild')")
+            return True
+        except sqlite3.OperationalError:       # an SQLite built without FTS5
+            return False
 
     @staticmethod
     def _body(db: sqlite3.Connection, chat_id: str) -> str:
@@ -620,6 +670,13 @@ class Store:
     def delete_chat(self, chat_id: str) -> Chat | None:
         """Delete the chat and its messages; returns what was deleted (for `restore_chat`: undo)."""
         gone = self.chat(chat_id)
+        if gone is not None:       # its documents go with it (cascade), kept here for an undo
+            self._doc_trash[chat_id] = [
+                self.db.execute("SELECT * FROM documents WHERE chat_id=?", (chat_id,)).fetchall(),
+                self.db.execute("SELECT k.* FROM doc_chunks k JOIN documents d ON d.id=k.doc_id "
+                                "WHERE d.chat_id=? ORDER BY k.id", (chat_id,)).fetchall()]
+            while len(self._doc_trash) > UNDO_CHATS:
+                self._doc_trash.pop(next(iter(self._doc_trash)))
         with self.db:
             self.db.execute("DELETE FROM messages WHERE chat_id=?", (chat_id,))
             self.db.execute("DELETE FROM chats WHERE id=?", (chat_id,))
@@ -627,9 +684,13 @@ class Store:
         return gone
 
     def restore_chat(self, chat: Chat) -> None:
-        """Put back a chat `delete_chat` returned, as it was (open flag, times, model, messages)."""
+        """Put back a chat `delete_chat` returned, as it was (open flag, times, model, messages, documents)."""
         self.save_chat(chat)
         self.set_open(chat.id, chat.open)
+        docs, chunks = self._doc_trash.pop(chat.id, ([], []))
+        with self.db:
+            self.db.executemany("INSERT OR IGNORE INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", docs)
+            self.db.executemany("INSERT OR IGNORE INTO doc_chunks VALUES (?, ?, ?, ?, ?)", chunks)
 
     # ---- the library -------------------------------------------------------------------------
     _SUMMARY = ("SELECT c.id, c.title, c.model, c.updated, c.open, "
@@ -646,8 +707,9 @@ class Store:
                            int(r[5]))
 
     def search(self, text: str) -> list[ChatSummary]:
-        """The chats whose title or messages hold every word of `text` (word prefixes, case and accents
-        ignored), last used first; every chat for a blank `text`. Never raises on odd input."""
+        """The chats whose title or messages (or one passage of one of their documents) hold every word of
+        `text` (word prefixes, case and accents ignored), last used first; every chat for a blank `text`.
+        Never raises on odd input."""
         if not text.strip():
             return self.library()
         text = valid_text(text)
@@ -656,9 +718,15 @@ class Store:
             return []
         try:
             if self.fts:
+                in_docs = ""
+                args: tuple = (fts_query(text),)
+                if self.doc_fts:           # or every word in one chunk of one of its documents
+                    in_docs = (" OR c.id IN (SELECT d.chat_id FROM documents d JOIN doc_chunks k ON k.doc_id=d.id "
+                               "WHERE k.id IN (SELECT rowid FROM doc_fts WHERE doc_fts MATCH ?))")
+                    args += (" AND ".join('"%s"*' % t.replace('"', '""') for t in terms),)
                 rows = self.db.execute(
                     self._SUMMARY + "WHERE c.id IN (SELECT chat_id FROM chats_fts WHERE chats_fts MATCH ?)"
-                    + self._NEWEST, (fts_query(text),)).fetchall()
+                    + in_docs + self._NEWEST, args).fetchall()
             else:
                 cond = " AND ".join(
                     "(c.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m WHERE m.chat_id=c.id "

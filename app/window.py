@@ -19,6 +19,7 @@ from .bus import MessageBus
 from .chat_library import ChatLibrary
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
+from .documents.attach import attach_documents
 from .engine_settings import EngineSettings
 from .engine_thread import EngineClient, EngineThread
 from .message_bar import MessageBar
@@ -142,6 +143,7 @@ class MainWindow(QMainWindow):
         act(c, "Copy Reply", lambda: self.current_view() and self.current_view().copy_last(), "Ctrl+Shift+C")
         act(c, "Rename Chat…", lambda: self.tabs.rename_tab(self.tabs.currentIndex()))
         act(c, "Find Chat…", self.find_chat, "Ctrl+Shift+F")
+        act(c, "Attach Document…", lambda: self.current_view() and self.current_view().documents.choose())
         c.addSeparator()
         # From anywhere in the window, the message box included (it gives Tab to the focus chain)
         act(c, "Next Chat", lambda: self.step_tab(1)).setShortcuts(
@@ -176,6 +178,7 @@ class MainWindow(QMainWindow):
         view.input.setTabChangesFocus(True)      # Tab and Shift+Tab leave the message box, as elsewhere
         for w in (view.input.viewport(), view.transcript.viewport()):
             w.installEventFilter(self.sessions)
+        attach_documents(view, self.store, self.client)     # after the sessions' filter: documents' drops first
 
     def _on_model_loaded(self, path: str) -> None:
         self.setWindowTitle(f"Strata — {Path(path).name}")
