@@ -19,6 +19,8 @@ from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 
 from . import branches
 from .chat_view import DEFAULT_TITLE, ChatView
+from .documents.index import ChatDocuments
+from .documents.prompt import rename_documents
 from .presets import DEFAULT_ID
 from .store import Chat
 from .titles import TitleQueue
@@ -124,7 +126,15 @@ class ChatTabs(QTabWidget):
         parent = view.chat if view is not None else self.store.chat(chat_id)
         if parent is None or not 0 <= index < len(parent.messages):
             return None
-        return self.add_chat_tab(branches.fork(parent, index))
+        chat = branches.fork(parent, index)
+        view = self.add_chat_tab(chat)
+        # the fork's own copies of the parent's documents, so its prompt reads the same and its
+        # questions search them (the parent's are deleted with the parent)
+        ids = ChatDocuments(self.store.db, parent.id, self.store.doc_fts).copy_to(chat.id)
+        if ids:
+            rename_documents(chat.messages, ids)
+            self._persist(view)
+        return view
 
     # ---- close, reopen ------------------------------------------------------------------------
     def close_tab(self, index: int) -> None:

@@ -77,6 +77,20 @@ class ChatDocuments:
                                 [(doc_id, c.index, c.place, c.text) for c in parts])
         return self.info(doc_id)
 
+    def copy_to(self, chat_id: str) -> dict[str, str]:
+        """Every document of this chat, with its chunks, copied to chat `chat_id` (a fork, whose copied
+        messages name them: its prompt must read the same text, and its questions search its own copy);
+        the new ids by the old."""
+        ids = {d.id: uuid.uuid4().hex[:12] for d in self.documents()}
+        with self.db:
+            for old, new in ids.items():
+                self.db.execute("INSERT INTO documents (id, chat_id, name, kind, text, pages, mode, tokens, k, created) "
+                                "SELECT ?, ?, name, kind, text, pages, mode, tokens, k, created FROM documents "
+                                "WHERE id=?", (new, chat_id, old))
+                self.db.execute("INSERT INTO doc_chunks (doc_id, idx, place, body) SELECT ?, idx, place, body "
+                                "FROM doc_chunks WHERE doc_id=? ORDER BY idx", (new, old))
+        return ids
+
     def set_mode(self, doc_id: str, mode: str, tokens: int = 0, k: int = TOP_K) -> None:
         with self.db:
             self.db.execute("UPDATE documents SET mode=?, tokens=?, k=? WHERE id=? AND chat_id=?",

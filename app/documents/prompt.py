@@ -46,6 +46,14 @@ def user_content(question: str, srcs: list[dict], text_of: Callable[[str], str |
     return "\n\n".join(parts)
 
 
+def rename_documents(messages: list[dict], ids: dict[str, str]) -> None:
+    """The sources in `messages` point at the documents' copies (`ids`: new by old, ChatDocuments.copy_to)."""
+    for m in messages:
+        for s in m.get("documents") or []:
+            if isinstance(s, dict) and s.get("doc") in ids:
+                s["doc"] = ids[s["doc"]]
+
+
 def expand(messages: list[dict], text_of: Callable[[str], str | None]) -> list[dict]:
     """`messages` as the engine gets them: each one with documents has them in its content."""
     out = []

@@ -18,7 +18,8 @@ import pytest
 from app.documents import extract as ex
 from app.documents.chunks import CHUNK_CHARS, OVERLAP_CHARS, chunk
 from app.documents.index import PASSAGES, TOP_K, WHOLE, ChatDocuments
-from app.documents.prompt import expand, find_source, for_question, link_citations, sources_of_reply
+from app.documents.prompt import (expand, find_source, for_question, link_citations, rename_documents,
+                                  sources_of_reply)
 from app.documents.worker import extract_bounded
 from app.store import Chat, Store
 from pdf_factory import book, encrypted, image_only, pdf_bytes, write_pdf
@@ -284,3 +285,33 @@ def test_fuzzed_pdfs_end_in_text_or_a_clear_refusal(tmp_path):
             assert "takes longer" not in out.error and "stopped" not in out.error, (i, out.error)
         outcomes.append(out.doc is not None)
     assert any(outcomes) and not all(outcomes)       # the mutations reach both ends
+
+
+def test_a_fork_gets_its_own_copy_of_the_documents_its_messages_name(tmp_path, store, book_pdf):
+    """A fork's copied messages point at copies of its parent's documents: its prompt reads the same
+    text (so the parent's K/V prefix fits it), its questions search its own chunks, and deleting the
+    parent leaves them whole."""
+    from app import branches
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\n\nThe door code is 4711.\n")
+    parent = _chat(store, "parent")
+    docs = ChatDocuments(store.db, parent.id, store.doc_fts)
+    whole = docs.add(ex.extract(notes))
+    docs.set_mode(whole.id, WHOLE, 20)
+    book = docs.add(ex.extract(book_pdf))
+    docs.set_mode(book.id, PASSAGES, 120_000)
+    parent.messages = [{"role": "user", "content": QUESTION, "documents": for_question(docs, QUESTION, [])},
+                       {"role": "assistant", "content": "Marmalade Quillfeather [2]."}]
+    store.save_chat(parent)
+    fork = branches.fork(parent, 1)
+    store.save_chat(fork)
+    ids = docs.copy_to(fork.id)
+    rename_documents(fork.messages, ids)
+    theirs = ChatDocuments(store.db, fork.id, store.doc_fts)
+    assert sorted(ids) == sorted([whole.id, book.id]) and not set(ids.values()) & set(ids)
+    assert {s["doc"] for s in fork.messages[0]["documents"]} <= set(ids.values())
+    assert expand(fork.messages, theirs.text) == expand(parent.messages, docs.text)
+    store.delete_chat(parent.id)
+    assert [d.name for d in theirs.documents()] == ["notes.md", "survey.pdf"]
+    assert FACT in theirs.retrieve(QUESTION)[0].text.replace("\n", " ")
+    assert docs.documents() == []
