@@ -15,13 +15,17 @@ from PySide6.QtGui import QAction, QFont, QFontMetrics
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 from engine import memory_estimate as me
+from engine import model_sources
 from engine.memory_guard import MemoryGuard
 
 from .gguf_meta import ModelMeta
 from .model_scan import scan_models
 
-COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
-HIDDEN_AT_FIRST = ("Arch", "Params", "Context")    # in the row's tooltip; the header's menu shows them
+COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs", "Source")
+NEEDS, SOURCE = COLUMNS.index("Needs"), COLUMNS.index("Source")
+# in the row's tooltip; the header's menu shows them. Source shows itself once a model from anywhere but
+# the models folder is listed (LM Studio, the Hugging Face cache, Ollama, a folder of the user's).
+HIDDEN_AT_FIRST = ("Arch", "Params", "Context", "Source")
 log = logging.getLogger("strata.app")
 
 
@@ -52,10 +56,12 @@ class ModelList(QWidget):
         header.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)      # Name: the width left
         header.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        self.show_actions: dict[str, QAction] = {}
         for c, name in enumerate(COLUMNS[1:], 1):
             show = QAction(f"Show {name}", header, checkable=True, checked=name not in HIDDEN_AT_FIRST)
             show.toggled.connect(lambda on, c=c: (self.tree.setColumnHidden(c, not on), self.fit_columns()))
             header.addAction(show)
+            self.show_actions[name] = show
             self.tree.setColumnHidden(c, name in HIDDEN_AT_FIRST)
         self.tree.itemDoubleClicked.connect(lambda it, _c: self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole)))
         self.load_btn = QPushButton("Load", clicked=self._load_selected)
@@ -88,7 +94,7 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            rows = scan_models(folders, budget)
+            rows = scan_models(folders, budget, libraries=model_sources.library_roots())
             try:
                 self._scanned.emit(number, rows)
             except RuntimeError:        # the list was closed while its folder was read: nothing to fill
@@ -103,25 +109,30 @@ class ModelList(QWidget):
         self.tree.clear()
         self.errors = {m.path: m.error for m, _ in metas if m.error}
         for m, (needs, needs_tip) in metas:
+            where = f"\n{m.where()}" if m.source else ""
             if m.error:         # listed with its reason (the name column has the width left)
                 it = QTreeWidgetItem([f"{m.name} — cannot be loaded", "?", "?", "?", m.size_label(), "?",
-                                      "—"])
+                                      "—", m.where()])
                 it.setForeground(0, self.palette().brush(self.palette().ColorGroup.Disabled,
                                                          self.palette().ColorRole.Text))
-                about = f"{m.path}\n{m.error}"
+                about = f"{m.path}{where}\n{m.error}"
                 needs_tip = m.error
             else:
                 it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
-                                      str(m.context_length or "?"), needs])
+                                      str(m.context_length or "?"), needs, m.where()])
+                parts = f" · {m.parts} files" if m.parts > 1 else ""
+                extra = f"\n{m.companions}" if m.companions else ""
                 about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
-                         f"context {m.context_length or '?'} tokens\n{m.path}")
+                         f"context {m.context_length or '?'} tokens{parts}{where}\n{m.path}{extra}")
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
-            for c in range(len(COLUMNS) - 1):
+            for c in range(len(COLUMNS)):
                 it.setToolTip(c, about)
-            it.setToolTip(len(COLUMNS) - 1, needs_tip)
+            it.setToolTip(NEEDS, needs_tip)
             self.tree.addTopLevelItem(it)
         self.empty.setVisible(not metas)
         self.mark_current(self.current)            # fits the columns to the fonts it sets
+        if any(m.source not in ("", model_sources.STRATA) for m, _ in metas):
+            self.show_actions["Source"].setChecked(True)     # models from elsewhere: say where each lives
         self.scanned.emit()
 
     def column_text_width(self, c: int) -> int:
