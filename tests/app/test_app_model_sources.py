@@ -1,0 +1,85 @@
+"""The model list shows models found where other apps keep them, each with its source label; a split set
+is one row of the size of all its parts; projector and drafter files are not rows."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+from app.model_list import COLUMNS, NEEDS, SOURCE, ModelList  # noqa: E402
+from gguf_factory import write_tiny_gguf  # noqa: E402
+from gguf_factory_split import write_split  # noqa: E402
+from library_trees import hf_cache, lm_studio, ollama  # noqa: E402
+
+pytestmark = pytest.mark.gui
+SCAN_TIMEOUT_MS = 120_000
+
+
+@pytest.fixture()
+def folders(tmp_path, tiny_model):
+    models = tmp_path / "strata-models"
+    models.mkdir()
+    parts = write_split(tiny_model, models, 3, stem="Tiny-Q8_0")
+    other = write_tiny_gguf(tmp_path / "other.gguf", arch="llama", seed=1)
+    shutil.copyfile(other, models / "mmproj-Tiny-Q8_0-f16.gguf")
+    home = Path(os.environ["STRATA_LIBRARY_HOME"])
+    lm_studio(home, {"pub/repo/lm-model.gguf": other})
+    hf_cache(home / ".cache" / "huggingface" / "hub", "org/Tiny-GGUF", {"hf-model.gguf": tiny_model})
+    ollama(home / ".ollama" / "models", "tiny", "3b", tiny_model)
+    return models, parts
+
+
+def _rows(tree) -> dict[str, object]:
+    return {Path(tree.topLevelItem(i).data(0, 256)).name: tree.topLevelItem(i)
+            for i in range(tree.topLevelItemCount())}
+
+
+def test_the_model_list_says_where_each_model_lives(qtbot, folders):
+    models, parts = folders
+    ml = ModelList(lambda: [str(models)])
+    qtbot.addWidget(ml)
+    with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
+        ml.refresh()
+    rows = _rows(ml.tree)
+    assert not ml.tree.isColumnHidden(SOURCE)          # models from elsewhere: the Source column shows
+    by_source = {it.text(SOURCE): name for name, it in rows.items()}
+    assert by_source.pop("LM Studio") == "lm-model.gguf"
+    assert by_source.pop("Hugging Face (org/Tiny-GGUF)") == "hf-model.gguf"
+    assert by_source.pop("Ollama (tiny:3b)").startswith("sha256-")
+    assert by_source.pop("Strata") == parts[0].name
+    assert by_source == {}                              # the other parts and the projector are no rows
+    split = rows[parts[0].name]
+    assert split.text(COLUMNS.index("Size")) == f"{sum(p.stat().st_size for p in parts) / (1 << 20):.0f} MB"
+    tip = split.toolTip(0)
+    assert "3 files" in tip and "vision projector: mmproj-Tiny-Q8_0-f16.gguf" in tip and "Strata" in tip
+    assert split.text(NEEDS) != "—" and not ml.errors
+    blob = next(name for name in rows if name.startswith("sha256-"))
+    assert "Ollama (tiny:3b)" in rows[blob].toolTip(0)
+
+
+def test_only_the_models_folder_keeps_the_source_column_hidden(qtbot, tmp_path, tiny_model):
+    models = tmp_path / "only"
+    models.mkdir()
+    shutil.copyfile(tiny_model, models / "tiny.gguf")
+    ml = ModelList(lambda: [str(models)])
+    qtbot.addWidget(ml)
+    with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
+        ml.refresh()
+    assert ml.tree.topLevelItemCount() == 1 and ml.tree.isColumnHidden(SOURCE)
+    assert ml.tree.topLevelItem(0).text(SOURCE) == "Strata"
+
+
+def test_a_broken_split_set_is_one_row_naming_the_missing_part(qtbot, tmp_path, tiny_model):
+    models = tmp_path / "broken"
+    parts = write_split(tiny_model, models, 3)
+    parts[1].unlink()
+    ml = ModelList(lambda: [str(models)])
+    qtbot.addWidget(ml)
+    with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
+        ml.refresh()
+    assert ml.tree.topLevelItemCount() == 1
+    assert parts[1].name in ml.errors[str(parts[0])]
