@@ -178,7 +178,7 @@ class ModelLibrary(QObject):
                 self._tell_bad(bad, any_loadable=True)
             return
         self._scan_first = False
-        available = self.models.loadable_paths()
+        available = self.models.first_choices()
         if bad:
             self._tell_bad(bad, any_loadable=bool(available))
         wanted = self.settings.model

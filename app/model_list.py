@@ -48,6 +48,8 @@ class ModelList(QWidget):
         self.folders = folders
         self.current: str = ""
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
+        self.sources: dict[str, str] = {}           # path -> where it lives (engine/model_sources.py)
+        self.too_big: set[str] = set()              # paths whose estimate does not fit in memory
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
@@ -108,6 +110,8 @@ class ModelList(QWidget):
             return
         self.tree.clear()
         self.errors = {m.path: m.error for m, _ in metas if m.error}
+        self.sources = {m.path: m.source for m, _ in metas}
+        self.too_big = {m.path for m, (needs, _) in metas if needs.endswith("(too big)")}
         for m, (needs, needs_tip) in metas:
             where = f"\n{m.where()}" if m.source else ""
             if m.error:         # listed with its reason (the name column has the width left)
@@ -159,6 +163,15 @@ class ModelList(QWidget):
     def loadable_paths(self) -> list[str]:
         """The listed files whose header was read (the others' rows say why not)."""
         return [p for p in self.paths() if p not in self.errors]
+
+    def first_choices(self) -> list[str]:
+        """What to load when the settings name no model: the models of Strata's folder and the user's,
+        then those found in another app's library that fit in memory (never a library's first model
+        just because it sorts first, whatever its size)."""
+        own = (model_sources.STRATA, model_sources.FOLDER, "")
+        loadable = self.loadable_paths()
+        return ([p for p in loadable if self.sources.get(p, "") in own] +
+                [p for p in loadable if self.sources.get(p, "") not in own and p not in self.too_big])
 
     def mark_current(self, path: str) -> None:
         self.current = path

@@ -99,8 +99,9 @@ def library_roots(env: Mapping[str, str] | None = None, home: Path | None = None
 
 
 def folder_roots(models_dir: Path, folders: list[str] | tuple = ()) -> list[Root]:
-    """Strata's models folder and the user's folders (their `*.gguf`, not their subfolders)."""
-    return [Root(Path(models_dir), STRATA), *(Root(Path(f).expanduser(), FOLDER) for f in folders)]
+    """Strata's models folder (its `*.gguf` entries) and the user's folders (walked as a library is,
+    so a folder laid out as LM Studio's, `<publisher>/<repository>/<file>.gguf`, can be added whole)."""
+    return [Root(Path(models_dir), STRATA), *(Root(Path(f).expanduser(), FOLDER, TREE) for f in folders)]
 
 
 def find(roots: list[Root], seconds: float = ROOT_SECONDS) -> Scan:

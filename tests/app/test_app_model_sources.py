@@ -59,6 +59,12 @@ def test_the_model_list_says_where_each_model_lives(qtbot, folders):
     assert split.text(NEEDS) != "—" and not ml.errors
     blob = next(name for name in rows if name.startswith("sha256-"))
     assert "Ollama (tiny:3b)" in rows[blob].toolTip(0)
+    # what loads when the settings name no model: the models folder's first, then library models that fit
+    assert ml.first_choices()[0] == str(parts[0]) and len(ml.first_choices()) == 4
+    ml.engine_budget = {"bytes": 1 << 20, "source": "test"}       # nothing fits in 1 MiB
+    with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
+        ml.refresh()
+    assert ml.first_choices() == [str(parts[0])]
 
 
 def test_only_the_models_folder_keeps_the_source_column_hidden(qtbot, tmp_path, tiny_model):

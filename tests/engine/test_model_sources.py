@@ -139,6 +139,21 @@ def test_the_same_file_is_listed_once_where_it_was_first_found(tmp_path, files):
     assert [(m.path.name, m.source) for m in scan.models] == [("hardlinked.gguf", "Folder")]
 
 
+def test_a_folder_the_user_adds_is_walked_as_a_library_is(tmp_path, files):
+    """A folder of the user's laid out as LM Studio's (`<publisher>/<repository>/<file>.gguf`) is found
+    whole: its split set once, its projector paired; Strata's own folder is read flat."""
+    mine = lm_studio(tmp_path / "copied-home", {"pub/repo/tiny.gguf": files["tiny"],
+                                                 "pub/repo/mmproj-tiny.gguf": files["other"],
+                                                 **{f"pub/split/{p.name}": p for p in files["parts"]}})
+    strata = tmp_path / "strata-models"
+    (strata / "sub").mkdir(parents=True)
+    shutil.copyfile(files["other"], strata / "sub" / "deep.gguf")
+    scan = ms.find(ms.folder_roots(strata, [str(mine)]))
+    assert [(m.path.name, m.source, m.parts) for m in scan.models] == \
+        [("tiny.gguf", "Folder", 1), ("Tiny-Q8_0-00001-of-00003.gguf", "Folder", 3)]
+    assert scan.models[0].mmproj.name == "mmproj-tiny.gguf" and scan.notes == []
+
+
 def test_an_oversized_or_slow_root_is_left_with_a_note(tmp_path, files):
     home = tmp_path / "home"
     root = lm_studio(home, {"pub/repo/tiny.gguf": files["tiny"]})

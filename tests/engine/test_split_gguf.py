@@ -67,6 +67,7 @@ def test_the_fingerprint_names_the_whole_set(models, tmp_path):
     finally:
         eng.stop()
     assert facts.model_hash == set_hash(parts)
+    assert facts.model_id == "tiny"                 # clients see the set's name, not its first part's
     assert facts.model_hash not in (content_hash(src), content_hash(parts[0]))
     # a set that differs in its last part only is another model
     other = write_split(write_tiny_gguf(tmp_path / "tiny.gguf", arch="llama", seed=1), tmp_path / "o", 3)
