@@ -92,6 +92,12 @@ def _count(h: PartHeader, key: str) -> int | None:
     return v
 
 
+def set_label(path: str | os.PathLike) -> str:
+    """A model's name for people: a split set's name and part count, else the file's name."""
+    sn = split_name(path)
+    return f"{sn.prefix} ({sn.count} parts)" if sn is not None else Path(path).name
+
+
 def is_split(h: PartHeader) -> bool:
     """Whether header `h` is a part of a set of more than one file (its `split.count` says so)."""
     n = _count(h, SPLIT_COUNT)

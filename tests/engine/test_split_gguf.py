@@ -11,7 +11,8 @@ from gguf import GGUFValueType
 
 import llama_oracle
 from engine import memory_estimate as me
-from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel, Status
+from engine.engine import (Engine, EngineOptions, GenerateRequest, LoadModel, RestoreSession, SaveSession,
+                           Status)
 from engine.errors import ModelFileError, StrataError
 from engine.gguf_file import content_hash, open_gguf, set_hash
 from engine.sampling import SamplingParams
@@ -77,6 +78,53 @@ def test_the_fingerprint_names_the_whole_set(models, tmp_path):
         shutil.copy(p, mixed / p.name)
     shutil.copy(other[2], mixed / other[2].name)
     assert set_hash(sorted(mixed.iterdir())) != set_hash(parts)
+
+
+def _mixed_set(parts, tmp_path):
+    """A set named `mixed` of `parts`' first two parts and the last part of another model of the same
+    shape: it loads (nothing in its headers tells), and is another model by its content."""
+    other = write_split(write_tiny_gguf(tmp_path / "o.gguf", arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                        n_head_kv=2, n_ff=128, seed=1), tmp_path / "o", 3)
+    out = []
+    for no, src in enumerate([parts[0], parts[1], other[2]], 1):
+        out.append(tmp_path / "mixed" / f"mixed-{no:05d}-of-00003.gguf")
+        out[-1].parent.mkdir(exist_ok=True)
+        shutil.copy(src, out[-1])
+    return out
+
+
+def test_a_session_and_disk_kv_of_a_set_come_back_on_that_set_only(models, tmp_path, strata_home):
+    """Saved on a split set: a session file restores on that set and its disk-tier K/V is found again
+    after a restart; on a set of other content the session is refused naming the set it was saved
+    with, and its K/V on disk is not used."""
+    _, parts = models
+    msgs = [{"role": "user", "content": PROMPT}]
+    sp, sess = SamplingParams(max_tokens=4), tmp_path / "s.stratasession"
+    eng = Engine(EngineOptions(model=str(parts[0]), cache_mib=16, disk_mib=64)).start()
+    try:
+        eng.call(GenerateRequest(messages=msgs, sampling=sp, conversation="c1"))
+        eng.call(SaveSession(str(sess), conversation="c1"))
+    finally:
+        eng.stop()
+    eng = Engine(EngineOptions(model=str(parts[0]), cache_mib=16, disk_mib=64)).start()
+    try:
+        r = eng.call(GenerateRequest(messages=msgs, sampling=sp, conversation="c1"))
+        assert r.restored_from_disk == r.cached_tokens > 0
+        eng.call(RestoreSession(str(sess), conversation="c2"))
+    finally:
+        eng.stop()
+    mixed = _mixed_set(parts, tmp_path)
+    eng = Engine(EngineOptions(model=str(mixed[0]), cache_mib=16, disk_mib=64)).start()
+    try:
+        with pytest.raises(StrataError) as e:
+            eng.call(RestoreSession(str(sess), conversation="c3"))
+        line = str(e.value)
+        assert "another model" in line and "tiny (3 parts)" in line and "mixed (3 parts)" in line
+        assert "\n" not in line
+        r = eng.call(GenerateRequest(messages=msgs, sampling=sp, conversation="c1"))
+        assert r.cached_tokens == 0
+    finally:
+        eng.stop()
 
 
 def test_a_metadata_only_first_part_loads(models, tmp_path):
