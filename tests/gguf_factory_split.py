@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from gguf_factory import write_tiny_gguf
+
 SPLIT_TYPES = {"split.no": GGUFValueType.UINT16, "split.count": GGUFValueType.UINT16,
                "split.tensors.count": GGUFValueType.INT32}
 DROP = object()        # a `keys` value: leave the key out of that part
@@ -73,3 +75,20 @@ def _write_part(path: Path, r: GGUFReader, tensors: list, split: dict, with_meta
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def hostile_sets(src, folder) -> dict[str, tuple[Path, str]]:
+    """Three broken sets of `src` (a tiny model of width 64, as gguf_factory writes by default) under
+    `folder`: a part missing, parts of two models (the last part of a narrower model), counts that
+    disagree (the last part says the set has 4). Each: (its first part, the name of the part a refusal
+    must name)."""
+    folder = Path(folder)
+    missing = write_split(src, folder / "missing", 3, stem="Missing")
+    missing[1].unlink()
+    narrow = write_split(write_tiny_gguf(folder / "narrow.gguf", arch="llama", n_embd=32, n_head=4, n_head_kv=2,
+                                         n_ff=64, seed=3), folder / "narrow", 3, stem="Mixed")
+    mixed = write_split(src, folder / "mixed", 3, stem="Mixed")
+    mixed[2].write_bytes(narrow[2].read_bytes())
+    counts = write_split(src, folder / "counts", 3, stem="Counts", keys={2: {"split.count": 4}})
+    return {"missing": (missing[0], missing[1].name), "two-models": (mixed[0], mixed[2].name),
+            "counts": (counts[0], counts[2].name)}

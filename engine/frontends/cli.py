@@ -145,7 +145,7 @@ def cmd_models(args) -> int:
 def list_found(args) -> None:
     """`strata models list`: one model a line, where it lives after a tab (--paths: the paths only);
     the folders that could not be read on stderr."""
-    scan = find_models(libraries=not args.no_libraries)
+    scan = find_models(args.folder, libraries=not args.no_libraries)
     for m in scan.models:
         if args.paths:
             print(m.path)
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("path", nargs="?", help="estimate: the GGUF file (or a name in the models folder)")
     m.add_argument("--if-missing", action="store_true")
     m.add_argument("--paths", action="store_true", help="list: the paths only, one a line")
+    m.add_argument("--folder", action="append", default=[], metavar="DIR",
+                   help="list: also the models in DIR and its subfolders (as the app's Settings folders); repeatable")
     m.add_argument("--no-libraries", action="store_true",
                    help="list: the models folder only, not LM Studio's, the Hugging Face cache's or Ollama's")
     m.add_argument("--context", type=int, default=None, help="estimate: context length (default: the engine's)")

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from app.model_list import COLUMNS, NEEDS, SOURCE, ModelList  # noqa: E402
 from gguf_factory import write_tiny_gguf  # noqa: E402
-from gguf_factory_split import write_split  # noqa: E402
+from gguf_factory_split import hostile_sets, write_split  # noqa: E402
 from library_trees import hf_cache, lm_studio, ollama  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -79,13 +79,16 @@ def test_only_the_models_folder_keeps_the_source_column_hidden(qtbot, tmp_path, 
     assert ml.tree.topLevelItem(0).text(SOURCE) == "Strata"
 
 
-def test_a_broken_split_set_is_one_row_naming_the_missing_part(qtbot, tmp_path, tiny_model):
-    models = tmp_path / "broken"
-    parts = write_split(tiny_model, models, 3)
-    parts[1].unlink()
-    ml = ModelList(lambda: [str(models)])
+@pytest.mark.parametrize("case", ["missing", "two-models", "counts"])
+def test_a_broken_split_set_is_one_row_naming_the_part_at_fault(qtbot, tmp_path, tiny_model, case):
+    """A part missing, parts of two models, counts that disagree: one row, its reason one line naming
+    the part (the header is read in the list's worker, as for any file)."""
+    first, part = hostile_sets(tiny_model, tmp_path / "sets")[case]
+    ml = ModelList(lambda: [str(first.parent)])
     qtbot.addWidget(ml)
     with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
         ml.refresh()
-    assert ml.tree.topLevelItemCount() == 1
-    assert parts[1].name in ml.errors[str(parts[0])]
+    assert ml.paths() == [str(first)] and ml.first_choices() == []
+    why = ml.errors[str(first)]
+    assert part in why and "\n" not in why
+    assert "cannot be loaded" in ml.tree.topLevelItem(0).text(0)

@@ -9,7 +9,7 @@ import pytest
 
 from engine.frontends.cli import main
 from gguf_factory import write_tiny_gguf
-from gguf_factory_split import write_split
+from gguf_factory_split import hostile_sets, write_split
 from library_trees import hf_cache, lm_studio, ollama
 
 
@@ -64,3 +64,20 @@ def test_generate_refuses_a_broken_set_in_one_line(library, capsys):
     code = main(["generate", "--model", str(library[0]), "--prompt", "Hi", "--max-tokens", "1"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(err) == 1 and library[1].name in err[0] and "missing" in err[0]
+
+
+@pytest.mark.parametrize("case", ["missing", "two-models", "counts"])
+def test_a_hostile_set_is_one_line_naming_its_part_and_exit_2(strata_home, tmp_path, capsys, case):
+    """A part missing, parts of two models, counts that disagree: `generate` and `models estimate` each
+    exit 2 with one line on stderr naming the part at fault; `models list` still lists the set once."""
+    src = write_tiny_gguf(tmp_path / "src.gguf", arch="llama", seed=0)
+    first, part = hostile_sets(src, tmp_path / "sets")[case]
+    for argv in (["generate", "--model", str(first), "--prompt", "Hi", "--max-tokens", "1"],
+                 ["models", "estimate", str(first)]):
+        code = main(argv)
+        cap = capsys.readouterr()
+        err = [ln for ln in cap.err.splitlines() if ln.strip()]
+        assert code == 2 and len(err) == 1 and part in err[0], (argv, cap.err)
+        assert err[0].startswith("strata: ") and cap.out == ""
+    code, lines, _ = _lines(capsys, "models", "list", "--no-libraries", "--folder", str(first.parent))
+    assert code == 0 and lines[-1] == f"{first}\tFolder (3 parts)"
