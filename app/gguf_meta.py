@@ -30,6 +30,7 @@ class ModelMeta:
     label: str = ""             # the library's own name for it (Ollama's model:tag, a Hub repository)
     parts: int = 1              # files of a split set
     companions: str = ""        # its vision projector / MTP drafter files found beside it, for the tooltip
+    real: str = ""              # the file `path` reaches, resolved off the window's thread ("" unknown)
 
     def where(self) -> str:
         """The source label a row shows: 'LM Studio', 'Ollama (llama3.2:3b)', ..."""

@@ -182,7 +182,10 @@ class ModelLibrary(QObject):
         if bad:
             self._tell_bad(bad, any_loadable=bool(available))
         wanted = self.settings.model
-        if wanted and Path(wanted).exists() and wanted not in self.models.errors:
+        # a listed model was found by the scan (off this thread); only one outside every folder is looked
+        # for here
+        listed = wanted in self.models.paths()
+        if wanted and (listed or Path(wanted).exists()) and wanted not in self.models.errors:
             self.load_model(wanted)
         elif available:
             self.load_model(available[0])

@@ -7,6 +7,7 @@ window width of 1024 px; Name takes the width left."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -50,6 +51,9 @@ class ModelList(QWidget):
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
         self.sources: dict[str, str] = {}           # path -> where it lives (engine/model_sources.py)
         self.too_big: set[str] = set()              # paths whose estimate does not fit in memory
+        # path -> the file it reaches, resolved on the scanning thread (model_scan): the window's thread
+        # never waits on a listed folder (a library on a network volume that stopped answering)
+        self.real: dict[str, str] = {}
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
@@ -109,6 +113,7 @@ class ModelList(QWidget):
             # is added): the folder as an older scan saw it must not replace what a newer one will show.
             return
         self.tree.clear()
+        self.real = {m.path: m.real for m, _ in metas if m.real}
         self.errors = {m.path: m.error for m, _ in metas if m.error}
         self.sources = {m.path: m.source for m, _ in metas}
         self.too_big = {m.path for m, (needs, _) in metas if needs.endswith("(too big)")}
@@ -175,10 +180,14 @@ class ModelList(QWidget):
 
     def mark_current(self, path: str) -> None:
         self.current = path
+        # the loaded model's file was just read by the engine: resolving it here does not wait on a
+        # dead volume; the rows' were resolved on the scanning thread
+        target = (self.real.get(path) or os.path.realpath(path)) if path else ""
         for i in range(self.tree.topLevelItemCount()):
             it = self.tree.topLevelItem(i)
             f = QFont(it.font(0))
-            on = bool(path) and Path(it.data(0, Qt.ItemDataRole.UserRole)).resolve() == Path(path).resolve()
+            row = it.data(0, Qt.ItemDataRole.UserRole)
+            on = bool(path) and self.real.get(row, row) == target
             f.setBold(on)
             for c in range(len(COLUMNS)):
                 it.setFont(c, f)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -80,7 +81,8 @@ def with_source(row: Row, found: model_sources.FoundModel) -> Row:
     meta, needs = row
     companions = "; ".join(f"{what}: {p.name}" for what, p in (("vision projector", found.mmproj),
                                                                  ("MTP drafter", found.mtp)) if p is not None)
-    return dataclasses.replace(meta, source=found.source, label=found.label, companions=companions), needs
+    return dataclasses.replace(meta, source=found.source, label=found.label, companions=companions,
+                               real=os.path.realpath(found.path)), needs
 
 
 def _failed_row(p: Path, why: str) -> Row:

@@ -105,10 +105,14 @@ def folder_roots(models_dir: Path, folders: list[str] | tuple = ()) -> list[Root
 
 
 def find(roots: list[Root], seconds: float = ROOT_SECONDS) -> Scan:
-    """Every model under `roots`, each file once, in the roots' order; notes for what was not read."""
+    """Every model under `roots`, each file once, in the roots' order; notes for what was not read.
+    The roots are walked at once, each on its own thread, all within one bound: slow or hung roots
+    cost `seconds` (and a second's grace) together, not each."""
+    walks = [_Walk(root, seconds) for root in roots]
+    deadline = time.monotonic() + seconds + 1.0
     scan, seen = Scan(), set()
-    for root in roots:
-        found, notes = _bounded(root, seconds)
+    for w in walks:
+        found, notes = w.result(max(0.0, deadline - time.monotonic()))
         scan.notes += notes
         for m in found:
             key = _identity(m.path)
@@ -118,22 +122,28 @@ def find(roots: list[Root], seconds: float = ROOT_SECONDS) -> Scan:
     return scan
 
 
-def _bounded(root: Root, seconds: float) -> tuple[list[FoundModel], list[str]]:
-    """`root` walked on a thread of its own, waited for `seconds` at most (a blocking system call on a
-    dead mount cannot be interrupted; its thread is left behind, its results dropped)."""
-    box: dict = {}
+class _Walk:
+    """`root` walked on a thread of its own (a blocking system call on a dead mount cannot be
+    interrupted: a walk not done in time is left behind, its results dropped)."""
 
-    def run():
+    def __init__(self, root: Root, seconds: float):
+        self.root, self.seconds, self.out = root, seconds, None
+        self.thread = threading.Thread(target=self._run, name="strata-library-scan", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        root = self.root
         try:
-            box["out"] = _walk_root(root, time.monotonic() + seconds)
+            self.out = _walk_root(root, time.monotonic() + self.seconds)
         except Exception as e:  # noqa: BLE001 -- one root's surprise is its note, the others are read
-            box["out"] = ([], [f"{root.source} {root.path}: not read ({type(e).__name__}: {str(e)[:120]})"])
-    t = threading.Thread(target=run, name="strata-library-scan", daemon=True)
-    t.start()
-    t.join(seconds + 1.0)
-    if "out" not in box:
-        return [], [f"{root.source} {root.path}: not read: it takes longer than {seconds:g} s"]
-    return box["out"]
+            self.out = ([], [f"{root.source} {root.path}: not read ({type(e).__name__}: {str(e)[:120]})"])
+
+    def result(self, wait: float) -> tuple[list[FoundModel], list[str]]:
+        self.thread.join(wait)
+        out = self.out
+        if out is None:
+            return [], [f"{self.root.source} {self.root.path}: not read: it takes longer than {self.seconds:g} s"]
+        return out
 
 
 def _identity(p: Path):

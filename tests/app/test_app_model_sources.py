@@ -92,3 +92,47 @@ def test_a_broken_split_set_is_one_row_naming_the_part_at_fault(qtbot, tmp_path,
     why = ml.errors[str(first)]
     assert part in why and "\n" not in why
     assert "cannot be loaded" in ml.tree.topLevelItem(0).text(0)
+
+
+def test_missing_unreadable_and_fifo_folders_never_hold_the_start(qtbot, app_home, tiny_model):
+    """The window starts and loads its model with a missing folder, a chmod 0 folder, FIFOs named
+    .gguf (in a folder of the user's and as an Ollama manifest) and a dangling Hub link among the
+    places it looks: a FIFO opened for reading would wait for a writer forever, so a load that comes
+    at all shows none was. A folder added in Settings afterwards is walked as a library is."""
+    from app import settings as app_settings
+    from app_fixtures import LOAD_TIMEOUT_MS, open_window
+    mine, locked = app_home / "mine", app_home / "locked"
+    (mine / "sub").mkdir(parents=True)
+    locked.mkdir()
+    os.mkfifo(mine / "fifo.gguf")
+    os.mkfifo(mine / "sub" / "deep-fifo.gguf")
+    shutil.copyfile(tiny_model, locked / "locked.gguf")
+    locked.chmod(0)
+    home = Path(os.environ["STRATA_LIBRARY_HOME"])
+    ollama(home / ".ollama" / "models", "tiny", "3b", tiny_model)
+    manifest = home / ".ollama" / "models" / "manifests" / "registry.ollama.ai" / "library" / "fifo"
+    manifest.mkdir(parents=True)
+    os.mkfifo(manifest / "latest")
+    hub = hf_cache(home / ".cache" / "huggingface" / "hub", "org/Gone", {"gone.gguf": tiny_model})
+    shutil.rmtree(hub / "blobs")                                   # its snapshot link dangles
+    s = app_settings.load()
+    s.model_folders = [str(app_home / "no-such-folder"), str(mine), str(locked)]
+    app_settings.save(s)
+    w = open_window(qtbot)
+    try:
+        with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS) as blocker:
+            w.show()
+        assert Path(blocker.args[0]).name == tiny_model.name
+        names = {Path(p).name for p in w.models.paths()}
+        assert tiny_model.name in names and "fifo.gguf" not in names and "deep-fifo.gguf" not in names
+        assert any(n.startswith("sha256-") for n in names) and "gone.gguf" not in names
+        # a folder laid out as LM Studio's, added in Settings: found through the settings' changed signal
+        added = lm_studio(app_home / "other-home", {"pub/repo/nested.gguf": tiny_model})
+        with qtbot.waitSignal(w.models.scanned, timeout=SCAN_TIMEOUT_MS):
+            w.settings.set("model_folders", [str(added)])
+        rows = _rows(w.models.tree)
+        assert rows["nested.gguf"].text(SOURCE) == "Folder"
+        assert w.library.model_path == blocker.args[0]             # the loaded model stays loaded
+    finally:
+        locked.chmod(0o755)
+        w.close()
