@@ -137,6 +137,7 @@ class ModelLibrary(QObject):
         self.models = ModelList(self.model_folders)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
+        self.models.own_scanned.connect(self._after_own_scan)
         self._copied.connect(self._on_copied)
         settings.changed.connect(self._on_setting)
 
@@ -166,6 +167,17 @@ class ModelLibrary(QObject):
         if budget and self.models.engine_budget is None:
             self.models.engine_budget = budget
             self.models.refresh()
+
+    def _after_own_scan(self) -> None:
+        """The models folder's and the user's folders' models are listed, the libraries' not yet: the
+        first model loads now when it is among them (the settings' model, else the first that loads),
+        so a slow library never holds it; else the whole scan decides."""
+        if not self._scan_first:
+            return
+        wanted = self.settings.model
+        if (wanted in self.models.paths() and wanted not in self.models.errors) or \
+                (not wanted and self.models.first_choices()):
+            self._after_scan()
 
     def _after_scan(self) -> None:
         """The first scan picks what to load: the settings' model, else the first one found, else the

@@ -42,6 +42,10 @@ class ModelList(QWidget):
     load_requested = Signal(str)
     _scanned = Signal(int, list)    # from the scanning thread (queued to _fill): (its number, the rows)
     scanned = Signal()              # the list is filled: emitted on the GUI thread, for listeners and tests
+    # The first scan shows the models folder's and the user's folders' models first (own_scanned), then
+    # every library's too (scanned): the first model loads without waiting on another app's library
+    _own = Signal(int, list)
+    own_scanned = Signal()
 
     def __init__(self, folders, parent: QWidget | None = None):
         """`folders()` returns the folders to scan (models folder first)."""
@@ -86,11 +90,14 @@ class ModelList(QWidget):
         lay.addWidget(self.tree, 1)
         lay.addWidget(self.empty)
         self._scanned.connect(self._fill)
+        self._own.connect(self._fill_own)
         self._scans = 0                 # refreshes started; a scan that ends after a newer one is dropped
+        self._filled = False            # a whole scan (libraries too) has filled the list
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
         engine_budget = self.engine_budget
+        own_first = not self._filled
         self._scans += 1
         number = self._scans
 
@@ -100,18 +107,31 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            rows = scan_models(folders, budget, libraries=model_sources.library_roots())
+            libraries = model_sources.library_roots()
             try:
-                self._scanned.emit(number, rows)
+                if own_first and libraries:
+                    self._own.emit(number, scan_models(folders, budget))
+                self._scanned.emit(number, scan_models(folders, budget, libraries=libraries))
             except RuntimeError:        # the list was closed while its folder was read: nothing to fill
                 log.info("model list: a scan ended after its list was closed")
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
+
+    def _fill_own(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
+        if number == self._scans:
+            self._show(metas)
+            self.own_scanned.emit()
 
     def _fill(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         if number != self._scans:
             # Scans run on their own threads and can end out of order (a big folder read while a file
             # is added): the folder as an older scan saw it must not replace what a newer one will show.
             return
+        self._show(metas)
+        self._filled = True
+        self.empty.setVisible(not metas)
+        self.scanned.emit()
+
+    def _show(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()
         self.real = {m.path: m.real for m, _ in metas if m.real}
         self.errors = {m.path: m.error for m, _ in metas if m.error}
@@ -138,11 +158,9 @@ class ModelList(QWidget):
                 it.setToolTip(c, about)
             it.setToolTip(NEEDS, needs_tip)
             self.tree.addTopLevelItem(it)
-        self.empty.setVisible(not metas)
         self.mark_current(self.current)            # fits the columns to the fonts it sets
         if any(m.source not in ("", model_sources.STRATA) for m, _ in metas):
             self.show_actions["Source"].setChecked(True)     # models from elsewhere: say where each lives
-        self.scanned.emit()
 
     def column_text_width(self, c: int) -> int:
         """The width column `c` needs to show its header and every cell's text uncut (each in its font)."""

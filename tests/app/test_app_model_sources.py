@@ -136,3 +136,27 @@ def test_missing_unreadable_and_fifo_folders_never_hold_the_start(qtbot, app_hom
     finally:
         locked.chmod(0o755)
         w.close()
+
+
+def test_the_first_model_loads_before_the_libraries_are_read(qtbot, app_home, tiny_model):
+    """At start the models folder's and the user's folders' models are listed first and the model
+    loads from them; the libraries' (however slow their folders or headers) join the list after."""
+    from app_fixtures import LOAD_TIMEOUT_MS, open_window
+    home = Path(os.environ["STRATA_LIBRARY_HOME"])
+    lm_studio(home, {"pub/repo/lm-model.gguf": tiny_model})
+    events: list[str] = []
+    w = open_window(qtbot)
+    w.models.own_scanned.connect(lambda: events.append("own"))
+    w.models.scanned.connect(lambda: events.append("all"))
+    # what the list held when the load was asked for (the library's own handler runs first)
+    w.library.bus.busy.connect(lambda what: events.append(
+        f"{what} with {sorted(Path(p).name for p in w.models.paths())}"))
+    try:
+        with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS) as blocker:
+            w.show()
+        qtbot.waitUntil(lambda: "all" in events, timeout=SCAN_TIMEOUT_MS)
+        assert Path(blocker.args[0]).name == tiny_model.name
+        assert events[:3] == [f"load with {[tiny_model.name]}", "own", "all"], events
+        assert "lm-model.gguf" in {Path(p).name for p in w.models.paths()}
+    finally:
+        w.close()
