@@ -134,7 +134,7 @@ class ModelLibrary(QObject):
             log.info("removed %s, left by an earlier fetch that did not finish", name)
         for name in remove_stale_copies(paths.models_dir):
             log.info("removed %s, left by a model copy that did not finish", name)
-        self.models = ModelList(self.model_folders)
+        self.models = ModelList(self.model_folders, libraries=lambda: self.settings.model_libraries)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
         self.models.own_scanned.connect(self._after_own_scan)
@@ -145,7 +145,7 @@ class ModelLibrary(QObject):
         return [str(self.paths.models_dir), *self.settings.model_folders]
 
     def _on_setting(self, key: str) -> None:
-        if key == "model_folders":
+        if key in ("model_folders", "model_libraries"):
             self.refresh()
         elif key in RELOAD_KEYS and not self._reload_due:
             # One reload for all the steering keys of one change, once they are all in

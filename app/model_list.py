@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontMetrics
@@ -47,10 +48,12 @@ class ModelList(QWidget):
     _own = Signal(int, list)
     own_scanned = Signal()
 
-    def __init__(self, folders, parent: QWidget | None = None):
-        """`folders()` returns the folders to scan (models folder first)."""
+    def __init__(self, folders, parent: QWidget | None = None, libraries: Callable[[], bool] = lambda: True):
+        """`folders()` returns the folders to scan (models folder first); `libraries()` whether to look
+        in the other apps' libraries too (engine/model_sources.py)."""
         super().__init__(parent)
         self.folders = folders
+        self.libraries = libraries
         self.current: str = ""
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
         self.sources: dict[str, str] = {}           # path -> where it lives (engine/model_sources.py)
@@ -98,6 +101,7 @@ class ModelList(QWidget):
         folders = [Path(f) for f in self.folders()]
         engine_budget = self.engine_budget
         own_first = not self._filled
+        look_in_libraries = self.libraries()
         self._scans += 1
         number = self._scans
 
@@ -107,7 +111,7 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            libraries = model_sources.library_roots()
+            libraries = model_sources.library_roots() if look_in_libraries else []
             try:
                 if own_first and libraries:
                     self._own.emit(number, scan_models(folders, budget))

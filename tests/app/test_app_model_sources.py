@@ -160,3 +160,30 @@ def test_the_first_model_loads_before_the_libraries_are_read(qtbot, app_home, ti
         assert "lm-model.gguf" in {Path(p).name for p in w.models.paths()}
     finally:
         w.close()
+
+
+def test_the_libraries_are_listed_or_not_as_settings_say(qtbot, app_home, tiny_model):
+    """The Settings page's libraries box is saved as `model_libraries`; through the settings' changed
+    signal the list drops the libraries' models, and lists them again when it is checked."""
+    from app import settings as app_settings
+    from app_fixtures import LOAD_TIMEOUT_MS, open_window
+    home = Path(os.environ["STRATA_LIBRARY_HOME"])
+    lm_studio(home, {"pub/repo/lm-model.gguf": tiny_model})
+    w = open_window(qtbot)
+    try:
+        with qtbot.waitSignal(w.library.loaded, timeout=LOAD_TIMEOUT_MS):
+            w.show()
+        qtbot.waitUntil(lambda: "lm-model.gguf" in {Path(p).name for p in w.models.paths()},
+                        timeout=SCAN_TIMEOUT_MS)
+        page = w.open_settings()
+        assert page.libraries.isChecked()
+        page.libraries.setChecked(False)
+        with qtbot.waitSignal(w.models.scanned, timeout=SCAN_TIMEOUT_MS):
+            page.submit()
+        assert app_settings.load().model_libraries is False
+        assert [Path(p).name for p in w.models.paths()] == [tiny_model.name]
+        with qtbot.waitSignal(w.models.scanned, timeout=SCAN_TIMEOUT_MS):
+            w.settings.set("model_libraries", True)
+        assert "lm-model.gguf" in {Path(p).name for p in w.models.paths()}
+    finally:
+        w.close()
