@@ -81,7 +81,10 @@ def with_source(row: Row, found: model_sources.FoundModel) -> Row:
     meta, needs = row
     companions = "; ".join(f"{what}: {p.name}" for what, p in (("vision projector", found.mmproj),
                                                                  ("MTP drafter", found.mtp)) if p is not None)
-    return dataclasses.replace(meta, source=found.source, label=found.label, companions=companions,
+    # a blob's file name (Ollama's sha256-<hex>) says nothing: a model without general.name is called by
+    # its library's name for it
+    name = found.label if found.label and meta.name in (found.path.name, found.path.stem) else meta.name
+    return dataclasses.replace(meta, name=name, source=found.source, label=found.label, companions=companions,
                                real=os.path.realpath(found.path)), needs
 
 

@@ -187,3 +187,20 @@ def test_the_libraries_are_listed_or_not_as_settings_say(qtbot, app_home, tiny_m
         assert "lm-model.gguf" in {Path(p).name for p in w.models.paths()}
     finally:
         w.close()
+
+
+def test_an_ollama_blob_that_does_not_read_is_named_by_its_tag(qtbot, tmp_path, tiny_model):
+    """A blob is named sha256-<hex>: a row whose header gives no name says Ollama's model:tag."""
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_model.read_bytes()[:100])
+    home = Path(os.environ["STRATA_LIBRARY_HOME"])
+    ollama(home / ".ollama" / "models", "broken", "1b", truncated)
+    models = tmp_path / "empty"
+    models.mkdir()
+    ml = ModelList(lambda: [str(models)])
+    qtbot.addWidget(ml)
+    with qtbot.waitSignal(ml.scanned, timeout=SCAN_TIMEOUT_MS):
+        ml.refresh()
+    (path,) = ml.paths()
+    assert Path(path).name.startswith("sha256-") and path in ml.errors
+    assert ml.tree.topLevelItem(0).text(0) == "broken:1b — cannot be loaded"
