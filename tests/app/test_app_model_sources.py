@@ -204,3 +204,16 @@ def test_an_ollama_blob_that_does_not_read_is_named_by_its_tag(qtbot, tmp_path, 
     (path,) = ml.paths()
     assert Path(path).name.startswith("sha256-") and path in ml.errors
     assert ml.tree.topLevelItem(0).text(0) == "broken:1b — cannot be loaded"
+
+
+@pytest.mark.parametrize("case", ["missing", "two-models", "counts"])
+def test_loading_a_hostile_set_in_the_app_is_refused_in_one_line(qtbot, window, tmp_path, tiny_model, case):
+    """The engine refuses the set (the real engine, on its thread): the message bar gets one line naming
+    the part at fault, and the model that was loaded stays loaded."""
+    first, part = hostile_sets(tiny_model, tmp_path / "sets")[case]
+    loaded = window.library.model_path
+    with qtbot.waitSignal(window.library.bus.error, timeout=120_000) as blocker:
+        window.library.load_model(str(first))
+    line = blocker.args[0]
+    assert line.startswith(f"Could not load {first.name}: ") and part in line and "\n" not in line
+    assert window.library.model_path == loaded
