@@ -127,6 +127,27 @@ def test_a_session_and_disk_kv_of_a_set_come_back_on_that_set_only(models, tmp_p
         eng.stop()
 
 
+def test_disk_kv_follows_the_set_s_content_not_its_name(models, tmp_path, strata_home):
+    """The same set under another name (a link, a library's copy) is the same model on the disk tier:
+    the segments a turn appends there agree with its file's first, and all of them come back."""
+    _, parts = models
+    renamed = []
+    for no, p in enumerate(parts, 1):
+        renamed.append(tmp_path / "renamed" / f"renamed-{no:05d}-of-00003.gguf")
+        renamed[-1].parent.mkdir(exist_ok=True)
+        shutil.copy(p, renamed[-1])
+    sp, msgs, got = SamplingParams(max_tokens=4), [{"role": "user", "content": PROMPT}], []
+    for model in (parts[0], renamed[0], parts[0]):
+        eng = Engine(EngineOptions(model=str(model), cache_mib=16, disk_mib=64)).start()
+        try:
+            r = eng.call(GenerateRequest(messages=msgs, sampling=sp, conversation="c1"))
+        finally:
+            eng.stop()
+        got.append(r.restored_from_disk)
+        msgs = msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"and {len(got)}?"}]
+    assert got[0] == 0 and 0 < got[1] < got[2], got
+
+
 def test_a_metadata_only_first_part_loads(models, tmp_path):
     src, _ = models
     parts = write_split(src, tmp_path, 3, first_without_tensors=True)
