@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import StrataError
+from engine.gguf_split import split_name
 from engine.memory_estimate import read_header
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
@@ -25,6 +26,15 @@ class ModelMeta:
     size_bytes: int = 0
     context_length: int = 0
     error: str = ""
+    source: str = ""            # where it lives (engine/model_sources.py: Strata, Folder, LM Studio, ...)
+    label: str = ""             # the library's own name for it (Ollama's model:tag, a Hub repository)
+    parts: int = 1              # files of a split set
+    companions: str = ""        # its vision projector / MTP drafter files found beside it, for the tooltip
+    real: str = ""              # the file `path` reaches, resolved off the window's thread ("" unknown)
+
+    def where(self) -> str:
+        """The source label a row shows: 'LM Studio', 'Ollama (llama3.2:3b)', ..."""
+        return f"{self.source} ({self.label})" if self.source and self.label else self.source
 
     def params_label(self) -> str:
         n = self.n_params
@@ -58,11 +68,15 @@ def read_meta(path: str | Path) -> ModelMeta:
     meta = ModelMeta(str(p), p.stem, size_bytes=st.st_size)
     try:
         h = read_header(p)        # the engine's header reader (plain Python: no mlx, no tensor data)
+        if h.parts:               # a split set: every part read and checked, the size of them all
+            meta.size_bytes, meta.parts = sum(f.stat().st_size for f in h.parts), len(h.parts)
         kv = h.metadata
         arch = h.architecture or "?"
         context_length = h.arch_int("context_length", 0)
     except StrataError as e:
         meta.name, meta.error = p.name, str(e)
+    except OSError as e:          # a part gone between its check and its size
+        meta.name, meta.error = p.name, f"cannot read {p.name}: {e.strerror or e}"
     else:
         meta.architecture = arch
         meta.name = str(kv.get("general.name") or p.stem)[:200]
@@ -70,6 +84,8 @@ def read_meta(path: str | Path) -> ModelMeta:
         ft = kv.get("general.file_type")
         meta.quantization = _FILE_TYPES.get(ft, f"type {ft}") if ft is not None else _guess_quant(p.name)
         meta.n_params = sum(t.n_elements for t in h.tensors)
+    if meta.parts > 1 or split_name(p) is not None:
+        return meta               # a set is checked again each time: another part may have changed
     if len(_cache) >= 1024:
         _cache.clear()
     _cache[key] = meta

@@ -134,9 +134,10 @@ class ModelLibrary(QObject):
             log.info("removed %s, left by an earlier fetch that did not finish", name)
         for name in remove_stale_copies(paths.models_dir):
             log.info("removed %s, left by a model copy that did not finish", name)
-        self.models = ModelList(self.model_folders)
+        self.models = ModelList(self.model_folders, libraries=lambda: self.settings.model_libraries)
         self.models.load_requested.connect(self.load_model)
         self.models.scanned.connect(self._after_scan)
+        self.models.own_scanned.connect(self._after_own_scan)
         self._copied.connect(self._on_copied)
         settings.changed.connect(self._on_setting)
 
@@ -144,7 +145,7 @@ class ModelLibrary(QObject):
         return [str(self.paths.models_dir), *self.settings.model_folders]
 
     def _on_setting(self, key: str) -> None:
-        if key == "model_folders":
+        if key in ("model_folders", "model_libraries"):
             self.refresh()
         elif key in RELOAD_KEYS and not self._reload_due:
             # One reload for all the steering keys of one change, once they are all in
@@ -167,6 +168,17 @@ class ModelLibrary(QObject):
             self.models.engine_budget = budget
             self.models.refresh()
 
+    def _after_own_scan(self) -> None:
+        """The models folder's and the user's folders' models are listed, the libraries' not yet: the
+        first model loads now when it is among them (the settings' model, else the first that loads),
+        so a slow library never holds it; else the whole scan decides."""
+        if not self._scan_first:
+            return
+        wanted = self.settings.model
+        if (wanted in self.models.paths() and wanted not in self.models.errors) or \
+                (not wanted and self.models.first_choices()):
+            self._after_scan()
+
     def _after_scan(self) -> None:
         """The first scan picks what to load: the settings' model, else the first one found, else the
         offer to fetch the default model. A file that cannot be loaded is skipped (its row says why)
@@ -178,11 +190,14 @@ class ModelLibrary(QObject):
                 self._tell_bad(bad, any_loadable=True)
             return
         self._scan_first = False
-        available = self.models.loadable_paths()
+        available = self.models.first_choices()
         if bad:
             self._tell_bad(bad, any_loadable=bool(available))
         wanted = self.settings.model
-        if wanted and Path(wanted).exists() and wanted not in self.models.errors:
+        # a listed model was found by the scan (off this thread); only one outside every folder is looked
+        # for here
+        listed = wanted in self.models.paths()
+        if wanted and (listed or Path(wanted).exists()) and wanted not in self.models.errors:
             self.load_model(wanted)
         elif available:
             self.load_model(available[0])

@@ -7,21 +7,27 @@ window width of 1024 px; Name takes the width left."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontMetrics
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 from engine import memory_estimate as me
+from engine import model_sources
 from engine.memory_guard import MemoryGuard
 
 from .gguf_meta import ModelMeta
 from .model_scan import scan_models
 
-COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs")
-HIDDEN_AT_FIRST = ("Arch", "Params", "Context")    # in the row's tooltip; the header's menu shows them
+COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs", "Source")
+NEEDS, SOURCE = COLUMNS.index("Needs"), COLUMNS.index("Source")
+# in the row's tooltip; the header's menu shows them. Source shows itself once a model from anywhere but
+# the models folder is listed (LM Studio, the Hugging Face cache, Ollama, a folder of the user's).
+HIDDEN_AT_FIRST = ("Arch", "Params", "Context", "Source")
 log = logging.getLogger("strata.app")
 
 
@@ -37,13 +43,24 @@ class ModelList(QWidget):
     load_requested = Signal(str)
     _scanned = Signal(int, list)    # from the scanning thread (queued to _fill): (its number, the rows)
     scanned = Signal()              # the list is filled: emitted on the GUI thread, for listeners and tests
+    # The first scan shows the models folder's and the user's folders' models first (own_scanned), then
+    # every library's too (scanned): the first model loads without waiting on another app's library
+    _own = Signal(int, list)
+    own_scanned = Signal()
 
-    def __init__(self, folders, parent: QWidget | None = None):
-        """`folders()` returns the folders to scan (models folder first)."""
+    def __init__(self, folders, parent: QWidget | None = None, libraries: Callable[[], bool] = lambda: True):
+        """`folders()` returns the folders to scan (models folder first); `libraries()` whether to look
+        in the other apps' libraries too (engine/model_sources.py)."""
         super().__init__(parent)
         self.folders = folders
+        self.libraries = libraries
         self.current: str = ""
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
+        self.sources: dict[str, str] = {}           # path -> where it lives (engine/model_sources.py)
+        self.too_big: set[str] = set()              # paths whose estimate does not fit in memory
+        # path -> the file it reaches, resolved on the scanning thread (model_scan): the window's thread
+        # never waits on a listed folder (a library on a network volume that stopped answering)
+        self.real: dict[str, str] = {}
         self.engine_budget: dict | None = None     # the engine's status["load_budget"], once known
         self.tree = QTreeWidget(rootIsDecorated=False, alternatingRowColors=True)
         self.tree.setHeaderLabels(COLUMNS)
@@ -52,10 +69,12 @@ class ModelList(QWidget):
         header.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)      # Name: the width left
         header.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        self.show_actions: dict[str, QAction] = {}
         for c, name in enumerate(COLUMNS[1:], 1):
             show = QAction(f"Show {name}", header, checkable=True, checked=name not in HIDDEN_AT_FIRST)
             show.toggled.connect(lambda on, c=c: (self.tree.setColumnHidden(c, not on), self.fit_columns()))
             header.addAction(show)
+            self.show_actions[name] = show
             self.tree.setColumnHidden(c, name in HIDDEN_AT_FIRST)
         self.tree.itemDoubleClicked.connect(lambda it, _c: self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole)))
         self.load_btn = QPushButton("Load", clicked=self._load_selected)
@@ -74,11 +93,15 @@ class ModelList(QWidget):
         lay.addWidget(self.tree, 1)
         lay.addWidget(self.empty)
         self._scanned.connect(self._fill)
+        self._own.connect(self._fill_own)
         self._scans = 0                 # refreshes started; a scan that ends after a newer one is dropped
+        self._filled = False            # a whole scan (libraries too) has filled the list
 
     def refresh(self) -> None:
         folders = [Path(f) for f in self.folders()]
         engine_budget = self.engine_budget
+        own_first = not self._filled
+        look_in_libraries = self.libraries()
         self._scans += 1
         number = self._scans
 
@@ -88,41 +111,60 @@ class ModelList(QWidget):
             except Exception as e:  # noqa: BLE001 -- no reading: the estimates say "unknown"
                 log.warning("model list: no memory reading: %s", e)
                 budget = None
-            rows = scan_models(folders, budget)
+            libraries = model_sources.library_roots() if look_in_libraries else []
             try:
-                self._scanned.emit(number, rows)
+                if own_first and libraries:
+                    self._own.emit(number, scan_models(folders, budget))
+                self._scanned.emit(number, scan_models(folders, budget, libraries=libraries))
             except RuntimeError:        # the list was closed while its folder was read: nothing to fill
                 log.info("model list: a scan ended after its list was closed")
         threading.Thread(target=scan, name="strata-model-scan", daemon=True).start()
+
+    def _fill_own(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
+        if number == self._scans:
+            self._show(metas)
+            self.own_scanned.emit()
 
     def _fill(self, number: int, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         if number != self._scans:
             # Scans run on their own threads and can end out of order (a big folder read while a file
             # is added): the folder as an older scan saw it must not replace what a newer one will show.
             return
+        self._show(metas)
+        self._filled = True
+        self.empty.setVisible(not metas)
+        self.scanned.emit()
+
+    def _show(self, metas: list[tuple[ModelMeta, tuple[str, str]]]) -> None:
         self.tree.clear()
+        self.real = {m.path: m.real for m, _ in metas if m.real}
         self.errors = {m.path: m.error for m, _ in metas if m.error}
+        self.sources = {m.path: m.source for m, _ in metas}
+        self.too_big = {m.path for m, (needs, _) in metas if needs.endswith("(too big)")}
         for m, (needs, needs_tip) in metas:
+            where = f"\n{m.where()}" if m.source else ""
             if m.error:         # listed with its reason (the name column has the width left)
                 it = QTreeWidgetItem([f"{m.name} — cannot be loaded", "?", "?", "?", m.size_label(), "?",
-                                      "—"])
+                                      "—", m.where()])
                 it.setForeground(0, self.palette().brush(self.palette().ColorGroup.Disabled,
                                                          self.palette().ColorRole.Text))
-                about = f"{m.path}\n{m.error}"
+                about = f"{m.path}{where}\n{m.error}"
                 needs_tip = m.error
             else:
                 it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
-                                      str(m.context_length or "?"), needs])
+                                      str(m.context_length or "?"), needs, m.where()])
+                parts = f" · {m.parts} files" if m.parts > 1 else ""
+                extra = f"\n{m.companions}" if m.companions else ""
                 about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
-                         f"context {m.context_length or '?'} tokens\n{m.path}")
+                         f"context {m.context_length or '?'} tokens{parts}{where}\n{m.path}{extra}")
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
-            for c in range(len(COLUMNS) - 1):
+            for c in range(len(COLUMNS)):
                 it.setToolTip(c, about)
-            it.setToolTip(len(COLUMNS) - 1, needs_tip)
+            it.setToolTip(NEEDS, needs_tip)
             self.tree.addTopLevelItem(it)
-        self.empty.setVisible(not metas)
         self.mark_current(self.current)            # fits the columns to the fonts it sets
-        self.scanned.emit()
+        if any(m.source not in ("", model_sources.STRATA) for m, _ in metas):
+            self.show_actions["Source"].setChecked(True)     # models from elsewhere: say where each lives
 
     def column_text_width(self, c: int) -> int:
         """The width column `c` needs to show its header and every cell's text uncut (each in its font)."""
@@ -149,12 +191,25 @@ class ModelList(QWidget):
         """The listed files whose header was read (the others' rows say why not)."""
         return [p for p in self.paths() if p not in self.errors]
 
+    def first_choices(self) -> list[str]:
+        """What to load when the settings name no model: the models of Strata's folder and the user's,
+        then those found in another app's library that fit in memory (never a library's first model
+        just because it sorts first, whatever its size)."""
+        own = (model_sources.STRATA, model_sources.FOLDER, "")
+        loadable = self.loadable_paths()
+        return ([p for p in loadable if self.sources.get(p, "") in own] +
+                [p for p in loadable if self.sources.get(p, "") not in own and p not in self.too_big])
+
     def mark_current(self, path: str) -> None:
         self.current = path
+        # the loaded model's file was just read by the engine: resolving it here does not wait on a
+        # dead volume; the rows' were resolved on the scanning thread
+        target = (self.real.get(path) or os.path.realpath(path)) if path else ""
         for i in range(self.tree.topLevelItemCount()):
             it = self.tree.topLevelItem(i)
             f = QFont(it.font(0))
-            on = bool(path) and Path(it.data(0, Qt.ItemDataRole.UserRole)).resolve() == Path(path).resolve()
+            row = it.data(0, Qt.ItemDataRole.UserRole)
+            on = bool(path) and self.real.get(row, row) == target
             f.setBold(on)
             for c in range(len(COLUMNS)):
                 it.setFont(c, f)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -21,12 +22,12 @@ from pathlib import Path
 from typing import Callable
 
 from engine import memory_estimate as me
+from engine import model_sources
 from engine.errors import StrataError
 
 from .gguf_meta import ModelMeta, read_meta
 
 FILE_SECONDS = 5.0          # one file's header read (and estimate) past this is listed as not read
-MAX_FILES = 2000            # files listed per folder (a folder of a million .gguf names stays cheap)
 MEMORY_LIMIT = 2 << 30      # bytes a worker may take: a real header (a 256k vocabulary) needs a few MiB
 START_SECONDS = 60.0        # a worker's start (a fresh Python, importing the header reader): generous
 WATCH_SECONDS = 0.1         # how often the worker's memory is looked at while it reads
@@ -62,28 +63,29 @@ def read_row(p: Path, budget) -> Row:
     return meta, needs
 
 
-def find_models(folders: list[Path]) -> list[Path]:
-    """The `*.gguf` entries of `folders`, each once (by where it resolves to), up to MAX_FILES per
-    folder. Nothing is opened: an entry that is not a regular file (a FIFO, a folder, a link to a
-    device or in a loop) is listed too, and its row says why it cannot be loaded."""
-    seen, out = set(), []
-    for d in folders:
-        try:
-            if not Path(d).is_dir():
-                continue
-            found = sorted(Path(d).glob("*.gguf"))[:MAX_FILES]
-        except (OSError, RuntimeError) as e:
-            log.warning("model list: cannot list %s: %s", d, e)
-            continue
-        for p in found:
-            try:
-                r = p.resolve()
-            except (OSError, RuntimeError):    # a symlink loop: listed under its own name
-                r = p
-            if r not in seen:
-                seen.add(r)
-                out.append(p)
-    return out
+def find_models(folders: list[Path], libraries: list[model_sources.Root] | tuple = ()) -> model_sources.Scan:
+    """The models of `folders` (the first is Strata's models folder, the others the user's: their
+    `*.gguf` entries) and of `libraries` (engine/model_sources.py: LM Studio, the Hugging Face cache,
+    Ollama), each file once, a split set once, projectors and drafters paired with their model. Nothing
+    is opened: an entry of a folder that is not a regular file (a FIFO, a folder, a link to a device or
+    in a loop) is listed too, and its row says why it cannot be loaded."""
+    roots = model_sources.folder_roots(folders[0], folders[1:]) if folders else []
+    scan = model_sources.find(roots + list(libraries))
+    for note in scan.notes:
+        log.warning("model list: %s", note)
+    return scan
+
+
+def with_source(row: Row, found: model_sources.FoundModel) -> Row:
+    """`row` (read in the worker) with where its model lives and what was found beside it."""
+    meta, needs = row
+    companions = "; ".join(f"{what}: {p.name}" for what, p in (("vision projector", found.mmproj),
+                                                                 ("MTP drafter", found.mtp)) if p is not None)
+    # a blob's file name (Ollama's sha256-<hex>) says nothing: a model without general.name is called by
+    # its library's name for it
+    name = found.label if found.label and meta.name in (found.path.name, found.path.stem) else meta.name
+    return dataclasses.replace(meta, name=name, source=found.source, label=found.label, companions=companions,
+                               real=os.path.realpath(found.path)), needs
 
 
 def _failed_row(p: Path, why: str) -> Row:
@@ -202,15 +204,16 @@ _worker: _Worker | None = None
 
 
 def scan_models(folders: list[Path], budget, file_seconds: float = FILE_SECONDS, reader: RowReader = read_row,
-                memory_limit: int = MEMORY_LIMIT) -> list[Row]:
-    """A row (metadata, (needs, tooltip)) per model file, each read by the worker process within
+                memory_limit: int = MEMORY_LIMIT, libraries: list[model_sources.Root] | tuple = ()) -> list[Row]:
+    """A row (metadata, (needs, tooltip)) per model (find_models), each read by the worker process within
     `file_seconds` and `memory_limit`: a file past either is listed as not read, its worker killed, and
     the scan goes on with a new one. `reader` is a module-level function (it is sent to the worker)."""
-    paths = find_models(folders)
+    found = find_models(folders, libraries).models
     rows: list[Row] = []
     with _lock:
         no_worker = ""                 # why no worker could start: said on every row, not tried again
-        for p in paths:
+        for f in found:
+            p = f.path
             worker = no_worker or _ready_worker(reader, memory_limit)
             if isinstance(worker, str):
                 no_worker, row = worker, _failed_row(p, worker)
@@ -218,7 +221,7 @@ def scan_models(folders: list[Path], budget, file_seconds: float = FILE_SECONDS,
                 row = worker.read(p, budget, file_seconds)
             if row[0].error:
                 log.warning("model list: %s", row[0].error)
-            rows.append(row)
+            rows.append(with_source(row, f))
     return rows
 
 

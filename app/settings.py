@@ -70,7 +70,8 @@ class Settings:
     kv_bits: int = 16
     speculative: str = "off"              # the Default config's speculative decoding (app/presets.py)
     model: str = ""
-    model_folders: list[str] = field(default_factory=list)
+    model_folders: list[str] = field(default_factory=list)   # walked with their subfolders (model_sources)
+    model_libraries: bool = True          # also list LM Studio's, the Hugging Face cache's and Ollama's models
     server_enabled: bool = False          # the OpenAI-compatible server (engine.frontends.server) on the app's engine
     server_host: str = "127.0.0.1"
     server_port: int = 8484

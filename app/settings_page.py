@@ -278,6 +278,13 @@ class SettingsPage(QDialog):
         """Model folders."""
         self.folders = QListWidget(maximumHeight=70)
         self.folders.addItems(s.model_folders)
+        self.folders.setToolTip("Each folder is searched with its subfolders: a folder laid out as LM Studio's "
+                                "(publisher/repository/file.gguf) can be added whole. Files are read where "
+                                "they are, never copied or moved.")
+        self.libraries = QCheckBox("Also list the models of LM Studio, the Hugging Face cache and Ollama",
+                                   checked=s.model_libraries, objectName="modelLibraries")
+        self.libraries.setToolTip("Read where those apps keep them (never copied, moved or changed); each "
+                                  "model's Source column says where it lives.")
         add_f = QPushButton("Add folder…", clicked=self._pick_folder)
         rm_f = QPushButton("Remove", clicked=lambda: self.folders.takeItem(self.folders.currentRow()))
         fold = QGroupBox("Model folders")
@@ -288,6 +295,7 @@ class SettingsPage(QDialog):
         row.addWidget(add_f)
         row.addWidget(rm_f)
         fl.addLayout(row)
+        fl.addWidget(self.libraries)
         return fold
 
     def _look_group(self, s: Settings) -> QGroupBox:
@@ -404,6 +412,7 @@ class SettingsPage(QDialog):
         s.server_enabled, s.server_port = self.server_on.isChecked(), self.server_port.value()
         s.server_host, s.server_api_key = self.server_host.text().strip() or "127.0.0.1", self.server_key.text().strip()
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
+        s.model_libraries = self.libraries.isChecked()
         s.theme = self.theme.currentData()
         return s
 

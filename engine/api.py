@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
+from .gguf_split import split_name
 from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT, check_configure
 from .sampling import SamplingParams
 
@@ -312,4 +313,6 @@ class CallResult(Result):
 
 
 def model_id(path: str | Path) -> str:
-    return Path(path).stem
+    """The model's name for clients: the file's stem; a split set's name without its part number."""
+    sn = split_name(path)
+    return sn.prefix if sn is not None else Path(path).stem

@@ -786,6 +786,10 @@ def attach(engine) -> DiskTier | None:
             return None
         fp = engine.session_fingerprint(key.steering)
         fp["kv_format"] = key.kv_format
+        # the model's content (its hash, over every part of a split set) is its identity here: its file's
+        # name, there for a session file's refusal, would make the same model under another name (a link,
+        # a library's path) write segments that disagree with its file's first
+        fp.pop("model", None)
         return {k: str(v) for k, v in fp.items()}
 
     def probe() -> list:

@@ -14,17 +14,35 @@ from gguf import GGUFReader, GGUFValueType
 import xxhash
 
 from .errors import ModelFileError
-from .gguf_header import scan_header
+from . import gguf_split
+from .gguf_header import HeaderScan, scan_header
+from .memory_estimate import read_header
 from .paths import data_dir
 
 GGUF_MAGIC = b"GGUF"
 
 
+class SplitReader:
+    """The gguf-py readers of a split model's parts (engine/gguf_split.py) read as one: the first part's
+    metadata, every part's tensors in part order, each a view of its own part's memory map."""
+
+    def __init__(self, readers: list[GGUFReader]):
+        self.readers = tuple(readers)
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+
+
 @dataclass
 class GGUFFile:
-    path: Path
-    reader: GGUFReader
+    path: Path                    # the file opened: a split model's first part
+    reader: GGUFReader | SplitReader
     header: Any = None            # gguf_header.HeaderScan: the validated header (types, tensor shapes)
+    parts: tuple[Path, ...] = ()  # a split model's files, first part first; () for a single file
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The files the model's tensors are in: its parts, or the one file."""
+        return self.parts or (self.path,)
 
     @property
     def architecture(self) -> str:
@@ -54,7 +72,24 @@ class GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """`path` opened with gguf-py, its header validated first; a split model's first part opens the
+    whole set, every part checked as one model (engine/gguf_split.py) and memory-mapped."""
     p = Path(path)
+    reader, header = _open_one(p)
+    count = reader.fields.get(gguf_split.SPLIT_COUNT)
+    if count is None or not count.data or int(count.contents()) <= 1:
+        return GGUFFile(p, reader, header)
+    # the set read and checked by the plain header reader first (a missing or foreign part named before
+    # any part is mapped), then each part opened as a file of its own
+    parts = read_header(p).parts
+    opened = [(reader, header)] + [_open_one(q) for q in parts[1:]]
+    merged = HeaderScan(header.version, header.kv_types,
+                        {name: t for _, h in opened for name, t in h.tensors.items()}, header.data_start)
+    return GGUFFile(p, SplitReader([r for r, _ in opened]), merged, tuple(parts))
+
+
+def _open_one(p: Path) -> tuple[GGUFReader, HeaderScan]:
+    """One GGUF file opened with gguf-py after its header has been validated."""
     try:
         found = p.exists()
     except OSError as e:                 # a name too long, ...
@@ -87,7 +122,18 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size:
             raise ModelFileError(f"{p.name} is truncated: tensor '{t.name}' ends at byte {end}, file has {size}")
-    return GGUFFile(p, reader, header)
+    return reader, header
+
+
+def set_hash(files: tuple[Path, ...] | list[Path]) -> str:
+    """The content identity of a model: its file's content_hash, or for a split set a hash of every
+    part's, in order (sessions and cached K/V of one set never restore into another)."""
+    if len(files) == 1:
+        return content_hash(files[0])
+    h = xxhash.xxh3_128(b"gguf-split")
+    for f in files:
+        h.update(content_hash(f).encode("ascii"))
+    return h.hexdigest()
 
 
 _hash_cache: dict[tuple[str, int, int], str] = {}

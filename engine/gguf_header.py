@@ -82,6 +82,7 @@ _GENERAL = {
     "tokenizer.ggml.eot_token_id": "int", "tokenizer.ggml.unknown_token_id": "int",
     "tokenizer.ggml.padding_token_id": "int",
     "tokenizer.ggml.add_bos_token": "flag", "tokenizer.ggml.add_space_prefix": "flag",
+    "split.no": "int", "split.count": "int", "split.tensors.count": "int",     # engine/gguf_split.py
 }
 # `<arch>.<suffix>` keys (any architecture prefix)
 _ARCH = {

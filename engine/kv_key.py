@@ -15,7 +15,7 @@ PLAIN_FORMAT = "float16"        # kv_format.KVFormat.label of 16-bit K/V (not wr
 
 @dataclass(frozen=True)
 class KVKey:
-    model_hash: str                 # gguf_file.content_hash of the model file
+    model_hash: str                 # gguf_file.set_hash of the model (a split model: every part)
     steering: str = ""              # the applied control vector's fingerprint; "" when none is applied
     kv_format: str = PLAIN_FORMAT   # kv_format.KVFormat.label: "float16", "q8g64", "q4g32", ...
 

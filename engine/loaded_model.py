@@ -24,7 +24,7 @@ class LoadedModel:
     info: Any                   # gguf_file.ModelInfo
     path: Path                  # the GGUF file
     template: str | None        # its chat template (tokenizer.chat_template), None when it has none
-    model_hash: str             # gguf_file.content_hash: the K/V identity's model part
+    model_hash: str             # gguf_file.set_hash: the K/V identity's model part
     n_ctx: int                  # the context this load allows (fit to memory and the model)
     dtype: Any                  # mx.Dtype of compute and of 16-bit K/V
     kv_format: Any              # kv_format.KVFormat of new conversations (Configure swaps it)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gemma_layout, hybrid_layout
+from . import gemma_layout, gguf_split, hybrid_layout
 from .errors import MemoryRefused, ModelFileError, StrataError
 from .gguf_schema import ArrayLen, HeaderView, check_view
 
@@ -84,6 +84,13 @@ class GGUFHeader:
     tensors: tuple[TensorInfo, ...]
     array_keys: frozenset[str] = frozenset()    # the keys whose value is an array (in `metadata` as a
                                                 # tuple, or as its length when long or not integers)
+    parts: tuple[Path, ...] = ()                # a split model's files, first part first (engine/gguf_split.py);
+                                                # () for a single file
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The files the model's tensors are in: its parts, or the one file."""
+        return self.parts or (self.path,)
 
     @property
     def architecture(self) -> str:
@@ -178,8 +185,20 @@ _HEADERS: dict[tuple[str, int, int], GGUFHeader] = {}
 
 
 def read_header(path: str | Path) -> GGUFHeader:
-    """The metadata and tensor table of a GGUF file (no tensor data is read). Kept per (path, size,
-    mtime): the model list's metadata, its estimate and a load's fit check read a file once."""
+    """The metadata and tensor table of a GGUF model (no tensor data is read): one file, or a split set
+    opened by its first part (every part read and checked by engine/gguf_split.py, the tensors of all
+    parts in one table, `parts` naming the files)."""
+    h = _read_one(path)
+    if not gguf_split.is_split(h):
+        return h
+    parts = gguf_split.read_parts(h, _read_one)
+    return GGUFHeader(h.path, h.metadata, tuple(t for part in parts for t in part.tensors), h.array_keys,
+                      tuple(part.path for part in parts))
+
+
+def _read_one(path: str | Path) -> GGUFHeader:
+    """One file's header, kept per (path, size, mtime): the model list's metadata, its estimate and a
+    load's fit check read a file once."""
     p = Path(path)
     try:
         st = p.stat()

@@ -10,7 +10,7 @@ import logging
 from . import kv_reserve, steering
 from .chat_template import generation_prompt
 from .device import compute_dtype, on_gpu
-from .gguf_file import content_hash, open_gguf
+from .gguf_file import open_gguf, set_hash
 from .kv_format import choose_for
 from .loaded_model import LoadedModel
 from .memory_estimate import fit_for_load, gpu_working_set
@@ -53,7 +53,7 @@ class ModelLoad:
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
-        model_hash = content_hash(path)
+        model_hash = set_hash(g.files)          # a split model: the whole set
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from . import model_sources
 from .errors import ModelFileError
 from .paths import models_dir
 
@@ -20,24 +21,17 @@ def default_model_path() -> Path:
     return models_dir() / DEFAULT_NAME
 
 
-def list_models(extra_dirs: list[str] | tuple = ()) -> list[Path]:
-    """The `*.gguf` entries of the models folder (and `extra_dirs`), each once. Nothing is opened here
-    (a FIFO or a link to a device is refused by name when loaded); a symlink loop is listed as itself."""
-    seen, out = set(), []
-    for d in [models_dir(), *map(Path, extra_dirs)]:
-        try:
-            found = sorted(d.glob("*.gguf")) if d.is_dir() else []
-        except OSError:
-            continue
-        for p in found:
-            try:
-                r = p.resolve()
-            except (OSError, RuntimeError):        # RuntimeError: a symlink loop (Python 3.11)
-                r = p
-            if r not in seen:
-                seen.add(r)
-                out.append(p)
-    return out
+def find_models(extra_dirs: list[str] | tuple = (), libraries: bool = True) -> model_sources.Scan:
+    """The models of the models folder, `extra_dirs` and (with `libraries`) LM Studio's, the Hugging
+    Face cache's and Ollama's, each file once and each split set once (engine/model_sources.py)."""
+    roots = model_sources.folder_roots(models_dir(), extra_dirs)
+    return model_sources.find(roots + (model_sources.library_roots() if libraries else []))
+
+
+def list_models(extra_dirs: list[str] | tuple = (), libraries: bool = True) -> list[Path]:
+    """The paths to load of `find_models`. Nothing is opened here (a FIFO or a link to a device is
+    refused by name when loaded); a symlink loop is listed as itself."""
+    return [m.path for m in find_models(extra_dirs, libraries).models]
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -47,7 +41,9 @@ def resolve_model(name_or_path: str) -> Path:
     for candidate in (models_dir() / name_or_path, models_dir() / f"{name_or_path}.gguf"):
         if candidate.exists():
             return candidate
-    matches = [m for m in list_models() if name_or_path.lower() in m.name.lower()]
+    want = name_or_path.lower()
+    found = find_models().models
+    matches = [m.path for m in found if want in m.path.name.lower() or want in m.label.lower()]
     if len(matches) == 1:
         return matches[0]
     if not matches:

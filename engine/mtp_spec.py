@@ -51,6 +51,7 @@ from .mtp_depth import MTP_DRAFT_CPU, MTP_DRAFT_GPU, target_offset
 from .archs.qwen35_mtp import load_head, check_matches
 from .gguf_file import open_gguf
 from .memory_estimate import read_header, tensor_bytes
+from .model_sources import model_stem
 from .models import resolve_model
 from .archs.gemma4_mtp import load_sibling
 
@@ -198,7 +199,7 @@ def find_head_file(model_path: Path, g) -> Path | None:
     if int(g.arch_key("nextn_predict_layers") or 0) > 0:
         return model_path
     sibs = sorted(p for p in model_path.parent.glob("mtp-*.gguf") if p.is_file())
-    named = [p for p in sibs if model_path.stem.lower() in p.stem.lower()]
+    named = [p for p in sibs if model_stem(model_path).lower() in p.stem.lower()]   # a split set: its name
     if named:
         return named[0]
     return sibs[0] if len(sibs) == 1 else None

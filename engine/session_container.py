@@ -557,8 +557,10 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
             f"model: {expected['n_layer']} x {expected['n_kv_heads']} x {expected['head_dim']}, "
             f"{expected.get('kv_format', KV_DTYPE)})")
     if fp.get("model_hash") != expected["model_hash"] or fp.get("architecture") != expected["architecture"]:
-        raise SessionFileError(f"{name} was saved with another model (content {str(fp.get('model_hash'))[:12]}, "
-                               f"loaded model {expected['model_hash'][:12]})")
+        saved, loaded = _model_label(fp.get("model")), _model_label(expected.get("model"))
+        raise SessionFileError(f"{name} was saved with another model ({saved}content "
+                               f"{str(fp.get('model_hash'))[:12]}, loaded model {loaded}"
+                               f"{expected['model_hash'][:12]})")
     if fp.get("tokenizer") != expected["tokenizer"] or fp.get("chat_template") != expected["chat_template"]:
         raise SessionFileError(f"{name} was saved with another tokenizer or chat template")
     theirs, ours = fp.get("kv_format", KV_DTYPE), str(expected.get("kv_format", KV_DTYPE))
@@ -582,6 +584,14 @@ def check_fingerprint(name: str, meta: dict, expected: dict) -> None:
     if fp.get("steering") != str(expected["steering"]):
         raise SessionFileError(f"{name} was saved with another steering setting "
                                f"({_steer_label(fp.get('steering'))}; now {_steer_label(expected['steering'])})")
+
+
+def _model_label(name) -> str:
+    """A fingerprint's model name as the start of a refusal's parenthesis ('' when it has none: older
+    files), one line and bounded (a file's metadata is untrusted)."""
+    if not isinstance(name, str) or not name:
+        return ""
+    return " ".join(name.split())[:80] + ", "
 
 
 def _steer_label(fp) -> str:

@@ -14,6 +14,7 @@ from . import sessions
 from .chat_template import render
 from .generate import prefill
 from .gguf_file import text_hash
+from .gguf_split import set_label
 from .parking import KVEntry
 from .paths import sessions_dir
 from .session_v3 import probe
@@ -39,7 +40,10 @@ class SessionRequests:
             described = json.dumps({"files": [[str(p), float(sc)] for p, sc in cfg.files],
                                     "layer_range": list(cfg.layer_range) if cfg.layer_range else None,
                                     "mode": cfg.mode, "direction": cfg.direction})
-        return {"model_hash": self.eng.model_hash, "architecture": info.architecture, "n_layer": info.n_layer,
+        # "model" is for people (a refusal names the file or split set it was saved with); the hash,
+        # over every part of a split set, is what must match
+        return {"model_hash": self.eng.model_hash, "model": set_label(self.eng.model_path),
+                "architecture": info.architecture, "n_layer": info.n_layer,
                 "n_kv_heads": info.n_head_kv, "head_dim": info.head_dim,
                 "tokenizer": self.eng.tokenizer.fingerprint, "chat_template": text_hash(self.eng.template or ""),
                 "steering": steer or "none", "steering_vector": described,

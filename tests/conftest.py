@@ -61,6 +61,10 @@ def strata_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "strata-home"
     home.mkdir()
     monkeypatch.setenv("STRATA_HOME", str(home))
+    # the libraries of other apps (engine/model_sources.py) looked for in an empty home, never the real one
+    monkeypatch.setenv("STRATA_LIBRARY_HOME", str(tmp_path / "library-home"))
+    for key in ("HF_HUB_CACHE", "HF_HOME", "OLLAMA_MODELS"):
+        monkeypatch.delenv(key, raising=False)
     return home
 
 

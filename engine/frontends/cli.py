@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..errors import StrataError
-from ..models import default_model_path, list_models, resolve_model
+from ..models import default_model_path, find_models, resolve_model
 from ..sampling import FIELD, FIELDS, SamplingParams
 from .launch import add_engine_flags, follow, start_engine
 
@@ -134,13 +134,29 @@ def cmd_models(args) -> int:
         path = fetch_default(progress)
         print(path)
     elif args.action == "list":
-        for p in list_models():
-            print(p)
+        list_found(args)
     elif args.action == "path":
         print(default_model_path().parent)
     elif args.action == "estimate":
         return cmd_models_estimate(args)
     return 0
+
+
+def list_found(args) -> None:
+    """`strata models list`: one model a line, where it lives after a tab (--paths: the paths only);
+    the folders that could not be read on stderr."""
+    scan = find_models(args.folder, libraries=not args.no_libraries)
+    for m in scan.models:
+        if args.paths:
+            print(m.path)
+            continue
+        extra = [f"{m.parts} parts"] if m.parts > 1 else []
+        extra += [f"projector {m.mmproj.name}"] if m.mmproj else []
+        extra += [f"drafter {m.mtp.name}"] if m.mtp else []
+        label = f" {m.label}" if m.label else ""
+        print(f"{m.path}\t{m.source}{label}" + (f" ({', '.join(extra)})" if extra else ""))
+    for note in scan.notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def cmd_models_estimate(args) -> int:
@@ -198,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     add_spec_flag(g)
     g.set_defaults(fn=cmd_generate)
 
-    m = sub.add_parser("models", help="the models folder")
+    m = sub.add_parser("models", help="the models folder and the libraries found (LM Studio, Hugging Face, Ollama)")
     m.add_argument("action", choices=("fetch-default", "list", "path", "estimate"))
     m.add_argument("path", nargs="?", help="estimate: the GGUF file (or a name in the models folder)")
     m.add_argument("--if-missing", action="store_true")
+    m.add_argument("--paths", action="store_true", help="list: the paths only, one a line")
+    m.add_argument("--folder", action="append", default=[], metavar="DIR",
+                   help="list: also the models in DIR and its subfolders (as the app's Settings folders); repeatable")
+    m.add_argument("--no-libraries", action="store_true",
+                   help="list: the models folder only, not LM Studio's, the Hugging Face cache's or Ollama's")
     m.add_argument("--context", type=int, default=None, help="estimate: context length (default: the engine's)")
     m.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="estimate: compute dtype (default: the engine's for this machine)")
