@@ -54,7 +54,11 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_PIXELS, max_bytes: int = 
             return _decode(bytes(data), max_pixels)
     except ImageRefused:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:
+        # Pillow's own bound (far above ours) stops Image.open before the size is seen here
+        raise ImageRefused(_first_line(f"the image declares too many pixels (at most {max_pixels / 1e6:.0f} MP "
+                                       "are read)", e)) from None
+    except UnidentifiedImageError as e:
         raise ImageRefused(_first_line("the data is not an image Strata reads (PNG, JPEG, WebP, GIF, BMP, TIFF)", e))
     except MemoryError:
         raise ImageRefused("there is not enough free memory to decode the image") from None
