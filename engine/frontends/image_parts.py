@@ -1,0 +1,161 @@
+"""Images in API requests: OpenAI `image_url` content parts and Anthropic `image` blocks as the engine's
+ImageInput parts ({"type": "image", "image": ImageInput} in a user message's content list).
+
+Only data carried in the request is read: an OpenAI `data:` URL with base64, an Anthropic `base64`
+source. An http(s) URL is refused with a 400 naming the part (this server does not fetch from the
+network). Per request: at most MAX_REQUEST_IMAGES images and MAX_REQUEST_IMAGE_BYTES of image bytes
+in all, each image at most engine.images.MAX_IMAGE_BYTES, and each checked with decode_image (off
+the event loop) before the engine sees it, so a damaged file or a decompression bomb is a 400 that
+names its content part, never a traceback. A model without an image projector (ModelFacts.vision is
+None) answers 400 "reads text only" at the first image part.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass, field
+
+from starlette.concurrency import run_in_threadpool
+
+from ..api import ImageInput
+from ..images import MAX_IMAGE_BYTES, ImageRefused, decode_image
+from ..tool_calls import uses_tools
+from .wire import APIError
+
+MAX_REQUEST_IMAGES = 8
+MAX_REQUEST_IMAGE_BYTES = 48 << 20
+_DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+
+
+def _bad(where: str, message: str, code: str = "invalid_image") -> APIError:
+    return APIError(400, f"{where}: {message}", param=where, code=code)
+
+
+@dataclass
+class ImageBudget:
+    """The images of one request as they are found: counted and bounded, checked later (`check`)."""
+    vision: str | None                 # the loaded model's projector; None: it reads text only
+    model: str = ""
+    found: list[tuple[str, ImageInput]] = field(default_factory=list)
+    total: int = 0
+
+    def add(self, where: str, b64: str, name: str) -> ImageInput:
+        if self.vision is None:
+            who = f"the model {self.model}" if self.model else "the loaded model"
+            raise _bad(where, f"{who} reads text only (no image projector is loaded with it): images cannot "
+                              "be sent to it", code="model_reads_text_only")
+        if len(self.found) >= MAX_REQUEST_IMAGES:
+            raise _bad(where, f"a request takes at most {MAX_REQUEST_IMAGES} images", code="too_many_images")
+        size = len(b64) * 3 // 4                         # before decoding: a bound from the text alone
+        if size > MAX_IMAGE_BYTES + 3:
+            raise _bad(where, f"the image is {size / 2**20:.1f} MiB; at most {MAX_IMAGE_BYTES / 2**20:.0f} MiB "
+                              "is read", code="image_too_large")
+        if self.total + size > MAX_REQUEST_IMAGE_BYTES:
+            raise _bad(where, f"the request's images pass {MAX_REQUEST_IMAGE_BYTES / 2**20:.0f} MiB in all",
+                       code="image_too_large")
+        try:
+            data = base64.b64decode(b64.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(where, "the image's data is not valid base64") from None
+        self.total += len(data)
+        image = ImageInput(data, name)
+        self.found.append((where, image))
+        return image
+
+    async def check(self) -> None:
+        """Every image found decoded once (bounded, off the event loop): a 400 naming the first bad one."""
+        for where, image in self.found:
+            try:
+                await run_in_threadpool(decode_image, image.data)
+            except ImageRefused as e:
+                raise _bad(where, str(e)) from None
+
+
+def _http_refusal(where: str) -> APIError:
+    return _bad(where, "image URLs are not fetched by this server: send the image in the request "
+                       "(a data: URL with base64, or an Anthropic base64 source)", code="image_url_not_supported")
+
+
+# ---- OpenAI -----------------------------------------------------------------------------------------
+def openai_image(part: dict, where: str, budget: ImageBudget) -> ImageInput:
+    """An `image_url` part: {"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
+    "detail"?}} (the URL as a bare string too, as some clients send it)."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    at = f"{where}.image_url.url" if isinstance(spec, dict) else f"{where}.image_url"
+    if not isinstance(url, str) or not url:
+        raise _bad(where, "an image_url part needs {\"url\": \"data:image/...;base64,...\"}")
+    if url[:8].lower().startswith(("http://", "https:/")):
+        raise _http_refusal(at)
+    m = _DATA_URL.match(url[:300])
+    if m is None or not m.group("b64"):
+        raise _bad(at, "the image must be a data: URL with base64 data (data:image/png;base64,...)")
+    return budget.add(where, url[m.end():], f"image {len(budget.found) + 1}")
+
+
+def split_openai(messages, budget: ImageBudget):
+    """(the messages with their image parts taken out, {message index: its content parts with the
+    images as ImageInput, in the order given}). Messages that are not lists of parts pass unchanged."""
+    if not isinstance(messages, list):
+        return messages, {}
+    out, parts_of = [], {}
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list) or not any(_is_openai_image(p) for p in content):
+            out.append(m)
+            continue
+        if m.get("role") != "user":
+            raise _bad(f"messages[{i}].content", "images are read in user messages only")
+        parts, texts = [], []
+        for j, p in enumerate(content):
+            if _is_openai_image(p):
+                parts.append({"type": "image", "image": openai_image(p, f"messages[{i}].content[{j}]", budget)})
+            else:
+                parts.append(p)
+                texts.append(p)
+        out.append(dict(m, content=texts))
+        parts_of[i] = parts
+    return out, parts_of
+
+
+def _is_openai_image(p) -> bool:
+    return isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
+
+
+def with_images(messages: list[dict], parts_of: dict) -> list[dict]:
+    """The checked messages (one per message given, in order) with each image message's content as
+    its parts: text parts as they were checked, the images as ImageInput."""
+    if not parts_of:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        if i in parts_of:
+            parts = [p if p.get("type") == "image" else {"type": "text", "text": p.get("text", "")}
+                     for p in parts_of[i]]
+            m = dict(m, content=parts)
+        out.append(m)
+    return out
+
+
+def tools_with_images(fmt, messages: list[dict], where: str) -> None:
+    """A model whose tool format writes tool results into user turns as text (not its template's own
+    tool messages) cannot take images in the same conversation: refused naming the first image part
+    `where`, before rendering."""
+    if fmt is not None and not fmt.native and uses_tools(messages):
+        raise _bad(where, f"images cannot be mixed with tool calls for this model (its tool format, "
+                          f"{fmt.name}, writes tool results as text)", code="unsupported_content")
+
+
+# ---- Anthropic --------------------------------------------------------------------------------------
+def anthropic_image(block: dict, where: str, budget: ImageBudget) -> ImageInput:
+    """An `image` block: {"type": "image", "source": {"type": "base64", "media_type", "data"}}."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise _http_refusal(f"{where}.source")
+    if kind != "base64" or not isinstance(source.get("data"), str):
+        raise _bad(where, 'an image block needs "source": {"type": "base64", "media_type": "image/png", '
+                          '"data": "..."}')
+    return budget.add(where, source["data"], f"image {len(budget.found) + 1}")
