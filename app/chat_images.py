@@ -164,11 +164,6 @@ class ChatImages:
         return Attachment(data, str(ref.get("name") or ref.get("file")), str(ref.get("digest", "")),
                           int(ref.get("width", 0)), int(ref.get("height", 0)), ext)
 
-    def missing(self, chat_id: str, messages: list[dict]) -> list[str]:
-        """The names of the images these messages reference that are not on disk."""
-        return [str(r.get("name") or r.get("file")) for m in messages for r in message_images(m)
-                if not self.path(chat_id, r).is_file()]
-
     def remove_chat(self, chat_id: str) -> None:
         try:
             shutil.rmtree(self.folder(chat_id), ignore_errors=True)

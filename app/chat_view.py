@@ -464,7 +464,7 @@ class ChatView(QWidget):
 
     def _generate(self) -> None:
         # The user's reply comes before any title: a title running now stops, and runs after it
-        why = self.images.refusal(self.chat.messages) or self._missing_images()
+        why = self.images.refusal(self.chat.messages)
         if why:
             self.notes.append(f"Not sent: {why}")
             self._end_failed(f"Not sent: {why}")
@@ -485,10 +485,6 @@ class ChatView(QWidget):
             self._update_buttons()
             return
         self._submit(messages, sampling)
-
-    def _missing_images(self) -> str:
-        gone = self.images.missing(self.chat.messages)
-        return f"the image {gone[0]} is gone from the data folder" if gone else ""
 
     def _after_count(self, r, messages: list[dict], sampling: dict, n_ctx: int) -> None:
         if self.request is None or self.request._cancel:

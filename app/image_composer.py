@@ -119,9 +119,6 @@ class ImagesPart(QObject):
         """The attachments stored with the chat: their references for the message dict."""
         return [self.store.store(self.chat_id(), a) for a in attachments]
 
-    def missing(self, messages: list[dict]) -> list[str]:
-        return self.store.missing(self.chat_id(), messages)
-
     def request_message(self, m: dict) -> dict:
         """A stored message as the engine reads it: with images, content is a list of parts (the
         images, then the text); an image whose file is gone becomes a line saying so."""

@@ -79,6 +79,25 @@ def test_an_attached_image_is_kept_with_the_chat_and_sent_as_an_image_part(qtbot
     dialog = view.images.open_image(view.chat.messages, 0, 0)
     assert dialog is not None and dialog.label.pixmap().width() == 40
     dialog.close()
+    # Edit brings the message's image back into the row with its text; the edit is sent with it
+    view.edit(0)
+    assert [a.data for a in view.images.row.items] == [data]
+    view.input.setPlainText("And now?")
+    with qtbot.waitSignal(view.stats, timeout=5000):
+        view.send_input()
+    assert len(view.chat.messages) == 2 and view.chat.messages[0]["images"] == [ref]
+
+
+def test_a_stored_reference_never_reaches_out_of_the_chats_folder(idle_window, fake_client, tmp_path):
+    """A message dict from a hand-edited database naming '../..' files: only the name inside the chat's
+    folder is read, and its absence is said in place (the prompt says so too), nothing else opened."""
+    view = _vision_view(idle_window, fake_client, tmp_path)
+    (tmp_path / "secret.png").write_bytes(_png())
+    view.chat.messages = [{"role": "user", "content": "x", "images": [{"file": "../../secret.png", "name": "s"}]}]
+    view.render_all()
+    assert "[image not found: s]" in view.transcript_text()
+    sent = view.request_messages()[-1]["content"]
+    assert sent[0] == {"type": "text", "text": "[image not found: s]"}
 
 
 def test_a_text_only_model_refuses_at_attach_and_at_send(qtbot, idle_window, fake_client, tmp_path):
