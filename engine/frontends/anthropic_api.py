@@ -200,7 +200,7 @@ def _prepare(s: Served, body: dict):
     """The request's messages in the engine's form, its tool plan (tool_calls.chat_plan) and its images
     (an ImageBudget: `await images.check()` before the engine sees them)."""
     facts = s.engine.model_facts()
-    images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine))
+    images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine), s.allow_image_urls)
     messages = convert_messages(body, images)
     tools, choice, parallel = convert_tools(body)
     try:
@@ -263,7 +263,7 @@ def _read_ask(s: Served, body: dict) -> _Ask:
 async def _messages(request: Request) -> Response:
     s = _served(request)
     ask = _read_ask(s, await _json_body(request))
-    await ask.images.check()
+    ask.messages = await ask.images.ready(ask.messages)
     plan = ask.plan
     bridge = _Bridge(s.engine, GenerateRequest(
         messages=ask.messages, sampling=ask.sampling, conversation=f"http {ask.mid}",
@@ -417,7 +417,7 @@ async def count_tokens(request: Request) -> Response:
     try:
         body = await _json_body(request)
         messages, plan, images = _prepare(s, body)
-        await images.check()
+        messages = await images.ready(messages)
         outcome = await _Bridge(s.engine, CountTokens(
             messages=messages, tools=plan.template_tools if plan is not None else None)).outcome()
         if isinstance(outcome, Failed):

@@ -1,22 +1,29 @@
 """Images in API requests: OpenAI `image_url` content parts and Anthropic `image` blocks as the engine's
 ImageInput parts ({"type": "image", "image": ImageInput} in a user message's content list).
 
-Only data carried in the request is read: an OpenAI `data:` URL with base64, an Anthropic `base64`
-source. An http(s) URL is refused with a 400 naming the part (this server does not fetch from the
-network). Per request: at most MAX_REQUEST_IMAGES images and MAX_REQUEST_IMAGE_BYTES of image bytes
-in all, each image at most engine.images.MAX_IMAGE_BYTES, and each checked with decode_image (off
-the event loop) before the engine sees it, so a damaged file or a decompression bomb is a 400 that
-names its content part, never a traceback. A model without an image projector (ModelFacts.vision is
-None) answers 400 "reads text only" at the first image part.
+Data carried in the request is read: an OpenAI `data:` URL with base64, an Anthropic `base64` source.
+An http(s) URL (an OpenAI image_url, an Anthropic `url` source) is refused with a 400 naming the part,
+unless the server was started with --allow-image-urls: then it is fetched through the model fetch's
+transport (strata_fetch.index_fetch.fetch_url: http(s) only, at most 5 redirects, a deadline, at most
+MAX_IMAGE_BYTES read), off the event loop, once every part of the request has been read, so a refusal
+by count or by a text-only model costs no fetch. Per request: at most MAX_REQUEST_IMAGES images and
+MAX_REQUEST_IMAGE_BYTES of image bytes in all, each image at most engine.images.MAX_IMAGE_BYTES, and
+each checked with decode_image (off the event loop) before the engine sees it, so a damaged file, a
+decompression bomb or a failed fetch is a 400 that names its content part, never a traceback. A model
+without an image projector (ModelFacts.vision is None) answers 400 "reads text only" at the first
+image part.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
+
+from strata_fetch.index_fetch import FetchError, fetch_url
 
 from ..api import ImageInput
 from ..images import MAX_IMAGE_BYTES, ImageRefused, decode_image
@@ -34,27 +41,40 @@ def _bad(where: str, message: str, code: str = "invalid_image") -> APIError:
 
 
 @dataclass
+class _Pending:
+    """An image URL found in the request, fetched by `ImageBudget.check`."""
+    where: str
+    url: str
+    stand_in: ImageInput               # in the parts until the fetch gives the file
+
+
+@dataclass
 class ImageBudget:
-    """The images of one request as they are found: counted and bounded, checked later (`check`)."""
+    """The images of one request as they are found: counted and bounded, fetched and checked later
+    (`check`; then `resolve` puts the fetched files in the messages)."""
     vision: str | None                 # the loaded model's projector; None: it reads text only
     model: str = ""
+    fetch_urls: bool = False           # the server's --allow-image-urls
     found: list[tuple[str, ImageInput]] = field(default_factory=list)
     total: int = 0
+    pending: list[_Pending] = field(default_factory=list)
+    fetched: dict[int, ImageInput] = field(default_factory=dict)    # id(stand-in) -> the fetched image
 
-    def add(self, where: str, b64: str, name: str) -> ImageInput:
+    def _admit(self, where: str) -> None:
         if self.vision is None:
             who = f"the model {self.model}" if self.model else "the loaded model"
             raise _bad(where, f"{who} reads text only (no image projector is loaded with it): images cannot "
                               "be sent to it", code="model_reads_text_only")
         if len(self.found) >= MAX_REQUEST_IMAGES:
             raise _bad(where, f"a request takes at most {MAX_REQUEST_IMAGES} images", code="too_many_images")
+
+    def add(self, where: str, b64: str, name: str) -> ImageInput:
+        self._admit(where)
         size = len(b64) * 3 // 4                         # before decoding: a bound from the text alone
         if size > MAX_IMAGE_BYTES + 3:
             raise _bad(where, f"the image is {size / 2**20:.1f} MiB; at most {MAX_IMAGE_BYTES / 2**20:.0f} MiB "
                               "is read", code="image_too_large")
-        if self.total + size > MAX_REQUEST_IMAGE_BYTES:
-            raise _bad(where, f"the request's images pass {MAX_REQUEST_IMAGE_BYTES / 2**20:.0f} MiB in all",
-                       code="image_too_large")
+        self._count(where, size, 0)
         try:
             data = base64.b64decode(b64.strip(), validate=True)
         except (binascii.Error, ValueError):
@@ -64,18 +84,81 @@ class ImageBudget:
         self.found.append((where, image))
         return image
 
+    def _count(self, where: str, size: int, adds: int) -> None:
+        """Refuse `size` more bytes past the request's bound; count `adds` of them now."""
+        if self.total + size > MAX_REQUEST_IMAGE_BYTES:
+            raise _bad(where, f"the request's images pass {MAX_REQUEST_IMAGE_BYTES / 2**20:.0f} MiB in all",
+                       code="image_too_large")
+        self.total += adds
+
+    def add_url(self, where: str, url: str, name: str) -> ImageInput:
+        """An http(s) image URL: refused unless the server fetches them; else a stand-in until `check`."""
+        self._admit(where)
+        if not self.fetch_urls:
+            raise _bad(where, "image URLs are not fetched by this server (start it with --allow-image-urls to "
+                              "fetch them): send the image in the request (a data: URL with base64, or an "
+                              "Anthropic base64 source)", code="image_url_not_supported")
+        stand_in = ImageInput(b"", _url_name(url) or name)
+        self.pending.append(_Pending(where, url, stand_in))
+        self.found.append((where, stand_in))
+        return stand_in
+
     async def check(self) -> None:
-        """Every image found decoded once (bounded, off the event loop): a 400 naming the first bad one."""
+        """Every URL fetched and every image decoded once (bounded, off the event loop): a 400 naming
+        the first bad one."""
+        for p in self.pending:
+            data = await run_in_threadpool(self._fetch, p)
+            self._count(p.where, len(data), len(data))
+            got = self.fetched[id(p.stand_in)] = ImageInput(data, p.stand_in.name)
+            self.found = [(w, got if im is p.stand_in else im) for w, im in self.found]
         for where, image in self.found:
             try:
                 await run_in_threadpool(decode_image, image.data)
             except ImageRefused as e:
                 raise _bad(where, str(e)) from None
 
+    async def ready(self, messages: list[dict]) -> list[dict]:
+        """`check`, then `messages` as the engine reads them (each fetched image in place)."""
+        await self.check()
+        return self.resolve(messages)
 
-def _http_refusal(where: str) -> APIError:
-    return _bad(where, "image URLs are not fetched by this server: send the image in the request "
-                       "(a data: URL with base64, or an Anthropic base64 source)", code="image_url_not_supported")
+    def _fetch(self, p: _Pending) -> bytes:
+        limit = min(MAX_IMAGE_BYTES, max(0, MAX_REQUEST_IMAGE_BYTES - self.total))
+        try:
+            return fetch_url(p.url, limit, "the image could not be fetched", accept="image/*").data
+        except FetchError as e:
+            raise _bad(p.where, str(e), code="image_fetch_failed") from None
+
+    def resolve(self, messages: list[dict]) -> list[dict]:
+        """`messages` with each fetched image in place of its stand-in (after `check`)."""
+        got = self.fetched
+        if not got:
+            return messages
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list) and any(_stand_in(p, got) for p in content):
+                m = dict(m, content=[dict(p, image=got[id(p["image"])]) if _stand_in(p, got) else p
+                                     for p in content])
+            out.append(m)
+        return out
+
+
+def _stand_in(part, got: dict) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image" and id(part.get("image")) in got
+
+
+def _url_name(url: str) -> str:
+    """The URL's file name (for the engine's messages and log), at most 80 characters."""
+    try:
+        name = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+    except ValueError:
+        return ""
+    return "".join(c for c in name if c.isprintable())[:80]
+
+
+def _http_url(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https:/"))
 
 
 # ---- OpenAI -----------------------------------------------------------------------------------------
@@ -87,8 +170,8 @@ def openai_image(part: dict, where: str, budget: ImageBudget) -> ImageInput:
     at = f"{where}.image_url.url" if isinstance(spec, dict) else f"{where}.image_url"
     if not isinstance(url, str) or not url:
         raise _bad(where, "an image_url part needs {\"url\": \"data:image/...;base64,...\"}")
-    if url[:8].lower().startswith(("http://", "https:/")):
-        raise _http_refusal(at)
+    if _http_url(url):
+        return budget.add_url(at, url, f"image {len(budget.found) + 1}")
     m = _DATA_URL.match(url[:300])
     if m is None or not m.group("b64"):
         raise _bad(at, "the image must be a data: URL with base64 data (data:image/png;base64,...)")
@@ -153,8 +236,10 @@ def anthropic_image(block: dict, where: str, budget: ImageBudget) -> ImageInput:
     """An `image` block: {"type": "image", "source": {"type": "base64", "media_type", "data"}}."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url" and isinstance(source.get("url"), str) and _http_url(source["url"]):
+        return budget.add_url(f"{where}.source.url", source["url"], f"image {len(budget.found) + 1}")
     if kind == "url":
-        raise _http_refusal(f"{where}.source")
+        raise _bad(f"{where}.source.url", "an image url source needs an http(s) URL")
     if kind != "base64" or not isinstance(source.get("data"), str):
         raise _bad(where, 'an image block needs "source": {"type": "base64", "media_type": "image/png", '
                           '"data": "..."}')

@@ -96,7 +96,7 @@ def _read_call(s: Served, body: dict, chat: bool) -> _Call:
     if chat:
         fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
         facts = s.engine.model_facts()
-        images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine))
+        images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine), s.allow_image_urls)
         raw, parts_of = split_openai(body.get("messages"), images)
         try:
             checked = openai_messages(raw)
@@ -152,7 +152,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     asked_model = _check_model(s.engine, body)
     call = _read_call(s, body, chat)
     if call.images is not None:
-        await call.images.check()
+        call.messages = await call.images.ready(call.messages)
     req, stream = _request_of(s, call)
     bridge = _Bridge(s.engine, req)
     if not stream:

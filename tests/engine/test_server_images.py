@@ -1,7 +1,8 @@
 """Images through the server (engine/frontends/image_parts.py): OpenAI `image_url` parts with data:
 URLs and Anthropic `image` blocks with a base64 source, sent with the real openai and anthropic SDKs to
 a real Engine behind uvicorn. Before the engine sees an image: a model without a projector answers 400
-"reads text only"; a damaged file, non-image data, a decompression bomb, an http(s) URL (not fetched),
+"reads text only"; a damaged file, non-image data, a decompression bomb, an http(s) URL (not fetched
+without --allow-image-urls: test_server_image_urls.py),
 bad base64 or more than 8 images answer 400 naming the content part; never a traceback.
 
 The tiny test model reads text only (the projectors are built beside this). To reach the checks that
@@ -168,7 +169,7 @@ def test_urls_bad_data_urls_too_many_images_and_images_outside_user_turns_are_re
     with pytest.raises(anthropic.BadRequestError) as ae:
         a.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
-    assert ae.value.body["error"]["message"].startswith("messages.0.content.0.source: image URLs are not fetched")
+    assert ae.value.body["error"]["message"].startswith("messages.0.content.0.source.url: image URLs are not fetched")
     a.close()
 
 
