@@ -263,3 +263,23 @@ def test_journey_a_chat_with_images_is_stored_reopened_exported_and_deleted(qtbo
         pass
     assert not folder.exists()
     w.close()
+
+
+def test_an_mmproj_in_the_models_folder_is_listed_as_an_image_projector_not_a_broken_model(tmp_path):
+    """The mmproj-*.gguf people download beside a vision model: its row says what it is (not a missing
+    key of a model header), and it is never offered as a model to load."""
+    import gguf
+    from app.model_scan import read_row
+    from engine.memory_estimate import Budget
+    path = tmp_path / "mmproj-tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta, (column, tip) = read_row(path, Budget(8 << 30, "test"))
+    assert meta.architecture == "clip" and column == "?"
+    assert meta.error == tip == "mmproj-tiny.gguf: an image projector (mmproj), not a chat model: it is loaded " \
+                                "with the model beside it"
