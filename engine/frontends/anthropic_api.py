@@ -199,8 +199,7 @@ def _served(request: Request) -> Served:
 def _prepare(s: Served, body: dict):
     """The request's messages in the engine's form, its tool plan (tool_calls.chat_plan) and its images
     (an ImageBudget: `await images.check()` before the engine sees them)."""
-    facts = s.engine.model_facts()
-    images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine), s.allow_image_urls)
+    images = ImageBudget.for_engine(s.engine, s.allow_image_urls)
     messages = convert_messages(body, images)
     tools, choice, parallel = convert_tools(body)
     try:

@@ -59,12 +59,21 @@ class ImageBudget:
     total: int = 0
     pending: list[_Pending] = field(default_factory=list)
     fetched: dict[int, ImageInput] = field(default_factory=dict)    # id(stand-in) -> the fetched image
+    loading: object = None             # the engine while its start-up load runs: `vision` is not known yet
+
+    @classmethod
+    def for_engine(cls, engine, fetch_urls: bool = False) -> "ImageBudget":
+        """A request's budget: the projector from the loaded model's facts; a request that comes while
+        the server's start-up load runs learns it in `check`, once the load is done (a vision model
+        still loading is no text-only model)."""
+        facts = engine.model_facts()
+        if facts is None and getattr(engine, "startup", None) is not None:
+            return cls(None, "", fetch_urls, loading=engine)
+        return cls(getattr(facts, "vision", None), facts.model_id if facts is not None else "", fetch_urls)
 
     def _admit(self, where: str) -> None:
-        if self.vision is None:
-            who = f"the model {self.model}" if self.model else "the loaded model"
-            raise _bad(where, f"{who} reads text only (no image projector is loaded with it): images cannot "
-                              "be sent to it", code="model_reads_text_only")
+        if self.vision is None and self.loading is None:
+            raise self._text_only(where)
         if len(self.found) >= MAX_REQUEST_IMAGES:
             raise _bad(where, f"a request takes at most {MAX_REQUEST_IMAGES} images", code="too_many_images")
 
@@ -103,9 +112,29 @@ class ImageBudget:
         self.found.append((where, stand_in))
         return stand_in
 
+    def _text_only(self, where: str) -> APIError:
+        who = f"the model {self.model}" if self.model else "the loaded model"
+        return _bad(where, f"{who} reads text only (no image projector is loaded with it): images cannot "
+                           "be sent to it", code="model_reads_text_only")
+
+    async def _after_load(self) -> None:
+        """The start-up load awaited (off the event loop) when the request came during it; a text-only
+        model refuses its first image then. A failed load is left to the engine's own answer."""
+        engine, self.loading = self.loading, None
+        if engine is None or not self.found:
+            return
+        await run_in_threadpool(engine.startup.finished.wait)
+        facts = engine.model_facts()
+        if facts is None:
+            return
+        self.vision, self.model = getattr(facts, "vision", None), facts.model_id
+        if self.vision is None:
+            raise self._text_only(self.found[0][0])
+
     async def check(self) -> None:
-        """Every URL fetched and every image decoded once (bounded, off the event loop): a 400 naming
-        the first bad one."""
+        """The start-up load awaited if it runs, then every URL fetched and every image decoded once
+        (bounded, off the event loop): a 400 naming the first bad one."""
+        await self._after_load()
         for p in self.pending:
             data = await run_in_threadpool(self._fetch, p)
             self._count(p.where, len(data), len(data))

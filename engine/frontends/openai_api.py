@@ -95,8 +95,7 @@ def _read_call(s: Served, body: dict, chat: bool) -> _Call:
     plan = fmt = images = None
     if chat:
         fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
-        facts = s.engine.model_facts()
-        images = ImageBudget(getattr(facts, "vision", None), _model_id(s.engine), s.allow_image_urls)
+        images = ImageBudget.for_engine(s.engine, s.allow_image_urls)
         raw, parts_of = split_openai(body.get("messages"), images)
         try:
             checked = openai_messages(raw)

@@ -197,3 +197,53 @@ def test_image_parts_become_image_inputs_in_the_order_given():
     assert msgs[0]["content"][0]["image"].data == png and msgs[0]["content"][1] == {"type": "text", "text": "?"}
     with pytest.raises(APIError):
         convert_messages({"messages": [{"role": "user", "content": [_an_image(png)]}]})   # no budget: refused
+
+
+def test_an_image_sent_while_the_model_loads_is_answered_by_what_loaded(tmp_path, monkeypatch):
+    """`strata serve` answers while its start-up load runs. An image request then waits for the load
+    and is answered by the model that loaded: a text-only model's refusal names it, a model with a
+    projector goes on to the image's own checks; nothing is refused as text-only for being early.
+    (The load is held at its start until both requests are in: the one patch, of the load's timing.)"""
+    import threading
+    from gguf_factory import write_tiny_gguf
+    from engine.model_load import ModelLoad
+    real, gate = ModelLoad.load, threading.Event()
+
+    def held(self, req, handle):
+        gate.wait(120)
+        return real(self, req, handle)
+
+    monkeypatch.setattr(ModelLoad, "load", held)
+    path = write_tiny_gguf(tmp_path / "tiny-late.gguf", arch="llama", n_layer=2, n_embd=64, seed=6,
+                           context_length=2048)
+    eng = Engine(EngineOptions(model=str(path))).start()
+    text, vision = ServerThread(create_app(eng)).start(), ServerThread(create_app(ClaimsVision(eng))).start()
+    got: dict[str, openai.BadRequestError] = {}
+
+    def ask(name, srv, data):
+        try:
+            got[name] = _oa_refusal(srv, [{"type": "text", "text": "look"}, _oa_image(data)])
+        except BaseException as e:  # noqa: BLE001 - pytest's Failed too: shown by the assertions below
+            got[name] = e
+
+    try:
+        assert eng.model_facts() is None
+        asks = [threading.Thread(target=ask, args=("text", text, _png())),
+                threading.Thread(target=ask, args=("vision", vision, b"not a picture"))]
+        for t in asks:
+            t.start()
+        for t in asks:
+            t.join(1.0)
+        assert all(t.is_alive() for t in asks), got               # waiting for the load, not answered early
+        gate.set()
+        for t in asks:
+            t.join(120)
+    finally:
+        gate.set()
+        text.stop()
+        vision.stop()
+        eng.stop()
+    e = got["text"]
+    assert e.body["code"] == "model_reads_text_only" and "tiny-late reads text only" in e.body["message"]
+    e = got["vision"]
+    assert e.body["code"] == "invalid_image" and "not an image Strata reads" in e.body["message"]
