@@ -9,19 +9,27 @@ JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}]
 {"id", "parentId", "childrenIds", "role", "content"}}, "currentId"}}, the times as ISO 8601 local time with
 the UTC offset. A question sent with documents lists its sources (names, places and the passages it
 used) after its text, and as its "documents" in JSON.
+A message's images: in Markdown, image links before its text to copies of the files in a folder beside
+the export (`<name>_files/`); in JSON, `images: [{"name", "width", "height", "digest", "media_type",
+"data"}]` with the file's bytes in base64. An image whose file is gone is said so in place.
 Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import os
 import re
+import shutil
 import tempfile
+import urllib.parse
 from datetime import datetime
 from pathlib import Path
 
 from .branches import tree
 from .documents.prompt import export_markdown
+from .chat_images import ChatImages, message_images
 from .store import Chat, valid_text
 
 ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
@@ -35,7 +43,8 @@ def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
 
 
-def to_markdown(chat: Chat) -> str:
+def to_markdown(chat: Chat, image_link=None) -> str:
+    """`image_link(ref)`: the relative link of a message's image (None: its file is gone)."""
     meta = []
     if chat.model:
         meta.append(f"Model: {chat.model}")
@@ -44,7 +53,12 @@ def to_markdown(chat: Chat) -> str:
     parts = [f"# {chat.title}", "", " · ".join(meta)]
     for m in chat.messages:
         role = m["role"]
-        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", "", close_fence(m["content"])]
+        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", ""]
+        for ref in message_images(m):
+            link = image_link(ref) if image_link is not None else None
+            name = _md_text(str(ref.get("name") or ref.get("file")))
+            parts += [f"![{name}]({link})" if link else f"*[image not found: {name}]*", ""]
+        parts.append(close_fence(m["content"]))
         if isinstance(m.get("documents"), list) and m["documents"]:     # the question's sources, quoted
             parts += ["", export_markdown(m["documents"])]
     return "\n".join(parts) + "\n"
@@ -72,17 +86,57 @@ def close_fence(text: str) -> str:
     return text + ("" if text.endswith("\n") else "\n") + indent + char * n
 
 
-def to_json(chat: Chat) -> str:
+def _md_text(name: str) -> str:
+    return re.sub(r"([\\\[\]*_`])", r"\\\1", name)
+
+
+def to_json(chat: Chat, read_image=None) -> str:
+    """`read_image(ref)`: a message's image file as bytes (OSError: it is gone)."""
+    def message(m: dict) -> dict:
+        out = {"role": m["role"], "content": m["content"]}
+        refs = message_images(m)
+        if refs:
+            out["images"] = [_json_image(r, read_image) for r in refs]
+        if isinstance(m.get("documents"), list):
+            out["documents"] = m["documents"]
+        return out
     return json.dumps({
         "title": chat.title,
         "model": chat.model,
         "created": iso_time(chat.created),
         "updated": iso_time(chat.updated or chat.created),
-        "messages": [{"role": m["role"], "content": m["content"],
-                      **({"documents": m["documents"]} if isinstance(m.get("documents"), list) else {})}
-                     for m in chat.messages],
+        "messages": [message(m) for m in chat.messages],
         "tree": tree(chat.messages),
     }, ensure_ascii=False, indent=2) + "\n"
+
+
+def _json_image(ref: dict, read_image) -> dict:
+    name = str(ref.get("name") or ref.get("file"))
+    out = {"name": name, "width": ref.get("width"), "height": ref.get("height"), "digest": ref.get("digest"),
+           "media_type": mimetypes.guess_type(str(ref.get("file")))[0] or "application/octet-stream"}
+    try:
+        out["data"] = base64.b64encode(read_image(ref)).decode("ascii")
+    except (OSError, ValueError, TypeError):
+        out["missing"] = True
+    return out
+
+
+def _image_copier(chat: Chat, path: Path, images: ChatImages | None):
+    """The Markdown's image_link: copies each image into `<stem>_files/` beside `path`, once."""
+    if images is None or not any(message_images(m) for m in chat.messages):
+        return None
+    folder = path.parent / f"{path.stem}_files"
+
+    def link(ref: dict) -> str | None:
+        src = images.path(chat.id, ref)
+        if not src.is_file():
+            return None
+        folder.mkdir(exist_ok=True)
+        dest = folder / src.name
+        if not dest.exists():
+            shutil.copyfile(src, dest)
+        return urllib.parse.quote(f"{folder.name}/{src.name}")
+    return link
 
 
 FORMATS = {"markdown": (to_markdown, ".md"), "json": (to_json, ".json")}
@@ -100,11 +154,14 @@ def file_name(chat: Chat, fmt: str, limit: int = NAME_MAX_BYTES) -> str:
     return (stem or "chat") + ext
 
 
-def export_chat(chat: Chat, path: str | Path, fmt: str) -> Path:
+def export_chat(chat: Chat, path: str | Path, fmt: str, images: ChatImages | None = None) -> Path:
     """Write `chat` to `path` as `fmt` ("markdown" or "json"), UTF-8, all or nothing (a temporary file
-    renamed into place)."""
-    text = valid_text(FORMATS[fmt][0](chat))
+    renamed into place). `images`: where the chat's images are (Markdown copies them beside it)."""
     path = Path(path)
+    if fmt == "markdown":
+        text = valid_text(to_markdown(chat, _image_copier(chat, path, images)))
+    else:
+        text = valid_text(to_json(chat, (lambda r: images.read(chat.id, r)) if images is not None else None))
     fd, tmp = tempfile.mkstemp(prefix=".strata-export-", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:

@@ -266,6 +266,8 @@ class ChatLibrary(QWidget):
         """Delete without asking; Undo is offered for UNDO_MS."""
         gone = self.tabs.delete_chat(chat_id)
         if gone is not None:
+            if self.last_deleted is not None:          # the Undo of the one before is over
+                self.tabs.purge_images(self.last_deleted.id)
             self.last_deleted = gone
             self.undo_label.setText(f"Deleted “{gone.title}”.")
             self.undo_row.show()
@@ -283,6 +285,8 @@ class ChatLibrary(QWidget):
             self.select(gone.id)
 
     def _drop_undo(self) -> None:
+        if self.last_deleted is not None:              # gone for good: its images too
+            self.tabs.purge_images(self.last_deleted.id)
         self.last_deleted = None
         self.undo_row.hide()
 
@@ -296,7 +300,7 @@ class ChatLibrary(QWidget):
         if not path:
             return None
         try:
-            out = export_chat(chat, path, fmt)
+            out = export_chat(chat, path, fmt, self.tabs.images)
         except OSError as e:
             QMessageBox.warning(self, "Export", f"The chat was not exported: {e.strerror or e}")
             return None

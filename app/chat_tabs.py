@@ -18,9 +18,11 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QInputDialog, QTabWidget, QToolButton, QWidget
 
 from . import branches
+from .chat_images import ChatImages
 from .chat_view import DEFAULT_TITLE, ChatView
 from .documents.index import ChatDocuments
 from .documents.prompt import rename_documents
+from .paths import AppPaths
 from .presets import DEFAULT_ID
 from .store import Chat
 from .titles import TitleQueue
@@ -36,9 +38,12 @@ class ChatTabs(QTabWidget):
     view_added = Signal(object)
     library_changed = Signal()
 
-    def __init__(self, store, client, presets, selected_preset, parent: QWidget | None = None):
+    def __init__(self, store, client, presets, selected_preset, parent: QWidget | None = None,
+                 images: ChatImages | None = None):
         super().__init__(parent, movable=True, tabsClosable=True, documentMode=True)
         self.store = store
+        # the chats' images (a folder each): a deleted chat's go when its Undo is over (`purge_images`)
+        self.images = images if images is not None else ChatImages(AppPaths.default().images_dir)
         self.client = client
         self.presets = presets
         self.selected_preset = selected_preset     # () -> the Configs pane's selected id, or ""
@@ -56,7 +61,9 @@ class ChatTabs(QTabWidget):
         self.setCornerWidget(self.new_tab_btn, Qt.Corner.TopRightCorner)
 
     def open_stored(self) -> None:
-        """The chats that had a tab, in order; a first chat when there are none."""
+        """The chats that had a tab, in order; a first chat when there are none. The images of chats
+        the store no longer has (deleted as the app closed, its Undo never used) go first."""
+        self.images.sweep(lambda chat_id: self.store.chat(chat_id) is not None)
         for chat in self.store.chats(open_only=True):
             self.add_chat_tab(chat, persist=False)
         if self.count() == 0:
@@ -84,7 +91,7 @@ class ChatTabs(QTabWidget):
 
     def add_chat_tab(self, chat: Chat, persist: bool = True) -> ChatView:
         chat.open = True
-        view = ChatView(chat, self.client, self.presets, titles=self.titles)
+        view = ChatView(chat, self.client, self.presets, titles=self.titles, images=self.images)
         view.changed.connect(lambda v=view: self._persist(v))
         view.title_changed.connect(lambda t, v=view: self._set_tab_title(v, t))
         view.fork_requested.connect(lambda i, v=view: self.fork_chat(v.chat.id, i))
@@ -127,8 +134,9 @@ class ChatTabs(QTabWidget):
         if parent is None or not 0 <= index < len(parent.messages):
             return None
         chat = branches.fork(parent, index)
+        self.images.copy_chat(parent.id, chat.id, chat.messages)
         view = self.add_chat_tab(chat)
-        # the fork's own copies of the parent's documents, so its prompt reads the same and its
+        # the fork's own copies of the parent's images (above) and documents, so its prompt reads the same and its
         # questions search them (the parent's are deleted with the parent)
         ids = ChatDocuments(self.store.db, parent.id, self.store.doc_fts).copy_to(chat.id)
         if ids:
@@ -235,6 +243,7 @@ class ChatTabs(QTabWidget):
         if finishing is not None:                # its late reply is never saved; the view goes when it ends
             self._dropped.add(finishing)
         self.store.delete_chat(chat_id)
+        self.images.mark_deleted(chat_id)        # removed when the Undo is over (purge_images)
         forget = getattr(self.client, "forget_conversation", None)
         if forget is not None:                   # its K/V goes too (the engine's disk tier and parking)
             forget(f"chat-{chat_id}")
@@ -242,9 +251,15 @@ class ChatTabs(QTabWidget):
         self.library_changed.emit()
         return gone
 
+    def purge_images(self, chat_id: str) -> None:
+        """A deleted chat's images, for good (its Undo is over); kept when the chat is back."""
+        if self.store.chat(chat_id) is None:
+            self.images.remove_chat(chat_id)
+
     def restore_chat(self, chat: Chat) -> ChatView | None:
         """Undo `delete_chat`: the chat back with all its messages, in a tab again if it had one."""
         self.store.restore_chat(chat)
+        self.images.unmark(chat.id)
         self.library_changed.emit()
         return self.open_chat(chat.id) if chat.open else None
 

@@ -19,6 +19,8 @@ from engine import reasoning
 
 from . import branches
 from .documents import prompt as doc_prompt
+from .chat_images import ChatImages
+from .image_composer import ImagesPart, mime_has_images
 from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
@@ -46,9 +48,20 @@ def _assistant_message(text: str, think_open: bool = False) -> dict:
 
 
 class PromptEdit(QPlainTextEdit):
-    """Enter sends, Shift+Enter is a newline, Escape cancels an edit."""
+    """Enter sends, Shift+Enter is a newline, Escape cancels an edit. Images pasted or dropped on it
+    (a picture, image files) are attached, not inserted as text: `images_given(mime)`."""
     submitted = Signal()
     escaped = Signal()
+    images_given = Signal(object)
+
+    def canInsertFromMimeData(self, source) -> bool:  # noqa: N802
+        return mime_has_images(source) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source) -> None:  # noqa: N802
+        if mime_has_images(source):
+            self.images_given.emit(source)
+            return
+        super().insertFromMimeData(source)
 
     def keyPressEvent(self, e: QKeyEvent) -> None:  # noqa: N802
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
@@ -74,11 +87,15 @@ class ChatView(QWidget):
     fork_requested = Signal(int)       # "Fork from here" on message N: a new chat of messages[:N + 1]
     cite_clicked = Signal(int, int)    # a source link: (index of the question carrying it, its number)
 
-    def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None, titles: TitleQueue | None = None):
+    def __init__(self, chat: Chat, client, presets, parent: QWidget | None = None, titles: TitleQueue | None = None,
+                 images: ChatImages | None = None):
         """`presets` is the PresetManager: the tab's config (chat.config["preset"]) gives the system
         prompt, sampling and context length of its requests. `titles`: the queue every tab's title
-        requests share (app/titles.py), so that a reply in any tab comes before any title."""
+        requests share (app/titles.py), so that a reply in any tab comes before any title. `images`:
+        where the chats' images are kept (the data folder's, by default)."""
         super().__init__(parent)
+        self.images = ImagesPart(lambda: self.chat.id, images, self)
+        self.images.refused.connect(self.message)
         self.chat = chat
         self.client = client
         self.presets = presets
@@ -119,6 +136,7 @@ class ChatView(QWidget):
         self.input.setFixedHeight(self.input.fontMetrics().lineSpacing() * 4 + 12)
         self.input.submitted.connect(self.send_input)
         self.input.escaped.connect(self.cancel_edit)
+        self.input.images_given.connect(self.images.attach_mime)
         self.edit_banner = QLabel(visible=False)
         self.send_btn = QPushButton("Send", clicked=self.send_input)
         self.stop_btn = QPushButton("Stop", clicked=self.stop, enabled=False)
@@ -146,7 +164,7 @@ class ChatView(QWidget):
 
         buttons = QHBoxLayout()
         buttons.addWidget(QLabel("Config"))
-        for w in (self.preset_box, self.projection):
+        for w in (self.preset_box, self.projection, self.images.button):
             buttons.addWidget(w)
         buttons.addStretch(1)
         for w in (self.copy_btn, self.regen_btn, self.stop_btn, self.send_btn):
@@ -156,6 +174,7 @@ class ChatView(QWidget):
         lay.addWidget(self.transcript, 1)
         lay.addWidget(self.task_row)
         lay.addWidget(self.edit_banner)
+        lay.addWidget(self.images.row)
         lay.addWidget(self.input)
         lay.addLayout(buttons)
         self.render_all()
@@ -266,6 +285,7 @@ class ChatView(QWidget):
             if m.get("reasoning"):
                 self._insert_reasoning(cursor, i, m["reasoning"])
             if m["role"] == "user":       # shown exactly as typed: not Markdown, not HTML
+                self.images.insert_thumbnails(cursor, doc, i, m)
                 insert_plain(cursor, m["content"])
                 if isinstance(m.get("documents"), list) and m["documents"]:
                     new_block(cursor)
@@ -360,13 +380,26 @@ class ChatView(QWidget):
     # ---- actions -----------------------------------------------------------------------------
     def send_input(self) -> None:
         text = self.input.toPlainText().strip()
-        if not text or self.busy:
+        if not (text or self.images.row.items) or self.busy:
+            return
+        history = self.chat.messages[:self.edit_index] if self.edit_index is not None else self.chat.messages
+        why = self.images.refusal(history)
+        if why:                       # the text and the images stay in the box
+            self.images.last_refusal = f"Not sent: {why}"
+            self.message.emit(self.images.last_refusal)
             return
         self.input.clear()
-        self.send(text)
+        self.send(text, self.images.row.take())
 
-    def send(self, text: str) -> None:
+    def send(self, text: str, attachments: list | None = None) -> None:
+        """Send `text` with `attachments` (app.chat_images.Attachment), kept with the chat first."""
         if self.busy:
+            return
+        try:
+            refs = self.images.keep(attachments or [])
+        except OSError as e:
+            self.message.emit(f"Not sent: the images could not be kept in the data folder ({e.strerror or e})")
+            self.images.row.set_items(attachments or [])
             return
         at, old = len(self.chat.messages), []
         if self.edit_index is not None:
@@ -374,7 +407,7 @@ class ChatView(QWidget):
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
             self._drop_reply_notes()
-        message = {"role": "user", "content": text}
+        message = {"role": "user", "content": text, **({"images": refs} if refs else {})}
         srcs = self.documents.sources(text, self.chat.messages) if self.documents is not None else []
         if srcs:                       # the chat's documents: whole ones not sent yet, the passages for it
             message["documents"] = srcs
@@ -402,6 +435,7 @@ class ChatView(QWidget):
             return
         self.edit_index = index
         self.input.setPlainText(self.chat.messages[index]["content"])
+        self.images.restore_for_edit(self.chat.messages[index])
         self.edit_banner.setText("Editing an earlier message: sending replaces it and everything after it "
                                  "(Esc cancels).")
         self.edit_banner.show()
@@ -431,6 +465,10 @@ class ChatView(QWidget):
             at, _, n = arg.partition(":")
             if at.isdigit() and n.isdigit():
                 self.cite_clicked.emit(int(at), int(n))
+        if kind == "image":                # "image:<message>:<image>": show it whole
+            i, _, j = arg.partition(":")
+            if i.isdigit() and j.isdigit():
+                self.images.open_image(self.chat.messages, int(i), int(j))
             return
         try:
             n = int(arg)
@@ -500,11 +538,18 @@ class ChatView(QWidget):
                 for m in self.chat.messages]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
-        # a question's documents become its content (the same text every turn: its K/V is reused)
-        return self.documents.expand(msgs) if self.documents is not None else doc_prompt.expand(msgs, lambda _d: None)
+        # a question's documents become its content (the same text every turn: its K/V is reused), then
+        # a message's images go with that text as content parts
+        msgs = self.documents.expand(msgs) if self.documents is not None else doc_prompt.expand(msgs, lambda _d: None)
+        return [self.images.request_message(m) for m in msgs]
 
     def _generate(self) -> None:
         # The user's reply comes before any title: a title running now stops, and runs after it
+        why = self.images.refusal(self.chat.messages)
+        if why:
+            self.notes.append(f"Not sent: {why}")
+            self._end_failed(f"Not sent: {why}")
+            return
         self.titles.hold(self)
         preset = self.preset
         sampling = preset.sampling()

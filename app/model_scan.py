@@ -57,6 +57,9 @@ def read_row(p: Path, budget) -> Row:
     meta = read_meta(p)
     if meta.error:
         return meta, ("?", meta.error)
+    if meta.architecture == "clip":    # an mmproj: read with the model it sits beside, never loaded alone
+        why = f"{Path(p).name}: an image projector (mmproj), not a chat model: it is loaded with the model beside it"
+        return dataclasses.replace(meta, error=why), ("?", why)
     needs = memory_needs(p, budget)
     if needs[0] == "?":            # the header reads but cannot be estimated (a negative K/V length...)
         meta = dataclasses.replace(meta, error=needs[1])

@@ -36,6 +36,11 @@ class AppPaths:
         return _made(self.data_dir / "sessions")
 
     @property
+    def images_dir(self) -> Path:
+        """The images sent in chats, a folder per chat (app/chat_images.py)."""
+        return self.data_dir / "images"
+
+    @property
     def db_path(self) -> Path:
         return self.data_dir / "chats.sqlite3"
 

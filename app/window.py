@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QMainWindow, QSplitter, QTabWidget, QVBoxLayout, Q
 from . import settings as settings_mod
 from . import theme
 from .bus import MessageBus
+from .chat_images import ChatImages
 from .chat_library import ChatLibrary
 from .chat_tabs import ChatTabs
 from .chat_view import ChatView
@@ -77,7 +78,8 @@ class MainWindow(QMainWindow):
         self.library = ModelLibrary(self.client, self.settings, self.bus, self.paths, offer_fetch, self)
         self.models = self.library.models
         self.preset_pane = PresetPane(self.presets, models_dir=self.paths.models_dir)
-        self.tabs = ChatTabs(self.store, self.client, self.presets, self.preset_pane.current_id)
+        self.tabs = ChatTabs(self.store, self.client, self.presets, self.preset_pane.current_id,
+                             images=ChatImages(self.paths.images_dir))
         self.tabs.model_path = lambda: self.library.model_path     # recorded with each chat's messages
         self.chat_library = ChatLibrary(self.tabs)                 # every chat: search, open, delete, export
         self.sessions = SessionController(self.client, self.settings, self.bus, self.paths, self.tabs, self.library,
@@ -172,6 +174,7 @@ class MainWindow(QMainWindow):
 
     def _on_view_added(self, view: ChatView) -> None:
         view.think_open = self.library.think_open
+        view.images.set_model(self.library.vision, Path(self.library.model_path or "").name)
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -184,6 +187,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"Strata — {Path(path).name}")
         for view in self.views():
             view.think_open = self.library.think_open
+            view.images.set_model(self.library.vision, Path(path).name)
         self.refresh_status()
 
     # ---- the tabs (the menus and the Configs pane) ------------------------------------------------

@@ -647,6 +647,38 @@ def _read(resp, watch: _Watch, url: str, n: int = CHUNK) -> bytes:
     return chunk
 
 
+# ---- one bounded GET (the server's image URLs) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Fetched:
+    data: bytes
+    content_type: str
+    url: str                 # after redirects, without user info
+
+
+def fetch_url(url: str, limit: int, what: str, seconds: float | None = None, accept: str | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> Fetched:
+    """One GET through the model fetch's transport (http(s) only, redirects to http(s) only and at most 5,
+    user info as basic auth for its own host only, loopback never proxied, cancel and deadline prompt
+    even in a stalled read), read whole within `seconds` (default 4 timeouts, as the index page) and
+    never more than `limit` bytes (a larger Content-Length is refused before a byte is read).
+    FetchError: one line, `what` first, never the user info."""
+    seconds = 4 * timeout_s() if seconds is None else seconds
+    with _Watch(cancelled) as watch, \
+            watch.limit(seconds, f"{what}: {_shown(url)} did not send it within {seconds:g} s"):
+        with _open(watch, url, accept, what, {}) as resp:
+            shown = _shown(resp.geturl())
+            declared = _declared_length(resp, shown)
+            if declared is not None and declared > limit:
+                raise FetchError(f"{what}: {shown} is {declared} bytes; at most {limit} are read")
+            out = bytearray()
+            while chunk := _read(resp, watch, shown, min(CHUNK, limit - len(out) + 1)):
+                out += chunk
+                if len(out) > limit:
+                    raise FetchError(f"{what}: {shown} sent more than {limit} bytes; at most {limit} are read")
+            return Fetched(bytes(out), str(resp.headers.get("Content-Type", "")), shown)
+
+
 # ---- download, verify, install --------------------------------------------------------------------
 
 def wheel_limit(gguf_limit: int) -> int:

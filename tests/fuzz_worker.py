@@ -6,8 +6,9 @@ JSON line on stdout:
                                             tokenizer + model + one forward pass, as Engine._load
     {"kind": "mtp", "path": P, "target": T}  a Gemma 4 MTP drafter loaded beside its gemma4 target
     {"kind": "template", "source": S, "messages": [...]}   engine.chat_template.render
+    {"kind": "image", "path": P}            engine.images.decode_image on the file's bytes
 Answer: {"outcome": "accepted" | "refused" | "crash", "detail": str}. "refused" is a StrataError with
-a one-line message; anything else raised is a "crash" with its traceback. A hang or a death (the cap
+a one-line message (for images, an ImageRefused); anything else raised is a "crash" with its traceback. A hang or a death (the cap
 hit in C, a signal) is seen by the parent (tests/fuzz_harness.py), which kills and restarts this.
 """
 from __future__ import annotations
@@ -76,19 +77,29 @@ def _template(job: dict) -> str:
     return f"{len(text)} characters"
 
 
+def _image(job: dict) -> str:
+    from engine.images import decode_image
+    with open(job["path"], "rb") as f:
+        got = decode_image(f.read())
+    if got.rgb.shape != (got.height, got.width, 3) or got.rgb.dtype.name != "uint8":
+        raise AssertionError(f"decoded to {got.rgb.shape} {got.rgb.dtype}, not ({got.height}, {got.width}, 3) uint8")
+    return f"{got.format} {got.width}x{got.height}"
+
+
 def main() -> None:
     cap = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     from engine import chat_template
     from engine.errors import StrataError
+    from engine.images import ImageRefused
     chat_template.TIME_BUDGET_S = float(os.environ.get("STRATA_FUZZ_TEMPLATE_BUDGET_S", "1.0"))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            detail = {"gguf": _gguf, "mtp": _mtp, "template": _template}[job["kind"]](job)
+            detail = {"gguf": _gguf, "mtp": _mtp, "template": _template, "image": _image}[job["kind"]](job)
             out = {"outcome": "accepted", "detail": detail}
-        except StrataError as e:
+        except (StrataError, ImageRefused) as e:
             msg = str(e)
             out = {"outcome": "refused" if msg and "\n" not in msg else "crash", "detail": msg}
         except BaseException:  # noqa: BLE001 - this is what the fuzz suite is looking for

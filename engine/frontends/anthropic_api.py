@@ -36,6 +36,7 @@ from ..events import Done, Failed
 from ..reasoning import split_reply
 from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
+from .image_parts import ImageBudget, anthropic_image, tools_with_images
 from .wire import (APIError, ErrorJSON, Served, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
                    _sampling, chat_plan, engine_error, reply_stream, think_stream,
                    with_think_apart)
@@ -72,8 +73,10 @@ def _text_blocks(content, where: str) -> str:
     raise _bad(f"{where} must be a string or a list of text blocks")
 
 
-def convert_messages(body: dict) -> list[dict]:
-    """Anthropic system + messages as OpenAI-form messages (tool_calls / role "tool")."""
+def convert_messages(body: dict, images: ImageBudget | None = None) -> list[dict]:
+    """Anthropic system + messages as OpenAI-form messages (tool_calls / role "tool"); a user message's
+    `image` blocks (counted and bounded by `images`; refused without it) make its content a list of
+    parts, text and ImageInput in the order given."""
     out: list[dict] = []
     system = body.get("system")
     if system is not None:
@@ -94,12 +97,15 @@ def convert_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise _bad(f"{where}.content: must be a string or a list of content blocks")
-        texts, tool_calls, results = [], [], []
+        texts, tool_calls, results, parts = [], [], [], []
         for j, b in enumerate(content):
             w = f"{where}.content.{j}"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m["role"] == "user" and images is not None:
+                parts.append({"type": "image", "image": anthropic_image(b, w, images)})
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("id"), str) or not b["id"] or not isinstance(b.get("name"), str):
                     raise _bad(f"{w}: a tool_use block needs 'id', 'name' and 'input'")
@@ -122,7 +128,7 @@ def convert_messages(body: dict) -> list[dict]:
                 continue                       # earlier reasoning is not shown to the model again
             else:
                 raise _bad(f"{w}: content blocks of type '{kind}' are not supported in a {m['role']} message "
-                           "(text, tool_use, tool_result)")
+                           "(text, image, tool_use, tool_result)")
         if m["role"] == "assistant":
             msg = {"role": "assistant", "content": "".join(texts)}
             if tool_calls:
@@ -130,7 +136,9 @@ def convert_messages(body: dict) -> list[dict]:
             out.append(msg)
         else:
             out.extend(results)
-            if texts or not results:
+            if any(p["type"] == "image" for p in parts):
+                out.append({"role": "user", "content": parts})
+            elif texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
     return out
 
@@ -189,11 +197,17 @@ def _served(request: Request) -> Served:
 
 
 def _prepare(s: Served, body: dict):
-    """The request's messages in the engine's form and its tool plan (tool_calls.chat_plan)."""
-    messages = convert_messages(body)
+    """The request's messages in the engine's form, its tool plan (tool_calls.chat_plan) and its images
+    (an ImageBudget: `await images.check()` before the engine sees them)."""
+    images = ImageBudget.for_engine(s.engine, s.allow_image_urls)
+    messages = convert_messages(body, images)
     tools, choice, parallel = convert_tools(body)
     try:
-        return chat_plan(s.engine, s.formats, messages, tools, choice, parallel=parallel, volatile=s.volatile)
+        if images.found:
+            tools_with_images(s.formats.get(s.engine), messages, images.found[0][0])
+        messages, plan = chat_plan(s.engine, s.formats, messages, tools, choice, parallel=parallel,
+                                   volatile=s.volatile)
+        return messages, plan, images
     except ToolError as e:
         raise _anthropic_tool_error(e) from None
 
@@ -210,6 +224,7 @@ class _Ask:
     """One /v1/messages request as read from its body."""
     messages: list
     plan: object                    # wire.chat_plan's plan (tools), or None
+    images: ImageBudget             # the request's images, decoded once before the engine sees them
     sampling: object
     stream: bool
     show_thinking: bool
@@ -231,7 +246,7 @@ def _read_ask(s: Served, body: dict) -> _Ask:
         sampling.validate()
     except (SamplingError, StrataError) as e:
         raise _bad(str(e)) from None
-    messages, plan = _prepare(s, body)
+    messages, plan, images = _prepare(s, body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream: must be true or false")
@@ -240,13 +255,14 @@ def _read_ask(s: Served, body: dict) -> _Ask:
                                  or thinking.get("type") not in ("enabled", "disabled")):
         raise _bad('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
     model = body.get("model") if isinstance(body.get("model"), str) else _model_id(s.engine)
-    return _Ask(messages, plan, sampling, stream, bool(thinking) and thinking["type"] == "enabled", model,
+    return _Ask(messages, plan, images, sampling, stream, bool(thinking) and thinking["type"] == "enabled", model,
                 f"msg_{uuid.uuid4().hex[:24]}")
 
 
 async def _messages(request: Request) -> Response:
     s = _served(request)
     ask = _read_ask(s, await _json_body(request))
+    ask.messages = await ask.images.ready(ask.messages)
     plan = ask.plan
     bridge = _Bridge(s.engine, GenerateRequest(
         messages=ask.messages, sampling=ask.sampling, conversation=f"http {ask.mid}",
@@ -399,7 +415,8 @@ async def count_tokens(request: Request) -> Response:
     s = _served(request)
     try:
         body = await _json_body(request)
-        messages, plan = _prepare(s, body)
+        messages, plan, images = _prepare(s, body)
+        messages = await images.ready(messages)
         outcome = await _Bridge(s.engine, CountTokens(
             messages=messages, tools=plan.template_tools if plan is not None else None)).outcome()
         if isinstance(outcome, Failed):

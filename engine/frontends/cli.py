@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a request's headers must arrive within this (default 10; a slow client gets 408)")
     s.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a request's body must arrive within this after its headers (default 60)")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch the http(s) image URLs requests name (at most 20 MiB each, within 4 network "
+                        "timeouts, at most 5 redirects); off: they get 400. It fetches any URL a client names, "
+                        "the local network's too: use it with clients you trust")
     s.set_defaults(fn=lambda a: __import__("engine.frontends.server", fromlist=["x"]).cmd_serve(a))
 
     c = sub.add_parser("cvec", help="control vectors")

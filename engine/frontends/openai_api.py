@@ -23,6 +23,7 @@ from ..events import ENGINE_STOPPED, Done, Failed
 from ..paths import SESSION_EXTENSION, sessions_dir
 from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, openai_messages
+from .image_parts import ImageBudget, split_openai, tools_with_images, with_images
 from .wire import (APIError, Served, _await_watching, _bool, _Bridge, _chat_message, _check_model, _EngineStream,
                    _finish, _json_body, _messages, _model_id, _models, _plain, _response_format, _sampling,
                    _speculative, _sse, _timings, _usage, chat_plan, engine_error, reply_stream, think_stream,
@@ -87,14 +88,20 @@ class _Call:
     param: str                      # the field an engine refusal names
     rid: str
     created: int
+    images: ImageBudget | None = None   # the request's images, checked (decoded) before the engine sees them
 
 
 def _read_call(s: Served, body: dict, chat: bool) -> _Call:
-    plan = fmt = None
+    plan = fmt = images = None
     if chat:
         fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
+        images = ImageBudget.for_engine(s.engine, s.allow_image_urls)
+        raw, parts_of = split_openai(body.get("messages"), images)
         try:
-            messages, plan = chat_plan(s.engine, s.formats, openai_messages(body.get("messages")), body.get("tools"),
+            checked = openai_messages(raw)
+            if images.found:
+                tools_with_images(s.formats.get(s.engine), checked, images.found[0][0])
+            messages, plan = chat_plan(s.engine, s.formats, with_images(checked, parts_of), body.get("tools"),
                                        body.get("tool_choice"), volatile=s.volatile,
                                        parallel=_bool(body, "parallel_tool_calls", True))
         except ToolError as e:
@@ -115,7 +122,7 @@ def _read_call(s: Served, body: dict, chat: bool) -> _Call:
     # A forced tool call (tool_choice 'required' or named) is decoded under its grammar.
     constraint = (plan.constraint if plan is not None else None) or fmt
     return _Call(chat, body, messages, prompt, plan, constraint, param,
-                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()))
+                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()), images)
 
 
 def _request_of(s: Served, call: _Call) -> tuple[GenerateRequest, bool]:
@@ -143,6 +150,8 @@ async def _generate(request: Request, chat: bool) -> Response:
     body = await _json_body(request)
     asked_model = _check_model(s.engine, body)
     call = _read_call(s, body, chat)
+    if call.images is not None:
+        call.messages = await call.images.ready(call.messages)
     req, stream = _request_of(s, call)
     bridge = _Bridge(s.engine, req)
     if not stream:

@@ -50,14 +50,16 @@ DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 
 def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
                max_body_bytes: int = DEFAULT_MAX_BODY, allowed_origins: tuple[str, ...] = (),
-               loading: str | None = None, volatile_lines=None) -> Starlette:
+               loading: str | None = None, volatile_lines=None, allow_image_urls: bool = False) -> Starlette:
     """The OpenAI- and Anthropic-compatible app over a started Engine. With `api_key`, every request
     needs `Authorization: Bearer <api_key>`. `host` is the address the server listens on (the Host and
     Origin checks accept it besides loopback names); bodies over `max_body_bytes` get 413.
     `loading`: the model of the engine's start-up load, listed as loading until it is done (the
     engine thread is busy loading; this answers from the server's own state).
     `volatile_lines`: regular expressions of system-prompt lines dropped before rendering (a
-    per-request header must not cost the conversation's K/V; None: tool_calls.DEFAULT_VOLATILE_LINES)."""
+    per-request header must not cost the conversation's K/V; None: tool_calls.DEFAULT_VOLATILE_LINES).
+    `allow_image_urls`: fetch the http(s) image URLs requests name (bounded: frontends/image_parts.py);
+    without it they are refused with a 400 naming the part."""
     volatile = tuple(DEFAULT_VOLATILE_LINES if volatile_lines is None else volatile_lines)
     middleware = [Middleware(_RequestGuard, host=host, max_body_bytes=max_body_bytes,
                              allowed_origins=tuple(allowed_origins))]
@@ -66,7 +68,7 @@ def create_app(engine, api_key: str | None = None, *, host: str = "127.0.0.1",
     app = Starlette(routes=[*openai_api.ROUTES, *anthropic_api.ROUTES], middleware=middleware,
                     exception_handlers={APIError: _on_api_error, HTTPException: _on_http_error, Exception: _on_error})
     app.state.engine = engine
-    app.state.served = Served(engine, ToolFormats(), volatile, loading)
+    app.state.served = Served(engine, ToolFormats(), volatile, loading, allow_image_urls)
     return app
 
 
@@ -313,7 +315,7 @@ def cmd_serve(args) -> int:
     engine = start_engine(args, wait=False)
     app = create_app(engine, api_key=args.api_key, host=args.host,
                      max_body_bytes=int(args.max_body_mib * (1 << 20)), allowed_origins=tuple(args.allow_origin),
-                     loading=engine.options.model)
+                     loading=engine.options.model, allow_image_urls=args.allow_image_urls)
     host = f"[{args.host}]" if ":" in args.host else args.host
     server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                     lifespan="off", timeout_graceful_shutdown=5, **uvicorn_options(limits)))

@@ -255,6 +255,7 @@ class Served:
     formats: "ToolFormats"
     volatile: tuple = ()
     loading: str | None = None
+    allow_image_urls: bool = False      # fetch http(s) image URLs named in requests (--allow-image-urls)
 
     def still_loading(self) -> bool:
         """The start-up load is still running (the engine thread is busy: answered from this state)."""

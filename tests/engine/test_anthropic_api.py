@@ -153,7 +153,9 @@ def test_streamed_forced_tool_use_with_the_sdk(client):
      "answers no tool_use"),
     (dict(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "x"}]}]),
      "input"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "not supported"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     'messages.0.content.0: an image block needs "source"'),
+    (dict(messages=[{"role": "user", "content": [{"type": "audio", "source": {}}]}]), "not supported"),
     (dict(max_tokens=None), "max_tokens"),
 ])
 def test_bad_requests_answer_400_in_anthropic_shape(client, server, kw, needle):

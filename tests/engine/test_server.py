@@ -252,7 +252,7 @@ def test_bad_parameters_are_400(server, client):
              ({"messages": [{"content": "no role"}]}, "messages[0]"),
              ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-              "messages[0].content"),
+              "messages[0].content[0].image_url.url"),
              ({"messages": msgs, "tools": "f"}, "tools"),
              ({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name")]
     for body, param in cases:
