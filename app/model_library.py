@@ -122,6 +122,7 @@ class ModelLibrary(QObject):
         self.offer_fetch = offer_fetch
         self.model_path = ""
         self.think_open = False
+        self.n_ctx = 0                      # the loaded model's context (ModelFacts.n_ctx): the chats' meters
         self.fetch_dialog = None
         self._scan_first = True
         self._told_bad: dict[str, str] = {}        # files of the model folders already named as bad
@@ -229,6 +230,7 @@ class ModelLibrary(QObject):
         self.model_path = result.model or path
         # its chat template opens a <think> block: replies start in their reasoning (Qwen3.5)
         self.think_open = bool(getattr(result.facts, "think_open", False))
+        self.n_ctx = int(getattr(result.facts, "n_ctx", 0) or 0)
         self.models.mark_current(self.model_path)
         self.bus.say(f"Loaded {Path(self.model_path).name}")
         self.settings.set("model", path)

@@ -1,0 +1,139 @@
+"""The context meter and the overflow policies in the window, on the real engine with the tiny GGUF and a
+config of a tiny context: the meter's figures are the engine's CountTokens, it warns before a send that
+would overflow, and each policy goes on past the context (the next turn's cached tokens showing the K/V
+reuse) or stops with a note, keeping the replies."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+
+from app_fixtures import REPLY_TIMEOUT_MS, send_and_wait  # noqa: E402
+from engine.context_policy import reply_reserve  # noqa: E402
+
+pytestmark = pytest.mark.gui
+
+GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+SYSTEM = "Be brief."
+CONTEXT = 200
+MAX_TOKENS = 8
+
+
+def count(qtbot, window, messages):
+    req = window.client.count_prompt_tokens(messages)
+    with qtbot.waitSignal(req.done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        pass
+    return blocker.args[0]
+
+
+def reading(qtbot, view):
+    """The meter's reading once its count (asked now) is answered."""
+    with qtbot.waitSignal(view.counter.counted, timeout=REPLY_TIMEOUT_MS) as blocker:
+        view.counter.count_now()
+    assert view.meter.reading == blocker.args[0]
+    return blocker.args[0]
+
+
+def tiny_tab(window, policy: str, **kw):
+    p = window.presets.create(f"Tiny {policy}", system_prompt=SYSTEM, context_length=CONTEXT,
+                              max_tokens=MAX_TOKENS, **GREEDY, **kw)
+    view = window.new_tab(preset_id=p.id)
+    view.set_overflow(policy)
+    return view
+
+
+def question(i: int) -> str:
+    return f"Tell me about the tea harvest number {i}, please, in a few words."
+
+
+def test_meter_is_the_engines_count(qtbot, window):
+    view = window.current_view()
+    n_ctx = window.library.n_ctx
+    assert n_ctx > 0 and view.model_context == n_ctx
+    send_and_wait(qtbot, view, "Hello there")
+    r = reading(qtbot, view)
+    c = count(qtbot, window, view.request_messages())
+    assert (r.total, r.system, r.n_ctx) == (c.tokens, c.system_tokens, n_ctx)
+    assert 0 < r.system < r.total and not r.drafted
+    assert r.reserve == reply_reserve(view.preset.max_tokens, n_ctx)
+    assert view.meter.label.text() == f"Context {r.total + r.reserve:,} / {n_ctx:,}"
+    tip = view.meter.toolTip()
+    assert f"System prompt: {r.system:,} tokens" in tip and f"Reply reserve (max tokens): {r.reserve:,}" in tip
+    # The message being typed counts too (what the next send asks for)
+    view.input.setPlainText("And one more question about the weather")
+    typed = reading(qtbot, view)
+    c2 = count(qtbot, window, view.request_messages() + [
+        {"role": "user", "content": "And one more question about the weather"}])
+    assert typed.drafted and typed.total == c2.tokens > r.total
+    # A config with a smaller context: the meter counts against it
+    small = window.presets.create("Small", system_prompt=SYSTEM, context_length=64, max_tokens=16)
+    view.set_preset(small.id)
+    r3 = reading(qtbot, view)
+    assert r3.n_ctx == 64 and r3.reserve == 16
+    assert "Too long to send" in view.meter.warning_text()        # the warning, before any send
+
+
+@pytest.mark.parametrize("policy", ["rolling", "truncate_middle"])
+def test_a_dropping_policy_goes_on_and_reuses_the_kv(qtbot, window, policy):
+    view = tiny_tab(window, policy)
+    results = []
+    for i in range(14):
+        view.input.setPlainText(question(i))
+        if i >= 4 and not any(res.dropped_messages for res in results):
+            r = reading(qtbot, view)
+            if r.over > 0:          # the warning comes before the send that overflows
+                assert "will be left out" in view.meter.warning_text()
+        results.append(send_and_wait(qtbot, view, question(i)))
+    dropped = [res for res in results if res.dropped_messages]
+    assert dropped, [res.prompt_tokens for res in results]
+    assert all(res.prompt_tokens + MAX_TOKENS <= CONTEXT for res in results)
+    assert len(view.chat.messages) == 28                        # every turn kept in the chat
+    assert any("earlier messages were left out of the prompt" in n for n in view.notes)
+    # Where the cut stays, the whole previous prompt (and reply) is cached
+    same = [(a, b) for a, b in zip(results, results[1:]) if a.dropped_messages and
+            a.dropped_messages == b.dropped_messages]
+    assert same, [res.dropped_messages for res in results]
+    for a, b in same:
+        assert b.cached_tokens >= a.prompt_tokens, (a, b)
+    if policy == "truncate_middle":
+        # a drop keeps the system prompt and the first exchange cached
+        head = count(qtbot, window, view.request_messages(view.chat.messages[:2])).tokens
+        first_drop = dropped[0]
+        assert first_drop.cached_tokens >= head - 5, (head, first_drop)
+
+
+def test_stop_keeps_the_replies_and_says_so(qtbot, window):
+    view = tiny_tab(window, "stop")
+    warned = False
+    for i in range(14):
+        view.input.setPlainText(question(i))
+        r = reading(qtbot, view)
+        warned = warned or bool(view.meter.warning_text())
+        if r.total >= CONTEXT:
+            with qtbot.waitSignal(view.message, timeout=REPLY_TIMEOUT_MS) as blocker:
+                view.send_input()
+            assert "Generation failed" in blocker.args[0]
+            break
+        send_and_wait(qtbot, view, question(i))
+    else:
+        pytest.fail("the chat never outgrew its context")
+    assert warned and "Not sent: the prompt is" in view.transcript_text()
+    assert sum(m["role"] == "assistant" for m in view.chat.messages) == i         # the replies are kept
+    assert not view.busy and view.send_btn.isEnabled()
+
+
+def test_policy_default_from_settings_and_per_chat(qtbot, window):
+    view = window.current_view()
+    assert view.overflow == "stop" and view.meter.policy_box.currentData() == "stop"
+    window.settings.set("overflow", "rolling")
+    assert view.overflow == "rolling"                           # a chat without its own follows the default
+    fresh = window.new_tab()
+    assert fresh.meter.policy_box.currentData() == "rolling"
+    i = view.meter.policy_box.findData("truncate_middle")
+    view.meter.policy_box.setCurrentIndex(i)
+    view.meter.policy_box.activated.emit(i)
+    assert view.chat.config["overflow"] == "truncate_middle"
+    stored = next(c for c in window.store.chats() if c.id == view.chat.id)
+    assert stored.config["overflow"] == "truncate_middle"
