@@ -124,6 +124,18 @@ def test_stop_keeps_the_replies_and_says_so(qtbot, window):
     assert not view.busy and view.send_btn.isEnabled()
 
 
+def test_stop_at_the_end_of_the_context_keeps_the_reply(qtbot, window):
+    """A reply that reaches the end of the context stops there, is kept, and the note says why."""
+    ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(0)}]
+    n = count(qtbot, window, ask).tokens
+    p = window.presets.create("Edge", system_prompt=SYSTEM, context_length=n + 3, max_tokens=50, **GREEDY)
+    view = window.new_tab(preset_id=p.id)
+    r = send_and_wait(qtbot, view, question(0))
+    assert r.prompt_tokens == n and r.generated_tokens == 3 and r.finish_reason == "length"
+    assert view.chat.messages[-1]["role"] == "assistant"
+    assert any(note.startswith("The reply stopped at the token limit of the context") for note in view.notes)
+
+
 def test_policy_default_from_settings_and_per_chat(qtbot, window):
     view = window.current_view()
     assert view.overflow == "stop" and view.meter.policy_box.currentData() == "stop"
