@@ -26,7 +26,7 @@ from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
-from .context_policy import POLICIES, OverflowRefused, reply_reserve, select as select_messages
+from .context_policy import POLICIES, OverflowRefused, Selection, reply_reserve, select as select_messages
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -96,23 +96,35 @@ class RequestHandlers:
         text, add_bos = self.render_messages(messages, tools)
         return len(self.eng.tokenizer.encode_prompt(text, add_bos=add_bos))
 
-    def fit_context(self, req: GenerateRequest, tokens: list[int], n_ctx: int) -> tuple[GenerateRequest, list[int], int]:
-        """Under a dropping overflow policy (engine/context_policy.py), the request with the turns that
-        fit the context with the reply's reserve, its tokens and how many messages were left out;
-        else the request as it came."""
+    def fit_context(self, req: GenerateRequest, n_ctx: int) -> tuple[GenerateRequest, list[int], int]:
+        """The request as it is sent, its tokens and how many messages it left out: under a dropping
+        overflow policy (engine/context_policy.py) the turns that fit the context with the reply's
+        reserve; else the request as it came."""
         if req.overflow not in POLICIES:
             raise RequestError(f"overflow must be one of {', '.join(POLICIES)} (got {req.overflow!r})")
+        if req.overflow == "stop" or not req.messages or req.prompt is not None:
+            return req, self.prompt_tokens(req), 0
         budget = n_ctx - reply_reserve(req.sampling.max_tokens, n_ctx)
-        if req.overflow == "stop" or not req.messages or req.prompt is not None or len(tokens) <= budget:
-            return req, tokens, 0
+        # A history past prompt_tokens' character cap is cut by characters first (the same policy), so
+        # that a long chat is not refused before it is counted, in bounded work; a last turn over the
+        # cap alone gets prompt_tokens' refusal.
         try:
-            sel = select_messages(req.messages, lambda ms: self.count_messages(ms, req.tools), budget, req.overflow)
+            pre = select_messages(req.messages, _chars, self.eng.n_ctx * MAX_CHARS_PER_TOKEN, req.overflow)
+        except OverflowRefused:
+            pre = Selection(req.messages, 0, 0)
+        fitted = replace(req, messages=pre.messages) if pre.dropped else req
+        try:
+            tokens = self.prompt_tokens(fitted)
+            if len(tokens) <= budget:
+                return fitted, tokens, pre.dropped
+            sel = select_messages(fitted.messages, lambda ms: self.count_messages(ms, req.tools), budget,
+                                  req.overflow)
         except OverflowRefused as e:
             raise ContextTooLong(str(e)) from None
         if not sel.dropped:           # fits afresh (held ids tokenized longer): as it came
-            return req, tokens, 0
-        fitted = replace(req, messages=sel.messages)
-        return fitted, self.prompt_tokens(fitted), sel.dropped
+            return fitted, tokens, pre.dropped
+        fitted = replace(fitted, messages=sel.messages)
+        return fitted, self.prompt_tokens(fitted), pre.dropped + sel.dropped
 
     def context_of(self, req: GenerateRequest) -> int:
         """The context a request may fill: the model's, or a smaller limit it names (a chat's config)."""
@@ -194,7 +206,7 @@ class RequestHandlers:
         self.eng.steering.speed_projection = self.projection(asked)
         stats = StepStats()
         n_ctx = self.context_of(req)
-        req, tokens, dropped = self.fit_context(req, self.prompt_tokens(req), n_ctx)
+        req, tokens, dropped = self.fit_context(req, n_ctx)
         if len(tokens) >= n_ctx:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {n_ctx}")
         if req.side:
@@ -324,6 +336,11 @@ class RequestHandlers:
                               architecture=self.eng.info.architecture, seconds=time.perf_counter() - t0)
 
     # ---- session files -----------------------------------------------------------------------
+def _chars(messages: list[dict]) -> int:
+    """The characters prompt_tokens' cap counts."""
+    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+
+
 @dataclass
 class Turn:
     """One generate request between begin_turn and end_turn: its K/V entry (holding tokens[:reuse]),

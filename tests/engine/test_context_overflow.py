@@ -106,6 +106,20 @@ def test_context_limit_and_bad_policy(engine):
         ask(engine, msgs, "middle")
 
 
+def test_a_history_past_the_character_cap_is_cut_not_refused(engine):
+    """The engine refuses a body of over 32 characters a token unread; under a dropping policy a long
+    chat's oldest turns go first instead, so the chat goes on."""
+    long = [SYSTEM] + [m for t in range(130) for m in turn(t)] + [{"role": "user", "content": "Last?"}]
+    assert sum(len(m["content"]) for m in long) > N_CTX * 32
+    with pytest.raises(EngineError, match="characters"):
+        ask(engine, long, "stop")
+    r = ask(engine, long, "rolling", "chat-long")
+    assert r.dropped_messages > 200 and r.prompt_tokens <= N_CTX - MAX_TOKENS
+    big = [SYSTEM, {"role": "user", "content": "tea " * 3000}]
+    with pytest.raises(EngineError, match="characters"):
+        ask(engine, big, "rolling")
+
+
 def test_count_tokens_breaks_out_the_system_prompt(engine):
     msgs = history(2)
     c = engine.call(CountTokens(messages=msgs))
