@@ -212,6 +212,13 @@ class ChatView(QWidget):
         self.input.textChanged.connect(self.counter.soon)
         self.changed.connect(self.counter.soon)           # a send, a reply, an edit, a config
         self.presets.changed.connect(self.counter.soon)   # a config's system prompt or max tokens
+        settings = getattr(self.presets, "settings", None)
+        if settings is not None:                          # the default policy, for a chat without its own
+            settings.changed.connect(self._on_setting)
+
+    def _on_setting(self, key: str) -> None:
+        if key == "overflow":
+            self.meter.set_policy(self.overflow)
 
     @property
     def overflow(self) -> str:

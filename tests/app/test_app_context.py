@@ -149,3 +149,25 @@ def test_policy_default_from_settings_and_per_chat(qtbot, window):
     assert view.chat.config["overflow"] == "truncate_middle"
     stored = next(c for c in window.store.chats() if c.id == view.chat.id)
     assert stored.config["overflow"] == "truncate_middle"
+
+
+def test_settings_page_sets_the_default_policy(qtbot, idle_window, app_home):
+    """The Settings page's "When a chat is full" is the default of every chat without its own policy
+    (an open chat's meter follows at once); a hand-edited value loads as the default policy."""
+    from PySide6.QtCore import QSettings
+
+    from app import settings
+    window = idle_window
+    view = window.current_view()
+    page = window.open_settings()
+    assert page.overflow.currentData() == "stop"
+    page.overflow.setCurrentIndex(page.overflow.findData("truncate_middle"))
+    with qtbot.waitSignal(window.settings.changed, timeout=REPLY_TIMEOUT_MS,
+                          check_params_cb=lambda key: key == "overflow"):
+        page.submit()
+    assert settings.load().overflow == "truncate_middle"
+    assert view.overflow == "truncate_middle" and view.meter.policy == "truncate_middle"
+    q = QSettings(str(app_home / "settings.ini"), QSettings.Format.IniFormat)
+    q.setValue("app/overflow", "middle-out")
+    q.sync()                            # a hand-edited value the engine would refuse: the default instead
+    assert settings.load().overflow == "stop"
