@@ -14,9 +14,10 @@ message's reply with it). The newest turn (the question) is never dropped.
 Conversation K/V is keyed by token prefix (engine/conversations.py): a drop changes the prompt right
 after the pinned head, so that head is the prompt's cached part and the rest is read again once.
 To make that "once" and not "every turn", drops happen in pages: the places a cut may fall are fixed
-by the history's own text (every PAGE_FRACTION of the budget, counted in characters from the first
-droppable turn), so the next turns, which only add to the end, keep the same cut and extend the K/V
-held for it until that page no longer fits. Stateless: the server's clients resend the whole history.
+by the history's own text (every 1/PAGE_FRACTION of the budget, counted from the first droppable turn in
+each message's own size: the engine gives its tokens, else characters at a nominal rate), so the next
+turns, which only add to the end, keep the same cut and extend the K/V held for it until that page no
+longer fits. Stateless: the server's clients resend the whole history.
 """
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ from typing import Callable
 
 POLICIES = ("stop", "truncate_middle", "rolling")
 DEFAULT_POLICY = "stop"
-# The places a cut may fall are this fraction of the budget apart (at the nominal characters a token):
-# a drop frees about that much room, so the turns after it read the history again only that rarely.
+# The places a cut may fall are 1/PAGE_FRACTION of the budget apart (in tokens): a drop frees about
+# that much room, so the turns after it read the history again only that rarely.
 PAGE_FRACTION = 4
-NOMINAL_CHARS_PER_TOKEN = 4
+NOMINAL_CHARS_PER_TOKEN = 4           # a message's size without a tokenizer (the default `size`)
 
 
 class OverflowRefused(ValueError):
@@ -61,10 +62,33 @@ def turn_starts(messages: list[dict]) -> list[int]:
     return [i for i, m in enumerate(messages) if m.get("role") == "user"]
 
 
-def select(messages: list[dict], count: Callable[[list[dict]], int], budget: int, policy: str) -> Selection:
+def message_text(message: dict) -> str:
+    """A message's text (the text parts of a content list)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def nominal_size(message: dict) -> int:
+    """A message's size in tokens at the nominal characters a token (no tokenizer at hand)."""
+    return -(-len(message_text(message)) // NOMINAL_CHARS_PER_TOKEN)
+
+
+def smallest(messages: list[dict], policy: str) -> list[dict]:
+    """What `policy` sends with every droppable turn left out: the pinned head and the last turn."""
+    starts = turn_starts(messages)
+    head = _pinned_end(messages, starts, policy)
+    last = starts[-1] if starts else len(messages)
+    return messages[:head] + messages[max(head, last):]
+
+
+def select(messages: list[dict], count: Callable[[list[dict]], int], budget: int, policy: str,
+           size: Callable[[dict], int] = nominal_size) -> Selection:
     """The messages to send so that `count(messages) <= budget` under `policy` (see the module's table),
-    leaving out as few pages of turns as fits. "stop" never drops: a prompt over the budget is refused
-    (OverflowRefused), as is one that no drop makes fit."""
+    leaving out as few pages of turns as fits (pages of `budget // PAGE_FRACTION` in `size`, one
+    message's tokens). "stop" never drops: a prompt over the budget is refused (OverflowRefused), as is
+    one that no drop makes fit."""
     check_policy(policy)
     n = count(messages)
     if n <= budget:
@@ -75,7 +99,7 @@ def select(messages: list[dict], count: Callable[[list[dict]], int], budget: int
     if policy == "stop" or head >= last:
         raise OverflowRefused(f"the prompt is {n} tokens and the context leaves it {budget}"
                               + ("" if policy == "stop" else "; nothing more can be left out"))
-    cuts = _cut_points(messages, [s for s in starts if head < s <= last], head, budget)
+    cuts = _cut_points(messages, [s for s in starts if head < s <= last], head, budget, size)
     lo, hi = 0, len(cuts) - 1            # the smallest cut that fits: dropping more never lengthens it
     kept = messages[:head] + messages[cuts[hi]:]
     n_hi = count(kept)
@@ -101,22 +125,16 @@ def _pinned_end(messages: list[dict], starts: list[int], policy: str) -> int:
     return starts[0] if starts else len(messages)
 
 
-def _cut_points(messages: list[dict], starts: list[int], head: int, budget: int) -> list[int]:
-    """The turn starts a kept tail may begin at: the first turn start at or past each page of
-    characters (counted from `head`, so the same history gives the same cuts), and the last turn."""
-    page = max(1, budget * NOMINAL_CHARS_PER_TOKEN // PAGE_FRACTION)
-    cuts, chars, i, next_page = [], 0, head, page
+def _cut_points(messages: list[dict], starts: list[int], head: int, budget: int,
+                size: Callable[[dict], int]) -> list[int]:
+    """The turn starts a kept tail may begin at: the first turn start at or past each page (counted
+    from `head` in `size`, so the same history gives the same cuts), and the last turn."""
+    page = max(1, budget // PAGE_FRACTION)
+    cuts, total, i, next_page = [], 0, head, page
     for s in starts:
-        chars += sum(_chars(m) for m in messages[i:s])
+        total += sum(size(m) for m in messages[i:s])
         i = s
-        if chars >= next_page or s == starts[-1]:
+        if total >= next_page or s == starts[-1]:
             cuts.append(s)
-            next_page = (chars // page + 1) * page
+            next_page = (total // page + 1) * page
     return cuts
-
-
-def _chars(message: dict) -> int:
-    content = message.get("content")
-    if isinstance(content, list):
-        return sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
-    return len(str(content or ""))

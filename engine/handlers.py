@@ -26,9 +26,11 @@ from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
-from .context_policy import POLICIES, OverflowRefused, Selection, reply_reserve, select as select_messages
+from .context_policy import (POLICIES, OverflowRefused, message_text, reply_reserve, select as select_messages,
+                             smallest)
 
 MAX_CHARS_PER_TOKEN = 32
+SIZES_KEPT = 4096                  # message sizes remembered for the overflow pages (then forgotten at once)
 
 
 class RequestHandlers:
@@ -40,6 +42,8 @@ class RequestHandlers:
     def __init__(self, engine):
         self.eng = engine
         self._pace = None           # (model, generate.PrefillPace) measured for the loaded model
+        self._sizes: dict[str, int] = {}    # message text -> tokens (message_size), for the tokenizer below
+        self._sizes_of = None
 
     # ---- model -------------------------------------------------------------------------------
     def steering_fingerprint(self, projection: bool | None = None) -> str:
@@ -105,26 +109,38 @@ class RequestHandlers:
         if req.overflow == "stop" or not req.messages or req.prompt is not None:
             return req, self.prompt_tokens(req), 0
         budget = n_ctx - reply_reserve(req.sampling.max_tokens, n_ctx)
-        # A history past prompt_tokens' character cap is cut by characters first (the same policy), so
-        # that a long chat is not refused before it is counted, in bounded work; a last turn over the
-        # cap alone gets prompt_tokens' refusal.
-        try:
-            pre = select_messages(req.messages, _chars, self.eng.n_ctx * MAX_CHARS_PER_TOKEN, req.overflow)
-        except OverflowRefused:
-            pre = Selection(req.messages, 0, 0)
-        fitted = replace(req, messages=pre.messages) if pre.dropped else req
-        try:
-            tokens = self.prompt_tokens(fitted)
+        cap = self.eng.n_ctx * MAX_CHARS_PER_TOKEN
+        if _chars(req.messages) <= cap:
+            tokens = self.prompt_tokens(req)
             if len(tokens) <= budget:
-                return fitted, tokens, pre.dropped
-            sel = select_messages(fitted.messages, lambda ms: self.count_messages(ms, req.tools), budget,
-                                  req.overflow)
+                return req, tokens, 0
+
+        # A list past prompt_tokens' character cap counts as over the budget unread, so a long chat is
+        # cut by the same pages instead of being refused, in bounded work.
+        def count(ms: list[dict]) -> int:
+            return budget + 1 if _chars(ms) > cap else self.count_messages(ms, req.tools)
+        try:
+            sel = select_messages(req.messages, count, budget, req.overflow, size=self.message_size)
         except OverflowRefused as e:
+            self.prompt_tokens(replace(req, messages=smallest(req.messages, req.overflow)))  # over the cap: its refusal
             raise ContextTooLong(str(e)) from None
-        if not sel.dropped:           # fits afresh (held ids tokenized longer): as it came
-            return fitted, tokens, pre.dropped
-        fitted = replace(fitted, messages=sel.messages)
-        return fitted, self.prompt_tokens(fitted), pre.dropped + sel.dropped
+        fitted = replace(req, messages=sel.messages) if sel.dropped else req
+        return fitted, self.prompt_tokens(fitted), sel.dropped
+
+    def message_size(self, message: dict) -> int:
+        """One message's text in tokens: the overflow pages' unit (engine/context_policy.py), remembered
+        by text so that each turn tokenizes only its new messages. A text past the character cap is not
+        tokenized: its size at the cap's rate is over the context, which is all a page needs."""
+        text = message_text(message) if isinstance(message, dict) else ""
+        if len(text) > self.eng.n_ctx * MAX_CHARS_PER_TOKEN:
+            return len(text) // MAX_CHARS_PER_TOKEN
+        tok = self.eng.tokenizer
+        if self._sizes_of is not tok or len(self._sizes) > SIZES_KEPT:
+            self._sizes, self._sizes_of = {}, tok
+        n = self._sizes.get(text)
+        if n is None:
+            n = self._sizes[text] = len(tok.encode(text, add_bos=False))
+        return n
 
     def context_of(self, req: GenerateRequest) -> int:
         """The context a request may fill: the model's, or a smaller limit it names (a chat's config)."""
@@ -336,11 +352,6 @@ class RequestHandlers:
                               architecture=self.eng.info.architecture, seconds=time.perf_counter() - t0)
 
     # ---- session files -----------------------------------------------------------------------
-def _chars(messages: list[dict]) -> int:
-    """The characters prompt_tokens' cap counts."""
-    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
-
-
 @dataclass
 class Turn:
     """One generate request between begin_turn and end_turn: its K/V entry (holding tokens[:reuse]),
@@ -356,6 +367,11 @@ class Turn:
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
     dropped: int = 0                # messages the overflow policy left out (turn.req has the rest)
+
+
+def _chars(messages: list[dict]) -> int:
+    """The characters prompt_tokens' cap counts."""
+    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
 
 
 def _load_budget(guard) -> dict | None:

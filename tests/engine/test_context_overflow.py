@@ -115,9 +115,72 @@ def test_a_history_past_the_character_cap_is_cut_not_refused(engine):
         ask(engine, long, "stop")
     r = ask(engine, long, "rolling", "chat-long")
     assert r.dropped_messages > 200 and r.prompt_tokens <= N_CTX - MAX_TOKENS
+    # cut by the token pages, not to the question alone
+    assert r.prompt_tokens > count(engine, [SYSTEM, long[-1]]) + 2 * N_CTX // 8, r
     big = [SYSTEM, {"role": "user", "content": "tea " * 3000}]
     with pytest.raises(EngineError, match="characters"):
         ask(engine, big, "rolling")
+
+
+ROOMY_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory):
+    """A context of many turns: a page (a quarter of it) holds several, as a real chat's does."""
+    from gguf_factory import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path_factory.mktemp("overflow-roomy") / "tiny-roomy.gguf", arch="llama",
+                           n_layer=2, n_embd=64, seed=5, context_length=2048)
+    eng = Engine(EngineOptions(model=str(path), context_length=ROOMY_CTX)).start()
+    yield eng
+    eng.stop()
+
+
+def chat_turns(engine, policy: str, n: int) -> tuple[list[dict], list]:
+    """A chat grown one question at a time, each reply sent back: its messages and each turn's Generation."""
+    msgs, results = [SYSTEM], []
+    for t in range(n):
+        msgs.append({"role": "user", "content": f"Question {t}: tell me about the tea harvest number {t} please."})
+        results.append(ask(engine, msgs, policy, f"chat-pages-{policy}"))
+        msgs.append({"role": "assistant", "content": results[-1].text})
+    return msgs, results
+
+
+@pytest.mark.parametrize("policy", ["rolling", "truncate_middle"])
+def test_after_a_drop_the_history_is_read_once_not_every_turn(roomy, policy):
+    """Turn after turn past the context: a turn that keeps the cut finds the whole previous prompt
+    cached; a turn that moves it finds the pinned head cached and reads the rest once; and the cut
+    moves a page at a time, so that happens on a few turns only."""
+    msgs, results = chat_turns(roomy, policy, 40)
+    assert all(r.prompt_tokens + MAX_TOKENS <= ROOMY_CTX for r in results)
+    dropping = [i for i, r in enumerate(results) if r.dropped_messages]
+    assert len(dropping) >= 15, [r.dropped_messages for r in results]
+    pinned = pinned_tokens(roomy, msgs[:1] if policy == "rolling" else msgs[:3])   # what is never dropped
+    reread = []
+    for i in dropping[1:]:
+        a, b = results[i - 1], results[i]
+        if b.dropped_messages == a.dropped_messages:
+            assert b.cached_tokens >= a.prompt_tokens, (i, a, b)         # the previous prompt, all cached
+        else:
+            assert b.dropped_messages > a.dropped_messages and b.cached_tokens >= pinned, (i, a, b)
+            reread.append(i)
+    assert len(reread) <= len(dropping) // 4, ([r.dropped_messages for r in results], reread)
+    assert all(j - i > 1 for i, j in zip(reread, reread[1:]))          # never two turns running
+
+
+def test_a_history_past_the_character_cap_keeps_its_cut(roomy):
+    """A chat past the character cap is cut by the same token pages: the next turn keeps the cut and
+    finds the whole previous prompt cached (a cut by characters alone moved every turn)."""
+    long, t = [SYSTEM], 0
+    while sum(len(m["content"]) for m in long) <= ROOMY_CTX * 32:     # just past the cap
+        long, t = long + turn(t), t + 1
+    long.append({"role": "user", "content": "Last?"})
+    r1 = ask(roomy, long, "rolling", "chat-capped")
+    assert r1.prompt_tokens > (ROOMY_CTX - MAX_TOKENS) // 2, r1          # the newest turns fill the context
+    nxt = long + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Thanks."}]
+    r2 = ask(roomy, nxt, "rolling", "chat-capped")
+    assert r1.dropped_messages > 0 and r2.dropped_messages == r1.dropped_messages, (r1, r2)
+    assert r2.cached_tokens >= r1.prompt_tokens, (r1, r2)
 
 
 def test_count_tokens_breaks_out_the_system_prompt(engine):

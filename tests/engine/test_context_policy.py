@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.context_policy import (POLICIES, OverflowRefused, check_policy, reply_reserve, select,
+from engine.context_policy import (POLICIES, OverflowRefused, check_policy, reply_reserve, select, smallest,
                                    turn_starts)
 
 
@@ -109,3 +109,27 @@ def test_check_policy_and_reserve():
     with pytest.raises(ValueError, match="strata_overflow must be one of stop, truncate_middle, rolling"):
         check_policy("middle", "strata_overflow")
     assert reply_reserve(512, 256) == 128 and reply_reserve(64, 4096) == 64 and reply_reserve(0, 2) == 1
+
+
+def test_pages_count_in_the_tokenizers_units():
+    """A text of about one token a character (Chinese, say): pages counted in the engine's token sizes
+    keep the cut put and the newest turns filling the budget (at a nominal four characters a token a
+    page would span the whole budget, and a drop would fall back to the question alone)."""
+    def count_chars(messages):
+        return 2 + sum(4 + len(m["content"]) for m in messages)
+    rng = random.Random(4)
+    msgs = [{"role": "system", "content": "s"}]
+    budget, cuts, kept = 600, [], []
+    for t in range(60):
+        msgs.append({"role": "user", "content": "字" * rng.randint(10, 30)})
+        sel = select(msgs, count_chars, budget, "rolling", size=lambda m: len(m["content"]))
+        assert sel.tokens <= budget
+        cuts.append(sel.dropped)
+        kept.append(sel.tokens)
+        msgs.append({"role": "assistant", "content": "答" * rng.randint(20, 50)})
+    assert min(n for n, c in zip(kept, cuts) if c) > budget // 2, kept
+    changes = sum(1 for a, b in zip(cuts, cuts[1:]) if a != b)
+    dropping = sum(1 for c in cuts if c)
+    assert dropping > 30 and changes < dropping / 2, (changes, dropping, cuts)
+    assert smallest(msgs[:-1], "rolling") == [msgs[0], msgs[-2]]
+    assert smallest(msgs[:-1], "truncate_middle") == msgs[:3] + [msgs[-2]]
