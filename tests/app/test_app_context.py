@@ -81,8 +81,8 @@ ROOMY = 480          # a context a page of which (a quarter) holds a few turns, 
 @pytest.mark.parametrize("policy", ["rolling", "truncate_middle"])
 def test_a_dropping_policy_goes_on_and_reuses_the_kv(qtbot, window, policy):
     """Past the context the chat goes on; the status bar's cached figure shows the whole previous
-    prompt reused while the cut stays, the system prompt at least when it moves, which happens once a
-    page (a few turns), never two turns running."""
+    prompt reused while the cut stays, the pinned head when it moves, which happens once a page (a few
+    turns), never two turns running."""
     view = tiny_tab(window, policy, context=ROOMY)
     results = []
     for i in range(26):
@@ -98,9 +98,10 @@ def test_a_dropping_policy_goes_on_and_reuses_the_kv(qtbot, window, policy):
     assert all(res.prompt_tokens + MAX_TOKENS <= ROOMY for res in results)
     assert len(view.chat.messages) == 52                        # every turn kept in the chat
     assert any("earlier messages were left out of the prompt" in n for n in view.notes)
-    # the system prompt, less the generation prompt's few tokens (the engine's journeys check the
-    # whole pinned head, the first exchange too, on a model of its own)
-    head = count(qtbot, window, view.request_messages([])).tokens - 8
+    # what the policy never drops (the system prompt; truncate_middle: the first exchange too), less
+    # the generation prompt's few tokens
+    pinned = view.request_messages(view.chat.messages[:0 if policy == "rolling" else 2])
+    head = count(qtbot, window, pinned).tokens - 8
     reread = []
     for i in dropping[1:]:
         a, b = results[i - 1], results[i]
