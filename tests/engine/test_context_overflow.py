@@ -213,6 +213,12 @@ def test_openai_strata_overflow(server):
     r2 = c.chat.completions.create(model="tiny-overflow", messages=nxt, max_tokens=MAX_TOKENS, temperature=0,
                                    extra_body={"strata_overflow": "rolling"})
     assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
+    stream = c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"strata_overflow": "truncate_middle"})
+    chunks = list(stream)
+    usage = next(ch.usage for ch in chunks if ch.usage is not None)
+    assert usage.completion_tokens > 0 and usage.prompt_tokens + MAX_TOKENS <= N_CTX
     with pytest.raises(openai.BadRequestError) as bad:
         c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS,
                                   extra_body={"strata_overflow": "middle"})
@@ -225,11 +231,19 @@ def test_anthropic_strata_overflow(server):
                             timeout=120)
     msgs = history(12)
     system, rest = msgs[0]["content"], msgs[1:]
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError) as e:          # off by default: an overflow is a 400
         c.messages.create(model="tiny-overflow", system=system, messages=rest, max_tokens=MAX_TOKENS)
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "context holds 256" in str(e.value)
     r = c.messages.create(model="tiny-overflow", system=system, messages=rest, max_tokens=MAX_TOKENS,
-                          extra_body={"strata_overflow": "truncate_middle"})
+                          extra_body={"strata_overflow": "truncate_middle", "temperature": 0})
     assert r.model_extra["strata"]["dropped_messages"] > 0
+    sent = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    assert sent + MAX_TOKENS <= N_CTX
+    nxt = rest + [{"role": "assistant", "content": r.content[0].text}, {"role": "user", "content": "Thanks."}]
+    r2 = c.messages.create(model="tiny-overflow", system=system, messages=nxt, max_tokens=MAX_TOKENS,
+                           extra_body={"strata_overflow": "truncate_middle", "temperature": 0})
+    assert r2.model_extra["strata"]["dropped_messages"] == r.model_extra["strata"]["dropped_messages"]
+    assert r2.usage.cache_read_input_tokens >= sent - 1, (r.usage, r2.usage)    # the kept history, cached
     with pytest.raises(anthropic.BadRequestError, match="strata_overflow must be one of"):
         c.messages.create(model="tiny-overflow", messages=rest, max_tokens=MAX_TOKENS,
                           extra_body={"strata_overflow": 3})
