@@ -21,6 +21,7 @@ from . import branches
 from .documents import prompt as doc_prompt
 from .chat_images import ChatImages
 from .image_composer import ImagesPart, mime_has_images
+from .context_meter import POLICY_LABELS, ContextCounter, ContextMeter
 from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
@@ -116,6 +117,7 @@ class ChatView(QWidget):
         self.last_result = None        # this tab's last reply, an engine.api.Generation (its status bar figures)
         self.think_open = False        # the model's template opens a <think> block (the window sets it on load)
         self.disk_note = ""            # "restored from disk (N tokens)" when a reply's K/V came from the disk tier
+        self.model_context = 0         # the loaded model's context (ModelFacts.n_ctx; the window sets it), 0: none
         self.tracked = None            # the request whose progress the bar shows (prefill, save)
         self._t_first = 0.0
         self._t_sent = 0.0
@@ -161,6 +163,7 @@ class ChatView(QWidget):
         self._fill_presets()
         self.preset_box.activated.connect(lambda i: self.set_preset(self.preset_box.itemData(i)))
         presets.changed.connect(self._fill_presets)
+        self._context_widgets()
 
         buttons = QHBoxLayout()
         buttons.addWidget(QLabel("Config"))
@@ -176,6 +179,7 @@ class ChatView(QWidget):
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.images.row)
         lay.addWidget(self.input)
+        lay.addWidget(self.meter)
         lay.addLayout(buttons)
         self.render_all()
         self._update_buttons()
@@ -227,6 +231,57 @@ class ChatView(QWidget):
     def conversation(self) -> str:
         """This chat's label for the engine: its K/V's owner (Regenerate and Edit reuse its slot)."""
         return f"chat-{self.chat.id}"
+
+    # ---- the context meter and the overflow policy (app/context_meter.py) -----------------------
+    def _context_widgets(self) -> None:
+        self.meter = ContextMeter()
+        self.meter.set_policy(self.overflow)
+        self.meter.policy_chosen.connect(self.set_overflow)
+        self.counter = ContextCounter(self.client, self._count_messages, self.context_limits, self)
+        self.counter.counted.connect(self.meter.show_reading)
+        self.counter.refused.connect(self.meter.show_refusal)
+        self.input.textChanged.connect(self.counter.soon)
+        self.changed.connect(self.counter.soon)           # a send, a reply, an edit, a config
+        self.presets.changed.connect(self.counter.soon)   # a config's system prompt or max tokens
+        settings = getattr(self.presets, "settings", None)
+        if settings is not None:                          # the default policy, for a chat without its own
+            settings.changed.connect(self._on_setting)
+
+    def _on_setting(self, key: str) -> None:
+        if key == "overflow":
+            self.meter.set_policy(self.overflow)
+
+    @property
+    def overflow(self) -> str:
+        """This chat's overflow policy (engine/context_policy.py): its own, else the settings' default."""
+        settings = getattr(self.presets, "settings", None)
+        return self.chat.config.get("overflow") or getattr(settings, "overflow", "stop")
+
+    def set_overflow(self, policy: str) -> None:
+        self.chat.config["overflow"] = policy
+        self.meter.set_policy(policy)
+        self.changed.emit()
+
+    def set_model_context(self, n_ctx: int) -> None:
+        """A model was loaded (its ModelFacts.n_ctx): the meter counts against it."""
+        self.model_context = int(n_ctx or 0)
+        self.meter.set_policy(self.overflow)
+        self.counter.count_now()
+
+    def context_limits(self) -> tuple[int, int]:
+        """(the context this chat may fill, its max tokens setting); 0 while no model is loaded."""
+        preset = self.preset
+        n = self.model_context
+        if n and preset.context_length > 0:
+            n = min(n, preset.context_length)
+        return n, preset.max_tokens
+
+    def _count_messages(self) -> tuple[list[dict], bool]:
+        """What the next send would ask for: the history (up to a message being edited) and the typed text."""
+        draft = self.input.toPlainText().strip()
+        base = self.chat.messages[:self.edit_index] if self.edit_index is not None else self.chat.messages
+        extra = [{"role": "user", "content": draft}] if draft and not self.busy else []
+        return self.request_messages(base + extra), bool(extra)
 
     # ---- the progress bar in the chat --------------------------------------------------------------
     TASKS = {"prefill": "Reading the prompt", "save": "Saving session", "restore": "Restoring session"}
@@ -530,12 +585,12 @@ class ChatView(QWidget):
             self.fork_requested.emit(index)
 
     # ---- generation --------------------------------------------------------------------------
-    def request_messages(self) -> list[dict]:
+    def request_messages(self, messages: list[dict] | None = None) -> list[dict]:
         system = self.preset.system_prompt
         # a reply's reasoning is shown, not sent back (gpt-oss's template drops past reasoning anyway)
         # nor are the branches not shown (app/branches.py)
         msgs = [{k: v for k, v in m.items() if k != "reasoning" and k not in branches.KEYS}
-                for m in self.chat.messages]
+                for m in (self.chat.messages if messages is None else messages)]
         if system and not (msgs and msgs[0]["role"] == "system"):
             msgs.insert(0, {"role": "system", "content": system})
         # a question's documents become its content (the same text every turn: its K/V is reused), then
@@ -555,7 +610,7 @@ class ChatView(QWidget):
         sampling = preset.sampling()
         messages = self.request_messages()
         self.streaming = ""
-        if preset.context_length > 0:
+        if preset.context_length > 0 and self.overflow == "stop":
             # The config's context: count the prompt first (the engine's tokenizer and template), then
             # refuse a prompt that does not fit or cap the reply to what is left.
             count = self.client.count_prompt_tokens(messages)
@@ -580,9 +635,12 @@ class ChatView(QWidget):
         self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
 
     def _submit(self, messages: list[dict], sampling: dict) -> None:
+        # A dropping policy is the engine's to apply (engine/context_policy.py), against the config's
+        # context when it names a smaller one.
         req = self.client.generate(messages, sampling, conversation=self.conversation,
                                    speed_projection=self.projection.isChecked(),
-                                   speculative=self.preset.speculative)
+                                   speculative=self.preset.speculative, overflow=self.overflow,
+                                   context_limit=max(0, self.preset.context_length))
         self.request = req
         self._n_streamed = 0
         self._t_sent = time.perf_counter()
@@ -643,10 +701,10 @@ class ChatView(QWidget):
             self.changed.emit()
             self.message.emit("Stopped")
             return
+        self._note_dropped(result)
         self._append_reply(_assistant_message(result.text, self.think_open))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
-            self.notes.append(f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
-                              "Max tokens in the chat's config, for a longer reply.")
+            self.notes.append(self._limit_note(result))
         self._finish()
         self.last_result = result
         self.changed.emit()
@@ -655,6 +713,22 @@ class ChatView(QWidget):
             self.message.emit("Stopped")
         elif self.chat.title == DEFAULT_TITLE and not self._title_asked:
             self.request_title()
+
+    def _note_dropped(self, result) -> None:
+        """A reply whose prompt left out earlier turns (the chat's overflow policy) says so, above it."""
+        if getattr(result, "dropped_messages", 0):
+            self.notes.append(f"{result.dropped_messages} earlier messages were left out of the prompt to fit "
+                              f"the context ({POLICY_LABELS[self.overflow]}); {result.cached_tokens} of "
+                              f"{result.prompt_tokens} prompt tokens came from the cache.")
+
+    def _limit_note(self, result) -> str:
+        n_ctx = self.context_limits()[0]
+        if n_ctx and result.prompt_tokens + result.generated_tokens >= n_ctx:
+            return (f"{LIMIT_NOTE} of the context ({result.prompt_tokens + result.generated_tokens} of {n_ctx} "
+                    "tokens). The reply is kept; start a new chat, or choose Truncate the middle or Rolling "
+                    "window under When full to go on.")
+        return (f"{LIMIT_NOTE} ({result.generated_tokens} tokens): Regenerate, or raise "
+                "Max tokens in the chat's config, for a longer reply.")
 
     def _on_failed(self, message: str) -> None:
         """The current request (count or generate) failed: stopped (its code says cancelled) or an error."""

@@ -214,12 +214,15 @@ class EngineClient(QObject):
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
-                 speed_projection: bool | None = None, speculative: str = "off", side: bool = False) -> Request:
-        """`side`: a request of the app's own (a title) that must not cost a conversation its K/V."""
+                 speed_projection: bool | None = None, speculative: str = "off", side: bool = False,
+                 overflow: str = "stop", context_limit: int = 0) -> Request:
+        """`side`: a request of the app's own (a title) that must not cost a conversation its K/V.
+        `overflow`, `context_limit`: the chat's overflow policy and its config's context (0: the model's)."""
         def make():
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
-                                   speculative=speculative, side=side)
+                                   speculative=speculative, side=side, overflow=overflow,
+                                   context_limit=context_limit)
         return self._submit("generate", make)
 
     def load_model(self, path: str, steering="keep") -> Request:
@@ -252,7 +255,8 @@ class EngineClient(QObject):
         return self._submit("disk", make)
 
     def count_prompt_tokens(self, messages: list[dict]) -> Request:
-        """How many tokens these messages make as a prompt (the model's template): result.tokens."""
+        """How many tokens these messages make as a prompt (the model's template): result.tokens, of
+        which result.system_tokens are the system prompt's (the context meter's breakdown)."""
         def make():
             return CountTokens(messages=list(messages))
         return self._submit("count", make)

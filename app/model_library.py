@@ -123,6 +123,7 @@ class ModelLibrary(QObject):
         self.model_path = ""
         self.think_open = False
         self.vision: str | None = None
+        self.n_ctx = 0                      # the loaded model's context (ModelFacts.n_ctx): the chats' meters
         self.fetch_dialog = None
         self._scan_first = True
         self._told_bad: dict[str, str] = {}        # files of the model folders already named as bad
@@ -247,6 +248,7 @@ class ModelLibrary(QObject):
         self.think_open = bool(getattr(result.facts, "think_open", False))
         # its image projector (ModelFacts.vision; None: it reads text only): the tabs refuse images by it
         self.vision = getattr(result.facts, "vision", None)
+        self.n_ctx = int(getattr(result.facts, "n_ctx", 0) or 0)
         self.models.mark_current(self.model_path)
         self.bus.say(f"Loaded {Path(self.model_path).name}")
         self.settings.set("model", path)

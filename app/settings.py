@@ -19,6 +19,7 @@ from PySide6.QtCore import QObject, QSettings, Signal
 
 from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB,   # plain Python: no mlx
                            KV_BITS, SPEED_PROJECTION_DEFAULT)
+from engine.context_policy import DEFAULT_POLICY, POLICIES
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 from engine.paths import resources_dir
 
@@ -77,6 +78,8 @@ class Settings:
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key
     theme: str = "system"                 # system | light | dark (app/theme.py)
+    # What a chat sends once it outgrows the context, unless it chose its own (engine/context_policy.py)
+    overflow: str = DEFAULT_POLICY
     sampling: Sampling = field(default_factory=Sampling)
     steering: Steering = field(default_factory=Steering)
 
@@ -146,6 +149,8 @@ def load(paths: AppPaths | None = None) -> Settings:
         s.kv_bits = 16      # a hand-edited value the engine would refuse at start: the default instead
     if s.theme not in THEMES:
         s.theme = "system"
+    if s.overflow not in POLICIES:
+        s.overflow = DEFAULT_POLICY     # a hand-edited value the engine would refuse: the default instead
     for f in fields(Sampling):
         setattr(s.sampling, f.name, _coerce(q.value(f"sampling/{f.name}"), getattr(s.sampling, f.name)))
     for f in fields(Steering):

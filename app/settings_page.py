@@ -15,9 +15,11 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QScrollArea, QVBoxLayout, QWidget)
 
+from engine.context_policy import POLICIES
 from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX, cache_range, machine_cache_range
 from engine.errors import ErrorCode, SessionRefusal
 
+from .context_meter import POLICY_HELP, POLICY_LABELS
 from .engine_settings import ENGINE_KEYS, EngineSettings
 from .sampling_form import SamplingForm, spin
 from .settings import Settings, SettingsService
@@ -249,7 +251,17 @@ class SettingsPage(QDialog):
         """Sampling defaults: the form a config's dialog uses too."""
         self.sampling_form = SamplingForm(s.sampling, prompt_lines=2)
         samp = QGroupBox("Sampling defaults (the Default config)")
-        QVBoxLayout(samp).addWidget(self.sampling_form)
+        lay = QVBoxLayout(samp)
+        lay.addWidget(self.sampling_form)
+        # A new chat's overflow policy (each chat can choose its own under its meter)
+        self.overflow = QComboBox(objectName="overflow", toolTip="What a chat sends once it outgrows the context")
+        for p in POLICIES:
+            self.overflow.addItem(POLICY_LABELS[p], p)
+            self.overflow.setItemData(self.overflow.count() - 1, POLICY_HELP[p], Qt.ItemDataRole.ToolTipRole)
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(s.overflow)))
+        row = QFormLayout()
+        row.addRow("When a chat is full", self.overflow)
+        lay.addLayout(row)
         return samp
 
     def _server_group(self, s: Settings) -> QGroupBox:
@@ -414,6 +426,7 @@ class SettingsPage(QDialog):
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
         s.model_libraries = self.libraries.isChecked()
         s.theme = self.theme.currentData()
+        s.overflow = self.overflow.currentData()
         return s
 
     def show_error(self, text: str) -> None:

@@ -175,6 +175,7 @@ class MainWindow(QMainWindow):
     def _on_view_added(self, view: ChatView) -> None:
         view.think_open = self.library.think_open
         view.images.set_model(self.library.vision, Path(self.library.model_path or "").name)
+        view.set_model_context(self.library.n_ctx)
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -188,6 +189,7 @@ class MainWindow(QMainWindow):
         for view in self.views():
             view.think_open = self.library.think_open
             view.images.set_model(self.library.vision, Path(path).name)
+            view.set_model_context(self.library.n_ctx)
         self.refresh_status()
 
     # ---- the tabs (the menus and the Configs pane) ------------------------------------------------

@@ -91,6 +91,11 @@ class GenerateRequest:
                                               # (response_format json_object/json_schema, forced tool calls)
     tools: list[dict] | None = None           # the chat template's `tools` (OpenAI function tools;
                                               # engine/tool_calls.py prepares them and the messages)
+    # A history longer than the context (engine/context_policy.py): "stop" refuses a prompt over it
+    # and stops the reply at its end; "truncate_middle" / "rolling" leave out earlier turns
+    # (Generation.dropped_messages says how many) so the prompt and the reply's reserve fit.
+    overflow: str = "stop"
+    context_limit: int = 0                    # a context smaller than the model's (a chat's config); 0: the model's
 
 
 @dataclass
@@ -216,6 +221,7 @@ class Generation(Result):
     acceptance_rate: float = 0.0
     speculation_stopped: str | None = None
     restored_from_disk: int = 0               # of cached_tokens, how many the disk tier restored
+    dropped_messages: int = 0                 # left out of the prompt by the overflow policy
 
 
 @dataclass
@@ -291,6 +297,8 @@ class SessionRestored(Result):
 @dataclass
 class TokenCount(Result):
     tokens: int
+    system_tokens: int = 0                    # of `tokens`, the leading system messages' part (the rest is
+                                              # the conversation and the template's generation prompt)
 
 
 @dataclass

@@ -511,7 +511,7 @@ class BatchLoop:
         new = turn.tokens[turn.reuse:-1]
         # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
-        marks = eng.handlers.message_marks(req, turn.entry, turn.tokens)
+        marks = eng.handlers.message_marks(turn.req, turn.entry, turn.tokens)
         checkpoints = layer_cache.needs_checkpoints(turn.entry.cache)
         limit = generate.first_step_merge_limit(eng.options.prefill_chunk) if not marks else 0
         n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0

@@ -9,7 +9,7 @@ and stats is engine/generate.py. Everything here runs on the engine thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import numpy as np
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
@@ -26,8 +26,11 @@ from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
+from .context_policy import (POLICIES, OverflowRefused, message_text, reply_reserve, select as select_messages,
+                             smallest)
 
 MAX_CHARS_PER_TOKEN = 32
+SIZES_KEPT = 4096                  # message sizes remembered for the overflow pages (then forgotten at once)
 
 
 class RequestHandlers:
@@ -39,6 +42,8 @@ class RequestHandlers:
     def __init__(self, engine):
         self.eng = engine
         self._pace = None           # (model, generate.PrefillPace) measured for the loaded model
+        self._sizes: dict[str, int] = {}    # message text -> tokens (message_size), for the tokenizer below
+        self._sizes_of = None
 
     # ---- model -------------------------------------------------------------------------------
     def steering_fingerprint(self, projection: bool | None = None) -> str:
@@ -75,15 +80,74 @@ class RequestHandlers:
             return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        text = render(self.eng.template, req.messages, bos_token=bos,
-                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
-                      name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
-                      tools=getattr(req, "tools", None))
-        # A template that writes BOS itself must not get a second one.
-        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        text, add_bos = self.render_messages(req.messages, getattr(req, "tools", None))
         return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
                 or tok.encode_prompt(text, add_bos=add_bos))
+
+    def render_messages(self, messages: list[dict], tools=None, generation_prompt: bool = True) -> tuple[str, bool]:
+        """The messages as the model's template renders them, and whether BOS goes before that text."""
+        tok = self.eng.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        text = render(self.eng.template, messages, bos_token=bos,
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
+                      name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
+                      tools=tools, add_generation_prompt=generation_prompt)
+        # A template that writes BOS itself must not get a second one.
+        return text, tok.add_bos and not (bos and text.startswith(bos))
+
+    def count_messages(self, messages: list[dict], tools=None) -> int:
+        """The prompt's length for `messages`, tokenized afresh (no held conversation's ids)."""
+        text, add_bos = self.render_messages(messages, tools)
+        return len(self.eng.tokenizer.encode_prompt(text, add_bos=add_bos))
+
+    def fit_context(self, req: GenerateRequest, n_ctx: int) -> tuple[GenerateRequest, list[int], int]:
+        """The request as it is sent, its tokens and how many messages it left out: under a dropping
+        overflow policy (engine/context_policy.py) the turns that fit the context with the reply's
+        reserve; else the request as it came."""
+        if req.overflow not in POLICIES:
+            raise RequestError(f"overflow must be one of {', '.join(POLICIES)} (got {req.overflow!r})")
+        if req.overflow == "stop" or not req.messages or req.prompt is not None:
+            return req, self.prompt_tokens(req), 0
+        budget = n_ctx - reply_reserve(req.sampling.max_tokens, n_ctx)
+        cap = self.eng.n_ctx * MAX_CHARS_PER_TOKEN
+        if _chars(req.messages) <= cap:
+            tokens = self.prompt_tokens(req)
+            if len(tokens) <= budget:
+                return req, tokens, 0
+
+        # A list past prompt_tokens' character cap counts as over the budget unread, so a long chat is
+        # cut by the same pages instead of being refused, in bounded work.
+        def count(ms: list[dict]) -> int:
+            return budget + 1 if _chars(ms) > cap else self.count_messages(ms, req.tools)
+        try:
+            sel = select_messages(req.messages, count, budget, req.overflow, size=self.message_size)
+        except OverflowRefused as e:
+            self.prompt_tokens(replace(req, messages=smallest(req.messages, req.overflow)))  # over the cap: its refusal
+            raise ContextTooLong(str(e)) from None
+        fitted = replace(req, messages=sel.messages) if sel.dropped else req
+        return fitted, self.prompt_tokens(fitted), sel.dropped
+
+    def message_size(self, message: dict) -> int:
+        """One message's text in tokens: the overflow pages' unit (engine/context_policy.py), remembered
+        by text so that each turn tokenizes only its new messages. A text past the character cap is not
+        tokenized: its size at the cap's rate is over the context, which is all a page needs."""
+        text = message_text(message) if isinstance(message, dict) else ""
+        if len(text) > self.eng.n_ctx * MAX_CHARS_PER_TOKEN:
+            return len(text) // MAX_CHARS_PER_TOKEN
+        tok = self.eng.tokenizer
+        if self._sizes_of is not tok or len(self._sizes) > SIZES_KEPT:
+            self._sizes, self._sizes_of = {}, tok
+        n = self._sizes.get(text)
+        if n is None:
+            n = self._sizes[text] = len(tok.encode(text, add_bos=False))
+        return n
+
+    def context_of(self, req: GenerateRequest) -> int:
+        """The context a request may fill: the model's, or a smaller limit it names (a chat's config)."""
+        limit = req.context_limit
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise RequestError(f"context_limit must be a whole number >= 0 (got {limit!r})")
+        return min(self.eng.n_ctx, limit) if limit else self.eng.n_ctx
 
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
@@ -112,7 +176,7 @@ class RequestHandlers:
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self.prefill_pace(),
                   layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
-                  marks=self.message_marks(req, entry, tokens))
+                  marks=self.message_marks(turn.req, entry, tokens))
         self.eng.drafts.done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
@@ -157,9 +221,10 @@ class RequestHandlers:
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
         self.eng.steering.speed_projection = self.projection(asked)
         stats = StepStats()
-        tokens = self.prompt_tokens(req)
-        if len(tokens) >= self.eng.n_ctx:
-            raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
+        n_ctx = self.context_of(req)
+        req, tokens, dropped = self.fit_context(req, n_ctx)
+        if len(tokens) >= n_ctx:
+            raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {n_ctx}")
         if req.side:
             # Its own throwaway K/V: the conversations (live and parked) keep their places.
             entry, reuse = KVEntry([], self.make_cache(), self.cache_key()), 0
@@ -178,9 +243,9 @@ class RequestHandlers:
         if self.eng.parking is not None:            # the status bar's figures while the reply runs
             handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
         entry.messages = list(req.messages or [])
-        max_tokens = min(req.sampling.max_tokens, self.eng.n_ctx - len(tokens))
+        max_tokens = min(req.sampling.max_tokens, n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
-                    self.eng.steering.active)
+                    self.eng.steering.active, dropped)
 
     def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
@@ -195,7 +260,8 @@ class RequestHandlers:
                                     generated_tokens=len(r.tokens),
                                     ttft_ms=round(stats.ttft_ms, 2), prefill_tps=round(stats.prefill_tps, 2),
                                     decode_tps=round(stats.decode_tps, 2), finish_reason=r.finish,
-                                    speed_projection=turn.projection, restored_from_disk=turn.from_disk)
+                                    speed_projection=turn.projection, restored_from_disk=turn.from_disk,
+                                    dropped_messages=turn.dropped)
 
     # ---- settings, status --------------------------------------------------------------------
     def configure(self, req: Configure) -> EngineStatus:
@@ -261,8 +327,21 @@ class RequestHandlers:
 
     def count_tokens(self, req: CountTokens) -> TokenCount:
         self.eng.require_model()
-        return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
-                                                                 tools=req.tools))))
+        tokens = self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt, tools=req.tools))
+        return TokenCount(len(tokens), self.system_part(req, tokens))
+
+    def system_part(self, req: CountTokens, tokens: list[int]) -> int:
+        """How many of a count's `tokens` are its leading system messages: the prefix they share with
+        those messages rendered alone (0 for a prompt, or a template that renders no system alone)."""
+        msgs = req.messages or []
+        n = next((i for i, m in enumerate(msgs) if not (isinstance(m, dict) and m.get("role") == "system")), len(msgs))
+        if req.prompt is not None or n == 0:
+            return 0
+        try:
+            text, add_bos = self.render_messages(msgs[:n], req.tools, generation_prompt=False)
+        except RequestError:          # e.g. a template that refuses a conversation without a user message
+            return 0
+        return common_prefix(tokens, self.eng.tokenizer.encode_prompt(text, add_bos=add_bos))
 
     def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
         self.eng.require_model()
@@ -287,6 +366,12 @@ class Turn:
     constraint: object = None
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
+    dropped: int = 0                # messages the overflow policy left out (turn.req has the rest)
+
+
+def _chars(messages: list[dict]) -> int:
+    """The characters prompt_tokens' cap counts."""
+    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
 
 
 def _load_budget(guard) -> dict | None:

@@ -38,6 +38,7 @@ from ..sampling import SamplingError
 from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
 from .image_parts import ImageBudget, anthropic_image, tools_with_images
 from .wire import (APIError, ErrorJSON, Served, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+                   _overflow,
                    _sampling, chat_plan, engine_error, reply_stream, think_stream,
                    with_think_apart)
 
@@ -230,6 +231,7 @@ class _Ask:
     show_thinking: bool
     model: str                      # the name asked for, echoed
     mid: str
+    overflow: str = "stop"          # the extra field strata_overflow (engine/context_policy.py)
 
 
 def _read_ask(s: Served, body: dict) -> _Ask:
@@ -256,7 +258,7 @@ def _read_ask(s: Served, body: dict) -> _Ask:
         raise _bad('thinking: must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
     model = body.get("model") if isinstance(body.get("model"), str) else _model_id(s.engine)
     return _Ask(messages, plan, images, sampling, stream, bool(thinking) and thinking["type"] == "enabled", model,
-                f"msg_{uuid.uuid4().hex[:24]}")
+                f"msg_{uuid.uuid4().hex[:24]}", _overflow(body))
 
 
 async def _messages(request: Request) -> Response:
@@ -267,7 +269,7 @@ async def _messages(request: Request) -> Response:
     bridge = _Bridge(s.engine, GenerateRequest(
         messages=ask.messages, sampling=ask.sampling, conversation=f"http {ask.mid}",
         constraint=plan.constraint if plan is not None else None,
-        tools=plan.template_tools if plan is not None else None))
+        tools=plan.template_tools if plan is not None else None, overflow=ask.overflow))
     if not ask.stream:
         outcome = await _await_watching(request, bridge.handle, bridge.outcome())
         if isinstance(outcome, Failed):
@@ -299,8 +301,10 @@ def _whole_message(s: Served, ask: _Ask, r) -> Response:
     out = {"id": ask.mid, "type": "message", "role": "assistant", "model": ask.model, "content": blocks,
            "stop_reason": _stop_reason(r.finish_reason, bool(calls)), "stop_sequence": None,
            "usage": _usage(r)}
-    if plan is not None and plan.note:
-        out["strata"] = {"tool_choice": plan.note}
+    strata = {**({"tool_choice": plan.note} if plan is not None and plan.note else {}),
+              **({"dropped_messages": r.dropped_messages} if r.dropped_messages else {})}
+    if strata:
+        out["strata"] = strata
     return JSONResponse(out)
 
 

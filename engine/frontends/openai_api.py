@@ -26,7 +26,7 @@ from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, ope
 from .image_parts import ImageBudget, split_openai, tools_with_images, with_images
 from .wire import (APIError, Served, _await_watching, _bool, _Bridge, _chat_message, _check_model, _EngineStream,
                    _finish, _json_body, _messages, _model_id, _models, _plain, _response_format, _sampling,
-                   _speculative, _sse, _timings, _usage, chat_plan, engine_error, reply_stream, think_stream,
+                   _overflow, _speculative, _sse, _timings, _usage, chat_plan, engine_error, reply_stream, think_stream,
                    tool_error)
 
 SESSION_NAME_MAX = 64
@@ -142,7 +142,8 @@ def _request_of(s: Served, call: _Call) -> tuple[GenerateRequest, bool]:
     plan = call.plan
     return GenerateRequest(messages=call.messages, prompt=call.prompt, sampling=sampling, speed_projection=speed,
                            conversation=f"http {call.rid}", speculative=speculative, constraint=call.constraint,
-                           tools=plan.template_tools if plan is not None else None), stream
+                           tools=plan.template_tools if plan is not None else None,
+                           overflow=_overflow(body) if call.chat else "stop"), stream
 
 
 async def _generate(request: Request, chat: bool) -> Response:

@@ -23,6 +23,7 @@ from ..events import ENGINE_STOPPED, Done, Failed, Progress, Token
 from ..sampling import FIELD, FIELDS, SamplingParams
 from .body_check import BodyError, parse_body
 from ..constraints import ConstraintError, ConstraintSpec
+from ..context_policy import check_policy
 from ..harmony import ChannelStream
 from ..memory_estimate import read_header
 from ..reasoning import split, split_reply
@@ -180,6 +181,18 @@ def _speculative(body: dict) -> str:
         except StrataError as e:
             raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     return mode.label
+
+
+def _overflow(body: dict) -> str:
+    """The extra field "strata_overflow": what a history longer than the context sends
+    (engine/context_policy.py). Absent (or "stop"): nothing is left out, a prompt over the context is a 400."""
+    value = body.get("strata_overflow")
+    if value is None:
+        return "stop"
+    try:
+        return check_policy(value, "strata_overflow")
+    except ValueError as e:
+        raise APIError(400, str(e)[:300], param="strata_overflow", code="invalid_value") from None
 
 
 def _content_text(content, i: int) -> str:
@@ -497,7 +510,7 @@ def _timings(r: Generation, asked: str | None = None) -> dict:
     return {"ttft_ms": r.ttft_ms, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps,
             "speed_projection": r.speed_projection, "speculative": spec,
             "drafted_tokens": r.drafted_tokens, "accepted_tokens": r.accepted_tokens,
-            "acceptance_rate": r.acceptance_rate}
+            "acceptance_rate": r.acceptance_rate, "dropped_messages": r.dropped_messages}
 
 
 def _finish(r: Generation) -> str:
