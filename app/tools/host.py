@@ -24,6 +24,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.types import PaginatedRequestParams
+from mcp_types.jsonrpc import CONNECTION_CLOSED
 
 from .config import ServerConfig
 from .results import (ERR_BAD_JSON, ERR_CANCELLED, ERR_CRASHED, ERR_NOT_READY, ERR_PROTOCOL, ERR_TIMEOUT, ERR_TOOL,
@@ -335,6 +336,10 @@ class McpHost:
             return ToolResult(f"Error: the tool '{tool}' of '{server}' gave no answer within {timeout:g} s "
                               "(the call was abandoned).", ERR_TIMEOUT)
         except MCPError as e:
+            if e.code == CONNECTION_CLOSED:
+                srv.calls.discard(pending)      # the host's crash notice must not cancel the wait below
+                await self._settle(srv)         # the process's last stderr lines, then the crash result
+                return self._cancelled(srv, tool, ERR_CRASHED)
             return ToolResult(f"Error: the MCP server '{server}' refused the call: {e.message}", ERR_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - a broken connection is the call's result, not a traceback
             if srv.ended.is_set() or srv.stop.is_set():
@@ -346,6 +351,13 @@ class McpHost:
         if res.is_error:
             return ToolResult(f"Error from the tool '{tool}': {text}", ERR_TOOL, cut)
         return ToolResult(text, None, cut)
+
+    async def _settle(self, srv: _Server, wait_s: float = 2.0) -> None:
+        """A connection that closed under a call: give the process's stderr a moment to reach its end."""
+        if srv.ring is not None:
+            end = asyncio.get_running_loop().time() + wait_s
+            while not srv.ring.ended.is_set() and asyncio.get_running_loop().time() < end:
+                await asyncio.sleep(0.02)
 
     def _cancelled(self, srv: _Server, tool: str, reason: str | None) -> ToolResult:
         name = srv.config.name
