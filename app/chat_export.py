@@ -5,7 +5,8 @@ heading ("## User", "## Assistant", "## System") with its text verbatim (it is M
 that a code fence a message leaves open (a reply cut mid-block) is closed at its end, so the next heading
 is not read as code.
 JSON: {"title", "model", "created", "updated", "messages": [{"role", "content"}]}, the times as ISO 8601
-local time with the UTC offset.
+local time with the UTC offset. Tool calls and results: a reply's calls follow it (tool, server, the
+arguments as a JSON block), a tool's answer is its own section in a fence; the JSON keeps their keys.
 Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from .store import Chat, valid_text
 
-ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
+ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
+# A message's keys the JSON export keeps beside role and content (tool calls and their answers)
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name", "status", "server", "tool")
 NAME_MAX_BYTES = 255          # UTF-8 bytes: APFS's and Linux's name limit (a name within it fits HFS+ too)
 NAME_MAX_CHARS = 80           # a suggested name stays readable in the save dialog
 # A fence line as CommonMark reads it: up to 3 spaces, 3 or more backticks or tildes, the rest
@@ -39,8 +42,23 @@ def to_markdown(chat: Chat) -> str:
     parts = [f"# {chat.title}", "", " · ".join(meta)]
     for m in chat.messages:
         role = m["role"]
-        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", "", close_fence(m["content"])]
+        heading = ROLE_HEADINGS.get(role, role.capitalize())
+        if role == "tool":
+            heading += f": {m.get('tool') or m.get('name', '')} ({m.get('server', '')}, {m.get('status', 'ran')})"
+            parts += ["", f"## {heading}", "", _fenced(m["content"])]
+            continue
+        parts += ["", f"## {heading}", "", close_fence(m["content"])]
+        for call in m.get("tool_calls") or ():
+            parts += ["", f"Tool call: `{call.get('tool') or call['function']['name']}` ({call.get('server', '')})", "",
+                      _fenced(json.dumps(call["function"]["arguments"], indent=2, ensure_ascii=False), "json")]
     return "\n".join(parts) + "\n"
+
+
+def _fenced(text: str, info: str = "") -> str:
+    """`text` verbatim in a code fence longer than any backtick run in it."""
+    run = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, run + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
 
 
 def close_fence(text: str) -> str:
@@ -71,7 +89,8 @@ def to_json(chat: Chat) -> str:
         "model": chat.model,
         "created": iso_time(chat.created),
         "updated": iso_time(chat.updated or chat.created),
-        "messages": [{"role": m["role"], "content": m["content"]} for m in chat.messages],
+        "messages": [{"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_KEYS if k in m}}
+                     for m in chat.messages],
     }, ensure_ascii=False, indent=2) + "\n"
 
 

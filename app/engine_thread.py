@@ -214,12 +214,14 @@ class EngineClient(QObject):
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
-                 speed_projection: bool | None = None, speculative: str = "off", side: bool = False) -> Request:
-        """`side`: a request of the app's own (a title) that must not cost a conversation its K/V."""
+                 speed_projection: bool | None = None, speculative: str = "off", side: bool = False,
+                 tools: list[dict] | None = None, constraint=None) -> Request:
+        """`side`: a request of the app's own (a title) that must not cost a conversation its K/V.
+        `tools`, `constraint`: a tool plan's (engine/tool_calls.py: the template's tools, a forced call's grammar)."""
         def make():
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
-                                   speculative=speculative, side=side)
+                                   speculative=speculative, side=side, tools=tools, constraint=constraint)
         return self._submit("generate", make)
 
     def load_model(self, path: str, steering="keep") -> Request:

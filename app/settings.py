@@ -76,6 +76,11 @@ class Settings:
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key
     theme: str = "system"                 # system | light | dark (app/theme.py)
+    # Tools in the chat (MCP servers, app/tools/): the tools that run without asking ("server/tool"), a
+    # call's timeout, and how many tool steps one reply may take before the loop stops
+    tools_allowed: list[str] = field(default_factory=list)
+    tools_timeout_s: float = 30.0
+    tools_step_limit: int = 8
     sampling: Sampling = field(default_factory=Sampling)
     steering: Steering = field(default_factory=Steering)
 

@@ -30,6 +30,8 @@ from .session_controller import SessionController
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
+from .tools.bridge import ToolsService
+from .tools.loop import tool_format
 
 
 def settings_shortcuts() -> list[QKeySequence]:
@@ -69,6 +71,9 @@ class MainWindow(QMainWindow):
         # Every setting that reaches the engine goes there from here (its keys' `changed`)
         self.engine_settings = EngineSettings.of(self.settings, self.client)
         self.server = ServerControl(self.client, self.settings, self.bus, self)
+        # MCP servers (app/tools/): only the ones the user enabled in mcp.json start
+        self.tools = ToolsService(self.paths.data_dir, self)
+        self.tool_format = tool_format("")
 
         self.message_bar = MessageBar()
         self.status = StatusBar()
@@ -88,7 +93,10 @@ class MainWindow(QMainWindow):
         self.store.on_error = self.bus.tell        # a failure after the start: one line, once
         if self.store.notice:       # a locked, foreign or corrupt database: what was kept and where
             self.bus.info.emit(self.store.notice)
+        for problem in self.tools.problems:       # mcp.json's bad entries, one line each (the rest loaded)
+            self.bus.info.emit(f"MCP config: {problem}")
         self.tabs.open_stored()
+        self.tools.start_enabled()
         self.library.refresh()
         if start_engine:
             self.engine_thread.start()
@@ -170,6 +178,7 @@ class MainWindow(QMainWindow):
 
     def _on_view_added(self, view: ChatView) -> None:
         view.think_open = self.library.think_open
+        view.tools, view.tool_settings, view.tool_format = self.tools, self.settings, self.tool_format
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -179,8 +188,10 @@ class MainWindow(QMainWindow):
 
     def _on_model_loaded(self, path: str) -> None:
         self.setWindowTitle(f"Strata — {Path(path).name}")
+        self.tool_format = tool_format(path, self.library.think_open)
         for view in self.views():
             view.think_open = self.library.think_open
+            view.tool_format = self.tool_format
         self.refresh_status()
 
     # ---- the tabs (the menus and the Configs pane) ------------------------------------------------
@@ -285,6 +296,7 @@ class MainWindow(QMainWindow):
     def shutdown(self) -> None:
         self.library.shutdown()
         self.server.shutdown()
+        self.tools.close()
         if self.engine_thread.isRunning():
             self.client.cancel_replies()        # a reply or title being read must not hold the stop
             self.engine_thread.stop()

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
+from pydantic import Field
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 
@@ -22,8 +24,13 @@ server = MCPServer("strata-test-tools")
 WIRE = os.dup(1)
 
 
+# Bounded arguments: a tiny random model whose call the grammar forces writes short ones
+Small = Annotated[int, Field(ge=0, le=99)]
+Word = Annotated[str, Field(max_length=8)]
+
+
 @server.tool(description="Add two integers")
-def add(a: int, b: int) -> str:
+def add(a: Small, b: Small) -> str:
     return str(a + b)
 
 
@@ -33,7 +40,7 @@ def echo(text: str) -> str:
 
 
 @server.tool(description="Sleep, then answer")
-async def slow(seconds: float) -> str:
+async def slow(seconds: Annotated[float, Field(ge=0, le=120)]) -> str:
     await asyncio.sleep(seconds)
     return f"slept {seconds}"
 
@@ -44,12 +51,12 @@ def fail(message: str) -> str:
 
 
 @server.tool(description="A large result")
-def big(n: int) -> str:
+def big(n: Annotated[int, Field(ge=0, le=1_000_000)]) -> str:
     return "".join(chr(ord("a") + i % 26) for i in range(n))
 
 
 @server.tool(description="The server process exits mid-call")
-def crash() -> str:
+def crash(why: Word = "") -> str:
     print("about to crash: goodbye", file=sys.stderr, flush=True)
     os._exit(3)
 
@@ -62,7 +69,7 @@ async def bad_json() -> str:
 
 
 @server.tool(description="Reads nothing, changes nothing", annotations=ToolAnnotations(read_only_hint=True))
-def peek() -> str:
+def peek(word: Word = "") -> str:
     return "nothing changed"
 
 
