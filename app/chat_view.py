@@ -677,7 +677,7 @@ class ChatView(QWidget):
             return
         limit = int(self.tool_settings.tools_step_limit) if self.tool_settings is not None else tool_loop.DEFAULT_STEP_LIMIT
         if self._tool_steps >= limit:
-            self.add_note(f"The tools stopped at the limit of {limit} tool steps for one reply (Settings, Tools).")
+            self.add_note(f"The tools stopped at the limit of {limit} tool steps for one reply (File › Tools…).")
             return
         self._generate()
 

@@ -31,6 +31,7 @@ from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
 from .tools.bridge import ToolsService
+from .tools_page import ToolsPage
 from .tools.loop import tool_format
 
 
@@ -143,6 +144,7 @@ class MainWindow(QMainWindow):
         act(f, "Fetch Default Model", lambda: self.library.offer_default_model())
         f.addSeparator()
         act(f, "Settings…", self.open_settings).setShortcuts(settings_shortcuts())
+        act(f, "Tools…", self.open_tools)
         act(f, "Quit", self.close, QKeySequence.StandardKey.Quit)
         c = self.menuBar().addMenu("&Chat")
         act(c, "Stop", lambda: self.current_view() and self.current_view().stop(), "Esc")
@@ -273,6 +275,13 @@ class MainWindow(QMainWindow):
     # ---- settings ----------------------------------------------------------------------------
     def open_settings(self) -> SettingsPage:
         page = SettingsPage(self.settings, self.client, self.last_status, self)
+        page.setModal(False)
+        page.show()
+        return page
+
+    def open_tools(self) -> ToolsPage:
+        """The MCP servers and the tools' approval settings (app/tools_page.py)."""
+        page = ToolsPage(self.tools, self.settings, self)
         page.setModal(False)
         page.show()
         return page
