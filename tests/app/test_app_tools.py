@@ -132,7 +132,12 @@ def test_always_allow_then_revoke(qtbot, tool_window):
     qtbot.waitUntil(lambda: len(tool_messages(view)) == 2, timeout=REPLY_TIMEOUT_MS)
     wait_idle(qtbot, view)
     assert asked == [] and tool_messages(view)[-1]["status"] == "ran"
-    w.settings.set("tools_allowed", [])             # revoked (the Settings page's Revoke)
+    page = w.open_tools()                           # revoked on the Tools page
+    assert page.allowed.item(0).text() == "t/peek"
+    page.allowed.setCurrentRow(0)
+    page.revoke_btn.click()
+    assert w.settings.tools_allowed == [] and page.allowed.count() == 0
+    page.close()
     with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
         ask(qtbot, view, "and again", "peek")
     view.tool_panel.deny_btn.click()
