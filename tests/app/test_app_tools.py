@@ -71,6 +71,8 @@ def test_approve_with_edited_arguments_runs_and_the_model_continues(qtbot, tool_
     w = tool_window
     view = w.new_tab()
     panel = view.tool_panel
+    kv = []                   # each request's K/V figures (engine.events.KVChanged, through the view)
+    view.live_figures.connect(lambda f: kv.append((f["prompt_tokens"], f["cached_tokens"])) if "cached_tokens" in f else None)
     with qtbot.waitSignal(panel.asked, timeout=REPLY_TIMEOUT_MS) as asked:
         ask(qtbot, view, "What is 2 plus 40?", "add")
     entry = asked.args[0]
@@ -93,6 +95,9 @@ def test_approve_with_edited_arguments_runs_and_the_model_continues(qtbot, tool_
                       "content": "42", "status": "ran", "server": "t", "tool": "add"}
     assert final["role"] == "assistant" and not final.get("tool_calls")       # the model continued
     assert len(view.chat.messages) == 4 and panel.isHidden()
+    # the continuation took the conversation's K/V: the whole first prompt (and the call) was not read again
+    first, cont = list(dict.fromkeys(kv))
+    assert cont[0] > first[0] and cont[1] >= first[0]
     text = view.transcript_text()
     assert "result of add (t)" in text and "42" in text and '"b": 40' in text
     # saved: a reopened chat shows the call and its result; the export has them
