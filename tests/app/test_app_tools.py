@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcp"))
 
 from gguf_factory import write_tiny_gguf                                   # noqa: E402
 from app_fixtures import LOAD_TIMEOUT_MS, REPLY_TIMEOUT_MS, open_window   # noqa: E402
-from servers import stdio_config                                          # noqa: E402
+from servers import http_server, stdio_config                             # noqa: E402
 
 from app.tools.config import write_config                                 # noqa: E402
 from app.tools.loop import DENIED_TEXT, STOPPED_TEXT                      # noqa: E402
@@ -211,3 +211,26 @@ def test_the_step_limit_ends_the_loop_with_a_note(qtbot, tool_window):
     assert view.chat.messages[-1]["role"] == "tool"                  # no continuation past the limit
     assert any("stopped at the limit of 1 tool steps" in n for n in view.notes)
     assert "stopped at the limit of 1 tool steps" in view.transcript_text()
+
+
+def test_a_streamable_http_server_beside_the_stdio_one(qtbot, tool_window):
+    """Two servers with a tool of the same name: the second is offered as server_tool, and its call goes
+    to its own server (streamable HTTP on 127.0.0.1)."""
+    from app.tools.config import ServerConfig
+    w = tool_window
+    with http_server() as url:
+        w.tools.put(ServerConfig("h", url=url, enabled=True))
+        qtbot.waitUntil(lambda: w.tools.state("h").status == "ready", timeout=CALL_MS)
+        view = w.new_tab()
+        with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS) as asked:
+            ask(qtbot, view, "add over http", "h_add")
+        assert asked.args[0]["server"] == "h" and asked.args[0]["tool"] == "add"
+        assert "<b>h</b>" in view.tool_panel.title.text()
+        view.tool_panel.args.setPlainText('{"a": 20, "b": 22}')
+        view.tool_panel.run_btn.click()
+        qtbot.waitUntil(lambda: len(tool_messages(view)) == 1, timeout=CALL_MS)
+        wait_idle(qtbot, view)
+        (res,) = tool_messages(view)
+        assert res["server"] == "h" and res["name"] == "h_add" and res["content"] == "42" and res["status"] == "ran"
+        assert view.chat.messages[-1]["role"] == "assistant"
+        w.tools.set_enabled("h", False)
