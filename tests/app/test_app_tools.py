@@ -234,3 +234,15 @@ def test_a_streamable_http_server_beside_the_stdio_one(qtbot, tool_window):
         assert res["server"] == "h" and res["name"] == "h_add" and res["content"] == "42" and res["status"] == "ran"
         assert view.chat.messages[-1]["role"] == "assistant"
         w.tools.set_enabled("h", False)
+
+
+def test_a_chat_with_tools_off_offers_none(qtbot, tool_window):
+    view = tool_window.new_tab()
+    view.tools_box.setChecked(False)
+    assert view.chat.config["tools"] is False                        # kept with the chat
+    asked = []
+    view.tool_panel.asked.connect(asked.append)
+    ask(qtbot, view, "What is 2 plus 40?", "add")                    # a forced call asked for, but no tools
+    wait_idle(qtbot, view)
+    assert asked == [] and not tool_messages(view)
+    assert view.chat.messages[-1]["role"] == "assistant" and "tool_calls" not in view.chat.messages[-1]
