@@ -22,6 +22,8 @@ from .tools import loop as tool_loop
 
 DEFAULT_TITLE = "New chat"
 LIMIT_NOTE = "The reply stopped at the token limit"
+# A tool message's status as its heading says it
+TOOL_STATUS_WORDS = {"ran": "result", "error": "error", "denied": "denied", "stopped": "stopped"}
 RENDER_INTERVAL_MS = 60
 
 
@@ -102,21 +104,7 @@ class ChatView(QWidget):
         self._tail = 0
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._render_tail)
-        # Tools (MCP servers): the window hands in the ToolsService, the settings and the model's family
-        self.tools = None              # app.tools.bridge.ToolsService, or None: no tools offered
-        self.tool_settings = None      # the SettingsService (tools_allowed, tools_timeout_s, tools_step_limit)
-        self.tool_format = None        # engine.tool_calls.ToolFormat of the loaded model (None: generic)
-        self.tool_choice = "auto"      # the first step of a reply: 'auto', 'required' or {"name": ...}
-        self.tool_turn: ToolTurn | None = None   # the calls of a reply being approved or run
-        self._plan = None              # the tool plan of the request in flight (engine/tool_calls.py)
-        self._box = None               # the toolbox of that request (function name -> MCP tool)
-        self._tool_kw: dict = {}
-        self._tool_steps = 0           # tool steps taken by the reply in flight
-        self._open_results: set[int] = set()     # tool results shown whole (message indexes)
-        self.tool_panel = ToolApproval()
-        self.tools_box = QCheckBox("Tools", toolTip="Offer the enabled MCP servers' tools to the model in this chat")
-        self.tools_box.setChecked(bool(chat.config.get("tools", True)))
-        self.tools_box.toggled.connect(self._on_tools_toggled)
+        self._init_tools(chat)
 
         self.transcript = QTextBrowser(openLinks=False, openExternalLinks=False)
         self.transcript.anchorClicked.connect(self._on_anchor)
@@ -359,10 +347,11 @@ class ChatView(QWidget):
     def _insert_tool_result(self, cursor: QTextCursor, i: int, m: dict) -> None:
         """A tool's answer, collapsed to its first lines with a Show all link."""
         muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
-        status = {"ran": "result", "error": "error", "denied": "denied", "stopped": "stopped"}.get(m.get("status"), "result")
+        status = TOOL_STATUS_WORDS.get(m.get("status"), "result")
         head, n = tool_loop.preview(m["content"])
         opened = i in self._open_results
-        link = f' &nbsp; <a href="toolresult:{i}">{"Show less" if opened else f"Show all ({n} lines)"}</a>' if n > 3 else ""
+        label = "Show less" if opened else f"Show all ({n} lines)"
+        link = f' &nbsp; <a href="toolresult:{i}">{label}</a>' if n > 3 else ""
         new_block(cursor)
         cursor.insertHtml(f'<p><span style="color:{muted}; font-size:small">{html.escape(status)} of '
                           f'{html.escape(m.get("tool") or m.get("name", ""))} ({html.escape(m.get("server", ""))})'
@@ -616,6 +605,23 @@ class ChatView(QWidget):
                 at[:] = [at[i] for i in keep if i < len(at)]
 
     # ---- tools (MCP) -------------------------------------------------------------------------
+    def _init_tools(self, chat: Chat) -> None:
+        """Tools (MCP servers): the window hands in the ToolsService, the settings and the model's family."""
+        self.tools = None              # app.tools.bridge.ToolsService, or None: no tools offered
+        self.tool_settings = None      # the SettingsService (tools_allowed, tools_timeout_s, tools_step_limit)
+        self.tool_format = None        # engine.tool_calls.ToolFormat of the loaded model (None: generic)
+        self.tool_choice = "auto"      # the first step of a reply: 'auto', 'required' or {"name": ...}
+        self.tool_turn: ToolTurn | None = None   # the calls of a reply being approved or run
+        self._plan = None              # the tool plan of the request in flight (engine/tool_calls.py)
+        self._box = None               # the toolbox of that request (function name -> MCP tool)
+        self._tool_kw: dict = {}
+        self._tool_steps = 0           # tool steps taken by the reply in flight
+        self._open_results: set[int] = set()     # tool results shown whole (message indexes)
+        self.tool_panel = ToolApproval()
+        self.tools_box = QCheckBox("Tools", toolTip="Offer the enabled MCP servers' tools to the model in this chat")
+        self.tools_box.setChecked(bool(chat.config.get("tools", True)))
+        self.tools_box.toggled.connect(self._on_tools_toggled)
+
     def _on_tools_toggled(self, on: bool) -> None:
         self.chat.config["tools"] = on
         self.changed.emit()
@@ -624,7 +630,8 @@ class ChatView(QWidget):
         """The messages to send, with this chat's tools planned in (the model's family: tools through its
         template or described in the system prompt; calls and results in its format). Sets the plan."""
         self._plan, self._box, self._tool_kw = None, None, {}
-        box = tool_loop.Toolbox.of(self.tools.tools()) if self.tools is not None and self.tools_box.isChecked() else None
+        offered = self.tools is not None and self.tools_box.isChecked()
+        box = tool_loop.Toolbox.of(self.tools.tools()) if offered else None
         choice = self.tool_choice if self._tool_steps == 0 else "auto"
         if box is not None and isinstance(choice, dict) and choice.get("name") not in box.functions:
             choice = "auto"
@@ -675,7 +682,7 @@ class ChatView(QWidget):
         if not go_on:
             self.message.emit("Stopped")
             return
-        limit = int(self.tool_settings.tools_step_limit) if self.tool_settings is not None else tool_loop.DEFAULT_STEP_LIMIT
+        limit = tool_loop.DEFAULT_STEP_LIMIT if self.tool_settings is None else int(self.tool_settings.tools_step_limit)
         if self._tool_steps >= limit:
             self.add_note(f"The tools stopped at the limit of {limit} tool steps for one reply (File › Tools…).")
             return

@@ -105,7 +105,8 @@ class ToolTurn(QObject):
         self._next()
 
     def _info(self, entry: dict) -> ToolInfo | None:
-        return next((t for t in self.service.tools() if t.server == entry.get("server") and t.name == entry.get("tool")),
+        return next((t for t in self.service.tools()
+                     if t.server == entry.get("server") and t.name == entry.get("tool")),
                     None)
 
     def _key(self, entry: dict) -> str:

@@ -89,7 +89,8 @@ class ServerEditor(QDialog):
         self.transport.addItem("Streamable HTTP", "http")
         self.transport.setCurrentIndex(1 if c.url else 0)
         self.command = QLineEdit(c.command, placeholderText="npx")
-        self.args = QLineEdit(shlex.join(c.args), placeholderText="-y @modelcontextprotocol/server-filesystem ~/Documents")
+        self.args = QLineEdit(shlex.join(c.args),
+                              placeholderText="-y @modelcontextprotocol/server-filesystem ~/Documents")
         self.env = KeyValueRows("variable", c.env)
         self.url = QLineEdit(c.url, placeholderText="http://127.0.0.1:8000/mcp")
         self.headers = KeyValueRows("header", c.headers)
@@ -190,7 +191,8 @@ class ToolsPage(QDialog):
         self.edit_btn = QPushButton("Edit…", clicked=self.edit_server)
         self.remove_btn = QPushButton("Remove", clicked=self.remove_server)
         self.import_btn = QPushButton("Import…", clicked=self.import_servers,
-                                      toolTip="Servers from LM Studio's mcp.json and Claude Desktop's config, added disabled")
+                                      toolTip="Servers from LM Studio's mcp.json and Claude Desktop's config, "
+                                              "added disabled")
         for b in (self.add_btn, self.edit_btn, self.remove_btn, self.import_btn):
             buttons.addWidget(b)
         buttons.addStretch(1)

@@ -142,7 +142,8 @@ def result_text(result, cap: int = RESULT_CAP_CHARS) -> tuple[str, bool]:
         if kind == "text":
             parts.append(block.text)
         elif kind in ("image", "audio"):
-            parts.append(f"[{kind}: {getattr(block, 'mime_type', '?')}, {len(getattr(block, 'data', '')) * 3 // 4} bytes]")
+            size = len(getattr(block, 'data', '')) * 3 // 4          # base64: 4 characters per 3 bytes
+            parts.append(f"[{kind}: {getattr(block, 'mime_type', '?')}, {size} bytes]")
         else:
             parts.append(f"[{kind or 'content'} block]")
     if not parts and result.structured_content is not None:
