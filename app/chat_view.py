@@ -396,8 +396,8 @@ class ChatView(QWidget):
     def regenerate(self) -> None:
         if self.busy:
             return
-        replaced = []
-        while self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
+        replaced = []           # the whole last reply: its tool calls and their results too
+        while self.chat.messages and self.chat.messages[-1]["role"] in ("assistant", "tool"):
             replaced.insert(0, self.chat.messages.pop())
         if not self.chat.messages:
             self.chat.messages.extend(replaced)

@@ -120,6 +120,11 @@ def test_deny_sends_a_declined_result(qtbot, tool_window):
     assert denied["status"] == "denied" and denied["content"] == DENIED_TEXT
     assert view.chat.messages[-1]["role"] == "assistant"           # the model was told, and went on
     assert "denied of add (t)" in view.transcript_text()
+    # Regenerate replaces the whole reply, its call and the call's answer included
+    view.tool_choice = "auto"
+    view.regenerate()
+    wait_idle(qtbot, view)
+    assert [m["role"] for m in view.chat.messages] == ["user", "assistant"] and not tool_messages(view)
 
 
 def test_always_allow_then_revoke(qtbot, tool_window):
