@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from .settings import SettingsService
 from .tools.bridge import ToolsService
-from .tools.config import ServerConfig, masked, parse_entry
+from .tools.config import ServerConfig, config_notice, masked, parse_entry
 
 TIMEOUT_RANGE_S = (1.0, 3600.0)
 STEP_LIMIT_RANGE = (1, 100)
@@ -170,7 +170,8 @@ class ToolsPage(QDialog):
         lay = QVBoxLayout(self)
         lay.addWidget(self._servers_group(), 1)
         lay.addWidget(self._approval_group())
-        self.note = QLabel(wordWrap=True)
+        problems = config_notice(service.problems, service.unreadable) if service.problems else ""
+        self.note = QLabel(problems, wordWrap=True)
         lay.addWidget(self.note)
         close = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         close.rejected.connect(self.reject)

@@ -32,6 +32,7 @@ from .status_bar import StatusBar
 from .store import Chat, Store
 from .tools.bridge import ToolsService
 from .tools_page import ToolsPage
+from .tools.config import config_notice
 from .tools.loop import tool_format
 
 
@@ -94,8 +95,8 @@ class MainWindow(QMainWindow):
         self.store.on_error = self.bus.tell        # a failure after the start: one line, once
         if self.store.notice:       # a locked, foreign or corrupt database: what was kept and where
             self.bus.info.emit(self.store.notice)
-        for problem in self.tools.problems:       # mcp.json's bad entries, one line each (the rest loaded)
-            self.bus.info.emit(f"MCP config: {problem}")
+        if self.tools.problems:                   # mcp.json's bad entries, one line each (the rest loaded)
+            self.bus.info.emit(config_notice(self.tools.problems, self.tools.unreadable))
         self.tabs.open_stored()
         self.tools.start_enabled()
         self.library.refresh()

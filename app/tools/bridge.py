@@ -8,7 +8,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from .config import CONFIG_NAME, ImportResult, ServerConfig, default_sources, import_servers, read_config, write_config
+from .config import (CONFIG_NAME, ImportResult, ServerConfig, default_sources, import_servers, read_config, set_aside,
+                     write_config)
 from .host import DEFAULT_CALL_TIMEOUT_S, CallHandle, McpHost
 from .results import ServerState, ToolInfo, ToolResult
 
@@ -50,6 +51,9 @@ class ToolsService(QObject):
         loaded = read_config(self.path)
         self.servers: list[ServerConfig] = loaded.servers
         self.problems: list[str] = loaded.problems
+        self.unloaded: dict = loaded.unloaded          # bad entries: written back as they were
+        self.unreadable = loaded.unreadable            # the file is moved aside before the first save
+        self.set_aside_to: Path | None = None
 
     # ---- config --------------------------------------------------------------------------------
     def server(self, name: str) -> ServerConfig | None:
@@ -83,7 +87,12 @@ class ToolsService(QObject):
         return result
 
     def _save(self) -> None:
-        write_config(self.path, self.servers)
+        if self.unreadable and self.path.exists():
+            self.set_aside_to = set_aside(self.path)
+        self.unreadable = False
+        names = {s.name for s in self.servers}          # a server given a bad entry's name replaces it
+        self.unloaded = {k: v for k, v in self.unloaded.items() if k not in names}
+        write_config(self.path, self.servers, self.unloaded)
         self.servers_changed.emit()
 
     # ---- processes ------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ class ServerConfig:
 class ConfigLoad:
     servers: list[ServerConfig] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)     # one line per entry (or file) not loaded
+    # The entries not loaded, as the file had them: written back unchanged, for the user to mend
+    unloaded: dict = field(default_factory=dict)
+    unreadable: bool = False                              # the file is there but no config could be read
 
 
 def _str_map(value, what: str) -> dict:
@@ -101,6 +104,7 @@ def parse_config(data) -> ConfigLoad:
             out.servers.append(parse_entry(name, entry))
         except ValueError as e:
             out.problems.append(f"server {name!r}: {e}")
+            out.unloaded[name] = entry
     return out
 
 
@@ -111,21 +115,28 @@ def read_config(path: Path) -> ConfigLoad:
         return ConfigLoad()
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
-            return ConfigLoad(problems=[f"{path.name}: larger than {MAX_CONFIG_BYTES >> 10} KiB, not read"])
+            return ConfigLoad(problems=[f"{path.name}: larger than {MAX_CONFIG_BYTES >> 10} KiB, not read"],
+                              unreadable=True)
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as e:
-        return ConfigLoad(problems=[f"{path.name}: cannot be read ({e})"])
+        return ConfigLoad(problems=[f"{path.name}: cannot be read ({e})"], unreadable=True)
     except json.JSONDecodeError as e:
-        return ConfigLoad(problems=[f"{path.name}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})"])
-    return parse_config(data)
+        return ConfigLoad(problems=[f"{path.name}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})"],
+                          unreadable=True)
+    loaded = parse_config(data)
+    loaded.unreadable = not isinstance(data, dict) or not isinstance(data.get("mcpServers", {}), dict)
+    return loaded
 
 
-def write_config(path: Path, servers: list[ServerConfig]) -> None:
-    """Write the servers (atomically: a crash leaves the old file whole). Owner-only: it holds secrets."""
+def write_config(path: Path, servers: list[ServerConfig], unloaded: dict | None = None) -> None:
+    """Write the servers (atomically: a crash leaves the old file whole). Owner-only: it holds secrets.
+    `unloaded`: entries the last read could not load, kept as they were (a server of that name wins)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps({"mcpServers": {s.name: s.to_json() for s in servers}}, indent=2, ensure_ascii=False)
+    entries = {name: entry for name, entry in (unloaded or {}).items()}
+    entries.update({s.name: s.to_json() for s in servers})
+    text = json.dumps({"mcpServers": entries}, indent=2, ensure_ascii=False)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text + "\n")
@@ -175,6 +186,27 @@ def import_servers(existing: list[ServerConfig], sources: list[ImportSource]) ->
             out.servers.append(replace(s, enabled=False))
             out.added.append(f"{s.name} (from {src.app})")
     return out
+
+
+def config_notice(problems: list[str], unreadable: bool = False) -> str:
+    """What the app says of a config's problems: one line each."""
+    if unreadable:
+        head = f"MCP servers: {CONFIG_NAME} was not read (a change saved moves it aside to {CONFIG_NAME}.unreadable):"
+    else:
+        head = f"MCP servers not loaded (the others were; {CONFIG_NAME} keeps these entries as they are):"
+    return "\n".join([head, *problems])
+
+
+def set_aside(path: Path) -> Path:
+    """Move an unreadable config out of the way (before a save replaces it): `mcp.json.unreadable`,
+    numbered when that exists. Returns where it went."""
+    path = Path(path)
+    target, n = path.with_name(path.name + ".unreadable"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.unreadable-{n}")
+    os.replace(path, target)
+    return target
 
 
 def masked(value: str) -> str:

@@ -107,3 +107,36 @@ def test_import_finds_nothing_in_an_empty_home(tmp_path):
 
 def test_masked_values_show_no_characters():
     assert masked("s3cret-token-value") == "\u2022" * 8 and masked("ab") == "\u2022\u2022" and masked("") == ""
+
+
+def test_a_save_keeps_the_entries_it_could_not_load(tmp_path):
+    """Nothing lost: the bad entries go back into the file as they were, for the user to mend; a server
+    given a bad entry's name replaces it."""
+    from app.tools.bridge import ToolsService
+    bad = {"command": "x", "args": "not a list"}
+    p = _write(tmp_path / "mcp.json", {"mcpServers": {"good": {"command": "uvx"}, "bad": bad, "ftp": {"url": "ftp://h"}}})
+    service = ToolsService(tmp_path, home=tmp_path / "home")
+    try:
+        assert [s.name for s in service.servers] == ["good"] and len(service.problems) == 2
+        service.put(ServerConfig("new", command="npx"))
+        data = json.loads(p.read_text())["mcpServers"]
+        assert data["bad"] == bad and data["ftp"] == {"url": "ftp://h"} and set(data) == {"good", "bad", "ftp", "new"}
+        assert [s.name for s in read_config(p).servers] == ["good", "new"]
+        service.put(ServerConfig("bad", command="x", args=("fixed",)))
+        assert json.loads(p.read_text())["mcpServers"]["bad"] == {"command": "x", "args": ["fixed"], "enabled": False}
+    finally:
+        service.close()
+
+
+def test_an_unreadable_file_is_moved_aside_before_a_save(tmp_path):
+    from app.tools.bridge import ToolsService
+    p = _write(tmp_path / "mcp.json", '{"mcpServers": {"a": {"command": "x"},}')     # a trailing comma
+    service = ToolsService(tmp_path, home=tmp_path / "home")
+    try:
+        assert service.servers == [] and service.unreadable and "not JSON" in service.problems[0]
+        assert p.read_text() == '{"mcpServers": {"a": {"command": "x"},}'             # reading changes nothing
+        service.put(ServerConfig("new", command="npx"))
+        assert (tmp_path / "mcp.json.unreadable").read_text() == '{"mcpServers": {"a": {"command": "x"},}'
+        assert [s.name for s in read_config(p).servers] == ["new"]
+    finally:
+        service.close()

@@ -142,3 +142,19 @@ def test_the_window_opens_the_page_on_its_service(qtbot, idle_window):
     menu[0].trigger()
     page = idle_window.findChild(ToolsPage)
     assert page is not None and page.isVisible() and page.service is idle_window.tools
+
+
+def test_the_window_names_each_bad_entry_and_loads_the_rest(qtbot, app_home):
+    from app_fixtures import open_window
+    (app_home / "mcp.json").write_text(json.dumps({"mcpServers": {
+        "good": {"command": "uvx"}, "both": {"command": "x", "url": "http://a"}, "ftp": {"url": "ftp://h"}}}))
+    w = open_window(qtbot, start_engine=False)
+    try:
+        text = w.message_bar.text()
+        assert "server 'both': give either 'command' (stdio) or 'url' (streamable HTTP)" in text
+        assert "server 'ftp': 'url' must be an http:// or https:// address" in text
+        assert [s.name for s in w.tools.servers] == ["good"]
+        page = w.open_tools()
+        assert "server 'ftp'" in page.note.text() and page.servers.count() == 1
+    finally:
+        w.close()
