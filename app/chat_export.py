@@ -12,6 +12,8 @@ used) after its text, and as its "documents" in JSON.
 A message's images: in Markdown, image links before its text to copies of the files in a folder beside
 the export (`<name>_files/`); in JSON, `images: [{"name", "width", "height", "digest", "media_type",
 "data"}]` with the file's bytes in base64. An image whose file is gone is said so in place.
+Tool calls and results: a reply's calls follow it (tool, server, the arguments as a JSON block), a
+tool's answer is its own section in a fence; the JSON keeps their keys.
 Any text is written: a lone surrogate (which UTF-8 cannot hold) becomes U+FFFD, as in the store.
 """
 from __future__ import annotations
@@ -32,7 +34,9 @@ from .documents.prompt import export_markdown
 from .chat_images import ChatImages, message_images
 from .store import Chat, valid_text
 
-ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
+ROLE_HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
+# A message's keys the JSON export keeps beside role and content (tool calls and their answers)
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name", "status", "server", "tool")
 NAME_MAX_BYTES = 255          # UTF-8 bytes: APFS's and Linux's name limit (a name within it fits HFS+ too)
 NAME_MAX_CHARS = 80           # a suggested name stays readable in the save dialog
 # A fence line as CommonMark reads it: up to 3 spaces, 3 or more backticks or tildes, the rest
@@ -53,7 +57,12 @@ def to_markdown(chat: Chat, image_link=None) -> str:
     parts = [f"# {chat.title}", "", " · ".join(meta)]
     for m in chat.messages:
         role = m["role"]
-        parts += ["", f"## {ROLE_HEADINGS.get(role, role.capitalize())}", ""]
+        heading = ROLE_HEADINGS.get(role, role.capitalize())
+        if role == "tool":
+            heading += f": {m.get('tool') or m.get('name', '')} ({m.get('server', '')}, {m.get('status', 'ran')})"
+            parts += ["", f"## {heading}", "", _fenced(m["content"])]
+            continue
+        parts += ["", f"## {heading}", ""]
         for ref in message_images(m):
             link = image_link(ref) if image_link is not None else None
             name = _md_text(str(ref.get("name") or ref.get("file")))
@@ -61,7 +70,17 @@ def to_markdown(chat: Chat, image_link=None) -> str:
         parts.append(close_fence(m["content"]))
         if isinstance(m.get("documents"), list) and m["documents"]:     # the question's sources, quoted
             parts += ["", export_markdown(m["documents"])]
+        for call in m.get("tool_calls") or ():
+            parts += ["", f"Tool call: `{call.get('tool') or call['function']['name']}` ({call.get('server', '')})", "",
+                      _fenced(json.dumps(call["function"]["arguments"], indent=2, ensure_ascii=False), "json")]
     return "\n".join(parts) + "\n"
+
+
+def _fenced(text: str, info: str = "") -> str:
+    """`text` verbatim in a code fence longer than any backtick run in it."""
+    run = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, run + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
 
 
 def close_fence(text: str) -> str:
@@ -93,7 +112,7 @@ def _md_text(name: str) -> str:
 def to_json(chat: Chat, read_image=None) -> str:
     """`read_image(ref)`: a message's image file as bytes (OSError: it is gone)."""
     def message(m: dict) -> dict:
-        out = {"role": m["role"], "content": m["content"]}
+        out = {"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_KEYS if k in m}}
         refs = message_images(m)
         if refs:
             out["images"] = [_json_image(r, read_image) for r in refs]

@@ -26,9 +26,13 @@ from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
 from .titles import TitleQueue, title_for, title_messages
+from .tool_turn import ToolApproval, ToolTurn
+from .tools import loop as tool_loop
 
 DEFAULT_TITLE = "New chat"
 LIMIT_NOTE = "The reply stopped at the token limit"
+# A tool message's status as its heading says it
+TOOL_STATUS_WORDS = {"ran": "result", "error": "error", "denied": "denied", "stopped": "stopped"}
 RENDER_INTERVAL_MS = 60
 
 
@@ -128,6 +132,7 @@ class ChatView(QWidget):
         self._tail = 0
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._render_tail)
+        self._init_tools(chat)
 
         self.transcript = QTextBrowser(openLinks=False, openExternalLinks=False)
         self.transcript.anchorClicked.connect(self._on_anchor)
@@ -167,7 +172,7 @@ class ChatView(QWidget):
 
         buttons = QHBoxLayout()
         buttons.addWidget(QLabel("Config"))
-        for w in (self.preset_box, self.projection, self.images.button):
+        for w in (self.preset_box, self.projection, self.images.button, self.tools_box):
             buttons.addWidget(w)
         buttons.addStretch(1)
         for w in (self.copy_btn, self.regen_btn, self.stop_btn, self.send_btn):
@@ -175,6 +180,7 @@ class ChatView(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 6, 6, 6)
         lay.addWidget(self.transcript, 1)
+        lay.addWidget(self.tool_panel)
         lay.addWidget(self.task_row)
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.images.row)
@@ -187,7 +193,7 @@ class ChatView(QWidget):
     # ---- state -------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self.request is not None
+        return self.request is not None or self.tool_turn is not None
 
     def _update_buttons(self) -> None:
         has_reply = any(m["role"] == "assistant" for m in self.chat.messages)
@@ -345,9 +351,13 @@ class ChatView(QWidget):
                 if isinstance(m.get("documents"), list) and m["documents"]:
                     new_block(cursor)
                     cursor.insertHtml(f'<p style="font-size:small">{doc_prompt.sources_html(i, m["documents"])}</p>')
+            elif m["role"] == "tool":
+                self._insert_tool_result(cursor, i, m)
             else:        # its citations ([1]) link to the sources of the question it answers
                 insert_message_body(cursor, doc_prompt.link_citations(
                     m["content"], *doc_prompt.sources_of_reply(self.chat.messages, i)), self._code)
+            for call in m.get("tool_calls") or ():
+                self._insert_tool_call(cursor, call)
         for note, at in zip(self.notes, self._note_at):
             if at >= n:
                 self._insert_note(cursor, note)
@@ -361,7 +371,7 @@ class ChatView(QWidget):
                        branch: branches.BranchInfo | None = None) -> None:
         pal = QApplication.palette()
         muted = pal.color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
-        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
+        who = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}.get(role, role)
         actions = ""
         if not streaming:
             if branch is not None:      # the count in the text's colour: the muted grey is hard to read
@@ -421,6 +431,35 @@ class ChatView(QWidget):
             fmt.setForeground(QColor(muted))
             insert_plain(cursor, text.strip(), fmt)
 
+    def _insert_tool_call(self, cursor: QTextCursor, call: dict) -> None:
+        """A call the reply made: the tool, its server and its arguments as formatted JSON."""
+        muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
+        tool, server = call.get("tool") or call["function"]["name"], call.get("server", "")
+        new_block(cursor)
+        cursor.insertHtml(f'<p><span style="color:{muted}">Tool call:</span> <b>{html.escape(tool)}</b>'
+                          f'<span style="color:{muted}"> ({html.escape(server)})</span></p>')
+        fmt = QTextCharFormat()
+        fmt.setFontFixedPitch(True)
+        fmt.setFontFamilies(["Menlo", "monospace"])
+        insert_plain(cursor, tool_loop.pretty(call["function"]["arguments"]), fmt)
+
+    def _insert_tool_result(self, cursor: QTextCursor, i: int, m: dict) -> None:
+        """A tool's answer, collapsed to its first lines with a Show all link."""
+        muted = QApplication.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name()
+        status = TOOL_STATUS_WORDS.get(m.get("status"), "result")
+        head, n = tool_loop.preview(m["content"])
+        opened = i in self._open_results
+        label = "Show less" if opened else f"Show all ({n} lines)"
+        link = f' &nbsp; <a href="toolresult:{i}">{label}</a>' if n > 3 else ""
+        new_block(cursor)
+        cursor.insertHtml(f'<p><span style="color:{muted}; font-size:small">{html.escape(status)} of '
+                          f'{html.escape(m.get("tool") or m.get("name", ""))} ({html.escape(m.get("server", ""))})'
+                          f'{link}</span></p>')
+        fmt = QTextCharFormat()
+        fmt.setFontFixedPitch(True)
+        fmt.setFontFamilies(["Menlo", "monospace"])
+        insert_plain(cursor, m["content"] if opened else head, fmt)
+
     def _scroll_to_end(self) -> None:
         bar = self.transcript.verticalScrollBar()
         bar.setValue(bar.maximum())
@@ -462,6 +501,7 @@ class ChatView(QWidget):
             del self.chat.messages[self.edit_index:]
             self.cancel_edit()
             self._drop_reply_notes()
+        self._close_unanswered()
         message = {"role": "user", "content": text, **({"images": refs} if refs else {})}
         srcs = self.documents.sources(text, self.chat.messages) if self.documents is not None else []
         if srcs:                       # the chat's documents: whole ones not sent yet, the passages for it
@@ -469,13 +509,14 @@ class ChatView(QWidget):
         self.chat.messages.append(message)
         branches.replace_tail(self.chat.messages, at, old)     # the edited branch is kept beside it
         self.changed.emit()
+        self._tool_steps = 0
         self._generate()
 
     def regenerate(self) -> None:
         if self.busy:
             return
-        replaced = []
-        while self.chat.messages and self.chat.messages[-1]["role"] == "assistant":
+        replaced = []           # the whole last reply: its tool calls and their results too
+        while self.chat.messages and self.chat.messages[-1]["role"] in ("assistant", "tool"):
             replaced.insert(0, self.chat.messages.pop())
         if not self.chat.messages:
             self.chat.messages.extend(replaced)
@@ -483,6 +524,7 @@ class ChatView(QWidget):
         self._replaced = Replaced(replaced, list(self.notes), list(self._note_at))
         self._drop_reply_notes()
         self.changed.emit()
+        self._tool_steps = 0
         self._generate()
 
     def edit(self, index: int) -> None:
@@ -502,6 +544,8 @@ class ChatView(QWidget):
             self.edit_banner.hide()
 
     def stop(self) -> None:
+        if self.tool_turn is not None:
+            self.tool_turn.stop()         # a running call is cancelled; the loop ends here
         if self.request is not None:
             self.request.cancel()
         if self.tracked is not None:
@@ -546,6 +590,9 @@ class ChatView(QWidget):
                 self.switch_branch(n, (b.index + (1 if kind == "nextbranch" else -1)) % b.count)
         elif kind == "fork":
             self.fork(n)
+        elif kind == "toolresult":
+            self._open_results ^= {n}
+            self.render_all()
 
     def message_at(self, pos) -> int | None:
         """The index of the message shown at viewport point `pos` (None above the first)."""
@@ -608,7 +655,7 @@ class ChatView(QWidget):
         self.titles.hold(self)
         preset = self.preset
         sampling = preset.sampling()
-        messages = self.request_messages()
+        messages = self._tool_request(self.request_messages())
         self.streaming = ""
         if preset.context_length > 0 and self.overflow == "stop":
             # The config's context: count the prompt first (the engine's tokenizer and template), then
@@ -640,7 +687,7 @@ class ChatView(QWidget):
         req = self.client.generate(messages, sampling, conversation=self.conversation,
                                    speed_projection=self.projection.isChecked(),
                                    speculative=self.preset.speculative, overflow=self.overflow,
-                                   context_limit=max(0, self.preset.context_length))
+                                   context_limit=max(0, self.preset.context_length), **self._tool_kw)
         self.request = req
         self._n_streamed = 0
         self._t_sent = time.perf_counter()
@@ -702,6 +749,8 @@ class ChatView(QWidget):
             self.message.emit("Stopped")
             return
         self._note_dropped(result)
+        if not stopped and self._reply_calls(result):
+            return
         self._append_reply(_assistant_message(result.text, self.think_open))
         if result.finish_reason == "length":       # shown by _finish's render, under this reply
             self.notes.append(self._limit_note(result))
@@ -766,6 +815,96 @@ class ChatView(QWidget):
             self.notes[:] = [self.notes[i] for i in keep]
             if at is not None:
                 at[:] = [at[i] for i in keep if i < len(at)]
+
+    # ---- tools (MCP) -------------------------------------------------------------------------
+    def _init_tools(self, chat: Chat) -> None:
+        """Tools (MCP servers): the window hands in the ToolsService, the settings and the model's family."""
+        self.tools = None              # app.tools.bridge.ToolsService, or None: no tools offered
+        self.tool_settings = None      # the SettingsService (tools_allowed, tools_timeout_s, tools_step_limit)
+        self.tool_format = None        # engine.tool_calls.ToolFormat of the loaded model (None: generic)
+        self.tool_choice = "auto"      # the first step of a reply: 'auto', 'required' or {"name": ...}
+        self.tool_turn: ToolTurn | None = None   # the calls of a reply being approved or run
+        self._plan = None              # the tool plan of the request in flight (engine/tool_calls.py)
+        self._box = None               # the toolbox of that request (function name -> MCP tool)
+        self._tool_kw: dict = {}
+        self._tool_steps = 0           # tool steps taken by the reply in flight
+        self._open_results: set[int] = set()     # tool results shown whole (message indexes)
+        self.tool_panel = ToolApproval()
+        self.tools_box = QCheckBox("Tools", toolTip="Offer the enabled MCP servers' tools to the model in this chat")
+        self.tools_box.setChecked(bool(chat.config.get("tools", True)))
+        self.tools_box.toggled.connect(self._on_tools_toggled)
+
+    def _on_tools_toggled(self, on: bool) -> None:
+        self.chat.config["tools"] = on
+        self.changed.emit()
+
+    def _tool_request(self, messages: list[dict]) -> list[dict]:
+        """The messages to send, with this chat's tools planned in (the model's family: tools through its
+        template or described in the system prompt; calls and results in its format). Sets the plan."""
+        self._plan, self._box, self._tool_kw = None, None, {}
+        offered = self.tools is not None and self.tools_box.isChecked()
+        box = tool_loop.Toolbox.of(self.tools.tools()) if offered else None
+        choice = self.tool_choice if self._tool_steps == 0 else "auto"
+        if box is not None and isinstance(choice, dict) and choice.get("name") not in box.functions:
+            choice = "auto"
+        try:
+            p = tool_loop.plan(self.tool_format or tool_loop.tool_format(""), messages, box, choice)
+        except tool_loop.tc.ToolError as e:
+            self.message.emit(f"Tools not offered: {e}")
+            p = tool_loop.plan(self.tool_format or tool_loop.tool_format(""), messages, None)
+        if p is None:
+            return messages
+        self._plan, self._box = p, box
+        self._tool_kw = {"tools": p.template_tools, "constraint": p.constraint}
+        return p.messages
+
+    def _reply_calls(self, result) -> bool:
+        """A reply that calls tools: kept with its calls, and the calls go to approval. False: no calls."""
+        p, box = self._plan, self._box
+        if p is None or box is None or not p.active:
+            return False
+        content, calls = tool_loop.reply_calls(result.text, p)
+        entries = [tool_loop.call_entry(c, box.functions[c.name], p.fmt) for c in calls if c.name in box.functions]
+        if not entries:
+            return False
+        message = _assistant_message(content, self.think_open)
+        message["tool_calls"] = entries
+        self.chat.messages.append(message)
+        self._tool_steps += 1
+        self._finish()
+        self.last_result = result
+        self.changed.emit()
+        self.stats.emit(result)
+        turn = ToolTurn(self.chat.messages, entries, self.tools, self.tool_settings, self.tool_panel, self)
+        self.tool_turn = turn
+        turn.changed.connect(self._on_turn_changed)
+        turn.finished.connect(self._on_turn_finished)
+        self._update_buttons()
+        turn.start()
+        return True
+
+    def _on_turn_changed(self) -> None:
+        self.changed.emit()
+        self.render_all()
+
+    def _on_turn_finished(self, go_on: bool) -> None:
+        """Every call answered: the model continues, unless the reply has taken its steps; or stopped."""
+        self.tool_turn = None
+        self._update_buttons()
+        if not go_on:
+            self.message.emit("Stopped")
+            return
+        limit = tool_loop.DEFAULT_STEP_LIMIT if self.tool_settings is None else int(self.tool_settings.tools_step_limit)
+        if self._tool_steps >= limit:
+            self.add_note(f"The tools stopped at the limit of {limit} tool steps for one reply (File › Tools…).")
+            return
+        self._generate()
+
+    def _close_unanswered(self) -> None:
+        """Calls left without an answer (the app closed while one waited): answered as stopped, so the
+        history stays one every template accepts."""
+        for entry in tool_loop.unanswered(self.chat.messages):
+            self.chat.messages.append(tool_loop.tool_message(entry, tool_loop.STOPPED, tool_loop.STOPPED_TEXT))
 
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:

@@ -215,14 +215,16 @@ class EngineClient(QObject):
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, messages: list[dict], sampling: dict, conversation: str = "",
                  speed_projection: bool | None = None, speculative: str = "off", side: bool = False,
-                 overflow: str = "stop", context_limit: int = 0) -> Request:
+                 overflow: str = "stop", context_limit: int = 0, tools: list[dict] | None = None,
+                 constraint=None) -> Request:
         """`side`: a request of the app's own (a title) that must not cost a conversation its K/V.
-        `overflow`, `context_limit`: the chat's overflow policy and its config's context (0: the model's)."""
+        `overflow`, `context_limit`: the chat's overflow policy and its config's context (0: the model's).
+        `tools`, `constraint`: a tool plan's (engine/tool_calls.py: the template's tools, a forced call's grammar)."""
         def make():
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
                                    speculative=speculative, side=side, overflow=overflow,
-                                   context_limit=context_limit)
+                                   context_limit=context_limit, tools=tools, constraint=constraint)
         return self._submit("generate", make)
 
     def load_model(self, path: str, steering="keep") -> Request:

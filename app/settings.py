@@ -80,6 +80,11 @@ class Settings:
     theme: str = "system"                 # system | light | dark (app/theme.py)
     # What a chat sends once it outgrows the context, unless it chose its own (engine/context_policy.py)
     overflow: str = DEFAULT_POLICY
+    # Tools in the chat (MCP servers, app/tools/): the tools that run without asking ("server/tool"), a
+    # call's timeout, and how many tool steps one reply may take before the loop stops
+    tools_allowed: list[str] = field(default_factory=list)
+    tools_timeout_s: float = 30.0
+    tools_step_limit: int = 8
     sampling: Sampling = field(default_factory=Sampling)
     steering: Steering = field(default_factory=Steering)
 

@@ -141,6 +141,20 @@ def chat_config(text) -> dict:
     return cfg
 
 
+def search_text(m: dict) -> str:
+    """What the search index holds of a message: its text, and the tools it called with their arguments
+    (a call's message may have no text of its own)."""
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list):
+        return m["content"]
+    parts = [m["content"]]
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if isinstance(f, dict):
+            parts.append(f"{f.get('name', '')} {json.dumps(f.get('arguments', ''), ensure_ascii=False)}")
+    return "\n".join(parts)
+
+
 def message_fields(text) -> dict:
     """A stored message's fields beyond role and content: a JSON object, or {} for anything else (damaged, too long)."""
     if isinstance(text, bytes):
@@ -577,8 +591,8 @@ class Store:
 
     @staticmethod
     def _body(db: sqlite3.Connection, chat_id: str) -> str:
-        return "\n".join(_text(c) for (c,) in db.execute(
-            "SELECT content FROM messages WHERE chat_id=? ORDER BY idx", (chat_id,)))
+        return "\n".join(search_text({**message_fields(x), "content": _text(c)}) for c, x in db.execute(
+            "SELECT content, fields FROM messages WHERE chat_id=? ORDER BY idx", (chat_id,)))
 
     @staticmethod
     def _fts_row(chat_id: str) -> tuple[str, tuple]:
@@ -597,8 +611,8 @@ class Store:
     def _index(self, chat_id: str, title: str, messages: list[dict]) -> None:
         if self.fts:
             self._unindex(chat_id)
-            self.db.execute("INSERT INTO chats_fts (chat_id, title, body) VALUES (?, ?, ?)",
-                            (chat_id, title, "\n".join(m["content"] for m in messages)))
+            body = "\n".join(search_text({**message_fields(m["fields"]), "content": m["content"]}) for m in messages)
+            self.db.execute("INSERT INTO chats_fts (chat_id, title, body) VALUES (?, ?, ?)", (chat_id, title, body))
 
     # ---- chats -------------------------------------------------------------------------------
     _COLS = "id, title, config, model, created, updated, open"

@@ -32,6 +32,10 @@ from .session_controller import SessionController
 from .settings_page import SettingsPage
 from .status_bar import StatusBar
 from .store import Chat, Store
+from .tools.bridge import ToolsService
+from .tools_page import ToolsPage
+from .tools.config import config_notice
+from .tools.loop import tool_format
 
 
 def settings_shortcuts() -> list[QKeySequence]:
@@ -71,6 +75,9 @@ class MainWindow(QMainWindow):
         # Every setting that reaches the engine goes there from here (its keys' `changed`)
         self.engine_settings = EngineSettings.of(self.settings, self.client)
         self.server = ServerControl(self.client, self.settings, self.bus, self)
+        # MCP servers (app/tools/): only the ones the user enabled in mcp.json start
+        self.tools = ToolsService(self.paths.data_dir, self)
+        self.tool_format = tool_format("")
 
         self.message_bar = MessageBar()
         self.status = StatusBar()
@@ -91,7 +98,10 @@ class MainWindow(QMainWindow):
         self.store.on_error = self.bus.tell        # a failure after the start: one line, once
         if self.store.notice:       # a locked, foreign or corrupt database: what was kept and where
             self.bus.info.emit(self.store.notice)
+        if self.tools.problems:                   # mcp.json's bad entries, one line each (the rest loaded)
+            self.bus.info.emit(config_notice(self.tools.problems, self.tools.unreadable))
         self.tabs.open_stored()
+        self.tools.start_enabled()
         self.library.refresh()
         if start_engine:
             self.engine_thread.start()
@@ -138,6 +148,7 @@ class MainWindow(QMainWindow):
         act(f, "Fetch Default Model", lambda: self.library.offer_default_model())
         f.addSeparator()
         act(f, "Settings…", self.open_settings).setShortcuts(settings_shortcuts())
+        act(f, "Tools…", self.open_tools)
         act(f, "Quit", self.close, QKeySequence.StandardKey.Quit)
         c = self.menuBar().addMenu("&Chat")
         act(c, "Stop", lambda: self.current_view() and self.current_view().stop(), "Esc")
@@ -176,6 +187,7 @@ class MainWindow(QMainWindow):
         view.think_open = self.library.think_open
         view.images.set_model(self.library.vision, Path(self.library.model_path or "").name)
         view.set_model_context(self.library.n_ctx)
+        view.tools, view.tool_settings, view.tool_format = self.tools, self.settings, self.tool_format
         view.stats.connect(lambda r, v=view: self._on_stats(v, r))
         view.live_figures.connect(lambda live, v=view: self._on_live_figures(v, live))
         view.message.connect(lambda m: self.status.showMessage(m, 6000))
@@ -186,10 +198,12 @@ class MainWindow(QMainWindow):
 
     def _on_model_loaded(self, path: str) -> None:
         self.setWindowTitle(f"Strata — {Path(path).name}")
+        self.tool_format = tool_format(path, self.library.think_open)
         for view in self.views():
             view.think_open = self.library.think_open
             view.images.set_model(self.library.vision, Path(path).name)
             view.set_model_context(self.library.n_ctx)
+            view.tool_format = self.tool_format
         self.refresh_status()
 
     # ---- the tabs (the menus and the Configs pane) ------------------------------------------------
@@ -275,6 +289,13 @@ class MainWindow(QMainWindow):
         page.show()
         return page
 
+    def open_tools(self) -> ToolsPage:
+        """The MCP servers and the tools' approval settings (app/tools_page.py)."""
+        page = ToolsPage(self.tools, self.settings, self)
+        page.setModal(False)
+        page.show()
+        return page
+
     def _on_setting(self, key: str) -> None:
         """What the window itself does on a settings change (the controllers listen to their own keys)."""
         if key == "theme":
@@ -294,6 +315,7 @@ class MainWindow(QMainWindow):
     def shutdown(self) -> None:
         self.library.shutdown()
         self.server.shutdown()
+        self.tools.close()
         if self.engine_thread.isRunning():
             self.client.cancel_replies()        # a reply or title being read must not hold the stop
             self.engine_thread.stop()

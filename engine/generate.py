@@ -17,6 +17,7 @@ from .constraints import GrammarMasks
 from .device import on_gpu
 from . import layer_cache
 from .errors import Cancelled
+from .markers import partial_suffix
 from .tokenizer import StreamDecoder
 
 
@@ -403,15 +404,3 @@ def split_stop(text: str, stops: list[str]) -> tuple[str, bool]:
         if i >= 0:
             return text[:i], True
     return text[:len(text) - partial_suffix(text, stops)], False
-
-
-def partial_suffix(text: str, markers) -> int:
-    """Length of the longest end of `text` that could start one of `markers`: what streaming holds back
-    until it is decided (stop strings here, tool-call markers in engine/tool_calls.py)."""
-    best = 0
-    for mk in markers:
-        for n in range(min(len(mk) - 1, len(text)), 0, -1):
-            if text.endswith(mk[:n]):
-                best = max(best, n)
-                break
-    return best

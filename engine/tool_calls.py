@@ -34,7 +34,7 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-from .generate import partial_suffix
+from .markers import partial_suffix
 from .reasoning import opens_think
 from .constraints import ConstraintSpec, ConstraintError
 
