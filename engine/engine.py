@@ -26,7 +26,7 @@ import mlx_lm.generate  # noqa: F401,E402
 import time
 import gc
 
-from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
+from .api import (CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
 from . import batching, disk_tier
@@ -88,6 +88,7 @@ class Engine:
         # The settings in force, started from the options and changed by Configure and loads.
         self.in_force = InForce.of(self.options)
         self._thread: threading.Thread | None = None
+        self._inline = False                      # served on the caller's thread (inline())
         self.stopped = threading.Event()
         # What runs next on the engine thread, and the only owner of the request queue.
         self.scheduler = Scheduler(self._serve)
@@ -122,8 +123,25 @@ class Engine:
         self._thread.start()
         return self
 
+    def inline(self) -> "Engine":
+        """Serve on the caller's thread instead of one of the engine's own: each request is served as it is
+        submitted (the start-up load now), so that thread is the engine thread, the only one touching the
+        engine's objects. For white-box tests and benches that read `conversations`, `model`, ... between
+        requests or time raw mlx-lm beside the engine on the same thread; idle work runs on `idle_work()`."""
+        self._inline = True
+        self._open()
+        return self
+
+    def idle_work(self, timed: bool = False) -> None:
+        """The idle tasks (the disk tier's writes, the K/V top-up) run now, on an inline engine; timed: the
+        timed ones too (a named draft's release) as if their time had passed."""
+        self.scheduler.idle_work(timed)
+
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
+        if self._inline:
+            self.scheduler.serve(handle)
+            return handle
         if self.serving.broken:                   # a distributed ring is gone: answered now
             handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
@@ -153,6 +171,8 @@ class Engine:
         return self.scheduler.idle.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self._inline:
+            return self._on_stop() if not self.stopped.is_set() else None
         self.scheduler.put(Stop())
         self.stopped.wait(timeout)
 
@@ -181,6 +201,17 @@ class Engine:
                     h.emit(Failed(self.failure or "the engine stopped", ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
 
     def _run(self) -> None:
+        self._open()
+        # A distributed follower rank serves rank 0's requests instead of its own queue.
+        self.scheduler.run(
+            batched=lambda item: batching.enabled(self) and batching.batchable(self, item),
+            run_batch=lambda item: batching.run(self, item),
+            next_item=self.scheduler.next_request if self.serving.leads else self._follow,
+            on_stop=self._on_stop)
+
+    def _open(self) -> None:
+        """What the engine thread makes before serving (the parking, the disk tier, the idle tasks), then
+        the start-up load."""
         self.log(keep_freed_memory())
         self.log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
@@ -200,12 +231,6 @@ class Engine:
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
             self.scheduler.serve(self.startup)
-        # A distributed follower rank serves rank 0's requests instead of its own queue.
-        self.scheduler.run(
-            batched=lambda item: batching.enabled(self) and batching.batchable(self, item),
-            run_batch=lambda item: batching.run(self, item),
-            next_item=self.scheduler.next_request if self.serving.leads else self._follow,
-            on_stop=self._on_stop)
 
     def _on_stop(self) -> None:
         self.serving.stop()
@@ -281,7 +306,6 @@ class Engine:
             CountTokens: lambda: h.count_tokens(req),
             SessionSteering: lambda: self.sessions.steering(req),
             CaptureStates: lambda: h.capture(req, handle),
-            Call: lambda: CallResult(req.fn(self)),
             ClearDiskCache: lambda: disk_tier.clear_request(self),
             ForgetConversation: lambda: disk_tier.forget_request(self, req),
         }

@@ -8,6 +8,7 @@ and stats is engine/generate.py. Everything here runs on the engine thread only.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 import numpy as np
@@ -256,13 +257,14 @@ class RequestHandlers:
             speed_projection_default=self.eng.in_force.speed_projection,
             kv_bits=self.eng.in_force.kv_bits,
             distributed=self.eng.serving.status(),
-            disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
+            disk=self.eng.disk.status() if self.eng.disk is not None else None,
+            batch=dataclasses.replace(counts) if (counts := self.eng.scheduler.batch_counters) else None,
         )
 
     def count_tokens(self, req: CountTokens) -> TokenCount:
         self.eng.require_model()
-        return TokenCount(len(self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt,
-                                                                 tools=req.tools))))
+        ids = self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt, tools=req.tools))
+        return TokenCount(len(ids), list(ids))
 
     def capture(self, req: CaptureStates, handle: Handle) -> CapturedStates:
         self.eng.require_model()
