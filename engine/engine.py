@@ -88,7 +88,7 @@ class Engine:
         # The settings in force, started from the options and changed by Configure and loads.
         self.in_force = InForce.of(self.options)
         self._thread: threading.Thread | None = None
-        self._inline = False                      # served on the caller's thread (inline())
+        self.is_inline = False                    # served on the caller's thread (inline())
         self.stopped = threading.Event()
         # What runs next on the engine thread, and the only owner of the request queue.
         self.scheduler = Scheduler(self._serve)
@@ -128,7 +128,7 @@ class Engine:
         submitted (the start-up load now), so that thread is the engine thread, the only one touching the
         engine's objects. For white-box tests and benches that read `conversations`, `model`, ... between
         requests or time raw mlx-lm beside the engine on the same thread; idle work runs on `idle_work()`."""
-        self._inline = True
+        self.is_inline = True
         self._open()
         return self
 
@@ -139,7 +139,7 @@ class Engine:
 
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
-        if self._inline:
+        if self.is_inline:
             self.scheduler.serve(handle)
             return handle
         if self.serving.broken:                   # a distributed ring is gone: answered now
@@ -171,7 +171,7 @@ class Engine:
         return self.scheduler.idle.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._inline:
+        if self.is_inline:
             return self._on_stop() if not self.stopped.is_set() else None
         self.scheduler.put(Stop())
         self.stopped.wait(timeout)
