@@ -12,7 +12,7 @@ The Qt app runs `engine.run_forever()` inside its QThread instead of `start()`.
 """
 from __future__ import annotations
 
-import atexit
+import gc
 import logging
 import threading
 import weakref
@@ -23,18 +23,16 @@ from typing import Any, Callable
 # thread instead, a CLI that exits right after a refused load aborts in MLX's thread teardown
 # ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
 import mlx_lm.generate  # noqa: F401,E402
-import time
-import gc
 
 from .api import (CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
-from . import batching, disk_tier
+from . import at_exit, batching, disk_tier
 from .allocator import keep_freed_memory, release_freed_memory
 from .conversations import Conversations
 from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import ENGINE_STOPPED, Done, Failed, Handle, Log, cancel_everything
+from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .kv_reserve import IdleTopUp
 from .loaded_model import InForce
@@ -48,32 +46,6 @@ from .serving import Serving, for_this_process
 from .session_requests import SessionRequests
 
 log = logging.getLogger("strata")
-
-
-_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-EXIT_WAIT_S = 10.0      # at interpreter exit, how long the engine threads get to stop their work
-
-
-@atexit.register
-def _quiet_at_exit() -> None:
-    """At interpreter exit no engine thread may be inside MLX. A daemon thread that comes back from MLX
-    (which runs with the GIL released) while the interpreter finalizes is ended by pthread_exit, and
-    that unwinding through MLX's C++ frames aborts the process ("terminate called without an active
-    exception", exit 134 instead of the caller's: Ctrl-C on `strata generate` mid-reply did it every
-    time, as did a script exiting during the idle-time K/V top-up). So the idle-time work stops, every
-    request still running or queued is cancelled (a reply stops between tokens, a CPU prefill between
-    layers) and each engine thread is given up to EXIT_WAIT_S to be back waiting for a request."""
-    cancel_everything()
-    engines = list(_ENGINES)
-    for engine in engines:
-        engine.scheduler.idle_allowed = False
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for engine in engines:
-        t = engine._thread      # None for run_forever() on the caller's thread (the Qt app stops its own)
-        if t is not None and t.is_alive() and not engine.stopped.is_set():
-            engine.scheduler.idle.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _loaded(name: str, default=None) -> property:
@@ -92,7 +64,7 @@ class Engine:
         self.stopped = threading.Event()
         # What runs next on the engine thread, and the only owner of the request queue.
         self.scheduler = Scheduler(self._serve)
-        _ENGINES.add(self)
+        at_exit.watch(self)
         # Why the engine thread ended on an error (None while it runs): every request waiting or
         # submitted later fails at once with it, and the server's /health reports it.
         self.failure: str | None = None
@@ -122,6 +94,10 @@ class Engine:
         self._thread = threading.Thread(target=self.run_forever, name="strata-engine", daemon=True)
         self._thread.start()
         return self
+
+    def has_own_thread(self) -> bool:
+        """Serving on a thread of its own (start()) that has not stopped."""
+        return self._thread is not None and self._thread.is_alive() and not self.stopped.is_set()
 
     def inline(self) -> "Engine":
         """Serve on the caller's thread instead of one of the engine's own: each request is served as it is
@@ -167,8 +143,13 @@ class Engine:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the engine waits for a request with its idle-time work done (True), or for
         `timeout` (False). For a caller that has the results it waited for: a request submitted from
-        another thread meanwhile may still be queued."""
-        return self.scheduler.idle.wait(timeout)
+        another thread meanwhile may still be queued. The disk tier's writes that idle work queued are
+        on disk when it returns True."""
+        if not self.scheduler.idle.wait(timeout):
+            return False
+        if self.disk is not None:
+            self.disk.flush()
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.is_inline:

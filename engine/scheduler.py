@@ -159,7 +159,7 @@ class Scheduler:
     def _run_tasks(self, tasks) -> None:
         interrupted = lambda: self.pending() or not self.idle_allowed  # noqa: E731
         for task in tasks:
-            self.in_idle_work = True            # before idle_allowed is read: see engine._quiet_at_exit
+            self.in_idle_work = True            # before idle_allowed is read: see engine/at_exit.py
             try:
                 if self.idle_allowed:
                     task.run(interrupted)
