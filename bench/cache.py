@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import Run, add_args   # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 
 PARAGRAPHS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -125,7 +125,6 @@ def fill_live(engine, ids: list[int], how: str) -> None:
     """Make `ids` the engine's live conversation: read by the model (prefill) or random K/V of its shape."""
     import mlx.core as mx
 
-    from engine.engine import Call
     from engine.generate import prefill
     from engine.parking import KVEntry
 
@@ -143,7 +142,7 @@ def fill_live(engine, ids: list[int], how: str) -> None:
             mx.eval([c.state for c in cache])
         e.live = KVEntry(list(ids), cache, e.cache_key(), messages=[{"role": "user", "content": "(benchmark)"}])
         return len(ids)
-    engine.call(Call(fill))
+    held(engine, fill)
 
 
 def first_step(engine) -> float:
@@ -152,7 +151,6 @@ def first_step(engine) -> float:
     trimmed off again, so the live conversation is the restored one."""
     import mlx.core as mx
 
-    from engine.engine import Call
 
     def step(e):
         cache = e.live.cache
@@ -162,7 +160,7 @@ def first_step(engine) -> float:
         for c in cache:
             c.trim(1)
         return ms
-    return engine.call(Call(step)).value
+    return held(engine, step)
 
 
 def session_rounds(engine, model: Path, ids: list[int], repeats: int, threads: int, folder: Path,
@@ -454,7 +452,7 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
     same files); medians with [min-max]."""
     import time as _time
 
-    from engine.api import Call, Status
+    from engine.api import Status
     from engine.engine import Engine, EngineOptions
     rows = []
     for n in sizes:
@@ -465,16 +463,16 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
             e.startup.result()
             return e
         e = start(4096)
-        tok = e.call(Call(lambda eng: eng.tokenizer)).value
+        tok = held(e, lambda eng: eng.tokenizer)
         first = [{"role": "user", "content": history_text(tok, n) + "\n\nSummarise this in one line."}]
         r1, _ = chat(e, first, "bench", reply_tokens)
         e.wait_idle(600)
-        e.call(Call(lambda eng: eng.disk.flush()))
+        held(e, lambda eng: eng.disk.flush())
         d1 = e.call(Status()).disk
         follow = first + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And in one word?"}]
         r2, _ = chat(e, follow, "bench", reply_tokens)
         e.wait_idle(600)
-        e.call(Call(lambda eng: eng.disk.flush()))
+        held(e, lambda eng: eng.disk.flush())
         d2 = e.call(Status()).disk
         e.stop()
         again = follow + [{"role": "assistant", "content": r2.text}, {"role": "user", "content": "Thanks. Why?"}]
@@ -538,7 +536,7 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
 
 
 def main() -> int:
-    from engine.engine import Call, Engine, EngineOptions, Status
+    from engine.engine import Engine, EngineOptions, Status
     from engine.models import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -644,7 +642,7 @@ def main() -> int:
                     c.trim(c.offset - n)
             live.tokens = live.tokens[:n]
             return list(live.tokens)
-        ids = on.call(Call(truncate)).value
+        ids = held(on, truncate)
         fill = "A's history"
     else:
         ids = session_ids(tok, args.session_tokens)

@@ -2,11 +2,10 @@
 
     python bench/concurrency.py [--model PATH | --random-shape llama1b|smollm2|tiny] [--streams 1,2,4,8,16]
                                 [--prompt-tokens 128] [--gen 128] [--rounds 3] [--join-streams 8]
-                                [--raw-on-engine-thread]
 
 For each stream count N, each round runs N streams at once through each peer (the order flipping
 every round; one warm-up round first, dropped):
-* Strata: N GenerateRequests queued while the engine thread is held (a blocking Call), then let go,
+* Strata: N GenerateRequests queued while the engine thread is held (Scheduler.hold), then let go,
   so all N start together as they would from N clients; tokens timed as they arrive (the handle's
   callback, on the engine thread);
 * mlx-lm: one BatchGenerator (mlx_lm/generate.py, the engine behind mlx-lm's server's batching) on
@@ -18,8 +17,8 @@ ignored by both (every stream makes exactly --gen tokens). Figures per N (median
   decode tok/s    = N x (gen - 1) / (last token - last stream's first token)   (all N decoding)
   slowest stream  = the slowest stream's own decode tok/s x N / the one-stream decode tok/s
                     (the CPU target: >= 0.9, no stream slower than 1/N of running alone by > 10%)
---raw-on-engine-thread adds BatchGenerator run on the engine's thread (through a Call) as a third peer:
-whether a gap is the thread rather than the scheduler. Then the join test: --join-streams - 1 streams decoding (long replies), one more stream submitted;
+(Running BatchGenerator on the engine's own thread instead changed nothing measurable: bench/gpu.md.)
+Then the join test: --join-streams - 1 streams decoding (long replies), one more stream submitted;
 its time to first token against the same prompt's on an idle engine (target: within 2x), for both.
 """
 from __future__ import annotations
@@ -36,17 +35,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import machine, prompt_ids, spread  # noqa: E402
-from bench.harness import Run, add_args  # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 
 
 class Gate:
+    """The engine thread held between requests until release(): requests queued meanwhile join at once."""
+
     def __init__(self, engine):
-        from engine.engine import Call
-        self.open = threading.Event()
-        self.handle = engine.submit(Call(lambda e: self.open.wait(600)))
+        self.hold = engine.scheduler.hold()
 
     def release(self):
-        self.open.set()
+        self.hold.release()
 
 
 def strata_run(engine, prompts: list[list[int]], gen: int):
@@ -194,15 +193,13 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--join-streams", type=int, default=8, help="batch size the joining stream makes (0: skip)")
-    ap.add_argument("--raw-on-engine-thread", action="store_true",
-                    help="also run BatchGenerator on the engine's thread (a diagnostic: is a gap the thread?)")
     add_args(ap)
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     if args.gen < 2 or args.prompt_tokens < 2 or min(streams) < 1:
         raise SystemExit("need --gen >= 2, --prompt-tokens >= 2, streams >= 1")
 
-    from engine.engine import Call, Engine, EngineOptions
+    from engine.engine import Engine, EngineOptions, Status
     from engine.gguf_file import open_gguf
     from engine.model_loader import load_model
     from engine.models import default_model_path
@@ -216,7 +213,7 @@ def main() -> int:
     top = max(streams + [args.join_streams])
     engine = Engine(EngineOptions(model=str(path), cache_mib=0, max_sequences=top)).start()
     engine.startup.result()
-    dtype = engine.call(Call(lambda e: e.dtype)).value
+    dtype = held(engine, lambda e: e.dtype)
     ignore_eos(engine)      # both peers run every stream to --gen tokens
     model, _ = load_model(open_gguf(path), dtype=dtype)
     base = prompt_ids(engine.tokenizer, args.prompt_tokens)
@@ -232,17 +229,14 @@ def main() -> int:
             out.append(engine.tokenizer.encode(text))
         return out
 
-    import dataclasses
-
     def snap():
-        return engine.call(Call(lambda e: dataclasses.replace(e.scheduler.batch_counters)
-                                if e.scheduler.batch_counters else None)).value
+        return engine.call(Status()).batch
 
     rows = {}
     steps_of = {}           # N -> (steps, build, wait, rows seconds, Strata's wall) over its timed rounds
     t_bench = time.perf_counter()
     for n in streams:
-        names = ["strata", "mlx-lm"] + (["mlx-lm@engine-thread"] if args.raw_on_engine_thread else [])
+        names = ["strata", "mlx-lm"]
         res = {k: [] for k in names}
         for rnd in range(args.rounds + 1):
             ps = prompts_for(n, rnd + 100 * n)
@@ -256,10 +250,8 @@ def main() -> int:
                         d = [after.steps - before.steps, after.build_s - before.build_s,
                              after.wait_s - before.wait_s, after.rows_s - before.rows_s, max(run[2]) - run[0]]
                         steps_of[n] = [a + b for a, b in zip(steps_of.get(n, [0] * 5), d)]
-                elif name == "mlx-lm":
-                    run = mlx_run(model, ps, args.gen)
                 else:
-                    run = engine.call(Call(lambda e, ps=ps: mlx_run(model, ps, args.gen)), 3600).value
+                    run = mlx_run(model, ps, args.gen)
                 f = figures(*run, args.gen)
                 print(f"N={n} round {rnd} {name}: aggregate {f[0]:.1f} tok/s, decode {f[1]:.1f} tok/s, "
                       f"slowest stream {f[2]:.1f} tok/s", file=sys.stderr, flush=True)
@@ -278,7 +270,7 @@ def main() -> int:
         join_m = mlx_join(model, jp[:-1], jp[-1], 10 * args.gen, 8)
         join = (idle_s, join_s, idle_m, join_m)
     wall = time.perf_counter() - t_bench
-    c = engine.call(Call(lambda e: e.scheduler.batch_counters)).value
+    c = engine.call(Status()).batch
 
     label = path.name if not shape else f"{path.name} (random weights)"
     print(f"\n{machine()}; compute {str(dtype).removeprefix('mlx.core.')}")
@@ -328,10 +320,6 @@ def main() -> int:
                 print(f"| {n} | {k} | {1e3 * b_s / k:.2f} | {1e3 * w_s / k:.2f} | {1e3 * r_s / k:.2f} "
                       f"| {1e3 * (wall_s - b_s - w_s - r_s) / k:.2f} |")
     for n in streams:
-        if "mlx-lm@engine-thread" in rows[n]:
-            t = rows[n]["mlx-lm@engine-thread"]
-            print(f"N={n} mlx-lm on the engine thread: aggregate {statistics.median(x[0] for x in t):.1f} tok/s, "
-                  f"decode {statistics.median(x[1] for x in t):.1f} tok/s")
         for k in rows[n]:
             print(f"raw N={n} {k}: aggregate {[round(x[0], 1) for x in rows[n][k]]}, "
                   f"decode {[round(x[1], 1) for x in rows[n][k]]}, slowest {[round(x[2], 1) for x in rows[n][k]]}")

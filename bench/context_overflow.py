@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench.harness import Run, add_args   # noqa: E402
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest   # noqa: E402
+from bench.harness import Run, add_args, held   # noqa: E402
+from engine.engine import Engine, EngineOptions, GenerateRequest   # noqa: E402
 from engine.errors import EngineError   # noqa: E402
 from engine.sampling import SamplingParams   # noqa: E402
 
@@ -32,7 +32,7 @@ def pinned_tokens(eng: Engine, messages: list[dict]) -> int:
     def fn(e):
         text, add_bos = e.handlers.render_messages(messages, generation_prompt=False)
         return len(e.tokenizer.encode_prompt(text, add_bos=add_bos))
-    return eng.call(Call(fn)).value
+    return held(eng, fn)
 
 
 def run(eng: Engine, policy: str, turns: int, max_tokens: int) -> dict:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.harness import Run, add_args  # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 
 DEFAULT_VECTOR = REPO / "resources" / "control-vectors" / "smollm2-135m-concise.gguf"
 EFFECT_PROMPTS = REPO / "resources" / "prompts" / "cvec-effect.txt"
@@ -102,11 +102,10 @@ def start_engine(model: str, vector: str, mode: str, scale: float, rng: tuple[in
 
 def fresh(eng) -> None:
     """Drop the live K/V so the next request prefills everything."""
-    from engine.engine import Call
 
     def drop(e):
         e.live = None
-    eng.call(Call(drop))
+    held(eng, drop)
 
 
 def gen(eng, *, prompt=None, messages=None, max_tokens=32, on=True) -> tuple[dict, float]:
@@ -122,7 +121,6 @@ def gen(eng, *, prompt=None, messages=None, max_tokens=32, on=True) -> tuple[dic
 # ------------------------------------------------------------------------------------------ cost
 def kernel_time(eng, rows: int, iters: int) -> dict:
     """steer() alone for every steered layer, on the engine thread (its device and stream)."""
-    from engine.engine import Call
 
     def run(e):
         import mlx.core as mx
@@ -146,7 +144,7 @@ def kernel_time(eng, rows: int, iters: int) -> dict:
         return {"backend": active_backend(), "layers": len(layers), "rows": rows,
                 "all_layers_ms": statistics.median(per_all) * 1e3,
                 "one_layer_ms": statistics.median(per_one) * 1e3}
-    return eng.call(Call(run)).value
+    return held(eng, run)
 
 
 def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
@@ -156,7 +154,6 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
     back, so every step sees the same length. Prefill: chunks of `chunk` tokens, trimmed back the
     same way. Adjacent on/off steps run ~0.2 s apart, so load drift on a shared machine cancels in
     the per-pair ratios far better than between whole requests."""
-    from engine.engine import Call
 
     def run(e):
         import mlx.core as mx
@@ -205,7 +202,7 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
                       "paired_ratio": statistics.median(pairs), "n": len(pairs),
                       "rows": 1 if k == "decode" else chunk}
         return out
-    return eng.call(Call(run)).value
+    return held(eng, run)
 
 
 def random_vector(folder: Path, n_layer: int, n_embd: int) -> str:
@@ -226,10 +223,9 @@ def cost(args) -> dict:
         from bench.shapes import ignore_eos
         ignore_eos(eng)
     desc = st.steering
-    from engine.engine import Call
     n_tok = args.prompt_tokens
-    text = eng.call(Call(lambda e: e.tokenizer.decode(
-        (e.tokenizer.encode(PREFILL_TEXT * 8, add_bos=False))[:n_tok - 1]))).value
+    text = held(eng, lambda e: e.tokenizer.decode(
+        (e.tokenizer.encode(PREFILL_TEXT * 8, add_bos=False))[:n_tok - 1]))
     decode_prompt = "Once upon a time, in a small village by the sea,"
     rows = {"prefill_ms": {True: [], False: []}, "decode_ms_per_tok": {True: [], False: []}}
     print(f"cost: {desc}; {args.repeat} alternating pairs after a warm-up pair", file=sys.stderr)
@@ -323,7 +319,6 @@ def parse_setting(s: str):
 
 def effect(args) -> dict:
     from engine.control_vector import ControlVector, SteeringConfig
-    from engine.engine import Call
     prompts = [ln.strip() for ln in EFFECT_PROMPTS.read_text().splitlines() if ln.strip()]
     if args.limit:
         prompts = prompts[:args.limit]
@@ -338,13 +333,13 @@ def effect(args) -> dict:
                 mode, scale, rng = p
                 vectors[s] = ControlVector.load(SteeringConfig(files=((args.vector, scale),), mode=mode,
                                                                layer_range=rng), e.info.n_layer, e.info.n_embd)
-    eng.call(Call(build))
+    held(eng, build)
 
     def use(s):
         def f(e):
             if s in vectors:
                 e.steering.vector = vectors[s]
-        eng.call(Call(f))
+        held(eng, f)
 
     res = {s: [] for s in settings}
     for i, prompt in enumerate(prompts):

@@ -5,8 +5,8 @@
 
 Alternating, in one process, decode tok/s (tokens after the first / time from first to last) of:
   raw:        mlx-lm's generate_step, its own model object, the main thread (bench/engine.py's raw);
-  raw@engine-model: generate_step on the engine's model object, on the engine thread (through Call);
-  decode:     engine.generate.decode (the engine's step loop alone) on the engine thread, through Call;
+  raw@engine-model: generate_step on the engine's model object, on the engine thread between requests;
+  decode:     engine.generate.decode (the engine's step loop alone) on the engine thread between requests;
   request:    a whole GenerateRequest (handler, reply loop, events).
 Each against raw, per round: median [min-max] of the ratios. If `decode` keeps up with raw and
 `request` does not, the gap is in the request path; if `decode` does not, it is in the loop or model.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import Run, add_args   # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 
 
 PATHS = ("raw", "raw@engine-model", "decode", "request")     # the runs main() alternates
@@ -63,22 +63,22 @@ def main() -> int:
         return 2
     from bench.engine import prompt_ids, run_mlx_lm
     from bench.shapes import build_random_model, ignore_eos
-    from engine.engine import Call, Engine, EngineOptions, GenerateRequest
+    from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.gguf_file import open_gguf
     from engine.model_loader import load_model
     from engine.sampling import SamplingParams
     path = build_random_model(a.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
     ignore_eos(engine)
-    dtype = engine.call(Call(lambda e: e.dtype)).value
+    dtype = held(engine, lambda e: e.dtype)
     own, _ = load_model(open_gguf(path), dtype=dtype)
     ids = prompt_ids(engine.tokenizer, a.prompt_tokens)
     text = engine.tokenizer.decode(ids, skip_special=False)
     ids = engine.tokenizer.encode(text)
     runs = {
         "raw": lambda: run_mlx_lm(own, ids, a.gen)[1],
-        "raw@engine-model": lambda: engine.call(Call(lambda e: run_mlx_lm(e.model, ids, a.gen))).value[1],
-        "decode": lambda: engine.call(Call(lambda e: engine_decode(e, ids, a.gen))).value,
+        "raw@engine-model": lambda: held(engine, lambda e: run_mlx_lm(e.model, ids, a.gen))[1],
+        "decode": lambda: held(engine, lambda e: engine_decode(e, ids, a.gen)),
         "request": lambda: engine.call(GenerateRequest(prompt=text, sampling=SamplingParams(max_tokens=a.gen))).decode_tps,
     }
     out = {k: [] for k in names}

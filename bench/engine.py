@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import Run, add_args   # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 from bench.shapes import CHOICES   # noqa: E402  (plain Python: the shape names)
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -117,14 +117,12 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=10)
     ap.add_argument("--no-llama", action="store_true")
-    ap.add_argument("--raw-on-engine-thread", action="store_true",
-                    help="also run raw mlx-lm on the engine's thread (a diagnostic: is a gap the thread?)")
     add_args(ap)
     args = ap.parse_args()
     if args.rounds < 1 or args.gen < 2 or args.prompt_tokens < 2:
         raise SystemExit("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2")
 
-    from engine.engine import Call, Engine, EngineOptions
+    from engine.engine import Engine, EngineOptions
     from engine.gguf_file import open_gguf
     from engine.model_loader import load_model
     from engine.models import default_model_path
@@ -134,7 +132,7 @@ def main() -> int:
     else:
         path = Path(args.model or default_model_path())
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
-    dtype = engine.call(Call(lambda e: e.dtype)).value
+    dtype = held(engine, lambda e: e.dtype)
     if args.random_shape:
         from bench.shapes import ignore_eos
         ignore_eos(engine)
@@ -149,7 +147,7 @@ def main() -> int:
                                   n_batch=512, verbose=False, n_threads=min(8, os.cpu_count() or 2))
         except ImportError:
             print("llama-cpp-python missing: llama.cpp column skipped", file=sys.stderr)
-    names = (["strata", "mlx-lm"] + (["mlx-lm@engine-thread"] if args.raw_on_engine_thread else [])
+    names = (["strata", "mlx-lm"]
              + (["llama.cpp"] if llm is not None else []))
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
     t_bench = time.perf_counter()
@@ -161,7 +159,6 @@ def main() -> int:
         variant = engine.tokenizer.encode(text)
         runs = {"strata": lambda: run_strata(engine, text, args.gen),
                 "mlx-lm": lambda: run_mlx_lm(model, variant, args.gen),
-                "mlx-lm@engine-thread": lambda: engine.call(Call(lambda e: run_mlx_lm(model, variant, args.gen))).value,
                 "llama.cpp": lambda: run_llama(llm, variant, args.gen)}
         order = names if rnd % 2 == 0 else names[::-1]
         for name in order:

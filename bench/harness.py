@@ -327,3 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+
+def held(engine, fn):
+    """fn(engine) on the engine thread between two requests (tests/engine_reads.py): a bench reads the
+    engine's objects, or times raw mlx-lm on the engine's model on its own thread."""
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from engine_reads import while_held       # lazy: the tests folder joins the path only when a bench asks
+    return while_held(engine, fn, timeout=3600)

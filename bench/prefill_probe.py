@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import Run, add_args  # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
 
     from bench.shapes import build_random_model
     from engine import generate
-    from engine.engine import Call, Engine, EngineOptions, Status
+    from engine.engine import Engine, EngineOptions, Status
     path = build_random_model(args.random_shape, Path(args.shape_dir))
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()
     engine.call(Status(), timeout=600)
@@ -64,7 +64,7 @@ def main() -> None:
         ids = [(7 + rnd * 13 + i * 31) % 40000 + 100 for i in range(args.prompt_tokens)]  # a new prompt each round
         got = {}
         for how in (order if rnd % 2 == 0 else order[::-1]):
-            got[how], wait = engine.call(Call(lambda e, h=how: run(e, h, ids)), timeout=3600).value
+            got[how], wait = held(engine, lambda e, h=how: run(e, h, ids))
             if how == "paced":
                 waits.append(wait)
         print(f"round {rnd}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in got.items())

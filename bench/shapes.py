@@ -240,8 +240,8 @@ def write_family(s: FamilyShape, path: Path, *, context_length: int = 16384, nam
 
 def ignore_eos(engine) -> None:
     """Make the engine run every request to max_tokens (random weights emit EOS at random)."""
-    from engine.engine import Call
 
     def clear(e):
         e.tokenizer.eos_ids = set()
-    engine.call(Call(clear))
+    from bench.harness import held   # lazy: the factories above need no harness
+    held(engine, clear)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.harness import Run, add_args  # noqa: E402
+from bench.harness import Run, add_args, held  # noqa: E402
 from bench.shapes import CHOICES  # noqa: E402
 
 WORDS = ("the printing press spread from Mainz to more than two hundred cities within fifty years "
@@ -68,7 +68,6 @@ def install_phase_timers(engine) -> dict:
     import mlx.core as mx
 
     from engine import generate
-    from engine.engine import Call
     out: dict = {}
 
     def timed(name, fn):
@@ -96,7 +95,7 @@ def install_phase_timers(engine) -> dict:
                     out.setdefault("turn", {})["first_token"] = (time.perf_counter() - t) * 1e3
                 yield token
         generate.decode = decode
-    engine.call(Call(install))
+    held(engine, install)
     return out
 
 
@@ -119,7 +118,7 @@ def main() -> int:
 
     import mlx.core as mx
 
-    from engine.engine import Call, Engine, EngineOptions, GenerateRequest
+    from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.models import default_model_path
     if args.random_shape:
         from bench.shapes import build_random_model, ignore_eos
@@ -128,7 +127,7 @@ def main() -> int:
         path = Path(args.model or default_model_path())
     engine = Engine(EngineOptions(model=str(path), cache_mib=args.cache_mib,
                                   cache_slots=64, context_length=max(histories) + 2048)).start()
-    engine.call(Call(lambda e: None))
+    held(engine, lambda e: None)
     if args.random_shape:
         ignore_eos(engine)
     tok = engine.tokenizer
@@ -209,8 +208,8 @@ def main() -> int:
                     cache, _ = layer_cache.rewind(cache, n + 34 + i, n, list(marks), e.make_cache)
             out[h] = (same, statistics.median(xs))
         return out
-    prompt = engine.call(Call(build_times)).value
-    alone = engine.call(Call(model_alone)).value
+    prompt = held(engine, build_times)
+    alone = held(engine, model_alone)
     wall = time.perf_counter() - t0
     base = histories[0]
     print(f"\n{path.name}{' (random weights, EOS ignored)' if args.random_shape else ''}; mlx {mx.__version__} "

@@ -19,7 +19,6 @@ with, and the typed error a failed one reports. Plain Python (no MLX): the app i
 | CountTokens        | TokenCount      | how many tokens messages (or a prompt) make with the model's template |
 | SessionSteering    | SessionSteeringInfo | the control vector a session file was saved with             |
 | CaptureStates      | CapturedStates  | every block's output at prompts' last/first tokens (`cvec train`)   |
-| Call               | CallResult      | fn(engine) on the engine thread: benchmarks and tests only          |
 
 Errors: `Failed.code` / `EngineError.code` is an `ErrorCode` (bad_request, model_not_loaded,
 session_refused with a `SessionRefusal` reason, memory_refused, cancelled, unavailable, internal).
@@ -29,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
 from .gguf_split import split_name
@@ -182,13 +181,6 @@ class CaptureStates:
     prompts: list[str]
 
 
-@dataclass
-class Call:
-    """Run fn(engine) on the engine thread. For benchmarks and tests only: front ends use the named
-    requests above (nothing outside the engine thread reads engine attributes)."""
-    fn: Callable[[Any], Any]
-
-
 # ---- results -------------------------------------------------------------------------------------
 class Result:
     """Base of the typed results: callers read fields (`r.text`, `r.tokens`); `to_dict()` is the JSON
@@ -259,6 +251,7 @@ class EngineStatus(Result):
     kv_bits: int = 16
     distributed: dict | None = None
     disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder
+    batch: BatchCounters | None = None        # continuous batching's counters (None: no batch yet)
 
 
 @dataclass
@@ -299,6 +292,25 @@ class TokenCount(Result):
     tokens: int
     system_tokens: int = 0                    # of `tokens`, the leading system messages' part (the rest is
                                               # the conversation and the template's generation prompt)
+    ids: list[int] = field(default_factory=list)    # the prompt's token ids, as a generate request feeds them
+
+
+@dataclass
+class BatchCounters(Result):
+    """What continuous batching did since the engine started (EngineStatus.batch): batched steps, steps with
+    several rows, the most rows in one step, rows served, rows whose prompts were read together."""
+    steps: int = 0
+    shared_steps: int = 0
+    peak_rows: int = 0
+    rows: int = 0
+    read_together: int = 0      # rows whose prompt was read in a group (engine/batch_prefill.py)
+    first_from_prompt: int = 0  # rows joining running rows, their first token from their prompt's pass
+    # where a decode step's time goes on the engine thread (bench/concurrency.py prints them): queueing
+    # the step (the model's graph, host work), waiting for the previous step's tokens (the device),
+    # handing the tokens to their rows (detokenizing, stops, events)
+    build_s: float = 0.0
+    wait_s: float = 0.0
+    rows_s: float = 0.0
 
 
 @dataclass
@@ -313,11 +325,6 @@ class CapturedStates(Result):
     first: Any                                # numpy (prompts, n_layer, n_embd) float64
     architecture: str
     seconds: float
-
-
-@dataclass
-class CallResult(Result):
-    value: Any = None
 
 
 def model_id(path: str | Path) -> str:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .api import CountTokens, GenerateRequest, Status
+from .api import BatchCounters, CountTokens, GenerateRequest, Status
 from .errors import Cancelled, EngineError, StrataError
 from .events import Done, Failed, Handle, Progress, Token
 from . import layer_cache, generate
@@ -67,30 +67,11 @@ log = logging.getLogger("strata")
 QUICK = (Status, CountTokens)   # answered between two steps: they read, never change, what is held
 
 
-@dataclass
-class Counters:
-    """What the batches did since the engine started (engine.batch_counters; tests and benches read it
-    through a Call): batched steps, steps with several rows, the most rows in one step, rows served,
-    rows whose prompts were read together."""
-    steps: int = 0
-    shared_steps: int = 0
-    peak_rows: int = 0
-    rows: int = 0
-    read_together: int = 0      # rows whose prompt was read in a group (engine/batch_prefill.py)
-    first_from_prompt: int = 0  # rows joining running rows, their first token from their prompt's pass
-    # where a decode step's time goes on the engine thread (bench/concurrency.py prints them): queueing
-    # the step (the model's graph, host work), waiting for the previous step's tokens (the device),
-    # handing the tokens to their rows (detokenizing, stops, events)
-    build_s: float = 0.0
-    wait_s: float = 0.0
-    rows_s: float = 0.0
-
-
-def counters(engine) -> Counters:
-    """The engine's batch counters (kept on its scheduler)."""
+def counters(engine) -> BatchCounters:
+    """The engine's batch counters (kept on its scheduler; Status reports a copy)."""
     sched = engine.scheduler
     if sched.batch_counters is None:
-        sched.batch_counters = Counters()
+        sched.batch_counters = BatchCounters()
     return sched.batch_counters
 
 

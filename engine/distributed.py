@@ -405,7 +405,7 @@ class Distributed:
 
 
 def _replicated(req) -> bool:
-    """Requests every rank serves (they touch the model or the K/V); Status and Call stay on rank 0."""
+    """Requests every rank serves (they touch the model or the K/V); Status stays on rank 0."""
     return isinstance(req, (GenerateRequest, LoadModel, RestoreSession, SaveSession, Configure))
 
 

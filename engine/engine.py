@@ -12,7 +12,7 @@ The Qt app runs `engine.run_forever()` inside its QThread instead of `start()`.
 """
 from __future__ import annotations
 
-import atexit
+import gc
 import logging
 import threading
 import weakref
@@ -23,18 +23,16 @@ from typing import Any, Callable
 # thread instead, a CLI that exits right after a refused load aborts in MLX's thread teardown
 # ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
 import mlx_lm.generate  # noqa: F401,E402
-import time
-import gc
 
-from .api import (Call, CallResult, CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
+from .api import (CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
                   GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
                   ClearDiskCache, ForgetConversation)
-from . import batching, disk_tier
+from . import at_exit, batching, disk_tier
 from .allocator import keep_freed_memory, release_freed_memory
 from .conversations import Conversations
 from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import ENGINE_STOPPED, Done, Failed, Handle, Log, cancel_everything
+from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
 from .kv_reserve import IdleTopUp
 from .loaded_model import InForce
@@ -50,32 +48,6 @@ from .session_requests import SessionRequests
 log = logging.getLogger("strata")
 
 
-_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-EXIT_WAIT_S = 10.0      # at interpreter exit, how long the engine threads get to stop their work
-
-
-@atexit.register
-def _quiet_at_exit() -> None:
-    """At interpreter exit no engine thread may be inside MLX. A daemon thread that comes back from MLX
-    (which runs with the GIL released) while the interpreter finalizes is ended by pthread_exit, and
-    that unwinding through MLX's C++ frames aborts the process ("terminate called without an active
-    exception", exit 134 instead of the caller's: Ctrl-C on `strata generate` mid-reply did it every
-    time, as did a script exiting during the idle-time K/V top-up). So the idle-time work stops, every
-    request still running or queued is cancelled (a reply stops between tokens, a CPU prefill between
-    layers) and each engine thread is given up to EXIT_WAIT_S to be back waiting for a request."""
-    cancel_everything()
-    engines = list(_ENGINES)
-    for engine in engines:
-        engine.scheduler.idle_allowed = False
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for engine in engines:
-        t = engine._thread      # None for run_forever() on the caller's thread (the Qt app stops its own)
-        if t is not None and t.is_alive() and not engine.stopped.is_set():
-            engine.scheduler.idle.wait(max(0.0, deadline - time.monotonic()))
-
-
 def _loaded(name: str, default=None) -> property:
     """A read-only view of one field of the engine's LoadedModel (`default` while none is loaded)."""
     return property(lambda self: default if self.loaded is None else getattr(self.loaded, name),
@@ -88,10 +60,11 @@ class Engine:
         # The settings in force, started from the options and changed by Configure and loads.
         self.in_force = InForce.of(self.options)
         self._thread: threading.Thread | None = None
+        self.is_inline = False                    # served on the caller's thread (inline())
         self.stopped = threading.Event()
         # What runs next on the engine thread, and the only owner of the request queue.
         self.scheduler = Scheduler(self._serve)
-        _ENGINES.add(self)
+        at_exit.watch(self)
         # Why the engine thread ended on an error (None while it runs): every request waiting or
         # submitted later fails at once with it, and the server's /health reports it.
         self.failure: str | None = None
@@ -122,8 +95,29 @@ class Engine:
         self._thread.start()
         return self
 
+    def has_own_thread(self) -> bool:
+        """Serving on a thread of its own (start()) that has not stopped."""
+        return self._thread is not None and self._thread.is_alive() and not self.stopped.is_set()
+
+    def inline(self) -> "Engine":
+        """Serve on the caller's thread instead of one of the engine's own: each request is served as it is
+        submitted (the start-up load now), so that thread is the engine thread, the only one touching the
+        engine's objects. For white-box tests and benches that read `conversations`, `model`, ... between
+        requests or time raw mlx-lm beside the engine on the same thread; idle work runs on `idle_work()`."""
+        self.is_inline = True
+        self._open()
+        return self
+
+    def idle_work(self, timed: bool = False) -> None:
+        """The idle tasks (the disk tier's writes, the K/V top-up) run now, on an inline engine; timed: the
+        timed ones too (a named draft's release) as if their time had passed."""
+        self.scheduler.idle_work(timed)
+
     def submit(self, request: Any, callback: Callable | None = None) -> Handle:
         handle = Handle(request, callback)
+        if self.is_inline:
+            self.scheduler.serve(handle)
+            return handle
         if self.serving.broken:                   # a distributed ring is gone: answered now
             handle.emit(Failed(self.serving.broken, ErrorCode.UNAVAILABLE, "distributed"))
             return handle
@@ -149,10 +143,17 @@ class Engine:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the engine waits for a request with its idle-time work done (True), or for
         `timeout` (False). For a caller that has the results it waited for: a request submitted from
-        another thread meanwhile may still be queued."""
-        return self.scheduler.idle.wait(timeout)
+        another thread meanwhile may still be queued. The disk tier's writes that idle work queued are
+        on disk when it returns True."""
+        if not self.scheduler.idle.wait(timeout):
+            return False
+        if self.disk is not None:
+            self.disk.flush()
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.is_inline:
+            return self._on_stop() if not self.stopped.is_set() else None
         self.scheduler.put(Stop())
         self.stopped.wait(timeout)
 
@@ -181,6 +182,17 @@ class Engine:
                     h.emit(Failed(self.failure or "the engine stopped", ErrorCode.UNAVAILABLE, ENGINE_STOPPED))
 
     def _run(self) -> None:
+        self._open()
+        # A distributed follower rank serves rank 0's requests instead of its own queue.
+        self.scheduler.run(
+            batched=lambda item: batching.enabled(self) and batching.batchable(self, item),
+            run_batch=lambda item: batching.run(self, item),
+            next_item=self.scheduler.next_request if self.serving.leads else self._follow,
+            on_stop=self._on_stop)
+
+    def _open(self) -> None:
+        """What the engine thread makes before serving (the parking, the disk tier, the idle tasks), then
+        the start-up load."""
         self.log(keep_freed_memory())
         self.log(self.guard.startup_line())
         # The CLI and the settings page check first; a value from elsewhere (a settings file written on a
@@ -200,12 +212,6 @@ class Engine:
         if self.startup is not None:
             self.startup.local = True   # distributed: every rank loads its own --model, not rank 0's path
             self.scheduler.serve(self.startup)
-        # A distributed follower rank serves rank 0's requests instead of its own queue.
-        self.scheduler.run(
-            batched=lambda item: batching.enabled(self) and batching.batchable(self, item),
-            run_batch=lambda item: batching.run(self, item),
-            next_item=self.scheduler.next_request if self.serving.leads else self._follow,
-            on_stop=self._on_stop)
 
     def _on_stop(self) -> None:
         self.serving.stop()
@@ -281,7 +287,6 @@ class Engine:
             CountTokens: lambda: h.count_tokens(req),
             SessionSteering: lambda: self.sessions.steering(req),
             CaptureStates: lambda: h.capture(req, handle),
-            Call: lambda: CallResult(req.fn(self)),
             ClearDiskCache: lambda: disk_tier.clear_request(self),
             ForgetConversation: lambda: disk_tier.forget_request(self, req),
         }

@@ -87,7 +87,7 @@ class Failed:
 Event = Token | Progress | Log | KVChanged | KVMoved | Done | Failed
 
 
-# Set once, at interpreter exit (engine/engine.py's _quiet_at_exit): every request is then cancelled.
+# Set once, at interpreter exit (engine/at_exit.py): every request is then cancelled.
 _EVERYTHING_CANCELLED = threading.Event()
 
 

@@ -8,6 +8,7 @@ and stats is engine/generate.py. Everything here runs on the engine thread only.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, replace
 import numpy as np
@@ -322,13 +323,14 @@ class RequestHandlers:
             speed_projection_default=self.eng.in_force.speed_projection,
             kv_bits=self.eng.in_force.kv_bits,
             distributed=self.eng.serving.status(),
-            disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
+            disk=self.eng.disk.status() if self.eng.disk is not None else None,
+            batch=dataclasses.replace(counts) if (counts := self.eng.scheduler.batch_counters) else None,
         )
 
     def count_tokens(self, req: CountTokens) -> TokenCount:
         self.eng.require_model()
-        tokens = self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt, tools=req.tools))
-        return TokenCount(len(tokens), self.system_part(req, tokens))
+        ids = self.prompt_tokens(GenerateRequest(messages=req.messages, prompt=req.prompt, tools=req.tools))
+        return TokenCount(len(ids), self.system_part(req, ids), list(ids))
 
     def system_part(self, req: CountTokens, tokens: list[int]) -> int:
         """How many of a count's `tokens` are its leading system messages: the prefix they share with

@@ -4,6 +4,8 @@
     scheduler.run(engine)            the engine thread: requests, batches of generate requests
                                      (engine/batching.py), and idle tasks while nothing is queued
     scheduler.add_idle(task)         idle work (the disk tier's writes, the K/V top-up, the draft's release)
+    scheduler.hold()                 any thread: the engine thread held between requests until released,
+                                     so requests queued meanwhile start together (benches, tests)
 
 Batching drives its rows through the same object (`take_nowait`, `serve`, `serving_as`): what it reads
 from the queue and answers between two decode steps is decided by the scheduler's rules, not by a
@@ -23,6 +25,23 @@ from .events import Handle
 
 class Stop:
     """The request that ends the engine thread (Engine.stop)."""
+
+
+HOLD_MAX_S = 600.0      # a hold nobody releases ends by itself: the engine is never stuck for good
+
+
+class Hold:
+    """The engine thread held still between two requests (`Scheduler.hold`) until `release()`."""
+
+    def __init__(self):
+        self.reached = threading.Event()        # the engine thread is held
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_released(self) -> None:
+        self._released.wait(HOLD_MAX_S)
 
 
 class IdleTask(Protocol):
@@ -47,13 +66,24 @@ class Scheduler:
         self.idle = threading.Event()
         self.idle_allowed = True          # False from interpreter exit on: no new idle work starts
         self.in_idle_work = False         # an idle task is inside MLX (interpreter exit waits for it)
-        self.batch_counters = None        # batching.Counters, made by the first batch
+        self.batch_counters = None        # api.BatchCounters, made by the first batch
         self.batch_memo: dict = {}        # batching's per-model facts, keyed by what they were made for
 
     # ---- any thread ------------------------------------------------------------------------------
     def put(self, item) -> None:
         self.idle.clear()
         self._queue.put(item)
+
+    def hold(self, timeout: float = 60.0) -> Hold:
+        """Hold the engine thread once it is between requests (after what is queued before the hold);
+        returns when it is held. Requests submitted before `release()` queue behind it and are read
+        together: a batch's streams all joining at once."""
+        hold = Hold()
+        self.put(hold)
+        if not hold.reached.wait(timeout):
+            hold.release()
+            raise TimeoutError(f"the engine thread was not free to hold within {timeout:g} s")
+        return hold
 
     def pending(self) -> bool:
         return not self._queue.empty()
@@ -113,6 +143,13 @@ class Scheduler:
         self.idle.clear()
         return item
 
+    def idle_work(self, timed: bool = False) -> None:
+        """The idle tasks run now (an engine served on the caller's thread: Engine.inline); timed: the
+        armed timed tasks too, as if the engine had waited their time for a request."""
+        self._run_idle_tasks()
+        if timed:
+            self._run_tasks([t for t in self._timed if t.due_in() is not None])
+
     def _run_idle_tasks(self) -> None:
         for task in self._tasks:
             if not self.idle_allowed or self.pending():
@@ -122,7 +159,7 @@ class Scheduler:
     def _run_tasks(self, tasks) -> None:
         interrupted = lambda: self.pending() or not self.idle_allowed  # noqa: E731
         for task in tasks:
-            self.in_idle_work = True            # before idle_allowed is read: see engine._quiet_at_exit
+            self.in_idle_work = True            # before idle_allowed is read: see engine/at_exit.py
             try:
                 if self.idle_allowed:
                     task.run(interrupted)
@@ -139,6 +176,10 @@ class Scheduler:
             while item is not None and batched(item):
                 item = run_batch(item)
             if item is None:
+                continue
+            if isinstance(item, Hold):
+                item.reached.set()
+                item.wait_released()
                 continue
             if isinstance(item, Stop):
                 on_stop()

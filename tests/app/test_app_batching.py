@@ -32,11 +32,10 @@ def long_replies(request, app_home):
 
 def test_two_tabs_answer_at_once(qtbot, long_replies):
     from app_fixtures import LOAD_TIMEOUT_MS, open_window
-    from engine.batching import counters
     from pathlib import Path
 
     from app import settings
-    from engine.engine import Call, Status
+    from engine.engine import Status
     window = open_window(qtbot)
     with qtbot.waitSignal(window.library.loaded, timeout=LOAD_TIMEOUT_MS):
         window.show()
@@ -56,7 +55,7 @@ def test_two_tabs_answer_at_once(qtbot, long_replies):
     qtbot.waitUntil(lambda: not first.busy and not second.busy, timeout=3 * REPLY_TIMEOUT_MS)
     engine = window.engine_thread.engine
     assert Path(engine.call(Status(), 30).model).name == Path(settings.load().model).name   # the model asked for
-    c = engine.call(Call(lambda e: dataclasses.replace(counters(e))), 30).value
+    c = engine.call(Status(), 30).batch
     assert c.peak_rows == 2 and c.shared_steps > 10, c
     a, b = tokens["first"], tokens["second"]
     assert a and b

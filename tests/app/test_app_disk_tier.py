@@ -19,9 +19,8 @@ def _launch(qtbot):
 
 
 def _idle(qtbot, w):
-    from engine.api import Call
     qtbot.waitUntil(lambda: w.engine_thread.engine.wait_idle(0), timeout=REPLY_TIMEOUT_MS)
-    w.engine_thread.engine.call(Call(lambda e: e.disk.flush()), timeout=30)
+    w.engine_thread.engine.wait_idle(60)
 
 
 def test_chat_quit_relaunch_reopen_is_restored_from_disk(qtbot, app_home):

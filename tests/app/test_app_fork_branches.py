@@ -42,9 +42,7 @@ def _launch(qtbot, **kw):
 
 def _idle(qtbot, w):
     """The engine idle and its disk writes done (the parent's K/V on disk)."""
-    from engine.api import Call
     qtbot.waitUntil(lambda: w.engine_thread.engine.wait_idle(0), timeout=REPLY_TIMEOUT_MS)
-    w.engine_thread.engine.call(Call(lambda e: e.disk.flush()), timeout=30)
 
 
 def _parent(qtbot, w):

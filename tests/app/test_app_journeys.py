@@ -367,9 +367,7 @@ def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     click lands while the prompt waits its turn, whatever the machine's speed."""
     import threading
 
-    from engine.engine import Call
-    gate = threading.Event()
-    window.engine_thread.engine.submit(Call(lambda _e: gate.wait(60)))
+    hold = window.engine_thread.engine.scheduler.hold()
     view = window.current_view()
     view.input.setPlainText(LONG)
     view.send_input()
@@ -377,7 +375,7 @@ def test_cancel_on_the_bar_stops_a_prompt_before_its_reply(qtbot, window):
     try:
         view.task_cancel.click()
     finally:
-        gate.set()
+        hold.release()
     with qtbot.waitSignal(view.message, timeout=REPLY_TIMEOUT_MS) as blocker:
         pass
     assert blocker.args[0] == "Stopped"

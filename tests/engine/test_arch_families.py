@@ -21,6 +21,7 @@ from engine.errors import ModelFileError  # noqa: E402
 from engine.gguf_file import open_gguf  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 from gguf_factory_families import FAMILIES, write_family_gguf, writer  # noqa: E402
+from engine_reads import prompt_ids
 
 pytestmark = pytest.mark.oracle
 
@@ -170,14 +171,14 @@ def test_engine_chat_renders_the_family_template_and_stops_at_its_end_of_turn(tm
     """Through the whole engine: the GGUF's template rendered, its ids equal llama.cpp's tokenization of
     that text (one BOS), the greedy reply equal to llama.cpp's up to the first near-tie, ending at the
     family's end-of-turn token where llama.cpp emits it, the marker not in the text."""
-    from engine.engine import Call, Engine, EngineOptions, GenerateRequest
+    from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.sampling import SamplingParams
     spec = FAMILIES[family]
     path = write_family_gguf(tmp_path / f"{family}.gguf", family, seed=3, eot_boost=EOT_BOOST[family])
     eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
     try:
         req = GenerateRequest(messages=CHAT, sampling=SamplingParams(max_tokens=N_REPLY))
-        prompt = eng.call(Call(lambda e: e.prompt_tokens(req))).value
+        prompt = prompt_ids(eng, req)
         r = eng.call(req)
     finally:
         eng.stop()

@@ -20,10 +20,10 @@ import pytest
 
 import arch_cases
 from engine import layer_cache
-from engine.api import Call
 from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.sampling import SamplingParams
 import gguf_factory
+from engine_reads import while_held
 from gguf_factory import TRAINING_TEXT
 
 WORDS = TRAINING_TEXT.split()
@@ -62,13 +62,15 @@ def case(request, tmp_path_factory):
     return name, Path(path), after, opts
 
 
-def start(case, **opts) -> Engine:
+def start(case, threaded: bool = False, **opts) -> Engine:
+    """The case's engine: inline (served on this thread, whose reads of the engine's objects are then the
+    engine thread's own) unless a test needs requests in flight together (threaded)."""
     name, path, after, case_opts = case
     engine = Engine(EngineOptions(model=str(path), **{"cache_mib": 64, "cache_slots": 4, **case_opts, **opts}))
-    engine.start()
+    engine.start() if threaded else engine.inline()
     assert engine.call(Status(), timeout=300).model, "the model did not load"
     if after is not None:
-        engine.call(Call(after), timeout=60)
+        while_held(engine, after) if threaded else after(engine)
     return engine
 
 
@@ -106,7 +108,7 @@ def test_parking_aba_is_identical(case):
     engine = start(case)
     try:
         ref, _ = chat(engine, "A", TURNS)
-        engine.call(Call(lambda e: e.conversations.clear()))
+        engine.conversations.clear()
         run, _ = chat(engine, "A2", TURNS, other=words(12, 200))
     finally:
         engine.stop()
@@ -121,7 +123,7 @@ def test_parking_aba_is_identical(case):
 
 
 def _fresh_read(engine, tokens: list[int], sampling: SamplingParams) -> list[int]:
-    """On the engine thread: the reply to exactly `tokens` from an empty cache (no reuse at all)."""
+    """The reply to exactly `tokens` from an empty cache (no reuse at all), on the inline engine's thread."""
     def run(e):
         from engine.generate import reply
         from engine.parking import KVEntry
@@ -129,11 +131,11 @@ def _fresh_read(engine, tokens: list[int], sampling: SamplingParams) -> list[int
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=sampling, n_vocab=e.info.n_vocab,
                      max_tokens=sampling.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
                      on_progress=lambda *a: None, cancelled=lambda: False).tokens
-    return engine.call(Call(run), timeout=600).value
+    return run(engine)
 
 
 def _prompt_of_live(engine, r) -> list[int]:
-    return engine.call(Call(lambda e: list(e.conversations.live.tokens[:r.prompt_tokens]))).value
+    return list(engine.conversations.live.tokens[:r.prompt_tokens])
 
 
 def test_regenerate_and_edit_equal_a_fresh_read(case):
@@ -150,7 +152,7 @@ def test_regenerate_and_edit_equal_a_fresh_read(case):
         assert r.tokens == _fresh_read(engine, toks, SamplingParams(max_tokens=12, temperature=0.8, seed=50))
         edit = msgs[:3] + [{"role": "user", "content": TURNS[1] + " (edited)"}]
         r = ask(engine, edit, "A", seed=51)
-        if engine.call(Call(lambda e: layer_cache.needs_checkpoints(e.make_cache()))).value:
+        if layer_cache.needs_checkpoints(engine.make_cache()):
             # resumed from a checkpoint (the start of the edited message), not re-read from scratch
             assert 0 < r.cached_tokens <= rs[1].prompt_tokens
         else:
@@ -172,7 +174,7 @@ def test_session_round_trip_in_a_new_engine(case, tmp_path):
         rs, msgs = chat(engine, "A", TURNS[:2])
         engine.call(SaveSession(str(sess)), timeout=300)
         follow = msgs + [{"role": "user", "content": TURNS[2]}]
-        engine.call(Call(lambda e: e.conversations.clear()))
+        engine.conversations.clear()
         engine.call(RestoreSession(str(sess), conversation="A"), timeout=300)
         ref = ask(engine, follow, "A", seed=70)
     finally:
@@ -244,7 +246,7 @@ def test_cancel_mid_prefill_leaves_the_cache_as_before_the_chunk(case):
         return bool(mx.array_equal(logits(True), logits(False)).item())
     engine = start(case)
     try:
-        assert engine.call(Call(run), timeout=600).value
+        assert run(engine)
     finally:
         engine.stop()
 
@@ -275,7 +277,7 @@ def test_8_bit_kv_parking_aba_is_identical(case):
     quantized attention cannot read (gpt-oss), is refused at load in one line."""
     name, path, after, case_opts = case
     engine = Engine(EngineOptions(model=str(path), cache_mib=64, cache_slots=4, **{**case_opts, "kv_bits": 8}))
-    engine.start()
+    engine.inline()
     try:
         try:
             engine.startup.result(timeout=300)
@@ -284,9 +286,9 @@ def test_8_bit_kv_parking_aba_is_identical(case):
                 and "\n" not in str(e)
             pytest.skip(f"{name}: {e}")
         if after is not None:
-            engine.call(Call(after), timeout=60)
+            after(engine)
         ref, _ = chat(engine, "A", TURNS)
-        engine.call(Call(lambda e: e.conversations.clear()))
+        engine.conversations.clear()
         run, _ = chat(engine, "A2", TURNS, other=words(12, 200))
     finally:
         engine.stop()
@@ -329,7 +331,7 @@ def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
         def read(e):
             entry = next(x for x in e.conversations.held() if x.owner == owner)
             return list(entry.tokens), [np.array(a.astype(mx.float32)) for c in entry.cache for a in cells(c)]
-        return engine.call(Call(read), timeout=60).value
+        return while_held(engine, read)
 
     def again(engine, i, r):
         req = reqs[i]
@@ -341,7 +343,7 @@ def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
                                            sampling=follow), timeout=600)
     stopped = GenerateRequest(prompt=words(30, 120), conversation="b3", sampling=SamplingParams(max_tokens=40,
                                                                                               temperature=0.0))
-    eng = start(case, max_sequences=5)
+    eng = start(case, threaded=True, max_sequences=5)
     try:
         gate = Gate(eng)
         hs = [eng.submit(r) for r in reqs]

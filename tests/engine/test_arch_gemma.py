@@ -20,6 +20,7 @@ from gguf_factory_gemma import vocab, write_gemma3, write_gemma4, write_tiny_gem
 
 from engine.errors import ModelFileError
 from engine.gguf_file import open_gguf
+from engine_reads import prompt_ids
 
 WRITERS = {"gemma3": write_gemma3, "gemma4": write_gemma4}
 TURN_END = {"gemma3": "<end_of_turn>", "gemma4": "<turn|>"}
@@ -378,14 +379,13 @@ STOP_LIKE = {"gemma3": 20, "gemma4": 30}
 
 def _engine_replies(path, requests):
     """Each request's Generation from one engine, with the prompt ids it used (read just before)."""
-    from engine.api import Call
     from engine.engine import Engine, EngineOptions
     eng = Engine(EngineOptions(model=str(path), cache_mib=64)).start()
     out = []
     try:
         for make in requests:
             req = make(out)
-            ids = eng.call(Call(lambda e, req=req: e.prompt_tokens(req))).value
+            ids = prompt_ids(eng, req)
             out.append((ids, eng.call(req)))
     finally:
         eng.stop()

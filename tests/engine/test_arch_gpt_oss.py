@@ -29,6 +29,8 @@ from engine import harmony
 from engine.errors import ModelFileError
 from engine.gguf_file import open_gguf
 from engine.model_loader import load_model
+from engine.api import GenerateRequest
+from engine_reads import prompt_ids, tokenizer_of
 from llama_oracle import strata_logits
 
 FTYPES = ("F16", "Q8_0", "Q4_K_M", "MXFP4_MOE", "MXFP4_PY")
@@ -227,13 +229,11 @@ def test_prompt_ids_equal_llama_cpp(gdir, f16_engine):
 
 
 def _prompt_tokens(eng, messages):
-    from engine.api import Call, GenerateRequest
-    return eng.call(Call(lambda e: e.prompt_tokens(GenerateRequest(messages=messages)))).value
+    return prompt_ids(eng, GenerateRequest(messages=messages))
 
 
 def _tokenizer(eng):
-    from engine.api import Call
-    return eng.call(Call(lambda e: e.tokenizer)).value
+    return tokenizer_of(eng.model_facts().model_path)
 
 
 @pytest.mark.oracle

@@ -2,9 +2,9 @@
 alone, keep their own sampling, steering, stops and cancel, are parked as themselves and continue.
 
 The reference is the same model in an engine with max_sequences=1 (the lone-request path, unchanged),
-fed the same requests one after another. Batched engines are held at a gate (a Call that blocks the
-engine thread) while the requests are queued, so they really step together; the counters the batch
-keeps (engine.scheduler.batch_counters) show how many rows shared a step. On the tiny models the batched greedy
+fed the same requests one after another. Batched engines are held at a gate (Scheduler.hold: the
+engine thread waits between requests) while the requests are queued, so they really step together; the
+counters the batch keeps (Status().batch) show how many rows shared a step. On the tiny models the batched greedy
 tokens are identical to the lone ones (measured: every stream, every token, 1-8 streams); for
 SmolLM2 see test_real_model_streams_match_alone_up_to_a_near_tie.
 """
@@ -18,7 +18,9 @@ import pytest
 
 from engine.control_vector import SteeringConfig, write_control_vector
 from engine.api import CountTokens
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.api import BatchCounters
+from engine.engine import Engine, EngineOptions, GenerateRequest, Status
+from engine_reads import prompt_ids, while_held
 from engine.events import Done, Progress, Token
 from engine.sampling import SamplingParams
 
@@ -62,30 +64,26 @@ def tiny4_vec(tmp_path_factory):
     return model, vec
 
 
-def start(model, n, **kw) -> Engine:
-    eng = Engine(EngineOptions(model=str(model), max_sequences=n, **kw)).start()
+def start(model, n, inline: bool = False, **kw) -> Engine:
+    eng = Engine(EngineOptions(model=str(model), max_sequences=n, **kw))
+    eng.inline() if inline else eng.start()
     assert eng.call(Status()).model is not None
     return eng
 
 
-def counters(eng):
-    """A copy of the engine's batch counters (engine/batching.Counters)."""
-    import dataclasses
-
-    from engine.batching import counters as c
-    return eng.call(Call(lambda e: dataclasses.replace(c(e)))).value
+def counters(eng) -> BatchCounters:
+    """A copy of the engine's batch counters (Status reports them)."""
+    return eng.call(Status(), 60).batch or BatchCounters()
 
 
 class Gate:
-    """Holds the engine thread (a Call waiting on an event) while requests are queued behind it."""
+    """Holds the engine thread between requests (Scheduler.hold) while requests are queued behind it."""
 
     def __init__(self, eng):
-        self.open = threading.Event()
-        self.handle = eng.submit(Call(lambda e: self.open.wait(60)))
+        self.hold = eng.scheduler.hold()
 
     def release(self):
-        self.open.set()
-        self.handle.result(60)
+        self.hold.release()
 
 
 def together(eng, reqs, **submit_kw):
@@ -363,7 +361,7 @@ def test_memory_guard_refusal_makes_a_stream_wait_not_fail(tiny, reference):
     eng = start(tiny, 8)
     try:
         # a reserve larger than any machine: every join is refused, so each request runs when alone
-        eng.call(Call(lambda e: setattr(e, "guard", MemoryGuard(reserve_bytes=1 << 62))))
+        while_held(eng, lambda e: setattr(e, "guard", MemoryGuard(reserve_bytes=1 << 62)))
         results = [h.result(300) for h in together(eng, requests(3))]
         c = counters(eng)
     finally:
@@ -400,10 +398,10 @@ def test_real_model_streams_match_alone_up_to_a_near_tie(real_model):
     differently, so streams are compared as the oracle tests are, token for token up to the first
     place where the lone run's own top-2 margin is below TIE_MARGIN."""
     reqs = [GenerateRequest(messages=CHATS[i], conversation=f"r{i}", sampling=greedy(12)) for i in (0, 1, 4, 6)]
-    solo = start(real_model, 1)
+    solo = start(real_model, 1, inline=True)
     try:
         ref = alone(solo, reqs)
-        prompts = [solo.call(Call(lambda e, r=r: e.prompt_tokens(r))).value for r in reqs]
+        prompts = [prompt_ids(solo, r) for r in reqs]
     except BaseException:
         solo.stop()
         raise
@@ -420,7 +418,7 @@ def test_real_model_streams_match_alone_up_to_a_near_tie(real_model):
                 identical += 1
                 continue
             k = next(j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
-            margin = solo.call(Call(lambda e, ids=prompts[i] + b.tokens[:k]: _top2_margin(e, ids))).value
+            margin = _top2_margin(solo, prompts[i] + b.tokens[:k])
             assert margin < TIE_MARGIN, f"stream {i} differs at token {k} with a lone margin of {margin:.3f}"
     finally:
         solo.stop()
@@ -586,7 +584,7 @@ def test_a_batched_conversation_is_saved_as_if_it_ran_alone(tiny, tmp_path):
             entry = next(x for x in e.conversations.held() if x.owner == owner)
             kv = [np.array(a[..., :c.offset, :].astype(mx.float32)) for c in entry.cache for a in (c.keys, c.values)]
             return list(entry.tokens), kv
-        return eng.call(Call(read), 60).value
+        return while_held(eng, read)
 
     def next_turn(r, req):
         msgs = req.messages + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Why?"}]
@@ -716,7 +714,7 @@ def test_a_hybrid_rows_memory_is_its_attention_kv_and_a_fixed_state(tmp_path):
     path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", n_layer=8, seed=2)
     eng = start(path, 4)
     try:
-        per_token, fixed = eng.call(Call(row_cost)).value
+        per_token, fixed = while_held(eng, row_cost)
         info = eng.call(Status()).info
     finally:
         eng.stop()

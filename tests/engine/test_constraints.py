@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from engine.constraints import ConstraintError, ConstraintSpec
-from engine.api import Call
 from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, Status
 from engine.frontends.server import ServerThread, create_app
 from engine.sampling import SamplingParams
+from engine_reads import tokenizer_of
 
 # nested objects, arrays, enums, number bounds, additionalProperties: false
 PERSON = {
@@ -147,10 +147,10 @@ def test_kv_bits_8(engine):
         engine.call(Configure(kv_bits=16))
 
 
-def test_greedy_masked_equals_unmasked_where_the_reply_already_fits(engine):
+def test_greedy_masked_equals_unmasked_where_the_reply_already_fits(engine, tiny_gguf_wide):
     sp = SamplingParams(temperature=0, max_tokens=24)
     free = engine.call(GenerateRequest(prompt="The tea", sampling=sp, side=True))
-    tok = engine.call(Call(lambda e: e.tokenizer)).value
+    tok = tokenizer_of(tiny_gguf_wide)
     # the longest start of the unmasked reply that is printable text (a random model also writes
     # stray bytes), and a grammar whose only sentence is that text: the mask never removes greedy's token
     n = next(k for k in range(len(free.tokens), 0, -1)

@@ -7,10 +7,11 @@ import anthropic
 import openai
 import pytest
 
-from engine.engine import Call, CountTokens, Engine, EngineOptions, GenerateRequest
+from engine.engine import CountTokens, Engine, EngineOptions, GenerateRequest
 from engine.errors import EngineError, ErrorCode
 from engine.frontends.server import ServerThread, create_app
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 
 N_CTX = 256
 MAX_TOKENS = 8
@@ -54,7 +55,7 @@ def pinned_tokens(engine, messages) -> int:
     def fn(e):
         text, add_bos = e.handlers.render_messages(messages, generation_prompt=False)
         return len(e.tokenizer.encode_prompt(text, add_bos=add_bos))
-    return engine.call(Call(fn)).value
+    return while_held(engine, fn)
 
 
 def test_stop_refuses_what_does_not_fit(engine):

@@ -17,9 +17,10 @@ import pytest
 
 from engine.frontends.cli import main
 from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
+from engine_reads import while_held, prompt_ids
 
 REPO = Path(__file__).resolve().parents[2]
 STRATA = [sys.executable, "-m", "engine.cli"]
@@ -186,7 +187,7 @@ def compare_add_mode(model, vec_path, scale, layer_range, prompt, n_gen, n_embd,
     cfg = SteeringConfig(files=((str(vec_path), scale),), mode="add", layer_range=layer_range)
     eng = start(model, cfg, cache_mib=0)
     try:
-        ids = eng.call(Call(lambda e: e.prompt_tokens(GenerateRequest(prompt=prompt)))).value
+        ids = prompt_ids(eng, GenerateRequest(prompt=prompt))
         ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen))).tokens
         stock_ours = eng.call(GenerateRequest(prompt=prompt, sampling=greedy(n_gen), speed_projection=False)).tokens
     finally:
@@ -291,7 +292,7 @@ def test_train_directions_are_the_block_outputs(tiny4):
             h = mx.array(states[1, -1].astype(np.float32))[None, None]
             via_head = inner.embed_tokens.as_linear(inner.norm(h))[0, 0]
             return states, np.array(logits), np.array(via_head)
-        states, logits, via_head = eng.call(Call(run)).value
+        states, logits, via_head = while_held(eng, run)
     finally:
         eng.stop()
     assert states.shape == (2, N_LAYER, N_EMBD)
@@ -330,7 +331,7 @@ def test_trained_direction_is_orthogonal_to_the_first_position(tiny4, trained):
             first: list = []
             last_token_states(e, POS[:1], first=first)
             return first[0]
-        first = eng.call(Call(run)).value
+        first = while_held(eng, run)
     finally:
         eng.stop()
     for path in trained.values():

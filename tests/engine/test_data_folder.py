@@ -23,9 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import Call, Status
+from engine.api import Status
 from engine.engine import Engine, EngineOptions
 from engine.errors import EngineError
+from engine.scheduler import Hold
 from engine.frontends.server import ServerThread, create_app
 from test_disk_tier import _chat, _port
 
@@ -101,13 +102,13 @@ def _wait_healthy(port: int, p: subprocess.Popen) -> None:
     raise AssertionError("the server did not become healthy")
 
 
-def _die(release: threading.Event):
-    """A Call that waits for `release`, then ends the engine thread (an error no request handler
+class Dying(Hold):
+    """A hold of the engine thread that, once released, ends the thread (an error no request handler
     catches: what any bug outside a request would do)."""
-    def fn(engine):
-        release.wait(DEADLINE)
+
+    def wait_released(self) -> None:
+        super().wait_released()
         raise SystemExit("the engine thread ends here")
-    return Call(fn)
 
 
 def test_a_dead_engine_thread_fails_every_request_and_health_says_why(tiny_gguf):
@@ -116,23 +117,23 @@ def test_a_dead_engine_thread_fails_every_request_and_health_says_why(tiny_gguf)
     srv = ServerThread(create_app(engine)).start()
     base = f"http://127.0.0.1:{srv.port}"
     try:
-        release = threading.Event()
-        dying = engine.submit(_die(release))
+        dying = Dying()
+        engine.scheduler.put(dying)
+        assert dying.reached.wait(DEADLINE)
         replies: list = []
         waiting = threading.Thread(target=lambda: replies.append(httpx.post(
             f"{base}/v1/chat/completions", timeout=DEADLINE,
             json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})))
         waiting.start()
         queued = engine.submit(Status())
-        release.set()
+        dying.release()
         waiting.join(DEADLINE)
         assert not waiting.is_alive(), "a request waiting on the dead engine hung"
         (r,) = replies
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped", r.text
         assert "the engine stopped: SystemExit" in r.json()["error"]["message"]
-        for h in (dying, queued):
-            with pytest.raises(EngineError, match="the engine stopped"):
-                h.result(DEADLINE)
+        with pytest.raises(EngineError, match="the engine stopped"):
+            queued.result(DEADLINE)
         with pytest.raises(EngineError, match="the engine stopped"):
             engine.call(Status(), timeout=DEADLINE)          # a later request: at once, not a hang
         health = httpx.get(f"{base}/health", timeout=DEADLINE)

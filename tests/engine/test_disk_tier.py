@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.api import Call, ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
+from engine.api import ClearDiskCache, ForgetConversation, RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 
 ROOT = Path(__file__).resolve().parents[2]
 SP = SamplingParams(max_tokens=8, temperature=0)
@@ -44,7 +45,7 @@ def _turns(engine, n: int, conv: str = "c1", first=FIRST):
 
 
 def _flush(engine) -> None:
-    engine.call(Call(lambda e: e.disk.flush()))
+    engine.wait_idle(60)
 
 
 @pytest.fixture
@@ -170,7 +171,7 @@ def test_disk_cap_evicts_least_recently_used(make_engine, strata_home, caplog):
     assert s["bytes"] <= s["cap_bytes"]
     assert s["entries"] < 3 and len(_files(strata_home)) == s["entries"]
     assert any("for the disk cap" in line for line in caplog.messages), caplog.messages
-    kept = e.call(Call(lambda eng: sorted(x.owner for x in eng.disk.entries.values()))).value
+    kept = while_held(e, lambda eng: sorted(x.owner for x in eng.disk.entries.values()))
     assert "t2" in kept and "t0" not in kept, kept        # the oldest went first, the newest stayed
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from engine import disk_segments as ds
 from engine import disk_states
-from engine.api import Call, RestoreSession, SaveSession, Status
+from engine.api import RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 
 SP = SamplingParams(max_tokens=8, temperature=0)
 WINDOW = 32
@@ -51,7 +52,7 @@ def turns(engine, n: int, msgs=FIRST, conv: str = "c1"):
         out.append(r)
         msgs = msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"And then, part {i}?"}]
         engine.wait_idle(30)
-        engine.call(Call(lambda e: e.disk and e.disk.flush()))
+        engine.wait_idle(60)
     return msgs, out
 
 
@@ -71,7 +72,7 @@ def fresh_read(engine, r) -> list[int]:
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=SP, n_vocab=e.info.n_vocab,
                      max_tokens=SP.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
                      on_progress=lambda *a: None, cancelled=lambda: False).tokens
-    return engine.call(Call(run), timeout=300).value
+    return while_held(engine, run)
 
 
 def segments(folder: Path) -> list:
@@ -152,7 +153,7 @@ def test_regenerate_after_a_restart(model, tmp_path):
     e = start(path, tmp_path)
     try:
         msgs, rs = turns(e, 2)
-        held = e.call(Call(lambda x: len(x.conversations.live.tokens))).value
+        held = while_held(e, lambda x: len(x.conversations.live.tokens))
     finally:
         e.stop()
     ends = [s.start + s.n for s in segments(tmp_path)]
@@ -276,7 +277,7 @@ def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
     path = arch_cases.ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf")
     e = start(path, tmp_path / "d")
     try:
-        kinds = e.call(Call(lambda x: [(type(c).__name__, getattr(c, "max_size", 0)) for c in x.make_cache()])).value
+        kinds = while_held(e, lambda x: [(type(c).__name__, getattr(c, "max_size", 0)) for c in x.make_cache()])
         msgs, rs = turns(e, 2)
     finally:
         e.stop()
@@ -337,7 +338,7 @@ def test_a_client_naming_each_request_anew_keeps_one_file(model, tmp_path):
             r = e.call(GenerateRequest(messages=msgs, sampling=SP, conversation=f"http {i}"), timeout=300)
             msgs += [{"role": "assistant", "content": r.text}, {"role": "user", "content": f"And then, part {i}?"}]
             e.wait_idle(30)
-            e.call(Call(lambda x: x.disk.flush()))
+            e.wait_idle(60)
             s = e.call(Status()).disk
             assert s["entries"] == 1 and len(list(tmp_path.glob("*.kvseg"))) == 1, s
             if i:
@@ -386,7 +387,7 @@ def test_a_restored_session_keeps_its_disk_file_across_a_restart(model, tmp_path
     try:
         e.call(RestoreSession(str(session), conversation="chat-2"), timeout=300)
         e.wait_idle(60)
-        e.call(Call(lambda x: x.disk.flush()))
+        e.wait_idle(60)
         s = e.call(Status()).disk
         assert s["entries"] >= 1 and s["bytes"] > 0, s
     finally:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.api import Call, Status
+from engine.api import Status
 from engine.engine import Engine, EngineOptions
 from test_disk_tier import _chat, _files, _port, _serve
 from test_disk_tier_states import FIRST, ask, fresh_read, model, start, turns  # noqa: F401 - `model`: a fixture
+from engine_reads import while_held
 
 OTHER = [{"role": "system", "content": "You are a patient storyteller."},
          {"role": "user", "content": "Something else entirely: the trees of a northern forest. " * 5}]
@@ -26,7 +27,7 @@ HOW = ["swap", "replace", "symlink"]
 
 
 def _paths(engine) -> dict[str, Path]:
-    return engine.call(Call(lambda e: {x.owner: x.path for x in e.disk.entries.values()})).value
+    return while_held(engine, lambda e: {x.owner: x.path for x in e.disk.entries.values()})
 
 
 def tamper(a: Path, b: Path, how: str) -> None:

@@ -6,13 +6,10 @@ loads that one then (engine/drafts.py says why), and the next load drops the dra
 Real engine, tiny GGUFs from tests/gguf_factory.py; greedy drafts must give plain decoding's tokens."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from engine import drafts as drafts_mod
 from engine import speculative
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, LoadModel, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel, Status
 from engine.errors import EngineError
 from engine.events import Log
 from engine.sampling import SamplingParams
@@ -38,29 +35,31 @@ def run(engine, spec: str):
 
 def test_a_draft_named_at_load_is_used_by_requests_and_held_with_the_model(tiny_gguf, tiny_gguf_other,
                                                                              monkeypatch):
-    monkeypatch.setattr(drafts_mod, "DRAFT_IDLE_S", 0.2)   # what would release a request's own draft
-    eng = Engine(EngineOptions(model=str(tiny_gguf), draft=str(tiny_gguf_other), cache_mib=0)).start()
+    # inline: this thread is the engine thread, so the test reads what the engine holds
+    eng = Engine(EngineOptions(model=str(tiny_gguf), draft=str(tiny_gguf_other), cache_mib=0)).inline()
     try:
         loaded = eng.startup.result(120)
         assert loaded.draft == str(tiny_gguf_other)
-        held = eng.call(Call(lambda e: e.loaded.draft)).value
+        held = eng.loaded.draft
         assert held is not None and held.path == tiny_gguf_other
         plain, _ = run(eng, "off")
         spec, lines = run(eng, f"draft:{tiny_gguf_other}")
         assert spec.tokens == plain.tokens and spec.drafted_tokens > 0
         assert not [s for s in lines if s.startswith("draft model:")], lines   # nothing loaded in the request
-        time.sleep(1.0)                   # five idle periods: the load's draft is not a request's to release
-        assert eng.call(Call(lambda e: (e.loaded.draft is held, e.drafts.named))).value == (True, None)
+        eng.idle_work(timed=True)         # idle past DRAFT_IDLE_S: the load's draft is not a request's to release
+        assert (eng.loaded.draft is held, eng.drafts.named) == (True, None)
 
         # Another draft than the load's: loaded for that request (and released when idle), same tokens.
         other, lines = run(eng, f"draft:{tiny_gguf}")
         assert other.tokens == plain.tokens and other.drafted_tokens > 0
         assert [s for s in lines if s.startswith("draft model:")], lines
-        assert eng.call(Call(lambda e: e.loaded.draft is held)).value
+        assert eng.loaded.draft is held and eng.drafts.named is not None
+        eng.idle_work(timed=True)         # idle past DRAFT_IDLE_S: the request's own draft is released
+        assert eng.loaded.draft is held and eng.drafts.named is None
 
         # A load without a draft drops it with the old model.
         eng.call(LoadModel(str(tiny_gguf)), timeout=120)
-        assert eng.call(Call(lambda e: (e.loaded.draft, e.drafts.named))).value == (None, None)
+        assert (eng.loaded.draft, eng.drafts.named) == (None, None)
     finally:
         eng.stop()
 

@@ -9,6 +9,7 @@ from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel, Sta
 from engine.errors import StrataError
 from engine.events import Done, Log, Progress, Token
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Tell me a short story about a cat who learns to fly."}]
@@ -198,14 +199,12 @@ def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_bet
 
 
 def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
-    from engine.engine import Call
     from engine.events import Failed
     first = engine.call(GenerateRequest(messages=CHAT, sampling=sample(4), conversation="keep"))
-    gate = threading.Event()
-    engine.submit(Call(lambda _e: gate.wait(30)))
+    hold = engine.scheduler.hold()
     h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": "never mind"}], sampling=sample(4)))
     h.cancel()
-    gate.set()
+    hold.release()
     events = list(h.events(timeout=30))
     assert [type(e) for e in events] == [Log, Failed] and events[-1].message == "cancelled"
     assert events[0].line == "error: cancelled"
@@ -234,7 +233,6 @@ def test_prefill_chunks_are_capped_by_the_measured_pace_and_stay_aligned():
 def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine):
     """Layer-by-layer stepping reads the cancel flag after each layer: a cancel inside a chunk puts the
     layers back as they were before it, and the conversation continues as if only the whole chunks were read."""
-    from engine.engine import Call
     from engine.errors import Cancelled
     from engine.generate import prefill
 
@@ -257,4 +255,4 @@ def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine
         return fed == ref_fed and all(a.offset == b.offset == n for a, b in zip(cache, ref_cache)) and all(
             mx.allclose(x[..., :n, :], y[..., :n, :], atol=1e-5).item()
             for a, b in zip(cache, ref_cache) for x, y in zip(a.state, b.state) if hasattr(x, "shape"))
-    assert engine.call(Call(run)).value
+    assert while_held(engine, run)

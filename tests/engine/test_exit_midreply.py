@@ -2,7 +2,7 @@
 
 Ctrl-C on `strata generate` while tokens streamed ended in SIGABRT ("terminate called without an
 active exception") every time: the daemon engine thread came back from MLX while the interpreter
-finalized and was unwound through MLX's C++ frames. engine/engine.py's _quiet_at_exit now cancels every
+finalized and was unwound through MLX's C++ frames. engine/at_exit.py now cancels every
 request and waits (bounded) for the engine thread to be back waiting for one. Real processes, real
 signals, a real GGUF: the exit status is what is checked.
 """

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import Call, Status
+from engine.api import Status
 from engine.conversations import before_special
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 from gguf_factory import TRAINING_TEXT
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -82,8 +83,7 @@ def test_fork_after_a_restart_restores_the_parents_prefix_from_disk(engines, str
     assert r.cached_tokens >= 0.9 * r.prompt_tokens
     assert r.text == parent[1].text
     e2.wait_idle(30)
-    on_disk = e2.call(Call(lambda en: (en.disk.flush(), sorted((x.owner, len(x.tokens))
-                                                               for x in en.disk.entries.values()))[1])).value
+    on_disk = while_held(e2, lambda en: sorted((x.owner, len(x.tokens)) for x in en.disk.entries.values()))
     assert ("chat-A", _held(parent[2])) in on_disk       # the parent's file was not cut back
 
 

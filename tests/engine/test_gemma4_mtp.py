@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 from engine import speculative
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 from gguf_factory_gemma import write_gemma4
 from gguf_factory_gemma4_mtp import write_tiny_gemma4_assistant
 
@@ -65,13 +66,12 @@ def keep_drafting(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engine(mdir):
-    from engine.engine import Call
     e = Engine(EngineOptions(model=str(_pair(mdir)[0]), cache_mib=0)).start()
     assert e.call(Status(), timeout=120).model
 
     def no_eos(eng):            # random weights emit EOS at random: every reply runs to max_tokens
         eng.tokenizer.eos_ids = set()
-    e.call(Call(no_eos))
+    while_held(e, no_eos)
     yield e
     e.stop()
 
@@ -442,11 +442,11 @@ def test_greedy_equals_plain_with_8_bit_kv(mdir):
 
         def no_eos(eng):
             eng.tokenizer.eos_ids = set()
-        e.call(Call(no_eos))
+        while_held(e, no_eos)
         plain = _gen(e, PROMPT, "off", n=24)
         r = _gen(e, PROMPT, "mtp", n=24)
         assert r.tokens == plain.tokens and r.drafted_tokens > 0
-        kinds = e.call(Call(lambda eng: sorted({type(c).__name__ for c in eng.live.cache}))).value
+        kinds = while_held(e, lambda eng: sorted({type(c).__name__ for c in eng.live.cache}))
         assert any("Quantized" in k for k in kinds), kinds
     finally:
         e.stop()

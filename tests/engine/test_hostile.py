@@ -17,12 +17,13 @@ import pytest
 
 from engine import chat_template
 from engine.chat_template import render
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import RequestError, StrataError
 from engine.events import Log
 from engine.sampling import MAX_SEED, SamplingError, SamplingParams
 from engine.frontends.server import ServerThread, create_app
 from fuzz_harness import HOSTILE_TEMPLATES, Worker, layout, targeted_mutants
+from engine_reads import while_held
 
 STRATA = [sys.executable, "-m", "engine.cli"]
 CHAT = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -194,7 +195,7 @@ def test_a_bad_parked_entry_is_dropped_and_the_request_recomputes(engine):
         bad = KVEntry(list(eng.live.tokens[:-1]) + [-1], eng.live.cache, eng.cache_key(), list(CHAT))
         eng.live = None
         eng.parking.entries.append(bad)
-    engine.call(Call(plant))
+    while_held(engine, plant)
     h = engine.submit(GenerateRequest(messages=other, sampling=SamplingParams(max_tokens=3)))
     logs = [e.line for e in h.events() if isinstance(e, Log)]
     assert h.result(5).generated_tokens == 3
@@ -213,7 +214,7 @@ def test_a_live_entry_that_fails_is_dropped_after_the_error(engine):
         for c in eng.live.cache:
             if c.keys is not None:
                 c.state = (mx.zeros((1, 1, c.offset, 3)), mx.zeros((1, 1, c.offset, 3)), c.offset)
-    engine.call(Call(break_live))
+    while_held(engine, break_live)
     follow = CHAT + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "More?"}]
     h = engine.submit(GenerateRequest(messages=follow, sampling=SamplingParams(max_tokens=3)))
     with pytest.raises(StrataError, match="internal error"):

@@ -22,13 +22,14 @@ import httpx
 import pytest
 
 from engine import drafts as drafts_mod
-from engine.engine import Call, Engine, EngineOptions, GenerateRequest, Status
+from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import ModelFileError, StrataError
 from engine.frontends.server import ServerThread, create_app
 from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 
 MiB = 1 << 20
 from engine.sampling import SamplingParams
+from engine_reads import while_held
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEM = ("You are a careful assistant who answers questions about the history of tea, the way it is grown, "
@@ -154,7 +155,7 @@ def test_a_draft_goes_through_the_memory_estimate_and_guard(server, engine, home
     convo += [first["choices"][0]["message"], {"role": "user", "content": "Why?"}]
     old = engine.guard
     tight = MemoryGuard(reserve_bytes=GiB, reader=lambda: MemoryReading(16 * GiB, GiB + MiB, "test reading"))
-    engine.call(Call(lambda e: e.drafts.release("test")))
+    while_held(engine, lambda e: e.drafts.release("test"))
     engine.guard = tight
     try:
         r, secs = _post(server, {"model": "default", "messages": convo, "max_tokens": 4,

@@ -11,6 +11,7 @@ from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, Res
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
 from gguf_factory import TRAINING_TEXT
+from engine_reads import while_held
 
 WORDS = TRAINING_TEXT.split()
 
@@ -159,7 +160,6 @@ def q_conv(tiny_gguf_wide, tmp_path_factory):
 
 def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
     from engine import session_quant, sessions
-    from engine.engine import Call
     from test_session_refusals import assemble, split
     e, raw = q_conv["engine"], q_conv["raw"]
     head, data = split(raw)
@@ -176,12 +176,12 @@ def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
     def held(eng):
         c = eng.live.cache
         return [[np.asarray(x[..., :n, :]).tobytes() for x in (*l.keys, *l.values)] for l in c], eng.live.nbytes()
-    before, _ = e.call(Call(held)).value
+    before, _ = while_held(e, held)
     r = e.call(RestoreSession(str(q_conv["good"])))
     assert r.restored_tokens == n
-    after, real = e.call(Call(held)).value
+    after, real = while_held(e, held)
     assert after == before                            # codes, scales and biases bit for bit
-    g = e.call(Call(lambda eng: sessions.Geometry.of(eng.session_fingerprint()))).value
+    g = while_held(e, lambda eng: sessions.Geometry.of(eng.session_fingerprint()))
     assert session_quant.restore_bytes(n, g) == real  # the memory guard is asked for the real bytes
     again = q_conv["dir"] / "again.stratasession"
     e.call(SaveSession(str(again)))

@@ -7,20 +7,20 @@ import dataclasses
 
 import pytest
 
-from engine.engine import Call, Configure, Engine, EngineOptions, LoadModel
+from engine.engine import Configure, Engine, EngineOptions, LoadModel
 from engine.errors import EngineError
 from engine.loaded_model import LoadedModel
 from gguf_factory import write_tiny_gguf
 
 
 def loaded(engine: Engine) -> LoadedModel:
-    return engine.call(Call(lambda e: e.loaded), timeout=60).value
+    return engine.loaded            # an inline engine: this thread is its engine thread
 
 
 def test_each_load_swaps_one_value_whole(tmp_path):
     a = write_tiny_gguf(tmp_path / "a.gguf", seed=1)
     b = write_tiny_gguf(tmp_path / "b.gguf", seed=2, n_layer=3, n_head=2, n_head_kv=2)   # head size 32: 8-bit K/V fits
-    engine = Engine(EngineOptions(model=str(a))).start()
+    engine = Engine(EngineOptions(model=str(a))).inline()
     try:
         engine.startup.result(120)
         first = loaded(engine)
@@ -34,8 +34,8 @@ def test_each_load_swaps_one_value_whole(tmp_path):
         assert second.model is not first.model and second.model_hash != first.model_hash
         assert first.path == a and first.info.n_layer == 2           # the old value is as it was
         # The engine's views read the one value.
-        views = engine.call(Call(lambda e: (e.model, e.tokenizer, e.n_ctx, e.dtype, e.model_hash, e.kv_fmt)),
-                            timeout=60).value
+        e = engine
+        views = (e.model, e.tokenizer, e.n_ctx, e.dtype, e.model_hash, e.kv_fmt)
         assert views == (second.model, second.tokenizer, second.n_ctx, second.dtype, second.model_hash,
                          second.kv_format)
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine import memory_estimate as me
 from engine.errors import StrataError
-from engine.engine import Call, Engine, EngineOptions, LoadModel, Status
+from engine.engine import Engine, EngineOptions, LoadModel, Status
 from engine.gguf_file import open_gguf
 from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.model_loader import load_model
@@ -118,7 +118,7 @@ def test_engine_shrinks_the_default_context_to_fit_and_says_so(files):
     eng = _engine(files["qwen3moe-F16"], _available_for(files["qwen3moe-F16"], 1000))
     try:
         assert eng.call(Status()).model is not None
-        assert eng.call(Call(lambda e: e.n_ctx)).value == 768
+        assert eng.call(Status()).context_length == 768
     finally:
         eng.stop()
 

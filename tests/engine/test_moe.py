@@ -24,6 +24,7 @@ from engine.gguf_file import open_gguf
 from engine.model_loader import load_model
 from gguf_factory import MOE_ARCHS, quantize_with_llama, write_tiny_moe_gguf
 from llama_oracle import strata_logits
+from engine_reads import while_held
 
 N_LAYER, N_EMBD, N_EXPERT, N_USED = 2, 256, 8, 2
 BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q3_K": 8, "Q2_K": 8}
@@ -388,7 +389,7 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
     float16 while the CPU engine computes in float32, so the reference is the saving engine continuing
     from the same file (restored there too): token for token equal, nothing re-read. Against the
     never-saved run the first step's logits agree to float16 rounding."""
-    from engine.engine import Call, RestoreSession, SaveSession
+    from engine.engine import RestoreSession, SaveSession
     from test_parking import Chat, start
     model = moe_file(moe_dir, "mixtral", "Q8_0_gguf_py")
     system = "You tell stories about the sea."
@@ -409,7 +410,7 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
             entry, n_cached = e.handlers.take_kv(ids)
             logits = e.model(mx.array(ids[n_cached:])[None], cache=entry.cache)[0, -1]
             return np.array(logits.astype(mx.float32)), n_cached
-        return engine.call(Call(fn)).value
+        return while_held(engine, fn)
 
     engine = start(model, cache_mib=0)
     try:

@@ -22,6 +22,7 @@ from engine.errors import StrataError
 from engine.sampling import SamplingParams
 from gguf_factory_qwen35 import write_tiny_qwen35_gguf
 from test_speculative import _chi2, _chi2_critical, words
+from engine_reads import while_held
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog", words(24), words(12, 40) + " and then " + words(6)]
 
@@ -60,13 +61,12 @@ def keep_drafting(monkeypatch):
 
 def _engine(path: Path, **opts) -> Engine:
     """An engine that runs every reply to max_tokens (random weights emit EOS at random)."""
-    from engine.engine import Call
     e = Engine(EngineOptions(model=str(path), cache_mib=0, **opts)).start()
     assert e.call(Status(), timeout=120).model
 
     def no_eos(eng):
         eng.tokenizer.eos_ids = set()
-    e.call(Call(no_eos))
+    while_held(e, no_eos)
     return e
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Call, RestoreSession, SaveSession, Status
+from engine.engine import RestoreSession, SaveSession, Status
 from test_parking import A_SYSTEM, ask, start, words
+from engine_reads import while_held
 
 
 def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tiny_gguf, tmp_path):
@@ -32,7 +33,7 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
         def padded(e):
             c = e.live.cache[0]
             return [c.keys.shape[2], c.offset, str(c.keys.dtype)]
-        cells, offset, dtype = f16.call(Call(padded)).value
+        cells, offset, dtype = while_held(f16, padded)
         assert offset == n and cells % 256 == 0 and cells > n and dtype == "mlx.core.float16"
         c = tmp_path / "again.stratasession"
         f16.call(SaveSession(str(c)))

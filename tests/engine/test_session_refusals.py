@@ -23,11 +23,12 @@ import pytest
 import xxhash
 
 from engine import sessions
-from engine.engine import Call, GenerateRequest, RestoreSession, SaveSession, Status
+from engine.engine import GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import SessionFileError, StrataError
 from engine.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from test_parking import A_SYSTEM, ask, start, words
+from engine_reads import while_held
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = b'{"__metadata__":{"checksum":"'
@@ -70,7 +71,7 @@ def restore_all(engine, path: Path, blobs: list[bytes]) -> list[str]:
             except Exception as x:  # noqa: BLE001 -- what the test looks for
                 out.append(f"CRASH {type(x).__name__}: {x}")
         return out
-    return engine.call(Call(run), timeout=900).value
+    return while_held(engine, run)
 
 
 @pytest.fixture(scope="module")
@@ -291,12 +292,12 @@ def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
             bad = e.parking.entries[0]
             bad.tokens = bad.tokens[:-1] + [-1]     # a new list, as every trim makes
             return len(e.parking.entries)
-        assert engine.call(Call(poison)).value == 1
+        assert while_held(engine, poison) == 1
         h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": words(20, 3)}],
                                           sampling=SamplingParams(max_tokens=2)))
         assert h.result(120).generated_tokens == 2
         assert any(l.startswith("dropped a parked conversation") for l in h.log_lines), h.log_lines
-        held = engine.call(Call(lambda e: [t for x in e.parking.entries for t in x.tokens])).value
+        held = while_held(engine, lambda e: [t for x in e.parking.entries for t in x.tokens])
         assert held and min(held) >= 0                  # B parked, A gone
         for k in range(2):
             out, _ = ask(engine, [{"role": "user", "content": words(20, 11 + k)}], "C", n=2)
@@ -345,8 +346,8 @@ def test_restore_asks_the_memory_guard_first(tiny_gguf, conv):
     try:
         _, meta, _ = sessions.read_header(str(conv["good"]))
         n = int(meta["n_tokens"])
-        need = engine.call(Call(lambda e: sessions.restore_bytes(
-            n, sessions.Geometry.of(e.session_fingerprint()), 4 if "float32" in str(e.dtype) else 2))).value
+        need = while_held(engine, lambda e: sessions.restore_bytes(
+            n, sessions.Geometry.of(e.session_fingerprint()), 4 if "float32" in str(e.dtype) else 2))
         reader.available = guard.reserve_bytes + need - 1
         with pytest.raises(StrataError) as err:
             engine.call(RestoreSession(str(conv["good"])))

@@ -18,6 +18,7 @@ from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
 from gguf_factory import TRAINING_TEXT
+from engine_reads import while_held
 
 WORDS = TRAINING_TEXT.split()
 
@@ -208,12 +209,11 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, mon
                                       spec=spec, drafter=drafter))
         assert len(fed) == len(toks) + len(out) - 1 and all(c.offset == len(fed) for c in cache)
         return out, spec
-    from engine.engine import Call
-    out, spec = engine.call(Call(lambda e: run(e, WrongDrafter()))).value
+    out, spec = while_held(engine, lambda e: run(e, WrongDrafter()))
     assert out == plain.tokens
     assert spec.passes == speculative.WINDOW and spec.accepted == 0
     assert spec.stopped.startswith("acceptance 0/")
-    out, spec = engine.call(Call(lambda e: run(e, NoDrafter()))).value
+    out, spec = while_held(engine, lambda e: run(e, NoDrafter()))
     assert out == plain.tokens and spec.idle == speculative.MAX_IDLE
     assert spec.stopped == f"no draft in {speculative.MAX_IDLE} tokens"
 
@@ -271,7 +271,6 @@ def _chi2(counts: np.ndarray, p: np.ndarray, n: int) -> tuple[float, int]:
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
 def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gguf_other, drafter):
     """2,000 first tokens of verify() from the tiny model's real logits: chi-square against p."""
-    from engine.engine import Call
 
     def collect(e):
         toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": words(12)}]))
@@ -301,7 +300,7 @@ def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gg
                 firsts.append(draft[0] if n_ok >= 1 else nxt)
         return np.array(p0.tolist()), np.bincount(firsts, minlength=p0.shape[0]), float(p0[top].item())
 
-    p, counts, p_top = tiny_engine.call(Call(collect), timeout=300).value
+    p, counts, p_top = while_held(tiny_engine, collect)
     assert 0.05 < p_top < 0.95, f"the test needs a draft that is sometimes rejected (p={p_top:.3f})"
     stat, df = _chi2(counts, p, 2000)
     assert df >= 2
