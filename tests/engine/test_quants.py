@@ -74,11 +74,9 @@ def reader(tmp_path_factory) -> GGUFReader:
         raw_dtype = None if qtype in (T.F32, T.F16) else qtype
         w.add_tensor(f"blk.0.{qtype.name.lower()}.weight", data, raw_dtype=raw_dtype)
     w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(IN).astype(np.float32))
-    # IQ4_NL: a real GGUF type Strata deliberately does not read (block 32, 18 bytes)
-    iq = rng.integers(0, 256, (OUT, IN // 32 * 18), dtype=np.uint8)
-    iq[:, 0::18] = 0  # keep the fp16 d fields finite
-    iq[:, 1::18] = 0x1C
-    w.add_tensor("blk.0.attn_q.weight", iq, raw_dtype=T.IQ4_NL)
+    # NVFP4: a real GGUF type Strata does not read (block 64, 36 bytes)
+    nv = rng.integers(0, 256, (OUT, IN // 64 * 36), dtype=np.uint8)
+    w.add_tensor("blk.0.attn_q.weight", nv, raw_dtype=T.NVFP4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -257,7 +255,7 @@ def test_unsupported_type_names_tensor_and_type(reader):
     (t,) = [t for t in reader.tensors if t.name == "blk.0.attn_q.weight"]
     with pytest.raises(UnsupportedTensorType) as exc:
         convert_tensor(t)
-    assert str(exc.value) == "tensor 'blk.0.attn_q.weight' has type IQ4_NL, which Strata cannot read"
+    assert str(exc.value) == "tensor 'blk.0.attn_q.weight' has type NVFP4, which Strata cannot read"
     assert isinstance(exc.value, ValueError)
 
 
