@@ -105,13 +105,30 @@ def test_tiny_model_generates_as_llama_cpp(folder, name):
     """llama.cpp's own mix for the file type (realistic: some tensors in other types), greedy parity by
     teacher forcing: a different pick only where llama.cpp's own top-2 margin is below TIE_MARGIN."""
     path = quantized_tiny(folder, FTYPE_OF[name])
-    llm = llama_oracle.cached_llama(path)
+    assert any(t.tensor_type == T[name] for t in GGUFReader(str(path)).tensors)
     for text in TEXTS[:2]:
-        ids = llm.tokenize(text.encode(), add_bos=False, special=True)[:12]
-        gen = llama_oracle.greedy(llm, ids, 12)
-        seq = ids + gen
-        ref, ours = llama_oracle.logits(llm, seq)[:-1], strata_logits(path, seq)[:-1]
-        top2 = np.sort(ref, axis=-1)[:, -2:]
-        differ = np.nonzero(ref.argmax(-1) != ours.argmax(-1))[0]
-        margins = (top2[differ, 1] - top2[differ, 0]).tolist()
-        assert all(mg < TIE_MARGIN for mg in margins), (name, text, differ.tolist(), margins)
+        differ, margins = _teacher_forced_disagreements(path, text, 12)
+        assert all(mg < TIE_MARGIN for mg in margins), (name, text, differ, margins)
+
+def _teacher_forced_disagreements(path, text: str, n: int):
+    llm = llama_oracle.cached_llama(path)
+    ids = llm.tokenize(text.encode(), add_bos=False, special=True)[:12]
+    seq = ids + llama_oracle.greedy(llm, ids, n)
+    ref, ours = llama_oracle.logits(llm, seq)[:-1], strata_logits(path, seq)[:-1]
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    differ = np.nonzero(ref.argmax(-1) != ours.argmax(-1))[0]
+    return differ.tolist(), (top2[differ, 1] - top2[differ, 0]).tolist()
+
+
+@pytest.mark.parametrize("ftype", ["IQ4_XS", "IQ3_S", "TQ2_0"])
+def test_expert_stacks_generate_as_llama_cpp(tmp_path, ftype):
+    """A tiny qwen3moe quantized by llama.cpp: the 3-D expert stacks go through the same decode and
+    held forms (no importance matrix: these types do not need one)."""
+    from gguf_factory import quantize_with_llama, write_tiny_moe_gguf
+    src = write_tiny_moe_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_expert=4, seed=5)
+    path = quantize_with_llama(src, tmp_path / f"moe-{ftype}.gguf", ftype)
+    stacks = [t for t in GGUFReader(str(path)).tensors if len(t.shape) == 3]
+    assert stacks and any(t.tensor_type == T[ftype] for t in stacks), [t.tensor_type.name for t in stacks]
+    for text in TEXTS[:2]:
+        differ, margins = _teacher_forced_disagreements(path, text, 12)
+        assert all(mg < TIE_MARGIN for mg in margins), (ftype, text, differ, margins)
