@@ -111,10 +111,11 @@ class ModelList(QWidget):
                 about = f"{m.path}\n{m.error}"
                 needs_tip = m.error
             else:
-                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
+                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quant_label(), m.size_label(),
                                       str(m.context_length or "?"), needs])
                 about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
-                         f"context {m.context_length or '?'} tokens\n{m.path}")
+                         f"context {m.context_length or '?'} tokens\n{m.file_bpw:.2f} bits per weight in the "
+                         f"file, {m.held_bpw:.2f} as held in memory\n{m.path}")
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
             for c in range(len(COLUMNS) - 1):
                 it.setToolTip(c, about)

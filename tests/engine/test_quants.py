@@ -303,3 +303,15 @@ def test_default_model_converts():
         got = np.array(got)
         assert got.shape == ref.shape
         assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max(), name
+
+
+def test_memory_estimate_tables_agree_with_the_loader_and_gguf():
+    """engine/memory_estimate.py (no numpy, no gguf) keeps its own tables of held bits and file block
+    sizes: each equal to engine/quants.py's held forms and to gguf-py's GGML_QUANT_SIZES."""
+    from engine import memory_estimate as me
+    for qtype, bits in {**quants.HELD_BITS, **EXACT}.items():
+        t = me.TensorInfo("w", int(qtype), (256, 4))
+        assert me.tensor_bytes(t, 2) == 1024 * bits // 8 + 2 * (1024 // 32) * 2, qtype.name
+    for type_id, (block, size) in me.FILE_BLOCKS.items():
+        assert GGML_QUANT_SIZES[T(type_id)] == (block, size), T(type_id).name
+    assert set(quants.HELD_BITS) | set(EXACT) <= {T(i) for i in me.FILE_BLOCKS}

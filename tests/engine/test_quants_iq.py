@@ -132,3 +132,29 @@ def test_expert_stacks_generate_as_llama_cpp(tmp_path, ftype):
     for text in TEXTS[:2]:
         differ, margins = _teacher_forced_disagreements(path, text, 12)
         assert all(mg < TIE_MARGIN for mg in margins), (ftype, text, differ, margins)
+
+
+def _params_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("name", list(FTYPE_OF))
+def test_estimate_and_model_list_show_honest_bytes(folder, name):
+    """The estimate's weights are what MLX holds once loaded; the model list's bits per weight are the
+    file's tensor bytes and those held bytes over the weight count."""
+    from app.gguf_meta import read_meta
+    from engine import memory_estimate as me
+    from engine.gguf_file import open_gguf
+    from engine.model_loader import load_model
+    path = _pure(folder, name)
+    model, _ = load_model(open_gguf(path))
+    held = _params_bytes(model)
+    assert me.estimate(me.read_header(path), 256, "float32").weights_bytes == held
+    tensors = GGUFReader(str(path)).tensors
+    n = sum(int(t.n_elements) for t in tensors)
+    file_bytes = sum(int(t.n_bytes) for t in tensors)
+    meta = read_meta(path)                       # the platform's dtype: float32 off the Mac
+    assert meta.file_bpw == pytest.approx(8 * file_bytes / n) and meta.held_bpw == pytest.approx(8 * held / n)
+    assert meta.quant_label() == f"{meta.quantization} · {meta.file_bpw:.2f}→{meta.held_bpw:.2f} bits"
+    assert meta.held_bpw < 32 - 4          # never the dense size: held quantized
