@@ -6,8 +6,8 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
 * **weights** -- every tensor as the loader (engine/quants.py) will hold it in MLX: F32/F16/BF16 as
   dense arrays of the compute dtype; Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K as packed 8/4/5-bit values
   plus a scale and a bias (compute dtype) per group of 32; Q6_K/Q3_K/Q2_K and the IQ/TQ types at the
-  bits engine/quants.py holds them in (HELD_BITS: IQ3_S 4, IQ3_XXS 6, TQ* 2, the others 8); 1-D
-  quantized tensors dense. MoE expert stacks are counted like any other tensor (all experts stay
+  bits engine/quants.py holds them in (HELD_BITS: IQ3_S 4, IQ3_XXS 6, IQ1_S and TQ* 2, the others
+  8); 1-D quantized tensors dense. MoE expert stacks are counted like any other tensor (all experts stay
   resident). ``weight_sizes`` sets the held bytes beside the file's own (bits per weight), so the
   model list and ``strata models estimate`` say what a file really costs in memory.
 * **K/V** -- n_layer x n_head_kv x (key_length + value_length) x the K/V dtype (= the compute dtype:
@@ -57,7 +57,7 @@ _TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
           8: ("Q8_0", 8), 2: ("Q4_0", 4), 3: ("Q4_1", 4), 6: ("Q5_0", 5), 7: ("Q5_1", 5),
           12: ("Q4_K", 4), 13: ("Q5_K", 5), 14: ("Q6_K", 8), 11: ("Q3_K", 8), 10: ("Q2_K", 8),
           20: ("IQ4_NL", 8), 23: ("IQ4_XS", 8), 18: ("IQ3_XXS", 6), 21: ("IQ3_S", 4), 16: ("IQ2_XXS", 8),
-          17: ("IQ2_XS", 8), 22: ("IQ2_S", 8), 19: ("IQ1_S", 8), 29: ("IQ1_M", 8), 34: ("TQ1_0", 2),
+          17: ("IQ2_XS", 8), 22: ("IQ2_S", 8), 19: ("IQ1_S", 2), 29: ("IQ1_M", 8), 34: ("TQ1_0", 2),
           35: ("TQ2_0", 2)}
 # GGML type id -> (values per block, bytes per block) in the file (gguf-py's GGML_QUANT_SIZES, kept here
 # because this module imports neither numpy nor gguf)

@@ -210,9 +210,10 @@ _EXACT = {
 HELD_BITS = {
     T.Q6_K: 8, T.Q3_K: 8, T.Q2_K: 8,
     T.IQ4_NL: 8, T.IQ4_XS: 8, T.IQ3_XXS: 6, T.IQ3_S: 4, T.IQ2_XXS: 8, T.IQ2_XS: 8, T.IQ2_S: 8,
-    T.IQ1_S: 8, T.IQ1_M: 8,
+    T.IQ1_S: 2, T.IQ1_M: 8,
     T.TQ1_0: 2, T.TQ2_0: 2,
 }
+# IQ1_S: 3 evenly spaced levels per group of 32 (its scale and delta are per 32): 2-bit exact (_hold_iq1s).
 # Ternary types: every value is -d, 0 or d with one d per 256-value block, so 2-bit affine with scale d
 # and bias -d holds them exactly (mx.quantize would not: it keeps 0 on its grid and clips one end).
 _TERNARY = {T.TQ1_0, T.TQ2_0}
@@ -400,6 +401,8 @@ def _decode_and_hold(blocks: np.ndarray, qtype, in_features: int, bits: int):
         held = None
         if qtype in _TERNARY and bits == 2:
             held = _hold_ternary(dense)
+        elif qtype == T.IQ1_S and bits == 2:
+            held = _hold_iq1s(chunk.reshape(-1, type_size), dense)
         elif qtype in _LATTICES and bits == _LATTICES[qtype].bits:
             held = _hold_lattice(chunk.reshape(-1, type_size), dense, _LATTICES[qtype], decode)
         if held is not None:
@@ -430,6 +433,26 @@ def _hold_lattice(blocks: np.ndarray, dense: np.ndarray, lat: Lattice, decode):
     packed = _pack_bits(q.astype(np.uint8), lat.bits).reshape(rows, n * lat.bits // 32)
     per_group = lambda a: np.ascontiguousarray(a.reshape(rows, n // GROUP_SIZE, GROUP_SIZE)[:, :, 0])  # noqa: E731
     return mx.array(packed), mx.array(per_group(scale)), mx.array(per_group(bias))
+
+
+def _hold_iq1s(blocks: np.ndarray, dense: np.ndarray):
+    """IQ1_S: each group of 32 is dl * (g + delta) with g in {-1, 0, 1} (iq1s_grid), dl and delta = +-1/8
+    from the group's 16-bit qh word, so 2-bit affine with scale dl and bias dl * (delta - 1) holds it
+    exactly (codes g + 1). None when a group is off that lattice (a NaN or inf scale): requantized."""
+    rows, n = dense.shape
+    d = _f16(blocks[:, 0:2])[:, None]
+    qh = np.ascontiguousarray(blocks[:, 34:50]).view(np.uint16)            # (blocks, 8): one per 32 values
+    scale = (d * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)).reshape(rows, n // GROUP_SIZE)
+    delta = np.where(qh & 0x8000, np.float32(-0.125), np.float32(0.125)).reshape(rows, n // GROUP_SIZE)
+    bias = scale * (delta - np.float32(1))
+    per_value = lambda a: np.repeat(a, GROUP_SIZE, axis=1)  # noqa: E731
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(per_value(scale) != 0, (dense - per_value(bias)) / per_value(scale), 0.0)
+    q = np.rint(x)
+    if not (np.all(np.abs(x - q) <= _LATTICE_SLACK) and q.min() >= 0 and q.max() <= 2):
+        return None
+    packed = _pack_bits(q.astype(np.uint8), 2).reshape(rows, n * 2 // 32)
+    return mx.array(packed), mx.array(scale), mx.array(bias)
 
 
 def _pack_bits(q: np.ndarray, bits: int) -> np.ndarray:

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.oracle
 FTYPE_OF = {"IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S",
             "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_M", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M",
             "TQ1_0": "TQ1_0", "TQ2_0": "TQ2_0"}
-EXACT_FORMS = {"IQ4_NL": 8, "IQ4_XS": 8, "IQ3_S": 4, "IQ3_XXS": 6, "IQ2_XXS": 8, "TQ1_0": 2, "TQ2_0": 2}
+EXACT_FORMS = {"IQ4_NL": 8, "IQ4_XS": 8, "IQ3_S": 4, "IQ3_XXS": 6, "IQ2_XXS": 8, "IQ1_S": 2, "TQ1_0": 2,
+               "TQ2_0": 2}
 TIE_MARGIN = 0.6            # as tests/engine/test_oracle.py: llama.cpp's own 8-bit activations move logits so
 
 
