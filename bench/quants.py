@@ -17,6 +17,7 @@ MLX form (affine g32 at 2/3/4/5/6/8 bits):
     python bench/quants.py --sizes                  # also held/file ratios of Q4_K_M ... IQ4_XS files
     python bench/quants.py --types --file real-Q6_K.gguf --file-type Q6_K   # a real file's Q6_K tensors
     python bench/quants.py --types --size-files a.gguf b.gguf               # held/file ratios of files
+    python bench/quants.py --types --size-from model-F16.gguf   # ... of its Q4_K_M ... IQ4_XS quantizations
 
 Needs llama-cpp-python (the oracle). Prints a table and appends one figure line per type and form.
 """
@@ -40,6 +41,7 @@ from bench.harness import Run, add_args  # noqa: E402
 from engine import memory_estimate, quants  # noqa: E402
 from engine.gguf_file import open_gguf  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
+from gguf_factory import quantize_with_llama  # noqa: E402
 from gguf_factory_iq import TEXTS, quantized_tiny  # noqa: E402
 
 # type -> (llama.cpp file type that makes it, candidate held bits)
@@ -160,6 +162,17 @@ def size_ratios(paths: dict[str, Path]) -> list[tuple[str, float, float]]:
     return rows
 
 
+def _quantized_from(src: Path, folder: Path) -> dict[str, Path]:
+    """`src` quantized by llama.cpp (its default mix, no importance matrix) to each of SIZE_FTYPES."""
+    out = {}
+    for ftype in SIZE_FTYPES:
+        dst = folder / f"{src.stem}-{ftype}.gguf"
+        if not dst.exists():
+            quantize_with_llama(src, dst, ftype)
+        out[dst.name] = dst
+    return out
+
+
 def _print_form(run: Run, r: FormResult, where: str) -> None:
     form = "dense" if r.bits == 32 else f"{r.bits}b g32"
     line = (f"{r.qtype:8} {form:>6} {r.held_bpw:5.2f} {r.file_bpw:5.2f} {r.max_rel:8.4f} "
@@ -178,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--file", type=Path, help="also measure a real GGUF file's tensors of --file-type")
     ap.add_argument("--file-type", choices=list(TYPES), default="Q6_K")
     ap.add_argument("--size-files", nargs="*", type=Path, default=[], help="held/file ratios of these files")
+    ap.add_argument("--size-from", type=Path, help="quantize this (F16) file with llama.cpp to each of "
+                    f"{', '.join(SIZE_FTYPES)} (into --work) and report their held/file ratios")
     ap.add_argument("--work", default=None, help="folder for the tiny models (default: a temporary one)")
     add_args(ap)
     args = ap.parse_args(argv)
@@ -195,6 +210,8 @@ def main(argv=None) -> int:
                 _print_form(run, r, args.file.name)
         files = {f"tiny {ftype}": quantized_tiny(folder, ftype) for ftype in SIZE_FTYPES} if args.sizes else {}
         files.update({p.name: p for p in args.size_files})
+        if args.size_from:
+            files.update(_quantized_from(args.size_from, folder))
         for label, file_bpw, held_bpw in size_ratios(files):
             run.record(f"{label} held/file", held_bpw / file_bpw, "x", file_bpw=file_bpw, held_bpw=held_bpw,
                        line=f"{label:32} file {file_bpw:.2f} bits/weight, held {held_bpw:.2f} "
