@@ -162,6 +162,31 @@ def size_ratios(paths: dict[str, Path]) -> list[tuple[str, float, float]]:
     return rows
 
 
+def q6k_scale_agreement(path: Path) -> tuple[int, float, float]:
+    """Over the Q6_K tensors of a file: groups of 32 (two 16-value sub-blocks), the fraction whose two
+    int8 sub-block scales are equal (held exactly by 6-bit affine g32), and the median relative
+    difference |a - b| / max(|a|, |b|) of the two."""
+    rel, equal = [], 0
+    for t in open_gguf(path).reader.tensors:
+        if int(t.tensor_type) != T.Q6_K:
+            continue
+        blocks = np.asarray(t.data).reshape(-1, GGML_QUANT_SIZES[T.Q6_K][1])
+        sc = blocks[:, 192:208].view(np.int8).astype(np.int32).reshape(-1, 8, 2)   # scale j: values 16j..16j+15
+        a, b = sc[..., 0].ravel(), sc[..., 1].ravel()
+        equal += int((a == b).sum())
+        rel.append(np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), 1))
+    rel = np.concatenate(rel)
+    return rel.size, equal / rel.size, float(np.median(rel))
+
+
+def _record_q6k_scales(run: Run, path: Path, where: str) -> None:
+    n, equal, median = q6k_scale_agreement(path)
+    run.record(f"Q6_K groups with equal sub-block scales ({where})", equal, "fraction", groups=n,
+               median_rel_diff=median, model=where,
+               line=f"{where}: Q6_K groups of 32 with equal 16-value scales {equal:.3f} of {n}, "
+                    f"median relative difference of the two {median:.2f}")
+
+
 def _quantized_from(src: Path, folder: Path) -> dict[str, Path]:
     """`src` quantized by llama.cpp (its default mix, no importance matrix) to each of SIZE_FTYPES."""
     out = {}
@@ -204,10 +229,14 @@ def main(argv=None) -> int:
         for name in args.types:
             for r in measure_type(name, folder):
                 _print_form(run, r, "tiny llama")
+            if name == "Q6_K":
+                _record_q6k_scales(run, quantized_tiny(folder, "Q6_K", pure=True), "tiny llama")
         if args.file:
             print(f"{args.file.name}: its {args.file_type} tensors")
             for r in measure_file(args.file, args.file_type, TYPES[args.file_type][1]):
                 _print_form(run, r, args.file.name)
+            if args.file_type == "Q6_K":
+                _record_q6k_scales(run, args.file, args.file.name)
         files = {f"tiny {ftype}": quantized_tiny(folder, ftype) for ftype in SIZE_FTYPES} if args.sizes else {}
         files.update({p.name: p for p in args.size_files})
         if args.size_from:
