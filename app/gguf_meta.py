@@ -10,10 +10,12 @@ from pathlib import Path
 
 from engine.errors import StrataError
 from engine.gguf_split import split_name
-from engine.memory_estimate import read_header
+from engine.memory_estimate import platform_dtype, read_header, weight_sizes
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-               17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+               17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+               23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
+               30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
 
 
 @dataclass
@@ -31,10 +33,18 @@ class ModelMeta:
     parts: int = 1              # files of a split set
     companions: str = ""        # its vision projector / MTP drafter files found beside it, for the tooltip
     real: str = ""              # the file `path` reaches, resolved off the window's thread ("" unknown)
+    file_bpw: float = 0.0       # bits per weight in the file ...
+    held_bpw: float = 0.0       # ... and as Strata holds the weights (engine/memory_estimate.weight_sizes)
 
     def where(self) -> str:
         """The source label a row shows: 'LM Studio', 'Ollama (llama3.2:3b)', ..."""
         return f"{self.source} ({self.label})" if self.source and self.label else self.source
+
+    def quant_label(self) -> str:
+        """The quantization and its bits per weight, file -> held (what memory it really takes)."""
+        if not self.file_bpw:
+            return self.quantization
+        return f"{self.quantization} · {self.file_bpw:.2f}→{self.held_bpw:.2f} bits"
 
     def params_label(self) -> str:
         n = self.n_params
@@ -84,6 +94,8 @@ def read_meta(path: str | Path) -> ModelMeta:
         ft = kv.get("general.file_type")
         meta.quantization = _FILE_TYPES.get(ft, f"type {ft}") if ft is not None else _guess_quant(p.name)
         meta.n_params = sum(t.n_elements for t in h.tensors)
+        sizes = weight_sizes(h, platform_dtype())
+        meta.file_bpw, meta.held_bpw = sizes.file_bpw, sizes.held_bpw
     if meta.parts > 1 or split_name(p) is not None:
         return meta               # a set is checked again each time: another part may have changed
     if len(_cache) >= 1024:

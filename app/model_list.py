@@ -151,12 +151,13 @@ class ModelList(QWidget):
                 about = f"{m.path}{where}\n{m.error}"
                 needs_tip = m.error
             else:
-                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
+                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quant_label(), m.size_label(),
                                       str(m.context_length or "?"), needs, m.where()])
                 parts = f" · {m.parts} files" if m.parts > 1 else ""
                 extra = f"\n{m.companions}" if m.companions else ""
                 about = (f"{m.name}\n{m.architecture} · {m.params_label()} parameters · {m.quantization} · "
-                         f"context {m.context_length or '?'} tokens{parts}{where}\n{m.path}{extra}")
+                         f"context {m.context_length or '?'} tokens{parts}{where}\n{m.file_bpw:.2f} bits per weight in the "
+                         f"file, {m.held_bpw:.2f} as held in memory\n{m.path}{extra}")
             it.setData(0, Qt.ItemDataRole.UserRole, m.path)
             for c in range(len(COLUMNS)):
                 it.setToolTip(c, about)

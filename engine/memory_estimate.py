@@ -5,9 +5,11 @@ numpy), reading the GGUF header only, so the app's model list can use it too.
 
 * **weights** -- every tensor as the loader (engine/quants.py) will hold it in MLX: F32/F16/BF16 as
   dense arrays of the compute dtype; Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K as packed 8/4/5-bit values
-  plus a scale and a bias (compute dtype) per group of 32; Q6_K/Q3_K/Q2_K requantized to 8 bits the
-  same way; 1-D quantized tensors dense. MoE expert stacks are counted like any other tensor (all
-  experts stay resident).
+  plus a scale and a bias (compute dtype) per group of 32; Q6_K/Q3_K/Q2_K and the IQ/TQ types at the
+  bits engine/quants.py holds them in (HELD_BITS: IQ3_S 4, IQ3_XXS 6, IQ1_S and TQ* 2, the others
+  8); 1-D quantized tensors dense. MoE expert stacks are counted like any other tensor (all experts stay
+  resident). ``weight_sizes`` sets the held bytes beside the file's own (bits per weight), so the
+  model list and ``strata models estimate`` say what a file really costs in memory.
 * **K/V** -- n_layer x n_head_kv x (key_length + value_length) x the K/V dtype (= the compute dtype:
   mlx-lm's cache stores what the model computes) per token, for the context rounded up to mlx-lm's
   256-token cache step. A hybrid recurrent model (Qwen3.5/3.6) keeps K/V in its attention layers only
@@ -53,7 +55,16 @@ HEADER_SECONDS = 10.0         # per file: a real header (a 256k vocabulary) read
 # GGML type id -> (name, bits per value as held in MLX, or None = dense in the compute dtype)
 _TYPES = {0: ("F32", None), 1: ("F16", None), 30: ("BF16", None),
           8: ("Q8_0", 8), 2: ("Q4_0", 4), 3: ("Q4_1", 4), 6: ("Q5_0", 5), 7: ("Q5_1", 5),
-          12: ("Q4_K", 4), 13: ("Q5_K", 5), 14: ("Q6_K", 8), 11: ("Q3_K", 8), 10: ("Q2_K", 8)}
+          12: ("Q4_K", 4), 13: ("Q5_K", 5), 14: ("Q6_K", 8), 11: ("Q3_K", 8), 10: ("Q2_K", 8),
+          20: ("IQ4_NL", 8), 23: ("IQ4_XS", 8), 18: ("IQ3_XXS", 6), 21: ("IQ3_S", 4), 16: ("IQ2_XXS", 8),
+          17: ("IQ2_XS", 8), 22: ("IQ2_S", 8), 19: ("IQ1_S", 2), 29: ("IQ1_M", 8), 34: ("TQ1_0", 2),
+          35: ("TQ2_0", 2)}
+# GGML type id -> (values per block, bytes per block) in the file (gguf-py's GGML_QUANT_SIZES, kept here
+# because this module imports neither numpy nor gguf)
+FILE_BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22),
+                7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210), 11: (256, 110), 10: (256, 84),
+                20: (32, 18), 23: (256, 136), 18: (256, 98), 21: (256, 110), 16: (256, 66), 17: (256, 74),
+                22: (256, 82), 19: (256, 50), 29: (256, 56), 34: (256, 54), 35: (256, 66), 39: (32, 17)}
 _MXFP4 = 39        # gpt-oss's experts: held as MLX mxfp4 (engine/quants.py), not dequantized
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -271,6 +282,38 @@ def tensor_bytes(t: TensorInfo, dtype_bytes: int) -> int:
     if bits is None or len(t.shape) < 2:
         return n * dtype_bytes
     return n * bits // 8 + 2 * (n // GROUP) * dtype_bytes
+
+
+def file_tensor_bytes(t: TensorInfo) -> int:
+    """Bytes of one tensor in the file (0 for a type this module does not know)."""
+    block, size = FILE_BLOCKS.get(t.ggml_type, (1, 0))
+    return t.n_elements // block * size
+
+
+@dataclass(frozen=True)
+class WeightSizes:
+    """The weights as the file stores them and as Strata holds them, for people: bits per weight."""
+    n_weights: int
+    file_bytes: int
+    held_bytes: int
+
+    @property
+    def file_bpw(self) -> float:
+        return 8 * self.file_bytes / self.n_weights if self.n_weights else 0.0
+
+    @property
+    def held_bpw(self) -> float:
+        return 8 * self.held_bytes / self.n_weights if self.n_weights else 0.0
+
+    def line(self) -> str:
+        return f"{self.file_bpw:.2f} bits/weight in the file, {self.held_bpw:.2f} held"
+
+
+def weight_sizes(h: GGUFHeader, dtype: str = "float16") -> WeightSizes:
+    """Every tensor's file bytes and held bytes (computing in `dtype`), summed."""
+    db = _DTYPE_BYTES[dtype]
+    return WeightSizes(sum(t.n_elements for t in h.tensors), sum(file_tensor_bytes(t) for t in h.tensors),
+                       sum(tensor_bytes(t, db) for t in h.tensors))
 
 
 @dataclass(frozen=True)

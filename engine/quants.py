@@ -47,7 +47,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-__all__ = ["MlxTensor", "UnsupportedTensorType", "convert_tensor", "summarize"]
+__all__ = ["HELD_BITS", "MlxTensor", "UnsupportedTensorType", "convert_tensor", "decode_exact", "summarize"]
 
 GROUP_SIZE = 32
 QK_K = 256
@@ -204,8 +204,80 @@ _EXACT = {
     T.Q5_K: (5, _repack_q5_k),
 }
 
-_REQUANT = {T.Q6_K, T.Q3_K, T.Q2_K}
-_REQUANT_BITS = 8
+# Types MLX cannot hold as they are (16-value sub-block scales, lookup grids, ternary codes): decoded
+# exactly with gguf-py's block decoders (llama.cpp's grids and sign tables), then held as MLX affine g32
+# at the bits measured per type (bench/quants.md says what each choice measured).
+HELD_BITS = {
+    T.Q6_K: 8, T.Q3_K: 8, T.Q2_K: 8,
+    T.IQ4_NL: 8, T.IQ4_XS: 8, T.IQ3_XXS: 6, T.IQ3_S: 4, T.IQ2_XXS: 8, T.IQ2_XS: 8, T.IQ2_S: 8,
+    T.IQ1_S: 2, T.IQ1_M: 8,
+    T.TQ1_0: 2, T.TQ2_0: 2,
+}
+# IQ1_S: 3 evenly spaced levels per group of 32 (its scale and delta are per 32): 2-bit exact (_hold_iq1s).
+# Ternary types: every value is -d, 0 or d with one d per 256-value block, so 2-bit affine with scale d
+# and bias -d holds them exactly (mx.quantize would not: it keeps 0 on its grid and clips one end).
+_TERNARY = {T.TQ1_0, T.TQ2_0}
+
+
+def _zero(spans):
+    """A probe edit: zero these byte spans of each block (grid index 0, sign bits clear)."""
+    def edit(b):
+        for lo, hi in spans:
+            b[:, lo:hi] = 0
+    return edit
+
+
+def _zero_words_low28(lo, hi):
+    """Zero the low 28 bits (sign indices) of the little-endian uint32 words in bytes lo:hi; the top 4
+    (the sub-block scale) stay."""
+    def edit(b):
+        w = b[:, lo:hi].reshape(len(b), -1, 4)
+        w[:, :, :3] = 0
+        w[:, :, 3] &= 0xF0
+        b[:, lo:hi] = w.reshape(len(b), -1)
+    return edit
+
+
+def _iq2xxs_probe(b):
+    g = b[:, 2:66].reshape(len(b), 8, 8)     # per 32 values: 4 grid indices, then scale<<28 | signs
+    g[:, :, :7] = 0
+    g[:, :, 7] &= 0xF0
+    b[:, 2:66] = g.reshape(len(b), 64)
+
+
+@dataclass(frozen=True)
+class Lattice:
+    """Grid types whose every group of 32 lies on a uniform lattice: value = u * (q * step + offset) with
+    u the group's unit, q an integer in 0 .. 2**bits - 1. u comes from a probe: the blocks with their
+    grid indices set to an entry whose values are all `probe_value` and their signs cleared, decoded by
+    the same decoder (so u carries the sub-block scale exactly as llama.cpp computes it)."""
+    bits: int
+    probe: object            # edits a copy of the blocks (n, type_size) in place
+    probe_value: int         # the value every element of the probe decodes to, in units of u
+    step: float
+    offset: float
+
+
+def _iq4_probe(start):
+    def edit(b):
+        b[:, start:] = 0x88              # both nibbles 8: kvalues[8] = 1
+    return edit
+
+
+# IQ4_*: values d * kvalues[q], kvalues integers -127..113: 8-bit, step 1, offset -127.
+# IQ3_S: d * (odd 1..15) * sign: 4-bit, step 2, offset -15 (iq3s_grid[0] is all 1).
+# IQ3_XXS: d * {4, 12, .., 52, 62} * sign: in units of 2d, -31..31: 6-bit (iq3xxs_grid[0] is all 4).
+# IQ2_XXS: d * {8, 25, 43} * sign: -43..43, 87 levels: 8-bit (MLX has no 7-bit; iq2xxs_grid[0] is all 8).
+_LATTICES = {
+    T.IQ4_NL: Lattice(8, _iq4_probe(2), 1, 1.0, -127.0),
+    T.IQ4_XS: Lattice(8, _iq4_probe(8), 1, 1.0, -127.0),
+    T.IQ3_S: Lattice(4, _zero([(2, 106)]), 1, 2.0, -15.0),
+    T.IQ3_XXS: Lattice(6, lambda b: (_zero([(2, 66)])(b), _zero_words_low28(66, 98)(b)), 4, 2.0, -62.0),
+    T.IQ2_XXS: Lattice(8, _iq2xxs_probe, 8, 1.0, -43.0),
+}
+_LATTICE_SLACK = 1e-3        # |value/step - nearest lattice point| accepted as float rounding
+
+_REQUANT = set(HELD_BITS)
 _REQUANT_CHUNK = 1 << 20  # values decoded per step
 
 _DENSE = {T.F32, T.F16, T.BF16}
@@ -222,8 +294,9 @@ def _type_name(t) -> str:
         return f"type {int(t.tensor_type)}"
 
 
-def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
-    """Convert a ``gguf.ReaderTensor`` to MLX arrays (see module docstring)."""
+def convert_tensor(t, dtype: mx.Dtype = mx.float32, held_bits: int | None = None) -> MlxTensor:
+    """Convert a ``gguf.ReaderTensor`` to MLX arrays (see module docstring). ``held_bits`` overrides
+    HELD_BITS for a decoded type (the bench measures each form)."""
     name = t.name
     try:
         qtype = GGMLQuantizationType(int(t.tensor_type))
@@ -261,7 +334,7 @@ def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
 
     if len(shape) < 2:
         # No real model has these; keep 1-D tensors 1-D by dequantizing.
-        dense = gguf_quants.dequantize(blocks, qtype).reshape(shape)
+        dense = _block_decoder(qtype)(blocks).reshape(shape)
         return MlxTensor(mx.array(dense).astype(dtype), None, None, None, None,
                          f"{qtype.name} -> {dname} (dequantized 1-D)")
 
@@ -286,27 +359,125 @@ def convert_tensor(t, dtype: mx.Dtype = mx.float32) -> MlxTensor:
         return MlxTensor(weight, ms, mb, bits, GROUP_SIZE,
                          f"{qtype.name} -> {bits}-bit affine g{GROUP_SIZE} ({exact})")
 
-    # Q6_K / Q3_K / Q2_K: 16-element sub-blocks -> decode, requantize to 8-bit g32.
-    # gguf's block decoder is vectorised; calling it on row chunks of ~1M values is
-    # ~3x faster than gguf.quants.dequantize (16 rows per call) and bounds the
-    # float32 temporaries.  Identical results (checked by the tests).
-    decode = getattr(gguf_quants, qtype.name).dequantize_blocks  # gguf.quants.Q6_K etc.
-    rows = blocks.reshape(-1, in_features // block_size * type_size)
-    step = max(1, _REQUANT_CHUNK // in_features)
-    ws, ss, bs = [], [], []
-    for r0 in range(0, len(rows), step):
-        chunk = rows[r0:r0 + step]
-        dense = decode(chunk.reshape(-1, type_size)).reshape(len(chunk), in_features)
-        w, s, b = mx.quantize(mx.array(dense), group_size=GROUP_SIZE, bits=_REQUANT_BITS)
-        mx.eval(w, s, b)
-        ws.append(w), ss.append(s), bs.append(b)
-    w, s, b = (x[0] if len(x) == 1 else mx.concatenate(x, axis=0) for x in (ws, ss, bs))
-    w = w.reshape(*lead, in_features * _REQUANT_BITS // 32)
+    bits = held_bits or HELD_BITS[qtype]
+    w, s, b, exact = _decode_and_hold(blocks, qtype, in_features, bits)
+    w = w.reshape(*lead, in_features * bits // 32)
     s, b = s.reshape(*lead, n_groups_row), b.reshape(*lead, n_groups_row)
     if dtype != mx.float32:
         s, b = s.astype(dtype), b.astype(dtype)
-    return MlxTensor(w, s, b, _REQUANT_BITS, GROUP_SIZE,
-                     f"{qtype.name} -> {_REQUANT_BITS}-bit affine g{GROUP_SIZE} (requantized)")
+    how = "exact" if exact else "requantized"
+    return MlxTensor(w, s, b, bits, GROUP_SIZE, f"{qtype.name} -> {bits}-bit affine g{GROUP_SIZE} ({how})")
+
+
+def _block_decoder(qtype):
+    """gguf-py's vectorised block decoder for the type (gguf.quants.IQ2_XXS etc.), its grid unpacked."""
+    cls = getattr(gguf_quants, qtype.name)
+    cls.init_grid()                 # the IQ grids are unpacked on first use; a no-op for the others
+    return cls.dequantize_blocks
+
+
+def decode_exact(t) -> np.ndarray:
+    """The exact float32 decode of a quantized tensor in MLX (out, in) order, whole (for checks and
+    the bench on small tensors; convert_tensor decodes in bounded chunks)."""
+    qtype = GGMLQuantizationType(int(t.tensor_type))
+    shape = tuple(int(x) for x in reversed(list(t.shape)))
+    blocks = np.asarray(t.data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    return _block_decoder(qtype)(blocks).reshape(shape)
+
+
+def _decode_and_hold(blocks: np.ndarray, qtype, in_features: int, bits: int):
+    """Decode rows in chunks of ~1M values (bounded float32 temporaries; gguf's block decoder on a chunk
+    is ~3x faster than gguf.quants.dequantize, which goes 16 rows at a time) and hold each chunk as
+    `bits`-bit affine g32. Returns (packed, scales, biases) with one row per tensor row."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    decode = _block_decoder(qtype)
+    rows = blocks.reshape(-1, in_features // block_size * type_size)
+    step = max(1, _REQUANT_CHUNK // in_features)
+    ws, ss, bs = [], [], []
+    exact = True
+    for r0 in range(0, len(rows), step):
+        chunk = rows[r0:r0 + step]
+        dense = decode(chunk.reshape(-1, type_size)).reshape(len(chunk), in_features)
+        held = None
+        if qtype in _TERNARY and bits == 2:
+            held = _hold_ternary(dense)
+        elif qtype == T.IQ1_S and bits == 2:
+            held = _hold_iq1s(chunk.reshape(-1, type_size), dense)
+        elif qtype in _LATTICES and bits == _LATTICES[qtype].bits:
+            held = _hold_lattice(chunk.reshape(-1, type_size), dense, _LATTICES[qtype], decode)
+        if held is not None:
+            w, s, b = held
+        else:
+            exact = False
+            w, s, b = mx.quantize(mx.array(dense), group_size=GROUP_SIZE, bits=bits)
+        mx.eval(w, s, b)
+        ws.append(w), ss.append(s), bs.append(b)
+    w, s, b = (x[0] if len(x) == 1 else mx.concatenate(x, axis=0) for x in (ws, ss, bs))
+    return w, s, b, exact
+
+
+def _hold_lattice(blocks: np.ndarray, dense: np.ndarray, lat: Lattice, decode):
+    """Exact `lat.bits`-bit affine g32 for values on the type's lattice, or None when some group is
+    not (a NaN or inf scale in a damaged file): the caller then requantizes."""
+    probe = np.array(blocks)                  # a copy: the file is mapped read-only
+    lat.probe(probe)
+    unit = decode(probe).reshape(dense.shape) / np.float32(lat.probe_value)
+    scale = unit * np.float32(lat.step)
+    bias = unit * np.float32(lat.offset)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(scale != 0, (dense - bias) / scale, 0.0)
+    q = np.rint(x)
+    if not (np.all(np.abs(x - q) <= _LATTICE_SLACK) and q.min() >= 0 and q.max() < 1 << lat.bits):
+        return None
+    rows, n = dense.shape
+    packed = _pack_bits(q.astype(np.uint8), lat.bits).reshape(rows, n * lat.bits // 32)
+    per_group = lambda a: np.ascontiguousarray(a.reshape(rows, n // GROUP_SIZE, GROUP_SIZE)[:, :, 0])  # noqa: E731
+    return mx.array(packed), mx.array(per_group(scale)), mx.array(per_group(bias))
+
+
+def _hold_iq1s(blocks: np.ndarray, dense: np.ndarray):
+    """IQ1_S: each group of 32 is dl * (g + delta) with g in {-1, 0, 1} (iq1s_grid), dl and delta = +-1/8
+    from the group's 16-bit qh word, so 2-bit affine with scale dl and bias dl * (delta - 1) holds it
+    exactly (codes g + 1). None when a group is off that lattice (a NaN or inf scale): requantized."""
+    rows, n = dense.shape
+    d = _f16(blocks[:, 0:2])[:, None]
+    qh = np.ascontiguousarray(blocks[:, 34:50]).view(np.uint16)            # (blocks, 8): one per 32 values
+    scale = (d * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)).reshape(rows, n // GROUP_SIZE)
+    delta = np.where(qh & 0x8000, np.float32(-0.125), np.float32(0.125)).reshape(rows, n // GROUP_SIZE)
+    bias = scale * (delta - np.float32(1))
+    per_value = lambda a: np.repeat(a, GROUP_SIZE, axis=1)  # noqa: E731
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where(per_value(scale) != 0, (dense - per_value(bias)) / per_value(scale), 0.0)
+    q = np.rint(x)
+    if not (np.all(np.abs(x - q) <= _LATTICE_SLACK) and q.min() >= 0 and q.max() <= 2):
+        return None
+    packed = _pack_bits(q.astype(np.uint8), 2).reshape(rows, n * 2 // 32)
+    return mx.array(packed), mx.array(scale), mx.array(bias)
+
+
+def _pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values < 2**bits -> uint32 words, MLX's LSB-first bit stream per row (rows whose width is a
+    multiple of 32, so no value crosses into the next row)."""
+    if bits == 8:
+        return np.ascontiguousarray(q).view(np.uint32)
+    if bits == 5:
+        return _pack_5bit(q).view(np.uint32)
+    stream = np.unpackbits(q[..., None], axis=-1, count=bits, bitorder="little")
+    return np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little").view(np.uint32)
+
+
+def _hold_ternary(dense: np.ndarray):
+    """(rows, n) values each -d, 0 or d per 256-value block -> 2-bit codes (value/d + 1), scale d and
+    bias -d per group of 32: exact. d is the block's largest magnitude (any d serves an all-zero block)."""
+    rows, n = dense.shape
+    blk = dense.reshape(rows, n // QK_K, QK_K)
+    d = np.abs(blk).max(axis=-1, keepdims=True)
+    d[d == 0] = 1.0
+    q = (np.rint(blk / d) + 1).astype(np.uint8).reshape(rows, n)
+    packed = q[:, 0::4] | (q[:, 1::4] << 2) | (q[:, 2::4] << 4) | (q[:, 3::4] << 6)   # LSB-first stream
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    scales = np.repeat(d.reshape(rows, -1), QK_K // GROUP_SIZE, axis=1).astype(np.float32)
+    return mx.array(words), mx.array(scales), mx.array(-scales)
 
 
 def _convert_mxfp4(t) -> MlxTensor:

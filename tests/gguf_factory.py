@@ -399,7 +399,10 @@ def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_hea
 # --------------------------------------------------------------------------- llama.cpp
 
 QUANT_FTYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K",
-                "MXFP4_MOE")   # MXFP4_MOE: gpt-oss experts in MXFP4 (tests/gguf_factory_gpt_oss.py)
+                "MXFP4_MOE",   # MXFP4_MOE: gpt-oss experts in MXFP4 (tests/gguf_factory_gpt_oss.py)
+                # the IQ and ternary types; IQ2_* and IQ1_* need an importance matrix (imatrix=)
+                "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ3_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M",
+                "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
 
 _LLAMA_FTYPE_NAMES = {"Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 
@@ -414,20 +417,35 @@ def _require_llama_cpp():
     return llama_cpp
 
 
-def quantize_with_llama(src, dst, ftype: str) -> Path:
+def quantize_with_llama(src, dst, ftype: str, *, imatrix: dict | None = None, pure: bool = False) -> Path:
     """Quantize ``src`` to ``dst`` with llama.cpp, in the oracle's worker process (tests/llama_oracle.py),
-    so a native crash in llama.cpp fails the caller's test instead of killing pytest."""
+    so a native crash in llama.cpp fails the caller's test instead of killing pytest. ``imatrix``: tensor
+    name -> importance per input column (float32, as llama-imatrix writes); ``pure``: every 2-D tensor
+    in ``ftype``'s type (no per-tensor mix)."""
     if ftype not in QUANT_FTYPES:
         raise ValueError(f"ftype {ftype!r} not in {QUANT_FTYPES}")
     import llama_oracle
     if not llama_oracle.available():
         raise ImportError("llama-cpp-python is not installed (the llama.cpp oracle; pip install 'strata[oracle]')")
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
-    llama_oracle.quantize(src, dst, ftype)
+    llama_oracle.quantize(src, dst, ftype, imatrix=imatrix, pure=pure)
     return Path(dst)
 
 
-def quantize_with_llama_in_process(src, dst, ftype: str, *, verbose: bool = False) -> Path:
+def _imatrix_entries(llama_cpp, imatrix: dict):
+    """llama.cpp's importance-matrix array (name, data, size) ending in a NULL name, and the buffers it
+    points into (kept alive by the caller)."""
+    keep = [np.ascontiguousarray(v, dtype=np.float32) for v in imatrix.values()]
+    entries = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+    for e, name, buf in zip(entries, imatrix, keep):
+        e.name = name.encode()
+        e.data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        e.size = buf.size
+    return entries, keep
+
+
+def quantize_with_llama_in_process(src, dst, ftype: str, *, verbose: bool = False, imatrix: dict | None = None,
+                                   pure: bool = False) -> Path:
     """Quantize ``src`` to ``dst`` with llama.cpp's llama_model_quantize (allow_requantize on).
 
     Raises ImportError (message suitable for pytest.skip) without llama-cpp-python,
@@ -446,6 +464,10 @@ def quantize_with_llama_in_process(src, dst, ftype: str, *, verbose: bool = Fals
     params.ftype = ftype_value
     params.allow_requantize = True
     params.nthread = 2
+    params.pure = pure
+    if imatrix:
+        entries, _keep = _imatrix_entries(llama_cpp, imatrix)
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     # llama-cpp-python routes llama.cpp's log through this logger; quantize logs every tensor.
     log = logging.getLogger("llama-cpp-python")
     old_level = log.level

@@ -194,8 +194,13 @@ def has_cvec() -> bool:
     return _request("fn", "has_cvec", (), {})
 
 
-def quantize(src, dst, ftype: str) -> None:
-    _request("fn", "quantize", (str(src), str(dst), ftype), {})
+def quantize(src, dst, ftype: str, imatrix: dict | None = None, pure: bool = False) -> None:
+    _request("fn", "quantize", (str(src), str(dst), ftype), {"imatrix": imatrix, "pure": pure})
+
+
+def ggml_dequantize(type_id: int, data, n: int):
+    """llama.cpp's own decoder (ggml's to_float for the type) on raw block bytes: n float32 values."""
+    return _request("fn", "ggml_dequantize", (int(type_id), bytes(data), int(n)), {})
 
 
 # ----------------------------------------------------------------------------------------- worker
@@ -236,14 +241,33 @@ def _serve(rx: Connection, tx: Connection) -> None:
     def has_cvec():
         return getattr(llama_cpp, "llama_set_adapter_cvec", None) is not None
 
-    def quantize(src, dst, ftype):
+    def quantize(src, dst, ftype, imatrix=None, pure=False):
         from gguf_factory import quantize_with_llama_in_process
-        quantize_with_llama_in_process(src, dst, ftype)
+        quantize_with_llama_in_process(src, dst, ftype, imatrix=imatrix, pure=pure)
+
+    def ggml_dequantize(type_id, data, n):
+        # ggml_get_type_traits(type)->to_float: the decoder llama.cpp's CPU backend uses
+        class Traits(ctypes.Structure):
+            _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                        ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                        ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                        ("from_float_ref", ctypes.c_void_p)]
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        lib = ctypes.CDLL(str(sorted(lib_dir.glob("libggml-base.*"))[0]))   # .so here, .dylib on a Mac
+        lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+        lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+        to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+            lib.ggml_get_type_traits(type_id).contents.to_float)
+        src = np.frombuffer(data, np.uint8).copy()
+        out = np.empty(n, np.float32)
+        to_float(src.ctypes.data, out.ctypes.data, n)
+        return out
 
     def die(signum):            # for the test that a native crash fails one test only
         os.kill(os.getpid(), signum)
 
-    fns = {"die": die, "greedy": greedy, "logits": logits, "set_cvec": set_cvec, "has_cvec": has_cvec, "quantize": quantize}
+    fns = {"die": die, "greedy": greedy, "logits": logits, "set_cvec": set_cvec, "has_cvec": has_cvec, "quantize": quantize,
+           "ggml_dequantize": ggml_dequantize}
     while True:
         try:
             op, *args = rx.recv()

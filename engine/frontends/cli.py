@@ -182,7 +182,8 @@ def cmd_models_estimate(args) -> int:
     e = fit.estimate
     capped = f" (the model's limit; asked {args.context})" if args.context and args.context > n_ctx else ""
     print(f"{path.name}: {h.architecture}, context {n_ctx}{capped}, compute {dtype}")
-    print(f"  weights   {me.gib(e.weights_bytes)}  (tensors as held in MLX)")
+    sizes = me.weight_sizes(h, dtype)
+    print(f"  weights   {me.gib(e.weights_bytes)}  (tensors as held in MLX: {sizes.line()})")
     print(f"  K/V       {me.gib(e.kv_bytes)}  ({e.kv_bytes_per_token} bytes/token x {n_ctx} tokens, {e.kv_dtype})")
     print(f"  overhead  {me.gib(e.overhead_bytes)}  (runtime 300 MiB + one 512-token prefill chunk)")
     print(f"  total     {me.gib(e.total_bytes)}")

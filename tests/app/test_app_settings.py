@@ -174,7 +174,7 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     tree = window.models.tree
     qtbot.waitUntil(lambda: tree.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT_MS)
     row = [tree.topLevelItem(0).text(c) for c in range(6)]
-    assert row[1:4] == ["llama", "111K", "F32"] and row[5] == "2048"
+    assert row[1:4] == ["llama", "111K", "F32 · 32.00→32.00 bits"] and row[5] == "2048"
     assert tree.topLevelItem(0).font(0).bold()      # the loaded model
     # The memory estimate (engine/memory_estimate.py, no mlx in the app) at the default context
     from engine import memory_estimate as me

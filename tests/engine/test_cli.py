@@ -18,7 +18,7 @@ STRATA = [sys.executable, "-m", "engine.cli"]
 def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop_prefix: str | None = None,
                  retype: str | None = None) -> Path:
     """Copy a GGUF with a change: another architecture name, some keys dropped, or one tensor
-    stored as IQ4_NL (a type Strata does not read)."""
+    stored as NVFP4 (a type Strata does not read)."""
     r = gguf.GGUFReader(src)
     old_arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch or old_arch)
@@ -38,9 +38,9 @@ def rewrite_gguf(src: Path, dst: Path, *, arch: str | None = None, drop_prefix: 
     for t in r.tensors:
         if retype and t.name == retype:
             rows, cols = int(t.shape[1]), int(t.shape[0])
-            blocks = np.zeros((rows, cols // 32, 18), dtype=np.uint8)
+            blocks = np.zeros((rows, cols // 64, 36), dtype=np.uint8)
             w.add_tensor(t.name, blocks.reshape(rows, -1),
-                         raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+                         raw_dtype=gguf.GGMLQuantizationType.NVFP4)
         else:
             w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
@@ -93,8 +93,8 @@ def bad_inputs(tmp_path: Path, tiny_gguf: Path) -> dict[str, tuple[Path, str]]:
         "truncated": (truncated, "truncated"),
         "architecture": (rewrite_gguf(tiny_gguf, tmp_path / "mamba.gguf", arch="mamba"),
                          "architecture 'mamba' is not supported"),
-        "tensor type": (rewrite_gguf(tiny_gguf, tmp_path / "iq4.gguf", retype="blk.0.ffn_up.weight"),
-                        "IQ4_NL"),
+        "tensor type": (rewrite_gguf(tiny_gguf, tmp_path / "nvfp4.gguf", retype="blk.0.ffn_up.weight"),
+                        "NVFP4"),
         "tokenizer": (rewrite_gguf(tiny_gguf, tmp_path / "notok.gguf", drop_prefix="tokenizer."),
                       "missing tokenizer metadata"),
     }

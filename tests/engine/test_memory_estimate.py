@@ -177,6 +177,24 @@ def test_models_estimate_prints_the_parts(files):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_models_estimate_shows_file_and_held_bits_per_weight(files):
+    """Honest bytes: the file's bits per weight (its tensor bytes, as gguf-py counts them) beside the held
+    ones, and the weights line is the held size (what MLX holds once loaded), not the file's."""
+    if "mixtral-Q4_K_M" not in files:
+        pytest.skip("llama-cpp-python (the llama.cpp oracle, used to quantize) is not installed")
+    from gguf import GGUFReader
+    path = files["mixtral-Q4_K_M"]
+    tensors = GGUFReader(str(path)).tensors
+    n = sum(int(t.n_elements) for t in tensors)
+    file_bytes = sum(int(t.n_bytes) for t in tensors)
+    held = _params_bytes(load_model(open_gguf(path))[0])
+    p = _cli("models", "estimate", str(path), "--context", "256", "--dtype", "float32")
+    assert p.returncode == 0, p.stderr
+    assert (f"weights   {me.gib(held)}  (tensors as held in MLX: {8 * file_bytes / n:.2f} bits/weight in the "
+            f"file, {8 * held / n:.2f} held)") in p.stdout
+    assert held > file_bytes          # Q6_K tensors held at 8 bits, scales and biases per 32
+
+
 def test_the_estimate_module_does_not_import_mlx(files):
     """The app (which never imports mlx) can estimate: header parsing and arithmetic only."""
     code = ("import sys; import engine.memory_estimate as m; "

@@ -74,11 +74,9 @@ def reader(tmp_path_factory) -> GGUFReader:
         raw_dtype = None if qtype in (T.F32, T.F16) else qtype
         w.add_tensor(f"blk.0.{qtype.name.lower()}.weight", data, raw_dtype=raw_dtype)
     w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(IN).astype(np.float32))
-    # IQ4_NL: a real GGUF type Strata deliberately does not read (block 32, 18 bytes)
-    iq = rng.integers(0, 256, (OUT, IN // 32 * 18), dtype=np.uint8)
-    iq[:, 0::18] = 0  # keep the fp16 d fields finite
-    iq[:, 1::18] = 0x1C
-    w.add_tensor("blk.0.attn_q.weight", iq, raw_dtype=T.IQ4_NL)
+    # NVFP4: a real GGUF type Strata does not read (block 64, 36 bytes)
+    nv = rng.integers(0, 256, (OUT, IN // 64 * 36), dtype=np.uint8)
+    w.add_tensor("blk.0.attn_q.weight", nv, raw_dtype=T.NVFP4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -257,7 +255,7 @@ def test_unsupported_type_names_tensor_and_type(reader):
     (t,) = [t for t in reader.tensors if t.name == "blk.0.attn_q.weight"]
     with pytest.raises(UnsupportedTensorType) as exc:
         convert_tensor(t)
-    assert str(exc.value) == "tensor 'blk.0.attn_q.weight' has type IQ4_NL, which Strata cannot read"
+    assert str(exc.value) == "tensor 'blk.0.attn_q.weight' has type NVFP4, which Strata cannot read"
     assert isinstance(exc.value, ValueError)
 
 
@@ -305,3 +303,15 @@ def test_default_model_converts():
         got = np.array(got)
         assert got.shape == ref.shape
         assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max(), name
+
+
+def test_memory_estimate_tables_agree_with_the_loader_and_gguf():
+    """engine/memory_estimate.py (no numpy, no gguf) keeps its own tables of held bits and file block
+    sizes: each equal to engine/quants.py's held forms and to gguf-py's GGML_QUANT_SIZES."""
+    from engine import memory_estimate as me
+    for qtype, bits in {**quants.HELD_BITS, **EXACT}.items():
+        t = me.TensorInfo("w", int(qtype), (256, 4))
+        assert me.tensor_bytes(t, 2) == 1024 * bits // 8 + 2 * (1024 // 32) * 2, qtype.name
+    for type_id, (block, size) in me.FILE_BLOCKS.items():
+        assert GGML_QUANT_SIZES[T(type_id)] == (block, size), T(type_id).name
+    assert set(quants.HELD_BITS) | set(EXACT) <= {T(i) for i in me.FILE_BLOCKS}
