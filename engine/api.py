@@ -63,6 +63,9 @@ class EngineOptions:
     # A draft model (a GGUF with the model's vocabulary) loaded with the start-up model: `speculative:
     # draft:PATH` requests naming it use it (LoadModel.draft). The CLI sets it from --spec draft:PATH.
     draft: str | None = None
+    # The image projector (an mmproj GGUF) loaded with the start-up model: None looks beside the model
+    # for mmproj-*.gguf (engine/vision/find.py), "" loads none. The CLI sets it from --mmproj PATH.
+    mmproj: str | None = None
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -98,6 +101,9 @@ class LoadModel:
     steering: Any = "keep"                    # "keep" the current SteeringConfig, or a new one / None
     draft: str | None = None                  # a draft GGUF loaded with it, as one unit (a draft that cannot
                                               # load refuses the load); None: none (a request may name one)
+    mmproj: str | None = None                 # its image projector: a path (one that cannot serve the model
+                                              # refuses the load); None: an mmproj-*.gguf found beside it
+                                              # (one that cannot serve it is skipped, said in the log); "": none
 
 
 @dataclass

@@ -17,6 +17,7 @@ from .kv_key import KVKey
 from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix, TEXT_CONTEXT
 from . import layer_cache
 from .prompt_encoder import shared_chars
+from .vision.tokens import has_images, is_image_token
 
 
 class Conversations:
@@ -89,7 +90,7 @@ class Conversations:
 
         def sound(e) -> bool:
             try:
-                return all(0 <= int(t) < n_vocab for t in e.tokens)
+                return all(0 <= int(t) < n_vocab or is_image_token(int(t)) for t in e.tokens)
             except (TypeError, ValueError, OverflowError):
                 return False
         for e in list(self.parking.entries):
@@ -180,8 +181,8 @@ class Conversations:
         on_disk = [e for e in self.disk.entries.values() if e.key == key] \
             if self.disk is not None and self.disk.enabled else []
         for e in self.held() + on_disk:           # whole entries first: a string comparison each
-            if e.key != key or not e.tokens:
-                continue
+            if e.key != key or not e.tokens or has_images(e.tokens):
+                continue            # image spans: no text decodes to them (a prompt with images keys them)
             starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id
             if add_bos and not starts_bos:
                 continue

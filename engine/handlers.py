@@ -26,6 +26,7 @@ from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
+from .vision.tokens import has_image_parts, has_images, storable, text_chars, whole_image_start
 
 MAX_CHARS_PER_TOKEN = 32
 
@@ -67,7 +68,7 @@ class RequestHandlers:
         # A huge body must not cost a tokenization (or a template render) to be refused: no real
         # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
         chars = len(req.prompt) if req.prompt is not None else sum(
-            len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
+            text_chars(m.get("content")) for m in req.messages or [] if isinstance(m, dict))
         if chars > self.eng.n_ctx * MAX_CHARS_PER_TOKEN:
             raise ContextTooLong(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
                                f"the context holds {self.eng.n_ctx}")
@@ -75,6 +76,8 @@ class RequestHandlers:
             return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
+        if has_image_parts(req.messages):
+            return self.image_prompt(req.messages, tools=getattr(req, "tools", None))
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         text = render(self.eng.template, req.messages, bos_token=bos,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
@@ -84,6 +87,26 @@ class RequestHandlers:
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
                 or tok.encode_prompt(text, add_bos=add_bos))
+
+    def image_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True) -> list[int]:
+        """A chat prompt with image parts: rendered with the media marker in place of each image, then
+        tokenized with the images' spans (engine/vision/spans.py). Refused in one line when the model
+        has no projector."""
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        if vision is None:
+            raise RequestError(f"{self.eng.model_path.name} reads text only: no image projector (mmproj) is "
+                               f"loaded with it; put its mmproj-*.gguf beside it or name one with --mmproj")
+        if self.eng.serving.distributed:
+            raise RequestError("images are not read by a distributed engine yet")
+        tok = self.eng.tokenizer
+        flat, images = vision.flatten(messages)
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        text = render(self.eng.template, flat, bos_token=bos,
+                      eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
+                      name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
+                      tools=tools, add_generation_prompt=add_generation_prompt)
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        return vision.tokens(tok, text, images, add_bos)
 
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
@@ -112,7 +135,8 @@ class RequestHandlers:
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self.prefill_pace(),
                   layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
-                  marks=self.message_marks(req, entry, tokens))
+                  marks=self.message_marks(req, entry, tokens),
+                  images=self.eng.loaded.vision if has_images(tokens) else None)
         self.eng.drafts.done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
@@ -134,6 +158,10 @@ class RequestHandlers:
         marks = []
         for msgs in (req.messages[:-1], req.messages):
             if not msgs:
+                continue
+            if has_image_parts(msgs):
+                marks.append(common_prefix(tokens, self.image_prompt(msgs, tools=getattr(req, "tools", None),
+                                                                     add_generation_prompt=False)))
                 continue
             text = render(self.eng.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
                           tools=getattr(req, "tools", None))
@@ -158,6 +186,8 @@ class RequestHandlers:
         self.eng.steering.speed_projection = self.projection(asked)
         stats = StepStats()
         tokens = self.prompt_tokens(req)
+        if drafter is not None and has_images(tokens):
+            raise RequestError("speculative decoding does not read images yet: send it with speculative off")
         if len(tokens) >= self.eng.n_ctx:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         if req.side:
@@ -167,6 +197,7 @@ class RequestHandlers:
             entry, reuse = self.take_kv(tokens, req.conversation)
             entry.owner = req.conversation or entry.owner
         reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
+        reuse = whole_image_start(tokens, reuse)    # an image is fed whole, never resumed halfway
         # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
         # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
         reuse = entry.rewind(reuse, self.make_cache)
@@ -177,7 +208,7 @@ class RequestHandlers:
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
         if self.eng.parking is not None:            # the status bar's figures while the reply runs
             handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
-        entry.messages = list(req.messages or [])
+        entry.messages = storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, self.eng.n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
                     self.eng.steering.active)
@@ -185,7 +216,7 @@ class RequestHandlers:
     def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
         req, stats, tokens = turn.req, turn.stats, turn.tokens
-        turn.entry.messages = list(req.messages or []) + (
+        turn.entry.messages = storable(req.messages or []) + (
             [{"role": "assistant", "content": r.text}] if req.messages else [])
         self.eng.log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "

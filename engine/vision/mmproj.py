@@ -152,3 +152,40 @@ def file_bytes(path: str | os.PathLike) -> int:
     except OSError:
         return 0
 
+
+
+@dataclass(frozen=True)
+class ProjectorPlan:
+    """What a load will do about images, decided from headers before any tensor is read: the file to
+    load (None: none), its spec, the bytes it will take, and why a file found beside the model is
+    skipped (a named one that cannot serve the model refuses the load instead)."""
+    path: Path | None
+    spec: VisionSpec | None = None
+    bytes: int = 0
+    skipped: str | None = None
+
+
+def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
+    """One image through the tower: the attention scores of a layer (heads x patches^2, float32) and
+    a few patch-by-width buffers."""
+    n = spec.side * spec.side
+    return n * n * spec.n_head * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
+
+
+def plan(path: Path | None, named: bool, text_arch: str, text_width: int, dtype_bytes: int) -> ProjectorPlan:
+    """The plan for loading `path` beside a text model (arch, width); ModelFileError when `named` and
+    it cannot serve the model, a skipped plan when it was only found beside it."""
+    if path is None:
+        return ProjectorPlan(None)
+    try:
+        g = open_gguf(path)
+        spec = read_spec(g, text_arch, text_width)
+        if spec.text_width and spec.text_width != text_width:
+            raise ModelFileError(f"{g.path.name} projects to width {spec.text_width}; the loaded model's "
+                                 f"embeddings are {text_width} wide (a projector of another model size)")
+        weights = sum(int(t.n_elements) for t in g.reader.tensors) * dtype_bytes
+    except ModelFileError as e:
+        if named:
+            raise
+        return ProjectorPlan(None, skipped=f"image projector {path.name} beside the model skipped: {e}")
+    return ProjectorPlan(path, spec, weights + activation_bytes(spec, dtype_bytes))
