@@ -258,6 +258,8 @@ class EngineStatus(Result):
     kv_bits: int = 16
     distributed: dict | None = None
     disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder
+    vision: dict | None = None                # the image projector (vision.spans.VisionStats): projector, path,
+                                              # tokens_per_image, images_encoded, feature_cache_entries/_bytes
 
 
 @dataclass

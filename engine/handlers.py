@@ -9,7 +9,7 @@ and stats is engine/generate.py. Everything here runs on the engine thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 import numpy as np
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
@@ -107,6 +107,13 @@ class RequestHandlers:
                       tools=tools, add_generation_prompt=add_generation_prompt)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return vision.tokens(tok, text, images, add_bos)
+
+    def storable(self, messages: list) -> list:
+        """Messages as held K/V keeps them (engine/vision/tokens.py): image parts as references."""
+        if not has_image_parts(messages):
+            return list(messages)
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        return vision.storable(messages) if vision is not None else storable(messages)
 
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
@@ -208,7 +215,7 @@ class RequestHandlers:
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
         if self.eng.parking is not None:            # the status bar's figures while the reply runs
             handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
-        entry.messages = storable(req.messages or [])
+        entry.messages = self.storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, self.eng.n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
                     self.eng.steering.active)
@@ -216,7 +223,7 @@ class RequestHandlers:
     def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
         req, stats, tokens = turn.req, turn.stats, turn.tokens
-        turn.entry.messages = storable(req.messages or []) + (
+        turn.entry.messages = self.storable(req.messages or []) + (
             [{"role": "assistant", "content": r.text}] if req.messages else [])
         self.eng.log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
@@ -288,6 +295,8 @@ class RequestHandlers:
             kv_bits=self.eng.in_force.kv_bits,
             distributed=self.eng.serving.status(),
             disk=self.eng.disk.status() if getattr(self.eng, "disk", None) is not None else None,
+            vision=asdict(self.eng.loaded.vision.stats()) if self.eng.loaded is not None
+            and self.eng.loaded.vision is not None else None,
         )
 
     def count_tokens(self, req: CountTokens) -> TokenCount:

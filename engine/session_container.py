@@ -27,6 +27,7 @@ from .device_upload import drop_host_copies
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
 from .kv_format import describe_label, choose, format_of_label
 from .parking import KVEntry
+from .vision.tokens import outside_vocab, valid_parts
 
 FORMAT = "strata-session"
 VERSION = 2                        # what a full-K/V conversation is written in (format 3: engine/session_v3.py)
@@ -441,8 +442,8 @@ def validate_messages(messages) -> str | None:
             return f"message {i} is not an object"
         if m.get("role") not in _ROLES:
             return f"message {i} has no valid role"
-        if not isinstance(m.get("content"), str):
-            return f"message {i} has no text content"
+        if not isinstance(m.get("content"), str) and not valid_parts(m.get("content")):
+            return f"message {i} has no text content (nor text parts and image references)"
         if not _encodable(m):
             return f"message {i} holds text that is not valid Unicode (a lone surrogate)"
     return None
@@ -619,9 +620,8 @@ def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) 
     the vocabulary (16-bit and quantized restores alike)."""
     if digest.hexdigest().encode() != raw[len(_PREFIX):len(_PREFIX) + _HEX]:
         raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= n_vocab:
-        bad = lo if lo < 0 else hi
+    bad = outside_vocab(tokens, n_vocab)
+    if bad is not None:
         raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {n_vocab})")
 
 

@@ -53,7 +53,7 @@ class SessionRequests:
         entry, reread = self.eng.live, False
         if req.messages is not None:
             keys = None if req.speed_projection is None else {self.eng.handlers.cache_key(self.eng.handlers.projection(req.speed_projection))}
-            entry = self.eng.conversations.find(req.messages, keys, req.conversation)
+            entry = self.eng.conversations.find(self.eng.handlers.storable(req.messages), keys, req.conversation)
             if entry is None:
                 entry, reread = self._read_again(req, handle), True
         if entry is None or not entry.tokens:

@@ -27,7 +27,7 @@ from ..errors import RequestError
 from ..images import DecodedImage, ImageRefused, decode_image
 from . import preprocess, siglip
 from .mmproj import Projector
-from .tokens import image_token
+from .tokens import image_token, is_image_ref, storable
 
 MEDIA_MARKER = "<__media__>"        # what an image part becomes in the rendered text (libmtmd's marker)
 FAMILY_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>")}
@@ -36,44 +36,63 @@ FEATURE_CACHE_BYTES = 256 << 20
 
 
 class FeatureCache:
-    """Projected image embeddings by pixel digest (LRU, bounded by entries and bytes); `encodes`
-    counts the images encoded (what a cache hit saves)."""
+    """Projected image embeddings by image span id (the pixel digest hashed with the projector's:
+    engine/vision/tokens.py), least recently used out first, bounded by entries and bytes; `encodes`
+    counts the images encoded (what a hit saves)."""
 
     def __init__(self, max_entries: int = FEATURE_CACHE_ENTRIES, max_bytes: int = FEATURE_CACHE_BYTES):
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[str, mx.array] = OrderedDict()
+        self._items: OrderedDict[int, mx.array] = OrderedDict()
         self.encodes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     @property
     def nbytes(self) -> int:
         return sum(int(v.nbytes) for v in self._items.values())
 
-    def get(self, digest: str) -> mx.array | None:
-        v = self._items.get(digest)
+    def get(self, key: int) -> mx.array | None:
+        v = self._items.get(key)
         if v is not None:
-            self._items.move_to_end(digest)
+            self._items.move_to_end(key)
         return v
 
-    def put(self, digest: str, features: mx.array) -> None:
-        self._items[digest] = features
-        self._items.move_to_end(digest)
+    def put(self, key: int, features: mx.array) -> None:
+        self._items[key] = features
+        self._items.move_to_end(key)
         while self._items and (len(self._items) > self.max_entries or self.nbytes > self.max_bytes):
             self._items.popitem(last=False)
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
-    """A chat prompt with images: its tokens, and the decoded images by pseudo-token id."""
-    tokens: list[int]
-    images: dict[int, DecodedImage]
+class PromptImage:
+    """An image of a prompt: its pixel digest, and its pixels when the part carried them (None for a
+    reference: `tokens.image_ref`, whose span held K/V or the feature cache must supply)."""
+    digest: str
+    decoded: DecodedImage | None
+
+
+@dataclass(frozen=True)
+class VisionStats:
+    """Status's `vision`: the projector, the images encoded since the load (a cache hit or a reused
+    span encodes nothing) and the feature cache's fill."""
+    projector: str
+    path: str
+    tokens_per_image: int
+    images_encoded: int
+    feature_cache_entries: int
+    feature_cache_bytes: int
 
 
 class Vision:
-    """The loaded projector with its feature cache (one per model load; engine thread only)."""
+    """The loaded projector with its feature cache (one per model load; engine thread only). `salt`:
+    the projector file's content hash, part of every image span's id (engine/vision/tokens.py)."""
 
-    def __init__(self, projector: Projector, dtype):
+    def __init__(self, projector: Projector, dtype, salt: str = ""):
         self.projector = projector
         self.dtype = dtype
+        self.salt = salt
         self.features = FeatureCache()
         self._pending: OrderedDict[int, DecodedImage] = OrderedDict()   # images of recent prompts, not encoded
         self._decoded: OrderedDict[tuple[int, int], DecodedImage] = OrderedDict()
@@ -102,7 +121,15 @@ class Vision:
             self._decoded.popitem(last=False)
         return img
 
-    def flatten(self, messages: list[dict]) -> tuple[list[dict], list[DecodedImage]]:
+    def stats(self) -> VisionStats:
+        f = self.features
+        return VisionStats(self.kind, str(self.projector.path), self.n_tokens, f.encodes, len(f), f.nbytes)
+
+    def storable(self, messages: list) -> list:
+        """Messages as a held conversation keeps them: image parts as references with their digest."""
+        return storable(messages, lambda data: self.decode(data, "an image part").digest)
+
+    def flatten(self, messages: list[dict]) -> tuple[list[dict], list[PromptImage]]:
         """Messages with each list content made text (images as the media marker) and the images in order."""
         out, images = [], []
         for i, m in enumerate(messages):
@@ -116,17 +143,23 @@ class Vision:
                 if kind == "text":
                     text.append(str(part.get("text") or ""))
                 elif kind == "image":
-                    data = getattr(part.get("image"), "data", None)
-                    if data is None:
-                        raise RequestError(f"messages[{i}].content[{j}]: an image part needs an ImageInput")
-                    images.append(self.decode(data, f"messages[{i}].content[{j}]"))
+                    images.append(self._image_of(part, f"messages[{i}].content[{j}]"))
                     text.append(MEDIA_MARKER)
                 else:
                     raise RequestError(f"messages[{i}].content[{j}]: unknown part type {kind!r}")
             out.append({**m, "content": "".join(text)})
         return out, images
 
-    def tokens(self, tok, text: str, images: list[DecodedImage], add_bos: bool) -> list[int]:
+    def _image_of(self, part: dict, where: str) -> PromptImage:
+        if is_image_ref(part):
+            return PromptImage(part["digest"], None)
+        data = getattr(part.get("image"), "data", None)
+        if data is None:
+            raise RequestError(f"{where}: an image part needs an ImageInput (or a held image's digest)")
+        img = self.decode(data, where)
+        return PromptImage(img.digest, img)
+
+    def tokens(self, tok, text: str, images: list[PromptImage], add_bos: bool) -> list[int]:
         """The rendered prompt's tokens, each media marker replaced by its image span."""
         pieces = text.split(MEDIA_MARKER)
         if len(pieces) != len(images) + 1:
@@ -135,9 +168,10 @@ class Vision:
         begin, end = FAMILY_MARKERS[self.kind]
         ids = tok.encode(pieces[0], add_bos=add_bos)
         for img, piece in zip(images, pieces[1:]):
-            t = image_token(img.digest)
-            self._pending[t] = img
-            self._pending.move_to_end(t)
+            t = image_token(img.digest, self.salt)
+            if img.decoded is not None:
+                self._pending[t] = img.decoded
+                self._pending.move_to_end(t)
             ids += tok.encode(begin, add_bos=False) + [t] * self.n_tokens + tok.encode(end, add_bos=False)
             ids += tok.encode(piece, add_bos=False)
         while len(self._pending) > 8:
@@ -147,17 +181,17 @@ class Vision:
     def embeddings(self, token: int) -> mx.array:
         """(n_tokens, text width) embeddings of the image behind pseudo-token `token`."""
         img = self._pending.get(token)
-        digest = img.digest if img is not None else None
-        hit = self.features.get(digest) if digest else None
+        hit = self.features.get(token)
         if hit is not None:
             return hit
         if img is None:
-            raise RequestError("an image span's pixels are no longer held: send the image again")
+            raise RequestError("an image's K/V and features are no longer held and its part carries no "
+                               "pixels: send the image again")
         pixels = mx.array(preprocess.preprocess(img.rgb, self.projector.spec))
         feats = siglip.encode(self.projector, pixels).astype(self.dtype)
         mx.eval(feats)
         self.features.encodes += 1
-        self.features.put(img.digest, feats)
+        self.features.put(token, feats)
         self._pending.pop(token, None)
         return feats
 

@@ -5,15 +5,23 @@ Because the id is the image's identity, everything that reuses K/V by comparing 
 parked, the disk tier, Edit's held runs) keys an image by its pixels with no change: the same image at
 the same place shares its K/V, a different one (another digest, another id) never does. The ids are
 below 0, outside every vocabulary, so no text decodes to them and no sampler produces them. A
-collision needs two digests equal in 31 bits (about 1 in 2e9 for a pair of images)."""
+collision needs two digests equal in 31 bits (about 1 in 2e9 for a pair of images).
+
+The id also hashes the projector file's identity (`salt`): an image's K/V depends on the projector that
+encoded it, so a span written under one mmproj (a parked entry, a disk segment, a session file) is never
+reused under another; the text before it still is."""
 from __future__ import annotations
+
+import hashlib
 
 ID_SPACE = (1 << 31) - 1
 
 
-def image_token(digest: str) -> int:
-    """The pseudo-token id of the image whose pixel digest (hex) is `digest`: in [-ID_SPACE, -1]."""
-    return -1 - (int(digest[:16], 16) % ID_SPACE)
+def image_token(digest: str, salt: str = "") -> int:
+    """The pseudo-token id of the image whose pixel digest (hex) is `digest`, encoded by the projector
+    whose content hash is `salt`: in [-ID_SPACE, -1]."""
+    h = hashlib.blake2b(f"{salt}|{digest}".encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(h, "little") % ID_SPACE)
 
 
 def is_image_token(t: int) -> bool:
@@ -64,21 +72,55 @@ def text_chars(content) -> int:
     return len(str(content or ""))
 
 
-def storable(messages) -> list:
-    """Messages as a conversation keeps them (status, the disk tier's JSON): an image part's bytes
-    replaced by its file name and size (the pixels live in the image span and the feature cache)."""
+def image_ref(name: str, nbytes: int, digest: str) -> dict:
+    """An image part as a held conversation keeps it (status, the disk tier, session files): its name,
+    size and pixel digest, not its bytes. Sent back in a prompt it stands for the image's span, which
+    held K/V (or the feature cache) must then supply."""
+    return {"type": "image", "name": name, "bytes": nbytes, "digest": digest}
+
+
+def is_image_ref(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("digest"), str) \
+        and "image" not in part
+
+
+def valid_parts(content) -> bool:
+    """Whether a held message's list content is text parts and image references only."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
+                                 or (is_image_ref(p) and isinstance(p.get("name", ""), str)
+                                     and isinstance(p.get("bytes", 0), int) and len(p["digest"]) <= 128))
+        for p in content)
+
+
+def storable(messages, digest_of=None) -> list:
+    """Messages as a conversation keeps them (status, the disk tier's JSON, session files): an image
+    part's bytes replaced by its reference (`image_ref`; `digest_of(data)` gives the pixel digest; the
+    pixels live in the image span and the feature cache)."""
     out = []
     for m in messages or ():
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             parts = []
             for p in content:
-                if isinstance(p, dict) and p.get("type") == "image":
+                if isinstance(p, dict) and p.get("type") == "image" and not is_image_ref(p):
                     img = p.get("image")
                     data = getattr(img, "data", b"") or b""
-                    parts.append({"type": "image", "name": getattr(img, "name", ""), "bytes": len(data)})
+                    digest = digest_of(data) if digest_of is not None and data else ""
+                    parts.append(image_ref(getattr(img, "name", ""), len(data), digest))
                 else:
                     parts.append(p)
             m = {**m, "content": parts}
         out.append(m)
     return out
+
+
+def outside_vocab(tokens, n_vocab: int) -> int | None:
+    """The first bad id of `tokens` (a numpy array or a list): neither in the vocabulary nor an image
+    span's (None when every id is one or the other). A restored file's ids are checked with it."""
+    if len(tokens) == 0:
+        return None
+    lo, hi = (int(tokens.min()), int(tokens.max())) if hasattr(tokens, "min") else (min(tokens), max(tokens))
+    if hi >= n_vocab:
+        return hi
+    return lo if lo < -ID_SPACE else None
