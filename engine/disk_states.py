@@ -289,7 +289,7 @@ def restore(tier, e, m: int, make_cache: Callable[[], list], prompt: list[int] |
         end = segs[k].start + segs[k].n
         tokens = np.concatenate([s.tokens for s in segs[:k + 1]])
         tier.verify(e, segs[:k + 1], tokens, prompt)
-        if end >= tier._n_ctx or outside_vocab(tokens, tier._n_vocab) is not None:
+        if end >= tier._n_ctx or outside_vocab(tokens, tier._n_vocab, tier._image_span) is not None:
             raise SessionFileError("its token ids do not fit this model")
         kv_s, st_s = ds.layer_specs(layers, end)
         try:

@@ -186,6 +186,11 @@ class DiskTier:
     def _admit(self):
         return self._model()[3]
 
+    @property
+    def _image_span(self) -> int:
+        m = self._model()
+        return m[4] if len(m) > 4 else 0
+
     def _start_writer(self) -> _Writer:
         if self._writer is None or not self._writer.is_alive():
             self._writer = _Writer(self.log, self._failed, self._lock)
@@ -700,7 +705,7 @@ class DiskTier:
                 m = min(m, segs[-1].start + segs[-1].n)
                 tokens = np.concatenate([s.tokens for s in segs])[:m]
                 self.verify(e, segs, tokens, prompt)
-                if len(tokens) < m or m >= self._n_ctx or outside_vocab(tokens, self._n_vocab) is not None:
+                if len(tokens) < m or m >= self._n_ctx or outside_vocab(tokens, self._n_vocab, self._image_span) is not None:
                     raise SessionFileError("its token ids do not fit this model")
                 if g.kv == "float16":
                     need = restore_bytes(m, g, np.dtype(_np_dtype(self._dtype)).itemsize)
@@ -811,12 +816,14 @@ def attach(engine) -> DiskTier | None:
         text = render(engine.template, list(msgs) + [{"role": "user", "content": "..."}], bos_token=bos,
                       eos_token=eos, add_generation_prompt=False)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key) \
+        toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key,
+                                                    engine.handlers.image_span()) \
             or tok.encode(text, add_bos=add_bos)
         return common_prefix(entry.tokens, toks)
 
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
-                                   engine.n_ctx or 1 << 31, engine.guard.admit), probe, next_shares)
+                                   engine.n_ctx or 1 << 31, engine.guard.admit, engine.handlers.image_span()),
+                   probe, next_shares)
     if cap:
         unusable = unusable_folder(folder)
         if unusable:

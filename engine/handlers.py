@@ -85,7 +85,8 @@ class RequestHandlers:
                       tools=getattr(req, "tools", None))
         # A template that writes BOS itself must not get a second one.
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
+        return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key(),
+                                                       self.image_span())
                 or tok.encode_prompt(text, add_bos=add_bos))
 
     def image_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True) -> list[int]:
@@ -114,6 +115,11 @@ class RequestHandlers:
             return list(messages)
         vision = self.eng.loaded.vision if self.eng.loaded is not None else None
         return vision.storable(messages) if vision is not None else storable(messages)
+
+    def image_span(self) -> int:
+        """Tokens an image takes with the loaded projector (0: none loaded): a restored image span's length."""
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        return vision.n_tokens if vision is not None else 0
 
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept

@@ -114,7 +114,8 @@ class SessionRequests:
                                       key=self.eng.handlers.cache_key(projection), dtype=self.eng.dtype,
                                       n_vocab=self.eng.info.n_vocab, n_ctx=self.eng.n_ctx, admit=self.eng.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
-                                      log=self.eng.log, probe_cache=self._cache_probe)
+                                      log=self.eng.log, probe_cache=self._cache_probe,
+                                      image_span=self.eng.handlers.image_span())
         entry.owner = req.conversation
         # Validated and read: only now does the live conversation step aside.
         self.eng.conversations.make_live(entry)

@@ -115,12 +115,18 @@ def storable(messages, digest_of=None) -> list:
     return out
 
 
-def outside_vocab(tokens, n_vocab: int) -> int | None:
-    """The first bad id of `tokens` (a numpy array or a list): neither in the vocabulary nor an image
-    span's (None when every id is one or the other). A restored file's ids are checked with it."""
+def outside_vocab(tokens, n_vocab: int, span: int = 0) -> int | None:
+    """The first bad id of `tokens` (a numpy array or a list), None when there is none: ids are the
+    vocabulary's, or image spans' (runs of exactly `span` equal negative ids: the loaded projector's
+    tokens an image; 0, no projector, allows none). A restored file's ids are checked with it."""
     if len(tokens) == 0:
         return None
     lo, hi = (int(tokens.min()), int(tokens.max())) if hasattr(tokens, "min") else (min(tokens), max(tokens))
     if hi >= n_vocab:
         return hi
-    return lo if lo < -ID_SPACE else None
+    if lo >= 0:
+        return None
+    if lo < -ID_SPACE or span <= 0:
+        return lo
+    ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    return next((ids[a] for a, b in image_runs(ids) if b - a != span), None)

@@ -14,6 +14,7 @@ from vision_images import photo, png
 
 from engine.api import Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, RestoreSession, SaveSession, Status
 from engine.engine import Engine
+from engine.errors import EngineError, ErrorCode
 from engine.sampling import SamplingParams
 from engine.vision.tokens import image_runs
 
@@ -139,6 +140,19 @@ def test_session_file_save_and_restore(make_engine, tmp_path):
     r2 = generate(again, follow, "chat-s")
     assert encoded(again) == 0, "the image was encoded again after the restore"
     assert_reused(r1, r2, tokens_of(again, follow))
+
+
+def test_a_session_with_image_spans_is_refused_without_a_projector(make_engine, tmp_path):
+    eng = make_engine()
+    hist, _ = first_turn(eng, "chat-p", image(80, 120, 91))
+    path = str(tmp_path / "img.strata")
+    eng.call(SaveSession(path, messages=hist, conversation="chat-p"))
+    eng.stop()
+    text_only = make_engine(mmproj="")
+    with pytest.raises(EngineError) as e:
+        text_only.call(RestoreSession(path))
+    assert e.value.code == ErrorCode.SESSION_REFUSED and "outside the vocabulary" in str(e.value)
+    assert text_only.call(Status()).live_tokens == 0
 
 
 def test_a_different_image_reuses_nothing_from_disk_or_a_session(make_engine, tmp_path):
