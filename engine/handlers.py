@@ -214,6 +214,8 @@ class RequestHandlers:
         # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
         # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
         reuse = entry.rewind(reuse, self.make_cache)
+        if has_images(tokens[reuse:]):
+            self.eng.loaded.vision.check_available(tokens[reuse:])    # refused before any K/V changes
         if batched and not req.side:
             self.eng.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
         elif not req.side:

@@ -27,7 +27,7 @@ from ..errors import RequestError
 from ..images import DecodedImage, ImageRefused, decode_image
 from . import preprocess, siglip
 from .mmproj import Projector
-from .tokens import image_token, is_image_ref, storable
+from .tokens import image_runs, image_token, is_image_ref, storable
 
 MEDIA_MARKER = "<__media__>"        # what an image part becomes in the rendered text (libmtmd's marker)
 FAMILY_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>")}
@@ -174,9 +174,18 @@ class Vision:
                 self._pending.move_to_end(t)
             ids += tok.encode(begin, add_bos=False) + [t] * self.n_tokens + tok.encode(end, add_bos=False)
             ids += tok.encode(piece, add_bos=False)
-        while len(self._pending) > 8:
+        while len(self._pending) > max(8, len(images)):     # this prompt's images always stay
             self._pending.popitem(last=False)
         return ids
+
+    def check_available(self, tokens: list[int]) -> None:
+        """RequestError unless every image span in `tokens` can be fed: its pixels came with the
+        prompt, or its features are cached (an image reference whose K/V is no longer held needs one)."""
+        for start, _ in image_runs(tokens):
+            t = tokens[start]
+            if t not in self._pending and self.features.get(t) is None:
+                raise RequestError("an image's K/V and features are no longer held and its part carries no "
+                                   "pixels: send the image again")
 
     def embeddings(self, token: int) -> mx.array:
         """(n_tokens, text width) embeddings of the image behind pseudo-token `token`."""
@@ -199,6 +208,17 @@ class Vision:
         """Feed one image run (all its tokens) into `cache`; `fed` takes the run."""
         feed_embeddings(model, cache, self.embeddings(run[0])[None])
         fed.extend(run)
+
+    def read(self, model, cache, tokens: list[int], fed: list[int], prefill_text) -> None:
+        """Read a whole token list with image runs into `cache`: text pieces through
+        `prefill_text(piece)` (which extends `fed`), each image whole through `feed`."""
+        done = 0
+        for start, end in image_runs(tokens) + [(len(tokens), len(tokens))]:
+            if start > done:
+                prefill_text(tokens[done:start])
+            if end > start:
+                self.feed(model, cache, tokens[start:end], fed)
+            done = end
 
 
 def _both_ways(mask: mx.array, n: int) -> mx.array:

@@ -142,6 +142,31 @@ def test_session_file_save_and_restore(make_engine, tmp_path):
     assert_reused(r1, r2, tokens_of(again, follow))
 
 
+def test_a_chat_with_an_image_saved_after_a_restart_and_continued_from_the_file(make_engine, tmp_path):
+    """K/V not held (a new engine): the save reads the chat again, image included; the restored
+    messages keep the image as a reference (name, size, digest), and a follow-up sending them back
+    (no pixels) is served from the restored K/V."""
+    eng = make_engine()
+    a = image(130, 70, 95)
+    hist, r1 = first_turn(eng, "chat-r", a)
+    eng.stop()
+    again = make_engine()
+    path = str(tmp_path / "reread.strata")
+    saved = again.call(SaveSession(path, messages=hist, conversation="chat-r"))
+    assert saved.reread and encoded(again) == 1
+    again.stop()
+    third = make_engine()
+    restored = third.call(RestoreSession(path, conversation="chat-r"))
+    follow = restored.messages + [{"role": "user", "content": "And the colours?"}]
+    r2 = generate(third, follow, "chat-r")
+    assert encoded(third) == 0
+    assert_reused(r1, r2, tokens_of(third, follow))
+    with pytest.raises(EngineError) as e:      # a reference whose span nothing holds: send the image again
+        generate(third, [user("New chat: ")] + [{"role": "user", "content": restored.messages[0]["content"]}],
+                 "chat-other")
+    assert e.value.code == ErrorCode.BAD_REQUEST and "send the image again" in str(e.value)
+
+
 def test_a_session_with_image_spans_is_refused_without_a_projector(make_engine, tmp_path):
     eng = make_engine()
     hist, _ = first_turn(eng, "chat-p", image(80, 120, 91))
