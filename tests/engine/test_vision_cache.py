@@ -12,10 +12,15 @@ import llama_oracle
 from gguf_factory_vision import write_gemma3_vision_pair
 from vision_images import photo, png
 
-from engine.api import Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, RestoreSession, SaveSession, Status
+from engine import memory_estimate as me
+from engine.api import (Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
+                        SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
+from engine.gguf_file import open_gguf
+from engine.memory_guard import MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
+from engine.vision import mmproj
 from engine.vision.tokens import image_runs
 
 N_GEN = 6
@@ -200,3 +205,52 @@ def test_a_different_image_reuses_nothing_from_disk_or_a_session(make_engine, tm
         assert r.cached_tokens <= start, (restore, r.cached_tokens, start)
         assert encoded(again) == 1
         again.stop()
+
+
+class _Reader:
+    """A memory reading with a set available amount (a 16 GiB machine)."""
+
+    def __init__(self, available: int):
+        self.available = available
+
+    def __call__(self) -> MemoryReading:
+        return MemoryReading(total_bytes=16 << 30, available_bytes=self.available, source="test")
+
+
+def test_the_memory_fit_counts_the_projector_and_one_image(pair):
+    """Room for the text model at its context but not for the projector's weights and one image's
+    activations too: the load with the projector is refused with the numbers, the text-only one loads."""
+    model, mm = pair
+    ctx = 512
+    vplan = mmproj.plan(mm, True, "gemma3", 256, 4)
+    weights = sum(int(t.n_elements) for t in open_gguf(mm).reader.tensors) * 4
+    assert vplan.bytes == weights + mmproj.activation_bytes(vplan.spec, 4) > weights
+    need = me.estimate(me.read_header(model), ctx, "float32").total_bytes
+    eng = Engine(EngineOptions(context_length=ctx, cache_mib=0, dtype="float32"))
+    eng.guard = MemoryGuard(reserve_bytes=1 << 30, reader=_Reader(need + (1 << 30) + vplan.bytes // 2))
+    eng.start()
+    try:
+        with pytest.raises(EngineError) as e:
+            eng.call(LoadModel(str(model), mmproj=str(mm)))
+        assert e.value.code == ErrorCode.MEMORY_REFUSED and "does not fit" in str(e.value)
+        assert eng.call(LoadModel(str(model), mmproj="")).facts.vision is None
+    finally:
+        eng.stop()
+
+
+def test_image_requests_run_alone_between_batch_steps(make_engine):
+    """With continuous batching on, an image request runs alone between the text rows' steps (its
+    prefill feeds embeddings, which a batch row's prefill does not): every reply is the one each
+    request gets alone."""
+    a = image(88, 120, 97)
+    reqs = [([{"role": "user", "content": f"Tell me about number {i}."}], f"text-{i}") for i in range(3)]
+    reqs.insert(1, ([user("What is this? ", a)], "img"))
+    lone = make_engine(max_sequences=1)
+    want = [generate(lone, m, c).tokens for m, c in reqs]
+    lone.stop()
+    batched = make_engine(max_sequences=4)
+    handles = [batched.submit(GenerateRequest(messages=m, conversation=c,
+                                              sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+               for m, c in reqs]
+    assert [h.result(300).tokens for h in handles] == want
+    assert encoded(batched) == 1
