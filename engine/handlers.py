@@ -140,6 +140,7 @@ class RequestHandlers:
         cancelled = lambda: handle.cancelled  # noqa: E731
         spec, steps = self.eng.drafts.steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
+        spec.stopped = spec.stopped or turn.spec_off
         # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
         r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse, tokenizer=self.eng.tokenizer,
                   sampling=req.sampling,
@@ -199,8 +200,11 @@ class RequestHandlers:
         self.eng.steering.speed_projection = self.projection(asked)
         stats = StepStats()
         tokens = self.prompt_tokens(req)
+        spec_off = ""
         if drafter is not None and has_images(tokens):
-            raise RequestError("speculative decoding does not read images yet: send it with speculative off")
+            # Drafters read token ids (a draft model's own prefill, lookup's n-grams, the MTP head's
+            # embeddings), none of which image spans are: the reply decodes plainly and says why.
+            drafter, spec_off = None, "off for a prompt with images (drafters read text tokens only)"
         if len(tokens) >= self.eng.n_ctx:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         if req.side:
@@ -226,7 +230,7 @@ class RequestHandlers:
         entry.messages = self.storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, self.eng.n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
-                    self.eng.steering.active)
+                    self.eng.steering.active, spec_off)
 
     def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
@@ -335,6 +339,7 @@ class Turn:
     constraint: object = None
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
+    spec_off: str = ""              # why speculation asked for is off for this turn (images in the prompt)
 
 
 def _load_budget(guard) -> dict | None:

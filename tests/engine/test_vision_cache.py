@@ -254,3 +254,16 @@ def test_image_requests_run_alone_between_batch_steps(make_engine):
                for m, c in reqs]
     assert [h.result(300).tokens for h in handles] == want
     assert encoded(batched) == 1
+
+
+def test_speculation_asked_for_decodes_an_image_prompt_plainly_and_says_so(make_engine):
+    eng = make_engine()
+    msgs = [user("Name it: ", image(72, 72, 99))]
+    plain = generate(eng, msgs, "plain")
+    r = eng.call(GenerateRequest(messages=msgs, conversation="spec", speculative="lookup",
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    assert r.tokens == plain.tokens and r.drafted_tokens == 0
+    assert "images" in r.speculation_stopped
+    text = eng.call(GenerateRequest(messages=[{"role": "user", "content": "no image here"}], speculative="lookup",
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    assert "images" not in (text.speculation_stopped or "")
