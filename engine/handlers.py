@@ -107,7 +107,24 @@ class RequestHandlers:
                       name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
                       tools=tools, add_generation_prompt=add_generation_prompt)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return vision.tokens(tok, text, images, add_bos)
+        return vision.tokens(tok, text, images, add_bos, tail=self._held_tail)
+
+    def _held_tail(self, head: list[int], piece: str) -> list[int] | None:
+        """The ids of `piece` (a prompt's text after its last image, `head` the ids before it) keeping
+        a held conversation's own ids after that image as far as `piece` starts with their text: a
+        reply's generated ids, which re-tokenizing may not give back (as continue_tokens keeps a text
+        prompt's). None when no held conversation follows `head` (tokenize `piece` afresh)."""
+        tok, key, best = self.eng.tokenizer, self.cache_key(), None
+        for e in self.eng.conversations.held():
+            if e.key != key or len(e.tokens) <= len(head) or e.tokens[:len(head)] != head:
+                continue
+            rest = e.tokens[len(head):]
+            if has_images(rest) or (best is not None and len(rest) <= len(best[0])):
+                continue
+            text = tok.decode(rest, skip_special=False)
+            if text and piece.startswith(text):
+                best = (rest, text)
+        return None if best is None else best[0] + tok.encode(piece[len(best[1]):], add_bos=False)
 
     def storable(self, messages: list) -> list:
         """Messages as held K/V keeps them (engine/vision/tokens.py): image parts as references."""

@@ -159,21 +159,24 @@ class Vision:
         img = self.decode(data, where)
         return PromptImage(img.digest, img)
 
-    def tokens(self, tok, text: str, images: list[PromptImage], add_bos: bool) -> list[int]:
-        """The rendered prompt's tokens, each media marker replaced by its image span."""
+    def tokens(self, tok, text: str, images: list[PromptImage], add_bos: bool, tail=None) -> list[int]:
+        """The rendered prompt's tokens, each media marker replaced by its image span. `tail(ids,
+        piece)`: the ids of the text after the last image given the ids before it (held token ids kept,
+        as a text prompt's are), or None to tokenize it."""
         pieces = text.split(MEDIA_MARKER)
         if len(pieces) != len(images) + 1:
             raise RequestError(f"the chat template rendered {len(pieces) - 1} of the {len(images)} images "
                                f"(it drops or repeats message content)")
         begin, end = FAMILY_MARKERS[self.kind]
         ids = tok.encode(pieces[0], add_bos=add_bos)
-        for img, piece in zip(images, pieces[1:]):
+        for i, (img, piece) in enumerate(zip(images, pieces[1:])):
             t = image_token(img.digest, self.salt)
             if img.decoded is not None:
                 self._pending[t] = img.decoded
                 self._pending.move_to_end(t)
             ids += tok.encode(begin, add_bos=False) + [t] * self.n_tokens + tok.encode(end, add_bos=False)
-            ids += tok.encode(piece, add_bos=False)
+            last = i == len(images) - 1 and tail is not None
+            ids += (tail(ids, piece) if last else None) or tok.encode(piece, add_bos=False)
         while len(self._pending) > max(8, len(images)):     # this prompt's images always stay
             self._pending.popitem(last=False)
         return ids

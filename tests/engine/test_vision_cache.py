@@ -93,10 +93,13 @@ def test_counts_include_image_tokens(make_engine):
     r1 = generate(eng, with_image, "count")
     assert r1.prompt_tokens == n and r1.cached_tokens == 0
     follow = with_image + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "More?"}]
-    assert eng.call(CountTokens(messages=follow)).tokens == len(tokens_of(eng, follow))
+    want = tokens_of(eng, follow)              # before the turn: the held ids it will keep
+    assert eng.call(CountTokens(messages=follow)).tokens == len(want)
     r2 = generate(eng, follow, "count")
-    assert r2.prompt_tokens == len(tokens_of(eng, follow))
-    assert r2.cached_tokens >= image_runs(tokens_of(eng, follow))[0][1]     # the image's 256 among them
+    assert r2.prompt_tokens == len(want)
+    assert r2.cached_tokens >= image_runs(want)[0][1]     # the image's 256 among them
+    # the reply's own generated ids are kept after the image, as a text chat's are: all of it is reused
+    assert r2.cached_tokens >= r1.prompt_tokens + len(r1.tokens) - 1, (r2.cached_tokens, r1.prompt_tokens)
 
 
 def test_parked_and_brought_back(make_engine):
