@@ -26,6 +26,7 @@ from .limits import CacheLimitError, cache_range
 from .memory_estimate import gpu_working_set, load_budget
 from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
+from .conversations import held_run
 from .vision.tokens import has_image_parts, has_images, storable, text_chars, whole_image_start
 
 MAX_CHARS_PER_TOKEN = 32
@@ -114,17 +115,20 @@ class RequestHandlers:
         a held conversation's own ids after that image as far as `piece` starts with their text: a
         reply's generated ids, which re-tokenizing may not give back (as continue_tokens keeps a text
         prompt's). None when no held conversation follows `head` (tokenize `piece` afresh)."""
-        tok, key, best = self.eng.tokenizer, self.cache_key(), None
+        tok, key, best = self.eng.tokenizer, self.cache_key(), []
         for e in self.eng.conversations.held():
             if e.key != key or len(e.tokens) <= len(head) or e.tokens[:len(head)] != head:
                 continue
             rest = e.tokens[len(head):]
-            if has_images(rest) or (best is not None and len(rest) <= len(best[0])):
+            if has_images(rest):
                 continue
-            text = tok.decode(rest, skip_special=False)
-            if text and piece.startswith(text):
-                best = (rest, text)
-        return None if best is None else best[0] + tok.encode(piece[len(best[1]):], add_bos=False)
+            # the most of it the piece starts with (a template may trim a reply's edges)
+            m = held_run(tok, rest, piece, tok.decode(rest, skip_special=False))
+            if m > len(best):
+                best = rest[:m]
+        if not best:
+            return None
+        return best + tok.encode(piece[len(tok.decode(best, skip_special=False)):], add_bos=False)
 
     def storable(self, messages: list) -> list:
         """Messages as held K/V keeps them (engine/vision/tokens.py): image parts as references."""
