@@ -120,7 +120,7 @@ def test_disk_tier_after_a_restart(make_engine, tmp_path):
     eng = make_engine(**disk)
     a = image(140, 100, 61)
     hist, r1 = first_turn(eng, "chat-d", a)
-    eng.call(Call(lambda e: e.disk.persist(e.conversations.live)))
+    assert eng.wait_idle(60)                   # the idle-time write (engine/disk_tier.IdleWrites)
     eng.call(Call(lambda e: e.disk.flush()))
     eng.stop()
     again = make_engine(**disk)
