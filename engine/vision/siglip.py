@@ -14,12 +14,40 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from ..device import on_gpu
 from .mmproj import Projector
 
 
+def _matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ weight. On the CPU through numpy's BLAS for float32: MLX's CPU matmul on Linux measured
+    15x slower than OpenBLAS on the tower's shapes (1,179 ms against 76 ms for 256x1152 @ 1152x4304,
+    docs/VISION.md), and the tower is almost all matmuls; on a GPU it stays in MLX."""
+    if on_gpu() or x.dtype != mx.float32 or weight.dtype != mx.float32:
+        return x @ weight
+    return mx.array(np.asarray(x) @ np.asarray(weight))
+
+
+def _attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Softmax attention over (1, heads, n, d), every patch seeing every other. On the CPU in numpy,
+    float32, as _matmul (MLX's CPU attention took 224 ms where the matmuls' BLAS takes a few), one head
+    at a time so the scores held are one head's (n x n), within the estimate's activations."""
+    if on_gpu() or q.dtype != mx.float32:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    qn, kn, vn = np.asarray(q)[0], np.asarray(k)[0], np.asarray(v)[0]
+    out = np.empty_like(qn)
+    for h in range(qn.shape[0]):
+        s = (qn[h] @ kn[h].T) * np.float32(scale)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        out[h] = s @ vn[h]
+    return mx.array(out[None])
+
+
 def _linear(x: mx.array, w: dict, name: str) -> mx.array:
-    y = x @ w[name + ".weight"].T
+    y = _matmul(x, w[name + ".weight"].T)
     b = w.get(name + ".bias")
     return y if b is None else y + b
 
@@ -36,7 +64,7 @@ def patch_embed(pixels: mx.array, w: dict, patch: int) -> mx.array:
     chw = pixels.transpose(2, 0, 1).reshape(3, sy, patch, sx, patch)
     patches = chw.transpose(1, 3, 0, 2, 4).reshape(sy * sx, 3 * patch * patch)
     kernel = w["v.patch_embd.weight"]
-    out = patches @ kernel.reshape(kernel.shape[0], -1).T
+    out = _matmul(patches, kernel.reshape(kernel.shape[0], -1).T)
     b = w.get("v.patch_embd.bias")
     return out if b is None else out + b
 
@@ -48,7 +76,7 @@ def _block(x: mx.array, w: dict, i: int, n_head: int, eps: float, gelu: bool) ->
     h = _ln(x, w, p + "ln1", eps)
     q, k, v = (_linear(h, w, p + name).reshape(1, n, n_head, d).transpose(0, 2, 1, 3)
                for name in ("attn_q", "attn_k", "attn_v"))
-    a = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5)
+    a = _attention(q, k, v, d ** -0.5)
     x = x + _linear(a.transpose(0, 2, 1, 3).reshape(n, width), w, p + "attn_out")
     h = _linear(_ln(x, w, p + "ln2", eps), w, p + "ffn_up")
     h = nn.gelu_approx(h) if gelu else nn.gelu_fast_approx(h)
@@ -66,4 +94,4 @@ def encode(proj: Projector, pixels: mx.array) -> mx.array:
     side, k = s.side, s.pool
     x = x.reshape(side // k, k, side // k, k, s.width).mean(axis=(1, 3)).reshape(-1, s.width)
     x = mx.fast.rms_norm(x, w["mm.soft_emb_norm.weight"], s.eps)
-    return x @ w["mm.input_projection.weight"]
+    return _matmul(x, w["mm.input_projection.weight"])
