@@ -63,6 +63,9 @@ class EngineOptions:
     # A draft model (a GGUF with the model's vocabulary) loaded with the start-up model: `speculative:
     # draft:PATH` requests naming it use it (LoadModel.draft). The CLI sets it from --spec draft:PATH.
     draft: str | None = None
+    # The image projector (an mmproj GGUF) loaded with the start-up model: None looks beside the model
+    # for mmproj-*.gguf (engine/vision/find.py), "" loads none. The CLI sets it from --mmproj PATH.
+    mmproj: str | None = None
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -103,6 +106,9 @@ class LoadModel:
     steering: Any = "keep"                    # "keep" the current SteeringConfig, or a new one / None
     draft: str | None = None                  # a draft GGUF loaded with it, as one unit (a draft that cannot
                                               # load refuses the load); None: none (a request may name one)
+    mmproj: str | None = None                 # its image projector: a path (one that cannot serve the model
+                                              # refuses the load); None: an mmproj-*.gguf found beside it
+                                              # (one that cannot serve it is skipped, said in the log); "": none
 
 
 @dataclass
@@ -252,6 +258,8 @@ class EngineStatus(Result):
     distributed: dict | None = None
     disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder
     batch: BatchCounters | None = None        # continuous batching's counters (None: no batch yet)
+    vision: dict | None = None                # the image projector (vision.spans.VisionStats): projector, path,
+                                              # tokens_per_image, images_encoded, feature_cache_entries/_bytes
 
 
 @dataclass

@@ -61,6 +61,7 @@ from . import layer_cache, generate
 from .memory_estimate import estimate, read_header
 from .batch_prefill import GroupPrefill
 from .generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
+from .vision.tokens import has_image_parts
 
 log = logging.getLogger("strata")
 
@@ -88,6 +89,8 @@ def batchable(engine, item) -> bool:
     req = item.request
     if req.constraint is not None or (req.speculative or "off") != "off":
         return False        # the rule: speculation and constrained decoding run alone (between steps)
+    if has_image_parts(req.messages):
+        return False        # image spans are fed by the lone path (a row's prefill reads token ids only)
     return cache_batches(engine)
 
 

@@ -17,6 +17,7 @@ from .kv_key import KVKey
 from .parking import MIN_PREFIX_REUSE, KVEntry, Parking, common_prefix, TEXT_CONTEXT
 from . import layer_cache
 from .prompt_encoder import shared_chars
+from .vision.tokens import has_images, is_image_token, outside_vocab
 
 
 class Conversations:
@@ -89,7 +90,7 @@ class Conversations:
 
         def sound(e) -> bool:
             try:
-                return all(0 <= int(t) < n_vocab for t in e.tokens)
+                return all(0 <= int(t) < n_vocab or is_image_token(int(t)) for t in e.tokens)
             except (TypeError, ValueError, OverflowError):
                 return False
         for e in list(self.parking.entries):
@@ -165,7 +166,8 @@ class Conversations:
                 self.parking.drop(e, "superseded by its copy on disk")
         return got
 
-    def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: KVKey) -> list[int] | None:
+    def continue_tokens(self, tok, text: str, add_bos: bool, owner: str, key: KVKey,
+                        image_span: int = 0) -> list[int] | None:
         """Tokens for `text` that keep a held conversation's own tokens as far as `text` follows them.
 
         Re-tokenizing a reply does not always give back the ids the model generated; keeping
@@ -177,13 +179,16 @@ class Conversations:
         goes on from its parent's tokens, so it shares the parent's K/V and answers as the parent did),
         but only up to the start of a special token inside it: the text from a special token on
         tokenizes the same whatever came before it (engine/prompt_encoder.py), whereas another
-        conversation's tokens cut mid-word would give this one an unnatural tokenization."""
+        conversation's tokens cut mid-word would give this one an unnatural tokenization.. `image_span`: the loaded projector's
+        tokens an image (0: none): entries holding image spans of that length are passed over (no text
+        decodes to them: a prompt with images keys them itself); any other negative id is a bad entry, dropped."""
         candidates = []
         best, best_n = None, 0
         on_disk = [e for e in self.disk.entries.values() if e.key == key] \
             if self.disk is not None and self.disk.enabled else []
         for e in self.held() + on_disk:           # whole entries first: a string comparison each
-            if e.key != key or not e.tokens:
+            spans = has_images(e.tokens) and outside_vocab(e.tokens, 1 << 31, image_span) is None
+            if e.key != key or not e.tokens or spans:
                 continue
             starts_bos = tok.bos_id is not None and e.tokens[0] == tok.bos_id
             if add_bos and not starts_bos:

@@ -49,6 +49,7 @@ from .device_upload import to_device
 from .errors import SessionFileError
 from .parking import KVEntry, MIN_PREFIX_REUSE
 from .sessions import check_fingerprint, check_memory
+from .vision.tokens import outside_vocab
 
 KEEP_BOUNDARIES = layer_cache.MAX_CHECKPOINTS   # segments a compaction keeps as they are
 MAX_SEGMENTS = 64                               # more: compacted whatever the bytes (a scan reads each head)
@@ -288,7 +289,7 @@ def restore(tier, e, m: int, make_cache: Callable[[], list], prompt: list[int] |
         end = segs[k].start + segs[k].n
         tokens = np.concatenate([s.tokens for s in segs[:k + 1]])
         tier.verify(e, segs[:k + 1], tokens, prompt)
-        if end >= tier._n_ctx or int(tokens.min()) < 0 or int(tokens.max()) >= tier._n_vocab:
+        if end >= tier._n_ctx or outside_vocab(tokens, tier._n_vocab, tier._image_span) is not None:
             raise SessionFileError("its token ids do not fit this model")
         kv_s, st_s = ds.layer_specs(layers, end)
         try:

@@ -54,10 +54,11 @@ from .parking import MIB, MIN_PREFIX_REUSE, KVEntry, common_prefix
 from .paths import data_dir, unusable_folder
 from .chat_template import render
 from .device_upload import to_device
-from .errors import SessionFileError
+from .errors import SessionFileError, StrataError
 from .limits import check_disk_mib
 from .session_v3 import probe as cache_probe
 from .sessions import check_fingerprint, check_memory, padded_cells, restore_bytes
+from .vision.tokens import has_image_parts, outside_vocab
 
 COMPACT_SEGMENTS = 16      # more segments than this: rewritten as one when the writer is idle
 MIN_TOKENS = MIN_PREFIX_REUSE
@@ -184,6 +185,11 @@ class DiskTier:
     @property
     def _admit(self):
         return self._model()[3]
+
+    @property
+    def _image_span(self) -> int:
+        m = self._model()
+        return m[4] if len(m) > 4 else 0
 
     def _start_writer(self) -> _Writer:
         if self._writer is None or not self._writer.is_alive():
@@ -699,8 +705,7 @@ class DiskTier:
                 m = min(m, segs[-1].start + segs[-1].n)
                 tokens = np.concatenate([s.tokens for s in segs])[:m]
                 self.verify(e, segs, tokens, prompt)
-                if len(tokens) < m or m >= self._n_ctx or int(tokens.min()) < 0 \
-                        or int(tokens.max()) >= self._n_vocab:
+                if len(tokens) < m or m >= self._n_ctx or outside_vocab(tokens, self._n_vocab, self._image_span) is not None:
                     raise SessionFileError("its token ids do not fit this model")
                 if g.kv == "float16":
                     need = restore_bytes(m, g, np.dtype(_np_dtype(self._dtype)).itemsize)
@@ -802,18 +807,27 @@ def attach(engine) -> DiskTier | None:
         msgs = entry.messages
         if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
             return None
+        if has_image_parts(msgs):         # image references: their spans' ids, from the held digests
+            try:
+                toks = engine.handlers.image_prompt(list(msgs) + [{"role": "user", "content": "..."}],
+                                                    add_generation_prompt=False)
+            except StrataError:
+                return None               # a projector no longer loaded: no span of it will be asked for
+            return common_prefix(entry.tokens, toks)
         tok = engine.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(min(tok.eos_ids)) if tok.eos_ids else ""
         text = render(engine.template, list(msgs) + [{"role": "user", "content": "..."}], bos_token=bos,
                       eos_token=eos, add_generation_prompt=False)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key) \
+        toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key,
+                                                    engine.handlers.image_span()) \
             or tok.encode(text, add_bos=add_bos)
         return common_prefix(entry.tokens, toks)
 
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
-                                   engine.n_ctx or 1 << 31, engine.guard.admit), probe, next_shares)
+                                   engine.n_ctx or 1 << 31, engine.guard.admit, engine.handlers.image_span()),
+                   probe, next_shares)
     if cap:
         unusable = unusable_folder(folder)
         if unusable:

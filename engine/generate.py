@@ -19,6 +19,7 @@ from . import layer_cache
 from .errors import Cancelled
 from .markers import partial_suffix
 from .tokenizer import StreamDecoder
+from .vision.tokens import image_runs
 
 
 @dataclass
@@ -302,14 +303,15 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
           chunk: int, on_token: Callable[[int, str], None], on_progress: Callable[[int, int], None],
           cancelled: Callable[[], bool], steps=None, stats: StepStats | None = None,
           pace: PrefillPace | None = None, layerwise: bool | None = None, constraint=None,
-          marks: list[int] = ()) -> Reply:
+          marks: list[int] = (), images=None) -> Reply:
     """Extend `entry` (its K/V holds tokens[:reuse]) with the rest of the prompt, then decode a reply.
 
     Text goes out through `on_token(id, text)` as it is decoded, a possible stop string's start
     held back until it is decided; EOS or a stop string ends with "stop", `max_tokens` with
     "length", a cancel with "cancelled". `steps`: a token iterator that replaces `decode`
     (speculative decoding), built over the same `stats`. `constraint`: the grammar of `decode`'s
-    tokens (engine/constraints.py; `steps` carries its own)."""
+    tokens (engine/constraints.py; `steps` carries its own). `images`: the loaded projector's
+    spans (engine/vision/spans.Vision) when `tokens` holds image runs: each is fed whole, in one pass."""
     stats = stats or StepStats()
     new = tokens[reuse:-1]
     # The prompt's last part (1..limit tokens; speculative steps start from a fully fed cache) goes in
@@ -317,21 +319,28 @@ def reply(model, entry, tokens: list[int], reuse: int, *, tokenizer, sampling, n
     # Nor where checkpoints are due (`marks`: a cache that cannot trim): the turn's message boundaries
     # and the prompt's end fall in that last part, and a merged pass takes no checkpoint inside it, so
     # the next turn of a Qwen3.5-like model found none and read its history again (bench/gpu.md).
-    limit = first_step_merge_limit(chunk) if steps is None and not marks else 0
+    limit = first_step_merge_limit(chunk) if steps is None and not marks and images is None else 0
     n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
     pending = new[len(new) - n_merged:]
     ahead = new[:len(new) - n_merged]
     if ahead or not pending:
         # `marks`: positions in `tokens` (message boundaries) where a cache that cannot trim takes a
         # checkpoint (engine/layer_cache.py's policy; empty for full K/V): the prefill stops there.
-        cuts = sorted({m - reuse for m in marks if 0 < m - reuse < len(ahead)}) + [len(ahead)]
+        checkpoints = sorted({m - reuse for m in marks if 0 < m - reuse < len(ahead)}) + [len(ahead)]
+        runs = image_runs(ahead) if images is not None else []
+        cuts = sorted(set(checkpoints) | {x for run in runs for x in run if 0 < x < len(ahead)})
         done = 0
         for cut in cuts:
-            prefill(model, entry.cache, ahead[done:cut], entry.tokens, chunk=chunk,
-                    progress=on_progress if cut - done > 1 else None, cancelled=cancelled, pace=pace,
-                    layerwise=layerwise)
+            if (done, cut) in runs:
+                if cancelled():
+                    raise Cancelled("cancelled")
+                images.feed(model, entry.cache, ahead[done:cut], entry.tokens)
+            else:
+                prefill(model, entry.cache, ahead[done:cut], entry.tokens, chunk=chunk,
+                        progress=on_progress if cut - done > 1 else None, cancelled=cancelled, pace=pace,
+                        layerwise=layerwise)
             done = cut
-            if cut and hasattr(entry, "checkpoint"):
+            if cut and cut in checkpoints and hasattr(entry, "checkpoint"):
                 entry.checkpoint()  # a message boundary, and the prompt read (engine/layer_cache.py's policy)
     t_prefill = time.perf_counter()
     sp = sampling

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
@@ -29,6 +29,8 @@ from .parking import KVEntry, common_prefix
 from .constraints import compile as compile_constraint
 from .context_policy import (POLICIES, OverflowRefused, message_text, reply_reserve, select as select_messages,
                              smallest)
+from .conversations import held_run
+from .vision.tokens import has_image_parts, has_images, storable, text_chars, whole_image_start
 
 MAX_CHARS_PER_TOKEN = 32
 SIZES_KEPT = 4096                  # message sizes remembered for the overflow pages (then forgotten at once)
@@ -73,7 +75,7 @@ class RequestHandlers:
         # A huge body must not cost a tokenization (or a template render) to be refused: no real
         # tokenizer averages more than MAX_CHARS_PER_TOKEN characters a token.
         chars = len(req.prompt) if req.prompt is not None else sum(
-            len(str(m.get("content") or "")) for m in req.messages or [] if isinstance(m, dict))
+            text_chars(m.get("content")) for m in req.messages or [] if isinstance(m, dict))
         if chars > self.eng.n_ctx * MAX_CHARS_PER_TOKEN:
             raise ContextTooLong(f"the prompt is {chars} characters (over {chars // MAX_CHARS_PER_TOKEN} tokens); "
                                f"the context holds {self.eng.n_ctx}")
@@ -81,8 +83,11 @@ class RequestHandlers:
             return tok.encode(req.prompt)
         if not req.messages:
             raise RequestError("a request needs messages or a prompt")
+        if has_image_parts(req.messages):
+            return self.image_prompt(req.messages, tools=getattr(req, "tools", None))
         text, add_bos = self.render_messages(req.messages, getattr(req, "tools", None))
-        return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key())
+        return (self.eng.conversations.continue_tokens(tok, text, add_bos, req.conversation, self.cache_key(),
+                                                       self.image_span())
                 or tok.encode_prompt(text, add_bos=add_bos))
 
     def render_messages(self, messages: list[dict], tools=None, generation_prompt: bool = True) -> tuple[str, bool]:
@@ -150,6 +155,52 @@ class RequestHandlers:
             raise RequestError(f"context_limit must be a whole number >= 0 (got {limit!r})")
         return min(self.eng.n_ctx, limit) if limit else self.eng.n_ctx
 
+    def image_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True) -> list[int]:
+        """A chat prompt with image parts: rendered with the media marker in place of each image, then
+        tokenized with the images' spans (engine/vision/spans.py). Refused in one line when the model
+        has no projector."""
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        if vision is None:
+            raise RequestError(f"{self.eng.model_path.name} reads text only: no image projector (mmproj) is "
+                               f"loaded with it; put its mmproj-*.gguf beside it or name one with --mmproj")
+        if self.eng.serving.distributed:
+            raise RequestError("images are not read by a distributed engine yet")
+        flat, images = vision.flatten(messages)
+        text, add_bos = self.render_messages(flat, tools, generation_prompt=add_generation_prompt)
+        return vision.tokens(self.eng.tokenizer, text, images, add_bos, tail=self._held_tail)
+
+    def _held_tail(self, head: list[int], piece: str) -> list[int] | None:
+        """The ids of `piece` (a prompt's text after its last image, `head` the ids before it) keeping
+        a held conversation's own ids after that image as far as `piece` starts with their text: a
+        reply's generated ids, which re-tokenizing may not give back (as continue_tokens keeps a text
+        prompt's). None when no held conversation follows `head` (tokenize `piece` afresh)."""
+        tok, key, best = self.eng.tokenizer, self.cache_key(), []
+        for e in self.eng.conversations.held():
+            if e.key != key or len(e.tokens) <= len(head) or e.tokens[:len(head)] != head:
+                continue
+            rest = e.tokens[len(head):]
+            if has_images(rest):
+                continue
+            # the most of it the piece starts with (a template may trim a reply's edges)
+            m = held_run(tok, rest, piece, tok.decode(rest, skip_special=False))
+            if m > len(best):
+                best = rest[:m]
+        if not best:
+            return None
+        return best + tok.encode(piece[len(tok.decode(best, skip_special=False)):], add_bos=False)
+
+    def storable(self, messages: list) -> list:
+        """Messages as held K/V keeps them (engine/vision/tokens.py): image parts as references."""
+        if not has_image_parts(messages):
+            return list(messages)
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        return vision.storable(messages) if vision is not None else storable(messages)
+
+    def image_span(self) -> int:
+        """Tokens an image takes with the loaded projector (0: none loaded): a restored image span's length."""
+        vision = self.eng.loaded.vision if self.eng.loaded is not None else None
+        return vision.n_tokens if vision is not None else 0
+
     def prefill_pace(self):
         """The loaded model's measured prefill speed (generate.PrefillPace: the CPU's chunk cap), kept
         from request to request and started afresh for each model."""
@@ -169,6 +220,7 @@ class RequestHandlers:
         cancelled = lambda: handle.cancelled  # noqa: E731
         spec, steps = self.eng.drafts.steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
+        spec.stopped = spec.stopped or turn.spec_off
         # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
         r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse, tokenizer=self.eng.tokenizer,
                   sampling=req.sampling,
@@ -177,7 +229,8 @@ class RequestHandlers:
                   on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
                   cancelled=cancelled, steps=steps, stats=stats, pace=self.prefill_pace(),
                   layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
-                  marks=self.message_marks(turn.req, entry, tokens))
+                  marks=self.message_marks(turn.req, entry, tokens),
+                  images=self.eng.loaded.vision if has_images(tokens) else None)
         self.eng.drafts.done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint
@@ -199,6 +252,10 @@ class RequestHandlers:
         marks = []
         for msgs in (req.messages[:-1], req.messages):
             if not msgs:
+                continue
+            if has_image_parts(msgs):
+                marks.append(common_prefix(tokens, self.image_prompt(msgs, tools=getattr(req, "tools", None),
+                                                                     add_generation_prompt=False)))
                 continue
             text = render(self.eng.template, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=False,
                           tools=getattr(req, "tools", None))
@@ -224,6 +281,11 @@ class RequestHandlers:
         stats = StepStats()
         n_ctx = self.context_of(req)
         req, tokens, dropped = self.fit_context(req, n_ctx)
+        spec_off = ""
+        if drafter is not None and has_images(tokens):
+            # Drafters read token ids (a draft model's own prefill, lookup's n-grams, the MTP head's
+            # embeddings), none of which image spans are: the reply decodes plainly and says why.
+            drafter, spec_off = None, "off for a prompt with images (drafters read text tokens only)"
         if len(tokens) >= n_ctx:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {n_ctx}")
         if req.side:
@@ -233,9 +295,12 @@ class RequestHandlers:
             entry, reuse = self.take_kv(tokens, req.conversation)
             entry.owner = req.conversation or entry.owner
         reuse = min(reuse, len(tokens) - 1)     # the last prompt token is always evaluated
+        reuse = whole_image_start(tokens, reuse)    # an image is fed whole, never resumed halfway
         # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
         # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
         reuse = entry.rewind(reuse, self.make_cache)
+        if has_images(tokens[reuse:]):
+            self.eng.loaded.vision.check_available(tokens[reuse:])    # refused before any K/V changes
         if batched and not req.side:
             self.eng.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
         elif not req.side:
@@ -243,15 +308,15 @@ class RequestHandlers:
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
         if self.eng.parking is not None:            # the status bar's figures while the reply runs
             handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
-        entry.messages = list(req.messages or [])
+        entry.messages = self.storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,
-                    self.eng.steering.active, dropped)
+                    self.eng.steering.active, dropped, spec_off)
 
     def end_turn(self, turn: "Turn", r, spec=None) -> Generation:
         """The reply's messages on its K/V entry, the log line and the Generation."""
         req, stats, tokens = turn.req, turn.stats, turn.tokens
-        turn.entry.messages = list(req.messages or []) + (
+        turn.entry.messages = self.storable(req.messages or []) + (
             [{"role": "assistant", "content": r.text}] if req.messages else [])
         self.eng.log(f"{req.conversation or 'request'}: prompt {len(tokens)} (cached {turn.reuse}), "
                   f"{len(r.tokens)} generated, ttft {stats.ttft_ms:.0f} ms, "
@@ -325,6 +390,8 @@ class RequestHandlers:
             distributed=self.eng.serving.status(),
             disk=self.eng.disk.status() if self.eng.disk is not None else None,
             batch=dataclasses.replace(counts) if (counts := self.eng.scheduler.batch_counters) else None,
+            vision=asdict(self.eng.loaded.vision.stats()) if self.eng.loaded is not None
+            and self.eng.loaded.vision is not None else None,
         )
 
     def count_tokens(self, req: CountTokens) -> TokenCount:
@@ -369,11 +436,12 @@ class Turn:
     from_disk: int = 0
     projection: bool = False        # the control vector applies to this turn's K/V
     dropped: int = 0                # messages the overflow policy left out (turn.req has the rest)
+    spec_off: str = ""              # why speculation asked for is off for this turn (images in the prompt)
 
 
 def _chars(messages: list[dict]) -> int:
     """The characters prompt_tokens' cap counts."""
-    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+    return sum(text_chars(m.get("content")) for m in messages if isinstance(m, dict))
 
 
 def _load_budget(guard) -> dict | None:

@@ -32,6 +32,7 @@ class LoadedModel:
     steering_error: str | None  # why the configured control vector was refused (served without it)
     facts: ModelFacts           # the immutable summary other threads may read (Engine.model_facts)
     draft: Any = None           # speculative.DraftModel loaded with the model (LoadModel.draft), or None
+    vision: Any = None          # vision.spans.Vision: the image projector loaded with it (LoadModel.mmproj), or None
 
     def with_kv_format(self, kv_format) -> "LoadedModel":
         """The same load with another K/V format for new conversations (held ones keep theirs)."""

@@ -36,7 +36,7 @@ import math
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import gemma_layout, gguf_split, hybrid_layout
@@ -461,8 +461,12 @@ class Fit:
         return f"{self.estimate.line()}; {verdict} in {gib(self.budget.bytes)} ({self.budget.source}){more}"
 
 
-def check_fit(h: GGUFHeader, n_ctx: int, dtype: str, budget_: Budget | None) -> Fit:
+def check_fit(h: GGUFHeader, n_ctx: int, dtype: str, budget_: Budget | None, extra_bytes: int = 0) -> Fit:
+    """`extra_bytes`: what loads with the model besides its own weights (an image projector and one
+    image's activations), counted with the weights."""
     est = estimate(h, n_ctx, dtype)
+    if extra_bytes:
+        est = replace(est, weights_bytes=est.weights_bytes + extra_bytes)
     model_ctx = h.arch_int("context_length", 4096) or 4096
     largest = est.largest_context(budget_.bytes, model_ctx) if budget_ is not None else n_ctx
     return Fit(est, budget_, largest)
@@ -500,17 +504,18 @@ def load_budget(guard, gpu_ws: int | None) -> Budget | None:
     return budget(reading, guard.reserve_bytes or 0, gpu_ws)
 
 
-def fit_for_load(path, requested_ctx: int | None, dtype: str, guard, gpu_ws: int | None) -> tuple[int, str]:
+def fit_for_load(path, requested_ctx: int | None, dtype: str, guard, gpu_ws: int | None,
+                 extra_bytes: int = 0) -> tuple[int, str]:
     """(context to load with, one log line), or ModelTooLarge. An explicit context that does not fit
     is refused with the largest that does; the default context shrinks to fit when some context does
     (the log line says so). Nothing is refused when the guard cannot read the available memory."""
     h = read_header(path)
     n_ctx = default_context(h, requested_ctx)
     b = load_budget(guard, gpu_ws)
-    fit = check_fit(h, n_ctx, dtype, b)
+    fit = check_fit(h, n_ctx, dtype, b, extra_bytes)
     if fit.fits:
         return n_ctx, f"memory: {fit.line()}"
     if requested_ctx is None and fit.largest_context:
         n = fit.largest_context
-        return n, f"memory: context reduced from {n_ctx} to {n} to fit: {check_fit(h, n, dtype, b).line()}"
+        return n, f"memory: context reduced from {n_ctx} to {n} to fit: {check_fit(h, n, dtype, b, extra_bytes).line()}"
     raise ModelTooLarge(f"{h.path.name} at context {n_ctx} {fit.line()}")

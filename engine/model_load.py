@@ -10,7 +10,7 @@ import logging
 from . import kv_reserve, steering
 from .chat_template import generation_prompt
 from .device import compute_dtype, on_gpu
-from .gguf_file import open_gguf, set_hash
+from .gguf_file import content_hash, open_gguf, set_hash
 from .kv_format import choose_for
 from .loaded_model import LoadedModel
 from .memory_estimate import fit_for_load, gpu_working_set
@@ -18,6 +18,9 @@ from .models import resolve_model
 from .reasoning import opens_think
 from .tokenizer import load_tokenizer
 from .control_vector import ControlVector, ControlVectorError
+from .vision.find import chosen as find_projector
+from .vision.mmproj import load_projector, plan as plan_projector
+from .vision.spans import Vision
 
 
 class ModelLoad:
@@ -35,9 +38,14 @@ class ModelLoad:
         tokenizer = load_tokenizer(g)
         dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(
             self.eng.options.dtype or "", compute_dtype())
+        # The image projector (named, or found beside the model), checked from its header: its bytes
+        # count in the fit; one that cannot serve this model refuses the load when named.
+        found, named = find_projector(path, req.mmproj)
+        vplan = plan_projector(found, named, g.architecture, int(g.get(f"{g.architecture}.embedding_length", 0) or 0),
+                               dtype.size)
         # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
         n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
-                                          self.eng.guard, gpu_working_set())
+                                          self.eng.guard, gpu_working_set(), extra_bytes=vplan.bytes)
         progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
         model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
         steer_cfg = self.eng.in_force.steering if req.steering == "keep" else req.steering
@@ -53,19 +61,22 @@ class ModelLoad:
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
+        vision = Vision(load_projector(vplan.path, info.architecture, info.n_embd, dtype), dtype,
+                        content_hash(vplan.path)) if vplan.path is not None else None
         model_hash = set_hash(g.files)          # a split model: the whole set
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
                            info=dict(info.__dict__), n_ctx=n_ctx, model_hash=model_hash,
                            distributed=self.eng.serving.status(),
-                           think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)))
+                           think_open=opens_think(generation_prompt(template if isinstance(template, str) else None)),
+                           vision=vision.kind if vision is not None else None)
         # Everything validated: swap in the new load whole (a failed load above leaves the old one serving).
         self.eng.in_force.steering = steer_cfg
         self.eng.loaded = LoadedModel(
             model=model, tokenizer=tokenizer, info=info, path=path, template=template,
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
             steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.in_force.speed_projection),
-            steering_error=steering_error, facts=facts, draft=draft)
+            steering_error=steering_error, facts=facts, draft=draft, vision=vision)
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
             steering.install(self.eng.model, self.eng.steering)
@@ -79,6 +90,12 @@ class ModelLoad:
                   f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.eng.n_ctx}, "
                   f"compute {str(dtype).removeprefix('mlx.core.')}")
         self.eng.log(f"weights: {info.load_note}")
+        if vision is not None:
+            s = vision.projector.spec
+            self.eng.log(f"images: {vplan.path.name} ({s.projector}, {s.n_tokens} tokens an image, "
+                         f"{vision.projector.nbytes / 2**20:.1f} MiB)")
+        elif vplan.skipped:
+            self.eng.log(vplan.skipped)
         self.eng.log(memory_line)
         asked = self.eng.options.context_length
         if asked and asked > n_ctx and info.context_length <= n_ctx:

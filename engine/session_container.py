@@ -27,6 +27,7 @@ from .device_upload import drop_host_copies
 from .errors import SessionFileError, SessionFormatRefused, SessionOverwriteRefused, StrataError
 from .kv_format import describe_label, choose, format_of_label
 from .parking import KVEntry
+from .vision.tokens import outside_vocab, valid_parts
 
 FORMAT = "strata-session"
 VERSION = 2                        # what a full-K/V conversation is written in (format 3: engine/session_v3.py)
@@ -51,11 +52,12 @@ class Geometry:
     n_vocab: int
     n_ctx: int
     kv: str = KV_DTYPE          # the K/V format (kv_format.KVFormat.label): quantized ones: session_quant.py
+    image_span: int = 0         # the loaded projector's tokens an image (0: none): image spans' length
 
     @classmethod
-    def of(cls, fingerprint: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31) -> "Geometry":
+    def of(cls, fingerprint: dict, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31, image_span: int = 0) -> "Geometry":
         return cls(int(fingerprint["n_layer"]), int(fingerprint["n_kv_heads"]), int(fingerprint["head_dim"]),
-                   int(n_vocab), int(n_ctx), str(fingerprint.get("kv_format", KV_DTYPE)))
+                   int(n_vocab), int(n_ctx), str(fingerprint.get("kv_format", KV_DTYPE)), int(image_span))
 
 
 @dataclass(frozen=True)
@@ -441,8 +443,8 @@ def validate_messages(messages) -> str | None:
             return f"message {i} is not an object"
         if m.get("role") not in _ROLES:
             return f"message {i} has no valid role"
-        if not isinstance(m.get("content"), str):
-            return f"message {i} has no text content"
+        if not isinstance(m.get("content"), str) and not valid_parts(m.get("content")):
+            return f"message {i} has no text content"     # nor text parts and image references
         if not _encodable(m):
             return f"message {i} holds text that is not valid Unicode (a lone surrogate)"
     return None
@@ -624,14 +626,14 @@ def check_memory(name: str, n: int, need: int, admit) -> None:
                                    f"({why})")
 
 
-def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int) -> None:
+def check_read(name: str, raw: bytes, digest, tokens: np.ndarray, n_vocab: int, image_span: int = 0) -> None:
     """Once every byte is read: the header's checksum against them, then every token id against
-    the vocabulary (16-bit and quantized restores alike)."""
+    the vocabulary or, `image_span` > 0 (a projector loaded), as an image span of that many tokens
+    (16-bit and quantized restores alike)."""
     if digest.hexdigest().encode() != raw[len(_PREFIX):len(_PREFIX) + _HEX]:
         raise SessionFileError(f"{name} is corrupted (checksum mismatch)")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= n_vocab:
-        bad = lo if lo < 0 else hi
+    bad = outside_vocab(tokens, n_vocab, image_span)
+    if bad is not None:
         raise SessionFileError(f"{name} is corrupted (token id {bad} is outside the vocabulary of {n_vocab})")
 
 

@@ -129,13 +129,14 @@ def save(final: Path, entry, fingerprint: dict, *, t0: float, sync: bool = True,
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
          n_vocab: int = 1 << 31, n_ctx: int = 1 << 31,
          admit: Callable[[int], tuple[bool, str]] | None = None,
-         progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None):
+         progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None,
+         image_span: int = 0):
     """sessions.load for a quantized engine: validate everything, then build a KVEntry."""
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="none (codes uint32, scales and biases float16 in file and cache)")
     p = Path(path).expanduser()
     name = p.name
-    g = S.Geometry.of(expected, n_vocab, n_ctx)
+    g = S.Geometry.of(expected, n_vocab, n_ctx, image_span)
     fmt = fmt_of(g.kv)
     fd = S._open_regular(p)
     try:
@@ -180,7 +181,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    S.check_read(name, raw, digest, tokens, g.n_vocab)
+    S.check_read(name, raw, digest, tokens, g.n_vocab, g.image_span)
     t = time.perf_counter()
     for i, c in enumerate(cache):
         a = arrays[6 * i:6 * i + 6]

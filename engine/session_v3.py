@@ -262,7 +262,7 @@ def _parse_checkpoints(name: str, meta: dict, table: dict, ref_cache: list, n: i
 
 def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str, probe_cache: Callable[[], list],
          dtype=None, n_vocab: int = 1 << 31, n_ctx: int = 1 << 31, admit=None, progress=None,
-         log: Callable[[str], None] = lambda s: None):
+         log: Callable[[str], None] = lambda s: None, image_span: int = 0):
     t0 = time.perf_counter()
     prof = S.RestoreProfile(cast="as stored (format 3)")
     p = Path(path).expanduser()
@@ -298,7 +298,7 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    S.check_read(name, raw, digest, tokens, n_vocab)
+    S.check_read(name, raw, digest, tokens, n_vocab, image_span)
     t = time.perf_counter()
     states, it = [], iter(arrays)
     for layer, ref in zip(layers, ref_cache):

@@ -244,21 +244,23 @@ def load(path: str, expected: dict, make_cache: Callable[[], list], *, key: str,
          n_vocab: int = 1 << 31, n_ctx: int = 1 << 31,
          admit: Callable[[int], tuple[bool, str]] | None = None,
          progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda s: None,
-         probe_cache: Callable[[], list] | None = None):
+         probe_cache: Callable[[], list] | None = None, image_span: int = 0):
     """Validate everything, then build a KVEntry. Nothing live is touched; raise SessionFileError.
     A format-3 file (engine/session_v3.py) is validated against `probe_cache()`, this model's cache
-    after one token."""
+    after one token. `image_span`: the loaded projector's tokens an image (0: none), the only length
+    a run of image span ids may have."""
     _, head, _ = read_header(path)
     if head.get("version") == "3":
         if probe_cache is None:
             raise SessionFileError(f"{Path(path).name}: a format-3 session cannot be restored here")
         return session_v3.load(path, expected, make_cache, key=key, probe_cache=probe_cache, dtype=dtype,
-                               n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log)
+                               n_vocab=n_vocab, n_ctx=n_ctx, admit=admit, progress=progress, log=log,
+                               image_span=image_span)
     if expected.get("kv_format", KV_DTYPE) != KV_DTYPE:        # 8/4-bit K/V, restored as stored
         return session_quant.load(path, expected, make_cache, key=key, n_vocab=n_vocab, n_ctx=n_ctx,
-                                  admit=admit, progress=progress, log=log)
-    return _load_v2(Path(path).expanduser(), expected, make_cache, key, dtype, Geometry.of(expected, n_vocab, n_ctx),
-                    admit, progress, log)
+                                  admit=admit, progress=progress, log=log, image_span=image_span)
+    return _load_v2(Path(path).expanduser(), expected, make_cache, key, dtype,
+                    Geometry.of(expected, n_vocab, n_ctx, image_span), admit, progress, log)
 
 
 def _load_v2(p: Path, expected: dict, make_cache, key: str, dtype, g: Geometry, admit, progress, log):
@@ -333,7 +335,7 @@ def _load_v2(p: Path, expected: dict, make_cache, key: str, dtype, g: Geometry, 
         raise SessionFileError(f"cannot read session file {p}: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    check_read(name, raw, digest, tokens, g.n_vocab)
+    check_read(name, raw, digest, tokens, g.n_vocab, g.image_span)
     t = time.perf_counter()
     if arrays and arrays[0].dtype != dtype:
         arrays = [a.astype(dtype) for a in arrays]       # a GPU cache in another dtype: cast on the device

@@ -31,6 +31,9 @@ import gguf_random_blocks
 SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 GEMMA3_TURN = ("<start_of_turn>", "<end_of_turn>")
 GEMMA4_TURN = ("<|turn>", "<turn|>")
+# Gemma 3's image markers (llama.cpp's libmtmd writes them around an image's embeddings); appended
+# after the pieces, so the other ids stay as they are
+GEMMA3_IMAGE = ("<start_of_image>", "<end_of_image>")
 N_PIECES = 300
 # q/k norm scale: unit-RMS queries and keys of random weights give near-uniform attention, which makes
 # every position's attention output the context's mean and greedy repeats one token; 1.5x sharpens
@@ -81,8 +84,9 @@ def _pieces() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     return tuple(pieces), merges
 
 
-def vocab(arch: str) -> dict:
-    """The tokenizer.* fields for `arch` ("gemma3": SentencePiece; "gemma4": the gemma4 BPE)."""
+def vocab(arch: str, image_tokens: bool = False) -> dict:
+    """The tokenizer.* fields for `arch` ("gemma3": SentencePiece; "gemma4": the gemma4 BPE).
+    `image_tokens`: Gemma 3's image markers as control tokens at the end."""
     turn = GEMMA3_TURN if arch == "gemma3" else GEMMA4_TURN
     pieces, merges = _pieces()
     tokens = list(SPM_SPECIALS) + list(turn) + [f"<0x{b:02X}>" for b in range(256)]
@@ -94,6 +98,10 @@ def vocab(arch: str) -> dict:
     types += [gguf.TokenType.BYTE] * 256
     types += [gguf.TokenType.NORMAL] * (len(tokens) - len(types))
     scores = [0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)]
+    if image_tokens:
+        tokens += list(GEMMA3_IMAGE)
+        types += [gguf.TokenType.CONTROL] * len(GEMMA3_IMAGE)
+        scores += [0.0] * len(GEMMA3_IMAGE)
     out = {
         "tokens": tokens, "types": [int(t) for t in types], "scores": scores,
         "bos": SPM_SPECIALS.index("<bos>"), "eos": SPM_SPECIALS.index("<eos>"),
@@ -141,7 +149,8 @@ class _Rand:
         return (center + self.normal((n,), 0.1)).astype(np.float32)
 
 
-def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: str) -> Path:
+def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: str,
+           image_tokens: bool = False) -> Path:
     qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,7 @@ def _write(path, arch: str, tensors: dict[str, np.ndarray], meta, tensor_type: s
     meta(w)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _add_vocab(w, vocab(arch))
+    _add_vocab(w, vocab(arch, image_tokens))
     for name, arr in tensors.items():
         if name == "rope_freqs.weight" or arr.ndim == 1 or "ffn_gate_inp" in name:   # kept F32
             w.add_tensor(name, arr.astype(np.float32))
@@ -182,15 +191,16 @@ def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
                       sliding_window=32, pattern: int | None = 2, context_length=2048, tensor_type="F16",
                       seed=0, rope_theta=1_000_000.0, tie_embeddings=False, eot_like: int | None = None,
                       rope_linear: float | None = None, name=None, fast_random: bool = False,
-                      edit=None) -> Path:
+                      edit=None, image_tokens: bool = False) -> Path:
     """A tiny Gemma 3. `pattern`: every pattern-th layer is global, written as
     gemma3.attention.sliding_window_pattern (llama.cpp reads it; 2 = sliding, global, ...). Real
     files have no such key (pattern=None): llama.cpp's default then makes every 6th layer global,
     so such a file needs at least 6 layers. `fast_random`: the blocks' weight matrices written as
     random quantized blocks (bench/shapes.py's big files; Q8_0 in seconds). `edit(tensors)`: called
-    on the tensor dict before writing (bench/shapes.py zeroes output rows)."""
+    on the tensor dict before writing (bench/shapes.py zeroes output rows). `image_tokens`: the
+    vocabulary ends with Gemma 3's image markers (a vision pair, tests/gguf_factory_vision.py)."""
     r = _Rand(seed, fast_random)
-    n_vocab = len(vocab("gemma3")["tokens"])
+    n_vocab = len(vocab("gemma3", image_tokens)["tokens"])
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     t: dict[str, np.ndarray] = {"token_embd.weight": r.normal((n_vocab, n_embd), 2.0 / np.sqrt(n_embd))}
     for i in range(n_layer):
@@ -235,7 +245,7 @@ def write_tiny_gemma3(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
         if rope_linear:     # Gemma 3 4B/12B/27B: linear x8 on the global layers
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope_linear)
-    return _write(path, "gemma3", t, meta, tensor_type)
+    return _write(path, "gemma3", t, meta, tensor_type, image_tokens)
 
 
 def gemma4_layer_types(n_layer: int, pattern: int) -> list[bool]:

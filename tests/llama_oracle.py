@@ -268,6 +268,8 @@ def _serve(rx: Connection, tx: Connection) -> None:
 
     fns = {"die": die, "greedy": greedy, "logits": logits, "set_cvec": set_cvec, "has_cvec": has_cvec, "quantize": quantize,
            "ggml_dequantize": ggml_dequantize}
+    import mtmd_oracle          # the image half (libmtmd), worker side: loaded in the worker only
+    fns.update(mtmd_oracle.WORKER_FNS)
     while True:
         try:
             op, *args = rx.recv()

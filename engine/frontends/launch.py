@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from ..errors import StrataError
 from ..limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, DEFAULT_MAX_SEQUENCES, KV_BITS,
@@ -37,6 +38,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
     p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=16,
                    help="K/V cache storage: 16-bit, or 8/4-bit quantized (mlx-lm's QuantizedKVCache)")
+    p.add_argument("--mmproj", default=None, metavar="PATH",
+                   help="the model's image projector (an mmproj GGUF); default: an mmproj-*.gguf beside the "
+                        "model; '' for none")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
     p.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                    help=f"requests decoded together in one batch, the rest queue (default {DEFAULT_MAX_SEQUENCES}; "
@@ -53,6 +57,10 @@ def check_engine_flags(args) -> None:
     unusable = check_data_dir()       # sessions, models, the disk cache: before the model loads
     if unusable:
         raise StrataError(unusable)
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj:                      # a path that is no file is refused before the model loads
+        if not Path(mmproj).expanduser().is_file():
+            raise StrataError(f"--mmproj: no such file: {mmproj}")
     if args.ctx is not None and args.ctx < 16:  # 0 or a negative used to pass as "the model's own"
         # (too large a context is refused by the memory estimate at load, with the numbers)
         raise StrataError(f"--ctx must be at least 16 tokens (omit it for the model's own); got {args.ctx}")
@@ -75,7 +83,8 @@ def engine_options(args):
                          cache_mib=args.conversation_cache_mib, cache_slots=args.conversation_cache_slots,
                          steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
                          kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib,
-                         max_sequences=args.max_sequences, draft=_draft_of(getattr(args, "spec", None)))
+                         max_sequences=args.max_sequences, draft=_draft_of(getattr(args, "spec", None)),
+                         mmproj=getattr(args, "mmproj", None))
 
 
 def _draft_of(spec: str | None) -> str | None:

@@ -1,0 +1,130 @@
+"""Images: encode time against llama.cpp's libmtmd, and a follow-up turn after an image.
+
+    .venv/bin/python bench/vision.py [--rounds 5] [--layers 2] [--image-size 224] [--full] [--gen 4]
+
+1. Encode: one Pillow-made photo through a gemma3 projector of SigLIP's width (1152, MLP 4304, 16 heads,
+   14-pixel patches; `--layers`, `--image-size`: 2 layers at 224 pixels by default, so a shared CPU runs
+   it in seconds; `--full` is Gemma 3's own tower, 27 layers at 896 pixels) with random weights (written
+   by tests/gguf_factory_vision.py), in Strata (preprocess + the MLX tower, evaluated) and in libmtmd
+   (`mtmd_encode_chunk` through the llama.cpp oracle's worker process: its figure includes the image's
+   tokenization and one IPC round trip, a few ms), alternated, median of --rounds after one warm-up each.
+   Target: Strata's encode time <= libmtmd's (ratio libmtmd / Strata >= 1.0x).
+2. Follow-up: on the tiny Gemma 3 + gemma3 mmproj of the tests, a first turn with an image, then a
+   text follow-up in the same chat, and for comparison a text-only chat of the same shape and its
+   follow-up. TTFT of each; the follow-up after the image must encode nothing (Status's images_encoded)
+   and its TTFT be within 1.2x of the text-only follow-up's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import mlx.core as mx   # noqa: E402
+
+import llama_oracle    # noqa: E402
+import mtmd_oracle     # noqa: E402
+from gguf_factory_vision import write_gemma3_vision_pair   # noqa: E402
+from vision_images import photo, png   # noqa: E402
+
+from bench.harness import Run, add_args   # noqa: E402
+from engine.api import EngineOptions, GenerateRequest, ImageInput, Status   # noqa: E402
+from engine.engine import Engine   # noqa: E402
+from engine.images import decode_image   # noqa: E402
+from engine.sampling import SamplingParams   # noqa: E402
+from engine.vision import mmproj, preprocess, siglip   # noqa: E402
+
+
+def encode_times(folder: Path, args) -> tuple[list[float], list[float], dict]:
+    size = 896 if args.full else args.image_size
+    layers = 27 if args.full else args.layers
+    shape = dict(n_embd=1152, n_ff=4304, n_layer=layers, n_head=16, image_size=size, patch=14, pool=4)
+    model, mm = write_gemma3_vision_pair(folder / "siglip", mmproj_kw=shape, mmproj_name="mmproj-siglip.gguf")
+    proj = mmproj.load_projector(mm, "gemma3", 256)
+    rgb = decode_image(png(photo(640, 480, seed=7))).rgb
+
+    def ours() -> float:
+        t0 = time.perf_counter()
+        mx.eval(siglip.encode(proj, mx.array(preprocess.preprocess(rgb, proj.spec))))
+        return time.perf_counter() - t0
+
+    def theirs() -> float:
+        t0 = time.perf_counter()
+        mtmd_oracle.encode(model, mm, rgb)
+        return time.perf_counter() - t0
+    ours(), theirs()                          # warm-up: kernels built, the worker's model loaded
+    a, b = [], []
+    for _ in range(args.rounds):
+        a.append(ours())
+        b.append(theirs())
+    return a, b, {"layers": layers, "image_size": size, "tokens": proj.spec.n_tokens}
+
+
+def ttft(eng, messages, conv: str, gen: int):
+    r = eng.call(GenerateRequest(messages=messages, conversation=conv,
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=gen)))
+    return r, r.ttft_ms
+
+
+def follow_up(folder: Path, gen: int) -> dict:
+    model, _ = write_gemma3_vision_pair(folder / "tiny")
+    eng = Engine(EngineOptions(model=str(model), cache_mib=256)).start()
+    eng.startup.result()
+    try:
+        img = ImageInput(png(photo(320, 240, seed=3)), "photo.png")
+        q = "Describe what you see in detail, please."
+        first = [{"role": "user", "content": [{"type": "text", "text": q}, {"type": "image", "image": img}]}]
+        r1, t_first = ttft(eng, first, "img", gen)
+        n = eng.call(Status()).vision["images_encoded"]
+        r2, t_follow = ttft(eng, first + [{"role": "assistant", "content": r1.text},
+                                          {"role": "user", "content": "And the colours?"}], "img", gen)
+        encoded = eng.call(Status()).vision["images_encoded"] - n
+        text = [{"role": "user", "content": q + " word" * 258}]     # about the image's length in text
+        t1, _ = ttft(eng, text, "txt", gen)
+        t2, t_text = ttft(eng, text + [{"role": "assistant", "content": t1.text},
+                                       {"role": "user", "content": "And the colours?"}], "txt", gen)
+        return {"first_ms": t_first, "follow_ms": t_follow, "text_follow_ms": t_text, "encoded_again": encoded,
+                "cached": r2.cached_tokens, "prompt": r2.prompt_tokens, "text_cached": t2.cached_tokens}
+    finally:
+        eng.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--full", action="store_true", help="Gemma 3's SigLIP: 27 layers, 896 pixels")
+    ap.add_argument("--gen", type=int, default=4)
+    add_args(ap)
+    args = ap.parse_args()
+    llama_oracle.require = lambda: None if llama_oracle.available() else sys.exit("llama-cpp-python is not installed")
+    run = Run(out=args.out)
+    with tempfile.TemporaryDirectory() as d:
+        ours, theirs, shape = encode_times(Path(d), args)
+        mo, mt = statistics.median(ours), statistics.median(theirs)
+        run.record("encode_ms", round(mo * 1e3, 1), "ms", spread=[min(ours) * 1e3, mo * 1e3, max(ours) * 1e3],
+                   rounds=args.rounds, **shape)
+        run.record("encode_libmtmd_ms", round(mt * 1e3, 1), "ms", rounds=args.rounds, **shape)
+        run.record("encode_ratio", round(mt / mo, 2), "x", peer="libmtmd", rounds=args.rounds, **shape,
+                   line=f"encode ({shape}): Strata {mo * 1e3:.1f} ms, libmtmd {mt * 1e3:.1f} ms, "
+                        f"libmtmd/Strata {mt / mo:.2f}x")
+        f = follow_up(Path(d), args.gen)
+        run.record("follow_up_ttft_ms", round(f["follow_ms"], 1), "ms", encoded_again=f["encoded_again"],
+                   cached=f["cached"], prompt_tokens=f["prompt"])
+        run.record("follow_up_vs_text_follow_up", round(f["follow_ms"] / f["text_follow_ms"], 2), "x",
+                   peer="text-only follow-up",
+                   line=f"first turn with the image {f['first_ms']:.0f} ms; follow-up {f['follow_ms']:.0f} ms "
+                        f"(cached {f['cached']} of {f['prompt']}, images encoded again: {f['encoded_again']}); "
+                        f"text-only follow-up {f['text_follow_ms']:.0f} ms (cached {f['text_cached']}): "
+                        f"{f['follow_ms'] / f['text_follow_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""An mmproj GGUF (llama.cpp's image projector file: `general.architecture = clip`) read into a typed
+spec and MLX weights, refused with one line when it cannot serve the loaded text model.
+
+What is checked before any tensor is read: the architecture (clip), a vision encoder, a projector
+type Strata runs (PROJECTORS), the text family that projector feeds (a gemma3 projector serves a
+gemma3 text model only) and the output width against the text model's embedding width. The keys are
+llama.cpp's (gguf-py's Keys.Clip / Keys.ClipVision), read as clip.cpp reads them: the pool per side is
+`clip.vision.projector.scale_factor` (4 when absent, Gemma 3's own), the MLP's activation is GELU
+(tanh form) when `clip.use_gelu` is set.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import ModelFileError
+from ..gguf_file import GGUFFile, open_gguf
+from ..quants import UnsupportedTensorType, convert_tensor
+
+# projector type -> the text architectures it feeds
+PROJECTORS: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3",)}
+DEFAULT_POOL = {"gemma3": 4}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The projector's shape and preprocessing, as clip.cpp reads them from the file."""
+    projector: str                  # clip.projector_type ("gemma3")
+    image_size: int                 # the square side an image is resized (letterboxed) to
+    patch: int
+    width: int                      # the ViT's embedding width
+    n_ff: int
+    n_layer: int
+    n_head: int
+    eps: float
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    pool: int                       # patches per side averaged into one token
+    text_width: int                 # the projection's output width (the text model's n_embd)
+    gelu: bool                      # the MLP's activation: GELU (tanh form); else quick-GELU
+
+    @property
+    def side(self) -> int:
+        return self.image_size // self.patch
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens one image takes in the prompt."""
+        return (self.side // self.pool) ** 2
+
+
+@dataclass
+class Projector:
+    """A loaded mmproj: its spec, its weights by GGUF name (MLX arrays) and its size in bytes."""
+    path: Path
+    spec: VisionSpec
+    weights: dict[str, mx.array]
+    nbytes: int
+
+
+def _key(g: GGUFFile, key: str, default=None, required: bool = True):
+    v = g.get(key, None)
+    if v is None:
+        if required and default is None:
+            raise ModelFileError(f"{g.path.name}: the projector has no '{key}'")
+        return default
+    return v
+
+
+def read_spec(g: GGUFFile, text_arch: str, text_width: int) -> VisionSpec:
+    """The file's VisionSpec, or ModelFileError naming why it cannot serve this text model."""
+    name = g.path.name
+    if g.architecture != "clip":
+        raise ModelFileError(f"{name} is not an image projector (general.architecture is "
+                             f"'{g.architecture or '?'}', an mmproj file says 'clip')")
+    if not bool(g.get("clip.has_vision_encoder", False)):
+        raise ModelFileError(f"{name} has no vision encoder (an audio-only projector is not read)")
+    ptype = str(g.get("clip.vision.projector_type", None) or g.get("clip.projector_type", "") or "")
+    if ptype not in PROJECTORS:
+        raise ModelFileError(f"{name}: projector type '{ptype or '?'}' is not supported "
+                             f"(Strata runs: {', '.join(sorted(PROJECTORS))})")
+    if text_arch not in PROJECTORS[ptype]:
+        raise ModelFileError(f"{name} is a {ptype} projector; the loaded model is a {text_arch} "
+                             f"(it feeds {', '.join(PROJECTORS[ptype])})")
+    out = int(_key(g, "clip.vision.projection_dim", 0, required=False))
+    spec = VisionSpec(
+        projector=ptype, image_size=int(_key(g, "clip.vision.image_size")),
+        patch=int(_key(g, "clip.vision.patch_size")), width=int(_key(g, "clip.vision.embedding_length")),
+        n_ff=int(_key(g, "clip.vision.feed_forward_length")), n_layer=int(_key(g, "clip.vision.block_count")),
+        n_head=int(_key(g, "clip.vision.attention.head_count")),
+        eps=float(_key(g, "clip.vision.attention.layer_norm_epsilon", 1e-6, required=False)),
+        mean=tuple(float(x) for x in _key(g, "clip.vision.image_mean")),
+        std=tuple(float(x) for x in _key(g, "clip.vision.image_std")),
+        pool=int(_key(g, "clip.vision.projector.scale_factor", DEFAULT_POOL[ptype], required=False)),
+        text_width=out, gelu=bool(g.get("clip.use_gelu", False)))
+    _check_shape(spec, name)
+    return spec
+
+
+def _check_shape(spec: VisionSpec, name: str) -> None:
+    if not (0 < spec.patch <= spec.image_size <= 8192) or spec.image_size % spec.patch:
+        raise ModelFileError(f"{name}: image size {spec.image_size} is not a multiple of the patch {spec.patch}")
+    if spec.pool <= 0 or spec.side % spec.pool:
+        raise ModelFileError(f"{name}: {spec.side} patches a side do not pool by {spec.pool}")
+    if spec.n_head <= 0 or spec.width % spec.n_head or len(spec.mean) != 3 or len(spec.std) != 3:
+        raise ModelFileError(f"{name}: bad vision hyperparameters (width {spec.width}, heads {spec.n_head})")
+
+
+def _dense(t, dtype) -> mx.array:
+    m = convert_tensor(t, dtype)
+    if not m.quantized:
+        return m.weight
+    if m.mode != "affine":
+        return mx.dequantize(m.weight, m.scales, None, group_size=m.group_size, bits=m.bits,
+                             mode=m.mode).astype(dtype)
+    return mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits).astype(dtype)
+
+
+def load_projector(path: str | os.PathLike, text_arch: str, text_width: int,
+                   dtype: mx.Dtype = mx.float32) -> Projector:
+    """Read and check an mmproj for a text model (`text_arch`, `text_width`); its weights dense in
+    `dtype` (a projector is a few hundred MB at most: no quantized matmuls kept)."""
+    g = open_gguf(path)
+    spec = read_spec(g, text_arch, text_width)
+    weights: dict[str, mx.array] = {}
+    try:
+        for t in g.reader.tensors:
+            if t.name.startswith(("v.", "mm.")):
+                weights[t.name] = _dense(t, dtype)
+    except (UnsupportedTensorType, ValueError) as e:
+        raise ModelFileError(f"{g.path.name}: {e}") from None
+    proj = weights.get("mm.input_projection.weight")
+    if proj is None:
+        raise ModelFileError(f"{g.path.name}: the projector has no mm.input_projection.weight")
+    width_out = int(proj.shape[-1])
+    if width_out != text_width:
+        raise ModelFileError(f"{g.path.name} projects to width {width_out}; the loaded model's embeddings "
+                             f"are {text_width} wide (a projector of another model size)")
+    if spec.text_width != width_out:
+        spec = VisionSpec(**{**spec.__dict__, "text_width": width_out})
+    mx.eval(list(weights.values()))
+    return Projector(Path(path), spec, weights, sum(int(w.nbytes) for w in weights.values()))
+
+
+def file_bytes(path: str | os.PathLike) -> int:
+    """The projector's size on disk (the memory estimate's share for it, before it loads)."""
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+
+@dataclass(frozen=True)
+class ProjectorPlan:
+    """What a load will do about images, decided from headers before any tensor is read: the file to
+    load (None: none), its spec, the bytes it will take, and why a file found beside the model is
+    skipped (a named one that cannot serve the model refuses the load instead)."""
+    path: Path | None
+    spec: VisionSpec | None = None
+    bytes: int = 0
+    skipped: str | None = None
+
+
+def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
+    """One image through the tower: the attention scores of a layer (heads x patches^2, float32) and
+    a few patch-by-width buffers."""
+    n = spec.side * spec.side
+    return n * n * spec.n_head * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
+
+
+def plan(path: Path | None, named: bool, text_arch: str, text_width: int, dtype_bytes: int) -> ProjectorPlan:
+    """The plan for loading `path` beside a text model (arch, width); ModelFileError when `named` and
+    it cannot serve the model, a skipped plan when it was only found beside it."""
+    if path is None:
+        return ProjectorPlan(None)
+    try:
+        g = open_gguf(path)
+        spec = read_spec(g, text_arch, text_width)
+        if spec.text_width and spec.text_width != text_width:
+            raise ModelFileError(f"{g.path.name} projects to width {spec.text_width}; the loaded model's "
+                                 f"embeddings are {text_width} wide (a projector of another model size)")
+        weights = sum(int(t.n_elements) for t in g.reader.tensors) * dtype_bytes
+    except ModelFileError as e:
+        if named:
+            raise
+        return ProjectorPlan(None, skipped=f"image projector {path.name} beside the model skipped: {e}")
+    return ProjectorPlan(path, spec, weights + activation_bytes(spec, dtype_bytes))

@@ -1,0 +1,272 @@
+"""Image spans cached like text, on every path that reuses K/V, on a tiny Gemma 3 + gemma3 mmproj pair:
+a chat with an image parked and brought back (A/B/A), the disk tier after an engine restart, and
+session files (save, restore in a new engine); the image is not encoded again (Status's public
+`vision.images_encoded` counter) and the follow-up takes >= 90% of its history from held K/V. A
+different image at the same place reuses no K/V from any of them. Prompt and cached token counts
+(Generation, CountTokens) include the image's tokens."""
+from __future__ import annotations
+
+import pytest
+
+import llama_oracle
+from gguf_factory_vision import write_gemma3_vision_pair
+from vision_images import photo, png
+
+from engine import memory_estimate as me
+from engine.api import (Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
+                        SaveSession, Status)
+from engine.engine import Engine
+from engine.errors import EngineError, ErrorCode
+from engine.gguf_file import open_gguf
+from engine.memory_guard import MemoryGuard, MemoryReading
+from engine.sampling import SamplingParams
+from engine.vision import mmproj
+from engine.vision.tokens import image_runs
+
+N_GEN = 6
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    llama_oracle.require()
+    return write_gemma3_vision_pair(tmp_path_factory.mktemp("vision-cache"))
+
+
+@pytest.fixture
+def make_engine(pair):
+    made = []
+
+    def make(**kw):
+        e = Engine(EngineOptions(model=str(pair[0]), **{"cache_mib": 256, **kw})).start()
+        e.startup.result()
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.stop()
+
+
+def user(*parts) -> dict:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
+    return {"role": "user", "content": content}
+
+
+def image(w: int, h: int, seed: int) -> ImageInput:
+    return ImageInput(png(photo(w, h, seed=seed)), f"{w}x{h}.png")
+
+
+def generate(eng, messages, conversation: str):
+    return eng.call(GenerateRequest(messages=messages, conversation=conversation,
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+
+
+def encoded(eng) -> int:
+    return eng.call(Status()).vision["images_encoded"]
+
+
+def tokens_of(eng, messages) -> list[int]:
+    return eng.call(Call(lambda e: e.handlers.prompt_tokens(GenerateRequest(messages=messages)))).value
+
+
+def first_turn(eng, conversation: str, img: ImageInput, words: str = "Here is a photo: "):
+    history = [user(words, img, " Describe it.")]
+    r = generate(eng, history, conversation)
+    return history + [{"role": "assistant", "content": r.text}], r
+
+
+def assert_reused(r1, r2, follow_tokens: list[int]) -> None:
+    """The follow-up took its history (image span included) from held K/V."""
+    held = r1.prompt_tokens + len(r1.tokens)
+    assert r2.cached_tokens >= 0.9 * held, (r2.cached_tokens, held)
+    assert r2.cached_tokens >= image_runs(follow_tokens)[0][1], "the image span was read again"
+
+
+def test_counts_include_image_tokens(make_engine):
+    eng = make_engine()
+    a = image(96, 64, 3)
+    text_only = [{"role": "user", "content": "Look:  and say."}]
+    with_image = [user("Look: ", a, " and say.")]
+    n_text = eng.call(CountTokens(messages=text_only)).tokens
+    n = eng.call(CountTokens(messages=with_image)).tokens
+    # the marker's surrounding text is the same; the image adds <start_of_image>, 256 tokens, <end_of_image>
+    assert n == n_text + 256 + 2
+    r1 = generate(eng, with_image, "count")
+    assert r1.prompt_tokens == n and r1.cached_tokens == 0
+    follow = with_image + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "More?"}]
+    want = tokens_of(eng, follow)              # before the turn: the held ids it will keep
+    assert eng.call(CountTokens(messages=follow)).tokens == len(want)
+    r2 = generate(eng, follow, "count")
+    assert r2.prompt_tokens == len(want)
+    assert r2.cached_tokens >= image_runs(want)[0][1]     # the image's 256 among them
+    # the reply's own generated ids are kept after the image, as a text chat's are: all of it is reused
+    assert r2.cached_tokens >= r1.prompt_tokens + len(r1.tokens) - 1, (r2.cached_tokens, r1.prompt_tokens)
+
+
+def test_parked_and_brought_back(make_engine):
+    eng = make_engine()
+    a, b = image(150, 110, 51), image(110, 150, 52)
+    hist_a, r1 = first_turn(eng, "chat-a", a)
+    first_turn(eng, "chat-b", b, "Another one: ")              # chat A is parked
+    assert eng.call(Status()).conversations[0]["owner"] == "chat-b"
+    n = encoded(eng)
+    follow = hist_a + [{"role": "user", "content": "And the colours?"}]
+    r2 = generate(eng, follow, "chat-a")
+    assert encoded(eng) == n, "the image was encoded again"
+    assert_reused(r1, r2, tokens_of(eng, follow))
+
+
+def test_disk_tier_after_a_restart(make_engine, tmp_path):
+    disk = dict(disk_mib=64, disk_dir=str(tmp_path / "disk"))
+    eng = make_engine(**disk)
+    a = image(140, 100, 61)
+    hist, r1 = first_turn(eng, "chat-d", a)
+    assert eng.wait_idle(60)                   # the idle-time write (engine/disk_tier.IdleWrites)
+    eng.call(Call(lambda e: e.disk.flush()))
+    eng.stop()
+    again = make_engine(**disk)
+    assert encoded(again) == 0
+    follow = hist + [{"role": "user", "content": "And the colours?"}]
+    r2 = generate(again, follow, "chat-d")
+    assert encoded(again) == 0, "the image was encoded again after the restart"
+    assert r2.restored_from_disk > 0
+    assert_reused(r1, r2, tokens_of(again, follow))
+
+
+def test_session_file_save_and_restore(make_engine, tmp_path):
+    eng = make_engine()
+    a = image(120, 90, 71)
+    hist, r1 = first_turn(eng, "chat-s", a)
+    path = str(tmp_path / "with-image.strata")
+    saved = eng.call(SaveSession(path, messages=hist, conversation="chat-s"))
+    assert saved.tokens == r1.prompt_tokens + len(r1.tokens) - 1 or saved.tokens >= r1.prompt_tokens
+    eng.stop()
+    again = make_engine()
+    restored = again.call(RestoreSession(path, conversation="chat-s"))
+    parts = restored.messages[0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image", "text"] and parts[1]["name"] == a.name
+    follow = hist + [{"role": "user", "content": "And the colours?"}]
+    r2 = generate(again, follow, "chat-s")
+    assert encoded(again) == 0, "the image was encoded again after the restore"
+    assert_reused(r1, r2, tokens_of(again, follow))
+
+
+def test_a_chat_with_an_image_saved_after_a_restart_and_continued_from_the_file(make_engine, tmp_path):
+    """K/V not held (a new engine): the save reads the chat again, image included; the restored
+    messages keep the image as a reference (name, size, digest), and a follow-up sending them back
+    (no pixels) is served from the restored K/V."""
+    eng = make_engine()
+    a = image(130, 70, 95)
+    hist, r1 = first_turn(eng, "chat-r", a)
+    eng.stop()
+    again = make_engine()
+    path = str(tmp_path / "reread.strata")
+    saved = again.call(SaveSession(path, messages=hist, conversation="chat-r"))
+    assert saved.reread and encoded(again) == 1
+    again.stop()
+    third = make_engine()
+    restored = third.call(RestoreSession(path, conversation="chat-r"))
+    follow = restored.messages + [{"role": "user", "content": "And the colours?"}]
+    r2 = generate(third, follow, "chat-r")
+    assert encoded(third) == 0
+    assert_reused(r1, r2, tokens_of(third, follow))
+    with pytest.raises(EngineError) as e:      # a reference whose span nothing holds: send the image again
+        generate(third, [user("New chat: ")] + [{"role": "user", "content": restored.messages[0]["content"]}],
+                 "chat-other")
+    assert e.value.code == ErrorCode.BAD_REQUEST and "send the image again" in str(e.value)
+
+
+def test_a_session_with_image_spans_is_refused_without_a_projector(make_engine, tmp_path):
+    eng = make_engine()
+    hist, _ = first_turn(eng, "chat-p", image(80, 120, 91))
+    path = str(tmp_path / "img.strata")
+    eng.call(SaveSession(path, messages=hist, conversation="chat-p"))
+    eng.stop()
+    text_only = make_engine(mmproj="")
+    with pytest.raises(EngineError) as e:
+        text_only.call(RestoreSession(path))
+    assert e.value.code == ErrorCode.SESSION_REFUSED and "outside the vocabulary" in str(e.value)
+    assert text_only.call(Status()).live_tokens == 0
+
+
+def test_a_different_image_reuses_nothing_from_disk_or_a_session(make_engine, tmp_path):
+    disk = dict(disk_mib=64, disk_dir=str(tmp_path / "disk"))
+    eng = make_engine(**disk)
+    a, b = image(100, 100, 81), image(100, 100, 82)
+    hist, _ = first_turn(eng, "chat-x", a)
+    path = str(tmp_path / "a.strata")
+    eng.call(SaveSession(path, messages=hist, conversation="chat-x"))
+    eng.call(Call(lambda e: e.disk.persist(e.conversations.live)))
+    eng.call(Call(lambda e: e.disk.flush()))
+    eng.stop()
+    swapped = [user("Here is a photo: ", b, " Describe it.")] + hist[1:] + [{"role": "user", "content": "More?"}]
+    for restore in (False, True):       # the disk tier alone, then the session file alone
+        again = make_engine(**(dict(disk_mib=0) if restore else disk))
+        if restore:
+            again.call(RestoreSession(path, conversation="chat-x"))
+        r = generate(again, swapped, "chat-x")
+        start = image_runs(tokens_of(again, swapped))[0][0]
+        assert r.cached_tokens <= start, (restore, r.cached_tokens, start)
+        assert encoded(again) == 1
+        again.stop()
+
+
+class _Reader:
+    """A memory reading with a set available amount (a 16 GiB machine)."""
+
+    def __init__(self, available: int):
+        self.available = available
+
+    def __call__(self) -> MemoryReading:
+        return MemoryReading(total_bytes=16 << 30, available_bytes=self.available, source="test")
+
+
+def test_the_memory_fit_counts_the_projector_and_one_image(pair):
+    """Room for the text model at its context but not for the projector's weights and one image's
+    activations too: the load with the projector is refused with the numbers, the text-only one loads."""
+    model, mm = pair
+    ctx = 512
+    vplan = mmproj.plan(mm, True, "gemma3", 256, 4)
+    weights = sum(int(t.n_elements) for t in open_gguf(mm).reader.tensors) * 4
+    assert vplan.bytes == weights + mmproj.activation_bytes(vplan.spec, 4) > weights
+    need = me.estimate(me.read_header(model), ctx, "float32").total_bytes
+    eng = Engine(EngineOptions(context_length=ctx, cache_mib=0, dtype="float32"))
+    eng.guard = MemoryGuard(reserve_bytes=1 << 30, reader=_Reader(need + (1 << 30) + vplan.bytes // 2))
+    eng.start()
+    try:
+        with pytest.raises(EngineError) as e:
+            eng.call(LoadModel(str(model), mmproj=str(mm)))
+        assert e.value.code == ErrorCode.MEMORY_REFUSED and "does not fit" in str(e.value)
+        assert eng.call(LoadModel(str(model), mmproj="")).facts.vision is None
+    finally:
+        eng.stop()
+
+
+def test_image_requests_run_alone_between_batch_steps(make_engine):
+    """With continuous batching on, an image request runs alone between the text rows' steps (its
+    prefill feeds embeddings, which a batch row's prefill does not): every reply is the one each
+    request gets alone."""
+    a = image(88, 120, 97)
+    reqs = [([{"role": "user", "content": f"Tell me about number {i}."}], f"text-{i}") for i in range(3)]
+    reqs.insert(1, ([user("What is this? ", a)], "img"))
+    lone = make_engine(max_sequences=1)
+    want = [generate(lone, m, c).tokens for m, c in reqs]
+    lone.stop()
+    batched = make_engine(max_sequences=4)
+    handles = [batched.submit(GenerateRequest(messages=m, conversation=c,
+                                              sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+               for m, c in reqs]
+    assert [h.result(300).tokens for h in handles] == want
+    assert encoded(batched) == 1
+
+
+def test_speculation_asked_for_decodes_an_image_prompt_plainly_and_says_so(make_engine):
+    eng = make_engine()
+    msgs = [user("Name it: ", image(72, 72, 99))]
+    plain = generate(eng, msgs, "plain")
+    r = eng.call(GenerateRequest(messages=msgs, conversation="spec", speculative="lookup",
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    assert r.tokens == plain.tokens and r.drafted_tokens == 0
+    assert "images" in r.speculation_stopped
+    text = eng.call(GenerateRequest(messages=[{"role": "user", "content": "no image here"}], speculative="lookup",
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+    assert "images" not in (text.speculation_stopped or "")
