@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from engine import memory_estimate as me
 from engine import model_sources
 from engine.errors import StrataError
 
+from .child_limits import limit_address_space
 from .gguf_meta import ModelMeta, read_meta
 
 FILE_SECONDS = 5.0          # one file's header read (and estimate) past this is listed as not read
@@ -97,18 +97,9 @@ def _failed_row(p: Path, why: str) -> Row:
 
 # ---- the worker process -------------------------------------------------------------------------
 def _limit_memory(limit: int) -> None:
-    """RLIMIT_AS where it is enforced (Linux): `limit` more than the worker's address space now (a
-    spawned worker has imported the app's main module, Qt included, before it gets here); elsewhere the
-    app's watch of its RSS is the bound."""
-    if not sys.platform.startswith("linux"):
-        return
-    import resource    # lazy: Unix only, and only the worker needs it
-    try:
-        with open("/proc/self/statm") as f:
-            now = int(f.read().split()[0]) * resource.getpagesize()
-        resource.setrlimit(resource.RLIMIT_AS, (now + limit, now + limit))
-    except (ValueError, OSError) as e:
-        log.warning("model list: no memory limit for the header reader: %s", e)
+    why = limit_address_space(limit)
+    if why:
+        log.warning("model list: no memory limit for the header reader: %s", why)
 
 
 def _serve(conn, reader: RowReader, limit: int) -> None:

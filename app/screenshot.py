@@ -83,6 +83,29 @@ def shot_window(model: str | None, max_tokens: int):
     return app, w
 
 
+def shot_args(prog: str, argv, extra=None, max_tokens: bool = True) -> tuple[argparse.Namespace, Path]:
+    """A screenshot script's arguments: OUTDIR (made), --model, --max-tokens, --timeout, and what
+    `extra(parser)` adds."""
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("outdir")
+    if extra is not None:
+        extra(ap)
+    ap.add_argument("--model")
+    if max_tokens:
+        ap.add_argument("--max-tokens", type=int, default=60)
+    ap.add_argument("--timeout", type=float, default=540)
+    args = ap.parse_args(argv)
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    return args, out
+
+
+def grab_to(out: Path, name: str, widget) -> None:
+    """`widget` as it is drawn now, saved as out/name."""
+    widget.grab().save(str(out / name))
+    print("wrote", out / name, flush=True)
+
+
 def fresh_view(w):
     """The current tab, or a new one when it already holds a chat."""
     view = w.current_view()

@@ -9,13 +9,11 @@ Run it offscreen (QT_QPA_PLATFORM=offscreen) or under Xvfb, with a STRATA_HOME o
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from PySide6.QtCore import QTimer
 
-from .screenshot import fresh_view, run_window, shot_window
+from .screenshot import fresh_view, grab_to, run_window, shot_args, shot_window
 
 QUESTION = "Name three rivers in Europe."
 FOLLOW_UP = "Which of them is the longest?"
@@ -23,21 +21,13 @@ ALTERNATIVES = 3
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.screenshot_branches")
-    ap.add_argument("outdir")
-    ap.add_argument("--model")
-    ap.add_argument("--max-tokens", type=int, default=60)
-    ap.add_argument("--timeout", type=float, default=540)
-    args = ap.parse_args(argv)
-    out = Path(args.outdir)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = shot_args("python -m app.screenshot_branches", argv)
     app, w = shot_window(args.model, args.max_tokens)
     rc = [1]
     replies = [0]
 
     def grab(name: str, widget=None) -> None:
-        (widget or w).grab().save(str(out / name))
-        print("wrote", out / name, flush=True)
+        grab_to(out, name, widget or w)
 
     def finish():
         rc[0] = 0

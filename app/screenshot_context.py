@@ -8,13 +8,11 @@ STRATA_HOME of its own.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from PySide6.QtCore import QTimer
 
-from .screenshot import fresh_view, run_window, shot_window
+from .screenshot import fresh_view, grab_to, run_window, shot_args, shot_window
 
 QUESTIONS = ["What is a river delta?", "Why do rivers meander?", "Name three long rivers in Europe.",
              "How do locks on a canal work?", "What lives in a river estuary?", "Why is river water fresh?",
@@ -24,14 +22,8 @@ NEXT = "Which of these rivers would you visit first, and why?"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.screenshot_context")
-    ap.add_argument("outdir")
-    ap.add_argument("--model")
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--timeout", type=float, default=540)
-    args = ap.parse_args(argv)
-    out = Path(args.outdir)
-    out.mkdir(parents=True, exist_ok=True)
+    args, out = shot_args("python -m app.screenshot_context", argv,
+                          lambda ap: ap.add_argument("--context", type=int, default=512), max_tokens=False)
     app, w = shot_window(args.model, 48)
     rc = [1]
     state = {"asked": 0, "view": None}
@@ -40,8 +32,7 @@ def main(argv=None) -> int:
         if reading is None or not reading.drafted:
             return
         state["view"].counter.counted.disconnect(grab_when_counted)
-        QTimer.singleShot(300, lambda: (w.grab().save(str(out / "screenshot-context.png")),
-                                        print("wrote", out / "screenshot-context.png", flush=True), finish()))
+        QTimer.singleShot(300, lambda: (grab_to(out, "screenshot-context.png", w), finish()))
 
     def finish() -> None:
         rc[0] = 0

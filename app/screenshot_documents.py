@@ -10,33 +10,24 @@ offscreen (QT_QPA_PLATFORM=offscreen) or under Xvfb, with a STRATA_HOME of its o
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 from PySide6.QtCore import QTimer, QUrl
 
-from .screenshot import fresh_view, run_window, shot_window
+from .screenshot import fresh_view, grab_to, run_window, shot_args, shot_window
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.screenshot_documents")
-    ap.add_argument("outdir")
-    ap.add_argument("files", nargs="+")
-    ap.add_argument("--question", required=True)
-    ap.add_argument("--source", type=int, default=1, help="the source whose passage is shown")
-    ap.add_argument("--model")
-    ap.add_argument("--max-tokens", type=int, default=60)
-    ap.add_argument("--timeout", type=float, default=540)
-    args = ap.parse_args(argv)
-    out = Path(args.outdir)
-    out.mkdir(parents=True, exist_ok=True)
+    def own(ap) -> None:
+        ap.add_argument("files", nargs="+")
+        ap.add_argument("--question", required=True)
+        ap.add_argument("--source", type=int, default=1, help="the source whose passage is shown")
+    args, out = shot_args("python -m app.screenshot_documents", argv, own)
     app, w = shot_window(args.model, args.max_tokens)
     rc = [1]
 
     def save(widget, name: str) -> None:
-        widget.grab().save(str(out / name))
-        print("wrote", out / name, flush=True)
+        grab_to(out, name, widget)
 
     def finish():
         rc[0] = 0

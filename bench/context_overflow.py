@@ -30,7 +30,7 @@ SYSTEM = {"role": "system", "content": "You answer in a few words."}
 
 def pinned_tokens(eng: Engine, messages: list[dict]) -> int:
     def fn(e):
-        text, add_bos = e.handlers.render_messages(messages, generation_prompt=False)
+        text, add_bos = e.prompts.render_messages(messages, generation_prompt=False)
         return len(e.tokenizer.encode_prompt(text, add_bos=add_bos))
     return held(eng, fn)
 

@@ -82,8 +82,8 @@ def install_phase_timers(engine) -> dict:
 
     def install(e):
         out.pop("turn", None)
-        e.handlers.prompt_tokens = timed("build", e.handlers.prompt_tokens)
-        e.handlers.take_kv = timed("take_kv", e.handlers.take_kv)
+        e.prompts.prompt_tokens = timed("build", e.prompts.prompt_tokens)
+        e.turns.take_kv = timed("take_kv", e.turns.take_kv)
         generate.prefill = timed("prefill", generate.prefill)
         mx.clear_cache = timed("clear_cache", mx.clear_cache)
         first = generate.decode

@@ -82,7 +82,7 @@ class GroupPrefill:
             for c in self.cache:
                 c.finalize()
             mx.eval([a for c in self.cache for a in _arrays(c)])
-        eng.handlers.prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
+        eng.turns.prefill_pace().record(sum(len(p) for p in parts), time.perf_counter() - t0)
         for i, (r, p) in enumerate(zip(self.rows, parts)):
             r.entry.tokens.extend(p)
             r.done += len(p)

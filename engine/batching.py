@@ -136,7 +136,7 @@ def row_cost(engine) -> tuple[int, int]:
 @dataclass(eq=False)        # rows compare by identity (`in`, remove): their fields hold MLX arrays
 class Row:
     handle: Handle
-    turn: object                         # handlers.Turn
+    turn: object                         # turns.Turn
     out: object                          # generate.ReplyText
     todo: list[int]                      # prompt tokens still to prefill (the last one is fed by a step)
     steered: bool
@@ -482,7 +482,7 @@ class BatchLoop:
         req = h.request
         with eng.scheduler.serving_as(h):
             try:
-                turn = eng.handlers.begin_turn(req, h, batched=True)
+                turn = eng.turns.begin_turn(req, h, batched=True)
             except Exception as e:  # noqa: BLE001 - one request's refusal, reported as the engine does
                 self._fail(h, e)
                 return None
@@ -495,7 +495,7 @@ class BatchLoop:
         new = turn.tokens[turn.reuse:-1]
         # A cache that cannot trim takes checkpoints where the lone path's prefill does (generate.reply's
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
-        marks = eng.handlers.message_marks(turn.req, turn.entry, turn.tokens)
+        marks = eng.prompts.message_marks(turn.req, turn.entry, turn.tokens)
         checkpoints = layer_cache.needs_checkpoints(turn.entry.cache)
         limit = generate.first_step_merge_limit(eng.options.prefill_chunk) if not marks else 0
         n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
@@ -592,7 +592,7 @@ class BatchLoop:
         total = len(row.todo)
         gpu = on_gpu()
         chunk = eng.options.prefill_chunk
-        pace = eng.handlers.prefill_pace()
+        pace = eng.turns.prefill_pace()
         size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
         cut = next((c for c in row.cuts if c > row.done), None)
         if cut is not None:
@@ -695,7 +695,7 @@ class BatchLoop:
             try:
                 row.entry.checkpoint()      # a finished reply is a message boundary, as for a lone reply
                 r = row.out.close(turn.stats, len(turn.tokens) - turn.reuse, row.t_prefill or time.perf_counter())
-                result = eng.handlers.end_turn(turn, r)
+                result = eng.turns.end_turn(turn, r)
                 self._give_back(row)
             except Exception as e:  # noqa: BLE001
                 self._fail(row.handle, e)

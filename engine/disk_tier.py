@@ -802,14 +802,14 @@ def attach(engine) -> DiskTier | None:
 
     def next_shares(entry: KVEntry) -> int | None:
         """How much of `entry` the next turn's prompt shares: its messages and one more user message,
-        rendered as handlers.prompt_tokens renders a prompt (held token ids kept: continue_tokens), the
+        rendered as prompts.prompt_tokens renders a prompt (held token ids kept: continue_tokens), the
         shared prefix with its tokens. None where it has no chat messages ending in a reply."""
         msgs = entry.messages
         if not msgs or not isinstance(msgs[-1], dict) or msgs[-1].get("role") != "assistant":
             return None
         if has_image_parts(msgs):         # image references: their spans' ids, from the held digests
             try:
-                toks = engine.handlers.image_prompt(list(msgs) + [{"role": "user", "content": "..."}],
+                toks = engine.prompts.image_prompt(list(msgs) + [{"role": "user", "content": "..."}],
                                                     add_generation_prompt=False)
             except StrataError:
                 return None               # a projector no longer loaded: no span of it will be asked for
@@ -821,12 +821,12 @@ def attach(engine) -> DiskTier | None:
                       eos_token=eos, add_generation_prompt=False)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         toks = engine.conversations.continue_tokens(tok, text, add_bos, entry.owner, entry.key,
-                                                    engine.handlers.image_span()) \
+                                                    engine.prompts.image_span()) \
             or tok.encode(text, add_bos=add_bos)
         return common_prefix(entry.tokens, toks)
 
     disk.use_model(fp_of, lambda: (engine.dtype, engine.info.n_vocab if engine.info else 1 << 31,
-                                   engine.n_ctx or 1 << 31, engine.guard.admit, engine.handlers.image_span()),
+                                   engine.n_ctx or 1 << 31, engine.guard.admit, engine.prompts.image_span()),
                    probe, next_shares)
     if cap:
         unusable = unusable_folder(folder)

@@ -34,6 +34,8 @@ from .drafts import Drafts
 from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
 from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
 from .handlers import RequestHandlers
+from .prompts import Prompts
+from .turns import Turns
 from .kv_reserve import IdleTopUp
 from .loaded_model import InForce
 from .loaded_model import LoadedModel
@@ -87,6 +89,8 @@ class Engine:
         # group in lockstep (engine/distributed.py); asked, never told apart.
         self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
+        self.prompts = Prompts(self)              # a request's prompt as token ids (engine/prompts.py)
+        self.turns = Turns(self)                  # begin/end of a generation, lone or batched (engine/turns.py)
         self.loads = ModelLoad(self)              # LoadModel (engine/model_load.py)
         self.sessions = SessionRequests(self)     # SaveSession, RestoreSession, SessionSteering
 
@@ -324,7 +328,7 @@ class Engine:
         return self.handlers.make_cache()
 
     def prompt_tokens(self, req: GenerateRequest) -> list[int]:
-        return self.handlers.prompt_tokens(req)
+        return self.prompts.prompt_tokens(req)
 
     def status(self):
         return self.handlers.status()

@@ -34,7 +34,7 @@ Checkpoint policy (prefix reuse for caches that cannot be cut back):
 * Only for conversations with a `rotating` or `arrays` layer (`needs_checkpoints`). Full K/V models
   (`kv`, `kv_quant` only) take none: trim is free, nothing changes for them (not even a render).
 * Where: at message boundaries of each turn, the prefill stopping there (generate.reply's `marks`,
-  handlers.message_marks): the start and the end of the last message as the history renders without a
+  prompts.message_marks): the start and the end of the last message as the history renders without a
   generation prompt (what the next turn, or an Edit of that message, shares: templates such as
   Qwen3.5's or harmony's render a past reply otherwise than it was generated, so the next turn
   diverges right after it), the prompt's end less its last token (what a Regenerate shares), and the

@@ -1,7 +1,7 @@
 """A conversation's prompt tokenized in O(its new text), not O(its whole history).
 
 Why: every turn renders the whole conversation and tokenizes it again (the prompt, and for models
-with checkpoints the history's message ends: handlers.message_marks), so a turn's host work grew
+with checkpoints the history's message ends: prompts.message_marks), so a turn's host work grew
 with the history: at 8,000 tokens ~80 ms on this CPU box, ~44 ms on the H200's host, a fifth of a
 parked turn's time to first token there (bench/turns.py, bench/gpu.md).
 

@@ -58,7 +58,7 @@ class SessionRequests:
         entry, reread = self.eng.live, False
         if req.messages is not None:
             keys = None if req.speed_projection is None else {self.eng.handlers.cache_key(self.eng.handlers.projection(req.speed_projection))}
-            entry = self.eng.conversations.find(self.eng.handlers.storable(req.messages), keys, req.conversation)
+            entry = self.eng.conversations.find(self.eng.prompts.storable(req.messages), keys, req.conversation)
             if entry is None:
                 entry, reread = self._read_again(req, handle), True
         if entry is None or not entry.tokens:
@@ -80,7 +80,7 @@ class SessionRequests:
         # As it was held after its last reply: no generation prompt at the end, so a follow-up
         # (rendered with one) extends these tokens.
         if has_image_parts(req.messages):    # image parts: their spans (engine/vision/spans.py)
-            tokens = self.eng.handlers.image_prompt(req.messages, add_generation_prompt=False)
+            tokens = self.eng.prompts.image_prompt(req.messages, add_generation_prompt=False)
         else:
             text = render(self.eng.template, req.messages, bos_token=bos, add_generation_prompt=False,
                           eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "")
@@ -90,12 +90,12 @@ class SessionRequests:
             raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         self.eng.log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
         entry = KVEntry([], self.eng.handlers.make_cache(), self.eng.handlers.cache_key(),
-                        messages=self.eng.handlers.storable(req.messages), owner=req.conversation)
+                        messages=self.eng.prompts.storable(req.messages), owner=req.conversation)
 
         def read(part: list[int]) -> None:
             prefill(self.eng.model, entry.cache, part, entry.tokens, chunk=self.eng.options.prefill_chunk,
                     progress=lambda d, t: handle.emit(Progress("prefill", d, t)), cancelled=lambda: handle.cancelled,
-                    pace=self.eng.handlers.prefill_pace(), layerwise=not self.eng.serving.distributed)
+                    pace=self.eng.turns.prefill_pace(), layerwise=not self.eng.serving.distributed)
         if has_images(tokens):
             self.eng.loaded.vision.read(self.eng.model, entry.cache, tokens, entry.tokens, read)
         else:
@@ -129,7 +129,7 @@ class SessionRequests:
                                       n_vocab=self.eng.info.n_vocab, n_ctx=self.eng.n_ctx, admit=self.eng.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self.eng.log, probe_cache=self._cache_probe,
-                                      image_span=self.eng.handlers.image_span())
+                                      image_span=self.eng.prompts.image_span())
         entry.owner = req.conversation
         # Validated and read: only now does the live conversation step aside.
         self.eng.conversations.make_live(entry)

@@ -7,7 +7,6 @@ child where the system enforces it (Linux), and the child's resident memory watc
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Callable
 
 import psutil
 
+from ..child_limits import limit_address_space
 from .extract import DocumentError, Extracted, extract
 
 EXTRACT_SECONDS = 180.0     # one file, start of the child included: a 1000-page PDF reads in ~10-20 s
@@ -29,18 +29,6 @@ class Outcome:
     cancelled: bool = False
 
 
-def _limit_memory(limit: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    import resource    # lazy: Unix only, and only the child needs it
-    try:
-        with open("/proc/self/statm") as f:
-            now = int(f.read().split()[0]) * resource.getpagesize()
-        resource.setrlimit(resource.RLIMIT_AS, (now + limit, now + limit))
-    except (ValueError, OSError):
-        pass               # the watch from the app still bounds it
-
-
 def _child(conn, path: str, limit: int) -> None:
     try:
         _read(conn, path, limit)
@@ -49,7 +37,7 @@ def _child(conn, path: str, limit: int) -> None:
 
 
 def _read(conn, path: str, limit: int) -> None:
-    _limit_memory(limit)
+    limit_address_space(limit)      # else the watch from the app still bounds it
     try:
         doc = extract(path, progress=lambda done, total: conn.send(("progress", done, total)))
         conn.send(("done", doc))

@@ -176,7 +176,7 @@ def test_q8_0_equals_llama_cpp_on_the_same_weights_in_f32(qdir, arch):
 @pytest.mark.oracle
 def test_engine_chat_turn_renders_the_think_template_and_equals_llama_cpp(qdir):
     pytest.importorskip("engine.layer_cache", reason="the engine's cache handling of ArraysCache comes with the "
-                        "cache contract (issue 28); before it, handlers.begin_turn reads cache.offset")
+                        "cache contract (issue 28); before it, turns.begin_turn reads cache.offset")
     from engine.chat_template import render
     from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.sampling import SamplingParams

@@ -53,7 +53,7 @@ def pinned_tokens(engine, messages) -> int:
     """The tokens of `messages` as they render without a generation prompt (a prefix of any prompt
     that starts with them)."""
     def fn(e):
-        text, add_bos = e.handlers.render_messages(messages, generation_prompt=False)
+        text, add_bos = e.prompts.render_messages(messages, generation_prompt=False)
         return len(e.tokenizer.encode_prompt(text, add_bos=add_bos))
     return while_held(engine, fn)
 

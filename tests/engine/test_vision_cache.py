@@ -13,7 +13,7 @@ from gguf_factory_vision import write_gemma3_vision_pair
 from vision_images import photo, png
 
 from engine import memory_estimate as me
-from engine.api import (Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
+from engine.api import (CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
                         SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
@@ -22,6 +22,7 @@ from engine.memory_guard import MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from engine.vision import mmproj
 from engine.vision.tokens import image_runs
+from engine_reads import while_held
 
 N_GEN = 6
 
@@ -65,7 +66,7 @@ def encoded(eng) -> int:
 
 
 def tokens_of(eng, messages) -> list[int]:
-    return eng.call(Call(lambda e: e.handlers.prompt_tokens(GenerateRequest(messages=messages)))).value
+    return while_held(eng, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=messages)))
 
 
 def first_turn(eng, conversation: str, img: ImageInput, words: str = "Here is a photo: "):
@@ -121,7 +122,7 @@ def test_disk_tier_after_a_restart(make_engine, tmp_path):
     a = image(140, 100, 61)
     hist, r1 = first_turn(eng, "chat-d", a)
     assert eng.wait_idle(60)                   # the idle-time write (engine/disk_tier.IdleWrites)
-    eng.call(Call(lambda e: e.disk.flush()))
+    eng.wait_idle(60)
     eng.stop()
     again = make_engine(**disk)
     assert encoded(again) == 0
@@ -195,8 +196,8 @@ def test_a_different_image_reuses_nothing_from_disk_or_a_session(make_engine, tm
     hist, _ = first_turn(eng, "chat-x", a)
     path = str(tmp_path / "a.strata")
     eng.call(SaveSession(path, messages=hist, conversation="chat-x"))
-    eng.call(Call(lambda e: e.disk.persist(e.conversations.live)))
-    eng.call(Call(lambda e: e.disk.flush()))
+    while_held(eng, lambda e: e.disk.persist(e.conversations.live))
+    eng.wait_idle(60)
     eng.stop()
     swapped = [user("Here is a photo: ", b, " Describe it.")] + hist[1:] + [{"role": "user", "content": "More?"}]
     for restore in (False, True):       # the disk tier alone, then the session file alone

@@ -13,12 +13,13 @@ from gguf_factory_gemma import write_tiny_gemma3
 from gguf_factory_vision import write_gemma3_mmproj, write_gemma3_vision_pair
 from vision_images import photo, png
 
-from engine.api import Call, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
+from engine.api import CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
 from engine.images import decode_image
 from engine.sampling import SamplingParams
 from engine.vision.tokens import image_runs
+from engine_reads import while_held
 
 TIE_MARGIN = 0.6            # as tests/engine/test_oracle.py: a closer race has no single right answer
 N_GEN = 8
@@ -58,7 +59,7 @@ def generate(eng, messages, conversation: str = ""):
 
 
 def encodes(eng) -> int:
-    return eng.call(Call(lambda e: e.loaded.vision.features.encodes)).value
+    return while_held(eng, lambda e: e.loaded.vision.features.encodes)
 
 
 def assert_greedy_equal(ours: list[int], ref: list[int], logits: np.ndarray) -> None:
@@ -78,7 +79,7 @@ def test_loaded_with_the_projector_beside_it(engine):
 def test_prompt_tokens_equal_libmtmd(engine, pair):
     a = image(203, 97, 1)
     msgs = [user("What is in ", a, " this picture?")]
-    ours = engine.call(Call(lambda e: e.handlers.prompt_tokens(GenerateRequest(messages=msgs)))).value
+    ours = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
     chunks = mtmd_oracle.chunks(*pair, TURN.format(f"What is in {mtmd_oracle.MARKER} this picture?"), [rgb(a)])
     runs = image_runs(ours)
     assert len(runs) == 1 and [k for k, _ in chunks] == ["text", "image", "text"]
@@ -109,7 +110,7 @@ def test_a_different_image_at_the_same_place_never_reuses_kv(engine, pair):
     first = generate(engine, head + [user("Look: ", a, " what is it?")], conversation="swap")
     msgs = head + [user("Look: ", b, " what is it?")]
     second = generate(engine, msgs, conversation="swap")
-    tokens = engine.call(Call(lambda e: e.handlers.prompt_tokens(GenerateRequest(messages=msgs)))).value
+    tokens = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
     start = image_runs(tokens)[0][0]
     assert first.cached_tokens == 0 and 0 < second.cached_tokens <= start   # the text before the image only
     text = TURN.format("Hello there.").removesuffix("<start_of_turn>model\n") + "<start_of_turn>model\nHi.<end_of_turn>\n" \
@@ -136,8 +137,8 @@ def test_an_image_sent_again_in_another_chat_is_not_encoded_again(engine):
     n = encodes(engine)
     r = generate(engine, [user("Another chat, other words, same picture ", a, " ok?")], conversation="chat-b")
     assert encodes(engine) == n
-    assert r.cached_tokens < image_runs(engine.call(Call(lambda e: e.handlers.prompt_tokens(GenerateRequest(
-        messages=[user("Another chat, other words, same picture ", a, " ok?")])))).value)[0][0]
+    assert r.cached_tokens < image_runs(while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(
+        messages=[user("Another chat, other words, same picture ", a, " ok?")]))))[0][0]
 
 
 def test_a_model_without_a_projector_refuses_an_image(tmp_path):
