@@ -1,6 +1,6 @@
 """Images in the chat: checked when attached, kept with the chat in the data folder, read back to send.
 
-An attachment is checked at once with engine.images.decode_image (Pillow, bounded by the declared size
+An attachment is checked at once with engine.vision.images.decode_image (Pillow, bounded by the declared size
 before decoding, no MLX), so a damaged file or a bomb is refused when it is attached, not when the
 model reads it. A sent message keeps its images as files under `images/<chat id>/<digest><ext>` in the
 data folder (the digest names the decoded pixels: the same picture attached twice is one file), and
@@ -23,7 +23,7 @@ from PIL import Image
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice
 from PySide6.QtGui import QImage
 
-from engine.images import MAX_IMAGE_BYTES, DecodedImage, ImageRefused, decode_image
+from engine.vision.images import MAX_IMAGE_BYTES, DecodedImage, ImageRefused, decode_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")
 MAX_ATTACHMENTS = 8            # a message's images (the server's bound on a request too)

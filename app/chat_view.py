@@ -15,7 +15,7 @@ from PySide6.QtGui import QColor, QGuiApplication, QKeyEvent, QPalette, QTextCha
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, QLabel, QPlainTextEdit,
                                QProgressBar, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
-from engine import reasoning
+from engine.text import reasoning
 
 from . import branches
 from .documents import prompt as doc_prompt
@@ -259,7 +259,7 @@ class ChatView(QWidget):
 
     @property
     def overflow(self) -> str:
-        """This chat's overflow policy (engine/context_policy.py): its own, else the settings' default."""
+        """This chat's overflow policy (engine/text/context_policy.py): its own, else the settings' default."""
         settings = getattr(self.presets, "settings", None)
         return self.chat.config.get("overflow") or getattr(settings, "overflow", "stop")
 
@@ -283,10 +283,14 @@ class ChatView(QWidget):
         return n, preset.max_tokens
 
     def _count_messages(self) -> tuple[list[dict], bool]:
-        """What the next send would ask for: the history (up to a message being edited) and the typed text."""
+        """What the next send would ask for: the history (up to a message being edited) and the typed text
+        with the documents that would go with it (a whole one not sent yet, its passages)."""
         draft = self.input.toPlainText().strip()
         base = self.chat.messages[:self.edit_index] if self.edit_index is not None else self.chat.messages
         extra = [{"role": "user", "content": draft}] if draft and not self.busy else []
+        srcs = self.documents.sources(draft, base) if extra and self.documents is not None else []
+        if srcs:
+            extra[0]["documents"] = srcs
         return self.request_messages(base + extra), bool(extra)
 
     # ---- the progress bar in the chat --------------------------------------------------------------
@@ -682,7 +686,7 @@ class ChatView(QWidget):
         self._submit(messages, dict(sampling, max_tokens=min(sampling["max_tokens"], n_ctx - n)))
 
     def _submit(self, messages: list[dict], sampling: dict) -> None:
-        # A dropping policy is the engine's to apply (engine/context_policy.py), against the config's
+        # A dropping policy is the engine's to apply (engine/text/context_policy.py), against the config's
         # context when it names a smaller one.
         req = self.client.generate(messages, sampling, conversation=self.conversation,
                                    speed_projection=self.projection.isChecked(),
@@ -821,10 +825,10 @@ class ChatView(QWidget):
         """Tools (MCP servers): the window hands in the ToolsService, the settings and the model's family."""
         self.tools = None              # app.tools.bridge.ToolsService, or None: no tools offered
         self.tool_settings = None      # the SettingsService (tools_allowed, tools_timeout_s, tools_step_limit)
-        self.tool_format = None        # engine.tool_calls.ToolFormat of the loaded model (None: generic)
+        self.tool_format = None        # engine.frontends.tool_calls.ToolFormat of the loaded model (None: generic)
         self.tool_choice = "auto"      # the first step of a reply: 'auto', 'required' or {"name": ...}
         self.tool_turn: ToolTurn | None = None   # the calls of a reply being approved or run
-        self._plan = None              # the tool plan of the request in flight (engine/tool_calls.py)
+        self._plan = None              # the tool plan of the request in flight (engine/frontends/tool_calls.py)
         self._box = None               # the toolbox of that request (function name -> MCP tool)
         self._tool_kw: dict = {}
         self._tool_steps = 0           # tool steps taken by the reply in flight

@@ -1,6 +1,6 @@
 """The context meter under each chat: how much of the model's context the chat fills (its system prompt,
 its messages with the one being typed, the reply's reserve), the breakdown on hover, a warning before a
-send that would overflow, and the chat's overflow policy (engine/context_policy.py) beside it.
+send that would overflow, and the chat's overflow policy (engine/text/context_policy.py) beside it.
 
 The figures are the engine's: a CountTokens request (the model's tokenizer and template), asked through
 the engine thread and never estimated here. Counts are debounced and the answer to an older one is
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QProgressBar, QWidget
 
-from engine.context_policy import DEFAULT_POLICY, POLICIES, reply_reserve
+from engine.text.context_policy import DEFAULT_POLICY, POLICIES, reply_reserve
 
 POLICY_LABELS = {"stop": "Stop at the limit", "truncate_middle": "Truncate the middle",
                  "rolling": "Rolling window"}

@@ -137,11 +137,11 @@ def start_server(engine, host: str, port: int, api_key: str = ""):
 
 
 def _steering_config(spec):
-    """settings.Steering (or None) -> engine.control_vector.SteeringConfig (or None when no files)."""
+    """settings.Steering (or None) -> engine.steer.control_vector.SteeringConfig (or None when no files)."""
     if spec is None or not getattr(spec, "files", None):
         return None
-    # lazy: engine.control_vector imports MLX, which the app's own modules never import
-    from engine.control_vector import SteeringConfig
+    # lazy: engine.steer.control_vector imports MLX, which the app's own modules never import
+    from engine.steer.control_vector import SteeringConfig
     layer_range = (spec.layer_from, spec.layer_to) if spec.layer_from or spec.layer_to else None
     return SteeringConfig(files=tuple((p, float(s)) for p, s in spec.files), layer_range=layer_range,
                           mode=spec.mode, direction=spec.direction)
@@ -219,7 +219,7 @@ class EngineClient(QObject):
                  constraint=None) -> Request:
         """`side`: a request of the app's own (a title) that must not cost a conversation its K/V.
         `overflow`, `context_limit`: the chat's overflow policy and its config's context (0: the model's).
-        `tools`, `constraint`: a tool plan's (engine/tool_calls.py: the template's tools, a forced call's grammar)."""
+        `tools`, `constraint`: a tool plan's (engine/frontends/tool_calls.py: the template's tools, a forced call's grammar)."""
         def make():
             return GenerateRequest(messages=list(messages), sampling=SamplingParams(**sampling),
                                    speed_projection=speed_projection, conversation=conversation,
@@ -237,7 +237,7 @@ class EngineClient(QObject):
                   disk_mib: int | None = None) -> Request:
         """None leaves a value as it is; the engine takes all the values or none. `kv_bits`: the K/V
         format of conversations from now on (held ones keep theirs); refused, changing nothing, when the
-        loaded model's head size cannot take it. `disk_mib`: the disk tier's cap (engine/disk_tier.py),
+        loaded model's head size cannot take it. `disk_mib`: the disk tier's cap (engine/disk/disk_tier.py),
         0 = off. The app sends it from one place: app/engine_settings.py."""
         def make():
             return Configure(cache_mib=cache_mib, cache_slots=cache_slots, speed_projection=speed_projection,

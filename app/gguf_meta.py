@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import StrataError
-from engine.gguf_split import split_name
-from engine.memory_estimate import platform_dtype, read_header, weight_sizes
+from engine.model.gguf_split import split_name
+from engine.model.memory_estimate import platform_dtype, read_header, weight_sizes
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
                17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
@@ -28,7 +28,7 @@ class ModelMeta:
     size_bytes: int = 0
     context_length: int = 0
     error: str = ""
-    source: str = ""            # where it lives (engine/model_sources.py: Strata, Folder, LM Studio, ...)
+    source: str = ""            # where it lives (engine/model/model_sources.py: Strata, Folder, LM Studio, ...)
     label: str = ""             # the library's own name for it (Ollama's model:tag, a Hub repository)
     parts: int = 1              # files of a split set
     companions: str = ""        # its vision projector / MTP drafter files found beside it, for the tooltip

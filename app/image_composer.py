@@ -14,7 +14,7 @@ from PySide6.QtGui import QImage, QTextCursor, QTextDocument
 from PySide6.QtWidgets import QFileDialog, QPushButton, QWidget
 
 from engine.api import ImageInput
-from engine.images import ImageRefused
+from engine.vision.images import ImageRefused
 
 from .chat_images import (IMAGE_SUFFIXES, MAX_ATTACHMENTS, THUMB_SIDE, Attachment, ChatImages,
                           attachment_from_file, attachment_from_qimage, is_image_file, message_images, thumbnail)

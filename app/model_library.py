@@ -32,10 +32,10 @@ NOT_FETCHED = "The default model was not fetched"   # the message-bar line of a 
 
 def checked_model_source(src: Path) -> Path:
     """Where `src` leads (links followed) when that is a regular file with a readable GGUF header
-    (engine/memory_estimate.py: no FIFO or device is ever waited on or read); else ValueError of one
+    (engine/model/memory_estimate.py: no FIFO or device is ever waited on or read); else ValueError of one
     line."""
     from engine.errors import StrataError
-    from engine.memory_estimate import read_header
+    from engine.model.memory_estimate import read_header
     try:
         real = Path(src).resolve(strict=True)
     except (OSError, RuntimeError) as e:
@@ -51,7 +51,7 @@ def copy_model_file(src: Path, dest: Path, chunk: int = 8 << 20) -> None:
     """Copy the model `src` to `dest` through a `.part` file that is removed on any failure: only a
     regular file with a GGUF header (checked_model_source), no more bytes than it had when opened
     (a file that grows while copied is refused), and only when the disk has room for it."""
-    from engine.gguf_header import open_regular
+    from engine.model.gguf_header import open_regular
     real = checked_model_source(src)
     part = dest.with_name(f"{COPY_PREFIX}{os.getpid()}-{dest.name}.part")
     try:

@@ -16,9 +16,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontMetrics
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
-from engine import memory_estimate as me
-from engine import model_sources
-from engine.memory_guard import MemoryGuard
+from engine.model import memory_estimate as me
+from engine.model import model_sources
+from engine.memory.memory_guard import MemoryGuard
 
 from .gguf_meta import ModelMeta
 from .model_scan import scan_models
@@ -50,13 +50,13 @@ class ModelList(QWidget):
 
     def __init__(self, folders, parent: QWidget | None = None, libraries: Callable[[], bool] = lambda: True):
         """`folders()` returns the folders to scan (models folder first); `libraries()` whether to look
-        in the other apps' libraries too (engine/model_sources.py)."""
+        in the other apps' libraries too (engine/model/model_sources.py)."""
         super().__init__(parent)
         self.folders = folders
         self.libraries = libraries
         self.current: str = ""
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
-        self.sources: dict[str, str] = {}           # path -> where it lives (engine/model_sources.py)
+        self.sources: dict[str, str] = {}           # path -> where it lives (engine/model/model_sources.py)
         self.too_big: set[str] = set()              # paths whose estimate does not fit in memory
         # path -> the file it reaches, resolved on the scanning thread (model_scan): the window's thread
         # never waits on a listed folder (a library on a network volume that stopped answering)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine import memory_estimate as me
-from engine import model_sources
+from engine.model import memory_estimate as me
+from engine.model import model_sources
 from engine.errors import StrataError
 
 from .child_limits import limit_address_space
@@ -39,7 +39,7 @@ RowReader = Callable[[Path, object], Row]
 
 def memory_needs(path: Path, budget) -> tuple[str, str]:
     """(column text, tooltip) of the memory estimate at the engine's default context
-    (engine/memory_estimate.py: plain Python, no mlx) against `budget` (a memory_estimate.Budget)."""
+    (engine/model/memory_estimate.py: plain Python, no mlx) against `budget` (a memory_estimate.Budget)."""
     try:
         h = me.read_header(path)
         fit = me.check_fit(h, me.default_context(h), me.platform_dtype(), budget)
@@ -68,7 +68,7 @@ def read_row(p: Path, budget) -> Row:
 
 def find_models(folders: list[Path], libraries: list[model_sources.Root] | tuple = ()) -> model_sources.Scan:
     """The models of `folders` (the first is Strata's models folder, the others the user's: their
-    `*.gguf` entries) and of `libraries` (engine/model_sources.py: LM Studio, the Hugging Face cache,
+    `*.gguf` entries) and of `libraries` (engine/model/model_sources.py: LM Studio, the Hugging Face cache,
     Ollama), each file once, a split set once, projectors and drafters paired with their model. Nothing
     is opened: an entry of a folder that is not a regular file (a FIFO, a folder, a link to a device or
     in a loop) is listed too, and its row says why it cannot be loaded."""

@@ -55,7 +55,7 @@ class Preset(Sampling):
     id: str = DEFAULT_ID
     name: str = DEFAULT_NAME
     speed_projection: bool = SPEED_PROJECTION_DEFAULT
-    speculative: str = "off"         # "off" | "lookup" | "draft:PATH" | "mtp" (engine/speculative.py)
+    speculative: str = "off"         # "off" | "lookup" | "draft:PATH" | "mtp" (engine/generation/speculative.py)
 
     @property
     def is_default(self) -> bool:

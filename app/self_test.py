@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
-from engine.models import default_model_path
+from engine.model.models import default_model_path
 from .binding_check import reference_loss
 from .engine_thread import EngineClient, EngineThread
 from .model_fetch import fetch_headless

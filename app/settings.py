@@ -19,7 +19,7 @@ from PySide6.QtCore import QObject, QSettings, Signal
 
 from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB,   # plain Python: no mlx
                            KV_BITS, SPEED_PROJECTION_DEFAULT)
-from engine.context_policy import DEFAULT_POLICY, POLICIES
+from engine.text.context_policy import DEFAULT_POLICY, POLICIES
 from engine.sampling import APP_KEYS, CHAT_DEFAULTS
 from engine.paths import resources_dir
 
@@ -65,8 +65,8 @@ _OLD_KEYS = {"steering/speed_projection": "steering/on_by_default"}
 class Settings:
     cache_mib: int = DEFAULT_CACHE_MIB
     cache_slots: int = DEFAULT_CACHE_SLOTS
-    disk_mib: int = DEFAULT_DISK_MIB      # the disk tier under parking (engine/disk_tier.py), 0 = off
-    # K/V cache precision (engine/kv_format.py): 16, 8 or 4 bits per value. A settings file from before
+    disk_mib: int = DEFAULT_DISK_MIB      # the disk tier under parking (engine/disk/disk_tier.py), 0 = off
+    # K/V cache precision (engine/cache/kv_format.py): 16, 8 or 4 bits per value. A settings file from before
     # it existed has no key and loads as 16, the format every older session file holds.
     kv_bits: int = 16
     speculative: str = "off"              # the Default config's speculative decoding (app/presets.py)
@@ -78,7 +78,7 @@ class Settings:
     server_port: int = 8484
     server_api_key: str = ""              # empty: no key
     theme: str = "system"                 # system | light | dark (app/theme.py)
-    # What a chat sends once it outgrows the context, unless it chose its own (engine/context_policy.py)
+    # What a chat sends once it outgrows the context, unless it chose its own (engine/text/context_policy.py)
     overflow: str = DEFAULT_POLICY
     # Tools in the chat (MCP servers, app/tools/): the tools that run without asking ("server/tool"), a
     # call's timeout, and how many tool steps one reply may take before the loop stops

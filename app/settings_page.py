@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPushButton,
                                QScrollArea, QVBoxLayout, QWidget)
 
-from engine.context_policy import POLICIES
+from engine.text.context_policy import POLICIES
 from engine.limits import DISK_MIB_MAX, KV_BITS, SLOTS_MAX, cache_range, machine_cache_range
 from engine.errors import ErrorCode, SessionRefusal
 
@@ -28,7 +28,7 @@ from .theme import THEMES
 
 _WHOLE = re.compile(r"[+-]?[0-9]+")     # ASCII digits only: int() would take other scripts' digits too
 KV_BITS_CHOICES = tuple((f"{b}-bit" + (" (default)" if b == 16 else ""), b) for b in KV_BITS)
-# What the engine does (engine/handlers.py configure, engine/conversations.py, engine/sessions.py): the
+# What the engine does (engine/handlers.py configure, engine/cache/conversations.py, engine/session_files/sessions.py): the
 # format is part of a conversation's K/V identity, so held K/V is never converted, and a session file
 # is restored only by an engine running the format it holds.
 KV_BITS_TIP = ("How the engine stores each token's keys and values. 8-bit takes a little over half the memory "
@@ -180,7 +180,7 @@ class SettingsPage(QDialog):
         self.cache_slots = NumberField(1, SLOTS_MAX, s.cache_slots)
         self.cache_slots.setToolTip(f"How many conversations are kept parked: 1 to {SLOTS_MAX}")
         self.guard = QLabel(self._guard_text(status), wordWrap=True)
-        # The disk tier under parking (engine/disk_tier.py): its cap, what it holds, and Clear
+        # The disk tier under parking (engine/disk/disk_tier.py): its cap, what it holds, and Clear
         self.disk_mib = NumberField(0, DISK_MIB_MAX, s.disk_mib, " MiB")
         self.disk_mib.setToolTip("Conversations' K/V kept on disk (the data folder's cache), found again after "
                                  "an eviction or a restart instead of reading the conversation again; 0 turns it off")
@@ -190,7 +190,7 @@ class SettingsPage(QDialog):
         disk_row = QHBoxLayout()          # under the cap's row: the cap's message has the row's width
         disk_row.addWidget(self.disk_used, 1)
         disk_row.addWidget(self.disk_clear)
-        # K/V precision (engine/kv_format.py): the engine checks it against the loaded model's head size
+        # K/V precision (engine/cache/kv_format.py): the engine checks it against the loaded model's head size
         self.kv_bits = QComboBox(objectName="kvBits", toolTip=KV_BITS_TIP)
         for label, bits in KV_BITS_CHOICES:
             self.kv_bits.addItem(label, bits)
@@ -507,7 +507,7 @@ class SettingsPage(QDialog):
 
     def _disk_drops(self, new: Settings) -> str:
         """What a lower disk cap would delete from the disk tier (per the last status), or "". Off (0)
-        deletes nothing: the files stay until Clear (engine/disk_tier.py set_cap)."""
+        deletes nothing: the files stay until Clear (engine/disk/disk_tier.py set_cap)."""
         d = (self.status.disk if self.status is not None else None) or {}
         entries, nbytes = int(d.get("entries") or 0), int(d.get("bytes") or 0)
         if not entries or new.disk_mib == 0 or new.disk_mib == self.old.disk_mib or nbytes <= new.disk_mib << 20:

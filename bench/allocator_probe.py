@@ -1,4 +1,4 @@
-"""Does keeping freed K/V memory with malloc (engine/allocator.py) make a restore cheaper? (CPU, glibc)
+"""Does keeping freed K/V memory with malloc (engine/memory/allocator.py) make a restore cheaper? (CPU, glibc)
 
     python bench/allocator_probe.py [--restores 24]
 
@@ -30,12 +30,12 @@ def main() -> int:
         print("need --restores >= 2 (one of each setting at least)", file=sys.stderr)
         return 2
     from bench.cache import fill_live, session_ids
-    from engine import allocator
+    from engine.memory import allocator
     if allocator._LIBC is None:
         print("glibc's mallopt is not available here: nothing to compare", file=sys.stderr)
         return 2
     from engine.engine import Engine, EngineOptions, RestoreSession, SaveSession, Status
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     e = Engine(EngineOptions(model=str(default_model_path()), cache_mib=1024, cache_slots=4)).start()
     assert e.call(Status()).model, "the default model did not load (make model)"
     fill_live(e, session_ids(e.tokenizer, 2048), "random")

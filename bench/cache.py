@@ -28,7 +28,7 @@
    --gpu-readers N: a GPU restore's reader threads (an A/B against the default, 4).
    --new-process N: then N rounds of restores each into a new process that has just loaded the model
    (what session files are for), Strata as shipped, Strata without its K/V memory touched at load
-   (engine/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.
+   (engine/cache/kv_reserve.py) and llama.cpp (its context created, then its load call), in rotating order.
 
 --random-shape makes (once, reused from the temp folder) a random-weight Q8_0 GGUF of a named shape with
 bench/shapes.py (its small BPE vocabulary; nothing downloaded): llama1b = Llama-3.2-1B's 16 layers x 2048, 32/8 heads
@@ -125,8 +125,8 @@ def fill_live(engine, ids: list[int], how: str) -> None:
     """Make `ids` the engine's live conversation: read by the model (prefill) or random K/V of its shape."""
     import mlx.core as mx
 
-    from engine.generate import prefill
-    from engine.parking import KVEntry
+    from engine.generation.generate import prefill
+    from engine.cache.parking import KVEntry
 
     def fill(e):
         cache = e.make_cache()
@@ -284,7 +284,7 @@ def new_process_restores(model: Path, s_path: Path, l_path: Path | None, n: int,
                          options) -> dict:
     """The restore a session file is for: into a process that has just loaded the model. Each round
     starts a new process per engine (this script with --child-restore), in rotating order: Strata as
-    shipped, Strata without the K/V memory touched at load (engine/kv_reserve.py off), llama.cpp (its
+    shipped, Strata without the K/V memory touched at load (engine/cache/kv_reserve.py off), llama.cpp (its
     context made, which allocates and clears its K/V, then llama_state_seq_load_file). Each child
     reports its engine's own restore time (Strata: the RestoreSession result's restore_ms; llama.cpp:
     the load call); loading the model is not timed."""
@@ -328,7 +328,7 @@ def child_restore(kind: str, path: str, model: str, n: int, threads: int, contex
             print("llama_state_seq_load_file failed", file=sys.stderr)
             return 2
     else:
-        from engine import kv_reserve
+        from engine.cache import kv_reserve
         from engine.engine import Engine, EngineOptions, RestoreSession, Status
         if kind == "strata-untouched":
             kv_reserve.touch = lambda *a, **k: kv_reserve.Reserved.none("off for this measurement")
@@ -446,7 +446,7 @@ def print_table(rows, head=("metric", "Strata (MLX)", "llama.cpp", "ratio", "tar
 def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str | None, rounds: int = 1,
                   run: Run | None = None) -> int:
     """--restart: returning to a conversation of each size after a restart, the disk tier
-    (engine/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes.
+    (engine/disk/disk_tier.py) against reading it again, in one run; plus the bytes a turn writes.
     --restart-rounds R: R rounds per size, the two arms alternating (disk first, then re-read first),
     each disk round from a copy of the folder as the two turns left it (so every round finds the
     same files); medians with [min-max]."""
@@ -520,7 +520,7 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
           "turn 2 written | file |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n, p, rd, dt, ct, x, w1, w2, size, w2_state, w2_segs in rows:
-        # a model with windows or a recurrent state (engine/disk_states.py): a segment per message
+        # a model with windows or a recurrent state (engine/disk/disk_states.py): a segment per message
         # boundary, each with the windows' last tokens and the recurrent state there
         states = f" ({w2_segs} segments, {w2_state / 1e3:.0f} KB windows/states)" if w2_state else ""
         print(f"| {n} | {p} | {rd} | {span(dt)} | {span(ct)} | {span(x)}x | {w1 / 1e6:.2f} MB | {w2 / 1e3:.0f} KB"
@@ -537,7 +537,7 @@ def restart_bench(model: Path, sizes: list[int], reply_tokens: int, dtype: str |
 
 def main() -> int:
     from engine.engine import Engine, EngineOptions, Status
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the default model)")
@@ -577,7 +577,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.restart:
         from engine.device import on_gpu
-        from engine.models import default_model_path as _default
+        from engine.model.models import default_model_path as _default
         sizes = [int(x) for x in (args.restart_sizes or ("2000,8000" if on_gpu() else "2000")).split(",")]
         if args.random_shape:
             from bench.shapes import build_random_model
@@ -610,7 +610,7 @@ def main() -> int:
 
     t_bench = time.perf_counter()
     if args.gpu_readers:
-        import engine.sessions
+        import engine.session_files.sessions
         engine.sessions.GPU_READERS = args.gpu_readers
         engine.sessions.GPU_BUFFERS = max(engine.sessions.GPU_BUFFERS, args.gpu_readers + 2)
     if args.mlx_cache_limit is not None:

@@ -200,9 +200,9 @@ def main() -> int:
         raise SystemExit("need --gen >= 2, --prompt-tokens >= 2, streams >= 1")
 
     from engine.engine import Engine, EngineOptions, Status
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.models import default_model_path
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.model.models import default_model_path
     from bench.shapes import ignore_eos
     shape = {"llama-1b": "llama1b"}.get(args.random_shape or "", args.random_shape or "")
     if shape:

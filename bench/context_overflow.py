@@ -3,7 +3,7 @@
     python bench/context_overflow.py [--model PATH] [--ctx 1024] [--turns 60] [--max-tokens 8]
 
 Each turn sends the whole history (as the app and the server's clients do) under `stop`,
-`truncate_middle` and `rolling` (engine/context_policy.py) and reads the reply's prompt and cached
+`truncate_middle` and `rolling` (engine/text/context_policy.py) and reads the reply's prompt and cached
 tokens. Per policy: the turns that left messages out, the turns whose cut moved (the history past the
 pinned head read again), the prompt tokens read in all (prompt less cached), and, for comparison, what
 a cut moved every turn would have read (each dropping turn reading everything past the pinned head).

@@ -81,7 +81,7 @@ def default_model() -> str:
     env = os.environ.get("STRATA_TEST_MODEL")
     if env:
         return env
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     p = default_model_path()
     if p.exists():
         return str(p)
@@ -90,7 +90,7 @@ def default_model() -> str:
 
 
 def start_engine(model: str, vector: str, mode: str, scale: float, rng: tuple[int, int] | None):
-    from engine.control_vector import SteeringConfig
+    from engine.steer.control_vector import SteeringConfig
     from engine.engine import Engine, EngineOptions, Status
     cfg = SteeringConfig(files=((vector, scale),), mode=mode, layer_range=rng)
     eng = Engine(EngineOptions(model=model, steering=cfg, cache_mib=0)).start()
@@ -125,7 +125,7 @@ def kernel_time(eng, rows: int, iters: int) -> dict:
     def run(e):
         import mlx.core as mx
 
-        from engine.steering import active_backend, steer
+        from engine.steer.steering import active_backend, steer
         vec = e.steering.vector
         layers = vec.steered_layers()
         h = mx.random.normal((1, rows, e.info.n_embd)).astype(e.dtype)
@@ -208,7 +208,7 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
 def random_vector(folder: Path, n_layer: int, n_embd: int) -> str:
     import numpy as np
 
-    from engine.control_vector import write_control_vector
+    from engine.steer.control_vector import write_control_vector
     path = folder / f"random-cvec-{n_layer}x{n_embd}.gguf"
     if not path.exists():
         rng = np.random.default_rng(0)
@@ -318,7 +318,7 @@ def parse_setting(s: str):
 
 
 def effect(args) -> dict:
-    from engine.control_vector import ControlVector, SteeringConfig
+    from engine.steer.control_vector import ControlVector, SteeringConfig
     prompts = [ln.strip() for ln in EFFECT_PROMPTS.read_text().splitlines() if ln.strip()]
     if args.limit:
         prompts = prompts[:args.limit]
@@ -399,7 +399,7 @@ def main() -> int:
     ap.add_argument("--shader", default=None, help="build the GPU kernel from this body instead of shaders/cvec.metal")
     add_args(ap)
     args = ap.parse_args()
-    import engine.steering as steering
+    import engine.steer.steering as steering
     if args.steering_op == "portable":
         steering._BACKEND = "portable"
     if args.steering_op == "compiled-kernel":

@@ -6,7 +6,7 @@
 Alternating, in one process, decode tok/s (tokens after the first / time from first to last) of:
   raw:        mlx-lm's generate_step, its own model object, the main thread (bench/engine.py's raw);
   raw@engine-model: generate_step on the engine's model object, on the engine thread between requests;
-  decode:     engine.generate.decode (the engine's step loop alone) on the engine thread between requests;
+  decode:     engine.generation.generate.decode (the engine's step loop alone) on the engine thread between requests;
   request:    a whole GenerateRequest (handler, reply loop, events).
 Each against raw, per round: median [min-max] of the ratios. If `decode` keeps up with raw and
 `request` does not, the gap is in the request path; if `decode` does not, it is in the loop or model.
@@ -29,7 +29,7 @@ PATHS = ("raw", "raw@engine-model", "decode", "request")     # the runs main() a
 
 
 def engine_decode(e, ids, gen):
-    from engine.generate import StepStats, decode, prefill
+    from engine.generation.generate import StepStats, decode, prefill
     from engine.sampling import SamplingParams
     cache = e.make_cache()
     fed: list[int] = []
@@ -64,8 +64,8 @@ def main() -> int:
     from bench.engine import prompt_ids, run_mlx_lm
     from bench.shapes import build_random_model, ignore_eos
     from engine.engine import Engine, EngineOptions, GenerateRequest
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     from engine.sampling import SamplingParams
     path = build_random_model(a.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()

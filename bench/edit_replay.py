@@ -70,7 +70,7 @@ class ReplayDrafter:
     """Drafts as prompt lookup drafted on the recorded editing reply (module docstring)."""
 
     def __init__(self, trace: dict, history_len: int, target_reply: list[int], n_vocab: int, draft_len: int):
-        from engine.speculative import LookupDrafter
+        from engine.generation.speculative import LookupDrafter
         self.lookup = LookupDrafter(draft_len=draft_len)
         self.text = trace["prompt"] + trace["reply"]
         self.base = len(trace["prompt"])
@@ -96,10 +96,11 @@ def replay(args) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from bench.shapes import build_random_model
-    from engine import generate, layer_cache, speculative
+    from engine.cache import layer_cache
+    from engine.generation import generate, speculative
     from engine.device import compute_dtype, on_gpu
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     from engine.sampling import SamplingParams
     trace = json.loads(TRACE.read_text())
     path = Path(args.model) if not args.shape else build_random_model(args.shape, Path("/tmp/strata-shapes"))
@@ -209,7 +210,7 @@ def replay(args) -> int:
 
 
 def main() -> int:
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     ap = argparse.ArgumentParser()
     ap.add_argument("--record", action="store_true", help="record the editing trace with --model")
     ap.add_argument("--model", default=str(default_model_path()))

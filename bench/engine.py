@@ -123,9 +123,9 @@ def main() -> int:
         raise SystemExit("need --rounds >= 1, --gen >= 2, --prompt-tokens >= 2")
 
     from engine.engine import Engine, EngineOptions
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.models import default_model_path
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.model.models import default_model_path
     if args.random_shape:
         from bench.shapes import build_random_model
         path = build_random_model(args.random_shape, Path(args.shape_dir))

@@ -1,5 +1,5 @@
 """`bench/spec.py --mtp-costs` on a gemma4 model: the pass costs Gemma 4's memory-shared MTP drafter's
-speed-up follows from (engine/gemma4_mtp_spec.py), outside the engine.
+speed-up follows from (engine/generation/gemma4_mtp_spec.py), outside the engine.
 
     .venv/bin/python bench/spec.py --mtp-costs --shape gemma4-e2b-half [--context 640] [--reps 21]
     .venv/bin/python bench/spec.py --mtp-costs --model gemma4.gguf      (its mtp-*.gguf beside it)
@@ -7,7 +7,7 @@ speed-up follows from (engine/gemma4_mtp_spec.py), outside the engine.
 Measured, interleaved round by round: the target's pass over n = 1..4 tokens through the tap at a
 context past the sliding window (T_n), one drafter step (H: reading the shared K/V, the step, the
 argmax), and the target windows' snapshot before a verify pass and restore after a rejection
-(engine/layer_cache.py; the drafter itself holds nothing to roll back). The speed-up table is
+(engine/cache/layer_cache.py; the drafter itself holds nothing to roll back). The speed-up table is
 bench/mtp_model.py's (mtp_speedup) from those figures.
 
 `--shape gemma4-e2b-half`: a random Q8_0 gemma4 with E2B's layout at half its widths (35 layers, 20 of
@@ -62,16 +62,18 @@ def gemma4_mtp_costs(args) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from bench.mtp_model import mtp_speedup
-    from engine import generate, layer_cache
+    from engine.cache import layer_cache
+    from engine.generation import generate
     from engine.device import compute_dtype
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.mtp_spec import load_mtp
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.generation import mtp_spec
+    from engine.generation.mtp_spec import load_mtp
     path = Path(args.model)
     dtype = compute_dtype()
     model, info = load_model(open_gguf(path), dtype=dtype)
     loaded = load_mtp(path, model, dtype)
-    d = loaded.head.make_drafter(model, loaded.path)
+    d = mtp_spec.drafter_for(loaded.head, model, loaded.path)
     tap = d.target
     rng = __import__("random").Random(0)
     prompt = [rng.randrange(10, 250) for _ in range(args.context)]

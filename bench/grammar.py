@@ -48,9 +48,9 @@ def main() -> None:
     import mlx.core as mx
 
     from engine.api import EngineOptions, GenerateRequest
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import Engine
-    from engine.models import DEFAULT_NAME, resolve_model
+    from engine.model.models import DEFAULT_NAME, resolve_model
     from engine.sampling import SamplingParams
 
     if args.random_shape:

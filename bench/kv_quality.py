@@ -29,7 +29,7 @@ PROMPTS = [
 
 
 def files(types: list[str]) -> dict[str, Path]:
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "strata-tests"
     out = {}
     for t in types:
@@ -45,10 +45,10 @@ def main() -> int:
     import mlx.core as mx
     import numpy as np
 
-    from engine import kv_format
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.cache import kv_format
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.text.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q4_1,F16,Q8_0,Q4_K_M,Q6_K")

@@ -35,7 +35,7 @@ def main() -> None:
     import mlx.core as mx
 
     from bench.shapes import build_random_model
-    from engine import generate
+    from engine.generation import generate
     from engine.engine import Engine, EngineOptions, Status
     path = build_random_model(args.random_shape, Path(args.shape_dir))
     engine = Engine(EngineOptions(model=str(path), cache_mib=0)).start()

@@ -38,9 +38,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 import llama_oracle  # noqa: E402
 from bench.harness import Run, add_args  # noqa: E402
-from engine import memory_estimate, quants  # noqa: E402
-from engine.gguf_file import open_gguf  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
+from engine.model import memory_estimate, quants  # noqa: E402
+from engine.model.gguf_file import open_gguf  # noqa: E402
+from engine.model.model_loader import load_model  # noqa: E402
 from gguf_factory import quantize_with_llama  # noqa: E402
 from gguf_factory_iq import TEXTS, quantized_tiny  # noqa: E402
 

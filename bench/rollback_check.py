@@ -20,10 +20,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.shapes import build_random_model
 from bench.edit_replay import ReplayDrafter
 from bench.harness import Run
-from engine import generate, layer_cache, speculative
+from engine.cache import layer_cache
+from engine.generation import generate, speculative
 from engine.device import compute_dtype
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
 from engine.sampling import SamplingParams
 
 shape = sys.argv[1]

@@ -4,7 +4,7 @@
 
 Llama-1B's heads (32 query, 8 K/V, head 64, float16 on a GPU), L new queries over K keys, causal:
 ms per call (evaluated), for MLX's fused `mx.fast.scaled_dot_product_attention` ("fused") and the
-engine's explicit form for short chunks (engine/attention.py, "explicit"), over (a) the same shape
+engine's explicit form for short chunks (engine/model/attention.py, "explicit"), over (a) the same shape
 10 times, (b) a new (L, K) pair every call, as each turn of a returning conversation is, (c) one
 query (a decode step) at a new K every call, (d) (b) with an explicit mask array, and (e) the
 prefill chunk sizes, repeated, to show where the explicit form stops paying; (f) a returning turn's
@@ -24,7 +24,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import Run  # noqa: E402
-from engine.attention import explicit_attention  # noqa: E402
+from engine.model.attention import explicit_attention  # noqa: E402
 
 RUN = Run()         # figures to $BENCH_RESULTS or bench/results/results.jsonl (no argparse here)
 

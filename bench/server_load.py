@@ -5,7 +5,7 @@ server (uvicorn on a free loopback port, the official openai client), on the def
 
 Prints a Markdown table: requests, wall time, throughput (requests/s, generated tokens/s),
 client-side latency p50/p95 (the concurrent requests' latency includes their wait in the engine's
-queue beyond --max-sequences, decoded together as the server does: engine/batching.py; 1 = one
+queue beyond --max-sequences, decoded together as the server does: engine/generation/batching.py; 1 = one
 request at a time), the engine's mean time to first token, and the
 mean time the engine itself spent per request (ttft + decode, from the response's `strata` timings;
 client latency minus this is the HTTP/queue share; non-streaming only).
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import openai
 
     from engine.engine import Engine, EngineOptions
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     from engine.frontends.server import ServerThread, create_app
 
     model = Path(args.model) if args.model else default_model_path()

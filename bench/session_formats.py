@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python bench/session_formats.py [--rounds 6] [--tokens 2048] [--old REV]
         [--dtype float16]
 
-The old engine/sessions.py is taken from git history into a temporary module. Both save and restore
+The old engine/session_files/sessions.py is taken from git history into a temporary module. Both save and restore
 a SmolLM2-shaped K/V (30 layers x 3 K/V heads x 64, random values) of --tokens tokens in the engine's
 compute dtype (float32 on a CPU). Restored entries are kept, as parked conversations are, so neither
 format reuses freed memory. Medians of the rounds; the order of the two formats alternates.
@@ -25,10 +25,15 @@ from bench.harness import Run, add_args  # noqa: E402
 
 
 def old_module(rev: str, folder: Path):
-    src = subprocess.run(["git", "show", f"{rev}:engine/sessions.py"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    # the module's place at `rev`: engine/sessions.py before engine/ was grouped into folders
+    for where in ("engine/session_files/sessions.py", "engine/sessions.py"):
+        got = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     src = src.replace("from .errors import", "from engine.errors import").replace(
-        "from .parking import", "from engine.parking import")
+        "from .parking import", "from engine.cache.parking import")
     path = folder / "sessions_old.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("sessions_old", path)
@@ -50,8 +55,8 @@ def main() -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from engine import sessions as new
-    from engine.parking import KVEntry
+    from engine.session_files import sessions as new
+    from engine.cache.parking import KVEntry
     tmp = Path(tempfile.mkdtemp(prefix="strata-bench-formats-"))
     old = old_module(args.old, tmp)
     L, H, D, N = 30, 3, 64, args.tokens

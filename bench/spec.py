@@ -26,7 +26,7 @@ Qwen3.5-like file of bench/shapes.py written with a NextN head. With random weig
 means nothing, so `--mtp-costs` measures what the speed-up follows from instead, outside the engine
 (model and head loaded directly, CPU or GPU as MLX runs): the target's pass over n = 1..4 tokens at a
 context (T_n), one head step (H), the recurrent state's snapshot before a verify pass and its restore
-after a rejection (engine/layer_cache.py), and from them the expected speed-up at acceptance rates
+after a rejection (engine/cache/layer_cache.py), and from them the expected speed-up at acceptance rates
 0.5-0.95 for depth k = 1..3, each draft accepted with probability a independently:
   tokens per verify pass  E = (1 - a^(k+1)) / (1 - a)
   time per verify pass    T_(k+1) + snapshot + k H + sum_(j<k) a^j (1-a) (restore + T_(j+1))
@@ -67,7 +67,7 @@ CHAT = "Tell me about the history of tea and how it spread around the world."
 
 def main() -> int:
     from engine.engine import Engine, EngineOptions, GenerateRequest, Status
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     from engine.sampling import SamplingParams
 
     ap = argparse.ArgumentParser()
@@ -150,12 +150,13 @@ def mtp_costs(args) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from engine import generate, layer_cache
-    from engine.archs.qwen35_mtp import load_head
+    from engine.cache import layer_cache
+    from engine.generation import generate
+    from engine.model.archs.qwen35_mtp import load_head
     from engine.device import compute_dtype
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.mtp_spec import TargetTap
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.generation.mtp_spec import TargetTap
     g = open_gguf(Path(args.model))
     if g.architecture == "gemma4":          # the memory-shared drafter: bench/gemma4_mtp_costs.py
         from bench.gemma4_mtp_costs import gemma4_mtp_costs
@@ -226,7 +227,7 @@ def mtp_costs(args) -> int:
 
 def simulate(prompt: list[int], reply: list[int], ngram_max: int, ngram_min: int, k: int) -> tuple[int, int, int]:
     """(verify passes, drafted, accepted) of greedy lookup speculation producing `reply`."""
-    from engine.speculative import LookupDrafter
+    from engine.generation.speculative import LookupDrafter
     d = LookupDrafter(ngram_max, ngram_min, k)
     i = passes = drafted = accepted = 0
     while i < len(reply):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mlx.core as mx  # noqa: E402
 
-import engine.steering as steering  # noqa: E402
+import engine.steer.steering as steering  # noqa: E402
 from bench.harness import Run, add_args  # noqa: E402
 
 

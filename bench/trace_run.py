@@ -26,11 +26,12 @@ def main() -> None:
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
-    from engine import attention, model_loader
+    from engine.model import attention
+    from engine.model import model_loader
     if a.no_explicit_attention:
         attention.needed = lambda: False
     if a.no_merge:
-        from engine import generate
+        from engine.generation import generate
         generate.first_step_merge_limit = lambda chunk: 0
     if a.no_warm_up:
         model_loader.warm_up = lambda model: 0.0

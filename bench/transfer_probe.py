@@ -4,7 +4,7 @@
 
 Times, on the default device: host->MLX copies (`mx.array(numpy)`, one big array and in 8 MiB
 pieces, fresh and into reused buffers), MLX->host (`np.asarray`), a writable numpy view of an MLX
-array's memory and writing through it, xxh3-128 over the bytes, Load-primitive uploads (engine/device_upload.py, mx.load of a safetensors file), a file write to a new name and over
+array's memory and writing through it, xxh3-128 over the bytes, Load-primitive uploads (engine/model/device_upload.py, mx.load of a safetensors file), a file write to a new name and over
 an existing file by rename, fsync, and reading the file back into a numpy buffer; then what threads
 change: writes (pwrite of disjoint ranges) and MLX->host copies from 1-8 threads, a write with the
 hash running beside it, and one big array's slices moved to the device. Medians of 5.
@@ -25,7 +25,7 @@ import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.harness import Run, add_args  # noqa: E402
-from engine.device_upload import to_device  # noqa: E402
+from engine.model.device_upload import to_device  # noqa: E402
 
 
 def timed(fn, n=5):
@@ -56,7 +56,7 @@ def main() -> None:
     report("mx.array(numpy), one array, + eval", timed(lambda: mx.eval(mx.array(host))))
     report("mx.array(numpy), 8 MiB pieces, + eval", timed(lambda: mx.eval([mx.array(p) for p in pieces])))
     report("same, then a device op on each (x + 0)", timed(lambda: mx.eval([mx.array(p) + 0 for p in pieces])))
-    # MLX's Load primitive: device memory filled by one cudaMemcpyAsync (engine/device_upload.py), from a
+    # MLX's Load primitive: device memory filled by one cudaMemcpyAsync (engine/model/device_upload.py), from a
     # Python file object serving our buffer, and from MLX's own reader of a safetensors file.
     report("to_device (Load from a buffer), 8 MiB pieces, + device op",
            timed(lambda: mx.eval([to_device(p) + 0 for p in pieces])))

@@ -67,7 +67,7 @@ def install_phase_timers(engine) -> dict:
     finding/restoring the K/V, prefill of the new tokens (and its mx.clear_cache), first token."""
     import mlx.core as mx
 
-    from engine import generate
+    from engine.generation import generate
     out: dict = {}
 
     def timed(name, fn):
@@ -119,7 +119,7 @@ def main() -> int:
     import mlx.core as mx
 
     from engine.engine import Engine, EngineOptions, GenerateRequest
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     if args.random_shape:
         from bench.shapes import build_random_model, ignore_eos
         path = build_random_model(args.random_shape, Path(tempfile.gettempdir()) / "strata-shapes")
@@ -175,8 +175,8 @@ def main() -> int:
     def model_alone(e):
         # The model's own share: 32 new tokens then one decode step on a K/V of the conversation's
         # length (same engine, same stream), trimmed back after each try; median of 5.
-        from engine import layer_cache
-        from engine.generate import _stream
+        from engine.cache import layer_cache
+        from engine.generation.generate import _stream
         out = {}
         for h in histories:
             n = len(convs[h]) and cached[h][-1][1]

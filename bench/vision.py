@@ -36,7 +36,7 @@ from vision_images import photo, png   # noqa: E402
 from bench.harness import Run, add_args   # noqa: E402
 from engine.api import EngineOptions, GenerateRequest, ImageInput, Status   # noqa: E402
 from engine.engine import Engine   # noqa: E402
-from engine.images import decode_image   # noqa: E402
+from engine.vision.images import decode_image   # noqa: E402
 from engine.sampling import SamplingParams   # noqa: E402
 from engine.vision import mmproj, preprocess, siglip   # noqa: E402
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
-from .gguf_split import split_name
-from .limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT, check_configure
-from .sampling import SamplingParams
+from engine.errors import EngineError, ErrorCode, SessionRefusal  # noqa: F401 - re-exported: the error half
+from engine.model.gguf_split import split_name
+from engine.limits import DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, SPEED_PROJECTION_DEFAULT, check_configure
+from engine.sampling import SamplingParams
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -50,13 +50,13 @@ class EngineOptions:
     speed_projection: bool = SPEED_PROJECTION_DEFAULT   # the per-request switch's default when a vector is loaded
     prefill_chunk: int = 512
     dtype: str | None = None                  # None: float32 on the CPU, float16 on a GPU
-    kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/kv_format.py)
-    # The disk tier under parking (engine/disk_tier.py), MiB, 0 = off. Off for an engine built in code (a
+    kv_bits: int = 16                         # K/V storage: 16, 8 or 4 bits (engine/cache/kv_format.py)
+    # The disk tier under parking (engine/disk/disk_tier.py), MiB, 0 = off. Off for an engine built in code (a
     # bench, a test, an embedding: each starts cold unless it asks); the CLI, the server and the app pass
     # their default, limits.DEFAULT_DISK_MIB.
     disk_mib: int = 0
     disk_dir: str | None = None               # its folder (None: the data folder's cache/conversations)
-    # generate requests decoded together in one batch (engine/batching.py), at most this many
+    # generate requests decoded together in one batch (engine/generation/batching.py), at most this many
     # at once (the rest queue); 1 = one request at a time. 1 for an engine built in code; the CLI, the
     # server and the app pass their default, limits.DEFAULT_MAX_SEQUENCES.
     max_sequences: int = 1
@@ -88,12 +88,12 @@ class GenerateRequest:
                                               # the same conversation, e.g. Regenerate, reuses its slot)
     side: bool = False                        # a side request (titles, counts): never parks, takes or
                                               # evicts a conversation's K/V; projection off unless asked
-    speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/speculative.py)
+    speculative: str = "off"                  # "off" | "lookup" | "draft:PATH" (engine/generation/speculative.py)
     constraint: Any = None                    # constraints.ConstraintSpec: the reply must match it
                                               # (response_format json_object/json_schema, forced tool calls)
     tools: list[dict] | None = None           # the chat template's `tools` (OpenAI function tools;
-                                              # engine/tool_calls.py prepares them and the messages)
-    # A history longer than the context (engine/context_policy.py): "stop" refuses a prompt over it
+                                              # engine/frontends/tool_calls.py prepares them and the messages)
+    # A history longer than the context (engine/text/context_policy.py): "stop" refuses a prompt over it
     # and stops the reply at its end; "truncate_middle" / "rolling" leave out earlier turns
     # (Generation.dropped_messages says how many) so the prompt and the reply's reserve fit.
     overflow: str = "stop"
@@ -213,7 +213,7 @@ class Generation(Result):
     decode_tps: float = 0.0
     finish_reason: str = "length"             # "stop" | "length" | "cancelled"
     speed_projection: bool = False            # whether the control vector was applied
-    speculative: str = "off"                  # speculative decoding (engine/speculative.py) and its counts
+    speculative: str = "off"                  # speculative decoding (engine/generation/speculative.py) and its counts
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
@@ -311,7 +311,7 @@ class BatchCounters(Result):
     shared_steps: int = 0
     peak_rows: int = 0
     rows: int = 0
-    read_together: int = 0      # rows whose prompt was read in a group (engine/batch_prefill.py)
+    read_together: int = 0      # rows whose prompt was read in a group (engine/generation/batch_prefill.py)
     first_from_prompt: int = 0  # rows joining running rows, their first token from their prompt's pass
     # where a decode step's time goes on the engine thread (bench/concurrency.py prints them): queueing
     # the step (the model's graph, host work), waiting for the previous step's tokens (the device),

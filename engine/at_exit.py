@@ -13,7 +13,7 @@ import atexit
 import time
 import weakref
 
-from .events import cancel_everything
+from engine.events import cancel_everything
 
 EXIT_WAIT_S = 10.0      # at interpreter exit, how long the engine threads get to stop their work
 

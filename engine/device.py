@@ -1,6 +1,6 @@
 """Which backend MLX computes on, asked in one place. The compute dtype is float32 on the CPU (MLX's
 CPU backend has no fast half-precision math) and float16 on any GPU; CUDA is told apart because only
-its fused attention is planned per shape (engine/attention.py)."""
+its fused attention is planned per shape (engine/model/attention.py)."""
 from __future__ import annotations
 
 import mlx.core as mx

@@ -2,12 +2,12 @@
 the load's: that one is part of LoadedModel), the MTP head, and what each draft pair measured.
 
     drafts.drafter_for(req)      the drafter a request asks for (None: off); loads a named draft once
-    drafts.steps(...)            the speculative step iterator for a turn (engine/speculative.py)
+    drafts.steps(...)            the speculative step iterator for a turn (engine/generation/speculative.py)
     drafts.done(...)             what the reply measured, remembered
     drafts.release(why)          the named draft's memory given back
     drafts.idle_release          a timed idle task (engine/scheduler.py): unused for DRAFT_IDLE_S, released
 
-Engine thread only. The loop and the drafters themselves are engine/speculative.py and engine/mtp_spec.py.
+Engine thread only. The loop and the drafters themselves are engine/generation/speculative.py and engine/generation/mtp_spec.py.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import mtp_spec, speculative
-from .allocator import release_freed_memory
-from .api import GenerateRequest
-from .errors import MemoryRefused, RequestError
-from .memory_estimate import fit_for_load, gpu_working_set
-from .models import resolve_model
+from engine.generation import mtp_spec, speculative
+from engine.memory.allocator import release_freed_memory
+from engine.api import GenerateRequest
+from engine.errors import MemoryRefused, RequestError
+from engine.model.memory_estimate import fit_for_load, gpu_working_set
+from engine.model.models import resolve_model
 
 DRAFT_IDLE_S = 30.0     # a draft model no request used for this long is released
 
@@ -85,7 +85,7 @@ class Drafts:
                                       admit=lambda p: self._admit_draft(p, n_ctx, dtype))
 
     def _mtp_drafter(self, head_path: str | None):
-        """A drafter over the model's NextN/MTP head (engine/mtp_spec.py); the head is loaded once per
+        """A drafter over the model's NextN/MTP head (engine/generation/mtp_spec.py); the head is loaded once per
         target (and head file) and kept; each request gets its own head K/V."""
         eng = self._eng
         if eng.serving.distributed:
@@ -139,7 +139,7 @@ class Drafts:
                 spec.stopped = f"off for this model and draft: slower than plain decoding in an earlier reply ({why})"
                 return spec, None
             spec.speedup_hint = self._verdicts.speedup(key)
-        # mtp: the target through the tap that keeps its hidden states (engine/mtp_spec.py)
+        # mtp: the target through the tap that keeps its hidden states (engine/generation/mtp_spec.py)
         return spec, speculative.decode(
             getattr(drafter, "target", eng.model), entry.cache, tokens[-1], entry.tokens, history=tokens, sampling=sp,
             processors=sp.processors(), max_tokens=max_tokens, stats=stats, spec=spec, drafter=drafter,

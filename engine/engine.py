@@ -7,7 +7,7 @@
 
 The requests, results and errors are engine/api.py (re-exported here). This class owns the thread
 and the dispatch; what each request does is engine/handlers.py, the held conversations
-engine/conversations.py, the decode loop engine/generate.py.
+engine/cache/conversations.py, the decode loop engine/generation/generate.py.
 The Qt app runs `engine.run_forever()` inside its QThread instead of `start()`.
 """
 from __future__ import annotations
@@ -24,28 +24,30 @@ from typing import Any, Callable
 # ("terminate called without an active exception"). engine/sampling.py stays MLX-free for the app.
 import mlx_lm.generate  # noqa: F401,E402
 
-from .api import (CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
-                  GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
-                  ClearDiskCache, ForgetConversation)
-from . import at_exit, batching, disk_tier
-from .allocator import keep_freed_memory, release_freed_memory
-from .conversations import Conversations
-from .drafts import Drafts
-from .errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
-from .events import ENGINE_STOPPED, Done, Failed, Handle, Log
-from .handlers import RequestHandlers
-from .prompts import Prompts
-from .turns import Turns
-from .kv_reserve import IdleTopUp
-from .loaded_model import InForce
-from .loaded_model import LoadedModel
-from .limits import within_range
-from .memory_guard import MemoryGuard
-from .model_load import ModelLoad
-from .parking import Parking
-from .scheduler import Scheduler, Stop
-from .serving import Serving, for_this_process
-from .session_requests import SessionRequests
+from engine.api import (CaptureStates, Configure, CountTokens, EngineOptions,  # noqa: F401 - re-exported
+                        GenerateRequest, LoadModel, ModelFacts, RestoreSession, SaveSession, SessionSteering, Status,
+                        ClearDiskCache, ForgetConversation)
+from engine import at_exit
+from engine.disk import disk_tier
+from engine.generation import batching
+from engine.memory.allocator import keep_freed_memory, release_freed_memory
+from engine.cache.conversations import Conversations
+from engine.drafts import Drafts
+from engine.errors import Cancelled, EngineError, ErrorCode, ModelNotLoaded, RequestError, StrataError
+from engine.events import ENGINE_STOPPED, Done, Failed, Handle, Log
+from engine.handlers import RequestHandlers
+from engine.prompts import Prompts
+from engine.turns import Turns
+from engine.cache.kv_reserve import IdleTopUp
+from engine.loaded_model import InForce
+from engine.loaded_model import LoadedModel
+from engine.limits import within_range
+from engine.memory.memory_guard import MemoryGuard
+from engine.model_load import ModelLoad
+from engine.cache.parking import Parking
+from engine.scheduler import Scheduler, Stop
+from engine.serving import Serving, for_this_process
+from engine.session_files.session_requests import SessionRequests
 
 log = logging.getLogger("strata")
 
@@ -86,7 +88,7 @@ class Engine:
                                                        self.options.draft, self.options.mmproj)) \
             if self.options.model else None
         # How requests are served (engine/serving.py): this process alone, or every rank of a distributed
-        # group in lockstep (engine/distributed.py); asked, never told apart.
+        # group in lockstep (engine/ranks/distributed.py); asked, never told apart.
         self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
         self.prompts = Prompts(self)              # a request's prompt as token ids (engine/prompts.py)
@@ -333,7 +335,7 @@ class Engine:
     def status(self):
         return self.handlers.status()
 
-    # ---- the held conversations (engine thread; engine/conversations.py) ---------------------
+    # ---- the held conversations (engine thread; engine/cache/conversations.py) ---------------------
     @property
     def live(self):
         return self.conversations.live if self.conversations is not None else None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
 
-from .errors import EngineError, ErrorCode, VectorSpec
+from engine.errors import EngineError, ErrorCode, VectorSpec
 
 
 @dataclass
@@ -36,7 +36,7 @@ class KVChanged:
     conversation: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    restored_from_disk: int = 0     # of cached_tokens, how many the disk tier restored (engine/disk_tier.py)
+    restored_from_disk: int = 0     # of cached_tokens, how many the disk tier restored (engine/disk/disk_tier.py)
 
 
 class KVMove(str, Enum):

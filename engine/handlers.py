@@ -1,11 +1,11 @@
 """What each request does, on the engine thread: the K/V identity (model, steering, K/V format), a lone
 generation (through the turn API, engine/turns.py, that a batched row shares), settings, status and
 counts. The prompt's tokens are engine/prompts.py's, the model load engine/model_load.py's, the
-session-file requests engine/session_requests.py's.
+session-file requests engine/session_files/session_requests.py's.
 
 `Engine` (engine/engine.py) owns the thread and the dispatch and holds one `RequestHandlers(engine)`; the held
-conversations are `self.conversations` (engine/conversations.py), the decode loop with its stop strings
-and stats is engine/generate.py. Everything here runs on the engine thread only.
+conversations are `self.conversations` (engine/cache/conversations.py), the decode loop with its stop strings
+and stats is engine/generation/generate.py. Everything here runs on the engine thread only.
 """
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import time
 from dataclasses import asdict
 import numpy as np
 
-from .api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
-                  Generation, TokenCount)
-from .errors import RequestError
-from .events import Handle, Progress, Token
-from .capture import last_token_states
-from .generate import reply
-from .kv_format import choose_for, make_cache
-from .kv_key import KVKey
-from .limits import CacheLimitError, cache_range
-from .memory_estimate import gpu_working_set, load_budget
-from .vision.tokens import has_images
+from engine.api import (CaptureStates, CapturedStates, Configure, CountTokens, EngineStatus, GenerateRequest,
+                        Generation, TokenCount)
+from engine.errors import RequestError
+from engine.events import Handle, Progress, Token
+from engine.steer.capture import last_token_states
+from engine.generation.generate import reply
+from engine.cache.kv_format import choose_for, make_cache
+from engine.cache.kv_key import KVKey
+from engine.limits import CacheLimitError, cache_range
+from engine.model.memory_estimate import gpu_working_set, load_budget
+from engine.text.image_tokens import has_images
 
 
 class RequestHandlers:
@@ -82,9 +82,9 @@ class RequestHandlers:
         entry.checkpoint()      # a finished reply is a message boundary (none for full K/V)
         return self.eng.turns.end_turn(turn, r, spec)
 
-    # The turn API (continuous batching, engine/batching.py): generate split in two so a batched row
+    # The turn API (continuous batching, engine/generation/batching.py): generate split in two so a batched row
     # prepares and finishes its turn exactly as a lone request does; `batched` checks the K/V out
-    # (engine/conversations.py `busy`) instead of making it the live one.
+    # (engine/cache/conversations.py `busy`) instead of making it the live one.
     # ---- settings, status --------------------------------------------------------------------
     def configure(self, req: Configure) -> EngineStatus:
         """Applied whole or not at all: the bounds were checked when `req` was built (engine/limits.py);
@@ -166,7 +166,7 @@ class RequestHandlers:
     # ---- session files -----------------------------------------------------------------------
 
 def _load_budget(guard) -> dict | None:
-    """What a model may take (engine/memory_estimate.py), for the app, which cannot ask MLX."""
+    """What a model may take (engine/model/memory_estimate.py), for the app, which cannot ask MLX."""
     b = load_budget(guard, gpu_working_set())
     return None if b is None else {"bytes": b.bytes, "source": b.source}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import RequestError
+from engine.errors import RequestError
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -18,15 +18,15 @@ SLOTS_MAX = 64
 # The defaults, defined here only: EngineOptions, the CLI flags, the app's settings and EngineThread read them.
 DEFAULT_CACHE_MIB = 1024
 DEFAULT_CACHE_SLOTS = 4
-# The disk tier under parking (engine/disk_tier.py): conversations' K/V in the data folder's cache, 0 = off.
+# The disk tier under parking (engine/disk/disk_tier.py): conversations' K/V in the data folder's cache, 0 = off.
 # 4 GiB holds about 22 conversations of 8,000 SmolLM2 tokens at 16-bit K/V (23,040 B/token).
 DEFAULT_DISK_MIB = 4096
 DISK_MIB_MAX = 1 << 20          # 1 TiB: a bound on typing, not a recommendation
-# generate requests decoded together in one batch (engine/batching.py); the rest queue.
+# generate requests decoded together in one batch (engine/generation/batching.py); the rest queue.
 # The CLI, the server and the app start from this; an engine built in code from 1 (one at a time).
 DEFAULT_MAX_SEQUENCES = 8
 MAX_SEQUENCES_MAX = 256
-# The K/V storage widths (engine/kv_format.py; 16 = unquantized): the CLI flag, Configure and the
+# The K/V storage widths (engine/cache/kv_format.py; 16 = unquantized): the CLI flag, Configure and the
 # settings page offer exactly these.
 KV_BITS = (16, 8, 4)
 # Whether a loaded control vector applies to requests that name no setting: EngineOptions, the CLI
@@ -65,7 +65,7 @@ def cache_range(total_bytes: int | None) -> CacheRange:
 def machine_cache_range() -> CacheRange:
     """The range on this machine, read now (the memory guard's reader)."""
     # lazy: the memory guard loads numpy, which the app (it imports this module) does not need
-    from .memory_guard import MemoryUnavailable, read_memory
+    from engine.memory.memory_guard import MemoryUnavailable, read_memory
     try:
         return cache_range(read_memory().total_bytes)
     except MemoryUnavailable:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .api import ModelFacts
+from engine.api import ModelFacts
 
 
 @dataclass(frozen=True)

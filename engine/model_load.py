@@ -3,24 +3,25 @@ memory guard before any tensor is read, built into one LoadedModel that replaces
 (a refused load leaves the old one serving)."""
 from __future__ import annotations
 
-from .api import LoadModel, ModelFacts, ModelLoaded, model_id
-from .events import Handle, Progress, Log
+from engine.api import LoadModel, ModelFacts, ModelLoaded, model_id
+from engine.events import Handle, Progress, Log
 import mlx.core as mx
 import logging
-from . import kv_reserve, steering
-from .chat_template import generation_prompt
-from .device import compute_dtype, on_gpu
-from .gguf_file import content_hash, open_gguf, set_hash
-from .kv_format import choose_for
-from .loaded_model import LoadedModel
-from .memory_estimate import fit_for_load, gpu_working_set
-from .models import resolve_model
-from .reasoning import opens_think
-from .tokenizer import load_tokenizer
-from .control_vector import ControlVector, ControlVectorError
-from .vision.find import chosen as find_projector
-from .vision.mmproj import load_projector, plan as plan_projector
-from .vision.spans import Vision
+from engine.cache import kv_reserve
+from engine.steer import steering
+from engine.text.chat_template import generation_prompt
+from engine.device import compute_dtype, on_gpu
+from engine.model.gguf_file import content_hash, open_gguf, set_hash
+from engine.cache.kv_format import choose_for
+from engine.loaded_model import LoadedModel
+from engine.model.memory_estimate import fit_for_load, gpu_working_set
+from engine.model.models import resolve_model
+from engine.text.reasoning import opens_think
+from engine.text.tokenizer import load_tokenizer
+from engine.steer.control_vector import ControlVector, ControlVectorError
+from engine.vision.find import chosen as find_projector
+from engine.vision.mmproj import load_projector, plan as plan_projector
+from engine.vision.spans import Vision
 
 
 class ModelLoad:

@@ -1,6 +1,6 @@
 """A request's prompt as token ids, on the engine thread: the chat template's render, the held
 conversations' own ids kept where the text goes on from them, image spans (engine/vision), the
-overflow policy's fit to the context (engine/context_policy.py), the system prompt's share of a count,
+overflow policy's fit to the context (engine/text/context_policy.py), the system prompt's share of a count,
 and the history's message boundaries the prompt encoder checkpoints. One `Prompts(engine)` per engine;
 what it reads is the engine's (`loaded`, `conversations`); its own state is the message sizes the
 overflow pages remembered for the loaded tokenizer."""
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from . import layer_cache
-from .api import CountTokens, GenerateRequest
-from .chat_template import render
-from .context_policy import (POLICIES, OverflowRefused, message_text, reply_reserve, select as select_messages,
-                             smallest)
-from .conversations import held_run
-from .errors import ContextTooLong, RequestError
-from .parking import common_prefix
-from .vision.tokens import has_image_parts, has_images, storable, text_chars
+from engine.cache import layer_cache
+from engine.api import CountTokens, GenerateRequest
+from engine.text.chat_template import render
+from engine.text.context_policy import (POLICIES, OverflowRefused, message_text, reply_reserve, select as select_messages,
+                                        smallest)
+from engine.cache.conversations import held_run
+from engine.errors import ContextTooLong, RequestError
+from engine.cache.parking import common_prefix
+from engine.text.image_tokens import has_image_parts, has_images, storable, text_chars
 
 MAX_CHARS_PER_TOKEN = 32
 SIZES_KEPT = 4096                  # message sizes remembered for the overflow pages (then forgotten at once)
@@ -66,7 +66,7 @@ class Prompts:
 
     def fit_context(self, req: GenerateRequest, n_ctx: int) -> tuple[GenerateRequest, list[int], int]:
         """The request as it is sent, its tokens and how many messages it left out: under a dropping
-        overflow policy (engine/context_policy.py) the turns that fit the context with the reply's
+        overflow policy (engine/text/context_policy.py) the turns that fit the context with the reply's
         reserve; else the request as it came."""
         if req.overflow not in POLICIES:
             raise RequestError(f"overflow must be one of {', '.join(POLICIES)} (got {req.overflow!r})")
@@ -92,7 +92,7 @@ class Prompts:
         return fitted, self.prompt_tokens(fitted), sel.dropped
 
     def message_size(self, message: dict) -> int:
-        """One message's text in tokens: the overflow pages' unit (engine/context_policy.py), remembered
+        """One message's text in tokens: the overflow pages' unit (engine/text/context_policy.py), remembered
         by text so that each turn tokenizes only its new messages. A text past the character cap is not
         tokenized: its size at the cap's rate is over the context, which is all a page needs."""
         text = message_text(message) if isinstance(message, dict) else ""
@@ -148,7 +148,7 @@ class Prompts:
         return best + tok.encode(piece[len(tok.decode(best, skip_special=False)):], add_bos=False)
 
     def storable(self, messages: list) -> list:
-        """Messages as held K/V keeps them (engine/vision/tokens.py): image parts as references."""
+        """Messages as held K/V keeps them (engine/text/image_tokens.py): image parts as references."""
         if not has_image_parts(messages):
             return list(messages)
         vision = self.eng.loaded.vision if self.eng.loaded is not None else None
@@ -173,7 +173,7 @@ class Prompts:
         return common_prefix(tokens, self.eng.tokenizer.encode_prompt(text, add_bos=add_bos))
 
     def message_marks(self, req: GenerateRequest, entry, tokens: list[int]) -> list[int]:
-        """Where in `tokens` the prefill takes a checkpoint besides the prompt's end (engine/layer_cache.py's
+        """Where in `tokens` the prefill takes a checkpoint besides the prompt's end (engine/cache/layer_cache.py's
         policy; none for a cache that trims freely): the start and the end of the last message, as the
         history renders without a generation prompt. A template that renders a past reply otherwise
         than it was generated (Qwen3.5's dropped thinking, harmony's channels) makes the next turn

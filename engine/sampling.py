@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import RequestError
+from engine.errors import RequestError
 
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1 << 24              # above any vocabulary; >= the vocabulary means "no top_k"

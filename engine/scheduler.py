@@ -2,7 +2,7 @@
 
     scheduler.put(handle)            any thread: a request (engine/api.py) joins the queue
     scheduler.run(engine)            the engine thread: requests, batches of generate requests
-                                     (engine/batching.py), and idle tasks while nothing is queued
+                                     (engine/generation/batching.py), and idle tasks while nothing is queued
     scheduler.add_idle(task)         idle work (the disk tier's writes, the K/V top-up, the draft's release)
     scheduler.hold()                 any thread: the engine thread held between requests until released,
                                      so requests queued meanwhile start together (benches, tests)
@@ -20,7 +20,7 @@ import queue
 import threading
 from typing import Callable, Iterator, Protocol
 
-from .events import Handle
+from engine.events import Handle
 
 
 class Stop:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 from typing import Any, Protocol
-from .model_loader import load_model
-from . import distributed
+from engine.model.model_loader import load_model
+from engine.ranks import distributed
 
 
 class Serving(Protocol):

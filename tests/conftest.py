@@ -61,7 +61,7 @@ def strata_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "strata-home"
     home.mkdir()
     monkeypatch.setenv("STRATA_HOME", str(home))
-    # the libraries of other apps (engine/model_sources.py) looked for in an empty home, never the real one
+    # the libraries of other apps (engine/model/model_sources.py) looked for in an empty home, never the real one
     monkeypatch.setenv("STRATA_LIBRARY_HOME", str(tmp_path / "library-home"))
     for key in ("HF_HUB_CACHE", "HF_HOME", "OLLAMA_MODELS"):
         monkeypatch.delenv(key, raising=False)
@@ -74,7 +74,7 @@ def real_model_path() -> Path | None:
     if os.environ.get("STRATA_TEST_MODEL"):
         candidates.append(Path(os.environ["STRATA_TEST_MODEL"]))
     home = os.environ.get("STRATA_HOME")
-    from engine.models import DEFAULT_NAME
+    from engine.model.models import DEFAULT_NAME
     if home:
         candidates.append(Path(home) / "models" / DEFAULT_NAME)
     xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")

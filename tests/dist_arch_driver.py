@@ -104,10 +104,10 @@ def run(plan: list[dict]) -> list[dict]:
 def main() -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from engine import distributed
+    from engine.ranks import distributed
     if distributed.is_follower():
         from engine.api import EngineOptions
-        from engine.distributed import FollowerGuard
+        from engine.ranks.distributed import FollowerGuard
         from engine.engine import Engine
         engine = Engine(EngineOptions(model=None, cache_mib=0))
         engine.guard = FollowerGuard(engine.guard)

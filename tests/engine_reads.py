@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 from engine.api import CountTokens, GenerateRequest
-from engine.gguf_file import open_gguf
+from engine.model.gguf_file import open_gguf
 from engine.scheduler import HOLD_MAX_S, Hold
-from engine.tokenizer import GGUFTokenizer, load_tokenizer
+from engine.text.tokenizer import GGUFTokenizer, load_tokenizer
 
 
 def tokenizer_of(path: str | Path) -> GGUFTokenizer:

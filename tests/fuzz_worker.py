@@ -5,8 +5,8 @@ JSON line on stdout:
     {"kind": "gguf", "path": P, "estimate": bool}   the memory estimate (when asked), then open +
                                             tokenizer + model + one forward pass, as Engine._load
     {"kind": "mtp", "path": P, "target": T}  a Gemma 4 MTP drafter loaded beside its gemma4 target
-    {"kind": "template", "source": S, "messages": [...]}   engine.chat_template.render
-    {"kind": "image", "path": P}            engine.images.decode_image on the file's bytes
+    {"kind": "template", "source": S, "messages": [...]}   engine.text.chat_template.render
+    {"kind": "image", "path": P}            engine.vision.images.decode_image on the file's bytes
 Answer: {"outcome": "accepted" | "refused" | "crash", "detail": str}. "refused" is a StrataError with
 a one-line message (for images, an ImageRefused); anything else raised is a "crash" with its traceback. A hang or a death (the cap
 hit in C, a signal) is seen by the parent (tests/fuzz_harness.py), which kills and restarts this.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _estimate(path: str):
     """`strata models estimate`'s path (and the app's model list): the header alone, no mlx. Returns its
     refusal (a StrataError) or None."""
-    from engine import memory_estimate as me
+    from engine.model import memory_estimate as me
     from engine.errors import StrataError
     try:
         h = me.read_header(path)
@@ -38,9 +38,9 @@ def _estimate(path: str):
 def _gguf(job: dict) -> str:
     import mlx.core as mx
 
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.text.tokenizer import load_tokenizer
     # the estimate first, as a load does (engine/handlers.py); both paths must end well on their own, so
     # the load runs even when the estimate refused
     refused = _estimate(job["path"]) if job.get("estimate") else None
@@ -58,10 +58,10 @@ _TARGETS: dict = {}         # target path -> (GGUFFile, model): the drafter jobs
 
 
 def _mtp(job: dict) -> str:
-    """A Gemma 4 MTP drafter read beside its target, as `--spec mtp` does (engine/archs/gemma4_mtp.py)."""
-    from engine.archs.gemma4_mtp import load_sibling
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    """A Gemma 4 MTP drafter read beside its target, as `--spec mtp` does (engine/model/archs/gemma4_mtp.py)."""
+    from engine.model.archs.gemma4_mtp import load_sibling
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     if job["target"] not in _TARGETS:
         g = open_gguf(job["target"])
         _TARGETS[job["target"]] = (g, load_model(g)[0])
@@ -71,14 +71,14 @@ def _mtp(job: dict) -> str:
 
 
 def _template(job: dict) -> str:
-    from engine.chat_template import render
+    from engine.text.chat_template import render
     text = render(job["source"], job.get("messages") or [{"role": "user", "content": "hi"}],
                   bos_token="<s>", eos_token="</s>", name="fuzzed template")
     return f"{len(text)} characters"
 
 
 def _image(job: dict) -> str:
-    from engine.images import decode_image
+    from engine.vision.images import decode_image
     with open(job["path"], "rb") as f:
         got = decode_image(f.read())
     if got.rgb.shape != (got.height, got.width, 3) or got.rgb.dtype.name != "uint8":
@@ -89,9 +89,9 @@ def _image(job: dict) -> str:
 def main() -> None:
     cap = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    from engine import chat_template
+    from engine.text import chat_template
     from engine.errors import StrataError
-    from engine.images import ImageRefused
+    from engine.vision.images import ImageRefused
     chat_template.TIME_BUDGET_S = float(os.environ.get("STRATA_FUZZ_TEMPLATE_BUDGET_S", "1.0"))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

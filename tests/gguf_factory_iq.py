@@ -45,9 +45,9 @@ class _Recorder(nn.Module):
 
 def tiny_imatrix(src: Path) -> dict[str, np.ndarray]:
     """Importance per input column for every 2-D tensor of the F32 tiny model at `src` (see module doc)."""
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.tokenizer import load_tokenizer
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.text.tokenizer import load_tokenizer
     g = open_gguf(src)
     model, _ = load_model(g)
     tok = load_tokenizer(g)

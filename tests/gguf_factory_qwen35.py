@@ -1,7 +1,7 @@
 """Tiny Qwen3.5 / Qwen3.6 GGUFs (`qwen35`, `qwen35moe`) laid out as llama.cpp's converter writes them.
 
 Four blocks by default: every `full_attention_interval`-th (4th) is gated full attention, the others
-Gated DeltaNet layers. What the converter does is reproduced (engine/archs/qwen35.py lists it):
+Gated DeltaNet layers. What the converter does is reproduced (engine/model/archs/qwen35.py lists it):
 `ssm_a` = -exp(A_log), `ssm_dt.bias`, `ssm_conv1d` [d_conv, conv_dim] in F32, the norms stored as
 1 + w (random around 1 here, so nothing to add), the DeltaNet's value heads in llama.cpp's tiled
 order (the weights are random, so writing them directly in file order is writing that order; with

@@ -1,4 +1,4 @@
-"""Generated folder trees laid out as other apps keep their model libraries (engine/model_sources.py):
+"""Generated folder trees laid out as other apps keep their model libraries (engine/model/model_sources.py):
 LM Studio's models folder, the Hugging Face hub cache (snapshot links into blobs) and Ollama's store
 (manifests naming sha256 blobs). Each takes a home folder and real GGUF files to place."""
 from __future__ import annotations

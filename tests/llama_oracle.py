@@ -161,8 +161,8 @@ def cached_llama(path) -> Remote:
 
 @functools.lru_cache(maxsize=1)
 def _strata_model(path):
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     return load_model(open_gguf(path))[0]
 
 

@@ -145,10 +145,10 @@ def test_no_import_cycle():
 
 def test_distributed_uses_only_the_engines_public_surface():
     """The distributed strategy drives the engine through its public members (dispatch, log,
-    require_model, ...): no `engine._name` anywhere in engine/distributed.py."""
-    tree = ast.parse((ROOT / "engine" / "distributed.py").read_text(encoding="utf-8"))
+    require_model, ...): no `engine._name` anywhere in engine/ranks/distributed.py."""
+    tree = ast.parse((ROOT / "engine" / "ranks" / "distributed.py").read_text(encoding="utf-8"))
     private = sorted({f"line {n.lineno}: engine.{n.attr}" for n in ast.walk(tree)
                       if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                       and n.value.id == "engine" and n.attr.startswith("_")})
     assert not private, private
-    assert "engine.engine" not in import_graph()["engine.distributed"]
+    assert "engine.engine" not in import_graph()["engine.ranks.distributed"]

@@ -1,5 +1,5 @@
 """The tool loop's plain logic (no Qt): which MCP tools a chat offers the model and under which function
-names, the request's plan through engine/tool_calls.py (the same families, prompts and parser the
+names, the request's plan through engine/frontends/tool_calls.py (the same families, prompts and parser the
 server uses), a reply's calls as chat messages, and the tool messages that answer them.
 
 In a chat, an assistant message with calls carries `tool_calls` (OpenAI form, arguments as an object)
@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine import tool_calls as tc
-from engine.memory_estimate import read_header
+from engine.frontends import tool_calls as tc
+from engine.model.memory_estimate import read_header
 
 from .results import ToolInfo, ToolResult
 
@@ -98,7 +98,7 @@ def plan(fmt: tc.ToolFormat, messages: list[dict], box: Toolbox | None, choice="
 
 
 def reply_calls(text: str, p: tc.ToolPlan) -> tuple[str, list[tc.ToolCall]]:
-    """A finished reply's content and the calls it makes (engine/tool_calls.py's parser)."""
+    """A finished reply's content and the calls it makes (engine/frontends/tool_calls.py's parser)."""
     if not p.active:
         return text, []
     parsed = tc.parse(text, p.fmt, p.tools)

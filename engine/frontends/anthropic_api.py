@@ -6,13 +6,13 @@
   and `tool_result` (user; a string or text blocks, `is_error` noted), `tools` ({name, description,
   input_schema}) and `tool_choice` ({"type": "auto" | "any" | "tool" | "none"}, `name`,
   `disable_parallel_tool_use`), `max_tokens` (required), `temperature`, `top_p`, `top_k`,
-  `stop_sequences`, `stream`. Tool calls go through engine/tool_calls.py exactly as in the OpenAI
+  `stop_sequences`, `stream`. Tool calls go through engine/frontends/tool_calls.py exactly as in the OpenAI
   API (the model's own template, its family's parser, a forced call under the grammar).
 - Any `model` name is served by the loaded model (agents ask for "claude-..." names); the reply
   echoes the name asked for.
 - `usage`: `input_tokens` (the prompt tokens read this turn), `cache_read_input_tokens` (those taken
   from held K/V: the live or a parked conversation), `cache_creation_input_tokens` 0, `output_tokens`.
-- The model's reasoning (gpt-oss's analysis channel, a `<think>` block: engine/reasoning.py) is a
+- The model's reasoning (gpt-oss's analysis channel, a `<think>` block: engine/text/reasoning.py) is a
   `thinking` block before the reply when the request enables it (`"thinking": {"type": "enabled", ...}`),
   else left out, as Anthropic's API does; never inside a `text` block.
 - Streaming: message_start, ping, content_block_start / content_block_delta (thinking_delta, text_delta,
@@ -30,17 +30,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..api import CountTokens, GenerateRequest
-from ..errors import StrataError
-from ..events import Done, Failed
-from ..reasoning import split_reply
-from ..sampling import SamplingError
-from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
-from .image_parts import ImageBudget, anthropic_image, tools_with_images
-from .wire import (APIError, ErrorJSON, Served, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
-                   _overflow,
-                   _sampling, chat_plan, engine_error, reply_stream, think_stream,
-                   with_think_apart)
+from engine.api import CountTokens, GenerateRequest
+from engine.errors import StrataError
+from engine.events import Done, Failed
+from engine.text.reasoning import split_reply
+from engine.sampling import SamplingError
+from engine.frontends.tool_calls import StreamParser, ToolError, finish_calls, new_call_id, parse
+from engine.frontends.image_parts import ImageBudget, anthropic_image, tools_with_images
+from engine.frontends.wire import (APIError, ErrorJSON, Served, _await_watching, _Bridge, _EngineStream, _json_body, _model_id,
+                                   _overflow,
+                                   _sampling, chat_plan, engine_error, reply_stream, think_stream,
+                                   with_think_apart)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -231,7 +231,7 @@ class _Ask:
     show_thinking: bool
     model: str                      # the name asked for, echoed
     mid: str
-    overflow: str = "stop"          # the extra field strata_overflow (engine/context_policy.py)
+    overflow: str = "stop"          # the extra field strata_overflow (engine/text/context_policy.py)
 
 
 def _read_ask(s: Served, body: dict) -> _Ask:

@@ -9,16 +9,16 @@ import json
 import os
 import sys
 
-from ..errors import StrataError
-from ..models import default_model_path, find_models, resolve_model
-from ..sampling import FIELD, FIELDS, SamplingParams
-from .launch import add_engine_flags, follow, start_engine
+from engine.errors import StrataError
+from engine.model.models import default_model_path, find_models, resolve_model
+from engine.sampling import FIELD, FIELDS, SamplingParams
+from engine.frontends.launch import add_engine_flags, follow, start_engine
 
 
 def cmd_generate(args) -> int:
     # lazy: the request and event types cost `strata --help` and `strata models` a third more start-up
-    from ..api import GenerateRequest, RestoreSession, SaveSession
-    from ..events import Done, Failed, Token
+    from engine.api import GenerateRequest, RestoreSession, SaveSession
+    from engine.events import Done, Failed, Token
     sp = SamplingParams(**{f.name: getattr(args, f.name) for f in FIELDS}, stop=args.stop)
     sp.validate()                     # bad flags: one line, exit 2, before the model loads
     engine = start_engine(args)
@@ -96,7 +96,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def spec_fields(res) -> dict:
-    """Speculative decoding's per-reply stats (engine/speculative.py), printed by --json."""
+    """Speculative decoding's per-reply stats (engine/generation/speculative.py), printed by --json."""
     return {"speculative": res.speculative, "drafted_tokens": res.drafted_tokens,
             "accepted_tokens": res.accepted_tokens, "acceptance_rate": res.acceptance_rate}
 
@@ -162,8 +162,8 @@ def list_found(args) -> None:
 def cmd_models_estimate(args) -> int:
     """Print what loading PATH at a context would take and whether it fits (exit 0 either way)."""
     # lazy: the header reader and the memory reader are needed by `models estimate` only
-    from .. import memory_estimate as me
-    from ..memory_guard import MemoryGuard
+    from engine.model import memory_estimate as me
+    from engine.memory.memory_guard import MemoryGuard
     if not args.path:
         raise StrataError("models estimate needs a model: strata models estimate PATH [--context N]")
     if args.context is not None and args.context < 1:
@@ -173,7 +173,7 @@ def cmd_models_estimate(args) -> int:
         raise StrataError(f"model file not found: {path}")
     h = me.read_header(path)         # a FIFO, device or folder is refused by name, never waited on
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-    from ..device import compute_dtype_name
+    from engine.device import compute_dtype_name
     dtype = args.dtype or compute_dtype_name()
     n_ctx = me.default_context(h, args.context)
     guard = MemoryGuard()
@@ -273,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("generate", "serve", "replay") and os.environ.get("MLX_RANK", "0") != "0":
         # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-        from .. import distributed
+        from engine.ranks import distributed
         if distributed.is_follower():
             args.fn = follow                # distributed hook: ranks > 0 follow rank 0's requests
     try:
         if getattr(args, "spec", None) is not None:
             # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-            from ..speculative import parse_spec
+            from engine.generation.speculative import parse_spec
             parse_spec(args.spec)          # a bad value exits 2 before the model loads
         return args.fn(args)
     except StrataError as e:

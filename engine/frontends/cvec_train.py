@@ -7,7 +7,7 @@ file. Every prompt is rendered with the model's chat template as one user messag
 generation prompt appended, so the last token is where the reply would start. The model runs on
 the engine thread (the ``CaptureStates`` request) with every block temporarily wrapped by a capturing module; the hidden
 state LEAVING block N at the last token is recorded. That is exactly where llama.cpp adds
-``direction.N`` (``build_cvec(cur, il)`` after the FFN residual add, see engine/control_vector.py),
+``direction.N`` (``build_cvec(cur, il)`` after the FFN residual add, see engine/steer/control_vector.py),
 so ``direction.N`` is computed from the output of block N, for N = 1 .. n_layer - 1 (block 0 is
 never steered by llama.cpp, so no direction.0 is written).
 
@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import logging
 
-from ..errors import StrataError
-from ..api import CaptureStates, EngineOptions
-from ..control_vector import write_control_vector
-from ..engine import Engine
-from ..events import Done, Failed, Progress
-from ..models import default_model_path
+from engine.errors import StrataError
+from engine.api import CaptureStates, EngineOptions
+from engine.steer.control_vector import write_control_vector
+from engine.engine import Engine
+from engine.events import Done, Failed, Progress
+from engine.model.models import default_model_path
 
 
 class TrainInputError(StrataError, ValueError):

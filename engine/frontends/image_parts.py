@@ -7,7 +7,7 @@ unless the server was started with --allow-image-urls: then it is fetched throug
 transport (strata_fetch.index_fetch.fetch_url: http(s) only, at most 5 redirects, a deadline, at most
 MAX_IMAGE_BYTES read), off the event loop, once every part of the request has been read, so a refusal
 by count or by a text-only model costs no fetch. Per request: at most MAX_REQUEST_IMAGES images and
-MAX_REQUEST_IMAGE_BYTES of image bytes in all, each image at most engine.images.MAX_IMAGE_BYTES, and
+MAX_REQUEST_IMAGE_BYTES of image bytes in all, each image at most engine.vision.images.MAX_IMAGE_BYTES, and
 each checked with decode_image (off the event loop) before the engine sees it, so a damaged file, a
 decompression bomb or a failed fetch is a 400 that names its content part, never a traceback. A model
 without an image projector (ModelFacts.vision is None) answers 400 "reads text only" at the first
@@ -25,10 +25,10 @@ from starlette.concurrency import run_in_threadpool
 
 from strata_fetch.index_fetch import FetchError, fetch_url
 
-from ..api import ImageInput
-from ..images import MAX_IMAGE_BYTES, ImageRefused, decode_image
-from ..tool_calls import uses_tools
-from .wire import APIError
+from engine.api import ImageInput
+from engine.vision.images import MAX_IMAGE_BYTES, ImageRefused, decode_image
+from engine.frontends.tool_calls import uses_tools
+from engine.frontends.wire import APIError
 
 MAX_REQUEST_IMAGES = 8
 MAX_REQUEST_IMAGE_BYTES = 48 << 20

@@ -10,12 +10,12 @@ import logging
 import sys
 from pathlib import Path
 
-from ..errors import StrataError
-from ..limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, DEFAULT_MAX_SEQUENCES, KV_BITS,
-                      MAX_SEQUENCES_MAX, SLOTS_MAX, SPEED_PROJECTION_DEFAULT, check_cache_mib, check_cache_slots,
-                      check_disk_mib)
-from ..models import default_model_path
-from ..paths import check_data_dir
+from engine.errors import StrataError
+from engine.limits import (DEFAULT_CACHE_MIB, DEFAULT_CACHE_SLOTS, DEFAULT_DISK_MIB, DEFAULT_MAX_SEQUENCES, KV_BITS,
+                           MAX_SEQUENCES_MAX, SLOTS_MAX, SPEED_PROJECTION_DEFAULT, check_cache_mib, check_cache_slots,
+                           check_disk_mib)
+from engine.model.models import default_model_path
+from engine.paths import check_data_dir
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -68,9 +68,9 @@ def check_engine_flags(args) -> None:
 
 def engine_options(args):
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-    from ..control_vector import SteeringConfig
+    from engine.steer.control_vector import SteeringConfig
     # lazy: the engine's request types cost `strata --help` a third more start-up
-    from ..api import EngineOptions
+    from engine.api import EngineOptions
     check_engine_flags(args)
     files = [(f, 1.0) for f in args.control_vector]
     files += [SteeringConfig.parse_scaled(s) for s in args.control_vector_scaled]
@@ -90,7 +90,7 @@ def engine_options(args):
 def _draft_of(spec: str | None) -> str | None:
     """--spec draft:PATH: the draft loads with the model at start (one unit), not in the first request."""
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-    from ..speculative import parse_spec
+    from engine.generation.speculative import parse_spec
     mode = parse_spec(spec)
     return mode.draft_path if mode.kind == "draft" else None
 
@@ -99,7 +99,7 @@ def start_engine(args, wait: bool = True):
     """An engine with the model loaded, or EngineError with the start-up load's own message.
     wait=False: the engine with its start-up load under way (then `loaded(engine)` waits for it)."""
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-    from ..engine import Engine
+    from engine.engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     engine = Engine(engine_options(args)).start()
@@ -119,8 +119,8 @@ def follow(args) -> int:
     """`strata generate|serve|replay` on a rank other than 0: load the same model, then serve rank 0's
     requests until rank 0 stops (or is lost)."""
     # lazy: it pulls in MLX, which `strata --help` and the flag checks start without
-    from ..distributed import FollowerGuard
-    from ..engine import Engine
+    from engine.ranks.distributed import FollowerGuard
+    from engine.engine import Engine
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
     engine = Engine(engine_options(args))

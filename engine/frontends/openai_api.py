@@ -17,17 +17,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..api import GenerateRequest, RestoreSession, SaveSession, model_id
-from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import ENGINE_STOPPED, Done, Failed
-from ..paths import SESSION_EXTENSION, sessions_dir
-from ..sampling import SamplingError
-from ..tool_calls import StreamParser, ToolError, finish_calls, new_call_id, openai_messages
-from .image_parts import ImageBudget, split_openai, tools_with_images, with_images
-from .wire import (APIError, Served, _await_watching, _bool, _Bridge, _chat_message, _check_model, _EngineStream,
-                   _finish, _json_body, _messages, _model_id, _models, _plain, _response_format, _sampling,
-                   _overflow, _speculative, _sse, _timings, _usage, chat_plan, engine_error, reply_stream, think_stream,
-                   tool_error)
+from engine.api import GenerateRequest, RestoreSession, SaveSession, model_id
+from engine.errors import ErrorCode, SessionRefusal, StrataError
+from engine.events import ENGINE_STOPPED, Done, Failed
+from engine.paths import SESSION_EXTENSION, sessions_dir
+from engine.sampling import SamplingError
+from engine.frontends.tool_calls import StreamParser, ToolError, finish_calls, new_call_id, openai_messages
+from engine.frontends.image_parts import ImageBudget, split_openai, tools_with_images, with_images
+from engine.frontends.wire import (APIError, Served, _await_watching, _bool, _Bridge, _chat_message, _check_model, _EngineStream,
+                                   _finish, _json_body, _messages, _model_id, _models, _plain, _response_format, _sampling,
+                                   _overflow, _speculative, _sse, _timings, _usage, chat_plan, engine_error, reply_stream, think_stream,
+                                   tool_error)
 
 SESSION_NAME_MAX = 64
 _SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -94,7 +94,7 @@ class _Call:
 def _read_call(s: Served, body: dict, chat: bool) -> _Call:
     plan = fmt = images = None
     if chat:
-        fmt = _response_format(body)      # a ConstraintSpec or None (engine/constraints.py)
+        fmt = _response_format(body)      # a ConstraintSpec or None (engine/generation/constraints.py)
         images = ImageBudget.for_engine(s.engine, s.allow_image_urls)
         raw, parts_of = split_openai(body.get("messages"), images)
         try:

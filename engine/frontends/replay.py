@@ -13,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-from .. import harmony
-from ..errors import RequestError, StrataError
-from ..sampling import FIELDS, SamplingParams
-from ..api import GenerateRequest, RestoreSession, SaveSession
-from .launch import start_engine
+from engine.text import harmony
+from engine.errors import RequestError, StrataError
+from engine.sampling import FIELDS, SamplingParams
+from engine.api import GenerateRequest, RestoreSession, SaveSession
+from engine.frontends.launch import start_engine
 
 # A step's reply length when it names none: shorter than the engine's (sampling.FIELDS) default of
 # 256, as scripts are tests and demos. Every other sampling default is the table's.

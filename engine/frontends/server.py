@@ -5,7 +5,7 @@
 Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/chat/completions, POST /v1/completions
 (streaming with SSE and not), POST /v1/sessions/save {"name", "messages"?, "force"?} and /v1/sessions/restore {"name": ...}.
 
-Concurrent HTTP requests are decoded together, up to --max-sequences at once (engine/batching.py);
+Concurrent HTTP requests are decoded together, up to --max-sequences at once (engine/generation/batching.py);
 the rest queue.
 Engine events reach the event loop through the handle's callback (`call_soon_threadsafe`), never by
 blocking the loop. A client that goes away - while queued, during prefill or mid-stream - cancels its
@@ -36,14 +36,14 @@ from starlette.responses import Response
 import uvicorn
 from urllib.parse import urlsplit
 
-from ..errors import StrataError
-from ..tool_calls import DEFAULT_VOLATILE_LINES
-from . import anthropic_api, openai_api
-from .connections import ConnectionLimits, uvicorn_options
-from .wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
-    _chat_message, _models, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
-from .launch import check_engine_flags, loaded, start_engine
-from ..events import cancel_everything
+from engine.errors import StrataError
+from engine.frontends.tool_calls import DEFAULT_VOLATILE_LINES
+from engine.frontends import anthropic_api, openai_api
+from engine.frontends.connections import ConnectionLimits, uvicorn_options
+from engine.frontends.wire import (  # noqa: F401 - HTTP_OF_ERROR, engine_error and _chat_message stay importable from here
+                    _chat_message, _models, APIError, engine_error, HTTP_OF_ERROR, Served, ToolFormats)
+from engine.frontends.launch import check_engine_flags, loaded, start_engine
+from engine.events import cancel_everything
 
 DEFAULT_MAX_BODY = 8 << 20            # bytes; `strata serve --max-body-mib`
 

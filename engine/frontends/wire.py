@@ -17,20 +17,20 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ..api import Generation
-from ..errors import ErrorCode, SessionRefusal, StrataError
-from ..events import ENGINE_STOPPED, Done, Failed, Progress, Token
-from ..sampling import FIELD, FIELDS, SamplingParams
-from .body_check import BodyError, parse_body
-from ..constraints import ConstraintError, ConstraintSpec
-from ..context_policy import check_policy
-from ..harmony import ChannelStream
-from ..memory_estimate import read_header
-from ..reasoning import split, split_reply
-from ..speculative import parse_spec
-from ..tool_calls import (ToolError, check_tool_choice, check_tools, content_text, detect, finish_calls,
-                          new_call_id, parse, plan, strip_volatile, uses_tools)
-from .. import draft_names
+from engine.api import Generation
+from engine.errors import ErrorCode, SessionRefusal, StrataError
+from engine.events import ENGINE_STOPPED, Done, Failed, Progress, Token
+from engine.sampling import FIELD, FIELDS, SamplingParams
+from engine.frontends.body_check import BodyError, parse_body
+from engine.generation.constraints import ConstraintError, ConstraintSpec
+from engine.text.context_policy import check_policy
+from engine.text.harmony import ChannelStream
+from engine.model.memory_estimate import read_header
+from engine.text.reasoning import split, split_reply
+from engine.generation.speculative import parse_spec
+from engine.frontends.tool_calls import (ToolError, check_tool_choice, check_tools, content_text, detect, finish_calls,
+                                         new_call_id, parse, plan, strip_volatile, uses_tools)
+from engine.frontends import draft_names
 
 MAX_STOP = 16
 
@@ -175,7 +175,7 @@ def _speculative(body: dict) -> str:
     except StrataError as e:
         raise APIError(400, str(e), param="speculative", code="invalid_value") from None
     if mode.kind in ("draft", "mtp") and mode.draft_path:
-        # A name in the models folder only (engine/draft_names.py): the engine gets the file's path.
+        # A name in the models folder only (engine/frontends/draft_names.py): the engine gets the file's path.
         try:
             return f"{mode.kind}:{draft_names.resolve(mode.draft_path)}"
         except StrataError as e:
@@ -185,7 +185,7 @@ def _speculative(body: dict) -> str:
 
 def _overflow(body: dict) -> str:
     """The extra field "strata_overflow": what a history longer than the context sends
-    (engine/context_policy.py). Absent (or "stop"): nothing is left out, a prompt over the context is a 400."""
+    (engine/text/context_policy.py). Absent (or "stop"): nothing is left out, a prompt over the context is a 400."""
     value = body.get("strata_overflow")
     if value is None:
         return "stop"
@@ -253,7 +253,7 @@ def _response_format(body: dict):
     return spec
 
 
-# ---- tool calls (engine/tool_calls.py) ------------------------------------------------------------
+# ---- tool calls (engine/frontends/tool_calls.py) ------------------------------------------------------------
 def tool_error(e) -> APIError:
     """A tool_calls.ToolError as OpenAI's 400."""
     return APIError(400, e.message, param=e.param, code=e.code)
@@ -461,7 +461,7 @@ def _models(engine) -> list[dict]:
     except OSError:
         created = 0
     entry = {"id": facts.model_id, "object": "model", "created": created, "owned_by": "strata"}
-    if facts.distributed is not None:     # mode and split of a distributed run (engine.distributed)
+    if facts.distributed is not None:     # mode and split of a distributed run (engine.ranks.distributed)
         entry["distributed"] = facts.distributed
     return [entry]
 

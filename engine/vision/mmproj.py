@@ -16,9 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile, open_gguf
-from ..quants import UnsupportedTensorType, convert_tensor
+from engine.errors import ModelFileError
+from engine.model.gguf_file import GGUFFile, open_gguf
+from engine.model.quants import UnsupportedTensorType, convert_tensor
 
 # projector type -> the text architectures it feeds
 PROJECTORS: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3",)}

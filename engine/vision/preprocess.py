@@ -18,7 +18,7 @@ import math
 import numpy as np
 from PIL import Image
 
-from .mmproj import VisionSpec
+from engine.vision.mmproj import VisionSpec
 
 
 def resize_bilinear(rgb: np.ndarray, width: int, height: int) -> np.ndarray:

@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..device import on_gpu
-from .mmproj import Projector
+from engine.device import on_gpu
+from engine.vision.mmproj import Projector
 
 
 def _matmul(x: mx.array, weight: mx.array) -> mx.array:

@@ -1,5 +1,5 @@
 """Images in a prompt, on the engine thread: the rendered prompt's image markers become image spans
-(engine/vision/tokens.py), and their projected embeddings are fed in place of token embeddings.
+(engine/text/image_tokens.py), and their projected embeddings are fed in place of token embeddings.
 
 Rendering follows llama.cpp's server with libmtmd: an image part of a message becomes the media
 marker in the message's text (text parts joined as they are), the chat template renders the text,
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
-from .. import layer_cache
-from ..errors import RequestError
-from ..images import DecodedImage, ImageRefused, decode_image
-from . import preprocess, siglip
-from .mmproj import Projector
-from .tokens import image_runs, image_token, is_image_ref, storable
+from engine.cache import layer_cache
+from engine.errors import RequestError
+from engine.vision.images import DecodedImage, ImageRefused, decode_image
+from engine.vision import preprocess, siglip
+from engine.vision.mmproj import Projector
+from engine.text.image_tokens import image_runs, image_token, is_image_ref, storable
 
 MEDIA_MARKER = "<__media__>"        # what an image part becomes in the rendered text (libmtmd's marker)
 FAMILY_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>")}
@@ -37,7 +37,7 @@ FEATURE_CACHE_BYTES = 256 << 20
 
 class FeatureCache:
     """Projected image embeddings by image span id (the pixel digest hashed with the projector's:
-    engine/vision/tokens.py), least recently used out first, bounded by entries and bytes; `encodes`
+    engine/text/image_tokens.py), least recently used out first, bounded by entries and bytes; `encodes`
     counts the images encoded (what a hit saves)."""
 
     def __init__(self, max_entries: int = FEATURE_CACHE_ENTRIES, max_bytes: int = FEATURE_CACHE_BYTES):
@@ -87,7 +87,7 @@ class VisionStats:
 
 class Vision:
     """The loaded projector with its feature cache (one per model load; engine thread only). `salt`:
-    the projector file's content hash, part of every image span's id (engine/vision/tokens.py)."""
+    the projector file's content hash, part of every image span's id (engine/text/image_tokens.py)."""
 
     def __init__(self, projector: Projector, dtype, salt: str = ""):
         self.projector = projector

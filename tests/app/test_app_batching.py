@@ -1,5 +1,5 @@
 """Issue 34 in the window (real engine, tiny GGUFs: a llama, a Qwen3.5): two tabs answer at once, each tab's reply and
-live figures its own, decoded together by the engine's batch (engine/batching.py)."""
+live figures its own, decoded together by the engine's batch (engine/generation/batching.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,7 +11,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 from app_fixtures import REPLY_TIMEOUT_MS, send_and_wait  # noqa: E402
-from engine.context_policy import reply_reserve  # noqa: E402
+from engine.text.context_policy import reply_reserve  # noqa: E402
 
 pytestmark = pytest.mark.gui
 

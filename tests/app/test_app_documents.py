@@ -66,6 +66,17 @@ def test_documents_whole_and_retrieved_reach_the_engine_and_survive_a_restart(qt
         in view.transcript_text()                          # the chat says how it goes in, with the engine's count
     assert docs.label.text() == f"Documents: notes.md (whole, {small.args[0].tokens:,} tokens with the next question)"
     assert [d.name for d in docs.pending()] == ["notes.md"]
+    # the meter counts the question as it would be sent: with the whole document it carries
+    view.input.setPlainText("What is the door code?")
+    view.counter.count_now()
+    qtbot.waitUntil(lambda: view.meter.reading is not None and view.meter.reading.drafted
+                    and view.counter.pending is None, timeout=EXTRACT_TIMEOUT_MS)
+    with_doc = view.meter.reading.total
+    alone = w.client.count_prompt_tokens(view.request_messages([{"role": "user", "content": "What is the door code?"}]))
+    with qtbot.waitSignal(alone.done, timeout=EXTRACT_TIMEOUT_MS) as counted:
+        pass
+    assert with_doc >= counted.args[0].tokens + small.args[0].tokens - 4, (with_doc, counted.args[0].tokens)
+    view.input.setPlainText("")
     send_and_wait(qtbot, view, "What is the door code?")
     asked = view.chat.messages[-2]
     assert [(s["name"], s["mode"]) for s in asked["documents"]] == [("notes.md", "whole")]

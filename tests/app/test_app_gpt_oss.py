@@ -14,7 +14,7 @@ import gguf_factory_gpt_oss as factory
 
 @pytest.fixture(scope="module")
 def harmony_reply(tmp_path_factory):
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.sampling import SamplingParams
     path = factory.write(tmp_path_factory.mktemp("gpt_oss_app") / "gpt-oss.gguf", ftype="F16", seed=3)
@@ -30,7 +30,7 @@ def harmony_reply(tmp_path_factory):
 
 
 def test_harmony_reply_streams_and_lands_with_its_reasoning_collapsed(qtbot, idle_window, harmony_reply):
-    from engine import harmony
+    from engine.text import harmony
     r = harmony_reply
     ch = harmony.split(r.text)
     assert r.finish_reason == "stop" and ch.reasoning and ch.content

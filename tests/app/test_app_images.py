@@ -285,7 +285,7 @@ def test_an_mmproj_in_the_models_folder_is_listed_as_an_image_projector_not_a_br
     key of a model header), and it is never offered as a model to load."""
     import gguf
     from app.model_scan import read_row
-    from engine.memory_estimate import Budget
+    from engine.model.memory_estimate import Budget
     path = tmp_path / "mmproj-tiny.gguf"
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_string("clip.projector_type", "gemma3")

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def tiny_vector(tmp_path_factory) -> Path:
     """A control vector for the tiny model (width 64), strong enough to change its replies."""
-    from engine.control_vector import write_control_vector
+    from engine.steer.control_vector import write_control_vector
     path = tmp_path_factory.mktemp("cvec") / "tiny-concise.gguf"
     write_control_vector(path, {1: (np.random.default_rng(5).standard_normal(64) * 6).astype(np.float32)},
                          model_hint="llama")

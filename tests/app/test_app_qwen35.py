@@ -23,7 +23,7 @@ def qwen35_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def closed_reply(qwen35_file):
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.sampling import SamplingParams
     grammar = r'start: /[a-z]{2,8}( [a-z]{2,8}){4,6}/ "\n</think>\n\n" /[A-Z][a-z]{2,8}( [a-z]{2,8}){2,4}/'

@@ -176,8 +176,8 @@ def test_app_model_list_metadata(qtbot, window, tiny_model):
     row = [tree.topLevelItem(0).text(c) for c in range(6)]
     assert row[1:4] == ["llama", "111K", "F32 · 32.00→32.00 bits"] and row[5] == "2048"
     assert tree.topLevelItem(0).font(0).bold()      # the loaded model
-    # The memory estimate (engine/memory_estimate.py, no mlx in the app) at the default context
-    from engine import memory_estimate as me
+    # The memory estimate (engine/model/memory_estimate.py, no mlx in the app) at the default context
+    from engine.model import memory_estimate as me
     est = me.estimate(me.read_header(tiny_model), 2048, me.platform_dtype())
     assert tree.topLevelItem(0).text(6) == me.gib(est.total_bytes)
     assert tree.topLevelItem(0).toolTip(6).startswith(est.line() + "; fits in ")

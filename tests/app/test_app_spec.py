@@ -40,7 +40,7 @@ def test_a_config_with_a_draft_model_drafts_and_the_status_bar_shows_it(qtbot, w
     # On a tiny model drafting never pays: the "never slower" rules (tested in tests/engine/test_speculative.py
     # and by the slower-draft journey) would rightly keep the draft from reading the prompt; this journey
     # is about the config and the status bar, so they are off here.
-    from engine import speculative
+    from engine.generation import speculative
     monkeypatch.setattr(speculative, "REMEMBER", False)
     monkeypatch.setattr(speculative, "CATCH_UP_RULE", False)
     presets = window.presets
@@ -59,7 +59,7 @@ def test_a_refused_draft_model_shows_the_engines_reason_in_the_chat(qtbot, windo
     for any failed request. (Every tiny model shares one vocabulary: the engine's hash is made to differ.)"""
     import itertools
 
-    from engine import speculative
+    from engine.generation import speculative
     counter = itertools.count()
     monkeypatch.setattr(speculative, "vocab_hash", lambda _g: str(next(counter)))
     cfg = window.presets.create("Bad draft", speculative=f"draft:{window.library.model_path}", **GREEDY)

@@ -1,6 +1,6 @@
 """Tools in the chat, end to end: the real window on the real engine (a tiny GGUF) with a real MCP
 server (tests/mcp/tool_server.py over stdio, enabled in the data folder's mcp.json). The model's first
-call is forced by the grammar (ChatView.tool_choice: engine/tool_calls.py's forced call, as the
+call is forced by the grammar (ChatView.tool_choice: engine/frontends/tool_calls.py's forced call, as the
 server's tool_choice), so a random tiny model still makes a valid one; what follows is the app's own
 loop: the approval with the arguments editable, Run, the result shown and sent back, the model's
 continuation; Deny; Always allow then revoke; a timeout; a crashed server; Stop mid-call; saved,

@@ -287,7 +287,7 @@ def test_scan_kills_a_reader_that_takes_memory_without_bound(tmp_path, tiny_mode
 
 
 def test_engine_list_models_survives_a_symlink_loop(tmp_path, monkeypatch, tiny_model):
-    from engine import models
+    from engine.model import models
     d = tmp_path / "m"
     d.mkdir()
     os.symlink("loop.gguf", d / "loop.gguf")
@@ -330,7 +330,7 @@ def _fuzz_model_files(tiny_model: Path, n: int, seed: int, tmp_path: Path) -> Ta
     """Seeded mutants of a real GGUF through the model list's row reader (metadata + estimate)."""
     from app import gguf_meta
     from app.model_scan import read_row as _read_row
-    from engine import memory_estimate
+    from engine.model import memory_estimate
     tally = Tally()
     rng = random.Random(seed)
     original = tiny_model.read_bytes()
@@ -959,7 +959,7 @@ def test_copy_into_models_bounds_size_and_cleans_up(tmp_path, tiny_model, monkey
                 self.n = 1
                 return b"x"
             return data
-    import engine.gguf_header as gh
+    import engine.model.gguf_header as gh
     real_regular = gh.open_regular
     monkeypatch.setattr(gh, "open_regular", lambda p: Grows(real_regular(p)))
     with pytest.raises(ValueError, match="grew"):

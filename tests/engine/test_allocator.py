@@ -1,4 +1,4 @@
-"""engine/allocator.py: freed blocks below 32 MiB stay with malloc for reuse (glibc), and the memory
+"""engine/memory/allocator.py: freed blocks below 32 MiB stay with malloc for reuse (glibc), and the memory
 guard counts what malloc holds free as available."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine import allocator, memory_guard
+from engine.memory import allocator, memory_guard
 
 glibc_only = pytest.mark.skipif(allocator._LIBC is None, reason="glibc's mallopt/mallinfo2 only (Linux with glibc)")
 

@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import pytest
 
-from engine import tool_calls as tc
+from engine.frontends import tool_calls as tc
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {

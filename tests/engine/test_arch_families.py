@@ -18,8 +18,8 @@ if not llama_cpp.available():
     pytest.skip("llama-cpp-python (the llama.cpp oracle) is not installed", allow_module_level=True)
 
 from engine.errors import ModelFileError  # noqa: E402
-from engine.gguf_file import open_gguf  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.model.gguf_file import open_gguf  # noqa: E402
+from engine.text.tokenizer import load_tokenizer  # noqa: E402
 from gguf_factory_families import FAMILIES, write_family_gguf, writer  # noqa: E402
 from engine_reads import prompt_ids
 
@@ -210,7 +210,7 @@ def test_engine_chat_renders_the_family_template_and_stops_at_its_end_of_turn(tm
     ("olmo3", dict(sliding_window=4096), "sliding window 4096 is larger than the context 2048"),
 ])
 def test_broken_family_file_is_one_line_model_file_error(tmp_path, family, change, message):
-    from engine.model_loader import model_args
+    from engine.model.model_loader import model_args
     path = write_family_gguf(tmp_path / f"{family}.gguf", family, **change)
     if family == "phi3":   # the file says n_ff 512 while its ffn_up holds 2 x 384 rows
         path = _rewrite_key(path, tmp_path / "phi3-bad.gguf", "phi3.feed_forward_length", 512)
@@ -246,9 +246,9 @@ def test_control_vector_steers_like_llama_cpp(files, tmp_path, family):
     vector moves logits by 3.2-5.8, Strata's change differs from llama.cpp's by 0.002-0.005."""
     import mlx.core as mx
 
-    from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
-    from engine.model_loader import load_model
-    from engine.steering import SteeringState, install
+    from engine.steer.control_vector import ControlVector, SteeringConfig, write_control_vector
+    from engine.model.model_loader import load_model
+    from engine.steer.steering import SteeringState, install
     if not llama_cpp.has_cvec():
         pytest.skip("this llama-cpp-python exposes no llama_set_adapter_cvec")
     path = files(family)

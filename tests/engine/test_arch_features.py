@@ -1,5 +1,5 @@
 """Strata's conversation features on every registered architecture (tests/arch_cases.py ARCH_WRITERS),
-through the cache contract (engine/layer_cache.py): parking A/B/A identical, a session saved and
+through the cache contract (engine/cache/layer_cache.py): parking A/B/A identical, a session saved and
 restored in a new Engine continuing identically, Regenerate and Edit giving what a fresh read of the
 same tokens gives, and prompt-lookup speculation greedy-identical to plain decoding.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import arch_cases
-from engine import layer_cache
+from engine.cache import layer_cache
 from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.sampling import SamplingParams
 import gguf_factory
@@ -125,8 +125,8 @@ def test_parking_aba_is_identical(case):
 def _fresh_read(engine, tokens: list[int], sampling: SamplingParams) -> list[int]:
     """The reply to exactly `tokens` from an empty cache (no reuse at all), on the inline engine's thread."""
     def run(e):
-        from engine.generate import reply
-        from engine.parking import KVEntry
+        from engine.generation.generate import reply
+        from engine.cache.parking import KVEntry
         entry = KVEntry([], e.make_cache(), e.cache_key())
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=sampling, n_vocab=e.info.n_vocab,
                      max_tokens=sampling.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
@@ -195,7 +195,7 @@ def test_speculation_is_greedy_identical(case, mode, monkeypatch, tmp_path):
     random weights, so most drafts are rejected) equals plain decoding's. A cache that cannot trim
     back restores its snapshot and replays the accepted tokens; a draft model's cache restores the
     checkpoint it took before drafting."""
-    from engine import speculative
+    from engine.generation import speculative
     monkeypatch.setattr(speculative, "REMEMBER", False)
     monkeypatch.setattr(speculative, "CATCH_UP_RULE", False)
     spec_mode = "lookup"
@@ -226,7 +226,7 @@ def test_cancel_mid_prefill_leaves_the_cache_as_before_the_chunk(case):
     def run(e):
         import mlx.core as mx
         from engine.errors import Cancelled
-        from engine.generate import prefill
+        from engine.generation.generate import prefill
         toks = e.tokenizer.encode(words(80, 30))[:73]
         assert len(toks) == 73
 
@@ -257,7 +257,7 @@ def test_gpu_first_step_merge_keeps_the_checkpoints(case, monkeypatch):
     message boundaries in it still get their checkpoints: each turn reuses as much as on the CPU.
     (Before, a Qwen3.5-like model on the H200 reused nothing of a 20-token conversation's history.)
     Forced on here, on the CPU."""
-    from engine import generate
+    from engine.generation import generate
     engine = start(case)
     try:
         ref, _ = chat(engine, "A", TURNS)
@@ -297,7 +297,7 @@ def test_8_bit_kv_parking_aba_is_identical(case):
 
 
 def test_batched_streams_equal_each_run_alone_and_leave_what_alone_leaves(case):
-    """Continuous batching (engine/batching.py) on every architecture: windows (rows' windows wrap in the
+    """Continuous batching (engine/generation/batching.py) on every architecture: windows (rows' windows wrap in the
     batch), recurrent states, quantized K/V (runs alone). Three greedy streams of mixed prompt and reply
     lengths decoded together give what each gives alone, and each conversation is left holding what a
     lone reply leaves (the same tokens; a state that cannot be cut back restored from before its last

@@ -19,7 +19,7 @@ import llama_oracle
 from gguf_factory_gemma import vocab, write_gemma3, write_gemma4, write_tiny_gemma3
 
 from engine.errors import ModelFileError
-from engine.gguf_file import open_gguf
+from engine.model.gguf_file import open_gguf
 from engine_reads import prompt_ids
 
 WRITERS = {"gemma3": write_gemma3, "gemma4": write_gemma4}
@@ -92,7 +92,7 @@ def test_loads_onto_mlx_lm_gemma_classes(files, arch):
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from engine.model_loader import load_model
+    from engine.model.model_loader import load_model
     path = files(arch)
     g = open_gguf(path)
     model, info = load_model(g)
@@ -121,7 +121,7 @@ def test_loads_onto_mlx_lm_gemma_classes(files, arch):
 
 def test_gemma3_without_a_pattern_key_makes_every_sixth_layer_global(tmp_path):
     """Real Gemma 3 files carry no sliding_window_pattern: llama.cpp's default is 6."""
-    from engine.model_loader import load_model
+    from engine.model.model_loader import load_model
     path = write_tiny_gemma3(tmp_path / "g6.gguf", n_layer=6, pattern=None, seed=3, sliding_window=8)
     model, _ = load_model(open_gguf(path))
     assert [layer.self_attn.is_sliding for layer in model.layers] == [True] * 5 + [False]
@@ -136,8 +136,8 @@ def test_memory_estimate_counts_global_and_window_kv_as_mlx_holds_it(files, arch
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.memory_estimate import PREFILL_CHUNK, estimate, read_header
-    from engine.model_loader import load_model
+    from engine.model.memory_estimate import PREFILL_CHUNK, estimate, read_header
+    from engine.model.model_loader import load_model
     path = files(arch)
     model, _ = load_model(open_gguf(path))
     cache = make_prompt_cache(model)
@@ -160,8 +160,8 @@ def test_gemma4_sharing_layers_read_quantized_kv(files, bits):
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
-    from engine import kv_format
-    from engine.model_loader import load_model
+    from engine.cache import kv_format
+    from engine.model.model_loader import load_model
     model, info = load_model(open_gguf(files("gemma4")))
     ids = mx.array([[300 + (7 * i) % 250 for i in range(48)]])
 
@@ -181,7 +181,7 @@ def test_gemma4_sharing_layers_read_quantized_kv(files, bits):
 @pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
 def test_prompt_token_ids_equal_llama_cpp(files, arch):
     llama_oracle.require()
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
     path = files(arch)
     tok = load_tokenizer(open_gguf(path))
     llm = _vocab_llm(path)
@@ -235,7 +235,7 @@ def test_gemma4_experts_match_llama_cpp(files, ftype):
     llama_oracle.require()
     path = files("gemma4", ftype, n_expert=4)
     if ftype == "F16":
-        from engine.model_loader import load_model
+        from engine.model.model_loader import load_model
         model, _ = load_model(open_gguf(path))
         layer = model.layers[0]
         assert layer.enable_moe and layer.experts.switch_glu.gate_proj.weight.shape == (4, 256, 256)
@@ -257,7 +257,7 @@ def test_gemma4_31b_layout_matches_llama_cpp(files):
     (head_count_kv one per layer), no per-layer embeddings, no K/V sharing. F16 measured: median
     |dlogit| 0.0034, max 0.024, every greedy id equal."""
     llama_oracle.require()
-    from engine.memory_estimate import estimate, read_header
+    from engine.model.memory_estimate import estimate, read_header
     path = files("gemma4", k_eq_v=True, n_head_kv_global=1, n_embd_per_layer=0, shared_kv_layers=0,
                  double_wide=False)
     ids = _vocab_llm(path).tokenize(PROMPTS["gemma4"][0].encode(), add_bos=True, special=True)
@@ -337,9 +337,9 @@ def test_control_vector_steers_the_same_block_as_llama_cpps_cvec(files, arch, tm
     import mlx.core as mx
     from test_control_vector import _flat_buffer
 
-    from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
-    from engine.model_loader import load_model
-    from engine.steering import SteeringState, install
+    from engine.steer.control_vector import ControlVector, SteeringConfig, write_control_vector
+    from engine.model.model_loader import load_model
+    from engine.steer.steering import SteeringState, install
     path = files(arch)
     n_layer, n_embd = 4, 256
     rng = np.random.default_rng(11)
@@ -394,7 +394,7 @@ def _engine_replies(path, requests):
 
 def _chat_ids(path, chat) -> list[int]:
     """The file's template rendered in the sandbox, tokenized by llama.cpp."""
-    from engine.chat_template import render
+    from engine.text.chat_template import render
     text = render(open_gguf(path).get("tokenizer.chat_template"), chat, bos_token="<bos>")
     return _vocab_llm(path).tokenize(text.encode(), add_bos=False, special=True)
 
@@ -406,7 +406,7 @@ def test_engine_chat_equals_llama_cpp_past_the_window(files, arch):
     greedy decode through the rotating K/V of the sliding layers well past the window, and a second
     turn on the held K/V (llama.cpp is given the engine's own prompt ids for it)."""
     llama_oracle.require()
-    from engine.chat_template import render
+    from engine.text.chat_template import render
     from engine.engine import GenerateRequest
     from engine.sampling import SamplingParams
     path = files(arch)
@@ -467,7 +467,7 @@ def test_engine_stops_at_the_turn_end_where_llama_cpp_does(files, arch):
 def test_broken_gemma_files_are_one_line_model_file_errors(files, tmp_path):
     from test_cli import rewrite_gguf
 
-    from engine.model_loader import model_args
+    from engine.model.model_loader import model_args
     cases = [
         (rewrite_gguf(files("gemma4"), tmp_path / "no-per-layer.gguf",
                       drop_prefix="gemma4.embedding_length_per_layer_input"),

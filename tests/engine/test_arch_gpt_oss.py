@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import gguf_factory_gpt_oss as factory
-from engine import harmony
+from engine.text import harmony
 from engine.errors import ModelFileError
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
 from engine.api import GenerateRequest
 from engine_reads import prompt_ids, tokenizer_of
 from llama_oracle import strata_logits
@@ -91,7 +91,7 @@ def test_mxfp4_conversion_is_bit_exact(tmp_path, shape):
     """Random blocks (every code, exponents 0..254) decode in MLX's mxfp4 to exactly gguf-py's values,
     and a quantized matmul over them matches float64 within float32 rounding. Exponent 255 (NaN in
     the OCP MX spec; gguf-py gives 2^127, MLX inf) is left out: no real tensor has one."""
-    from engine.quants import convert_tensor
+    from engine.model.quants import convert_tensor
     rng = np.random.default_rng(0)
     n_blocks = int(np.prod(shape)) // 32
     blocks = rng.integers(0, 256, size=(n_blocks, 17), dtype=np.uint8)
@@ -149,17 +149,17 @@ def test_loads(gdir, ftype):
     assert model.model.layers[1].self_attn.sinks.shape == (shape["n_head"],)
     # the memory estimate counts the weights as they are held (mxfp4 experts at 4.25 bits, not float32)
     from mlx.utils import tree_flatten
-    from engine import memory_estimate as me
+    from engine.model import memory_estimate as me
     est = me.estimate(me.read_header(_file(gdir, ftype)), 4096, "float32")
     assert est.weights_bytes == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def test_memory_estimate_counts_full_and_window_kv_as_mlx_holds_it(gdir):
     """K/V grows with the context in the full blocks only; a sliding block holds its window plus one
-    prefill chunk (as for Gemma: engine/gemma_layout.py). Checked against the caches after 1,024 tokens
+    prefill chunk (as for Gemma: engine/model/gemma_layout.py). Checked against the caches after 1,024 tokens
     in 512-token chunks."""
     from mlx_lm.models.cache import make_prompt_cache
-    from engine.memory_estimate import PREFILL_CHUNK, estimate, read_header
+    from engine.model.memory_estimate import PREFILL_CHUNK, estimate, read_header
     path = _file(gdir, "F16")
     model, _ = load_model(open_gguf(path))
     cache = make_prompt_cache(model)
@@ -204,7 +204,7 @@ def _oracle():
 def _prompt_text(path: Path, prompt: str | None) -> str:
     if prompt is not None:
         return prompt
-    from engine.chat_template import render
+    from engine.text.chat_template import render
     return render(open_gguf(path).get("tokenizer.chat_template"), MESSAGES, add_generation_prompt=True)
 
 
@@ -300,7 +300,7 @@ def test_control_vector_matches_llama_cpp(gdir, tmp_path):
     """A control vector added after block 1 (llama.cpp's build_cvec after the MoE's residual add),
     through the engine and through llama.cpp's llama_set_adapter_cvec: the same greedy tokens up to
     a near-tie."""
-    from engine.control_vector import write_control_vector
+    from engine.steer.control_vector import write_control_vector
     from test_cvec_engine import compare_add_mode
     vec = tmp_path / "v.gguf"
     rng = np.random.default_rng(4)
@@ -319,7 +319,7 @@ def test_harmony_split():
     ch = harmony.split(REPLY)
     assert ch == harmony.Channels("The user asks what they find. Mention the sea.",
                                   "They find **fish** and a <b>bird</b>.")
-    # a tool call is neither (engine/tool_calls.py parses it); commentary preambles are reply text
+    # a tool call is neither (engine/frontends/tool_calls.py parses it); commentary preambles are reply text
     call = ("<|channel|>analysis<|message|>Need the time.<|end|><|start|>assistant<|channel|>commentary"
             " to=functions.get_time <|constrain|>json<|message|>{\"zone\": \"UTC\"}")
     assert harmony.split(call) == harmony.Channels("Need the time.", "")
@@ -369,7 +369,7 @@ def test_engine_reply_keeps_channels_and_ends_at_return(f16_engine):
     """The real engine on the tiny model, its tokens forced into a harmony reply by a grammar (a
     random model does not speak harmony): the markers stay in the text, <|end|> does not end the reply,
     <|return|> does, and the text splits into the reasoning and the reply."""
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import GenerateRequest
     from engine.sampling import SamplingParams
     r = f16_engine.call(GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=100, temperature=0.0),
@@ -385,10 +385,10 @@ def test_engine_reply_keeps_channels_and_ends_at_return(f16_engine):
 
 def test_engine_tool_call_reply_parses_and_ends_at_call(gdir, f16_engine):
     """A harmony tool call as the engine writes it (tokens forced by a grammar): the reply ends at
-    <|call|>, and its text, markers kept, parses into the call (engine/tool_calls.py's harmony
+    <|call|>, and its text, markers kept, parses into the call (engine/frontends/tool_calls.py's harmony
     family; before the markers were kept in the text it saw none)."""
-    from engine import tool_calls
-    from engine.constraints import ConstraintSpec
+    from engine.frontends import tool_calls
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import GenerateRequest
     from engine.sampling import SamplingParams
     grammar = (r'start: <|channel|> "commentary to=functions.get_time " <|constrain|> "json" <|message|> '
@@ -437,7 +437,7 @@ def test_server_returns_the_analysis_channel_as_reasoning_content(gdir, f16_engi
     the same greedy request, and that the reply goes back as history (the gpt-oss template refuses
     channel markers in an assistant's content)."""
     import openai
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     from engine.engine import GenerateRequest
     from engine.frontends.server import ServerThread, _chat_message, create_app
     from engine.sampling import SamplingParams

@@ -1,5 +1,5 @@
 """Qwen3.5 / Qwen3.6 GGUFs (`qwen35`, `qwen35moe`: Gated DeltaNet in three blocks of four, gated
-attention in the fourth) on mlx-lm's qwen3_5 classes (engine/archs/qwen35.py).
+attention in the fourth) on mlx-lm's qwen3_5 classes (engine/model/archs/qwen35.py).
 
 * Loading F16, Q8_0 and Q4_K_M files (quantized by llama.cpp itself), quantized as the file is; the
   prompt ids equal llama.cpp's (the `qwen35` pre-tokenizer).
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from engine.errors import ModelFileError
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
 from gguf_factory import quantize_with_llama
 from gguf_factory_qwen35 import ARCHS, CHAT_TEMPLATE, write_tiny_qwen35_gguf
 from llama_oracle import strata_logits
@@ -64,7 +64,7 @@ def _oracle():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loads_as_the_file_is_quantized_and_tokenizes_like_llama_cpp(qdir, arch, ftype):
     from mlx.nn import QuantizedLinear
-    from engine.tokenizer import load_tokenizer
+    from engine.text.tokenizer import load_tokenizer
     path = _file(qdir, arch, ftype)
     g = open_gguf(path)
     model, info = load_model(g)
@@ -153,7 +153,7 @@ def _dequantized_copy(src: Path, dst: Path) -> Path:
 @pytest.mark.oracle
 @pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_equals_llama_cpp_on_the_same_weights_in_f32(qdir, arch):
-    """Strata keeps Q8_0 weights bit-exact (engine/quants.py); llama.cpp on their F32 decoding has no
+    """Strata keeps Q8_0 weights bit-exact (engine/model/quants.py); llama.cpp on their F32 decoding has no
     activation quantization, so only float rounding may separate the two. Measured: median 5-7e-6,
     max 6e-5 of the logit scale, every greedy id equal. The regrouped value heads, A_log, conv1d and
     the gates are all in this path: without the regrouping the max is ~1.1 of the scale."""
@@ -175,12 +175,12 @@ def test_q8_0_equals_llama_cpp_on_the_same_weights_in_f32(qdir, arch):
 # ------------------------------------------------------------------------------------------- the engine
 @pytest.mark.oracle
 def test_engine_chat_turn_renders_the_think_template_and_equals_llama_cpp(qdir):
-    pytest.importorskip("engine.layer_cache", reason="the engine's cache handling of ArraysCache comes with the "
+    pytest.importorskip("engine.cache.layer_cache", reason="the engine's cache handling of ArraysCache comes with the "
                         "cache contract (issue 28); before it, turns.begin_turn reads cache.offset")
-    from engine.chat_template import render
+    from engine.text.chat_template import render
     from engine.engine import Engine, EngineOptions, GenerateRequest
     from engine.sampling import SamplingParams
-    from engine.tool_calls import detect, parse
+    from engine.frontends.tool_calls import detect, parse
     oracle = _oracle()
     path = _file(qdir, "qwen35moe", "F16")
     text = render(CHAT_TEMPLATE, CHAT)
@@ -217,7 +217,7 @@ def test_memory_estimate_is_kv_of_the_attention_layers_plus_the_fixed_state(qdir
     slots) and the DeltaNet layers' conv + recurrent states, which do not grow with the context."""
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
-    from engine import memory_estimate as me
+    from engine.model import memory_estimate as me
     path = write_tiny_qwen35_gguf(qdir / "estimate-qwen35moe.gguf", "qwen35moe", seed=1)
     h = me.read_header(path)
     est = me.estimate(h, 300, "float32")
@@ -313,8 +313,8 @@ def test_control_vector_steers_like_llama_cpp(qdir, tmp_path, arch):
     to the logits equals llama.cpp's cvec (added to each block's output). Measured: the vector moves the
     logits by 7.2 (qwen35) / 6.8 (qwen35moe), Strata's change differs from llama.cpp's by 0.018 / 0.033."""
     oracle = _oracle()
-    from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
-    from engine.steering import SteeringState, install
+    from engine.steer.control_vector import ControlVector, SteeringConfig, write_control_vector
+    from engine.steer.steering import SteeringState, install
     if not oracle.has_cvec():
         pytest.skip("this llama-cpp-python exposes no llama_set_adapter_cvec")
     path = _file(qdir, arch, "F16")

@@ -1,4 +1,4 @@
-"""engine/attention.py: the explicit short-chunk attention used on CUDA equals MLX's fused attention.
+"""engine/model/attention.py: the explicit short-chunk attention used on CUDA equals MLX's fused attention.
 The function is portable, so it is checked here on the CPU against mx.fast.scaled_dot_product_attention
 (and through a real model's forward pass with `install(force=True)`); whether it is *faster* on CUDA
 is a benchmark (bench/sdpa_probe.py, bench/turns.py on the H200; bench/gpu.md)."""
@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention
+from engine.model import attention
 from engine.device import on_gpu
 
 # On the H200 (MLX's CUDA backend) the explicit float32 matmuls and the fused kernel differ by up to
@@ -54,8 +54,8 @@ def test_only_short_chunks_take_the_explicit_path():
 def test_installed_only_on_cuda(tiny_gguf):
     """On CUDA the loader routes short chunks through the explicit form and says so; elsewhere
     (CPU here, Metal) mlx-lm's attention stays untouched."""
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     model, info = load_model(open_gguf(tiny_gguf))
     cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     assert attention.needed() is cuda
@@ -68,8 +68,8 @@ def test_forced_install_keeps_the_forward_pass(tiny_gguf):
     """A real model's prefill of a short chunk over a cached history, with and without the swap."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     model, _ = load_model(open_gguf(tiny_gguf))
     history, chunk = mx.array([list(range(10, 60))]), mx.array([list(range(70, 90))])
 

@@ -1,4 +1,4 @@
-"""Continuous batching (issue 34, engine/batching.py): streams decoded together give what each gives
+"""Continuous batching (issue 34, engine/generation/batching.py): streams decoded together give what each gives
 alone, keep their own sampling, steering, stops and cancel, are parked as themselves and continue.
 
 The reference is the same model in an engine with max_sequences=1 (the lone-request path, unchanged),
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.control_vector import SteeringConfig, write_control_vector
+from engine.steer.control_vector import SteeringConfig, write_control_vector
 from engine.api import CountTokens
 from engine.api import BatchCounters
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
@@ -132,7 +132,7 @@ def test_greedy_streams_equal_each_run_alone(tiny, reference, n):
 
 def test_prompts_read_together_in_small_chunks_equal_alone(tiny, reference):
     """Five prompts of 2-40 tokens read together 32 tokens a row per pass (prefill_chunk 64 / 5 rows,
-    engine/batch_prefill.py): the short ones are padded in every pass after their end, the long ones
+    engine/generation/batch_prefill.py): the short ones are padded in every pass after their end, the long ones
     take two passes; each stream still gives its lone tokens."""
     eng = start(tiny, 8, prefill_chunk=64)
     try:
@@ -357,7 +357,7 @@ def test_status_answers_and_a_long_prompt_does_not_stall_the_others(tiny):
 
 
 def test_memory_guard_refusal_makes_a_stream_wait_not_fail(tiny, reference):
-    from engine.memory_guard import MemoryGuard
+    from engine.memory.memory_guard import MemoryGuard
     eng = start(tiny, 8)
     try:
         # a reserve larger than any machine: every join is refused, so each request runs when alone
@@ -371,7 +371,7 @@ def test_memory_guard_refusal_makes_a_stream_wait_not_fail(tiny, reference):
 
 
 def test_speculative_and_constrained_requests_run_alone_between_steps(tiny, reference):
-    from engine.constraints import ConstraintSpec
+    from engine.generation.constraints import ConstraintSpec
     eng = start(tiny, 8)
     solo = start(tiny, 1)
     try:
@@ -547,7 +547,7 @@ def test_first_step_merge_as_a_lone_request_does(tiny, monkeypatch):
     a row does it when it steps alone, and prefills that part first when others step with it. Forced on
     here, on the CPU (as tests/engine/test_first_step_merge.py does): the same tokens as the lone path
     with the same merge, and the K/V holds exactly what was fed (the next turn reuses all of it)."""
-    from engine import generate
+    from engine.generation import generate
     monkeypatch.setattr(generate, "first_step_merge_limit", lambda chunk: 16)
     reqs = requests(4)
     solo = start(tiny, 1)
@@ -667,7 +667,7 @@ JOINERS = [GenerateRequest(prompt=PROMPTS[1], conversation="j0", sampling=greedy
 
 def test_a_joining_stream_gets_its_first_token_from_its_prompt_and_equals_alone(tiny):
     """Streams that arrive while another decodes read their prompt with its last token and take their
-    first token from that pass (engine/batching.py _prefill_chunk), not from the batch's next steps:
+    first token from that pass (engine/generation/batching.py _prefill_chunk), not from the batch's next steps:
     greedy, seeded and penalised rows still equal their lone runs, one of max_tokens=1 ends at that
     token without joining, and the running stream is untouched. On a GPU a joiner's first token then
     costs its prompt's read, not two more steps of the whole batch (bench/concurrency.py)."""
@@ -708,8 +708,8 @@ def test_a_joining_stream_gets_its_first_token_from_its_prompt_and_equals_alone(
 def test_a_hybrid_rows_memory_is_its_attention_kv_and_a_fixed_state(tmp_path):
     """The guard is asked for what a row of a Qwen3.5-like model holds: K/V in its attention layers
     (1 in 4) and its fixed recurrent state (the load's estimate), not K/V in every layer."""
-    from engine.batching import row_cost
-    from engine.memory_estimate import estimate, read_header
+    from engine.generation.batching import row_cost
+    from engine.model.memory_estimate import estimate, read_header
     from gguf_factory_qwen35 import write_tiny_qwen35_gguf
     path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", n_layer=8, seed=2)
     eng = start(path, 4)

@@ -56,8 +56,8 @@ def test_family_shape_file_loads_as_its_architecture(family, tmp_path):
 
     from engine.engine import Engine, EngineOptions
     from engine.api import GenerateRequest
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     from engine.sampling import SamplingParams
     s = TINY[family]
     path = write_family(s, tmp_path / f"{family}.gguf", context_length=1024, name=s.label)

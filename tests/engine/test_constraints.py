@@ -1,4 +1,4 @@
-"""Constrained decoding (engine/constraints.py): response_format json_object / json_schema through the
+"""Constrained decoding (engine/generation/constraints.py): response_format json_object / json_schema through the
 real server and the official `openai` client; the grammar's mask with speculation, parking and 8-bit
 K/V. Random-weight tiny models are the hard case for the mask (nothing but the mask keeps them on
 the schema); the real SmolLM2 model runs one short batch."""
@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.constraints import ConstraintError, ConstraintSpec
+from engine.generation.constraints import ConstraintError, ConstraintSpec
 from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, Status
 from engine.frontends.server import ServerThread, create_app
 from engine.sampling import SamplingParams
@@ -210,7 +210,7 @@ def test_a_steered_request_keeps_to_the_schema(tiny_gguf_wide, tmp_path):
     steered and plain replies both validate, and the vector does change the steered one."""
     import numpy as np
 
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     rng = np.random.default_rng(7)
     vec = tmp_path / "strong.gguf"
     write_control_vector(vec, {n: (rng.standard_normal(64) * 4.0).astype(np.float32) for n in (1, 2)},

@@ -1,4 +1,4 @@
-"""engine/context_policy.py: which messages an overflowing conversation sends. Property-style over
+"""engine/text/context_policy.py: which messages an overflowing conversation sends. Property-style over
 seeded random histories: the system prompt is never dropped, the result fits the budget or is
 refused, the newest turn is always sent, roles still start each kept turn with a user message, and
 the cut is stable as the conversation grows (what keeps the K/V reusable)."""
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.context_policy import (POLICIES, OverflowRefused, check_policy, reply_reserve, select, smallest,
-                                   turn_starts)
+from engine.text.context_policy import (POLICIES, OverflowRefused, check_policy, reply_reserve, select, smallest,
+                                        turn_starts)
 
 
 def count(messages: list[dict]) -> int:

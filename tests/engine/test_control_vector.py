@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 
-from engine.control_vector import ControlVector, ControlVectorError, SteeringConfig, write_control_vector
+from engine.steer.control_vector import ControlVector, ControlVectorError, SteeringConfig, write_control_vector
 from engine.device import on_gpu
 from engine.errors import StrataError
-from engine.steering import SteeredLayer, SteeringState, install
+from engine.steer.steering import SteeredLayer, SteeringState, install
 
 N_EMBD = 64
 N_LAYER = 6

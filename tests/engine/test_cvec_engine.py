@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.frontends.cli import main
-from engine.control_vector import ControlVector, SteeringConfig, write_control_vector
+from engine.steer.control_vector import ControlVector, SteeringConfig, write_control_vector
 from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
@@ -280,7 +280,7 @@ def test_train_directions_are_the_block_outputs(tiny4):
     norm and the head, gives the model's own logits), and the mean/pca maths."""
     import mlx.core as mx
 
-    from engine.capture import last_token_states
+    from engine.steer.capture import last_token_states
     from engine.frontends.cvec_train import directions_from_states
     eng = start(tiny4, cache_mib=0)
     try:
@@ -327,7 +327,7 @@ def test_trained_direction_is_orthogonal_to_the_first_position(tiny4, trained):
     eng = start(tiny4, cache_mib=0)
     try:
         def run(e):
-            from engine.capture import last_token_states
+            from engine.steer.capture import last_token_states
             first: list = []
             last_token_states(e, POS[:1], first=first)
             return first[0]
@@ -522,7 +522,7 @@ def test_session_saved_under_one_setting_is_refused_under_another(tiny4, strong_
 def test_a_refused_vector_leaves_the_model_serving_without_it(tiny4, tmp_path):
     """A vector for another model (wrong width) must not cost the user the model: the engine loads,
     says why the vector was refused, and answers exactly as stock."""
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     from engine.engine import Engine, EngineOptions, GenerateRequest, Status
     from engine.sampling import SamplingParams
     wrong = tmp_path / "other-model.gguf"

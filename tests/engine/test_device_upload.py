@@ -1,4 +1,4 @@
-"""engine/device_upload.py: host buffers into MLX arrays through MLX's Load primitive (the CUDA path,
+"""engine/model/device_upload.py: host buffers into MLX arrays through MLX's Load primitive (the CUDA path,
 run here on the CPU, where mx.load of a file object reads into the array's memory the same way)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import device_upload
-from engine.device_upload import to_device
+from engine.model import device_upload
+from engine.model.device_upload import to_device
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32, np.uint32])
@@ -54,7 +54,7 @@ def test_off_cuda_it_is_mx_array():
 def test_host_view_reads_a_copy_when_asked_and_the_values_are_exact(dtype):
     """host_view on CUDA reads a device copy (the live array's buffer must not be moved into managed
     memory by a host read); the copy is exact, -0.0 and NaN included. Forced here on any backend."""
-    from engine.device_upload import host_view
+    from engine.model.device_upload import host_view
     vals = np.array([[-0.0, 1.5, np.nan, -2.25, 65504.0, 6e-8]], np.float32)
     a = mx.array(vals.astype(np.float16) if dtype == mx.float16 else vals).astype(dtype) if dtype != mx.uint32 \
         else mx.array(np.arange(12, dtype=np.uint32).reshape(2, 6))

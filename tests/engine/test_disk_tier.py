@@ -1,4 +1,4 @@
-"""The disk tier under parking (engine/disk_tier.py, engine/disk_segments.py): the server journey across
+"""The disk tier under parking (engine/disk/disk_tier.py, engine/disk/disk_segments.py): the server journey across
 a clean stop and a kill -9 (a real `strata serve` process, a real HTTP client), a torn segment, the disk
 cap's eviction, the off switch, hostile files, another model's files, a deleted chat."""
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_flipped_kv_byte_falls_back(make_engine, strata_home):
 
 
 def test_hostile_files_are_dropped_with_a_line(make_engine, strata_home):
-    from engine import disk_segments as ds
+    from engine.disk import disk_segments as ds
     d = _folder(strata_home)
     d.mkdir(parents=True)
     (d / "junk.kvseg").write_bytes(os.urandom(500))

@@ -1,6 +1,6 @@
 """The disk tier for conversations with a sliding window (Gemma 3: a tiny real gemma3 GGUF, window 32) or
 a recurrent state (Qwen3.5: a tiny real qwen35 GGUF, DeltaNet layers): segment version 4
-(engine/disk_states.py). After a restart (a new Engine on the same data folder) the next turn is
+(engine/disk/disk_states.py). After a restart (a new Engine on the same data folder) the next turn is
 restored from disk, reusing exactly what the same conversation held in RAM reuses, and its greedy reply
 equals a fresh read of the same prompt; an Edit restores from an earlier boundary; a torn last segment
 falls back to the one before it; compaction keeps the latest boundaries and still restores exactly."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import disk_segments as ds
-from engine import disk_states
+from engine.disk import disk_segments as ds
+from engine.disk import disk_states
 from engine.api import RestoreSession, SaveSession, Status
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
@@ -65,8 +65,8 @@ def fresh_read(engine, r) -> list[int]:
     """On the engine thread: the reply to exactly the live conversation's prompt tokens of `r`, from an
     empty cache (no reuse at all)."""
     def run(e):
-        from engine.generate import reply
-        from engine.parking import KVEntry
+        from engine.generation.generate import reply
+        from engine.cache.parking import KVEntry
         tokens = list(e.conversations.live.tokens[:r.prompt_tokens])
         entry = KVEntry([], e.make_cache(), e.cache_key())
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=SP, n_vocab=e.info.n_vocab,

@@ -1,4 +1,4 @@
-"""A disk-tier file changed under the running engine (engine/disk_tier.py `verify`, disk_segments.open_file):
+"""A disk-tier file changed under the running engine (engine/disk/disk_tier.py `verify`, disk_segments.open_file):
 conversation A's segment file swapped with B's, replaced by a copy of B's, or made a symbolic link to
 B's while the engine runs. A's next turn must never resume from B's K/V: the file is dropped with a log
 line and the prompt is read afresh (no token restored, the reply equal to a fresh read). For full K/V

@@ -32,7 +32,7 @@ def models(tmp_path_factory):
 
 
 def test_split_layers():
-    from engine.pipeline_model import split_layers
+    from engine.ranks.pipeline_model import split_layers
     assert split_layers(30, 2) == [(0, 15), (15, 30)]
     assert split_layers(4, 3) == [(0, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError):
@@ -240,10 +240,10 @@ def test_a_rank_reads_only_its_own_tensors(models, monkeypatch):
     """Rank 1 of 3 on a 3-layer untied model: layer 1 only, no embeddings, norm or output head."""
     import mlx.nn as nn
 
-    from engine import quants
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.pipeline_model import PipelinePart
+    from engine.model import quants
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.ranks.pipeline_model import PipelinePart
     read = []
     convert = quants.convert_tensor
     monkeypatch.setattr(quants, "convert_tensor", lambda t, **kw: (read.append(t.name), convert(t, **kw))[1])

@@ -121,8 +121,8 @@ def test_tensor_parallel_refuses_the_families_it_would_get_wrong(tmp_path, arch)
     mlx-lm's shard() not written for every family): refused at load, in one line, before any collective."""
     import mlx.core as mx
 
-    from engine.distributed import Distributed, DistributedError
-    from engine.gguf_file import open_gguf
+    from engine.ranks.distributed import Distributed, DistributedError
+    from engine.model.gguf_file import open_gguf
     g = open_gguf(ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf", ftype="F16", seed=1))
     with pytest.raises(DistributedError) as e:
         Distributed(None, 0, 2, "tensor", "ring", 1.0).load_model(g, mx.float32, None)

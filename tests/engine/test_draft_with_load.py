@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import speculative
+from engine.generation import speculative
 from engine.engine import Engine, EngineOptions, GenerateRequest, LoadModel, Status
 from engine.errors import EngineError
 from engine.events import Log

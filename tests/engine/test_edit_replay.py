@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from bench.edit_replay import TRACE, ReplayDrafter  # noqa: E402
 from bench.spec import simulate  # noqa: E402
-from engine.speculative import LookupDrafter, NGRAM_MAX, NGRAM_MIN  # noqa: E402
+from engine.generation.speculative import LookupDrafter, NGRAM_MAX, NGRAM_MIN  # noqa: E402
 
 # a reply that copies its prompt with edits: lookup drafts right runs and wrong tails
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6, 7, 20, 21, 22, 23, 24]
@@ -59,9 +59,10 @@ def test_replayed_speculation_on_a_hybrid_target_is_greedy_identical_and_accepts
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine import generate, layer_cache, speculative
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.cache import layer_cache
+    from engine.generation import generate, speculative
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     from engine.sampling import SamplingParams
     from gguf_factory_qwen35 import write_tiny_qwen35_gguf
     path = write_tiny_qwen35_gguf(tmp_path / "q.gguf", "qwen35", seed=5)

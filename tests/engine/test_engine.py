@@ -170,7 +170,7 @@ def test_save_session_picks_the_named_conversation_even_when_parked(engine, tmp_
 
 def test_prefill_reports_progress_at_once_then_in_growing_chunks_and_cancels_between_them(engine):
     from engine.events import Failed
-    from engine.generate import chunk_sizes
+    from engine.generation.generate import chunk_sizes
     assert chunk_sizes(100, 512) == [16, 16, 32, 36]
     assert chunk_sizes(2000, 512)[:8] == [16, 16, 32, 64, 128, 256, 512, 512]
     assert sum(chunk_sizes(2000, 512)) == 2000 and chunk_sizes(40, 8) == [8] * 5
@@ -214,7 +214,7 @@ def test_a_request_cancelled_in_the_queue_touches_nothing(engine):
 
 # ---- issue 27 (item 8): prefill on a slow CPU: chunks capped by measured time, stepped layer by layer --------
 def test_prefill_chunks_are_capped_by_the_measured_pace_and_stay_aligned():
-    from engine.generate import PrefillPace, chunk_sizes, next_chunk
+    from engine.generation.generate import PrefillPace, chunk_sizes, next_chunk
     assert chunk_sizes(2000, 512, cap=64)[:7] == [16, 16, 32, 64, 64, 64, 64]
     assert sum(chunk_sizes(2000, 512, cap=64)) == 2000
     assert chunk_sizes(100, 512, cap=4096) == chunk_sizes(100, 512)      # a fast machine: the fixed schedule
@@ -234,7 +234,7 @@ def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine
     """Layer-by-layer stepping reads the cancel flag after each layer: a cancel inside a chunk puts the
     layers back as they were before it, and the conversation continues as if only the whole chunks were read."""
     from engine.errors import Cancelled
-    from engine.generate import prefill
+    from engine.generation.generate import prefill
 
     def run(e):
         toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": " ".join(

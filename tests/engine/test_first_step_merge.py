@@ -1,4 +1,4 @@
-"""A returning turn's few new tokens fed with the first decode step (engine/generate.py, on by default
+"""A returning turn's few new tokens fed with the first decode step (engine/generation/generate.py, on by default
 on a GPU only): the same greedy tokens as prefill-then-step, and `fed` still equals what the K/V holds.
 Forced on here, on the CPU, with the tiny model in float32."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import generate
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
-from engine.parking import KVEntry
+from engine.generation import generate
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
+from engine.cache.parking import KVEntry
 from engine.sampling import SamplingParams
-from engine.tokenizer import load_tokenizer
+from engine.text.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("n_new", [1, 2, 30, 62, 200])

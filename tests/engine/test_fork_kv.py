@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import Status
-from engine.conversations import before_special
+from engine.cache.conversations import before_special
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 from engine_reads import while_held

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.draft_names import resolve
+from engine.frontends.draft_names import resolve
 from engine.errors import StrataError
 
 DEFAULT_NAMES = 2_000

@@ -1,5 +1,5 @@
-"""Gemma 4's memory-shared MTP drafter (`--spec mtp` on gemma4; engine/archs/gemma4_mtp.py,
-engine/gemma4_mtp_spec.py, issue 36) on a tiny gemma4 of tests/gguf_factory_gemma.py (sliding window 32,
+"""Gemma 4's memory-shared MTP drafter (`--spec mtp` on gemma4; engine/model/archs/gemma4_mtp.py,
+engine/generation/gemma4_mtp_spec.py, issue 36) on a tiny gemma4 of tests/gguf_factory_gemma.py (sliding window 32,
 layers 2 and 3 sharing the K/V of layers 0 and 1) and a tiny `gemma4-assistant` file of
 tests/gguf_factory_gemma4_mtp.py beside it (random weights: its drafts are mostly rejected, which
 rolls the target's windows back on almost every pass).
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import speculative
+from engine.generation import mtp_spec, speculative
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
@@ -83,9 +83,9 @@ def _gen(e, text, spec, n=40, temperature=0.0, seed=None):
 
 
 def _loaded(mdir):
-    from engine.archs.gemma4_mtp import load_assistant
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.archs.gemma4_mtp import load_assistant
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     t, h = _pair(mdir)
     tg = open_gguf(t)
     model, _ = load_model(tg)
@@ -159,9 +159,9 @@ def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
     the size)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from engine import generate
+    from engine.generation import generate
     model, head, hpath = _loaded(mdir)
-    d = head.make_drafter(model, hpath, draft_len=2)
+    d = mtp_spec.drafter_for(head, model, hpath, draft_len=2)
     rng = np.random.default_rng(0)
     toks = [int(x) for x in rng.integers(10, 250, size=70)]
     cache, fed = make_prompt_cache(model), []
@@ -172,7 +172,7 @@ def test_drafter_step_matches_a_numpy_reference_of_llama_cpps_graph(mdir):
     assert kv[True][0].shape[2] == 31 and kv[False][0].shape[2] == p + 1
 
     # the reference's K/V: the target over the same tokens with no window (every position kept)
-    from engine.gemma4_mtp_spec import target_layers
+    from engine.generation.gemma4_mtp_spec import target_layers
     whole = [KVCache() for _ in cache]
     model.model(mx.array(toks[:-1])[None], cache=whole)
     idx = target_layers(model)
@@ -224,8 +224,8 @@ def test_partial_acceptance_gives_the_plain_reply(mdir):
     through layer_cache where a pass wrapped them."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine import generate
-    from engine.gemma4_mtp_spec import Gemma4Drafter
+    from engine.generation import generate
+    from engine.generation.gemma4_mtp_spec import Gemma4Drafter
     model, head, hpath = _loaded(mdir)
     rng = np.random.default_rng(1)
     prompt = [int(x) for x in rng.integers(10, 250, size=40)]
@@ -310,8 +310,8 @@ def test_memory_guard_admits_the_drafters_bytes_before_reading_it(mdir):
     adds no K/V: it reads the target's."""
     from mlx.utils import tree_flatten
 
-    from engine import mtp_spec
-    from engine.archs.gemma4_mtp import assistant_bytes
+    from engine.generation import mtp_spec
+    from engine.model.archs.gemma4_mtp import assistant_bytes
     from engine.errors import MemoryRefused
     model, head, hpath = _loaded(mdir)
     # the parameters, and rope_freqs.weight (64 F32 factors), which the global blocks' RoPE holds
@@ -478,8 +478,8 @@ def test_a_q8_0_drafter_quantized_by_llama_cpp_loads_and_drafts(mdir, engine):
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.archs.gemma4_mtp import assistant_bytes, load_assistant
-    from engine.gguf_file import open_gguf
+    from engine.model.archs.gemma4_mtp import assistant_bytes, load_assistant
+    from engine.model.gguf_file import open_gguf
     from gguf_factory_gemma4_mtp import write_gemma4_assistant
     import llama_oracle
     llama_oracle.require()
@@ -490,7 +490,7 @@ def test_a_q8_0_drafter_quantized_by_llama_cpp_loads_and_drafts(mdir, engine):
     assert type(hq.layers[0].q_proj).__name__ == "QuantizedLinear" and hq.layers[0].q_proj.bits == 8
     assert type(hq.embed_tokens).__name__ == "QuantizedEmbedding"
     assert assistant_bytes(q) == sum(v.nbytes for _, v in tree_flatten(hq.parameters())) + 64 * 4
-    d = head.make_drafter(model, hpath)
+    d = mtp_spec.drafter_for(head, model, hpath)
     toks = [int(x) for x in np.random.default_rng(2).integers(10, 250, size=50)]
     cache = make_prompt_cache(model)
     d.target(mx.array(toks[:-1])[None], cache=cache)

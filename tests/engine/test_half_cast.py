@@ -1,4 +1,4 @@
-"""engine/half_cast.py against numpy's own cast: every float16 value one way; every float16 value's
+"""engine/model/half_cast.py against numpy's own cast: every float16 value one way; every float16 value's
 float32 neighbours and rounding midpoints (the ties that round to even), the specials and a random
 sample the other way; the layouts a session save and restore hand it."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import half_cast
+from engine.model import half_cast
 
 ALL_HALF_BITS = np.arange(1 << 16, dtype=np.uint16)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import chat_template
-from engine.chat_template import render
+from engine.text import chat_template
+from engine.text.chat_template import render
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import RequestError, StrataError
 from engine.events import Log
@@ -89,8 +89,8 @@ def test_valid_models_still_load(worker, tmp_path, arch):
 
 
 def test_real_model_header_passes_the_checks(real_model):
-    from engine.gguf_checks import check_hyperparameters
-    from engine.gguf_file import open_gguf
+    from engine.model.gguf_checks import check_hyperparameters
+    from engine.model.gguf_file import open_gguf
     hp = check_hyperparameters(open_gguf(real_model))
     assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_vocab) == (30, 576, 9, 3, 49152)
 
@@ -186,7 +186,7 @@ def _gen(engine, messages=CHAT, n=3):
 
 
 def test_a_bad_parked_entry_is_dropped_and_the_request_recomputes(engine):
-    from engine.parking import KVEntry
+    from engine.cache.parking import KVEntry
     _gen(engine)
     other = [{"role": "user", "content": "Something else entirely, with its own words."}]
 

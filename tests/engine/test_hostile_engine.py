@@ -25,7 +25,7 @@ from engine import drafts as drafts_mod
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import ModelFileError, StrataError
 from engine.frontends.server import ServerThread, create_app
-from engine.memory_guard import GiB, MemoryGuard, MemoryReading
+from engine.memory.memory_guard import GiB, MemoryGuard, MemoryReading
 
 MiB = 1 << 20
 from engine.sampling import SamplingParams
@@ -217,8 +217,8 @@ def test_moe_expert_count_inf_is_one_line_in_the_loader(tmp_path):
     """The loader's own reading (also behind the estimate: a draft, a distributed rank, cvec train)."""
     import gguf
 
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     from gguf_factory import write_tiny_moe_gguf
     real = gguf.GGUFWriter.add_expert_count
     for arch in ("qwen3moe", "mixtral"):

@@ -1,4 +1,4 @@
-"""Hostile headers of the families read through engine/archs/ (Gemma 3/4, gpt-oss, Qwen3.5/3.6): each
+"""Hostile headers of the families read through engine/model/archs/ (Gemma 3/4, gpt-oss, Qwen3.5/3.6): each
 refused in one line naming the key or tensor, on the estimate path (`strata models estimate`, the app's
 model list) and on the load path (`strata generate`, the server's load), in bounded time and memory.
 
@@ -127,9 +127,9 @@ def test_the_app_lists_a_hostile_family_file_with_its_reason(sources, tmp_path):
 def test_every_family_file_passes_the_schema(tmp_path, family):
     """The tiny file of each family (laid out as llama.cpp's converter writes it) passes the checks on
     both paths: the schema refuses only what a real file would not have."""
-    from engine import memory_estimate as me
-    from engine.gguf_checks import check_hyperparameters
-    from engine.gguf_file import open_gguf
+    from engine.model import memory_estimate as me
+    from engine.model.gguf_checks import check_hyperparameters
+    from engine.model.gguf_file import open_gguf
     path = family_file(family, tmp_path)
     check_hyperparameters(open_gguf(path))
     me.estimate(me.read_header(path), 256)
@@ -137,7 +137,7 @@ def test_every_family_file_passes_the_schema(tmp_path, family):
 
 def test_a_block_index_of_many_digits_is_not_a_block(tmp_path):
     """A tensor named blk.<5000 digits>.x is no block (int() of it would raise), so block_count refuses."""
-    from engine.gguf_schema import HeaderView, check_blocks
+    from engine.model.gguf_schema import HeaderView, check_blocks
     view = HeaderView("f.gguf", "llama", {"llama.block_count": 1},
                       {"blk.0.attn_norm.weight": (4,), f"blk.{'9' * 5000}.x": (4,)})
     assert check_blocks(view) == 1
@@ -147,7 +147,7 @@ def test_a_block_index_of_many_digits_is_not_a_block(tmp_path):
 
 
 def test_a_per_layer_array_of_another_length_is_refused():
-    from engine.gguf_schema import ArrayLen, HeaderView, per_layer
+    from engine.model.gguf_schema import ArrayLen, HeaderView, per_layer
     view = HeaderView("f.gguf", "gemma4", {"gemma4.attention.sliding_window_pattern": (True, False, True),
                                            "gemma4.feed_forward_length": ArrayLen(1 << 20)}, {})
     with pytest.raises(ModelFileError, match="'gemma4.attention.sliding_window_pattern' has 3 values for 4 layers"):
@@ -198,7 +198,7 @@ def test_the_server_answers_400_for_a_hostile_draft_of_these_families(tmp_path, 
 def test_an_empty_dimension_is_refused_for_every_architecture(tmp_path):
     """A tensor dimension of 0 takes no bytes, so it fits the file: found by the long fuzz run as a
     ZeroDivisionError inside mlx-lm's experts (qwen3moe blk.0.ffn_down_exps ne0 = 0)."""
-    from engine import memory_estimate as me
+    from engine.model import memory_estimate as me
     src = family_file("qwen3moe", tmp_path)
     data = bytearray(src.read_bytes())
     name = b"blk.0.ffn_down_exps.weight"

@@ -1,4 +1,4 @@
-"""Seeded fuzzing of image bytes (engine/images.py decode_image), what the app, the server and the
+"""Seeded fuzzing of image bytes (engine/vision/images.py decode_image), what the app, the server and the
 engine all run on an image a stranger hands over.
 
 Every input ends as a DecodedImage (upright 8-bit RGB of the size it reports) or an ImageRefused with
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine.images import MAX_PIXELS, DecodedImage, ImageRefused, decode_image
+from engine.vision.images import MAX_PIXELS, DecodedImage, ImageRefused, decode_image
 from fuzz_harness import Tally, Worker
 from fuzz_images import bombs, mutant, seeds
 

@@ -1,4 +1,4 @@
-"""Images from file bytes to RGB pixels (engine/images.py) on real files Pillow writes: every mode a user's
+"""Images from file bytes to RGB pixels (engine/vision/images.py) on real files Pillow writes: every mode a user's
 picture comes in reads as upright RGB, the digest names the pixels (not the file), and bad data or a bomb
 is refused with one line before anything large is decoded."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine.images import DecodedImage, ImageRefused, decode_image
+from engine.vision.images import DecodedImage, ImageRefused, decode_image
 
 
 def _file(im: Image.Image, fmt: str = "PNG", **kw) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import kv_format
+from engine.cache import kv_format
 from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
@@ -67,14 +67,14 @@ def test_quantized_kv_parks_with_its_real_bytes(tiny_gguf_wide, bits):
 @pytest.mark.parametrize("upload", ["mx.array", "load-primitive"])
 def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_path, monkeypatch, upload):
     """load-primitive: the restore's arrays come through MLX's Load primitive, as on CUDA (forced)."""
-    import engine.device_upload as device_upload
+    import engine.model.device_upload as device_upload
     monkeypatch.setattr(device_upload, "on_cuda", lambda: upload == "load-primitive")
     a = [{"role": "user", "content": words(50)}]
     e8 = start(tiny_gguf_wide, kv_bits=8)
     r1 = gen(e8, a)
     path = tmp_path / "q8.stratasession"
     saved = e8.call(SaveSession(str(path)))
-    from engine.sessions import read_header
+    from engine.session_files.sessions import read_header
     table, meta, _ = read_header(str(path))
     assert meta["kv_dtype"] == "q8g32" and meta["fp.kv_format"] == "q8g32"
     assert table["k.0.q"]["dtype"] == "U32" and table["k.0.s"]["dtype"] == "F16"
@@ -159,7 +159,7 @@ def q_conv(tiny_gguf_wide, tmp_path_factory):
 
 
 def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
-    from engine import session_quant, sessions
+    from engine.session_files import session_quant, sessions
     from test_session_refusals import assemble, split
     e, raw = q_conv["engine"], q_conv["raw"]
     head, data = split(raw)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from engine.kv_key import KVKey
+from engine.cache.kv_key import KVKey
 
 HASH = "9f" * 16
 

@@ -1,11 +1,11 @@
-"""engine/kv_reserve.py: one context's K/V touched at load on the CPU stays with malloc (glibc), so a
+"""engine/cache/kv_reserve.py: one context's K/V touched at load on the CPU stays with malloc (glibc), so a
 restore's arrays come from resident memory; the size follows the context, capped, in mlx-lm's steps."""
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from engine import allocator, kv_reserve
+from engine.memory import allocator, kv_reserve
 
 glibc_only = pytest.mark.skipif(allocator._LIBC is None, reason="glibc's mallopt/mallinfo2 only (Linux with glibc)")
 
@@ -31,7 +31,8 @@ def test_the_memory_guard_can_say_no():
 _PROBE = r"""
 import json, threading
 import mlx.core as mx
-from engine import allocator, kv_reserve
+from engine.cache import kv_reserve
+from engine.memory import allocator
 mx.set_default_device(mx.cpu)           # host memory, where the engine touches it (the CPU backend)
 allocator.keep_freed_memory()
 out = {}
@@ -171,7 +172,7 @@ from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 engine = Engine(EngineOptions(model=sys.argv[1], cache_mib=0)).start()
 engine.startup.result()
-tok = engine.tokenizer
+tok = engine.text.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning. " * 20)[:64]
 engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
 deadline = time.monotonic() + 30

@@ -1,4 +1,4 @@
-"""The cache contract (engine/layer_cache.py) on synthetic caches of each kind: mlx-lm's own cache
+"""The cache contract (engine/cache/layer_cache.py) on synthetic caches of each kind: mlx-lm's own cache
 classes, filled through their own update paths (update_and_fetch for K/V, the slot writes a
 recurrent layer makes for ArraysCache) with random tensors.
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from engine import layer_cache as L
-from engine.kv_format import half_scale_cache_class
-from engine.parking import KVEntry
+from engine.cache import layer_cache as L
+from engine.cache.kv_format import half_scale_cache_class
+from engine.cache.parking import KVEntry
 
 HEADS, DIM = 2, 32
 
@@ -268,13 +268,13 @@ def test_speculation_rollback_of_full_kv_is_a_trim():
     assert c.offset == 8
 
 
-# ---- session format 3 (engine/session_v3.py): a hybrid conversation's file round trip and refusals ----
+# ---- session format 3 (engine/session_files/session_v3.py): a hybrid conversation's file round trip and refusals ----
 import json  # noqa: E402
 import struct  # noqa: E402
 
 import xxhash  # noqa: E402
 
-from engine import session_v3, sessions  # noqa: E402
+from engine.session_files import session_v3, sessions  # noqa: E402
 from engine.errors import SessionFileError  # noqa: E402
 
 FP = {"model_hash": "m" * 16, "architecture": "hybrid", "n_layer": 3, "n_kv_heads": HEADS, "head_dim": DIM,

@@ -50,7 +50,7 @@ def test_within_range():
 
 
 def test_machine_range_matches_the_guard():
-    from engine.memory_guard import read_memory
+    from engine.memory.memory_guard import read_memory
     assert machine_cache_range().max_mib == read_memory().total_bytes // 2 >> 20
 
 

@@ -1,4 +1,4 @@
-"""The memory estimate before a load (engine/memory_estimate.py): its parts against what MLX really
+"""The memory estimate before a load (engine/model/memory_estimate.py): its parts against what MLX really
 holds, the engine refusing (or shrinking the default context of) a model that does not fit, the CLI's
 one line and exit 2, and `strata models estimate`."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine import memory_estimate as me
+from engine.model import memory_estimate as me
 from engine.errors import StrataError
 from engine.engine import Engine, EngineOptions, LoadModel, Status
-from engine.gguf_file import open_gguf
-from engine.memory_guard import GiB, MemoryGuard, MemoryReading
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.memory.memory_guard import GiB, MemoryGuard, MemoryReading
+from engine.model.model_loader import load_model
 from gguf_factory import quantize_with_llama, write_tiny_gguf, write_tiny_moe_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -197,7 +197,7 @@ def test_models_estimate_shows_file_and_held_bits_per_weight(files):
 
 def test_the_estimate_module_does_not_import_mlx(files):
     """The app (which never imports mlx) can estimate: header parsing and arithmetic only."""
-    code = ("import sys; import engine.memory_estimate as m; "
+    code = ("import sys; import engine.model.memory_estimate as m; "
             "e = m.estimate(m.read_header(sys.argv[1]), 512, m.platform_dtype()); print(e.total_bytes); "
             "assert 'mlx' not in sys.modules and 'numpy' not in sys.modules")
     p = subprocess.run([sys.executable, "-c", code, str(files["qwen3moe-F16"])], cwd=REPO,

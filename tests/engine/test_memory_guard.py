@@ -6,18 +6,18 @@ import sys
 import psutil
 import pytest
 
-from engine import memory_guard as mg
-from engine.memory_guard import (
-    GiB,
-    MemoryGuard,
-    MemoryReading,
-    MemoryUnavailable,
-    VMStatistics64,
-    macos_available_bytes,
-    read_memory,
-    read_meminfo,
-    read_psutil,
-    read_vm_statistics64,
+from engine.memory import memory_guard as mg
+from engine.memory.memory_guard import (
+          GiB,
+          MemoryGuard,
+          MemoryReading,
+          MemoryUnavailable,
+          VMStatistics64,
+          macos_available_bytes,
+          read_memory,
+          read_meminfo,
+          read_psutil,
+          read_vm_statistics64,
 )
 
 # A recorded /proc/meminfo (24 GiB Linux VM), trimmed.

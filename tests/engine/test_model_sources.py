@@ -1,4 +1,4 @@
-"""Models found where other apps keep them (engine/model_sources.py), on generated folder trees: LM Studio's
+"""Models found where other apps keep them (engine/model/model_sources.py), on generated folder trees: LM Studio's
 layout, the Hugging Face cache's snapshot links into blobs, Ollama's manifests and blobs; links in loops,
 dangling links, unreadable and oversized folders; nothing in a library is ever written."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import memory_estimate as me
-from engine import model_sources as ms
-from engine.gguf_file import open_gguf
+from engine.model import memory_estimate as me
+from engine.model import model_sources as ms
+from engine.model.gguf_file import open_gguf
 from gguf_factory import write_tiny_gguf
 from gguf_factory_split import write_split
 from library_trees import hf_cache, lm_studio, ollama

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from engine.errors import ModelFileError
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
 from gguf_factory import MOE_ARCHS, quantize_with_llama, write_tiny_moe_gguf
 from llama_oracle import strata_logits
 from engine_reads import while_held
@@ -442,7 +442,7 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
 def test_control_vector_on_a_moe_model_matches_llama_cpp(moe_dir, tmp_path):
     """Add mode after block 1 (the vector is added to the block's output, MoE included), through the
     engine and through llama.cpp's llama_set_adapter_cvec: the same greedy tokens up to a near-tie."""
-    from engine.control_vector import write_control_vector
+    from engine.steer.control_vector import write_control_vector
     from test_cvec_engine import compare_add_mode
     model = moe_file(moe_dir, "qwen3moe", "F16")
     vec = tmp_path / "v.gguf"

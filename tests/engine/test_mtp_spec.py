@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own NextN/MTP head (`--spec mtp`; engine/mtp_spec.py, issue 36),
+"""Speculative decoding with the model's own NextN/MTP head (`--spec mtp`; engine/generation/mtp_spec.py, issue 36),
 on tiny qwen35 / qwen35moe F16 GGUFs whose head the factory writes (random weights: the head's drafts
 are mostly rejected, which exercises the rollback of the target's recurrent state on every pass).
 
@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import speculative
+from engine.generation import speculative
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
@@ -102,11 +102,11 @@ def test_bookkeeping_after_partial_acceptance(mdir):
     end its K/V equals the head run afresh over the target's hidden states of the same positions."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from engine import generate, mtp_spec
-    from engine.archs.qwen35_mtp import load_head
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.mtp_spec import MTPDrafter
+    from engine.generation import generate, mtp_spec
+    from engine.model.archs.qwen35_mtp import load_head
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.generation.mtp_spec import MTPDrafter
 
     g = open_gguf(_file(mdir, "qwen35"))
     model, _ = load_model(g)
@@ -172,10 +172,10 @@ def test_sampled_verification_with_the_heads_distribution_follows_the_target(mdi
     p by speculative.verify with q: chi-square against p (as test_speculative's lookup/draft test)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from engine.archs.qwen35_mtp import load_head
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
-    from engine.mtp_spec import TargetTap
+    from engine.model.archs.qwen35_mtp import load_head
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
+    from engine.generation.mtp_spec import TargetTap
 
     g = open_gguf(_file(mdir, "qwen35"))
     model, _ = load_model(g)
@@ -230,8 +230,8 @@ def test_refusals_are_one_line_by_name(mdir, engines):
 def test_control_vector_steers_the_target_only(mdir, tmp_path):
     """With a strong vector on, greedy mtp output equals the steered plain output (verification runs
     through the steered target); the head's block is not wrapped by the steering."""
-    from engine.control_vector import SteeringConfig, write_control_vector
-    from engine.steering import SteeredLayer
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.steering import SteeredLayer
     rng = np.random.default_rng(21)
     vec = tmp_path / "strong.gguf"
     write_control_vector(vec, {n: (rng.standard_normal(256) * 3.0).astype(np.float32) for n in range(1, 4)},
@@ -271,10 +271,10 @@ def test_memory_estimate_counts_the_head(mdir, arch):
     the head's own parameter bytes (measured equal to the byte, F16 in float32), and its K/V layer."""
     from mlx.utils import tree_flatten
 
-    from engine.archs.qwen35_mtp import load_head
-    from engine.gguf_file import open_gguf
-    from engine.memory_estimate import estimate, read_header
-    from engine.model_loader import load_model
+    from engine.model.archs.qwen35_mtp import load_head
+    from engine.model.gguf_file import open_gguf
+    from engine.model.memory_estimate import estimate, read_header
+    from engine.model.model_loader import load_model
     path = _file(mdir, arch)
     g = open_gguf(path)
     model, _ = load_model(g)
@@ -322,9 +322,9 @@ def test_a_qwen35_file_whose_deltanet_qkv_is_not_attention_shaped_loads_with_its
     a fused attention QKV ((2 + 2 x 1) x 128 = 512): the hyperparameter check must not refuse it (it did
     for every real Qwen3.5 shape, e.g. bench/shapes.py's qwen35-0.8b; the tests' default widths agree
     by chance)."""
-    from engine.archs.qwen35_mtp import load_head
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model.archs.qwen35_mtp import load_head
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     g = open_gguf(write_tiny_qwen35_gguf(mdir / "v8.gguf", "qwen35", n_v_heads=8, nextn=1, seed=5))
     model, info = load_model(g)
     head, _ = load_head(g, model)

@@ -22,8 +22,8 @@ from llama_oracle import strata_logits  # noqa: E402
 if not llama_cpp.available():
     pytest.skip("llama-cpp-python (the llama.cpp oracle) is not installed", allow_module_level=True)
 
-from engine.gguf_file import open_gguf  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.model.gguf_file import open_gguf  # noqa: E402
+from engine.text.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -170,7 +170,7 @@ def test_unknown_architecture_is_refused_by_name(tmp_path):
     from test_cli import rewrite_gguf
 
     from engine.errors import ModelFileError
-    from engine.model_loader import model_args
+    from engine.model.model_loader import model_args
     from gguf_factory import write_tiny_gguf
     src = write_tiny_gguf(tmp_path / "t.gguf")
     bad = rewrite_gguf(src, tmp_path / "falcon.gguf", arch="falcon")

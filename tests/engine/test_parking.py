@@ -21,7 +21,7 @@ import pytest
 from engine.engine import Configure, Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.events import Log
-from engine.memory_guard import GiB, MemoryGuard, MemoryReading, MemoryUnavailable
+from engine.memory.memory_guard import GiB, MemoryGuard, MemoryReading, MemoryUnavailable
 from engine.sampling import SamplingParams
 from gguf_factory import TRAINING_TEXT, write_tiny_gguf
 
@@ -392,7 +392,7 @@ def test_reserve_evicts_then_refuses(tiny_gguf):
 # ---------------------------------------------------------------------------------------- steering
 
 def test_kv_is_never_reused_across_steering_settings(tiny_gguf, tmp_path):
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     rng = np.random.default_rng(3)
     vec = tmp_path / "steer.gguf"
     write_control_vector(vec, {1: (rng.standard_normal(64) * 4).astype(np.float32)}, model_hint="llama")
@@ -428,9 +428,9 @@ def test_kv_is_never_reused_across_steering_settings(tiny_gguf, tmp_path):
 def test_entry_text_grows_with_its_tokens_and_common_prefix_is_exact(tiny_gguf):
     # KVEntry.text is what a follow-up's rendered chat is checked against: it must equal decoding
     # the whole token list after every in-place growth, and start over when the list is replaced.
-    from engine.gguf_file import open_gguf
-    from engine.parking import KVEntry, common_prefix
-    from engine.tokenizer import load_tokenizer
+    from engine.model.gguf_file import open_gguf
+    from engine.cache.parking import KVEntry, common_prefix
+    from engine.text.tokenizer import load_tokenizer
     tok = load_tokenizer(open_gguf(tiny_gguf))
     rng = np.random.default_rng(5)
     ids = tok.encode(TRAINING_TEXT[:400], add_bos=False)

@@ -1,5 +1,5 @@
 """A conversation's prompt tokenized from where it stopped sharing text with a recent one
-(engine/prompt_encoder.py), and a held run found from the end (engine/conversations.held_run): both must
+(engine/text/prompt_encoder.py), and a held run found from the end (engine/conversations.held_run): both must
 give exactly what tokenizing / searching the whole text gives, for every vocabulary Strata reads.
 
 Each architecture's factory GGUF (tests/arch_cases.py) gives its real tokenizer and chat template; a
@@ -14,10 +14,10 @@ import pytest
 
 from arch_cases import ARCH_WRITERS
 from gguf_factory_families import writer as family_writer
-from engine.chat_template import render
-from engine.conversations import held_run
-from engine.gguf_file import open_gguf
-from engine.tokenizer import load_tokenizer
+from engine.text.chat_template import render
+from engine.cache.conversations import held_run
+from engine.model.gguf_file import open_gguf
+from engine.text.tokenizer import load_tokenizer
 
 VOCABS = {**ARCH_WRITERS, "phi3-spm": family_writer("phi3-spm")}
 # the vocabularies whose special tokens the tokenizer splits on exactly: the cut must be used there
@@ -71,11 +71,11 @@ def test_prompt_ids_equal_whole_tokenization_as_a_chat_grows(vocab, name):
 
 
 def test_special_tokens_that_eat_whitespace_are_not_cut_at(vocab):
-    """Phi-3's special tokens eat the whitespace after them (llama.cpp's RSTRIP, engine/tokenizer.py gives
+    """Phi-3's special tokens eat the whitespace after them (llama.cpp's RSTRIP, engine/text/tokenizer.py gives
     a file named phi-3 those flags): a cut there could change the text's ids, so they are not cut at and
     the prompt is still tokenized exactly."""
-    from engine.prompt_encoder import PromptEncoder
-    from engine.tokenizer import _phi3_special_rstrip
+    from engine.text.prompt_encoder import PromptEncoder
+    from engine.text.tokenizer import _phi3_special_rstrip
     tok, template = vocab("phi3")
     backend = _phi3_special_rstrip(tok.backend, "Phi-3 mini")
     enc = PromptEncoder(backend)
@@ -122,7 +122,7 @@ def test_held_prompts_cost_a_few_bytes_a_token(vocab):
     held as lists of ints, 10.2)."""
     import tracemalloc
 
-    from engine.prompt_encoder import KEEP, PromptEncoder
+    from engine.text.prompt_encoder import KEEP, PromptEncoder
     tok, template = vocab("qwen3")
     enc = PromptEncoder(tok.backend)
     msgs = [{"role": "system", "content": "You answer briefly."}]

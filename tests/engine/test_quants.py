@@ -1,4 +1,4 @@
-"""engine.quants: GGUF tensors -> MLX arrays, checked against gguf-py's reference decoder.
+"""engine.model.quants: GGUF tensors -> MLX arrays, checked against gguf-py's reference decoder.
 
 All quantized data is real GGUF block data: gguf.quants.quantize output where
 gguf-py can quantize the type, otherwise valid K-quant blocks built from random
@@ -19,8 +19,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, GGMLQuantizationType as T
 from gguf import quants as gq
 
-from engine import quants
-from engine.quants import MlxTensor, UnsupportedTensorType, convert_tensor, summarize
+from engine.model import quants
+from engine.model.quants import MlxTensor, UnsupportedTensorType, convert_tensor, summarize
 
 OUT, IN = 48, 512  # non-square so a transposition mistake cannot pass; IN % 256 == 0 for K-quants
 
@@ -306,9 +306,9 @@ def test_default_model_converts():
 
 
 def test_memory_estimate_tables_agree_with_the_loader_and_gguf():
-    """engine/memory_estimate.py (no numpy, no gguf) keeps its own tables of held bits and file block
-    sizes: each equal to engine/quants.py's held forms and to gguf-py's GGML_QUANT_SIZES."""
-    from engine import memory_estimate as me
+    """engine/model/memory_estimate.py (no numpy, no gguf) keeps its own tables of held bits and file block
+    sizes: each equal to engine/model/quants.py's held forms and to gguf-py's GGML_QUANT_SIZES."""
+    from engine.model import memory_estimate as me
     for qtype, bits in {**quants.HELD_BITS, **EXACT}.items():
         t = me.TensorInfo("w", int(qtype), (256, 4))
         assert me.tensor_bytes(t, 2) == 1024 * bits // 8 + 2 * (1024 // 32) * 2, qtype.name

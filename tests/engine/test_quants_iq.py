@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGMLQuantizationType as T
 from gguf import quants as gq
 
 import llama_oracle
-from engine import quants
+from engine.model import quants
 
 if not llama_oracle.available():
     pytest.skip("llama-cpp-python (the llama.cpp oracle) is not installed", allow_module_level=True)
@@ -145,9 +145,9 @@ def test_estimate_and_model_list_show_honest_bytes(folder, name):
     """The estimate's weights are what MLX holds once loaded; the model list's bits per weight are the
     file's tensor bytes and those held bytes over the weight count."""
     from app.gguf_meta import read_meta
-    from engine import memory_estimate as me
-    from engine.gguf_file import open_gguf
-    from engine.model_loader import load_model
+    from engine.model import memory_estimate as me
+    from engine.model.gguf_file import open_gguf
+    from engine.model.model_loader import load_model
     path = _pure(folder, name)
     model, _ = load_model(open_gguf(path))
     held = _params_bytes(model)

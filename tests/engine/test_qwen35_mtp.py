@@ -1,4 +1,4 @@
-"""The NextN/MTP head of tiny qwen35 / qwen35moe GGUFs (engine/archs/qwen35_mtp.py; issue 36, loading):
+"""The NextN/MTP head of tiny qwen35 / qwen35moe GGUFs (engine/model/archs/qwen35_mtp.py; issue 36, loading):
 the head's logits against a numpy transcription of llama.cpp's graph_mtp on the file's own tensors
 (decoded by gguf-py), llama.cpp loading the same file with its extra block, and refusals by name."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.archs.qwen35_mtp import load_head
+from engine.model.archs.qwen35_mtp import load_head
 from engine.errors import ModelFileError
-from engine.gguf_file import open_gguf
-from engine.model_loader import load_model
+from engine.model.gguf_file import open_gguf
+from engine.model.model_loader import load_model
 from gguf_factory_qwen35 import write_tiny_qwen35_gguf
 
 PROMPT_IDS = [398, 273, 114, 373, 309, 47, 259, 107, 308, 325, 264, 270, 556, 259, 406, 291]

@@ -1,4 +1,4 @@
-"""A reply's <think> block told apart (engine/reasoning.py): opened by the template (Qwen3.5) or by the
+"""A reply's <think> block told apart (engine/text/reasoning.py): opened by the template (Qwen3.5) or by the
 model (Qwen3), never closed, streamed in pieces of every size, and gpt-oss's channels left to harmony."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine import harmony, reasoning
-from engine.harmony import Channels
-from engine.reasoning import split, split_reply
+from engine.text import harmony, reasoning
+from engine.text.harmony import Channels
+from engine.text.reasoning import split, split_reply
 
 CASES = [
     # (text, think_open) -> (reasoning, content)
@@ -77,7 +77,7 @@ def test_harmony_replies_keep_their_channels():
 
 
 def test_generation_prompts_that_open_the_block():
-    from engine.chat_template import generation_prompt
+    from engine.text.chat_template import generation_prompt
     from gguf_factory_qwen35 import CHAT_TEMPLATE
     assert reasoning.opens_think(generation_prompt(CHAT_TEMPLATE))
     assert not reasoning.opens_think(generation_prompt(None))                     # the built-in ChatML

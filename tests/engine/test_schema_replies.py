@@ -156,7 +156,7 @@ ENGINE_SCHEMAS = {
 def test_schemas_past_the_server_are_constraint_errors(name):
     # What the HTTP body check refuses first (depth, digits, surrogates) can still reach the grammar from
     # the app or the CLI: llguidance's own failure is a ConstraintError naming the field, never raw.
-    from engine.constraints import ConstraintError, ConstraintSpec
+    from engine.generation.constraints import ConstraintError, ConstraintSpec
     schema = ENGINE_SCHEMAS[name]
     for spec in (ConstraintSpec.json_schema(schema),
                  ConstraintSpec.tool_call([{"type": "function", "function": {

@@ -191,7 +191,7 @@ def test_content_parts_and_developer_role(client):
 
 # ---- speed projection --------------------------------------------------------------------------
 def test_experimental_speed_projection_switches_the_vector(tmp_path_factory, model_path):
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     cv = tmp_path_factory.mktemp("cvec") / "strong.gguf"
     write_control_vector(cv, {1: np.random.default_rng(0).normal(0, 4.0, 64).astype(np.float32)})
     eng = Engine(EngineOptions(model=str(model_path),

@@ -26,8 +26,8 @@ from engine.engine import Engine, EngineOptions
 from engine.frontends.anthropic_api import convert_messages
 from engine.frontends.image_parts import ImageBudget, split_openai, with_images
 from engine.frontends.server import ServerThread, create_app
-from engine.images import MAX_IMAGE_BYTES
-from engine.tool_calls import openai_messages
+from engine.vision.images import MAX_IMAGE_BYTES
+from engine.frontends.tool_calls import openai_messages
 
 
 class _Files(http.server.SimpleHTTPRequestHandler):

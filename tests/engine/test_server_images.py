@@ -183,7 +183,7 @@ def test_image_parts_become_image_inputs_in_the_order_given():
                                         {"type": "text", "text": "then"}, _oa_image(jpg)]}]
     stripped, parts_of = split_openai(raw, budget)
     assert stripped[1]["content"] == [{"type": "text", "text": "first"}, {"type": "text", "text": "then"}]
-    from engine.tool_calls import openai_messages
+    from engine.frontends.tool_calls import openai_messages
     got = with_images(openai_messages(stripped), parts_of)
     assert got[0] == {"role": "system", "content": "be brief"}
     kinds = [(p["type"], p.get("text") or p["image"].data) for p in got[1]["content"]]

@@ -8,7 +8,7 @@ import inspect
 from pathlib import Path
 
 from engine import serving
-from engine.distributed import Distributed
+from engine.ranks.distributed import Distributed
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine.sampling import SamplingParams
 
@@ -37,7 +37,7 @@ def test_no_strategy_reaches_into_a_private_engine_member():
     """`engine._x` / `eng._x` in the strategies and what they call: they drive the engine through its
     public members only (dispatch, log, require_model, the loaded model's views, conversations, guard)."""
     found = []
-    for rel in ("engine/serving.py", "engine/distributed.py", "engine/pipeline_sessions.py"):
+    for rel in ("engine/serving.py", "engine/ranks/distributed.py", "engine/ranks/pipeline_sessions.py"):
         tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \

@@ -55,8 +55,8 @@ def test_the_gpu_restore_path_gives_the_in_place_restore_s_cache(tiny_gguf, tmp_
     cache is not float16), forced here on the CPU, continues the conversation exactly as the CPU's
     in-place restore does, and its cache saves to the same bytes (the save reading device copies, as
     on CUDA: device_upload.host_view)."""
-    import engine.device_upload as device_upload
-    import engine.sessions as sessions
+    import engine.model.device_upload as device_upload
+    import engine.session_files.sessions as sessions
     e = start(tiny_gguf, cache_mib=64, dtype=dtype)
     try:
         msgs = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": words(60)}]

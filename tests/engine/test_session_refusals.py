@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from engine import sessions
+from engine.session_files import sessions
 from engine.engine import GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import SessionFileError, StrataError
-from engine.memory_guard import GiB, MemoryGuard, MemoryReading
+from engine.memory.memory_guard import GiB, MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from test_parking import A_SYSTEM, ask, start, words
 from engine_reads import while_held
@@ -125,7 +125,7 @@ def test_every_header_byte_flipped_is_refused_in_one_line(conv):
 def test_data_flips_and_truncations_are_refused(conv, monkeypatch, gpu_path):
     """Both restore paths (the GPU's reader/hasher/upload pipeline forced here on the CPU) hash every
     data byte and refuse each flip and truncation."""
-    import engine.device_upload as device_upload
+    import engine.model.device_upload as device_upload
     monkeypatch.setattr(sessions, "on_gpu", lambda: gpu_path)
     monkeypatch.setattr(device_upload, "on_cuda", lambda: gpu_path)
     raw = conv["raw"]

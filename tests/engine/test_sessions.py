@@ -23,7 +23,7 @@ import pytest
 
 from engine.engine import RestoreSession, SaveSession, Status
 from engine.errors import StrataError
-from engine.sessions import read_header
+from engine.session_files.sessions import read_header
 from test_parking import A_SYSTEM, ask, held, start, words
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def matrix(tiny_gguf, tiny_gguf_other, tiny_gguf_wide, tmp_path_factory):
         e.call(SaveSession(str(files[name])))
         e.stop()
     # Steered: the same model with a control vector on.
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     vec = d / "steer.gguf"
     write_control_vector(vec, {1: np.random.default_rng(3).standard_normal(64).astype(np.float32) * 4},
                          model_hint="llama")
@@ -151,7 +151,7 @@ def matrix(tiny_gguf, tiny_gguf_other, tiny_gguf_wide, tmp_path_factory):
     files["flipped-byte"].write_bytes(bytes(flipped))
     # A future format version: a real edit of the header (JSON re-serialized, length prefix rewritten).
     future = json.loads(raw[8:8 + n])
-    future["__metadata__"]["version"] = "4"        # 3 is read (engine/session_v3.py)
+    future["__metadata__"]["version"] = "4"        # 3 is read (engine/session_files/session_v3.py)
     fh = json.dumps(future, separators=(",", ":")).encode()
     fh += b" " * (-len(fh) % 8)
     files["future-version"] = d / "future.stratasession"
@@ -231,11 +231,11 @@ from engine.engine import Engine, EngineOptions, GenerateRequest, SaveSession, S
 from engine.sampling import SamplingParams
 model, path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 if mode == "rss":       # no free K/V memory held for reuse (kv_reserve), where a second copy could hide
-    from engine import kv_reserve
+    from engine.cache import kv_reserve
     kv_reserve.touch = lambda *a, **k: kv_reserve.Reserved.none("off: every byte a save allocates must show")
 engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
 assert engine.call(Status()).model
-tok = engine.tokenizer
+tok = engine.text.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning, when the sea was still. " * 20)[:64]
 r = engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
 n = engine.call(Status()).live_tokens
@@ -252,7 +252,7 @@ if mode == "rss":
     # free handed back, so that a second copy in the measured save would still need new pages.
     from engine.device import on_cuda
     if on_cuda():
-        from engine.allocator import release_freed_memory
+        from engine.memory.allocator import release_freed_memory
         engine.call(SaveSession(path + ".first"))
         release_freed_memory()
     gc.collect()
@@ -435,8 +435,8 @@ def test_next_save_removes_a_stale_part_file_of_an_interrupted_save(tmp_path):
     import os
     import time
 
-    from engine.parking import KVEntry
-    from engine.sessions import _PREFIX, save
+    from engine.cache.parking import KVEntry
+    from engine.session_files.sessions import _PREFIX, save
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     final = tmp_path / "conv.stratasession"

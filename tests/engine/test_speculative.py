@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import speculative
+from engine.generation import speculative
 from engine.engine import Engine, EngineOptions, GenerateRequest, RestoreSession, SaveSession, Status
 from engine.errors import StrataError
 from engine.sampling import SamplingParams
@@ -191,7 +191,7 @@ def test_never_slower_rule():
 
 
 def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, monkeypatch):
-    from engine import generate
+    from engine.generation import generate
     # every pass drafts (no plain pass times a baseline), so the acceptance rule decides
     monkeypatch.setattr(speculative, "PLAIN_FIRST", 0)
     engine = start(tiny_gguf, cache_mib=0)
@@ -425,7 +425,7 @@ def test_control_vector_steers_the_verify_pass_and_the_draft_runs_unsteered(tmp_
     """With a strong vector on, speculated greedy output equals the steered plain output (the verify
     pass goes through the steered target), also with the target itself as an (unsteered) draft,
     whose drafts the steering then rejects; with the projection off, output equals stock."""
-    from engine.control_vector import SteeringConfig, write_control_vector
+    from engine.steer.control_vector import SteeringConfig, write_control_vector
     from gguf_factory import write_tiny_gguf
     model = write_tiny_gguf(tmp_path / "tiny4.gguf", arch="llama", n_layer=4, n_embd=64, n_head=4,
                             n_head_kv=2, n_ff=128, seed=5)

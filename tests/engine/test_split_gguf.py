@@ -10,11 +10,11 @@ import pytest
 from gguf import GGUFValueType
 
 import llama_oracle
-from engine import memory_estimate as me
+from engine.model import memory_estimate as me
 from engine.engine import (Engine, EngineOptions, GenerateRequest, LoadModel, RestoreSession, SaveSession,
                            Status)
 from engine.errors import ModelFileError, StrataError
-from engine.gguf_file import content_hash, open_gguf, set_hash
+from engine.model.gguf_file import content_hash, open_gguf, set_hash
 from engine.sampling import SamplingParams
 from gguf_factory import write_tiny_gguf
 from gguf_factory_split import DROP, write_split

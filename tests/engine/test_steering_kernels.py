@@ -21,16 +21,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import steering
-from engine.steering import (
-    INPUT_NAMES,
-    OUTPUT_NAMES,
-    SHADER_NAME,
-    active_backend,
-    metal_call_args,
-    metal_kernel_spec,
-    shaders_dir,
-    steer,
+from engine.steer import steering
+from engine.steer.steering import (
+          INPUT_NAMES,
+          OUTPUT_NAMES,
+          SHADER_NAME,
+          active_backend,
+          metal_call_args,
+          metal_kernel_spec,
+          shaders_dir,
+          steer,
 )
 
 TOL_REL = 1e-5
@@ -348,7 +348,7 @@ def test_fused_block_matches_block_then_steer(arch, mode):
     # (CPU): the same numbers as running the stock block and steering its output.
     import importlib
 
-    from engine.steering import SteeredLayer, SteeringState, _FUSABLE_CALLS
+    from engine.steer.steering import SteeredLayer, SteeringState, _FUSABLE_CALLS
     mod = importlib.import_module(f"mlx_lm.models.{arch}")
     extra = {"head_dim": 16} if arch == "qwen3" else {}
     args = mod.ModelArgs(model_type=arch, hidden_size=64, num_hidden_layers=1, intermediate_size=96,

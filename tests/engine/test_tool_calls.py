@@ -1,4 +1,4 @@
-"""Tool calls (engine/tool_calls.py): each family's calls rendered by its real chat template and parsed
+"""Tool calls (engine/frontends/tool_calls.py): each family's calls rendered by its real chat template and parsed
 back, reasoning never parsed, streaming, the request checks; then end to end through the OpenAI API
 (the official `openai` client on a real server over a tiny GGUF): forced calls under the grammar
 (plain and streamed) validate against the tool's schema, a tool-result round trip, 400s.
@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from engine import tool_calls as tc
-from engine.chat_template import render
+from engine.frontends import tool_calls as tc
+from engine.text.chat_template import render
 
 TEMPLATES = Path(__file__).parent / "tool_templates"
 

