@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from engine.memory import allocator, kv_reserve
+from engine.cache import kv_reserve
+from engine.memory import allocator
 
 glibc_only = pytest.mark.skipif(allocator._LIBC is None, reason="glibc's mallopt/mallinfo2 only (Linux with glibc)")
 

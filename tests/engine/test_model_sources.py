@@ -171,7 +171,7 @@ def test_an_oversized_or_slow_root_is_left_with_a_note(tmp_path, files):
 
 SCAN_AS_USER = """
 import json, sys
-from engine import model_sources as ms
+from engine.model import model_sources as ms
 scan = ms.find(ms.library_roots({"STRATA_LIBRARY_HOME": sys.argv[1]}))
 print(json.dumps({"models": [str(m.path) for m in scan.models], "notes": scan.notes}))
 """
