@@ -172,7 +172,7 @@ class ChatView(QWidget):
 
         buttons = QHBoxLayout()
         buttons.addWidget(QLabel("Config"))
-        for w in (self.preset_box, self.projection, self.images.button, self.tools_box):
+        for w in (self.preset_box, self.projection):
             buttons.addWidget(w)
         buttons.addStretch(1)
         for w in (self.copy_btn, self.regen_btn, self.stop_btn, self.send_btn):
@@ -185,7 +185,12 @@ class ChatView(QWidget):
         lay.addWidget(self.edit_banner)
         lay.addWidget(self.images.row)
         lay.addWidget(self.input)
-        lay.addWidget(self.meter)
+        # what goes with the next message, beside the meter of what it will fill: images, the chat's tools
+        beside = QHBoxLayout()
+        beside.addWidget(self.meter, 1)
+        beside.addWidget(self.images.button)
+        beside.addWidget(self.tools_box)
+        lay.addLayout(beside)
         lay.addLayout(buttons)
         self.render_all()
         self._update_buttons()

@@ -40,12 +40,6 @@ class ModelMeta:
         """The source label a row shows: 'LM Studio', 'Ollama (llama3.2:3b)', ..."""
         return f"{self.source} ({self.label})" if self.source and self.label else self.source
 
-    def quant_label(self) -> str:
-        """The quantization and its bits per weight, file -> held (what memory it really takes)."""
-        if not self.file_bpw:
-            return self.quantization
-        return f"{self.quantization} · {self.file_bpw:.2f}→{self.held_bpw:.2f} bits"
-
     def params_label(self) -> str:
         n = self.n_params
         if n >= 1e9:

@@ -51,7 +51,7 @@ class ImagesPart(QObject):
         self.model_name = ""
         self.row = AttachmentRow()
         self.row.changed.connect(self._show_reason)
-        self.button = QPushButton("Attach image…", toolTip="Attach images to the message (or paste or drop them "
+        self.button = QPushButton("Image…", toolTip="Attach images to the message (or paste or drop them "
                                   "on the message box)", clicked=self.attach_dialog)
         self.last_refusal = ""
         self._thumbs: dict[str, QImage] = {}

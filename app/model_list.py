@@ -151,7 +151,7 @@ class ModelList(QWidget):
                 about = f"{m.path}{where}\n{m.error}"
                 needs_tip = m.error
             else:
-                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quant_label(), m.size_label(),
+                it = QTreeWidgetItem([m.name, m.architecture, m.params_label(), m.quantization, m.size_label(),
                                       str(m.context_length or "?"), needs, m.where()])
                 parts = f" · {m.parts} files" if m.parts > 1 else ""
                 extra = f"\n{m.companions}" if m.companions else ""

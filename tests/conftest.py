@@ -68,6 +68,25 @@ def strata_home(tmp_path, monkeypatch) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def _chat_views_go_with_their_test():
+    """A chat view a widget test made without a window is deleted at the test's end: its debounced work
+    (the context meter's count) must not run in a later test, against a window and a store that are gone."""
+    yield
+    chat_view = sys.modules.get("app.chat_view")
+    if chat_view is None:
+        return
+    from PySide6.QtCore import QEvent
+    from PySide6.QtWidgets import QApplication
+    app = QApplication.instance()
+    if app is None:
+        return
+    for w in app.topLevelWidgets():
+        if isinstance(w, chat_view.ChatView):
+            w.deleteLater()
+    QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+
+
 def real_model_path() -> Path | None:
     """The default model as `make test` fetched it (models folder of the user's STRATA_HOME/XDG)."""
     candidates = []

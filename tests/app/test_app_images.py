@@ -39,27 +39,12 @@ def _file(tmp_path, name: str, data: bytes):
     return p
 
 
-_VIEWS: list = []
-
-
-@pytest.fixture(autouse=True)
-def _views_go_with_their_test():
-    """A view made here has no window: deleted at the test's end, so its debounced work (the context
-    count) never runs in a later test against a window and store that are gone."""
-    yield
-    from PySide6.QtCore import QEvent
-    while _VIEWS:
-        _VIEWS.pop().deleteLater()
-    QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
-
-
 def _vision_view(idle_window, fake_client, tmp_path, vision="gemma3"):
     from app.chat_images import ChatImages
     from app.chat_view import ChatView
     from app.store import Chat
     view = ChatView(Chat(), fake_client, idle_window.presets, images=ChatImages(tmp_path / "images"))
     view.images.set_model(vision, "tiny-vision.gguf")
-    _VIEWS.append(view)
     return view
 
 

@@ -157,5 +157,4 @@ def test_estimate_and_model_list_show_honest_bytes(folder, name):
     file_bytes = sum(int(t.n_bytes) for t in tensors)
     meta = read_meta(path)                       # the platform's dtype: float32 off the Mac
     assert meta.file_bpw == pytest.approx(8 * file_bytes / n) and meta.held_bpw == pytest.approx(8 * held / n)
-    assert meta.quant_label() == f"{meta.quantization} · {meta.file_bpw:.2f}→{meta.held_bpw:.2f} bits"
     assert meta.held_bpw < 32 - 4          # never the dense size: held quantized
