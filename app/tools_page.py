@@ -176,7 +176,9 @@ class ToolsPage(QDialog):
         close = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         close.rejected.connect(self.reject)
         lay.addWidget(close)
-        service.state_changed.connect(lambda _s: self.refresh())
+        # bound methods, not lambdas: Qt drops these connections when the page is deleted, so a server's
+        # state changing later (the service closing its servers) never reaches a page that is gone
+        service.state_changed.connect(self._on_state)
         service.servers_changed.connect(self.refresh)
         settings.changed.connect(self._on_setting)
         self.refresh()
@@ -238,6 +240,9 @@ class ToolsPage(QDialog):
         return box
 
     # ---- showing ---------------------------------------------------------------------------------
+    def _on_state(self, _state) -> None:
+        self.refresh()
+
     def refresh(self) -> None:
         current = self.selected()
         self.servers.blockSignals(True)

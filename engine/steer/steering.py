@@ -23,7 +23,6 @@ and the update are computed in float32 and the result is cast back to ``h.dtype`
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +31,7 @@ import mlx.nn as nn
 import time
 
 from engine.device import on_cuda
+from engine.paths import bundle_root
 
 SHADER_NAME = "cvec.metal"
 KERNEL_NAME = "strata_cvec"
@@ -40,11 +40,8 @@ OUTPUT_NAMES = ("out",)
 
 
 def shaders_dir() -> Path:
-    """shaders/ at the repo root, or in PyInstaller's unpack dir (sys._MEIPASS) when frozen
-    (the same rule as engine.paths.bundle_root)."""
-    frozen = getattr(sys, "_MEIPASS", None)
-    root = Path(frozen) if frozen else Path(__file__).resolve().parent.parent
-    return root / "shaders"
+    """shaders/ at the repo root, or in PyInstaller's unpack dir when frozen (engine.paths.bundle_root)."""
+    return bundle_root() / "shaders"
 
 
 def _read_shader() -> str | None:

@@ -173,7 +173,7 @@ from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 engine = Engine(EngineOptions(model=sys.argv[1], cache_mib=0)).start()
 engine.startup.result()
-tok = engine.text.tokenizer
+tok = engine.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning. " * 20)[:64]
 engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
 deadline = time.monotonic() + 30

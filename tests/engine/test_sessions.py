@@ -235,7 +235,7 @@ if mode == "rss":       # no free K/V memory held for reuse (kv_reserve), where 
     kv_reserve.touch = lambda *a, **k: kv_reserve.Reserved.none("off: every byte a save allocates must show")
 engine = Engine(EngineOptions(model=model, cache_mib=0)).start()
 assert engine.call(Status()).model
-tok = engine.text.tokenizer
+tok = engine.tokenizer
 ids = tok.encode("The little boat left the harbor early in the morning, when the sea was still. " * 20)[:64]
 r = engine.call(GenerateRequest(prompt=tok.decode(ids), sampling=SamplingParams(max_tokens=1)))
 n = engine.call(Status()).live_tokens
