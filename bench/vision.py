@@ -38,7 +38,7 @@ from engine.api import EngineOptions, GenerateRequest, ImageInput, Status   # no
 from engine.engine import Engine   # noqa: E402
 from engine.vision.images import decode_image   # noqa: E402
 from engine.sampling import SamplingParams   # noqa: E402
-from engine.vision import mmproj, preprocess, siglip   # noqa: E402
+from engine.vision import mmproj   # noqa: E402
 
 
 def encode_times(folder: Path, args) -> tuple[list[float], list[float], dict]:
@@ -51,7 +51,7 @@ def encode_times(folder: Path, args) -> tuple[list[float], list[float], dict]:
 
     def ours() -> float:
         t0 = time.perf_counter()
-        mx.eval(siglip.encode(proj, mx.array(preprocess.preprocess(rgb, proj.spec))))
+        mx.eval(proj.spec.tower.encode(proj, proj.spec.tower.prepare(rgb, proj.spec)))
         return time.perf_counter() - t0
 
     def theirs() -> float:
@@ -63,7 +63,7 @@ def encode_times(folder: Path, args) -> tuple[list[float], list[float], dict]:
     for _ in range(args.rounds):
         a.append(ours())
         b.append(theirs())
-    return a, b, {"layers": layers, "image_size": size, "tokens": proj.spec.n_tokens}
+    return a, b, {"layers": layers, "image_size": size, "tokens": proj.spec.tower.max_tokens(proj.spec)}
 
 
 def ttft(eng, messages, conv: str, gen: int):

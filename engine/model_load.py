@@ -93,7 +93,7 @@ class ModelLoad:
         self.eng.log(f"weights: {info.load_note}")
         if vision is not None:
             s = vision.projector.spec
-            self.eng.log(f"images: {vplan.path.name} ({s.projector}, {s.n_tokens} tokens an image, "
+            self.eng.log(f"images: {vplan.path.name} ({s.projector}, up to {s.tower.max_tokens(s)} tokens an image, "
                          f"{vision.projector.nbytes / 2**20:.1f} MiB)")
         elif vplan.skipped:
             self.eng.log(vplan.skipped)

@@ -155,9 +155,10 @@ class Prompts:
         return vision.storable(messages) if vision is not None else storable(messages)
 
     def image_span(self) -> int:
-        """Tokens an image takes with the loaded projector (0: none loaded): a restored image span's length."""
+        """The most tokens an image takes with the loaded projector (0: none loaded): a restored span
+        is at most this long."""
         vision = self.eng.loaded.vision if self.eng.loaded is not None else None
-        return vision.n_tokens if vision is not None else 0
+        return vision.max_tokens if vision is not None else 0
 
     def system_part(self, req: CountTokens, tokens: list[int]) -> int:
         """How many of a count's `tokens` are its leading system messages: the prefix they share with

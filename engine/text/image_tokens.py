@@ -72,11 +72,12 @@ def text_chars(content) -> int:
     return len(str(content or ""))
 
 
-def image_ref(name: str, nbytes: int, digest: str) -> dict:
+def image_ref(name: str, nbytes: int, digest: str, tokens: int = 0) -> dict:
     """An image part as a held conversation keeps it (status, the disk tier, session files): its name,
-    size and pixel digest, not its bytes. Sent back in a prompt it stands for the image's span, which
-    held K/V (or the feature cache) must then supply."""
-    return {"type": "image", "name": name, "bytes": nbytes, "digest": digest}
+    size, pixel digest and the tokens it takes (0: not known), not its bytes. Sent back in a prompt it
+    stands for the image's span, which held K/V (or the feature cache) must then supply."""
+    ref = {"type": "image", "name": name, "bytes": nbytes, "digest": digest}
+    return {**ref, "tokens": tokens} if tokens else ref
 
 
 def is_image_ref(part) -> bool:
@@ -89,14 +90,15 @@ def valid_parts(content) -> bool:
     return isinstance(content, list) and all(
         isinstance(p, dict) and ((p.get("type") == "text" and isinstance(p.get("text"), str))
                                  or (is_image_ref(p) and isinstance(p.get("name", ""), str)
-                                     and isinstance(p.get("bytes", 0), int) and len(p["digest"]) <= 128))
+                                     and isinstance(p.get("bytes", 0), int) and isinstance(p.get("tokens", 0), int)
+                                     and len(p["digest"]) <= 128))
         for p in content)
 
 
-def storable(messages, digest_of=None) -> list:
+def storable(messages, identify=None) -> list:
     """Messages as a conversation keeps them (status, the disk tier's JSON, session files): an image
-    part's bytes replaced by its reference (`image_ref`; `digest_of(data)` gives the pixel digest; the
-    pixels live in the image span and the feature cache)."""
+    part's bytes replaced by its reference (`image_ref`; `identify(data)` gives the pixel digest and
+    the tokens the image takes; the pixels live in the image span and the feature cache)."""
     out = []
     for m in messages or ():
         content = m.get("content") if isinstance(m, dict) else None
@@ -106,8 +108,8 @@ def storable(messages, digest_of=None) -> list:
                 if isinstance(p, dict) and p.get("type") == "image" and not is_image_ref(p):
                     img = p.get("image")
                     data = getattr(img, "data", b"") or b""
-                    digest = digest_of(data) if digest_of is not None and data else ""
-                    parts.append(image_ref(getattr(img, "name", ""), len(data), digest))
+                    digest, n = identify(data) if identify is not None and data else ("", 0)
+                    parts.append(image_ref(getattr(img, "name", ""), len(data), digest, n))
                 else:
                     parts.append(p)
             m = {**m, "content": parts}
@@ -117,8 +119,9 @@ def storable(messages, digest_of=None) -> list:
 
 def outside_vocab(tokens, n_vocab: int, span: int = 0) -> int | None:
     """The first bad id of `tokens` (a numpy array or a list), None when there is none: ids are the
-    vocabulary's, or image spans' (runs of exactly `span` equal negative ids: the loaded projector's
-    tokens an image; 0, no projector, allows none). A restored file's ids are checked with it."""
+    vocabulary's, or image spans' (runs of at most `span` equal negative ids: the most tokens the
+    loaded projector makes of an image; 0, no projector, allows none). A restored file's ids are
+    checked with it."""
     if len(tokens) == 0:
         return None
     lo, hi = (int(tokens.min()), int(tokens.max())) if hasattr(tokens, "min") else (min(tokens), max(tokens))
@@ -129,4 +132,4 @@ def outside_vocab(tokens, n_vocab: int, span: int = 0) -> int | None:
     if lo < -ID_SPACE or span <= 0:
         return lo
     ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-    return next((ids[a] for a, b in image_runs(ids) if b - a != span), None)
+    return next((ids[a] for a, b in image_runs(ids) if b - a > span), None)

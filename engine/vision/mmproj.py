@@ -2,11 +2,10 @@
 spec and MLX weights, refused with one line when it cannot serve the loaded text model.
 
 What is checked before any tensor is read: the architecture (clip), a vision encoder, a projector
-type Strata runs (PROJECTORS), the text family that projector feeds (a gemma3 projector serves a
-gemma3 text model only) and the output width against the text model's embedding width. The keys are
-llama.cpp's (gguf-py's Keys.Clip / Keys.ClipVision), read as clip.cpp reads them: the pool per side is
-`clip.vision.projector.scale_factor` (4 when absent, Gemma 3's own), the MLP's activation is GELU
-(tanh form) when `clip.use_gelu` is set.
+type Strata runs (engine/vision/towers), the text family that projector feeds (a gemma3 projector
+serves a gemma3 text model only) and the output width against the text model's embedding width. The
+keys are llama.cpp's (gguf-py's Keys.Clip / Keys.ClipVision), read as clip.cpp reads them; each
+tower reads its type's own keys and defaults (`Tower.read_spec`).
 """
 from __future__ import annotations
 
@@ -19,17 +18,15 @@ import mlx.core as mx
 from engine.errors import ModelFileError
 from engine.model.gguf_file import GGUFFile, open_gguf
 from engine.model.quants import UnsupportedTensorType, convert_tensor
-
-# projector type -> the text architectures it feeds
-PROJECTORS: dict[str, tuple[str, ...]] = {"gemma3": ("gemma3",)}
-DEFAULT_POOL = {"gemma3": 4}
+from engine.vision import towers
+from engine.vision.towers import Tower
 
 
 @dataclass(frozen=True)
 class VisionSpec:
     """The projector's shape and preprocessing, as clip.cpp reads them from the file."""
     projector: str                  # clip.projector_type ("gemma3")
-    image_size: int                 # the square side an image is resized (letterboxed) to
+    image_size: int                 # clip.vision.image_size (gemma3: the square an image is letterboxed to)
     patch: int
     width: int                      # the ViT's embedding width
     n_ff: int
@@ -38,7 +35,7 @@ class VisionSpec:
     eps: float
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    pool: int                       # patches per side averaged into one token
+    pool: int                       # patches a side merged into one token (0: the tower's default)
     text_width: int                 # the projection's output width (the text model's n_embd)
     gelu: bool                      # the MLP's activation: GELU (tanh form); else quick-GELU
 
@@ -47,9 +44,8 @@ class VisionSpec:
         return self.image_size // self.patch
 
     @property
-    def n_tokens(self) -> int:
-        """Tokens one image takes in the prompt."""
-        return (self.side // self.pool) ** 2
+    def tower(self) -> Tower:
+        return towers.find(self.projector)
 
 
 @dataclass
@@ -79,12 +75,13 @@ def read_spec(g: GGUFFile, text_arch: str, text_width: int) -> VisionSpec:
     if not bool(g.get("clip.has_vision_encoder", False)):
         raise ModelFileError(f"{name} has no vision encoder (an audio-only projector is not read)")
     ptype = str(g.get("clip.vision.projector_type", None) or g.get("clip.projector_type", "") or "")
-    if ptype not in PROJECTORS:
+    tower = towers.find(ptype)
+    if tower is None:
         raise ModelFileError(f"{name}: projector type '{ptype or '?'}' is not supported "
-                             f"(Strata runs: {', '.join(sorted(PROJECTORS))})")
-    if text_arch not in PROJECTORS[ptype]:
+                             f"(Strata runs: {', '.join(sorted(towers.names()))})")
+    if text_arch not in tower.text_archs:
         raise ModelFileError(f"{name} is a {ptype} projector; the loaded model is a {text_arch} "
-                             f"(it feeds {', '.join(PROJECTORS[ptype])})")
+                             f"(it feeds {', '.join(tower.text_archs)})")
     out = int(_key(g, "clip.vision.projection_dim", 0, required=False))
     spec = VisionSpec(
         projector=ptype, image_size=int(_key(g, "clip.vision.image_size")),
@@ -94,17 +91,17 @@ def read_spec(g: GGUFFile, text_arch: str, text_width: int) -> VisionSpec:
         eps=float(_key(g, "clip.vision.attention.layer_norm_epsilon", 1e-6, required=False)),
         mean=tuple(float(x) for x in _key(g, "clip.vision.image_mean")),
         std=tuple(float(x) for x in _key(g, "clip.vision.image_std")),
-        pool=int(_key(g, "clip.vision.projector.scale_factor", DEFAULT_POOL[ptype], required=False)),
+        pool=int(_key(g, "clip.vision.projector.scale_factor", 0, required=False)),
         text_width=out, gelu=bool(g.get("clip.use_gelu", False)))
     _check_shape(spec, name)
-    return spec
+    return tower.read_spec(g, spec)
 
 
 def _check_shape(spec: VisionSpec, name: str) -> None:
     if not (0 < spec.patch <= spec.image_size <= 8192) or spec.image_size % spec.patch:
         raise ModelFileError(f"{name}: image size {spec.image_size} is not a multiple of the patch {spec.patch}")
-    if spec.pool <= 0 or spec.side % spec.pool:
-        raise ModelFileError(f"{name}: {spec.side} patches a side do not pool by {spec.pool}")
+    if spec.pool < 0:
+        raise ModelFileError(f"{name}: bad clip.vision.projector.scale_factor {spec.pool}")
     if spec.n_head <= 0 or spec.width % spec.n_head or len(spec.mean) != 3 or len(spec.std) != 3:
         raise ModelFileError(f"{name}: bad vision hyperparameters (width {spec.width}, heads {spec.n_head})")
 
@@ -132,10 +129,10 @@ def load_projector(path: str | os.PathLike, text_arch: str, text_width: int,
                 weights[t.name] = _dense(t, dtype)
     except (UnsupportedTensorType, ValueError) as e:
         raise ModelFileError(f"{g.path.name}: {e}") from None
-    proj = weights.get("mm.input_projection.weight")
-    if proj is None:
-        raise ModelFileError(f"{g.path.name}: the projector has no mm.input_projection.weight")
-    width_out = int(proj.shape[-1])
+    try:
+        width_out = spec.tower.out_width(weights)
+    except ModelFileError as e:
+        raise ModelFileError(f"{g.path.name}: {e}") from None
     if width_out != text_width:
         raise ModelFileError(f"{g.path.name} projects to width {width_out}; the loaded model's embeddings "
                              f"are {text_width} wide (a projector of another model size)")
@@ -167,7 +164,7 @@ class ProjectorPlan:
 
 def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
     """One image through the tower: the attention scores of a layer (heads x patches^2, float32) and
-    a few patch-by-width buffers."""
+    a few patch-by-width buffers, at the largest image the tower takes (`clip.vision.image_size` a side)."""
     n = spec.side * spec.side
     return n * n * spec.n_head * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
 

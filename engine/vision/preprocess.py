@@ -1,7 +1,7 @@
-"""llama.cpp's image preprocessing (libmtmd, tools/mtmd), pixel for pixel: what an image becomes before
-the projector reads it, so the embeddings can equal libmtmd's.
+"""llama.cpp's image preprocessing (libmtmd, tools/mtmd), pixel for pixel: the pieces each tower's
+`prepare` (engine/vision/towers) is made of, so the embeddings can equal libmtmd's.
 
-gemma3 (libmtmd's fixed-size preprocessor): the image is scaled to fit the projector's square
+`letterbox` (libmtmd's fixed-size preprocessor, gemma3's): the image is scaled to fit the projector's square
 (`clip.vision.image_size`) keeping its aspect ratio (the scale is the smaller of the two side ratios,
 the new sides rounded up), resized with llama.cpp's bilinear filter, centered on a black square
 (offsets rounded down), then normalised per channel: (v / 255 - mean) / std with
@@ -51,9 +51,3 @@ def normalize(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
     std = np.asarray(spec.std, dtype=np.float32)
     return ((rgb.astype(np.float32) / np.float32(255.0)) - mean) / std
 
-
-def preprocess(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
-    """An (H, W, 3) uint8 image as the projector reads it: (image_size, image_size, 3) float32."""
-    if spec.projector == "gemma3":
-        return normalize(letterbox(rgb, spec.image_size), spec)
-    raise ValueError(f"no preprocessing for projector type {spec.projector}")

@@ -3,16 +3,13 @@
 
 Rendering follows llama.cpp's server with libmtmd: an image part of a message becomes the media
 marker in the message's text (text parts joined as they are), the chat template renders the text,
-and at each marker the family's image markers wrap the image's tokens (Gemma 3: `<start_of_image>`,
-256 image tokens, `<end_of_image>`), each text piece tokenized on its own (BOS before the first only).
+and at each marker the family's image markers (`Tower.markers`; Gemma 3: `<start_of_image>` ...
+`<end_of_image>`) wrap the image's tokens, as many as the tower makes of that image, each text piece
+tokenized on its own (BOS before the first only). Feeding is the tower's (`Tower.feed`): an image's
+tokens go in as one pass, as llama.cpp's `mtmd_helper_eval_chunks` feeds them.
 
-Feeding follows llama.cpp's `mtmd_helper_eval_chunks`: an image's tokens go in as one pass whose
-tokens see each other both ways (Gemma 3 decodes image chunks non-causally); on sliding-window
-layers a query still sees earlier keys only within the window, later ones of the same image always.
-The embeddings are not scaled by sqrt(width) as token embeddings are (llama.cpp scales token input only).
-
-`FeatureCache`: the projected embeddings by pixel digest, least recently used first out, bounded by
-count and bytes: an image sent again (another turn, another chat) is not encoded again.
+`FeatureCache`: the encoded images by span id, least recently used first out, bounded by count and
+bytes: an image sent again (another turn, another chat) is not encoded again.
 """
 from __future__ import annotations
 
@@ -20,29 +17,26 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
 
-from engine.cache import layer_cache
 from engine.errors import RequestError
 from engine.vision.images import DecodedImage, ImageRefused, decode_image
-from engine.vision import preprocess, siglip
 from engine.vision.mmproj import Projector
+from engine.vision.towers import ImageFeatures, PreparedImage
 from engine.text.image_tokens import image_runs, image_token, is_image_ref, storable
 
 MEDIA_MARKER = "<__media__>"        # what an image part becomes in the rendered text (libmtmd's marker)
-FAMILY_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>")}
 FEATURE_CACHE_ENTRIES = 32
 FEATURE_CACHE_BYTES = 256 << 20
 
 
 class FeatureCache:
-    """Projected image embeddings by image span id (the pixel digest hashed with the projector's:
+    """Encoded images by image span id (the pixel digest hashed with the projector's:
     engine/text/image_tokens.py), least recently used out first, bounded by entries and bytes; `encodes`
     counts the images encoded (what a hit saves)."""
 
     def __init__(self, max_entries: int = FEATURE_CACHE_ENTRIES, max_bytes: int = FEATURE_CACHE_BYTES):
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._items: OrderedDict[int, mx.array] = OrderedDict()
+        self._items: OrderedDict[int, ImageFeatures] = OrderedDict()
         self.encodes = 0
 
     def __len__(self) -> int:
@@ -50,15 +44,15 @@ class FeatureCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(v.nbytes) for v in self._items.values())
+        return sum(v.nbytes for v in self._items.values())
 
-    def get(self, key: int) -> mx.array | None:
+    def get(self, key: int) -> ImageFeatures | None:
         v = self._items.get(key)
         if v is not None:
             self._items.move_to_end(key)
         return v
 
-    def put(self, key: int, features: mx.array) -> None:
+    def put(self, key: int, features: ImageFeatures) -> None:
         self._items[key] = features
         self._items.move_to_end(key)
         while self._items and (len(self._items) > self.max_entries or self.nbytes > self.max_bytes):
@@ -67,16 +61,18 @@ class FeatureCache:
 
 @dataclass(frozen=True)
 class PromptImage:
-    """An image of a prompt: its pixel digest, and its pixels when the part carried them (None for a
-    reference: `tokens.image_ref`, whose span held K/V or the feature cache must supply)."""
+    """An image of a prompt: its pixel digest, and its pixels prepared for the tower when the part
+    carried them (None for a reference: `image_tokens.image_ref`, whose span held K/V or the feature
+    cache must supply), and the tokens it takes (a reference says; 0: it does not)."""
     digest: str
-    decoded: DecodedImage | None
+    prepared: PreparedImage | None
+    n_tokens: int
 
 
 @dataclass(frozen=True)
 class VisionStats:
-    """Status's `vision`: the projector, the images encoded since the load (a cache hit or a reused
-    span encodes nothing) and the feature cache's fill."""
+    """Status's `vision`: the projector, the most tokens an image takes, the images encoded since the
+    load (a cache hit or a reused span encodes nothing) and the feature cache's fill."""
     projector: str
     path: str
     tokens_per_image: int
@@ -93,17 +89,20 @@ class Vision:
         self.projector = projector
         self.dtype = dtype
         self.salt = salt
+        self.tower = projector.spec.tower
         self.features = FeatureCache()
-        self._pending: OrderedDict[int, DecodedImage] = OrderedDict()   # images of recent prompts, not encoded
+        self._pending: OrderedDict[int, PreparedImage] = OrderedDict()   # images of recent prompts, not encoded
         self._decoded: OrderedDict[tuple[int, int], DecodedImage] = OrderedDict()
+        self._prepared: OrderedDict[str, PreparedImage] = OrderedDict()
 
     @property
     def kind(self) -> str:
         return self.projector.spec.projector
 
     @property
-    def n_tokens(self) -> int:
-        return self.projector.spec.n_tokens
+    def max_tokens(self) -> int:
+        """The most tokens one image takes (a restored span longer than this is refused)."""
+        return self.tower.max_tokens(self.projector.spec)
 
     def decode(self, data: bytes, where: str) -> DecodedImage:
         """An image part's bytes decoded (kept for the few next calls: a request renders its prompt
@@ -121,13 +120,26 @@ class Vision:
             self._decoded.popitem(last=False)
         return img
 
+    def prepare(self, img: DecodedImage) -> PreparedImage:
+        """The image as the tower reads it (kept for the few next calls, as `decode`)."""
+        hit = self._prepared.get(img.digest)
+        if hit is None:
+            hit = self._prepared[img.digest] = self.tower.prepare(img.rgb, self.projector.spec)
+            while len(self._prepared) > 4:
+                self._prepared.popitem(last=False)
+        return hit
+
     def stats(self) -> VisionStats:
         f = self.features
-        return VisionStats(self.kind, str(self.projector.path), self.n_tokens, f.encodes, len(f), f.nbytes)
+        return VisionStats(self.kind, str(self.projector.path), self.max_tokens, f.encodes, len(f), f.nbytes)
 
     def storable(self, messages: list) -> list:
-        """Messages as a held conversation keeps them: image parts as references with their digest."""
-        return storable(messages, lambda data: self.decode(data, "an image part").digest)
+        """Messages as a held conversation keeps them: image parts as references with their digest
+        and the tokens they take."""
+        def identify(data: bytes) -> tuple[str, int]:
+            img = self.decode(data, "an image part")
+            return img.digest, self.prepare(img).n_tokens
+        return storable(messages, identify)
 
     def flatten(self, messages: list[dict]) -> tuple[list[dict], list[PromptImage]]:
         """Messages with each list content made text (images as the media marker) and the images in order."""
@@ -152,12 +164,21 @@ class Vision:
 
     def _image_of(self, part: dict, where: str) -> PromptImage:
         if is_image_ref(part):
-            return PromptImage(part["digest"], None)
+            return PromptImage(part["digest"], None, int(part.get("tokens") or 0))
         data = getattr(part.get("image"), "data", None)
         if data is None:
             raise RequestError(f"{where}: an image part needs an ImageInput (or a held image's digest)")
         img = self.decode(data, where)
-        return PromptImage(img.digest, img)
+        prepared = self.prepare(img)
+        return PromptImage(img.digest, prepared, prepared.n_tokens)
+
+    def _span_length(self, img: PromptImage, token: int) -> int:
+        """Tokens the image takes: its own count, else (a reference that does not say) its cached
+        features', else the most an image takes."""
+        if img.n_tokens:
+            return img.n_tokens
+        hit = self.features.get(token)
+        return int(hit.embeddings.shape[0]) if hit is not None else self.max_tokens
 
     def tokens(self, tok, text: str, images: list[PromptImage], add_bos: bool, tail=None) -> list[int]:
         """The rendered prompt's tokens, each media marker replaced by its image span. `tail(ids,
@@ -167,14 +188,14 @@ class Vision:
         if len(pieces) != len(images) + 1:
             raise RequestError(f"the chat template rendered {len(pieces) - 1} of the {len(images)} images "
                                f"(it drops or repeats message content)")
-        begin, end = FAMILY_MARKERS[self.kind]
+        begin, end = self.tower.markers
         ids = tok.encode(pieces[0], add_bos=add_bos)
         for i, (img, piece) in enumerate(zip(images, pieces[1:])):
             t = image_token(img.digest, self.salt)
-            if img.decoded is not None:
-                self._pending[t] = img.decoded
+            if img.prepared is not None:
+                self._pending[t] = img.prepared
                 self._pending.move_to_end(t)
-            ids += tok.encode(begin, add_bos=False) + [t] * self.n_tokens + tok.encode(end, add_bos=False)
+            ids += tok.encode(begin, add_bos=False) + [t] * self._span_length(img, t) + tok.encode(end, add_bos=False)
             last = i == len(images) - 1 and tail is not None
             ids += (tail(ids, piece) if last else None) or tok.encode(piece, add_bos=False)
         while len(self._pending) > max(8, len(images)):     # this prompt's images always stay
@@ -190,18 +211,18 @@ class Vision:
                 raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                    "pixels: send the image again")
 
-    def embeddings(self, token: int) -> mx.array:
-        """(n_tokens, text width) embeddings of the image behind pseudo-token `token`."""
-        img = self._pending.get(token)
+    def embeddings(self, token: int) -> ImageFeatures:
+        """The encoded image behind pseudo-token `token`: (n_tokens, text width) embeddings."""
+        prepared = self._pending.get(token)
         hit = self.features.get(token)
         if hit is not None:
             return hit
-        if img is None:
+        if prepared is None:
             raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                "pixels: send the image again")
-        pixels = mx.array(preprocess.preprocess(img.rgb, self.projector.spec))
-        feats = siglip.encode(self.projector, pixels).astype(self.dtype)
-        mx.eval(feats)
+        emb = self.tower.encode(self.projector, prepared).astype(self.dtype)
+        mx.eval(emb)
+        feats = ImageFeatures(emb, prepared.grid)
         self.features.encodes += 1
         self.features.put(token, feats)
         self._pending.pop(token, None)
@@ -209,7 +230,11 @@ class Vision:
 
     def feed(self, model, cache, run: list[int], fed: list[int]) -> None:
         """Feed one image run (all its tokens) into `cache`; `fed` takes the run."""
-        feed_embeddings(model, cache, self.embeddings(run[0])[None])
+        feats = self.embeddings(run[0])
+        if feats.embeddings.shape[0] != len(run):
+            raise RequestError(f"an image span of {len(run)} tokens holds an image of {feats.embeddings.shape[0]}: "
+                               f"send the image again")
+        self.tower.feed(model, cache, feats)
         fed.extend(run)
 
     def read(self, model, cache, tokens: list[int], fed: list[int], prefill_text) -> None:
@@ -223,24 +248,3 @@ class Vision:
                 self.feed(model, cache, tokens[start:end], fed)
             done = end
 
-
-def _both_ways(mask: mx.array, n: int) -> mx.array:
-    """A causal (L, keys) mask whose last `n` columns (the pass's own tokens) are opened to later ones."""
-    later = mx.triu(mx.ones((n, n), dtype=mx.bool_), k=1)
-    own = mask[..., -n:] | later
-    return own if mask.shape[-1] == n else mx.concatenate([mask[..., :-n], own], axis=-1)
-
-
-def feed_embeddings(model, cache, h: mx.array) -> None:
-    """Gemma 3's text blocks over (1, L, width) input embeddings, the L tokens seeing each other both
-    ways (mlx-lm's gemma3_text layout: every `sliding_window_pattern`-th layer global)."""
-    inner = model.model
-    n = h.shape[1]
-    pattern = inner.sliding_window_pattern
-    gmask = _both_ways(create_attention_mask(h, cache[pattern - 1], return_array=True), n)
-    smask = None
-    if pattern > 1:
-        smask = _both_ways(create_attention_mask(h, cache[0], window_size=inner.window_size, return_array=True), n)
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, gmask if i % pattern == pattern - 1 else smask, c)
-    mx.eval(layer_cache.arrays(cache))

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from engine.errors import ModelFileError
 from engine.vision.images import decode_image
-from engine.vision import mmproj, preprocess, siglip
+from engine.vision import mmproj
 
 # max |ours - libmtmd| over an image's embeddings (values up to ~10): measured 0.0027-0.0034 on these
 # images (ggml's CPU GELU goes through an fp16 table; the rest is float32 summation order)
@@ -38,8 +38,9 @@ def test_embeddings_equal_libmtmd(pair, projector, name, width, height, mode):
     model, mm = pair
     image = decode_image(png(photo(width, height, seed=width), mode))
     ref = mtmd_oracle.encode(model, mm, image.rgb)
-    ours = np.array(siglip.encode(projector, mx.array(preprocess.preprocess(image.rgb, projector.spec))))
-    assert ours.shape == ref.shape == (projector.spec.n_tokens, 256)
+    tower = projector.spec.tower
+    ours = np.array(tower.encode(projector, tower.prepare(image.rgb, projector.spec)))
+    assert ours.shape == ref.shape == (tower.max_tokens(projector.spec), 256)
     d = float(np.abs(ours - ref).max())
     assert d < TOLERANCE, f"{name}: max |d| {d:.4f} (values up to {float(np.abs(ref).max()):.2f})"
 
@@ -48,7 +49,7 @@ def test_image_token_count_equals_llama_cpp(pair, projector):
     model, mm = pair
     chunks = mtmd_oracle.chunks(model, mm, f"look: {mtmd_oracle.MARKER} done", [photo(64, 48)])
     assert [kind for kind, _ in chunks] == ["text", "image", "text"]
-    assert chunks[1][1] == projector.spec.n_tokens == 256
+    assert chunks[1][1] == projector.spec.tower.max_tokens(projector.spec) == 256
 
 
 def test_projector_of_another_width_is_refused(tmp_path):

@@ -1,0 +1,79 @@
+"""Projector types (an mmproj's `clip.projector_type`): one module per type under engine/vision/towers/,
+each exposing a `TOWER` (a `Tower`). engine/vision/mmproj.py and spans.py ask `find(type)`; nothing
+else branches on a projector type. A module is imported only when a file of its type is read.
+
+A tower is everything that differs between projector types: the spec keys it reads, how an image
+becomes the pixels it reads and how many tokens it gives (llama.cpp's libmtmd preprocessing for that
+type), the encoder itself, the text markers around an image's tokens, and how the image's embeddings
+are fed into the text model (which tokens see which, the positions they take)."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:   # typing only: mmproj imports this module
+    from engine.model.gguf_file import GGUFFile
+    from engine.vision.mmproj import Projector, VisionSpec
+
+# clip.projector_type -> module under engine/vision/towers/ (add a line per type)
+_MODULES: dict[str, str] = {"gemma3": "gemma3"}
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image as a tower reads it: its pixels (float32, normalised, (H, W, 3)), the grid of patches
+    the encoder sees (rows, cols) and the tokens it becomes in the prompt."""
+    pixels: np.ndarray
+    grid: tuple[int, int]
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class ImageFeatures:
+    """An encoded image: its embeddings (n_tokens, text width) and the patch grid they came from
+    (what a tower that positions image tokens in 2-D needs again when it feeds them)."""
+    embeddings: mx.array
+    grid: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.embeddings.nbytes)
+
+
+@dataclass(frozen=True)
+class Tower:
+    """What Strata needs to know about one projector type.
+
+    text_archs: the text architectures (GGUF general.architecture) its embeddings feed.
+    markers: the text around an image's tokens in the prompt (libmtmd's, for the family).
+    read_spec(g, base) -> the spec with the type's own keys and defaults read, checked (ModelFileError).
+    out_width(weights) -> the width the projection outputs (the text model's embedding width).
+    prepare(rgb, spec) -> PreparedImage: libmtmd's preprocessing for the type, pixel for pixel.
+    encode(projector, prepared) -> (n_tokens, text width) embeddings.
+    feed(model, cache, features): the text model reads the image's embeddings into `cache`.
+    max_tokens(spec) -> the most tokens one image can take (a restored span longer than it is refused).
+    """
+    name: str
+    text_archs: tuple[str, ...]
+    markers: tuple[str, str]
+    read_spec: Callable[["GGUFFile", "VisionSpec"], "VisionSpec"]
+    out_width: Callable[[dict], int]
+    prepare: Callable[[np.ndarray, "VisionSpec"], PreparedImage]
+    encode: Callable[["Projector", PreparedImage], mx.array]
+    feed: Callable[[object, list, ImageFeatures], None]
+    max_tokens: Callable[["VisionSpec"], int]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def find(projector_type: str | None) -> Tower | None:
+    mod = _MODULES.get(projector_type or "")
+    if mod is None:
+        return None
+    return importlib.import_module(f"{__name__}.{mod}").TOWER
