@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QHBoxLayout, 
 from engine.text import reasoning
 
 from . import branches
+from .alive import while_alive
 from .documents import prompt as doc_prompt
 from .chat_images import ChatImages
 from .image_composer import ImagesPart, mime_has_images
@@ -671,7 +672,8 @@ class ChatView(QWidget):
             # refuse a prompt that does not fit or cap the reply to what is left.
             count = self.client.count_prompt_tokens(messages)
             self.request = count
-            count.done.connect(lambda r: self._after_count(r, messages, sampling, preset.context_length))
+            count.done.connect(while_alive(self, lambda r: self._after_count(r, messages, sampling,
+                                                                             preset.context_length)))
             count.failed.connect(self._on_failed)
             self.render_all()
             self._update_buttons()

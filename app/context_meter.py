@@ -14,6 +14,8 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QProgressBar, QWid
 
 from engine.text.context_policy import DEFAULT_POLICY, POLICIES, reply_reserve
 
+from .alive import while_alive
+
 POLICY_LABELS = {"stop": "Stop at the limit", "truncate_middle": "Truncate the middle",
                  "rolling": "Rolling window"}
 POLICY_HELP = {
@@ -158,8 +160,8 @@ class ContextCounter(QObject):
         ticket = self._asked
         req = self.client.count_prompt_tokens(messages)
         self.pending = req
-        req.done.connect(lambda r, t=ticket: self._on_count(t, r, n_ctx, max_tokens, drafted))
-        req.failed.connect(lambda m, t=ticket: self._on_refused(t, m))
+        req.done.connect(while_alive(self, lambda r, t=ticket: self._on_count(t, r, n_ctx, max_tokens, drafted)))
+        req.failed.connect(while_alive(self, lambda m, t=ticket: self._on_refused(t, m)))
 
     def _on_refused(self, ticket: int, message: str) -> None:
         if ticket == self._asked:

@@ -13,6 +13,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout
 
+from .alive import while_alive
 from .tools import loop
 from .tools.results import ToolInfo
 
@@ -148,7 +149,7 @@ class ToolTurn(QObject):
         self.changed.emit()
         self.running = self.service.call(entry["server"], entry["tool"], arguments,
                                          float(self.settings.tools_timeout_s))
-        self.running.finished.connect(lambda result, e=entry, c=self.running: self._on_result(c, e, result))
+        self.running.finished.connect(while_alive(self, lambda result, e=entry, c=self.running: self._on_result(c, e, result)))
 
     def _on_result(self, call, entry: dict, result) -> None:
         if call is not self.running or self.over:

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (QApplication, QDialog, QDialogButtonBox, QFileDia
                                QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
 from . import prompt
+from ..alive import while_alive
 from .chunks import CHUNK_CHARS
 from .extract import KINDS, kind_of
 from .index import PASSAGES, TOP_K, WHOLE, ChatDocuments, DocInfo
@@ -201,8 +202,8 @@ class TabDocuments(QObject):
     # ---- whole or by passages ------------------------------------------------------------------------
     def _decide(self, info: DocInfo) -> None:
         st = self.client.status()
-        st.done.connect(lambda r: self._count(info, r))
-        st.failed.connect(lambda m: self._settle(info, PASSAGES, 0, TOP_K, f"not counted ({m})"))
+        st.done.connect(while_alive(self, lambda r: self._count(info, r)))
+        st.failed.connect(while_alive(self, lambda m: self._settle(info, PASSAGES, 0, TOP_K, f"not counted ({m})")))
 
     def _context(self, status) -> int:
         n_ctx = status.facts.n_ctx if getattr(status, "facts", None) is not None else 0
@@ -239,7 +240,7 @@ class TabDocuments(QObject):
                 self._choose(info, n_ctx, counts)
         for key, msgs in probes.items():
             req = self.client.count_prompt_tokens(msgs)
-            req.done.connect(lambda r, k=key: got(k, r))
+            req.done.connect(while_alive(self, lambda r, k=key: got(k, r)))
             req.failed.connect(fail)
 
     def _choose(self, info: DocInfo, n_ctx: int, counts: dict[str, int]) -> None:
