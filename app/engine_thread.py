@@ -227,9 +227,11 @@ class EngineClient(QObject):
                                    context_limit=context_limit, tools=tools, constraint=constraint)
         return self._submit("generate", make)
 
-    def load_model(self, path: str, steering="keep") -> Request:
+    def load_model(self, path: str, steering="keep", mmproj: str | None = None) -> Request:
+        """`mmproj`: the image projector (None: one found beside the model, "": none)."""
         def make():
-            return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering))
+            return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering),
+                             mmproj=mmproj)
         return self._submit("load", make)
 
     def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,

@@ -14,7 +14,9 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QFileDialog, QMessageBox, QWidget
 
+from .alive import while_alive
 from .bus import MessageBus
+from .model_choices import AUTO, ModelChoices, projector_label
 from .model_list import ModelList
 from .paths import AppPaths
 from .settings import SettingsService
@@ -136,8 +138,11 @@ class ModelLibrary(QObject):
             log.info("removed %s, left by an earlier fetch that did not finish", name)
         for name in remove_stale_copies(paths.models_dir):
             log.info("removed %s, left by a model copy that did not finish", name)
-        self.models = ModelList(self.model_folders, libraries=lambda: self.settings.model_libraries)
+        self.choices = ModelChoices(paths.data_dir)          # per-model load choices (the image projector)
+        self.models = ModelList(self.model_folders, libraries=lambda: self.settings.model_libraries,
+                                projector=self.choices.projector)
         self.models.load_requested.connect(self.load_model)
+        self.models.projector_chosen.connect(self.choose_projector)
         self.models.scanned.connect(self._after_scan)
         self.models.own_scanned.connect(self._after_own_scan)
         self._copied.connect(self._on_copied)
@@ -229,13 +234,28 @@ class ModelLibrary(QObject):
         """Load the current model again with `steering` (a new control vector); `then()` after."""
         return self._load(self.model_path, steering, failure, then)
 
+    def choose_projector(self, model: str, choice) -> None:
+        """Keep `model`'s image projector choice (model_choices: AUTO, NONE or a file) and, when it is
+        the loaded model, load it again with it."""
+        if choice == self.choices.projector(model):
+            return
+        before = self.choices.projector(model)
+        self.choices.set_projector(model, choice)
+        self.bus.say(f"{Path(model).name}: image projector {projector_label(choice)}")
+        if model == self.model_path:
+            req = self._load(model, None, f"Could not load {Path(model).name} with that image projector")
+            # refused (another family's projector, a bad file): the model goes on as it was loaded
+            req.failed.connect(while_alive(self, lambda _m: self.choices.set_projector(model, before)))
+
     def _load(self, path: str, steering, failure: str, then=None):
         self.bus.busy.emit("load")
+        projector = self.choices.projector(path)
+        extra = {} if projector is AUTO else {"mmproj": projector}
         if steering is None:
-            req = self.client.load_model(path)
+            req = self.client.load_model(path, **extra)
         else:
             self._loading_steering = copy.deepcopy(steering)
-            req = self.client.load_model(path, steering=steering)
+            req = self.client.load_model(path, steering=steering, **extra)
         req.progress.connect(self.bus.progress)
         req.done.connect(lambda r: (self._on_loaded(r, path), then and then()))
         req.failed.connect(lambda m: (self.bus.idle.emit(), self.bus.tell(f"{failure}: {m}")))

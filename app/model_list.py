@@ -14,13 +14,14 @@ from typing import Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontMetrics
-from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QPushButton, QStyle, QTreeWidget,
-                               QTreeWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QHeaderView, QLabel, QMenu, QPushButton, QStyle,
+                               QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 from engine.model import memory_estimate as me
 from engine.model import model_sources
 from engine.memory.memory_guard import MemoryGuard
 
 from .gguf_meta import ModelMeta
+from .model_choices import AUTO, NONE, projector_label
 from .model_scan import scan_models
 
 COLUMNS = ("Name", "Arch", "Params", "Quant", "Size", "Context", "Needs", "Source")
@@ -41,6 +42,7 @@ def memory_budget(engine_budget: dict | None):
 
 class ModelList(QWidget):
     load_requested = Signal(str)
+    projector_chosen = Signal(str, object)   # (model path, AUTO / NONE / a projector file): a row's menu
     _scanned = Signal(int, list)    # from the scanning thread (queued to _fill): (its number, the rows)
     scanned = Signal()              # the list is filled: emitted on the GUI thread, for listeners and tests
     # The first scan shows the models folder's and the user's folders' models first (own_scanned), then
@@ -48,12 +50,15 @@ class ModelList(QWidget):
     _own = Signal(int, list)
     own_scanned = Signal()
 
-    def __init__(self, folders, parent: QWidget | None = None, libraries: Callable[[], bool] = lambda: True):
+    def __init__(self, folders, parent: QWidget | None = None, libraries: Callable[[], bool] = lambda: True,
+                 projector: Callable[[str], str | None] = lambda _path: AUTO):
         """`folders()` returns the folders to scan (models folder first); `libraries()` whether to look
-        in the other apps' libraries too (engine/model/model_sources.py)."""
+        in the other apps' libraries too (engine/model/model_sources.py); `projector(path)` a model's
+        image projector choice (app/model_choices.py), shown in its row's menu."""
         super().__init__(parent)
         self.folders = folders
         self.libraries = libraries
+        self.projector = projector
         self.current: str = ""
         self.errors: dict[str, str] = {}            # path -> why that listed file cannot be loaded
         self.sources: dict[str, str] = {}           # path -> where it lives (engine/model/model_sources.py)
@@ -77,6 +82,8 @@ class ModelList(QWidget):
             self.show_actions[name] = show
             self.tree.setColumnHidden(c, name in HIDDEN_AT_FIRST)
         self.tree.itemDoubleClicked.connect(lambda it, _c: self.load_requested.emit(it.data(0, Qt.ItemDataRole.UserRole)))
+        self.tree.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.tree.customContextMenuRequested.connect(self._row_menu)
         self.load_btn = QPushButton("Load", clicked=self._load_selected)
         self.refresh_btn = QPushButton("Refresh", clicked=self.refresh)
         self.empty = QLabel("No models yet. Drop a .gguf file here, add a folder in Settings, "
@@ -215,6 +222,37 @@ class ModelList(QWidget):
             for c in range(len(COLUMNS)):
                 it.setFont(c, f)
         self.fit_columns()
+
+    def row_menu(self, path: str) -> QMenu:
+        """A row's menu: Load, and the image projector it loads with (checked: the current choice)."""
+        menu = QMenu(self)
+        menu.addAction("Load", lambda: self.load_requested.emit(path)).setEnabled(path not in self.errors)
+        sub = menu.addMenu("Image projector")
+        sub.setToolTipsVisible(True)
+        chosen = self.projector(path)
+        for label, choice in (("Automatic", AUTO), ("None (text only)", NONE)):
+            act = sub.addAction(label, lambda c=choice: self.projector_chosen.emit(path, c))
+            act.setCheckable(True)
+            act.setChecked(chosen == choice)
+            act.setToolTip(projector_label(choice))
+        other = sub.addAction("Choose file…", lambda: self._pick_projector(path))
+        other.setCheckable(True)
+        if chosen not in (AUTO, NONE):
+            other.setChecked(True)
+            other.setText(f"File: {Path(chosen).name}")
+            other.setToolTip(chosen)
+        return menu
+
+    def _row_menu(self, pos) -> None:
+        it = self.tree.itemAt(pos)
+        if it is not None:
+            self.row_menu(it.data(0, Qt.ItemDataRole.UserRole)).exec(self.tree.viewport().mapToGlobal(pos))
+
+    def _pick_projector(self, path: str) -> None:
+        got, _ = QFileDialog.getOpenFileName(self, "Image projector (mmproj) for " + Path(path).name,
+                                             str(Path(path).parent), "GGUF image projector (*.gguf)")
+        if got:
+            self.projector_chosen.emit(path, got)
 
     def _load_selected(self) -> None:
         it = self.tree.currentItem()

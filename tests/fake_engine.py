@@ -80,8 +80,8 @@ class FakeClient(QObject):
     def generate(self, messages, sampling, conversation="", **kw):
         return self._call("generate", messages, sampling, conversation=conversation, **kw)
 
-    def load_model(self, path, steering="keep"):
-        return self._call("load_model", path, steering=steering)
+    def load_model(self, path, steering="keep", **kw):
+        return self._call("load_model", path, steering=steering, **kw)
 
     def configure(self, **kw):
         return self._call("configure", **kw)
