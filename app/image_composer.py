@@ -19,6 +19,7 @@ from engine.vision.images import ImageRefused
 from .chat_images import (IMAGE_SUFFIXES, MAX_ATTACHMENTS, THUMB_SIDE, Attachment, ChatImages,
                           attachment_from_file, attachment_from_qimage, is_image_file, message_images, thumbnail)
 from .image_widgets import AttachmentRow, show_image
+from .markdown_render import new_block
 from .paths import AppPaths
 
 
@@ -160,7 +161,8 @@ class ImagesPart(QObject):
             cells.append(f'<a href="image:{i}:{j}"><img src="{url}" width="{thumb.width()}" '
                          f'height="{thumb.height()}"></a>')
         if cells:
-            cursor.insertHtml("<p>" + " &nbsp; ".join(cells) + "</p>")
+            new_block(cursor)            # a line of their own: inserted HTML would join the header's line
+            cursor.insertHtml(" &nbsp; ".join(cells))
 
     def _thumb(self, r: dict) -> QImage | None:
         key = str(r.get("digest") or r.get("file"))
