@@ -218,7 +218,7 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
     `pending`: prompt tokens not yet in the cache, fed with `last_token` in the first step.
     `constraint`: a compiled grammar (engine/generation/constraints.py): step n+1's forward pass is queued alone,
     the grammar's mask for it is computed on the host from token n while the device runs it, and the
-    masked sample is queued after (constraints.GrammarMasks)."""
+    masked sample is queued after it, before token n is handed out (constraints.GrammarMasks)."""
     if seed is not None:
         mx.random.seed(seed)
     masks = GrammarMasks(constraint) if constraint is not None else None
@@ -252,13 +252,14 @@ def decode(model, cache, last_token: int, fed: list[int], *, history: list[int],
         n += 1
         if n % 256 == 0:
             mx.clear_cache()
-        allowed = masks.after(token) if masks is not None and fed_next else None
+        if fed_next and masks is not None:
+            # the masked sample queued before the token is handed out: the consumer's work on it
+            # (detokenizing, stop strings, streaming) overlaps the device, as in the unmasked order
+            nxt = pick(nxt, masks.or_eos(masks.after(token)))
+            mx.async_eval(nxt)
         yield token
-        if fed_next and masks is None:
+        if fed_next:
             y = nxt
-        elif fed_next:
-            y = pick(nxt, masks.or_eos(allowed))
-            mx.async_eval(y)
 
 
 def _step_parts(model, cache, history: list[int], sampler, processors):
