@@ -153,7 +153,20 @@ class ChatView(QWidget):
         self.projection = QCheckBox("Speed projection", toolTip="Apply the control vector to this chat")
         self.projection.setChecked(bool(chat.config.get("speed_projection", True)))
         self.projection.toggled.connect(self._on_projection)
-        # A bar in the chat being answered: the prompt being read (or a save reading it again).
+        self._task_row()
+        self.preset_box = QComboBox(toolTip="The config (system prompt, sampling, context) this chat uses")
+        self.preset_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.preset_box.setMaximumWidth(220)      # a long config name must not widen the window
+        self._fill_presets()
+        self.preset_box.activated.connect(lambda i: self.set_preset(self.preset_box.itemData(i)))
+        presets.changed.connect(self._fill_presets)
+        self._context_widgets()
+        self._lay_out()
+        self.render_all()
+        self._update_buttons()
+
+    def _task_row(self) -> None:
+        """A bar in the chat being answered: the prompt being read (or a save reading it again)."""
         self.task_label = QLabel()
         self.task_bar = QProgressBar(textVisible=True, maximumHeight=16)
         self.task_cancel = QPushButton("Cancel", clicked=self.cancel_task)
@@ -163,14 +176,8 @@ class ChatView(QWidget):
         tl.addWidget(self.task_label)
         tl.addWidget(self.task_bar, 1)
         tl.addWidget(self.task_cancel)
-        self.preset_box = QComboBox(toolTip="The config (system prompt, sampling, context) this chat uses")
-        self.preset_box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
-        self.preset_box.setMaximumWidth(220)      # a long config name must not widen the window
-        self._fill_presets()
-        self.preset_box.activated.connect(lambda i: self.set_preset(self.preset_box.itemData(i)))
-        presets.changed.connect(self._fill_presets)
-        self._context_widgets()
 
+    def _lay_out(self) -> None:
         buttons = QHBoxLayout()
         buttons.addWidget(QLabel("Config"))
         for w in (self.preset_box, self.projection):
@@ -193,8 +200,6 @@ class ChatView(QWidget):
         beside.addWidget(self.tools_box)
         lay.addLayout(beside)
         lay.addLayout(buttons)
-        self.render_all()
-        self._update_buttons()
 
     # ---- state -------------------------------------------------------------------------------
     @property
