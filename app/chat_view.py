@@ -885,7 +885,7 @@ class ChatView(QWidget):
             return False
         message = _assistant_message(content, self.think_open)
         message["tool_calls"] = entries
-        self.chat.messages.append(message)
+        self._append_reply(message)          # after a Regenerate the replaced reply stays a branch of it
         self._tool_steps += 1
         self._finish()
         self.last_result = result

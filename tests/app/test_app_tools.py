@@ -127,6 +127,23 @@ def test_deny_sends_a_declined_result(qtbot, tool_window):
     assert [m["role"] for m in view.chat.messages] == ["user", "assistant"] and not tool_messages(view)
 
 
+def test_regenerate_into_a_tool_call_keeps_the_replaced_reply_as_a_branch(qtbot, tool_window):
+    from app import branches
+    view = tool_window.new_tab()
+    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
+        ask(qtbot, view, "Add 1 and 1", "add")
+    view.tool_panel.deny_btn.click()
+    wait_idle(qtbot, view)
+    first = [dict(m) for m in view.chat.messages[1:]]        # the call, its denied answer, the continuation
+    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
+        view.regenerate()                                    # the new reply calls a tool too (forced)
+    view.tool_panel.deny_btn.click()
+    wait_idle(qtbot, view)
+    assert branches.info(view.chat.messages[1]) == branches.BranchInfo(1, 2)
+    assert branches.switch(view.chat.messages, 1, 0)         # the first reply back, whole
+    assert [branches.plain(m) for m in view.chat.messages[1:]] == first
+
+
 def test_always_allow_then_revoke(qtbot, tool_window):
     w = tool_window
     view = w.new_tab()
