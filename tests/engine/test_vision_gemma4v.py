@@ -176,3 +176,19 @@ def test_a_follow_up_reuses_the_image_without_encoding_it_again(engine):
     assert while_held(engine, lambda e: e.loaded.vision.features.encodes) == n, "the image was encoded again"
     held = r1.prompt_tokens + len(r1.tokens)
     assert r2.cached_tokens >= 0.9 * held, (r2.cached_tokens, held)
+
+
+def test_e2b_and_e4b_widths_decode_images_causally(tmp_path):
+    """libmtmd decodes Gemma 4 images non-causally except for text widths 1536 and 2560 (E2B, E4B),
+    whose image tokens stay causal: a tiny Gemma 4 of width 1536 replies as llama.cpp's does."""
+    llama_oracle.require()
+    pair = write_gemma4v_pair(tmp_path, text_kw={"n_embd": 1536}, mmproj_name="mmproj-e2b-width.gguf")
+    eng = Engine(EngineOptions(model=str(pair[0]), cache_mib=256)).start()
+    try:
+        eng.startup.result()
+        a = image(64, 64, 128)
+        text = TURN.format(f"Describe {mtmd_oracle.MARKER} briefly.")
+        ref, logits = mtmd_oracle.greedy(*pair, text, [rgb(a)], N_GEN)
+        assert_greedy_equal(generate(eng, [user("Describe ", a, " briefly.")]).tokens, ref, logits)
+    finally:
+        eng.stop()
