@@ -15,7 +15,7 @@ from gguf_factory_vision import write_gemma3_mmproj
 from gguf_factory_vision_gemma4v import CLAMPS, write_gemma4v_mmproj, write_gemma4v_pair
 from vision_images import CASES, photo, png
 
-from engine.api import EngineOptions, GenerateRequest, ImageInput
+from engine.api import EngineOptions, GenerateRequest, ImageInput, RestoreSession, SaveSession, Status
 from engine.engine import Engine
 from engine.errors import ModelFileError
 from engine.sampling import SamplingParams
@@ -176,6 +176,57 @@ def test_a_follow_up_reuses_the_image_without_encoding_it_again(engine):
     assert while_held(engine, lambda e: e.loaded.vision.features.encodes) == n, "the image was encoded again"
     held = r1.prompt_tokens + len(r1.tokens)
     assert r2.cached_tokens >= 0.9 * held, (r2.cached_tokens, held)
+
+
+@pytest.fixture
+def make_engine(pair):
+    made = []
+
+    def make(**kw):
+        e = Engine(EngineOptions(model=str(pair[0]), **{"cache_mib": 256, **kw})).start()
+        e.startup.result()
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.stop()
+
+
+def first_turn(eng, conversation: str, img: ImageInput):
+    history = [user("Here is a photo: ", img, " Describe it.")]
+    r = generate(eng, history, conversation)
+    return history + [{"role": "assistant", "content": r.text}], r
+
+
+def assert_reused_without_encoding(eng, r1, history, conversation: str) -> None:
+    follow = history + [user("And the colours?")]
+    r2 = generate(eng, follow, conversation)
+    assert eng.call(Status()).vision["images_encoded"] == 0, "the image was encoded again"
+    tokens = while_held(eng, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=follow)))
+    held = r1.prompt_tokens + len(r1.tokens)
+    assert r2.cached_tokens >= 0.9 * held and r2.cached_tokens >= image_runs(tokens)[0][1], (r2.cached_tokens, held)
+
+
+def test_disk_tier_after_a_restart_keeps_a_dynamic_size_span(make_engine, tmp_path):
+    """An image of 276 tokens (not the most an image takes) restored from disk by a new engine."""
+    disk = dict(disk_mib=64, disk_dir=str(tmp_path / "disk"))
+    eng = make_engine(**disk)
+    history, r1 = first_turn(eng, "chat-d", image(140, 70, 61))
+    assert eng.wait_idle(60)                   # the idle-time write
+    eng.stop()
+    again = make_engine(**disk)
+    assert_reused_without_encoding(again, r1, history, "chat-d")
+
+
+def test_session_file_keeps_a_dynamic_size_span(make_engine, tmp_path):
+    eng = make_engine()
+    history, r1 = first_turn(eng, "chat-s", image(90, 120, 71))
+    path = str(tmp_path / "with-image.strata")
+    eng.call(SaveSession(path, messages=history, conversation="chat-s"))
+    eng.stop()
+    again = make_engine()
+    again.call(RestoreSession(path, conversation="chat-s"))
+    assert_reused_without_encoding(again, r1, history, "chat-s")
 
 
 def test_e2b_and_e4b_widths_decode_images_causally(tmp_path):
