@@ -24,7 +24,7 @@ from engine.vision import mmproj
 from engine.vision.images import decode_image
 from engine_reads import while_held
 
-# max |ours - libmtmd| over an image's embeddings (values up to ~9.5): measured 0.0038-0.0069 on
+# max |ours - libmtmd| over an image's embeddings (values up to ~9.5): measured 0.0048-0.0069 on
 # these images (ggml's CPU quick-GELU goes through an fp16 table; the rest is float32 summation order)
 TOLERANCE = 1e-2
 # a difference only where llama.cpp's top-2 margin is below this: measured, every reply below equals
