@@ -65,6 +65,15 @@ def test_embeddings_equal_libmtmd(pair, projector, name, width, height, mode):
     assert d < TOLERANCE, f"{name}: max |d| {d:.4f} (values up to {float(np.abs(ref).max()):.2f})"
 
 
+def test_an_f16_projector_equals_libmtmd(pair, tmp_path):
+    """2-D weights in F16 as most published mmproj files (measured max |d| 0.004)."""
+    mm = write_gemma4v_mmproj(tmp_path / "mmproj-f16.gguf", tensor_type="F16")
+    projector = mmproj.load_projector(mm, "gemma4", 256)
+    rgb = photo(203, 97, seed=2)
+    ref = mtmd_oracle.encode(pair[0], mm, rgb)
+    assert float(np.abs(ours(projector, rgb) - ref).max()) < TOLERANCE
+
+
 @pytest.mark.parametrize("width,height", SIZES)
 def test_image_token_count_equals_llama_cpp(pair, projector, width, height):
     rgb = photo(width, height, seed=3)
