@@ -34,6 +34,7 @@ GEMMA4_TURN = ("<|turn>", "<turn|>")
 # Gemma 3's image markers (llama.cpp's libmtmd writes them around an image's embeddings); appended
 # after the pieces, so the other ids stay as they are
 GEMMA3_IMAGE = ("<start_of_image>", "<end_of_image>")
+GEMMA4_IMAGE = ("<|image>", "<image|>")       # Gemma 4's (libmtmd's markers for gemma4v)
 N_PIECES = 300
 # q/k norm scale: unit-RMS queries and keys of random weights give near-uniform attention, which makes
 # every position's attention output the context's mean and greedy repeats one token; 1.5x sharpens
@@ -86,7 +87,7 @@ def _pieces() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
 
 def vocab(arch: str, image_tokens: bool = False) -> dict:
     """The tokenizer.* fields for `arch` ("gemma3": SentencePiece; "gemma4": the gemma4 BPE).
-    `image_tokens`: Gemma 3's image markers as control tokens at the end."""
+    `image_tokens`: the family's image markers as control tokens at the end."""
     turn = GEMMA3_TURN if arch == "gemma3" else GEMMA4_TURN
     pieces, merges = _pieces()
     tokens = list(SPM_SPECIALS) + list(turn) + [f"<0x{b:02X}>" for b in range(256)]
@@ -99,9 +100,10 @@ def vocab(arch: str, image_tokens: bool = False) -> dict:
     types += [gguf.TokenType.NORMAL] * (len(tokens) - len(types))
     scores = [0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)]
     if image_tokens:
-        tokens += list(GEMMA3_IMAGE)
-        types += [gguf.TokenType.CONTROL] * len(GEMMA3_IMAGE)
-        scores += [0.0] * len(GEMMA3_IMAGE)
+        marks = GEMMA3_IMAGE if arch == "gemma3" else GEMMA4_IMAGE
+        tokens += list(marks)
+        types += [gguf.TokenType.CONTROL] * len(marks)
+        scores += [0.0] * len(marks)
     out = {
         "tokens": tokens, "types": [int(t) for t in types], "scores": scores,
         "bos": SPM_SPECIALS.index("<bos>"), "eos": SPM_SPECIALS.index("<eos>"),
@@ -259,14 +261,15 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
                       context_length=2048, tensor_type="F16", seed=0, rope_theta=1_000_000.0,
                       rope_theta_swa=10_000.0, tie_embeddings=False, eot_like: int | None = None,
                       n_expert=0, n_expert_used=2, n_ff_exp=256, router_std=3.0, k_eq_v=False,
-                      n_head_kv_global: int | None = None, name=None) -> Path:
+                      n_head_kv_global: int | None = None, name=None, image_tokens: bool = False) -> Path:
     """A tiny Gemma 4 (E2B-like: per-layer embeddings, shared K/V in the last layers, double-wide FFN
     there). With the defaults: layers sliding/global/sliding/global, layers 2 and 3 reuse the K/V of
     layers 0 and 1. `n_expert` > 0: 26B-A4B-like experts in every layer beside the dense FFN (the
     router F32 as the converter leaves it, the gate/up stack fused as ffn_gate_up_exps, gate rows
-    first; `router_std` keeps expert choices clear of near-ties)."""
+    first; `router_std` keeps expert choices clear of near-ties). `image_tokens`: the vocabulary ends
+    with Gemma 4's image markers (a vision pair, tests/gguf_factory_vision_gemma4v.py)."""
     r = _Rand(seed)
-    n_vocab = len(vocab("gemma4")["tokens"])
+    n_vocab = len(vocab("gemma4", image_tokens)["tokens"])
     swa = gemma4_layer_types(n_layer, pattern)
     first_shared = n_layer - shared_kv_layers
     kv_heads = [n_head_kv if s else (n_head_kv_global or n_head_kv) for s in swa]
@@ -345,7 +348,7 @@ def write_tiny_gemma4(path, *, n_layer=4, n_embd=256, n_head=4, n_head_kv=2, hea
             w.add_expert_count(n_expert)
             w.add_expert_used_count(n_expert_used)
             w.add_expert_feed_forward_length(n_ff_exp)
-    return _write(path, "gemma4", t, meta, tensor_type)
+    return _write(path, "gemma4", t, meta, tensor_type, image_tokens)
 
 
 def _writer(fn):

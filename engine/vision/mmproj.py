@@ -9,6 +9,7 @@ tower reads its type's own keys and defaults (`Tower.read_spec`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,11 @@ class VisionSpec:
     @property
     def side(self) -> int:
         return self.image_size // self.patch
+
+    @property
+    def max_patches(self) -> int:
+        """The most patches one image takes (fixed-size towers: the square's)."""
+        return self.side * self.side
 
     @property
     def tower(self) -> Tower:
@@ -137,7 +143,7 @@ def load_projector(path: str | os.PathLike, text_arch: str, text_width: int,
         raise ModelFileError(f"{g.path.name} projects to width {width_out}; the loaded model's embeddings "
                              f"are {text_width} wide (a projector of another model size)")
     if spec.text_width != width_out:
-        spec = VisionSpec(**{**spec.__dict__, "text_width": width_out})
+        spec = dataclasses.replace(spec, text_width=width_out)     # a tower's own spec type kept
     mx.eval(list(weights.values()))
     return Projector(Path(path), spec, weights, sum(int(w.nbytes) for w in weights.values()))
 
@@ -164,8 +170,8 @@ class ProjectorPlan:
 
 def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
     """One image through the tower: the attention scores of a layer (heads x patches^2, float32) and
-    a few patch-by-width buffers, at the largest image the tower takes (`clip.vision.image_size` a side)."""
-    n = spec.side * spec.side
+    a few patch-by-width buffers, at the largest image the tower takes (`VisionSpec.max_patches`)."""
+    n = spec.max_patches
     return n * n * spec.n_head * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
 
 

@@ -51,3 +51,56 @@ def normalize(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
     std = np.asarray(spec.std, dtype=np.float32)
     return ((rgb.astype(np.float32) / np.float32(255.0)) - mean) / std
 
+
+
+def resize_pillow(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
+    """(height, width, 3) uint8 through llama.cpp's Pillow port with `resample` (Image.BILINEAR or
+    Image.BICUBIC, a = -0.5 as Pillow's): horizontal pass, then vertical, each a one-axis Pillow resize."""
+    im = Image.fromarray(np.ascontiguousarray(rgb), "RGB")
+    if im.width != width:
+        im = im.resize((width, im.height), resample)
+    if im.height != height:
+        im = im.resize((width, height), resample)
+    return np.asarray(im)
+
+
+def fit_padded(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
+    """llama.cpp's `img_tool::resize` with PAD_CEIL to a width x height canvas: scaled by the smaller
+    side ratio (float32, sides rounded up), resized, centered on black (offsets rounded down)."""
+    sh, sw = rgb.shape[:2]
+    if (sw, sh) == (width, height):
+        return rgb
+    scale = min(np.float32(width) / np.float32(sw), np.float32(height) / np.float32(sh))
+    nw = min(int(math.ceil(np.float32(sw) * scale)), width)
+    nh = min(int(math.ceil(np.float32(sh) * scale)), height)
+    out = np.zeros((height, width, 3), dtype=np.uint8)
+    ox, oy = (width - nw) // 2, (height - nh) // 2
+    out[oy:oy + nh, ox:ox + nw] = resize_pillow(rgb, nw, nh, resample)
+    return out
+
+
+def smart_size(width: int, height: int, align: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """llama.cpp's `calc_size_preserved_ratio` (transformers' "smart resize") in its float32
+    arithmetic: each side rounded to a multiple of `align`, then scaled down to at most `max_pixels`
+    (sides rounded down) or up to at least `min_pixels` (sides rounded up), aspect kept."""
+    f = np.float32(align)
+
+    def rnd(x):     # std::round: half away from zero (x > 0 here)
+        return int(math.floor(float(np.float32(x) / f) + 0.5)) * align
+
+    def up(x):
+        return int(math.ceil(float(np.float32(x) / f))) * align
+
+    def down(x):
+        return int(math.floor(float(np.float32(x) / f))) * align
+
+    w_bar, h_bar = max(align, rnd(np.float32(width))), max(align, rnd(np.float32(height)))
+    if max_pixels > 0 and h_bar * w_bar > max_pixels:
+        beta = np.float32(math.sqrt(np.float32(height) * np.float32(width) / np.float32(max_pixels)))
+        h_bar = max(align, down(np.float32(height) / beta))
+        w_bar = max(align, down(np.float32(width) / beta))
+    elif min_pixels > 0 and h_bar * w_bar < min_pixels:
+        beta = np.float32(math.sqrt(np.float32(min_pixels) / (np.float32(height) * np.float32(width))))
+        h_bar = up(np.float32(height) * beta)
+        w_bar = up(np.float32(width) * beta)
+    return w_bar, h_bar
