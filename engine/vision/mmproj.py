@@ -169,10 +169,12 @@ class ProjectorPlan:
 
 
 def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
-    """One image through the tower: the attention scores of a layer (heads x patches^2, float32) and
-    a few patch-by-width buffers, at the largest image the tower takes (`VisionSpec.max_patches`)."""
+    """One image through the tower: one head's attention scores (patches^2, float32: the CPU path
+    scores a head at a time, engine/vision/vit.attention; a GPU's fused attention holds none) and a few
+    patch-by-width buffers, at the largest image the tower takes (`VisionSpec.max_patches`). Every head
+    at once would be 16x that: 6.5 GB for Gemma 4's largest image, refusing loads that fit."""
     n = spec.max_patches
-    return n * n * spec.n_head * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
+    return n * n * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
 
 
 def plan(path: Path | None, named: bool, text_arch: str, text_width: int, dtype_bytes: int) -> ProjectorPlan:
