@@ -73,8 +73,9 @@ class Turns:
         elif not req.side:
             self.eng.conversations.live = entry     # from here on the live K/V is `entry`
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
-        if self.eng.parking is not None:            # the status bar's figures while the reply runs
-            handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
+        if self.eng.conversations is not None:      # the status bar's figures while the reply runs
+            handle.emit(KVChanged(self.eng.conversations.parking.status(), req.conversation, len(tokens), reuse,
+                                  from_disk))
         entry.messages = self.eng.prompts.storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,

@@ -55,7 +55,7 @@ class SessionRequests:
         reason = self.eng.guard.unavailable_reason()
         if reason:
             raise MemoryRefused(f"session save refused: {reason}")
-        entry, reread = self.eng.live, False
+        entry, reread = self.eng.conversations.live, False
         if req.messages is not None:
             keys = None if req.speed_projection is None else {self.eng.handlers.cache_key(self.eng.handlers.projection(req.speed_projection))}
             entry = self.eng.conversations.find(self.eng.prompts.storable(req.messages), keys, req.conversation)
