@@ -92,9 +92,9 @@ class Engine:
         self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
         self.prompts = Prompts(self)              # a request's prompt as token ids (engine/prompts.py)
-        self.turns = Turns(self)                  # begin/end of a generation, lone or batched (engine/turns.py)
+        self.turns = Turns(self, self.handlers)   # a generation's begin/end, lone or batched (engine/turns.py)
         self.loads = ModelLoad(self)              # LoadModel (engine/model_load.py)
-        self.sessions = SessionRequests(self)     # SaveSession, RestoreSession, SessionSteering
+        self.sessions = SessionRequests(self, self.handlers)  # SaveSession, RestoreSession, SessionSteering
 
     # ---- caller side (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
