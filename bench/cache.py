@@ -129,7 +129,7 @@ def fill_live(engine, ids: list[int], how: str) -> None:
     from engine.cache.parking import KVEntry
 
     def fill(e):
-        cache = e.make_cache()
+        cache = e.handlers.make_cache()
         if how == "prefill":
             fed: list[int] = []
             prefill(e.model, cache, ids, fed, chunk=e.options.prefill_chunk)
@@ -140,7 +140,8 @@ def fill_live(engine, ids: list[int], how: str) -> None:
                 v = mx.random.normal(shape, key=mx.random.key(2 * i + 1)).astype(e.dtype)
                 c.update_and_fetch(k, v)
             mx.eval([c.state for c in cache])
-        e.live = KVEntry(list(ids), cache, e.cache_key(), messages=[{"role": "user", "content": "(benchmark)"}])
+        e.conversations.live = KVEntry(list(ids), cache, e.handlers.cache_key(),
+                                       messages=[{"role": "user", "content": "(benchmark)"}])
         return len(ids)
     held(engine, fill)
 
@@ -153,9 +154,9 @@ def first_step(engine) -> float:
 
 
     def step(e):
-        cache = e.live.cache
+        cache = e.conversations.live.cache
         t = time.perf_counter()
-        mx.eval(e.model(mx.array([[e.live.tokens[-1]]]), cache=cache))
+        mx.eval(e.model(mx.array([[e.conversations.live.tokens[-1]]]), cache=cache))
         ms = (time.perf_counter() - t) * 1e3
         for c in cache:
             c.trim(1)
@@ -636,7 +637,7 @@ def main() -> int:
         n = min(args.session_tokens, live_n)
 
         def truncate(engine):   # keep the first n tokens of the live conversation (as a rewind does)
-            live = engine.live
+            live = engine.conversations.live
             for c in live.cache:
                 if c.offset > n:
                     c.trim(c.offset - n)

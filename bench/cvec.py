@@ -104,7 +104,7 @@ def fresh(eng) -> None:
     """Drop the live K/V so the next request prefills everything."""
 
     def drop(e):
-        e.live = None
+        e.conversations.live = None
     held(eng, drop)
 
 
@@ -159,7 +159,7 @@ def step_time(eng, steps: int, chunk: int, chunks: int) -> dict:
         import mlx.core as mx
         st = e.steering
         ids = e.tokenizer.encode(PREFILL_TEXT, add_bos=False)
-        cache = e.make_cache()
+        cache = e.handlers.make_cache()
         e.model(mx.array(ids[:48])[None], cache=cache)
         mx.eval([c.state for c in cache])
         tok = mx.array([[ids[48]]])

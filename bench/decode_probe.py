@@ -31,7 +31,7 @@ PATHS = ("raw", "raw@engine-model", "decode", "request")     # the runs main() a
 def engine_decode(e, ids, gen):
     from engine.generation.generate import StepStats, decode, prefill
     from engine.sampling import SamplingParams
-    cache = e.make_cache()
+    cache = e.handlers.make_cache()
     fed: list[int] = []
     prefill(e.model, cache, ids[:-1], fed, chunk=e.options.prefill_chunk)
     sp = SamplingParams(max_tokens=gen)

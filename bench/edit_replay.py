@@ -56,7 +56,7 @@ def record(args) -> int:
     assert st.model, "the model did not load"
     req = GenerateRequest(messages=[{"role": "user", "content": edit_prompt()}],
                           sampling=SamplingParams(max_tokens=args.max_tokens))
-    prompt = engine.prompt_tokens(req)
+    prompt = engine.prompts.prompt_tokens(req)
     reply = engine.call(req, timeout=3600)
     engine.stop()
     TRACE.write_text(json.dumps({"model": Path(args.model).name, "prompt": prompt, "reply": reply.tokens,

@@ -42,7 +42,7 @@ def main() -> None:
     engine.call(Status(), timeout=600)
 
     def run(e, how: str, ids: list[int]):
-        cache, fed, checks = e.make_cache(), [], []
+        cache, fed, checks = e.handlers.make_cache(), [], []
         t0 = time.perf_counter()
         if how == "raw":
             with mx.stream(generate._stream()):

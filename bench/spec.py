@@ -253,7 +253,7 @@ def tune(args) -> int:
     for w in args.workloads.split(","):
         req = GenerateRequest(messages=[{"role": "user", "content": workloads[w]}],
                               sampling=SamplingParams(max_tokens=args.max_tokens))
-        prompt = engine.prompt_tokens(req)
+        prompt = engine.prompts.prompt_tokens(req)
         reply = engine.call(req, timeout=1800).tokens
         for ng in ((2, 1), (3, 2), (4, 2), (5, 3)):
             for k in (2, 3, 4, 8, 16):

@@ -167,7 +167,7 @@ def main() -> int:
             xs = []
             for _ in range(20):
                 t = time.perf_counter()
-                e.prompt_tokens(req)
+                e.prompts.prompt_tokens(req)
                 xs.append((time.perf_counter() - t) * 1e3)
             out[h] = statistics.median(xs)
         return out
@@ -180,7 +180,7 @@ def main() -> int:
         out = {}
         for h in histories:
             n = len(convs[h]) and cached[h][-1][1]
-            cache = e.make_cache()
+            cache = e.handlers.make_cache()
             with mx.stream(_stream()):
                 for a in range(0, n, 512):
                     e.model(mx.array([([5, 6, 7] * 200)[:min(512, n - a)]]), cache=cache)
@@ -196,7 +196,7 @@ def main() -> int:
                     y = e.model(mx.array([[9]]), cache=cache)
                     mx.eval(y)
                     xs.append((time.perf_counter() - t) * 1e3)
-                    cache, _ = layer_cache.rewind(cache, n + 33, n, list(marks), e.make_cache)
+                    cache, _ = layer_cache.rewind(cache, n + 33, n, list(marks), e.handlers.make_cache)
                 same = statistics.median(xs[1:])
                 xs = []
                 for i in range(5):          # new shapes every time, as real turns have
@@ -205,7 +205,7 @@ def main() -> int:
                     y = e.model(mx.array([[9]]), cache=cache)
                     mx.eval(y)
                     xs.append((time.perf_counter() - t) * 1e3)
-                    cache, _ = layer_cache.rewind(cache, n + 34 + i, n, list(marks), e.make_cache)
+                    cache, _ = layer_cache.rewind(cache, n + 34 + i, n, list(marks), e.handlers.make_cache)
             out[h] = (same, statistics.median(xs))
         return out
     prompt = held(engine, build_times)

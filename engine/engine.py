@@ -92,9 +92,9 @@ class Engine:
         self.serving: Serving = for_this_process()
         self.handlers = RequestHandlers(self)     # what each request does (engine/handlers.py)
         self.prompts = Prompts(self)              # a request's prompt as token ids (engine/prompts.py)
-        self.turns = Turns(self)                  # begin/end of a generation, lone or batched (engine/turns.py)
+        self.turns = Turns(self, self.handlers)   # a generation's begin/end, lone or batched (engine/turns.py)
         self.loads = ModelLoad(self)              # LoadModel (engine/model_load.py)
-        self.sessions = SessionRequests(self)     # SaveSession, RestoreSession, SessionSteering
+        self.sessions = SessionRequests(self, self.handlers)  # SaveSession, RestoreSession, SessionSteering
 
     # ---- caller side (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -315,35 +315,3 @@ class Engine:
     steering_error = _loaded("steering_error")
     facts = _loaded("facts")          # what is loaded, one immutable value (Engine.model_facts)
     kv_fmt = _loaded("kv_format")     # the K/V format of new conversations (the load's, swapped by Configure)
-
-    # ---- what other engine modules ask of the loaded model (engine/handlers.py answers) ------
-    def cache_key(self, projection: bool | None = None):
-        return self.handlers.cache_key(projection)
-
-    def steering_fingerprint(self, projection: bool | None = None) -> str:
-        return self.handlers.steering_fingerprint(projection)
-
-    def session_fingerprint(self, steering_fp: str | None = None) -> dict:
-        return self.sessions.fingerprint(steering_fp)
-
-    def make_cache(self) -> list:
-        return self.handlers.make_cache()
-
-    def prompt_tokens(self, req: GenerateRequest) -> list[int]:
-        return self.prompts.prompt_tokens(req)
-
-    def status(self):
-        return self.handlers.status()
-
-    # ---- the held conversations (engine thread; engine/cache/conversations.py) ---------------------
-    @property
-    def live(self):
-        return self.conversations.live if self.conversations is not None else None
-
-    @live.setter
-    def live(self, entry) -> None:
-        self.conversations.live = entry
-
-    @property
-    def parking(self):
-        return self.conversations.parking if self.conversations is not None else None

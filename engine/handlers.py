@@ -91,9 +91,10 @@ class RequestHandlers:
         what only the loaded model can refuse (a K/V width its head size cannot take) is checked first."""
         kv_format = self._kv_format_for(req.kv_bits) if req.kv_bits is not None else None
         if req.cache_mib is not None or req.cache_slots is not None:
-            cap = self.eng.parking.cap_bytes >> 20 if req.cache_mib is None else req.cache_mib
-            slots = self.eng.parking.slots if req.cache_slots is None else req.cache_slots
-            self.eng.parking.set_limits(cap, slots)
+            parking = self.eng.conversations.parking
+            cap = parking.cap_bytes >> 20 if req.cache_mib is None else req.cache_mib
+            slots = parking.slots if req.cache_slots is None else req.cache_slots
+            parking.set_limits(cap, slots)
             self.eng.log(f"conversation cache: {cap} MiB, {slots} slots")
         if req.disk_mib is not None and self.eng.disk is not None:
             self.eng.disk.set_cap(req.disk_mib)
@@ -123,7 +124,8 @@ class RequestHandlers:
 
     def status(self) -> EngineStatus:
         reading = self.eng.guard.reading()
-        live = self.eng.live
+        convs = self.eng.conversations          # None before the engine thread opens
+        live = convs.live if convs is not None else None
         return EngineStatus(
             cache_mib_max=cache_range(reading.total_bytes if reading is not None else None).max_mib,
             model=str(self.eng.model_path) if self.eng.model_path else None,
@@ -132,8 +134,8 @@ class RequestHandlers:
             context_length=self.eng.n_ctx,
             live_tokens=len(live.tokens) if live else 0,
             live_messages=list(live.messages) if live else [],
-            conversations=self.eng.conversations.summary() if self.eng.conversations is not None else [],
-            parking=self.eng.parking.status() if self.eng.parking else None,
+            conversations=convs.summary() if convs is not None else [],
+            parking=convs.parking.status() if convs is not None else None,
             memory=None if reading is None else {
                 "total_bytes": reading.total_bytes, "available_bytes": reading.available_bytes,
                 "source": reading.source},

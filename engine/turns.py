@@ -1,7 +1,7 @@
 """The turn API a generate request and a batched row share, on the engine thread: `begin_turn` (the
 prompt fitted to the context, the K/V taken or made and cut back to what it reuses, the drafter and
 the grammar decided before any work), `end_turn` (the reply's messages on its K/V, the log line, the
-Generation), and the measured prefill pace per model. One `Turns(engine)` per engine
+Generation), and the measured prefill pace per model. One `Turns(engine, handlers)` per engine
 (engine/handlers.py runs a lone request through it; engine/generation/batching.py a batch's rows)."""
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from engine.text.image_tokens import has_images, whole_image_start
 
 
 class Turns:
-    def __init__(self, engine):
+    def __init__(self, engine, handlers):
         self.eng = engine
+        self.handlers = handlers    # the K/V identity and a new cache (engine/handlers.py)
         self._pace = None           # (model, generate.PrefillPace) measured for the loaded model
 
     def prefill_pace(self):
@@ -31,7 +32,7 @@ class Turns:
 
     def take_kv(self, tokens: list[int], owner: str = ""):
         """The K/V to extend for `tokens` (engine/cache/conversations.py) under the current K/V identity."""
-        return self.eng.conversations.take(tokens, owner, self.eng.handlers.cache_key(), self.eng.handlers.make_cache)
+        return self.eng.conversations.take(tokens, owner, self.handlers.cache_key(), self.handlers.make_cache)
 
     def begin_turn(self, req: GenerateRequest, handle: Handle, batched: bool = False):
         """Everything before the reply's prefill: validation, the prompt's tokens, the K/V taken and
@@ -44,7 +45,7 @@ class Turns:
             constraint = compile_constraint(req.constraint, self.eng.tokenizer)
         # A side request's steering is off unless it asks: a title must not read like a steered reply.
         asked = req.speed_projection if req.speed_projection is not None or not req.side else False
-        self.eng.steering.speed_projection = self.eng.handlers.projection(asked)
+        self.eng.steering.speed_projection = self.handlers.projection(asked)
         stats = StepStats()
         n_ctx = self.eng.prompts.context_of(req)
         req, tokens, dropped = self.eng.prompts.fit_context(req, n_ctx)
@@ -57,7 +58,7 @@ class Turns:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {n_ctx}")
         if req.side:
             # Its own throwaway K/V: the conversations (live and parked) keep their places.
-            entry, reuse = KVEntry([], self.eng.handlers.make_cache(), self.eng.handlers.cache_key()), 0
+            entry, reuse = KVEntry([], self.handlers.make_cache(), self.handlers.cache_key()), 0
         else:
             entry, reuse = self.take_kv(tokens, req.conversation)
             entry.owner = req.conversation or entry.owner
@@ -65,7 +66,7 @@ class Turns:
         reuse = whole_image_start(tokens, reuse)    # an image is fed whole, never resumed halfway
         # Cut back through the cache contract: a trim, or for a cache that cannot be cut back there
         # (a recurrent state, a wrapped window) its latest checkpoint at or before, else from scratch.
-        reuse = entry.rewind(reuse, self.eng.handlers.make_cache)
+        reuse = entry.rewind(reuse, self.handlers.make_cache)
         if has_images(tokens[reuse:]):
             self.eng.loaded.vision.check_available(tokens[reuse:])    # refused before any K/V changes
         if batched and not req.side:
@@ -73,8 +74,9 @@ class Turns:
         elif not req.side:
             self.eng.conversations.live = entry     # from here on the live K/V is `entry`
         from_disk, entry.restored_from_disk = min(entry.restored_from_disk, reuse), 0
-        if self.eng.parking is not None:            # the status bar's figures while the reply runs
-            handle.emit(KVChanged(self.eng.parking.status(), req.conversation, len(tokens), reuse, from_disk))
+        if self.eng.conversations is not None:      # the status bar's figures while the reply runs
+            handle.emit(KVChanged(self.eng.conversations.parking.status(), req.conversation, len(tokens), reuse,
+                                  from_disk))
         entry.messages = self.eng.prompts.storable(req.messages or [])
         max_tokens = min(req.sampling.max_tokens, n_ctx - len(tokens))
         return Turn(req, entry, tokens, reuse, max_tokens, stats, drafter, constraint, from_disk,

@@ -790,7 +790,7 @@ def attach(engine) -> DiskTier | None:
     def fp_of(key: KVKey) -> dict | None:
         if engine.info is None or key.model_hash != engine.model_hash:
             return None
-        fp = engine.session_fingerprint(key.steering)
+        fp = engine.sessions.fingerprint(key.steering)
         fp["kv_format"] = key.kv_format
         # the model's content (its hash, over every part of a split set) is its identity here: its file's
         # name, there for a session file's refusal, would make the same model under another name (a link,
@@ -799,7 +799,7 @@ def attach(engine) -> DiskTier | None:
         return {k: str(v) for k, v in fp.items()}
 
     def probe() -> list:
-        return cache_probe(engine.model, engine.make_cache)
+        return cache_probe(engine.model, engine.handlers.make_cache)
 
     def next_shares(entry: KVEntry) -> int | None:
         """How much of `entry` the next turn's prompt shares: its messages and one more user message,
@@ -879,7 +879,7 @@ def clear_request(engine):
         engine.disk.clear()
         for e in engine.conversations.held():       # held in RAM: not written back until they grow
             e.disk_id, e.disk_skip = "", len(e.tokens)
-    return engine.status()
+    return engine.handlers.status()
 
 
 def forget_request(engine, req):
@@ -892,7 +892,7 @@ def forget_request(engine, req):
         for e in list(engine.conversations.parking.entries):
             if e.owner == req.conversation:
                 engine.conversations.parking.drop(e, "its chat was deleted")
-    return engine.status()
+    return engine.handlers.status()
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class GroupPrefill:
         a plain cache list, given back to the row."""
         r = self.rows.pop(i)
         # before the first chunk of fresh prompts the group's K/V has no arrays yet
-        fresh = self.engine.make_cache() if any(c.empty() for c in self.cache) else [None] * len(self.cache)
+        fresh = self.engine.handlers.make_cache() if any(c.empty() for c in self.cache) else [None] * len(self.cache)
         r.cache = r.entry.cache = [c.extract(i) if not c.empty() else new for c, new in zip(self.cache, fresh)]
         if self.rows:
             keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])

@@ -108,7 +108,7 @@ def _cache_facts(engine) -> tuple[bool, bool]:
     memo = engine.scheduler.batch_memo
     got = memo.get("cache_facts")
     if got is None or got[0] is not engine.model or got[1] != engine.in_force.kv_bits:
-        cache = engine.make_cache()
+        cache = engine.handlers.make_cache()
         facts = (not engine.kv_fmt.quantized and layer_cache.batchable(cache), not layer_cache.needs_checkpoints(cache))
         got = memo["cache_facts"] = (engine.model, engine.in_force.kv_bits, facts)
     return got[2]

@@ -123,8 +123,9 @@ class Distributed:
     def after_load(self, engine) -> None:
         """Hooks on a freshly loaded model: watchdog heartbeat, global steering layer numbers, and
         parking that admits only what every rank's memory guard admits."""
-        if not isinstance(engine.parking.guard, LockstepGuard):
-            engine.parking.guard = LockstepGuard(engine.parking.guard, self)
+        parking = engine.conversations.parking
+        if not isinstance(parking.guard, LockstepGuard):
+            parking.guard = LockstepGuard(parking.guard, self)
         self.after_install(engine.model)
 
     def after_install(self, model) -> None:
@@ -276,10 +277,11 @@ class Distributed:
     def save(self, engine, req, handle) -> dict:
         engine.require_model()
         # The same choice as Engine._save (every rank holds the same entries in the same order).
-        entry = engine.live
+        entry = engine.conversations.live
         if req.messages is not None:
-            held = ([engine.live] if engine.live is not None else []) + list(engine.parking.entries)
-            entry = next((e for e in held if e.messages == req.messages and e.key == engine.cache_key()), None)
+            key = engine.handlers.cache_key()
+            entry = next((e for e in engine.conversations.held() if e.messages == req.messages and e.key == key),
+                         None)
         error = None
         if entry is None and req.messages is not None:
             error = ("that conversation's K/V is no longer held by the engine "
@@ -299,7 +301,7 @@ class Distributed:
             whole = KVEntry(entry.tokens, full, entry.key, messages=entry.messages)
             whole.checkpoints = checkpoints
             try:
-                result = sessions.save(req.path, whole, engine.session_fingerprint(),
+                result = sessions.save(req.path, whole, engine.sessions.fingerprint(),
                                        progress=lambda d, t: handle.emit(Progress("save", d, t)), log=engine.log)
             except StrataError as e:
                 error = str(e)
@@ -313,7 +315,7 @@ class Distributed:
         # Pipeline: any cache kinds, through the cache contract (engine/ranks/pipeline_sessions.py); a format-3
         # file is checked against the whole model's one-token probe, which every rank runs together.
         pipeline = self.mode == "pipeline"
-        probe = (pipeline_sessions.probe(self, engine.model, engine.make_cache)
+        probe = (pipeline_sessions.probe(self, engine.model, engine.handlers.make_cache)
                  if pipeline and pipeline_sessions.needs_probe(engine.model) else None)
         whole, result, error = None, None, None
         if self.rank == 0:
@@ -321,10 +323,10 @@ class Distributed:
                 reason = engine.guard.unavailable_reason()
                 if reason:
                     raise RequestError(f"session restore refused: {reason}")
-                whole, result = sessions.load(req.path, engine.session_fingerprint(),
+                whole, result = sessions.load(req.path, engine.sessions.fingerprint(),
                                               (lambda: pipeline_sessions.whole_cache(engine)) if pipeline
                                               else (lambda: [KVCache() for _ in range(n_layer)]),
-                                              key=engine.cache_key(), dtype=engine.dtype,
+                                              key=engine.handlers.cache_key(), dtype=engine.dtype,
                                               progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                               log=engine.log, probe_cache=(lambda: probe) if probe else None)
             except StrataError as e:
@@ -355,18 +357,16 @@ class Distributed:
         cache, checkpoints = pipeline_sessions.scatter(self, whole.cache if self.rank == 0 else None,
                                                        whole.checkpoints if self.rank == 0 else None,
                                                        engine.model) \
-            if pipeline else (engine.make_cache(), [])
+            if pipeline else (engine.handlers.make_cache(), [])
         for dst, src in zip(cache, mine):           # tensor mode (pipeline: scattered above)
             dst.state = (src.keys, src.values, len(tokens))
-        entry = KVEntry(list(tokens), cache, engine.cache_key(), messages=messages)
+        entry = KVEntry(list(tokens), cache, engine.handlers.cache_key(), messages=messages)
         entry.checkpoints = checkpoints
         entry.owner = req.conversation          # as Engine._restore: the follow-up finds it by its owner
         # As Engine._restore: only now does the live conversation step aside.
-        if engine.live is not None and engine.parking.enabled:
-            engine.parking.park(engine.live)
-        engine.live = entry
+        engine.conversations.make_live(entry)
         # The CLI and the app continue with the file's steering, as after Engine._restore.
-        steer = engine.steering_fingerprint()
+        steer = engine.handlers.steering_fingerprint()
         return {**(result if result is not None else {"restored_tokens": len(tokens)}),
                 "speed_projection": bool(steer), "steering": {"fingerprint": steer} if steer else None}
 

@@ -23,17 +23,19 @@ from engine.text.image_tokens import has_image_parts, has_images
 
 
 class SessionRequests:
-    """One per engine (`Engine.sessions`); holds nothing but its engine."""
+    """One per engine (`Engine.sessions`): its engine, and the request handlers that answer the K/V
+    identity and make a cache."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, handlers):
         self.eng = engine
+        self.handlers = handlers
 
     def fingerprint(self, steering_fp: str | None = None) -> dict:
         """What a session file must match. `steering_fp`: the steering applied to the conversation's
         K/V (None: the setting in force); the vector's files and settings are named alongside so a
         refusal elsewhere can say which vector to load."""
         info = self.eng.info
-        steer = self.eng.handlers.steering_fingerprint() if steering_fp is None else steering_fp
+        steer = self.handlers.steering_fingerprint() if steering_fp is None else steering_fp
         vector = self.eng.steering.vector if self.eng.steering else None
         cfg = self.eng.in_force.steering
         described = "none"
@@ -55,9 +57,9 @@ class SessionRequests:
         reason = self.eng.guard.unavailable_reason()
         if reason:
             raise MemoryRefused(f"session save refused: {reason}")
-        entry, reread = self.eng.live, False
+        entry, reread = self.eng.conversations.live, False
         if req.messages is not None:
-            keys = None if req.speed_projection is None else {self.eng.handlers.cache_key(self.eng.handlers.projection(req.speed_projection))}
+            keys = None if req.speed_projection is None else {self.handlers.cache_key(self.handlers.projection(req.speed_projection))}
             entry = self.eng.conversations.find(self.eng.prompts.storable(req.messages), keys, req.conversation)
             if entry is None:
                 entry, reread = self._read_again(req, handle), True
@@ -74,7 +76,7 @@ class SessionRequests:
         cancellable), then it is saved like any other."""
         if not req.messages or not any(m.get("role") != "system" for m in req.messages):
             raise RequestError("there is no conversation to save")
-        self.eng.steering.speed_projection = self.eng.handlers.projection(req.speed_projection)
+        self.eng.steering.speed_projection = self.handlers.projection(req.speed_projection)
         tok = self.eng.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         # As it was held after its last reply: no generation prompt at the end, so a follow-up
@@ -89,7 +91,7 @@ class SessionRequests:
         if len(tokens) >= self.eng.n_ctx:
             raise ContextTooLong(f"the conversation is {len(tokens)} tokens; the context holds {self.eng.n_ctx}")
         self.eng.log(f"{req.conversation or 'save'}: K/V not held, reading {len(tokens)} tokens again")
-        entry = KVEntry([], self.eng.handlers.make_cache(), self.eng.handlers.cache_key(),
+        entry = KVEntry([], self.handlers.make_cache(), self.handlers.cache_key(),
                         messages=self.eng.prompts.storable(req.messages), owner=req.conversation)
 
         def read(part: list[int]) -> None:
@@ -123,9 +125,9 @@ class SessionRequests:
         # Model, geometry and tokenizer first: a file from another model is refused for that.
         sessions.check_fingerprint(name, meta, dict(expected, steering=theirs))
         projection = self._session_projection(name, theirs, meta.get("fp.steering_vector"), req.speed_projection)
-        steer = self.eng.handlers.steering_fingerprint(projection)
-        entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.eng.handlers.make_cache,
-                                      key=self.eng.handlers.cache_key(projection), dtype=self.eng.dtype,
+        steer = self.handlers.steering_fingerprint(projection)
+        entry, result = sessions.load(req.path, dict(expected, steering=steer or "none"), self.handlers.make_cache,
+                                      key=self.handlers.cache_key(projection), dtype=self.eng.dtype,
                                       n_vocab=self.eng.info.n_vocab, n_ctx=self.eng.n_ctx, admit=self.eng.guard.admit,
                                       progress=lambda d, t: handle.emit(Progress("restore", d, t)),
                                       log=self.eng.log, probe_cache=self._cache_probe,
@@ -138,7 +140,7 @@ class SessionRequests:
 
     def _cache_probe(self) -> list:
         """This model's cache after one token: what a format-3 session file's layers are checked against."""
-        return probe(self.eng.model, self.eng.handlers.make_cache)
+        return probe(self.eng.model, self.handlers.make_cache)
 
     def _session_projection(self, name: str, theirs: str, spec: str | None, asked: bool | None) -> bool:
         """The projection setting that reproduces a file's steering, or a one-line refusal that

@@ -47,7 +47,7 @@ def last_token_states(engine, prompts: list[str], progress=None, first: list | N
         for i, block in enumerate(originals):
             layers[i] = _Capture(block, store, i)
         for k, prompt in enumerate(prompts):
-            ids = engine.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": prompt}]))
+            ids = engine.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": prompt}]))
             store.clear()
             engine.model(mx.array(ids)[None])
             states = [store[i] for i in range(n_layer)]

@@ -127,7 +127,7 @@ def _fresh_read(engine, tokens: list[int], sampling: SamplingParams) -> list[int
     def run(e):
         from engine.generation.generate import reply
         from engine.cache.parking import KVEntry
-        entry = KVEntry([], e.make_cache(), e.cache_key())
+        entry = KVEntry([], e.handlers.make_cache(), e.handlers.cache_key())
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=sampling, n_vocab=e.info.n_vocab,
                      max_tokens=sampling.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
                      on_progress=lambda *a: None, cancelled=lambda: False).tokens
@@ -152,7 +152,7 @@ def test_regenerate_and_edit_equal_a_fresh_read(case):
         assert r.tokens == _fresh_read(engine, toks, SamplingParams(max_tokens=12, temperature=0.8, seed=50))
         edit = msgs[:3] + [{"role": "user", "content": TURNS[1] + " (edited)"}]
         r = ask(engine, edit, "A", seed=51)
-        if layer_cache.needs_checkpoints(engine.make_cache()):
+        if layer_cache.needs_checkpoints(engine.handlers.make_cache()):
             # resumed from a checkpoint (the start of the edited message), not re-read from scratch
             assert 0 < r.cached_tokens <= rs[1].prompt_tokens
         else:
@@ -231,7 +231,7 @@ def test_cancel_mid_prefill_leaves_the_cache_as_before_the_chunk(case):
         assert len(toks) == 73
 
         def logits(cancel: bool):
-            cache, fed = e.make_cache(), []
+            cache, fed = e.handlers.make_cache(), []
             prefill(e.model, cache, toks[:40], fed, layerwise=True)
             if cancel:
                 answers = iter([False])     # not before the chunk: after its first layer

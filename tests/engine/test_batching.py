@@ -427,7 +427,7 @@ def test_real_model_streams_match_alone_up_to_a_near_tie(real_model):
 
 def _top2_margin(engine, ids) -> float:
     import mlx.core as mx
-    cache = engine.make_cache()
+    cache = engine.handlers.make_cache()
     logits = engine.model(mx.array(ids)[None], cache=cache)[0, -1].astype(mx.float32)
     top = np.sort(np.array(logits))[-2:]
     return float(top[1] - top[0])

@@ -286,7 +286,7 @@ def test_train_directions_are_the_block_outputs(tiny4):
     try:
         def run(e):
             states = last_token_states(e, POS[:2])
-            ids = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": POS[1]}]))
+            ids = e.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": POS[1]}]))
             logits = e.model(mx.array(ids)[None])[0, -1]
             inner = e.model.model
             h = mx.array(states[1, -1].astype(np.float32))[None, None]

@@ -68,7 +68,7 @@ def fresh_read(engine, r) -> list[int]:
         from engine.generation.generate import reply
         from engine.cache.parking import KVEntry
         tokens = list(e.conversations.live.tokens[:r.prompt_tokens])
-        entry = KVEntry([], e.make_cache(), e.cache_key())
+        entry = KVEntry([], e.handlers.make_cache(), e.handlers.cache_key())
         return reply(e.model, entry, tokens, 0, tokenizer=e.tokenizer, sampling=SP, n_vocab=e.info.n_vocab,
                      max_tokens=SP.max_tokens, chunk=e.options.prefill_chunk, on_token=lambda *a: None,
                      on_progress=lambda *a: None, cancelled=lambda: False).tokens
@@ -277,7 +277,8 @@ def test_every_window_or_state_family_restores_after_a_restart(arch, tmp_path):
     path = arch_cases.ARCH_WRITERS[arch](tmp_path / f"{arch}.gguf")
     e = start(path, tmp_path / "d")
     try:
-        kinds = while_held(e, lambda x: [(type(c).__name__, getattr(c, "max_size", 0)) for c in x.make_cache()])
+        kinds = while_held(e, lambda x: [(type(c).__name__, getattr(c, "max_size", 0))
+                                         for c in x.handlers.make_cache()])
         msgs, rs = turns(e, 2)
     finally:
         e.stop()

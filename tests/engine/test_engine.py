@@ -237,9 +237,9 @@ def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine
     from engine.generation.generate import prefill
 
     def run(e):
-        toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": " ".join(
+        toks = e.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": " ".join(
             f"hill{i} stands" for i in range(40))}]))
-        cache, fed, calls = e.make_cache(), [], []
+        cache, fed, calls = e.handlers.make_cache(), [], []
 
         def cancelled():             # true on the check after the first layer of the third chunk
             calls.append(1)
@@ -248,7 +248,7 @@ def test_a_cancel_mid_chunk_leaves_the_kv_holding_exactly_the_chunks_read(engine
             prefill(e.model, cache, toks[:-1], fed, chunk=512, cancelled=cancelled, layerwise=True)
         assert fed == toks[:32] and all(c.offset == 32 for c in cache)
         prefill(e.model, cache, toks[32:-1], fed, chunk=512, layerwise=True)
-        ref_cache, ref_fed = e.make_cache(), []
+        ref_cache, ref_fed = e.handlers.make_cache(), []
         prefill(e.model, ref_cache, toks[:-1], ref_fed, chunk=512, layerwise=False)
         import mlx.core as mx
         n = len(fed)

@@ -202,8 +202,8 @@ def test_greedy_equals_plain_past_the_window_and_the_kv_holds_the_delivered_toke
         r = _gen(engine, text, "mtp")
         assert r.tokens == plain.tokens and len(r.tokens) == 40
         assert r.speculative == "mtp" and r.drafted_tokens > 0 and not r.speculation_stopped
-        live = engine.live
-        prompt = engine.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
+        live = engine.conversations.live
+        prompt = engine.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
         assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
         offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
         assert offs and all(o == len(live.tokens) for o in offs)
@@ -213,7 +213,7 @@ def test_greedy_equals_plain_past_the_window_and_the_kv_holds_the_delivered_toke
 def test_sampled_mtp_runs_and_keeps_bookkeeping(engine):
     r = _gen(engine, PROMPT, "mtp", n=24, temperature=0.8, seed=3)
     assert len(r.tokens) == 24 and r.drafted_tokens > 0
-    live = engine.live
+    live = engine.conversations.live
     offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
     assert all(o == len(live.tokens) for o in offs)
 
@@ -446,7 +446,7 @@ def test_greedy_equals_plain_with_8_bit_kv(mdir):
         plain = _gen(e, PROMPT, "off", n=24)
         r = _gen(e, PROMPT, "mtp", n=24)
         assert r.tokens == plain.tokens and r.drafted_tokens > 0
-        kinds = while_held(e, lambda eng: sorted({type(c).__name__ for c in eng.live.cache}))
+        kinds = while_held(e, lambda eng: sorted({type(c).__name__ for c in eng.conversations.live.cache}))
         assert any("Quantized" in k for k in kinds), kinds
     finally:
         e.stop()

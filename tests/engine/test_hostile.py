@@ -192,9 +192,10 @@ def test_a_bad_parked_entry_is_dropped_and_the_request_recomputes(engine):
 
     def plant(eng):
         # A parked conversation whose tokens cannot be decoded (a crafted session's last token -1).
-        bad = KVEntry(list(eng.live.tokens[:-1]) + [-1], eng.live.cache, eng.cache_key(), list(CHAT))
-        eng.live = None
-        eng.parking.entries.append(bad)
+        live = eng.conversations.live
+        bad = KVEntry(list(live.tokens[:-1]) + [-1], live.cache, eng.handlers.cache_key(), list(CHAT))
+        eng.conversations.live = None
+        eng.conversations.parking.entries.append(bad)
     while_held(engine, plant)
     h = engine.submit(GenerateRequest(messages=other, sampling=SamplingParams(max_tokens=3)))
     logs = [e.line for e in h.events() if isinstance(e, Log)]
@@ -211,7 +212,7 @@ def test_a_live_entry_that_fails_is_dropped_after_the_error(engine):
 
     def break_live(eng):
         # K/V of the wrong geometry (a crafted session): the next prefill that uses it fails.
-        for c in eng.live.cache:
+        for c in eng.conversations.live.cache:
             if c.keys is not None:
                 c.state = (mx.zeros((1, 1, c.offset, 3)), mx.zeros((1, 1, c.offset, 3)), c.offset)
     while_held(engine, break_live)

@@ -50,15 +50,15 @@ def test_quantized_kv_parks_with_its_real_bytes(tiny_gguf_wide, bits):
     e = start(tiny_gguf_wide, kv_bits=bits)
     a = [{"role": "user", "content": words(60)}]
     ra = gen(e, a)
-    assert all(isinstance(c, QuantizedKVCache) and c.bits == bits for c in e.live.cache)
-    live = e.live
+    assert all(isinstance(c, QuantizedKVCache) and c.bits == bits for c in e.conversations.live.cache)
+    live = e.conversations.live
     real = sum(x.nbytes for c in live.cache for x in (*c.keys, *c.values))
     gen(e, [{"role": "user", "content": words(20, 40)}])              # side request parks A
     st = e.call(Status())
     assert st.parking["entries"] == 1 and st.parking["bytes"] == real == live.nbytes()
     e16 = start(tiny_gguf_wide)
     gen(e16, a)
-    assert e16.live.nbytes() > real * (1.7 if bits == 8 else 2.8)      # codes + scales vs float32 K/V
+    assert e16.conversations.live.nbytes() > real * (1.7 if bits == 8 else 2.8)      # codes + scales vs float32 K/V
     a2 = a + [{"role": "assistant", "content": ra.text}, {"role": "user", "content": words(8, 3)}]
     r2 = gen(e, a2)
     assert r2.cached_tokens >= ra.prompt_tokens                    # resumed from the parked K/V
@@ -88,10 +88,10 @@ def test_quantized_session_round_trip_and_format_refusal(tiny_gguf_wide, tmp_pat
     # another format: refused with the reason, the live conversation untouched
     e16 = start(tiny_gguf_wide)
     gen(e16, a)
-    before = list(e16.live.tokens)
+    before = list(e16.conversations.live.tokens)
     with pytest.raises(StrataError, match=r"holds 8-bit K/V \(group 32\); this engine runs 16-bit K/V"):
         e16.call(RestoreSession(str(path)))
-    assert e16.live.tokens == before
+    assert e16.conversations.live.tokens == before
     p16 = tmp_path / "f16.stratasession"
     e16.call(SaveSession(str(p16)))
     with pytest.raises(StrataError, match=r"holds 16-bit K/V; this engine runs 4-bit K/V"):
@@ -107,7 +107,7 @@ def test_configure_switches_format_for_new_conversations(tiny_gguf_wide, tiny_gg
     e.call(Configure(kv_bits=8))
     r = gen(e, a)
     assert r.cached_tokens == 0                    # the 16-bit K/V is not reused under 8 bits
-    assert hasattr(e.live.cache[0], "bits")
+    assert hasattr(e.conversations.live.cache[0], "bits")
     with pytest.raises(StrataError, match="one of 16, 8, 4"):
         e.call(Configure(kv_bits=5))
     small = start(tiny_gguf)                           # head size 16
@@ -122,7 +122,7 @@ def test_speculation_trims_a_quantized_cache_exactly(tiny_gguf_wide):
     for spec in ("lookup", f"draft:{e.model_path}"):
         r = gen(e, msgs, n=40, spec=spec, temperature=0.0, rep=1.6)
         assert r.tokens == plain.tokens, spec
-        assert all(c.offset == len(e.live.tokens) for c in e.live.cache)
+        assert all(c.offset == len(e.conversations.live.tokens) for c in e.conversations.live.cache)
 
 
 @pytest.mark.slow
@@ -174,14 +174,14 @@ def test_quantized_file_layout_bytes_and_exact_restore(q_conv):
     assert len(data) == 4 * n + n * 3 * 2 * 2 * (4 * 4 + 2 + 2)
 
     def held(eng):
-        c = eng.live.cache
-        return [[np.asarray(x[..., :n, :]).tobytes() for x in (*l.keys, *l.values)] for l in c], eng.live.nbytes()
+        live = eng.conversations.live
+        return [[np.asarray(x[..., :n, :]).tobytes() for x in (*l.keys, *l.values)] for l in live.cache], live.nbytes()
     before, _ = while_held(e, held)
     r = e.call(RestoreSession(str(q_conv["good"])))
     assert r.restored_tokens == n
     after, real = while_held(e, held)
     assert after == before                            # codes, scales and biases bit for bit
-    g = while_held(e, lambda eng: sessions.Geometry.of(eng.session_fingerprint()))
+    g = while_held(e, lambda eng: sessions.Geometry.of(eng.sessions.fingerprint()))
     assert session_quant.restore_bytes(n, g) == real  # the memory guard is asked for the real bytes
     again = q_conv["dir"] / "again.stratasession"
     e.call(SaveSession(str(again)))

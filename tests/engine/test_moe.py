@@ -406,7 +406,7 @@ def test_session_file_round_trip_on_a_moe_model(moe_dir, tmp_path):
         msgs = a.messages + [{"role": "user", "content": turns[2]}]
         def fn(e):
             from engine.engine import GenerateRequest
-            ids = e.prompt_tokens(GenerateRequest(messages=msgs))
+            ids = e.prompts.prompt_tokens(GenerateRequest(messages=msgs))
             entry, n_cached = e.turns.take_kv(ids)
             logits = e.model(mx.array(ids[n_cached:])[None], cache=entry.cache)[0, -1]
             return np.array(logits.astype(mx.float32)), n_cached

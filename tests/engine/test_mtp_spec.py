@@ -77,8 +77,8 @@ def _gen(e, text, spec, n=32, temperature=0.0, seed=None, **kw):
 
 
 def _check_kv(e, text, r):
-    live = e.live
-    prompt = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
+    live = e.conversations.live
+    prompt = e.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": text}]))
     assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
     offs = [c.offset for c in live.cache if isinstance(getattr(c, "offset", None), int)]
     assert offs and all(o == len(live.tokens) for o in offs)

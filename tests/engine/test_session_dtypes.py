@@ -31,7 +31,7 @@ def test_float16_and_float32_engines_write_the_same_file_and_read_each_other(tin
         assert r.profile["cast"] == "none (float16 file, float16 cache)"
 
         def padded(e):
-            c = e.live.cache[0]
+            c = e.conversations.live.cache[0]
             return [c.keys.shape[2], c.offset, str(c.keys.dtype)]
         cells, offset, dtype = while_held(f16, padded)
         assert offset == n and cells % 256 == 0 and cells > n and dtype == "mlx.core.float16"

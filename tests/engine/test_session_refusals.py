@@ -63,7 +63,8 @@ def restore_all(engine, path: Path, blobs: list[bytes]) -> list[str]:
         for b in blobs:
             path.write_bytes(b)
             try:
-                sessions.load(str(path), e.session_fingerprint(), e.make_cache, key=e.cache_key(), dtype=e.dtype,
+                sessions.load(str(path), e.sessions.fingerprint(), e.handlers.make_cache,
+                              key=e.handlers.cache_key(), dtype=e.dtype,
                               n_vocab=e.info.n_vocab, n_ctx=e.n_ctx, admit=e.guard.admit)
                 out.append("OK")
             except SessionFileError as x:
@@ -289,15 +290,15 @@ def test_a_bad_parked_entry_is_dropped_after_the_error_it_causes(tiny_gguf):
         ask(engine, [{"role": "user", "content": words(20, 7)}], "B", n=4)      # A is parked
 
         def poison(e):
-            bad = e.parking.entries[0]
+            bad = e.conversations.parking.entries[0]
             bad.tokens = bad.tokens[:-1] + [-1]     # a new list, as every trim makes
-            return len(e.parking.entries)
+            return len(e.conversations.parking.entries)
         assert while_held(engine, poison) == 1
         h = engine.submit(GenerateRequest(messages=[{"role": "user", "content": words(20, 3)}],
                                           sampling=SamplingParams(max_tokens=2)))
         assert h.result(120).generated_tokens == 2
         assert any(l.startswith("dropped a parked conversation") for l in h.log_lines), h.log_lines
-        held = while_held(engine, lambda e: [t for x in e.parking.entries for t in x.tokens])
+        held = while_held(engine, lambda e: [t for x in e.conversations.parking.entries for t in x.tokens])
         assert held and min(held) >= 0                  # B parked, A gone
         for k in range(2):
             out, _ = ask(engine, [{"role": "user", "content": words(20, 11 + k)}], "C", n=2)
@@ -347,7 +348,7 @@ def test_restore_asks_the_memory_guard_first(tiny_gguf, conv):
         _, meta, _ = sessions.read_header(str(conv["good"]))
         n = int(meta["n_tokens"])
         need = while_held(engine, lambda e: sessions.restore_bytes(
-            n, sessions.Geometry.of(e.session_fingerprint()), 4 if "float32" in str(e.dtype) else 2))
+            n, sessions.Geometry.of(e.sessions.fingerprint()), 4 if "float32" in str(e.dtype) else 2))
         reader.available = guard.reserve_bytes + need - 1
         with pytest.raises(StrataError) as err:
             engine.call(RestoreSession(str(conv["good"])))

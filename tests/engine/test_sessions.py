@@ -246,7 +246,7 @@ def status_kb(field):
             return int(line.split()[1]) * 1024
 
 if mode == "rss":
-    entry_bytes = engine.live.nbytes()
+    entry_bytes = engine.conversations.live.nbytes()
     # On CUDA a process's first save grows RSS by ~20 MiB once (the first host reads of CUDA managed
     # memory; 1.5-1.7 MiB for each later save, probe on the H200): a first save, then what malloc holds
     # free handed back, so that a second copy in the measured save would still need new pages.

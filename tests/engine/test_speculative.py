@@ -129,9 +129,10 @@ def test_kv_holds_exactly_the_delivered_tokens_after_a_stop_mid_run(tiny_engine)
     stop_text = full.text[len(full.text) // 2:][:6]
     for spec in ("off", "lookup"):
         r = gen(tiny_engine, msgs, spec, n=48, rep=1.6, stop=[stop_text])
-        live = tiny_engine.live
+        live = tiny_engine.conversations.live
         assert all(c.offset == len(live.tokens) for c in live.cache)
-        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r.tokens)[:len(live.tokens)]
+        prompt = tiny_engine.prompts.prompt_tokens(GenerateRequest(messages=msgs))
+        assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
         assert len(live.tokens) <= r.prompt_tokens + len(r.tokens)
 
 
@@ -199,8 +200,8 @@ def test_low_acceptance_stops_speculating_and_output_is_unchanged(tiny_gguf, mon
     plain = gen(engine, msgs, "off", n=40, rep=1.6)
 
     def run(e, drafter):
-        toks = e.prompt_tokens(GenerateRequest(messages=msgs))
-        cache, fed = e.make_cache(), []
+        toks = e.prompts.prompt_tokens(GenerateRequest(messages=msgs))
+        cache, fed = e.handlers.make_cache(), []
         generate.prefill(e.model, cache, toks[:-1], fed)
         spec = speculative.SpecStats("test")
         sp = SamplingParams(max_tokens=40, repetition_penalty=1.6)
@@ -235,11 +236,11 @@ def test_speculated_conversation_parks_saves_restores_and_continues_like_a_plain
         assert r2.cached_tokens >= r1.prompt_tokens       # resumed from the parked K/V
         path = tmp_path / f"{spec}.stratasession"
         e.call(SaveSession(str(path)))
-        saved_tokens = list(e.live.tokens)
+        saved_tokens = list(e.conversations.live.tokens)
         e2 = start(tiny_gguf)
         e2.call(RestoreSession(str(path)))
-        assert e2.live.tokens == saved_tokens
-        assert all(c.offset == len(saved_tokens) for c in e2.live.cache)
+        assert e2.conversations.live.tokens == saved_tokens
+        assert all(c.offset == len(saved_tokens) for c in e2.conversations.live.cache)
         a3 = a2 + [{"role": "assistant", "content": r2.text}, {"role": "user", "content": words(6, 3)}]
         r3 = gen(e2, a3, spec, n=24, rep=1.6)
         runs[spec] = (r1.tokens, r2.tokens, r3.tokens, r3.cached_tokens)
@@ -273,16 +274,16 @@ def test_rejection_sampling_follows_the_target_distribution(tiny_engine, tiny_gg
     """2,000 first tokens of verify() from the tiny model's real logits: chi-square against p."""
 
     def collect(e):
-        toks = e.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": words(12)}]))
+        toks = e.prompts.prompt_tokens(GenerateRequest(messages=[{"role": "user", "content": words(12)}]))
         sp = SamplingParams(temperature=1.5, top_p=0.95)
         dist = speculative.target_distribution(sp)
-        cache = e.make_cache()
+        cache = e.handlers.make_cache()
         logits_prompt = e.model(mx.array(toks)[None], cache=cache)[0, -1]
         p0 = dist(logits_prompt[None])[0]
         # Draft the target's most likely token (a real draft would): both accept and reject paths run.
         top = int(mx.argmax(p0).item())
         draft = [top, top]
-        logits = e.model(mx.array(toks + draft)[None], cache=e.make_cache())[0, len(toks) - 1:]
+        logits = e.model(mx.array(toks + draft)[None], cache=e.handlers.make_cache())[0, len(toks) - 1:]
         q = None
         if drafter == "draft":
             other = speculative.load_draft(str(tiny_gguf_other), e.model_path, e.dtype, 2048)
@@ -317,9 +318,10 @@ def test_sampled_speculation_runs_and_keeps_bookkeeping(tiny_engine, tiny_gguf):
     for spec in ("lookup", f"draft:{tiny_gguf}"):
         r = gen(tiny_engine, msgs, spec, n=40, temperature=0.8, seed=3)
         assert len(r.tokens) == 40
-        live = tiny_engine.live
+        live = tiny_engine.conversations.live
         assert all(c.offset == len(live.tokens) for c in live.cache)
-        assert live.tokens == (tiny_engine.prompt_tokens(GenerateRequest(messages=msgs)) + r.tokens)[:len(live.tokens)]
+        prompt = tiny_engine.prompts.prompt_tokens(GenerateRequest(messages=msgs))
+        assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
         if spec.startswith("draft"):
             # the target drafting for itself at the same temperature: most drafts accepted (p == q)
             assert r.accepted_tokens > 0.8 * r.drafted_tokens > 0
@@ -339,9 +341,9 @@ def test_cancel_mid_speculation_keeps_the_kv_exact(tiny_engine, tiny_gguf):
                                                 sampling=SamplingParams(max_tokens=60)), callback=on_event)
     r = handle.result(timeout=120)
     assert r.finish_reason == "cancelled" and len(r.tokens) < 60
-    live = tiny_engine.live
+    live = tiny_engine.conversations.live
     assert all(c.offset == len(live.tokens) for c in live.cache)
-    prompt = tiny_engine.prompt_tokens(GenerateRequest(messages=msgs))
+    prompt = tiny_engine.prompts.prompt_tokens(GenerateRequest(messages=msgs))
     assert len(live.tokens) <= len(prompt) + len(r.tokens)
     assert live.tokens == (prompt + r.tokens)[:len(live.tokens)]
 
