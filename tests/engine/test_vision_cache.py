@@ -13,7 +13,7 @@ from gguf_factory_vision import write_gemma3_vision_pair
 from vision_images import photo, png
 
 from engine.model import memory_estimate as me
-from engine.api import (CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
+from engine.api import (BatchCounters, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
                         SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
@@ -25,6 +25,7 @@ from engine.text.image_tokens import image_runs
 from engine_reads import while_held
 
 N_GEN = 6
+N_BATCH = 16        # batched replies long enough that rows joining one after another still step together
 
 
 @pytest.fixture(scope="module")
@@ -242,22 +243,79 @@ def test_the_memory_fit_counts_the_projector_and_one_image(pair):
         eng.stop()
 
 
-def test_image_requests_run_alone_between_batch_steps(make_engine):
-    """With continuous batching on, an image request runs alone between the text rows' steps (its
-    prefill feeds embeddings, which a batch row's prefill does not): every reply is the one each
-    request gets alone."""
-    a = image(88, 120, 97)
-    reqs = [([{"role": "user", "content": f"Tell me about number {i}."}], f"text-{i}") for i in range(3)]
-    reqs.insert(1, ([user("What is this? ", a)], "img"))
+def together(eng, reqs: list[GenerateRequest]) -> list:
+    """Every request queued while the engine thread is held, so they start as one batch."""
+    hold = eng.scheduler.hold()
+    try:
+        handles = [eng.submit(r) for r in reqs]
+    finally:
+        hold.release()
+    return [h.result(300) for h in handles]
+
+
+def greedy_req(messages, conversation: str, n: int = N_BATCH) -> GenerateRequest:
+    return GenerateRequest(messages=messages, conversation=conversation,
+                           sampling=SamplingParams(temperature=0.0, max_tokens=n))
+
+
+def batch_counters(eng) -> BatchCounters:
+    return eng.call(Status()).batch or BatchCounters()
+
+
+def test_image_rows_batch_with_a_text_row_and_equal_their_lone_replies(make_engine):
+    """Two chats with an image and a text chat sent at once (max_sequences 4): each image row's prompt is
+    read into its own cache (its image fed whole, as alone), then it decodes in the batch's steps beside
+    the others; every reply equals the one its request gets alone, each image encoded once."""
+    a, b = image(88, 120, 97), image(130, 70, 98)
+    reqs = [greedy_req([user("What is this? ", a)], "img-a"),
+            greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text"),
+            greedy_req([user("And this one, ", b, " what is it?")], "img-b")]
     lone = make_engine(max_sequences=1)
-    want = [generate(lone, m, c).tokens for m, c in reqs]
+    want = [lone.call(r) for r in reqs]
     lone.stop()
     batched = make_engine(max_sequences=4)
-    handles = [batched.submit(GenerateRequest(messages=m, conversation=c,
-                                              sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-               for m, c in reqs]
-    assert [h.result(300).tokens for h in handles] == want
-    assert encoded(batched) == 1
+    got = together(batched, reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.prompt_tokens for r in got] == [r.prompt_tokens for r in want]
+    c = batch_counters(batched)
+    assert c.rows == 3 and c.image_rows == 2
+    assert c.peak_rows == 3 and c.shared_steps > 0, c      # the three decoded in the same steps
+    assert encoded(batched) == 2
+
+
+def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
+    """Follow-ups of two chats with an image (one live, one parked) and a text chat sent at once: the
+    image spans come from held K/V (no image encoded again, no image read by a row), the three rows read
+    their new text together and decode together, and each reply equals its lone one."""
+    a, b = image(96, 96, 61), image(64, 120, 62)
+    firsts = [greedy_req([user("Here is a photo: ", a, " Describe it.")], "chat-a"),
+              greedy_req([user("Another one: ", b, " Describe it.")], "chat-b")]
+
+    def follow_ups(replies) -> list[GenerateRequest]:
+        return [greedy_req(f.messages + [{"role": "assistant", "content": r.text},
+                                         {"role": "user", "content": "What colour is it mostly?"}], f.conversation)
+                for f, r in zip(firsts, replies)] + [greedy_req([{"role": "user", "content": "Count to five."}],
+                                                                "text")]
+    lone = make_engine(max_sequences=1)
+    lone_firsts = [lone.call(r) for r in firsts]
+    want = [lone.call(r) for r in follow_ups(lone_firsts)]
+    lone.stop()
+    eng = make_engine(max_sequences=4)
+    got_firsts = [eng.call(r) for r in firsts]
+    assert [r.tokens for r in got_firsts] == [r.tokens for r in lone_firsts]
+    before, n_encoded = batch_counters(eng), encoded(eng)
+    assert n_encoded == 2 and before.image_rows == 2
+    reqs = follow_ups(got_firsts)
+    spans = [image_runs(tokens_of(eng, r.messages))[0][1] for r in reqs[:2]]
+    got = together(eng, reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    for r, first, span in zip(got, got_firsts, spans):
+        assert r.cached_tokens >= span and r.cached_tokens >= 0.9 * (first.prompt_tokens + len(first.tokens))
+    assert encoded(eng) == n_encoded, "a held image span was encoded again"
+    after = batch_counters(eng)
+    assert after.image_rows == before.image_rows, "a held image span was read again"
+    assert after.rows == before.rows + 3 and after.read_together == before.read_together + 3
+    assert after.peak_rows == 3 and after.shared_steps > before.shared_steps
 
 
 def test_speculation_asked_for_decodes_an_image_prompt_plainly_and_says_so(make_engine):
