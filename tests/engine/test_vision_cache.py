@@ -25,6 +25,7 @@ from engine.text.image_tokens import image_runs
 from engine_reads import while_held
 
 N_GEN = 6
+N_SPEC = 64         # a reply long enough for lookup to find n-grams to draft from
 N_BATCH = 16        # batched replies long enough that rows joining one after another still step together
 
 
@@ -318,14 +319,27 @@ def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
     assert after.peak_rows == 3 and after.shared_steps > before.shared_steps
 
 
-def test_speculation_asked_for_decodes_an_image_prompt_plainly_and_says_so(make_engine):
+def test_lookup_drafts_around_images_and_equals_plain_decoding(make_engine, pair):
+    """Lookup speculation on a prompt with an image drafts from the text (the image's ids are never an
+    n-gram key nor a draft token, speculative.LookupDrafter) and replies as plain decoding does; a draft
+    model, which cannot read the image, decodes plainly and says why."""
     eng = make_engine()
-    msgs = [user("Name it: ", image(72, 72, 99))]
-    plain = generate(eng, msgs, "plain")
-    r = eng.call(GenerateRequest(messages=msgs, conversation="spec", speculative="lookup",
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-    assert r.tokens == plain.tokens and r.drafted_tokens == 0
-    assert "images" in r.speculation_stopped
+    # a prompt on which the tiny model's greedy reply repeats a few of its n-grams (lookup finds drafts)
+    said = "Say it twice: red green blue yellow. "
+    msgs = [user(said, image(72, 72, 99), " " + said)]
+
+    def ask(speculative: str, conversation: str):
+        return eng.call(GenerateRequest(messages=msgs, conversation=conversation, speculative=speculative,
+                                        sampling=SamplingParams(temperature=0.0, max_tokens=N_SPEC)))
+    plain = ask("off", "plain")
+    r = ask("lookup", "lookup")
+    assert r.tokens == plain.tokens and r.speculative == "lookup"
+    assert r.drafted_tokens > 0, "lookup drafted nothing around the image"
+    assert "images" not in (r.speculation_stopped or "")
+    d = ask(f"draft:{pair[0]}", "draft")
+    assert d.tokens == plain.tokens and d.drafted_tokens == 0
+    assert "cannot read the image" in d.speculation_stopped
+    assert encoded(eng) == 1
     text = eng.call(GenerateRequest(messages=[{"role": "user", "content": "no image here"}], speculative="lookup",
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
     assert "images" not in (text.speculation_stopped or "")
