@@ -17,6 +17,7 @@ from engine.api import (BatchCounters, CountTokens, EngineOptions, GenerateReque
                         SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
+from engine.events import Progress
 from engine.model.gguf_file import open_gguf
 from engine.memory.memory_guard import MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
@@ -263,25 +264,63 @@ def batch_counters(eng) -> BatchCounters:
     return eng.call(Status()).batch or BatchCounters()
 
 
-def test_image_rows_batch_with_a_text_row_and_equal_their_lone_replies(make_engine):
-    """Two chats with an image and a text chat sent at once (max_sequences 4): each image row's prompt is
-    read into its own cache (its image fed whole, as alone), then it decodes in the batch's steps beside
-    the others; every reply equals the one its request gets alone, each image encoded once."""
+def test_image_rows_batch_with_text_rows_and_equal_their_lone_replies(make_engine):
+    """Three chats with an image (the third re-sends the first's image) and two text chats sent at once
+    (max_sequences 8): each image row's prompt is read into its own cache (its image fed whole, as
+    alone), then it decodes in the batch's steps beside the others, while the text rows' prompts are
+    read together; every reply equals the one its request gets alone, each image encoded once."""
     a, b = image(88, 120, 97), image(130, 70, 98)
     reqs = [greedy_req([user("What is this? ", a)], "img-a"),
-            greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text"),
-            greedy_req([user("And this one, ", b, " what is it?")], "img-b")]
+            greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text-1"),
+            greedy_req([user("And this one, ", b, " what is it?")], "img-b"),
+            greedy_req([{"role": "user", "content": "Count to three, slowly."}], "text-2"),
+            greedy_req([user("Seen this before? ", a)], "img-a-again")]
     lone = make_engine(max_sequences=1)
     want = [lone.call(r) for r in reqs]
     lone.stop()
-    batched = make_engine(max_sequences=4)
+    batched = make_engine(max_sequences=8)
     got = together(batched, reqs)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.prompt_tokens for r in got] == [r.prompt_tokens for r in want]
     c = batch_counters(batched)
-    assert c.rows == 3 and c.image_rows == 2
-    assert c.peak_rows == 3 and c.shared_steps > 0, c      # the three decoded in the same steps
-    assert encoded(batched) == 2
+    assert c.rows == 5 and c.image_rows == 3
+    assert c.read_together == 2, "the text prompts are read together, the image prompts each alone"
+    assert c.peak_rows == 5 and c.shared_steps > 0, c      # all five decoded in the same steps
+    assert encoded(batched) == 2, "an image sent in two chats at once is encoded once"
+
+
+def test_an_image_row_cancelled_while_read_parks_what_it_fed(make_engine):
+    """An image row cancelled before its image is fed (its first text chunk is in) gets Failed(cancelled)
+    and parks the text it fed; the text row beside it equals its lone reply, and the chat sent again
+    equals its lone reply."""
+    a = image(100, 80, 71)
+    img_req = greedy_req([user("What is this? ", a)], "img")
+    text_req = greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text")
+    lone = make_engine(max_sequences=1)
+    want_img, want_text = lone.call(img_req), lone.call(text_req)
+    lone.stop()
+    eng = make_engine(max_sequences=4)
+    victim = []
+
+    def cancel_on_progress(ev):
+        if isinstance(ev, Progress) and ev.done > 0:
+            victim[0].cancel()
+    hold = eng.scheduler.hold()
+    try:
+        victim.append(eng.submit(img_req, callback=cancel_on_progress))
+        other = eng.submit(text_req)
+    finally:
+        hold.release()
+    with pytest.raises(EngineError, match="cancel"):
+        victim[0].result(300)
+    assert other.result(300).tokens == want_text.tokens
+    held = {x["owner"]: x["tokens"] for x in eng.call(Status()).conversations}
+    start = image_runs(tokens_of(eng, img_req.messages))[0][0]
+    # the text before the image is one chunk: the cancel comes before the image's own pass
+    assert 0 < held.get("img", 0) == start, "it parked the text it had fed, no part of the image"
+    assert encoded(eng) == 0
+    assert eng.call(img_req).tokens == want_img.tokens
+    assert encoded(eng) == 1
 
 
 def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
