@@ -163,6 +163,7 @@ class Row:
     cuts: list[int] = field(default_factory=list)   # of `todo`, where a checkpoint is taken (such caches)
     runs: list[tuple[int, int]] = field(default_factory=list)   # of `todo`, its image runs (start, end):
                                          # each fed whole into the row's own cache before it joins
+    images: dict = field(default_factory=dict)   # what feeding each run needs (Vision.hold), let go once fed
 
     @property
     def entry(self):
@@ -518,6 +519,8 @@ class BatchLoop:
             row.cuts = sorted({m - turn.reuse for m in marks if 0 < m - turn.reuse < len(row.todo)}
                               | ({len(row.todo)} if row.todo else set()))
         row.runs = image_runs(row.todo)
+        if row.runs:        # kept from now: later prompts' images must not push this row's out before it reads them
+            row.images = eng.loaded.vision.hold(row.todo)
         if row.todo and len(row.todo) > 1:
             h.emit(Progress("prefill", 0, len(row.todo)))
         return row
@@ -623,7 +626,9 @@ class BatchLoop:
             if image is not None:
                 if h.cancelled:
                     raise Cancelled("cancelled")
-                eng.loaded.vision.feed(eng.model, row.cache, part, row.entry.tokens)
+                eng.loaded.vision.feed(eng.model, row.cache, part, row.entry.tokens, row.images.get(part[0]))
+                if image == row.runs[-1]:
+                    row.images = {}     # all its images are in: their pixels and features are let go
                 logits = None
             else:
                 logits = self._prefill_text(row, part + [row.turn.tokens[-1]] if with_last else part, with_last)

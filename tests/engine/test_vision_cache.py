@@ -382,3 +382,17 @@ def test_lookup_drafts_around_images_and_equals_plain_decoding(make_engine, pair
     text = eng.call(GenerateRequest(messages=[{"role": "user", "content": "no image here"}], speculative="lookup",
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
     assert "images" not in (text.speculation_stopped or "")
+
+
+def test_many_images_in_rows_read_together_are_all_fed(make_engine):
+    """Three chats of three images each, sent at once: every row's images are still there when its turn
+    to read them comes (more images wait in admitted rows than the engine keeps pending for a lone
+    prompt, Vision.hold), and each reply equals its lone one."""
+    reqs = [greedy_req([user(*[x for k in range(3) for x in (f"Picture {k}: ", image(40 + 8 * k, 36, 10 * i + k))])],
+                       f"album-{i}", n=4) for i in range(3)]
+    lone = make_engine(max_sequences=1)
+    want = [lone.call(r).tokens for r in reqs]
+    lone.stop()
+    batched = make_engine(max_sequences=4)
+    assert [r.tokens for r in together(batched, reqs)] == want
+    assert encoded(batched) == 9 and batch_counters(batched).image_rows == 3
