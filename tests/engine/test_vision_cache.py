@@ -324,18 +324,22 @@ def test_an_image_row_cancelled_while_read_parks_what_it_fed(make_engine):
 
 
 def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
-    """Follow-ups of two chats with an image (one live, one parked) and a text chat sent at once: the
-    image spans come from held K/V (no image encoded again, no image read by a row), the three rows read
-    their new text together and decode together, and each reply equals its lone one."""
-    a, b = image(96, 96, 61), image(64, 120, 62)
+    """Follow-ups of three chats with an image (held live or parked) and a text chat sent at once: the
+    image spans come from held K/V (no image encoded again); two follow-ups and the text chat read their
+    new text together, the third adds a new image, read by its row alone (that image alone encoded); all
+    four decode together, and each reply equals its lone one."""
+    a, b, c, d = image(96, 96, 61), image(64, 120, 62), image(110, 90, 63), image(70, 70, 64)
     firsts = [greedy_req([user("Here is a photo: ", a, " Describe it.")], "chat-a"),
-              greedy_req([user("Another one: ", b, " Describe it.")], "chat-b")]
+              greedy_req([user("Another one: ", b, " Describe it.")], "chat-b"),
+              greedy_req([user("A third: ", c, " Describe it.")], "chat-c")]
+    more = [[{"role": "user", "content": "What colour is it mostly?"}],
+            [{"role": "user", "content": "Is it bright?"}],
+            [user("Compare it with this one: ", d)]]
 
     def follow_ups(replies) -> list[GenerateRequest]:
-        return [greedy_req(f.messages + [{"role": "assistant", "content": r.text},
-                                         {"role": "user", "content": "What colour is it mostly?"}], f.conversation)
-                for f, r in zip(firsts, replies)] + [greedy_req([{"role": "user", "content": "Count to five."}],
-                                                                "text")]
+        return [greedy_req(f.messages + [{"role": "assistant", "content": r.text}] + m, f.conversation)
+                for f, r, m in zip(firsts, replies, more)] + [
+                    greedy_req([{"role": "user", "content": "Count to five."}], "text")]
     lone = make_engine(max_sequences=1)
     lone_firsts = [lone.call(r) for r in firsts]
     want = [lone.call(r) for r in follow_ups(lone_firsts)]
@@ -344,18 +348,18 @@ def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
     got_firsts = [eng.call(r) for r in firsts]
     assert [r.tokens for r in got_firsts] == [r.tokens for r in lone_firsts]
     before, n_encoded = batch_counters(eng), encoded(eng)
-    assert n_encoded == 2 and before.image_rows == 2
+    assert n_encoded == 3 and before.image_rows == 3
     reqs = follow_ups(got_firsts)
-    spans = [image_runs(tokens_of(eng, r.messages))[0][1] for r in reqs[:2]]
+    spans = [image_runs(tokens_of(eng, r.messages))[0][1] for r in reqs[:3]]
     got = together(eng, reqs)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     for r, first, span in zip(got, got_firsts, spans):
         assert r.cached_tokens >= span and r.cached_tokens >= 0.9 * (first.prompt_tokens + len(first.tokens))
-    assert encoded(eng) == n_encoded, "a held image span was encoded again"
+    assert encoded(eng) == n_encoded + 1, "a held image span was encoded again"
     after = batch_counters(eng)
-    assert after.image_rows == before.image_rows, "a held image span was read again"
-    assert after.rows == before.rows + 3 and after.read_together == before.read_together + 3
-    assert after.peak_rows == 3 and after.shared_steps > before.shared_steps
+    assert after.image_rows == before.image_rows + 1, "a held image span was read again"
+    assert after.rows == before.rows + 4 and after.read_together == before.read_together + 3
+    assert after.peak_rows == 4 and after.shared_steps > before.shared_steps
 
 
 def test_lookup_drafts_around_images_and_equals_plain_decoding(make_engine, pair):
