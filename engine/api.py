@@ -313,6 +313,7 @@ class BatchCounters(Result):
     rows: int = 0
     read_together: int = 0      # rows whose prompt was read in a group (engine/generation/batch_prefill.py)
     first_from_prompt: int = 0  # rows joining running rows, their first token from their prompt's pass
+    image_rows: int = 0         # rows whose prompt's image runs were fed into their own cache before joining
     # where a decode step's time goes on the engine thread (bench/concurrency.py prints them): queueing
     # the step (the model's graph, host work), waiting for the previous step's tokens (the device),
     # handing the tokens to their rows (detokenizing, stops, events)

@@ -78,6 +78,17 @@ class Drafts:
             self.named = self.load(str(path), eng.model_path, eng.dtype, eng.n_ctx)
         return self.named
 
+    @staticmethod
+    def off_for_images(drafter) -> str:
+        """Why `drafter` does not draft over a prompt with images ("": it does). Lookup's n-grams skip
+        the image spans (speculative.LookupDrafter); a draft model's own prefill and the MTP head's
+        embeddings read token ids, and an image span has none they could read."""
+        if isinstance(drafter, speculative.LookupDrafter):
+            return ""
+        if getattr(drafter, "samples_drafts", False):
+            return "off for a prompt with images (the MTP head reads text token embeddings, not the image)"
+        return "off for a prompt with images (a draft model cannot read the image)"
+
     def load(self, name: str, target: Path, dtype, n_ctx: int):
         """A draft GGUF for `target` (speculative.load_draft: the same vocabulary, refused by name
         otherwise), through the load's memory estimate and guard before any tensor is read."""

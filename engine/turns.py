@@ -51,9 +51,10 @@ class Turns:
         req, tokens, dropped = self.eng.prompts.fit_context(req, n_ctx)
         spec_off = ""
         if drafter is not None and has_images(tokens):
-            # Drafters read token ids (a draft model's own prefill, lookup's n-grams, the MTP head's
-            # embeddings), none of which image spans are: the reply decodes plainly and says why.
-            drafter, spec_off = None, "off for a prompt with images (drafters read text tokens only)"
+            # A draft model and the MTP head read token ids, which an image span is not: the reply
+            # decodes plainly and says why. Lookup drafts from the text around the images.
+            spec_off = self.eng.drafts.off_for_images(drafter)
+            drafter = None if spec_off else drafter
         if len(tokens) >= n_ctx:
             raise ContextTooLong(f"the prompt is {len(tokens)} tokens; the context holds {n_ctx}")
         if req.side:

@@ -37,6 +37,9 @@ The schedule, one iteration:
      the decoding rows for more than one chunk; rows whose prompt is in join. When nothing decodes
      and two or more prompts have not begun (requests sent together), a chunk of each of them goes
      in one padded pass instead (engine/generation/batch_prefill.py), and they start decoding at the same step;
+     a prompt with image runs is read alone, chunk by chunk into its own cache, each image whole in a
+     chunk of its own (engine/vision/spans.Vision.feed, as a lone prefill feeds it), then it joins as
+     any row does (a follow-up whose image span is held reads only its new text, like a text row);
   4. one decode step for every decoding row: the step after it is queued on the device before the
      host reads this one's tokens (mlx-lm's pipelining), as `generate.decode` does.
 Each row keeps its sampler, seed (its own key chain, the same draws as `mx.random.seed` gives a
@@ -62,7 +65,7 @@ from engine.generation import generate
 from engine.model.memory_estimate import estimate, read_header
 from engine.generation.batch_prefill import GroupPrefill
 from engine.generation.generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
-from engine.text.image_tokens import has_image_parts
+from engine.text.image_tokens import has_images, image_runs
 
 log = logging.getLogger("strata")
 
@@ -90,8 +93,8 @@ def batchable(engine, item) -> bool:
     req = item.request
     if req.constraint is not None or (req.speculative or "off") != "off":
         return False        # the rule: speculation and constrained decoding run alone (between steps)
-    if has_image_parts(req.messages):
-        return False        # image spans are fed by the lone path (a row's prefill reads token ids only)
+    # A prompt with images is a row too: its image runs are fed into its own cache before it joins
+    # (BatchLoop._prefill_chunk), so it decodes like any row with reused K/V.
     return cache_batches(engine)
 
 
@@ -158,6 +161,9 @@ class Row:
     snap: object = None                  # layer_cache.Checkpoint before its last token was fed (a cache
                                          # that cannot trim: windows, recurrent states)
     cuts: list[int] = field(default_factory=list)   # of `todo`, where a checkpoint is taken (such caches)
+    runs: list[tuple[int, int]] = field(default_factory=list)   # of `todo`, its image runs (start, end):
+                                         # each fed whole into the row's own cache before it joins
+    images: dict = field(default_factory=dict)   # what feeding each run needs (Vision.hold), let go once fed
 
     @property
     def entry(self):
@@ -475,6 +481,7 @@ class BatchLoop:
                 break
             self.prefilling.append(row)
             counters(eng).rows += 1
+            counters(eng).image_rows += bool(row.runs)
         self.waiting.extendleft(reversed(skipped))
 
     def _start(self, h: Handle) -> Row | None:
@@ -498,7 +505,9 @@ class BatchLoop:
         # `marks`: the last message's start and end, and the prompt read), so the next turn finds them.
         marks = eng.prompts.message_marks(turn.req, turn.entry, turn.tokens)
         checkpoints = layer_cache.needs_checkpoints(turn.entry.cache)
-        limit = generate.first_step_merge_limit(eng.options.prefill_chunk) if not marks else 0
+        # Nor with images in the prompt, as a lone reply's (generate.reply): a step feeds token ids only.
+        limit = generate.first_step_merge_limit(eng.options.prefill_chunk) \
+            if not marks and not has_images(turn.tokens) else 0
         n_merged = len(new) - limit * ((len(new) - 1) // limit) if limit and new else 0
         row = Row(handle=h, turn=turn, out=ReplyText(eng.tokenizer, sp.stop, lambda t, s: h.emit(Token(t, s))),
                   todo=new[:len(new) - n_merged], pending=new[len(new) - n_merged:], steered=turn.projection,
@@ -509,6 +518,9 @@ class BatchLoop:
         if checkpoints:
             row.cuts = sorted({m - turn.reuse for m in marks if 0 < m - turn.reuse < len(row.todo)}
                               | ({len(row.todo)} if row.todo else set()))
+        row.runs = image_runs(row.todo)
+        if row.runs:        # kept from now: later prompts' images must not push this row's out before it reads them
+            row.images = eng.loaded.vision.hold(row.todo)
         if row.todo and len(row.todo) > 1:
             h.emit(Progress("prefill", 0, len(row.todo)))
         return row
@@ -537,7 +549,8 @@ class BatchLoop:
         together (engine/generation/batch_prefill.py), each leaving the group to decode once its prompt is in."""
         if self.batch.rows:
             return False
-        fresh = [r for r in self.prefilling if r.done == 0 and r.todo]
+        # a prompt with image runs reads alone (_prefill_chunk): a group's pass feeds token ids only
+        fresh = [r for r in self.prefilling if r.done == 0 and r.todo and not r.runs]
         if len(fresh) < 2:
             return False
         for r in fresh:
@@ -586,45 +599,44 @@ class BatchLoop:
         return g.rows
 
     def _prefill_chunk(self, row: Row) -> None:
+        """One chunk of the row's prompt into its own cache: text up to its next checkpoint or image, or
+        one image run whole (read as a lone prefill reads it, engine/vision/spans.Vision.feed)."""
         eng = self.engine
         h = row.handle
         if self.batch.rows and row.pending:     # it will not step alone: no part goes with a step
             row.read_pending()
         total = len(row.todo)
-        gpu = on_gpu()
-        chunk = eng.options.prefill_chunk
-        pace = eng.turns.prefill_pace()
-        size = next_chunk(row.done, total, chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
-        cut = next((c for c in row.cuts if c > row.done), None)
-        if cut is not None:
-            size = min(size, cut - row.done)
-        part = row.todo[row.done:row.done + size]
+        image = next(((a, b) for a, b in row.runs if a == row.done), None)
+        if image is not None:
+            part = row.todo[image[0]:image[1]]
+        else:
+            part = row.todo[row.done:row.done + self._chunk_size(row)]
         # A row joining rows that decode: its last chunk takes the prompt's last token too, and its first
         # token is sampled from that pass and sent at once. Joining at a step instead, it would wait for
         # the batch's step in flight, its own step, and the next one's build (the pipeline reads a
         # step's tokens after queueing the next): a joining stream's first token would cost its
         # prompt's read plus two steps of the whole batch (bench/concurrency.py's join figure).
         last = bool(self.batch.rows) and row.done + len(part) >= total
-        # where checkpoints are due, the prompt's last token goes in a pass of its own after the checkpoint
-        feed = part + [row.turn.tokens[-1]] if last and not row.cuts else part
+        # where checkpoints are due, or after an image, the prompt's last token goes in a pass of its own
+        with_last = last and not row.cuts and image is None
         if eng.steering is not None:
             eng.steering.speed_projection = row.steered
-        base = row.done
-
-        def report(d: int, _t: int) -> None:
-            if d:   # each chunk's prefill() opens with (0, n): the row said 0 when it started (_start)
-                h.emit(Progress("prefill", min(base + d, total), total))
         t0 = time.perf_counter()
         try:
-            logits = prefill(eng.model, row.cache, feed, row.entry.tokens, chunk=chunk, first=len(feed),
-                             progress=report if total > 1 else None, cancelled=lambda: h.cancelled,
-                             layerwise=None if not eng.serving.distributed else False,
-                             last_logits=last and not row.cuts)
+            if image is not None:
+                if h.cancelled:
+                    raise Cancelled("cancelled")
+                eng.loaded.vision.feed(eng.model, row.cache, part, row.entry.tokens, row.images.get(part[0]))
+                if image == row.runs[-1]:
+                    row.images = {}     # all its images are in: their pixels and features are let go
+                logits = None
+            else:
+                logits = self._prefill_text(row, part + [row.turn.tokens[-1]] if with_last else part, with_last)
             if row.done + len(part) in row.cuts:
                 row.entry.checkpoint()
-                if last:
-                    logits = prefill(eng.model, row.cache, [row.turn.tokens[-1]], row.entry.tokens,
-                                     chunk=chunk, cancelled=lambda: h.cancelled, last_logits=True)
+            if last and not with_last:
+                logits = prefill(eng.model, row.cache, [row.turn.tokens[-1]], row.entry.tokens,
+                                 chunk=eng.options.prefill_chunk, cancelled=lambda: h.cancelled, last_logits=True)
         except Exception as e:  # noqa: BLE001 - a cancel (its K/V kept as fed so far) or a failure
             self.prefilling.remove(row)
             if isinstance(e, StrataError):
@@ -633,15 +645,48 @@ class BatchLoop:
                 self._drop(row)
             self._fail(h, e)
             return
-        pace.record(len(feed), time.perf_counter() - t0)
+        if image is None:
+            eng.turns.prefill_pace().record(len(part) + with_last, time.perf_counter() - t0)
+        elif total > 1:
+            h.emit(Progress("prefill", row.done + len(part), total))
         row.done += len(part)
         if last:
-            token = row.sample(logits, first=True).item()
-            row.first, row.n, row.t_prefill = token, 1, time.perf_counter()
-            row.turn.stats.t_first = row.t_prefill
-            counters(eng).first_from_prompt += 1
-            if row.out.push(token) or row.n >= row.turn.max_tokens:
-                row.ended = "done"
+            self._first_token(row, logits)
+
+    def _chunk_size(self, row: Row) -> int:
+        """The next text chunk's size: the lone prefill's schedule, stopping at the row's next checkpoint
+        and at its next image run (fed whole, in a pass of its own)."""
+        eng = self.engine
+        gpu = on_gpu()
+        chunk = eng.options.prefill_chunk
+        pace = eng.turns.prefill_pace()
+        size = next_chunk(row.done, len(row.todo), chunk, chunk if gpu else FIRST_CHUNK, 0 if gpu else pace.cap())
+        stops = [c for c in row.cuts + [a for a, _ in row.runs] if c > row.done]
+        if stops:
+            size = min(size, min(stops) - row.done)
+        return size
+
+    def _prefill_text(self, row: Row, feed: list[int], last_logits: bool):
+        """Text tokens of the row's prompt into its own cache (generate.prefill, one chunk)."""
+        eng = self.engine
+        h = row.handle
+        total, base = len(row.todo), row.done
+
+        def report(d: int, _t: int) -> None:
+            if d:   # each chunk's prefill() opens with (0, n): the row said 0 when it started (_start)
+                h.emit(Progress("prefill", min(base + d, total), total))
+        return prefill(eng.model, row.cache, feed, row.entry.tokens, chunk=eng.options.prefill_chunk,
+                       first=len(feed), progress=report if total > 1 else None, cancelled=lambda: h.cancelled,
+                       layerwise=None if not eng.serving.distributed else False, last_logits=last_logits)
+
+    def _first_token(self, row: Row, logits) -> None:
+        """The row's first token, sampled from its prompt's last pass (it joins rows that decode)."""
+        token = row.sample(logits, first=True).item()
+        row.first, row.n, row.t_prefill = token, 1, time.perf_counter()
+        row.turn.stats.t_first = row.t_prefill
+        counters(self.engine).first_from_prompt += 1
+        if row.out.push(token) or row.n >= row.turn.max_tokens:
+            row.ended = "done"
 
     # -- decoding --
     def _step(self, joined: list[Row]) -> None:

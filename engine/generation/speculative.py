@@ -227,7 +227,13 @@ class Verdicts:
 
 # ---- drafters ---------------------------------------------------------------------------------
 class LookupDrafter:
-    """Prompt-lookup drafts from an n-gram index kept up to date as the context grows."""
+    """Prompt-lookup drafts from an n-gram index kept up to date as the context grows.
+
+    A prompt with images holds image spans (runs of one negative pseudo-token id,
+    engine/text/image_tokens.py): they have no embedding row a verify pass could feed, and a run's
+    n-grams (the same id repeated) would only ever propose more of the run. So no n-gram with an image
+    id is a key, and a draft ends before the first image id it would copy; the text around an image
+    drafts as any text does."""
 
     def __init__(self, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN, draft_len: int | None = None):
         if draft_len is None:
@@ -246,7 +252,9 @@ class LookupDrafter:
         for end in range(self.indexed, len(self.tokens) - 1):
             for n in range(self.ngram_min, self.ngram_max + 1):
                 if end + 1 >= n:
-                    self.index[tuple(self.tokens[end + 1 - n:end + 1])] = end
+                    gram = tuple(self.tokens[end + 1 - n:end + 1])
+                    if min(gram) >= 0:
+                        self.index[gram] = end
         self.indexed = max(self.indexed, len(self.tokens) - 1)
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
@@ -257,7 +265,8 @@ class LookupDrafter:
                 continue
             end = self.index.get(tuple(toks[-n:]))
             if end is not None:
-                return toks[end + 1:end + 1 + min(k, self.draft_len)], None
+                draft = toks[end + 1:end + 1 + min(k, self.draft_len)]
+                return draft[:next((i for i, t in enumerate(draft) if t < 0), len(draft))], None
         return [], None
 
 

@@ -211,9 +211,25 @@ class Vision:
                 raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                    "pixels: send the image again")
 
-    def embeddings(self, token: int) -> ImageFeatures:
-        """The encoded image behind pseudo-token `token`: (n_tokens, text width) embeddings."""
-        prepared = self._pending.get(token)
+    def hold(self, tokens: list[int]) -> dict[int, ImageFeatures | PreparedImage]:
+        """What feeding each image span of `tokens` needs (its features when encoded, else its prepared
+        pixels), for a caller that feeds it later: a batch row reads its prompt after other prompts
+        were rendered and images encoded, which may push it out of the bounded caches here."""
+        held = {}
+        for start, _ in image_runs(tokens):
+            t = tokens[start]
+            got = self.features.get(t)
+            got = got if got is not None else self._pending.get(t)
+            if got is not None:
+                held[t] = got
+        return held
+
+    def embeddings(self, token: int, held: ImageFeatures | PreparedImage | None = None) -> ImageFeatures:
+        """The encoded image behind pseudo-token `token`: (n_tokens, text width) embeddings. `held`: what
+        `hold` gave for it (the cached features win over held pixels: encoded once)."""
+        if isinstance(held, ImageFeatures):
+            return held
+        prepared = held if held is not None else self._pending.get(token)
         hit = self.features.get(token)
         if hit is not None:
             return hit
@@ -228,9 +244,10 @@ class Vision:
         self._pending.pop(token, None)
         return feats
 
-    def feed(self, model, cache, run: list[int], fed: list[int]) -> None:
-        """Feed one image run (all its tokens) into `cache`; `fed` takes the run."""
-        feats = self.embeddings(run[0])
+    def feed(self, model, cache, run: list[int], fed: list[int], held=None) -> None:
+        """Feed one image run (all its tokens) into `cache`; `fed` takes the run. `held`: `hold`'s entry
+        for it, if the caller kept one."""
+        feats = self.embeddings(run[0], held)
         if feats.embeddings.shape[0] != len(run):
             raise RequestError(f"an image span of {len(run)} tokens holds an image of {feats.embeddings.shape[0]}: "
                                f"send the image again")

@@ -89,6 +89,20 @@ def test_lookup_drafter_proposes_the_continuation_of_the_latest_match():
     assert d.propose([9, 9, 9, 1], 4)[0] == []       # a new, unrelated context resets the index
 
 
+def test_lookup_never_drafts_or_keys_an_image_span():
+    """Image spans (runs of one negative pseudo-token id, engine/text/image_tokens.py) have no embedding
+    a verify pass could feed: no n-gram holding one is a key, and a draft stops before copying one."""
+    img = -12345
+    d = speculative.LookupDrafter(ngram_max=3, ngram_min=2, draft_len=6)
+    # the text before the image recurs at the end: its continuation is cut where the image begins
+    ctx = [5, 6, 7, 8, img, img, img, img, 9, 10, 5, 6, 7]
+    assert d.propose(ctx, 6)[0] == [8]
+    # an image run's own n-grams (the id repeated) and those crossing its edges are no keys
+    assert d.propose([1, img, img, img, img, 2, img, img], 6)[0] == []
+    assert d.propose([1, img, img, 2, 3, 4, img, img, 2], 6)[0] == []
+    assert d.propose([4, img, 2, 3, 9, 2, 3], 6)[0] == [9, 2, 3]       # text after an image drafts as text
+
+
 @pytest.mark.parametrize("rep", [1.0, 1.1])
 def test_lookup_greedy_equals_plain_decoding(tiny_engine, rep):
     """rep 1.1 (repetition penalty) exercises per-position processors in the verify pass; both

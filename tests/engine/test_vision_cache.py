@@ -13,10 +13,11 @@ from gguf_factory_vision import write_gemma3_vision_pair
 from vision_images import photo, png
 
 from engine.model import memory_estimate as me
-from engine.api import (CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
+from engine.api import (BatchCounters, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
                         SaveSession, Status)
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
+from engine.events import Progress
 from engine.model.gguf_file import open_gguf
 from engine.memory.memory_guard import MemoryGuard, MemoryReading
 from engine.sampling import SamplingParams
@@ -25,6 +26,8 @@ from engine.text.image_tokens import image_runs
 from engine_reads import while_held
 
 N_GEN = 6
+N_SPEC = 64         # a reply long enough for lookup to find n-grams to draft from
+N_BATCH = 16        # batched replies long enough that rows joining one after another still step together
 
 
 @pytest.fixture(scope="module")
@@ -242,32 +245,158 @@ def test_the_memory_fit_counts_the_projector_and_one_image(pair):
         eng.stop()
 
 
-def test_image_requests_run_alone_between_batch_steps(make_engine):
-    """With continuous batching on, an image request runs alone between the text rows' steps (its
-    prefill feeds embeddings, which a batch row's prefill does not): every reply is the one each
-    request gets alone."""
-    a = image(88, 120, 97)
-    reqs = [([{"role": "user", "content": f"Tell me about number {i}."}], f"text-{i}") for i in range(3)]
-    reqs.insert(1, ([user("What is this? ", a)], "img"))
+def together(eng, reqs: list[GenerateRequest]) -> list:
+    """Every request queued while the engine thread is held, so they start as one batch."""
+    hold = eng.scheduler.hold()
+    try:
+        handles = [eng.submit(r) for r in reqs]
+    finally:
+        hold.release()
+    return [h.result(300) for h in handles]
+
+
+def greedy_req(messages, conversation: str, n: int = N_BATCH) -> GenerateRequest:
+    return GenerateRequest(messages=messages, conversation=conversation,
+                           sampling=SamplingParams(temperature=0.0, max_tokens=n))
+
+
+def batch_counters(eng) -> BatchCounters:
+    return eng.call(Status()).batch or BatchCounters()
+
+
+def test_image_rows_batch_with_text_rows_and_equal_their_lone_replies(make_engine):
+    """Three chats with an image (the third re-sends the first's image) and two text chats sent at once
+    (max_sequences 8): each image row's prompt is read into its own cache (its image fed whole, as
+    alone), then it decodes in the batch's steps beside the others, while the text rows' prompts are
+    read together; every reply equals the one its request gets alone, each image encoded once."""
+    a, b = image(88, 120, 97), image(130, 70, 98)
+    reqs = [greedy_req([user("What is this? ", a)], "img-a"),
+            greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text-1"),
+            greedy_req([user("And this one, ", b, " what is it?")], "img-b"),
+            greedy_req([{"role": "user", "content": "Count to three, slowly."}], "text-2"),
+            greedy_req([user("Seen this before? ", a)], "img-a-again")]
     lone = make_engine(max_sequences=1)
-    want = [generate(lone, m, c).tokens for m, c in reqs]
+    want = [lone.call(r) for r in reqs]
     lone.stop()
-    batched = make_engine(max_sequences=4)
-    handles = [batched.submit(GenerateRequest(messages=m, conversation=c,
-                                              sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-               for m, c in reqs]
-    assert [h.result(300).tokens for h in handles] == want
-    assert encoded(batched) == 1
+    batched = make_engine(max_sequences=8)
+    got = together(batched, reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.prompt_tokens for r in got] == [r.prompt_tokens for r in want]
+    c = batch_counters(batched)
+    assert c.rows == 5 and c.image_rows == 3
+    assert c.read_together == 2, "the text prompts are read together, the image prompts each alone"
+    assert c.peak_rows == 5 and c.shared_steps > 0, c      # all five decoded in the same steps
+    assert encoded(batched) == 2, "an image sent in two chats at once is encoded once"
 
 
-def test_speculation_asked_for_decodes_an_image_prompt_plainly_and_says_so(make_engine):
+def test_an_image_row_cancelled_while_read_parks_what_it_fed(make_engine):
+    """An image row cancelled before its image is fed (its first text chunk is in) gets Failed(cancelled)
+    and parks the text it fed; the text row beside it equals its lone reply, and the chat sent again
+    equals its lone reply."""
+    a = image(100, 80, 71)
+    img_req = greedy_req([user("What is this? ", a)], "img")
+    text_req = greedy_req([{"role": "user", "content": "Tell me about number 7."}], "text")
+    lone = make_engine(max_sequences=1)
+    want_img, want_text = lone.call(img_req), lone.call(text_req)
+    lone.stop()
+    eng = make_engine(max_sequences=4)
+    victim = []
+
+    def cancel_on_progress(ev):
+        if isinstance(ev, Progress) and ev.done > 0:
+            victim[0].cancel()
+    hold = eng.scheduler.hold()
+    try:
+        victim.append(eng.submit(img_req, callback=cancel_on_progress))
+        other = eng.submit(text_req)
+    finally:
+        hold.release()
+    with pytest.raises(EngineError, match="cancel"):
+        victim[0].result(300)
+    assert other.result(300).tokens == want_text.tokens
+    held = {x["owner"]: x["tokens"] for x in eng.call(Status()).conversations}
+    start = image_runs(tokens_of(eng, img_req.messages))[0][0]
+    # the text before the image is one chunk: the cancel comes before the image's own pass
+    assert 0 < held.get("img", 0) == start, "it parked the text it had fed, no part of the image"
+    assert encoded(eng) == 0
+    assert eng.call(img_req).tokens == want_img.tokens
+    assert encoded(eng) == 1
+
+
+def test_follow_ups_of_image_chats_batch_on_their_held_image_spans(make_engine):
+    """Follow-ups of three chats with an image (held live or parked) and a text chat sent at once: the
+    image spans come from held K/V (no image encoded again); two follow-ups and the text chat read their
+    new text together, the third adds a new image, read by its row alone (that image alone encoded); all
+    four decode together, and each reply equals its lone one."""
+    a, b, c, d = image(96, 96, 61), image(64, 120, 62), image(110, 90, 63), image(70, 70, 64)
+    firsts = [greedy_req([user("Here is a photo: ", a, " Describe it.")], "chat-a"),
+              greedy_req([user("Another one: ", b, " Describe it.")], "chat-b"),
+              greedy_req([user("A third: ", c, " Describe it.")], "chat-c")]
+    more = [[{"role": "user", "content": "What colour is it mostly?"}],
+            [{"role": "user", "content": "Is it bright?"}],
+            [user("Compare it with this one: ", d)]]
+
+    def follow_ups(replies) -> list[GenerateRequest]:
+        return [greedy_req(f.messages + [{"role": "assistant", "content": r.text}] + m, f.conversation)
+                for f, r, m in zip(firsts, replies, more)] + [
+                    greedy_req([{"role": "user", "content": "Count to five."}], "text")]
+    lone = make_engine(max_sequences=1)
+    lone_firsts = [lone.call(r) for r in firsts]
+    want = [lone.call(r) for r in follow_ups(lone_firsts)]
+    lone.stop()
+    eng = make_engine(max_sequences=4)
+    got_firsts = [eng.call(r) for r in firsts]
+    assert [r.tokens for r in got_firsts] == [r.tokens for r in lone_firsts]
+    before, n_encoded = batch_counters(eng), encoded(eng)
+    assert n_encoded == 3 and before.image_rows == 3
+    reqs = follow_ups(got_firsts)
+    spans = [image_runs(tokens_of(eng, r.messages))[0][1] for r in reqs[:3]]
+    got = together(eng, reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    for r, first, span in zip(got, got_firsts, spans):
+        assert r.cached_tokens >= span and r.cached_tokens >= 0.9 * (first.prompt_tokens + len(first.tokens))
+    assert encoded(eng) == n_encoded + 1, "a held image span was encoded again"
+    after = batch_counters(eng)
+    assert after.image_rows == before.image_rows + 1, "a held image span was read again"
+    assert after.rows == before.rows + 4 and after.read_together == before.read_together + 3
+    assert after.peak_rows == 4 and after.shared_steps > before.shared_steps
+
+
+def test_lookup_drafts_around_images_and_equals_plain_decoding(make_engine, pair):
+    """Lookup speculation on a prompt with an image drafts from the text (the image's ids are never an
+    n-gram key nor a draft token, speculative.LookupDrafter) and replies as plain decoding does; a draft
+    model, which cannot read the image, decodes plainly and says why."""
     eng = make_engine()
-    msgs = [user("Name it: ", image(72, 72, 99))]
-    plain = generate(eng, msgs, "plain")
-    r = eng.call(GenerateRequest(messages=msgs, conversation="spec", speculative="lookup",
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-    assert r.tokens == plain.tokens and r.drafted_tokens == 0
-    assert "images" in r.speculation_stopped
+    # a prompt on which the tiny model's greedy reply repeats a few of its n-grams (lookup finds drafts)
+    said = "Say it twice: red green blue yellow. "
+    msgs = [user(said, image(72, 72, 99), " " + said)]
+
+    def ask(speculative: str, conversation: str):
+        return eng.call(GenerateRequest(messages=msgs, conversation=conversation, speculative=speculative,
+                                        sampling=SamplingParams(temperature=0.0, max_tokens=N_SPEC)))
+    plain = ask("off", "plain")
+    r = ask("lookup", "lookup")
+    assert r.tokens == plain.tokens and r.speculative == "lookup"
+    assert r.drafted_tokens > 0, "lookup drafted nothing around the image"
+    assert "images" not in (r.speculation_stopped or "")
+    d = ask(f"draft:{pair[0]}", "draft")
+    assert d.tokens == plain.tokens and d.drafted_tokens == 0
+    assert "cannot read the image" in d.speculation_stopped
+    assert encoded(eng) == 1
     text = eng.call(GenerateRequest(messages=[{"role": "user", "content": "no image here"}], speculative="lookup",
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
     assert "images" not in (text.speculation_stopped or "")
+
+
+def test_many_images_in_rows_read_together_are_all_fed(make_engine):
+    """Three chats of three images each, sent at once: every row's images are still there when its turn
+    to read them comes (more images wait in admitted rows than the engine keeps pending for a lone
+    prompt, Vision.hold), and each reply equals its lone one."""
+    reqs = [greedy_req([user(*[x for k in range(3) for x in (f"Picture {k}: ", image(40 + 8 * k, 36, 10 * i + k))])],
+                       f"album-{i}", n=4) for i in range(3)]
+    lone = make_engine(max_sequences=1)
+    want = [lone.call(r).tokens for r in reqs]
+    lone.stop()
+    batched = make_engine(max_sequences=4)
+    assert [r.tokens for r in together(batched, reqs)] == want
+    assert encoded(batched) == 9 and batch_counters(batched).image_rows == 3
