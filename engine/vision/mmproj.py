@@ -9,6 +9,7 @@ tower reads its type's own keys and defaults (`Tower.read_spec`).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,7 @@ def load_projector(path: str | os.PathLike, text_arch: str, text_width: int,
         raise ModelFileError(f"{g.path.name} projects to width {width_out}; the loaded model's embeddings "
                              f"are {text_width} wide (a projector of another model size)")
     if spec.text_width != width_out:
-        spec = VisionSpec(**{**spec.__dict__, "text_width": width_out})
+        spec = dataclasses.replace(spec, text_width=width_out)    # keeps a tower's spec subclass
     mx.eval(list(weights.values()))
     return Projector(Path(path), spec, weights, sum(int(w.nbytes) for w in weights.values()))
 

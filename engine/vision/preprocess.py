@@ -51,3 +51,30 @@ def normalize(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:
     std = np.asarray(spec.std, dtype=np.float32)
     return ((rgb.astype(np.float32) / np.float32(255.0)) - mean) / std
 
+
+
+def resize_bicubic(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
+    """(height, width, 3) uint8, resized as llama.cpp's Pillow-compatible bicubic filter does (its
+    default resampler): horizontal pass, then vertical, as `resize_bilinear`."""
+    im = Image.fromarray(np.ascontiguousarray(rgb), "RGB")
+    if im.width != width:
+        im = im.resize((width, im.height), Image.BICUBIC)
+    if im.height != height:
+        im = im.resize((width, height), Image.BICUBIC)
+    return np.asarray(im)
+
+
+def fit_into(rgb: np.ndarray, width: int, height: int, resize=resize_bilinear) -> np.ndarray:
+    """Fit into a width x height black canvas, aspect kept (llama.cpp's resize with padding, PAD_CEIL:
+    the smaller side ratio in float32, sides rounded up, centered with offsets rounded down), resized
+    by `resize(rgb, w, h)`; the image as it is when it already has that size."""
+    sh, sw = rgb.shape[:2]
+    if (sw, sh) == (width, height):
+        return rgb
+    scale = min(np.float32(width) / np.float32(sw), np.float32(height) / np.float32(sh))
+    nw = max(1, min(int(math.ceil(np.float32(sw) * scale)), width))
+    nh = max(1, min(int(math.ceil(np.float32(sh) * scale)), height))
+    out = np.zeros((height, width, 3), dtype=np.uint8)
+    ox, oy = (width - nw) // 2, (height - nh) // 2
+    out[oy:oy + nh, ox:ox + nw] = resize(rgb, nw, nh)
+    return out
