@@ -5,6 +5,8 @@ table resized or not), DeepStack features, the image-token counts of libmtmd's s
 max bounds), and projector files that cannot serve the loaded model refused by name."""
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -12,10 +14,15 @@ import llama_oracle
 import mtmd_oracle
 from gguf_factory_vision import write_gemma3_mmproj
 from gguf_factory_vision_qwen3vl import write_qwen3vl_mmproj, write_qwen3vl_vision_pair
+from engine_reads import while_held
 from vision_images import photo, png
 
+from engine.api import CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
+from engine.engine import Engine
 from engine.errors import ModelFileError
 from engine.vision import mmproj
+from engine.sampling import SamplingParams
+from engine.text.image_tokens import image_runs
 from engine.vision.images import decode_image
 
 # max |ours - libmtmd| over an image's embeddings (values up to ~6): measured 0.0024-0.0035 on these
@@ -129,3 +136,147 @@ def test_a_gemma3_projector_is_refused_for_qwen35(tmp_path):
     mm = write_gemma3_mmproj(tmp_path / "mmproj-gemma.gguf")
     with pytest.raises(ModelFileError, match="gemma3 projector; the loaded model is a qwen35"):
         mmproj.load_projector(mm, "qwen35", 256)
+
+
+# ------------------------------------------------------------------------------------ through the engine
+# A text model whose full-attention layers' positions matter in a few tokens (RoPE base 1e4 on 64 of
+# 128 dims, every 2nd layer full attention): with text after an image placed at its token count, or
+# the image's tokens at plain positions, the first logits differ from llama.cpp's by 0.5-0.9 (measured).
+TEXT_KW = {"rope_theta": 1e4, "interval": 2, "n_rot": 64}
+TIE_MARGIN = 0.6            # as tests/engine/test_vision_engine.py
+N_GEN = 12
+TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tmp_path_factory):
+    llama_oracle.require()
+    return write_qwen3vl_vision_pair(tmp_path_factory.mktemp("qwen3vl-engine"), text_kw=TEXT_KW)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_pair):
+    eng = Engine(EngineOptions(model=str(engine_pair[0]), cache_mib=256)).start()
+    eng.startup.result()
+    yield eng
+    eng.stop()
+
+
+def user(*parts) -> dict:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
+    return {"role": "user", "content": content}
+
+
+def image(w: int, h: int, seed: int, mode: str = "RGB") -> ImageInput:
+    return ImageInput(png(photo(w, h, seed=seed), mode), f"{w}x{h}.png")
+
+
+def rgb(img: ImageInput) -> np.ndarray:
+    return decode_image(img.data).rgb
+
+
+def generate(eng, messages, conversation: str):
+    return eng.call(GenerateRequest(messages=messages, conversation=conversation,
+                                    sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
+
+
+def assert_greedy_equal(ours: list[int], ref: list[int], logits: np.ndarray) -> None:
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = np.sort(logits[i])[-2:]
+            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]:.3f}"
+            return
+    assert ours and ours == ref[:len(ours)]
+
+
+def test_loaded_with_the_projector_beside_it(engine):
+    assert engine.model_facts().vision == "qwen3vl_merger"
+
+
+def test_prompt_tokens_equal_libmtmd(engine, engine_pair):
+    a = image(203, 97, 1)
+    msgs = [user("What is in ", a, " this picture?")]
+    ours = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
+    chunks = mtmd_oracle.chunks(*engine_pair, TURN.format(f"What is in {mtmd_oracle.MARKER} this picture?"), [rgb(a)])
+    runs = image_runs(ours)
+    assert len(runs) == 1 and [k for k, _ in chunks] == ["text", "image", "text"]
+    start, end = runs[0]
+    assert ours[:start] == chunks[0][1] and end - start == chunks[1][1] == 300 and ours[end:] == chunks[2][1]
+    assert engine.call(CountTokens(messages=msgs)).tokens == len(ours)
+
+
+def test_first_logits_equal_llama_cpp(engine, engine_pair):
+    """The logits after an image + text prompt (the image's (t, h, w) positions, the text after it from
+    p0 + max(rows, cols)) against llama.cpp's: measured 0.0014-0.0023 (values up to ~6)."""
+    model, mm = engine_pair
+    for w, h in ((64, 48), (61, 173)):
+        img = image(w, h, seed=w)
+        msgs = [user("What is in ", img, " this picture?")]
+        tokens = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
+        _, logits = mtmd_oracle.greedy(model, mm, TURN.format(f"What is in {mtmd_oracle.MARKER} this picture?"),
+                                       [rgb(img)], 1)
+        ours = while_held(engine, lambda e: last_logits(e, tokens))
+        assert float(np.abs(ours - logits[0]).max()) < 2e-2, (w, h)
+
+
+def last_logits(eng, tokens: list[int], split: int | None = None) -> np.ndarray:
+    """The engine's model over `tokens` (text prefilled, each image fed whole) in a fresh cache, the
+    last token's logits; `split`: read in two turns (each with the positions `Vision.text_positions`
+    gives the cache's tokens so far), as a follow-up reads its text after a held image."""
+    model, vision = eng.model, eng.loaded.vision
+    cache, fed = model.make_cache(), []
+    out = []
+
+    def text(part):
+        out[:] = [model(mx.array(part)[None], cache=cache)]
+        fed.extend(part)
+    split = len(tokens) if split is None else split
+    for a, b in ((0, split), (split, len(tokens))):
+        vision.read(model, cache, tokens[a:b], fed, text)       # each read takes its positions
+    return np.array(out[0][0, -1].astype(mx.float32))
+
+
+@pytest.mark.parametrize("parts", [
+    ("Describe ", ("portrait", 61, 173, "RGBA"), " briefly."),
+    (("square", 64, 64, "RGB"), "Compare it with ", ("gray", 150, 90, "L"), "."),
+])
+def test_greedy_reply_equals_llama_cpp(engine, engine_pair, parts):
+    imgs = {p[0]: image(p[1], p[2], seed=p[1] + p[2], mode=p[3]) for p in parts if isinstance(p, tuple)}
+    msgs = [user(*(imgs[p[0]] if isinstance(p, tuple) else p for p in parts))]
+    text = TURN.format("".join(mtmd_oracle.MARKER if isinstance(p, tuple) else p for p in parts))
+    pixels = [rgb(imgs[p[0]]) for p in parts if isinstance(p, tuple)]
+    ref, logits = mtmd_oracle.greedy(*engine_pair, text, pixels, N_GEN)
+    r = generate(engine, msgs, conversation=f"parity-{len(imgs)}")
+    assert r.prompt_tokens == sum(n if k == "image" else len(n) for k, n in mtmd_oracle.chunks(*engine_pair, text, pixels))
+    assert_greedy_equal(r.tokens, ref, logits)
+
+
+def test_a_follow_up_reuses_the_image_and_its_positions(engine, engine_pair):
+    """The second turn reads only its new text (the image's K/V reused, not encoded again) and its text
+    goes on from the image's M-RoPE positions: its greedy reply equals llama.cpp's over the whole chat."""
+    img = image(120, 72, seed=7)
+    first = [user("Look at ", img, " and say what you see.")]
+    r1 = generate(engine, first, conversation="follow-up")
+    encoded = while_held(engine, lambda e: e.loaded.vision.features.encodes)
+    history = first + [{"role": "assistant", "content": r1.text}, user("And the colours?")]
+    r2 = generate(engine, history, conversation="follow-up")
+    assert while_held(engine, lambda e: e.loaded.vision.features.encodes) == encoded
+    assert r2.cached_tokens >= 0.9 * r1.prompt_tokens
+    tokens = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=history)))
+    text = (TURN.format(f"Look at {mtmd_oracle.MARKER} and say what you see.").removesuffix("<think>\n")
+            + r1.text + "<|im_end|>\n" + TURN.format("And the colours?"))
+    chunks = mtmd_oracle.chunks(*engine_pair, text, [rgb(img)])
+    assert chunks[0][1] + [tokens[image_runs(tokens)[0][0]]] * chunks[1][1] + chunks[2][1] == tokens
+    ref, logits = mtmd_oracle.greedy(*engine_pair, text, [rgb(img)], N_GEN)
+    assert_greedy_equal(r2.tokens, ref, logits)
+    # the same text read after the held image (its shift from the cache's tokens): llama.cpp's logits
+    ours = while_held(engine, lambda e: last_logits(e, tokens, split=r1.prompt_tokens))
+    assert float(np.abs(ours - logits[0]).max()) < 2e-2
+
+
+def test_text_only_conversations_keep_mlx_lms_rope(engine):
+    """After a turn with an image, the full-attention layers' RoPE is mlx-lm's own again (the shift is
+    installed for a turn with images only)."""
+    generate(engine, [user("One ", image(40, 40, seed=3), " image.")], conversation="img")
+    ropes = while_held(engine, lambda e: [type(l.self_attn.rope) for l in e.model.layers if not l.is_linear])
+    assert ropes and all(r is nn.RoPE for r in ropes)

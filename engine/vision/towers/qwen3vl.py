@@ -25,8 +25,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from engine.errors import ModelFileError, RequestError
-from engine.vision import vit
+from engine.errors import ModelFileError
+from engine.vision import text_mrope, vit
 from engine.vision.mmproj import VisionSpec
 from engine.vision.preprocess import fit_into, normalize, resize_bicubic
 from engine.vision.towers import ImageFeatures, PreparedImage, Tower
@@ -197,10 +197,15 @@ def out_width(weights: dict) -> int:
 
 
 def feed(model, cache, features: ImageFeatures) -> None:
-    raise RequestError("qwen3vl_merger: generation with images is not available yet (the text model's "
-                       "M-RoPE positions for image tokens are not implemented); the projector's embeddings are")
+    text_mrope.feed(model, cache, features.embeddings, features.grid)
+
+
+def n_pos(grid: tuple[int, int]) -> int:
+    """An image takes max(rows, cols) text positions (mtmd's n_pos for an M-RoPE image chunk)."""
+    return max(grid)
 
 
 TOWER = Tower(name="qwen3vl_merger", text_archs=("qwen35", "qwen35moe"),
               markers=("<|vision_start|>", "<|vision_end|>"), read_spec=read_spec, out_width=out_width,
-              prepare=prepare, encode=encode, feed=feed, max_tokens=n_tokens_max)
+              prepare=prepare, encode=encode, feed=feed, max_tokens=n_tokens_max, n_pos=n_pos,
+              positions=text_mrope.positions)
