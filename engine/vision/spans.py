@@ -138,11 +138,17 @@ class Vision:
 
     def storable(self, messages: list) -> list:
         """Messages as a held conversation keeps them: image parts as references with their digest
-        and the tokens they take."""
+        and the tokens they take (and, for a tower whose text positions follow the grid, `grid`:
+        [rows, cols], so a reference sent back places the text after it without the pixels)."""
+        grids: dict[str, tuple[int, int]] = {}
+
         def identify(data: bytes) -> tuple[str, int]:
             img = self.decode(data, "an image part")
-            return img.digest, self.prepare(img).n_tokens
-        return storable(messages, identify)
+            prepared = self.prepare(img)
+            grids[img.digest] = prepared.grid
+            return img.digest, prepared.n_tokens
+        out = storable(messages, identify)
+        return _with_grids(out, grids) if self.tower.n_pos is not None else out
 
     def flatten(self, messages: list[dict]) -> tuple[list[dict], list[PromptImage]]:
         """Messages with each list content made text (images as the media marker) and the images in order."""
@@ -167,6 +173,9 @@ class Vision:
 
     def _image_of(self, part: dict, where: str) -> PromptImage:
         if is_image_ref(part):
+            grid = part.get("grid")
+            if isinstance(grid, list) and len(grid) == 2 and all(isinstance(x, int) and x > 0 for x in grid):
+                self._note_grid(image_token(part["digest"], self.salt), (grid[0], grid[1]))
             return PromptImage(part["digest"], None, int(part.get("tokens") or 0))
         data = getattr(part.get("image"), "data", None)
         if data is None:
@@ -287,3 +296,15 @@ class Vision:
             return nullcontext()
         return self.tower.positions(model, self.shift(fed))
 
+
+def _with_grids(messages: list, grids: dict[str, tuple[int, int]]) -> list:
+    """`messages` with each image reference whose digest `grids` knows given its `grid` [rows, cols]."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            m = {**m, "content": [{**p, "grid": list(grids[p["digest"]])}
+                                  if is_image_ref(p) and p.get("digest") in grids and "grid" not in p else p
+                                  for p in content]}
+        out.append(m)
+    return out

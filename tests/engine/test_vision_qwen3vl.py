@@ -17,7 +17,8 @@ from gguf_factory_vision_qwen3vl import write_qwen3vl_mmproj, write_qwen3vl_visi
 from engine_reads import while_held
 from vision_images import photo, png
 
-from engine.api import CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
+from engine.api import (CountTokens, EngineOptions, GenerateRequest, ImageInput, RestoreSession, SaveSession,
+                        Status)
 from engine.engine import Engine
 from engine.errors import ModelFileError
 from engine.vision import mmproj
@@ -280,3 +281,97 @@ def test_text_only_conversations_keep_mlx_lms_rope(engine):
     generate(engine, [user("One ", image(40, 40, seed=3), " image.")], conversation="img")
     ropes = while_held(engine, lambda e: [type(l.self_attn.rope) for l in e.model.layers if not l.is_linear])
     assert ropes and all(r is nn.RoPE for r in ropes)
+
+
+# ------------------------------------------------------------------------- K/V reuse keeps the positions
+@pytest.fixture
+def make_engine(engine_pair):
+    made = []
+
+    def make(**kw):
+        e = Engine(EngineOptions(model=str(engine_pair[0]), **{"cache_mib": 256, **kw})).start()
+        e.startup.result()
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.stop()
+
+
+def encoded(eng) -> int:
+    return eng.call(Status()).vision["images_encoded"]
+
+
+def follow_up_equals_llama_cpp(eng, engine_pair, hist: list, r1, img: ImageInput, words: str):
+    """A follow-up on `hist` (one image, then the reply `r1`): served from held K/V with nothing encoded,
+    its greedy reply equal to llama.cpp's over the whole chat."""
+    n = encoded(eng)
+    follow = hist + [user("And the colours?")]
+    r2 = generate(eng, follow, "chat")
+    assert encoded(eng) == n, "the image was encoded again"
+    assert r2.cached_tokens >= 0.9 * r1.prompt_tokens
+    text = (TURN.format(f"{words}{mtmd_oracle.MARKER} Describe it.").removesuffix("<think>\n")
+            + r1.text + "<|im_end|>\n" + TURN.format("And the colours?"))
+    ref, logits = mtmd_oracle.greedy(*engine_pair, text, [rgb(img)], N_GEN)
+    assert_greedy_equal(r2.tokens, ref, logits)
+    return r2
+
+
+def first_turn(eng, img: ImageInput, words: str = "Here is a photo: ", conversation: str = "chat"):
+    history = [user(words, img, " Describe it.")]
+    r = generate(eng, history, conversation)
+    return history + [{"role": "assistant", "content": r.text}], r
+
+
+def test_parked_and_brought_back(make_engine, engine_pair):
+    eng = make_engine()
+    a = image(150, 110, 51)
+    hist, r1 = first_turn(eng, a)
+    first_turn(eng, image(110, 150, 52), "Another one: ", conversation="chat-b")      # chat is parked
+    assert eng.call(Status()).conversations[0]["owner"] == "chat-b"
+    follow_up_equals_llama_cpp(eng, engine_pair, hist, r1, a, "Here is a photo: ")
+
+
+def test_disk_tier_after_a_restart(make_engine, engine_pair, tmp_path):
+    disk = dict(disk_mib=64, disk_dir=str(tmp_path / "disk"))
+    eng = make_engine(**disk)
+    a = image(140, 100, 61)
+    hist, r1 = first_turn(eng, a)
+    assert eng.wait_idle(60)
+    eng.stop()
+    again = make_engine(**disk)
+    r2 = follow_up_equals_llama_cpp(again, engine_pair, hist, r1, a, "Here is a photo: ")
+    assert r2.restored_from_disk > 0 and encoded(again) == 0
+
+
+def test_a_restored_session_continued_with_references_only(make_engine, engine_pair, tmp_path):
+    """The restored messages keep the image as a reference (digest, tokens and its grid): sent back
+    with no pixels, the follow-up is served from the restored K/V and its text placed after the image
+    as llama.cpp places it."""
+    eng = make_engine()
+    a = image(120, 90, 71)
+    hist, r1 = first_turn(eng, a)
+    path = str(tmp_path / "with-image.strata")
+    eng.call(SaveSession(path, messages=hist, conversation="chat"))
+    eng.stop()
+    again = make_engine()
+    restored = again.call(RestoreSession(path, conversation="chat"))
+    ref = restored.messages[0]["content"][1]
+    assert ref["type"] == "image" and ref["grid"] == [11, 15] and "image" not in ref
+    follow_up_equals_llama_cpp(again, engine_pair, restored.messages, r1, a, "Here is a photo: ")
+    assert encoded(again) == 0
+
+
+def test_a_different_image_at_the_same_place_never_reuses_kv(make_engine, engine_pair):
+    eng = make_engine()
+    a, b = image(90, 140, 21), image(90, 140, 22)
+    head = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi."}]
+    first = generate(eng, head + [user("Look: ", a, " what is it?")], "swap")
+    msgs = head + [user("Look: ", b, " what is it?")]
+    second = generate(eng, msgs, "swap")
+    start = image_runs(while_held(eng, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs))))[0][0]
+    assert first.cached_tokens == 0 and second.cached_tokens <= start
+    text = ("<|im_start|>user\nHello there.<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n"
+            + TURN.format(f"Look: {mtmd_oracle.MARKER} what is it?"))
+    ref, logits = mtmd_oracle.greedy(*engine_pair, text, [rgb(b)], N_GEN)
+    assert_greedy_equal(second.tokens, ref, logits)
