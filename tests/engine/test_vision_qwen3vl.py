@@ -375,3 +375,20 @@ def test_a_different_image_at_the_same_place_never_reuses_kv(make_engine, engine
             + TURN.format(f"Look: {mtmd_oracle.MARKER} what is it?"))
     ref, logits = mtmd_oracle.greedy(*engine_pair, text, [rgb(b)], N_GEN)
     assert_greedy_equal(second.tokens, ref, logits)
+
+
+def test_qwen35moe_first_logits_equal_llama_cpp(tmp_path):
+    """The MoE variant (qwen35moe) takes the same projector and positions."""
+    model, mm = write_qwen3vl_vision_pair(tmp_path, text_kw={**TEXT_KW, "arch": "qwen35moe"})
+    eng = Engine(EngineOptions(model=str(model), cache_mib=64)).start()
+    try:
+        eng.startup.result()
+        img = image(88, 56, seed=9)
+        msgs = [user("What is in ", img, " this picture?")]
+        tokens = while_held(eng, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
+        _, logits = mtmd_oracle.greedy(model, mm, TURN.format(f"What is in {mtmd_oracle.MARKER} this picture?"),
+                                       [rgb(img)], 1)
+        ours = while_held(eng, lambda e: last_logits(e, tokens))
+        assert float(np.abs(ours - logits[0]).max()) < 2e-2
+    finally:
+        eng.stop()
