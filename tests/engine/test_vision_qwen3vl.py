@@ -2,7 +2,12 @@
 against llama.cpp's libmtmd on tiny mmproj files (tests/gguf_factory_vision_qwen3vl.py): the embeddings of
 Pillow-made images (odd sizes, portrait/landscape, tiny, RGBA, grayscale; resized or not, the position
 table resized or not), DeepStack features, the image-token counts of libmtmd's smart resize (min and
-max bounds), and projector files that cannot serve the loaded model refused by name."""
+max bounds), and projector files that cannot serve the loaded model refused by name.
+
+Through the real Engine on the tiny Qwen3.5 (engine/vision/text_mrope.py's positions): the prompt's
+tokens, the logits after an image (its M-RoPE positions, the text after it from p0 + max(rows, cols)),
+greedy replies, and the positions kept across K/V reuse (a follow-up, a parked chat, the disk tier after
+a restart, a restored session continued with image references only), qwen35moe too."""
 from __future__ import annotations
 
 import mlx.core as mx
