@@ -75,13 +75,16 @@ def qwen3vl_tensors(rng: np.random.Generator, *, n_embd: int, n_ff: int, n_layer
 def write_qwen3vl_mmproj(path, *, n_text: int = 256, n_embd: int = 32, n_ff: int = 64, n_layer: int = 2,
                          n_head: int = 2, image_size: int = 32, patch: int = 4, deepstack: tuple[int, ...] = (),
                          min_pixels: int = 0, max_pixels: int = 0, tensor_type: str = "F32", seed: int = 0,
-                         projector_type: str = "qwen3vl_merger") -> Path:
+                         projector_type: str = "qwen3vl_merger", edit=None) -> Path:
     """A tiny qwen3vl_merger mmproj for a text model of width `n_text`. `deepstack`: the ViT layers
     whose outputs DeepStack mergers project; `min_pixels`/`max_pixels` written when set.
-    `tensor_type`: F32 or F16 for the 2-D weights (norms, biases F32)."""
+    `tensor_type`: F32 or F16 for the 2-D weights (norms, biases F32). `edit(tensors)`: changes the tensor
+    dict before writing (a damaged file)."""
     rng = np.random.default_rng(seed + 2000)
     t = qwen3vl_tensors(rng, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, patch=patch, side=image_size // patch,
                         n_text=n_text, deepstack=deepstack)
+    if edit is not None:
+        edit(t)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), "clip")

@@ -397,3 +397,10 @@ def test_qwen35moe_first_logits_equal_llama_cpp(tmp_path):
         assert float(np.abs(ours - logits[0]).max()) < 2e-2
     finally:
         eng.stop()
+
+
+def test_a_projector_with_a_position_table_that_is_not_square_is_refused(tmp_path):
+    mm = write_qwen3vl_mmproj(tmp_path / "mmproj-bad.gguf", edit=lambda t: t.update(
+        {"v.position_embd.weight": t["v.position_embd.weight"][:-3]}))
+    with pytest.raises(ModelFileError, match="shapes disagree.*position table"):
+        mmproj.load_projector(mm, "qwen35", 256)

@@ -188,10 +188,19 @@ def encode(proj, prepared: PreparedImage) -> mx.array:
 
 
 def out_width(weights: dict) -> int:
+    """mm.2's width x (1 + DeepStack layers), once the tensors the graph reads are there and agree."""
     b = weights.get("mm.2.bias")
-    if b is None or "v.patch_embd.weight.1" not in weights or "v.position_embd.weight" not in weights:
-        raise ModelFileError("the projector lacks mm.2.bias, v.patch_embd.weight.1 or v.position_embd.weight "
-                             "(a qwen3vl_merger file has them)")
+    k0, k1 = weights.get("v.patch_embd.weight"), weights.get("v.patch_embd.weight.1")
+    table, mm0 = weights.get("v.position_embd.weight"), weights.get("mm.0.weight")
+    if b is None or k0 is None or k1 is None or table is None or mm0 is None:
+        raise ModelFileError("the projector lacks one of v.patch_embd.weight(.1), v.position_embd.weight, "
+                             "mm.0.weight, mm.2.bias (a qwen3vl_merger file has them)")
+    width = int(k0.shape[0])
+    side = int(round(math.sqrt(table.shape[0])))
+    if k1.shape != k0.shape or side * side != table.shape[0] or table.shape[-1] != width \
+            or mm0.shape[-1] != 4 * width:
+        raise ModelFileError(f"the projector's shapes disagree (patch convs {list(k0.shape)} / {list(k1.shape)}, "
+                             f"position table {list(table.shape)}, mm.0 {list(mm0.shape)})")
     n_ds = sum(1 for k in weights if k.startswith("v.deepstack.") and k.endswith(".fc1.weight"))
     return int(b.shape[0]) * (1 + n_ds)
 
