@@ -404,3 +404,17 @@ def test_a_projector_with_a_position_table_that_is_not_square_is_refused(tmp_pat
         {"v.position_embd.weight": t["v.position_embd.weight"][:-3]}))
     with pytest.raises(ModelFileError, match="shapes disagree.*position table"):
         mmproj.load_projector(mm, "qwen35", 256)
+
+
+def test_two_images_logits_equal_llama_cpp(engine, engine_pair):
+    """The second image starts where the first one's positions end (p0 + max(rows, cols) + the text
+    between), and the text after both carries both shifts."""
+    model, mm = engine_pair
+    a, b = image(96, 40, seed=11), image(40, 72, seed=12)
+    msgs = [user("First ", a, " then ", b, " compare.")]
+    tokens = while_held(engine, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=msgs)))
+    assert len(image_runs(tokens)) == 2
+    text = TURN.format(f"First {mtmd_oracle.MARKER} then {mtmd_oracle.MARKER} compare.")
+    _, logits = mtmd_oracle.greedy(model, mm, text, [rgb(a), rgb(b)], 1)
+    ours = while_held(engine, lambda e: last_logits(e, tokens))
+    assert float(np.abs(ours - logits[0]).max()) < 2e-2
