@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 import numpy as np
 
@@ -66,16 +67,18 @@ class RequestHandlers:
         spec, steps = self.eng.drafts.steps(req, turn.drafter, entry, tokens, turn.max_tokens, stats, cancelled,
                                        constraint=turn.constraint)
         spec.stopped = spec.stopped or turn.spec_off
-        # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
-        r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse, tokenizer=self.eng.tokenizer,
-                  sampling=req.sampling,
-                  n_vocab=self.eng.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.eng.options.prefill_chunk,
-                  on_token=lambda t, text: handle.emit(Token(t, text)),
-                  on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
-                  cancelled=cancelled, steps=steps, stats=stats, pace=self.eng.turns.prefill_pace(),
-                  layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
-                  marks=self.eng.prompts.message_marks(turn.req, entry, tokens),
-                  images=self.eng.loaded.vision if has_images(tokens) else None)
+        images = self.eng.loaded.vision if has_images(tokens) else None
+        # where a family places text after an image by its grid (Qwen's M-RoPE), the turn's positions
+        with images.text_positions(self.eng.model, entry.tokens) if images is not None else nullcontext():
+            # mtp: the prompt's prefill too goes through the tap (the head reads its hidden states)
+            r = reply(getattr(turn.drafter, "target", self.eng.model), entry, tokens, reuse,
+                      tokenizer=self.eng.tokenizer, sampling=req.sampling,
+                      n_vocab=self.eng.info.n_vocab, max_tokens=turn.max_tokens, chunk=self.eng.options.prefill_chunk,
+                      on_token=lambda t, text: handle.emit(Token(t, text)),
+                      on_progress=lambda d, t: handle.emit(Progress("prefill", d, t)),
+                      cancelled=cancelled, steps=steps, stats=stats, pace=self.eng.turns.prefill_pace(),
+                      layerwise=not self.eng.serving.distributed, constraint=turn.constraint,
+                      marks=self.eng.prompts.message_marks(turn.req, entry, tokens), images=images)
         self.eng.drafts.done(req, turn.drafter, spec, r)
         if steps is not None:
             steps.close()       # speculation's finally cuts undelivered drafts now, before the checkpoint

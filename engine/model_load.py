@@ -62,7 +62,7 @@ class ModelLoad:
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
-        vision = Vision(load_projector(vplan.path, info.architecture, info.n_embd, dtype), dtype,
+        vision = Vision(load_projector(vplan.path, g.architecture, info.n_embd, dtype), dtype,
                         content_hash(vplan.path)) if vplan.path is not None else None
         model_hash = set_hash(g.files)          # a split model: the whole set
         template = g.get("tokenizer.chat_template")

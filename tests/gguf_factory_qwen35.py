@@ -26,6 +26,7 @@ import numpy as np
 import gguf_factory
 
 ARCHS = ("qwen35", "qwen35moe")
+IMAGE_MARKERS = ("<|vision_start|>", "<|vision_end|>")     # libmtmd's around a Qwen-VL image
 
 # Qwen3.5's template, abridged: earlier replies lose their reasoning, the reply opens a <think> block
 # (closed at once when enable_thinking is false).
@@ -45,7 +46,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tensors(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_k_heads, n_v_heads,
+def _tensors(arch, *, n_vocab, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_k_heads, n_v_heads,
              head_k_dim, d_conv, interval, n_expert, n_ff_exp, n_ff_shexp, nextn, tie_embeddings, seed,
              router_std) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -56,7 +57,6 @@ def _tensors(arch, *, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_k_he
     def norm_w(n):
         return (1.0 + normal((n,), 0.1)).astype(np.float32)
 
-    n_vocab = gguf_factory.tiny_vocab_size()
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     key_dim, value_dim = n_k_heads * head_k_dim, n_v_heads * head_k_dim
     conv_dim = 2 * key_dim + value_dim
@@ -128,17 +128,24 @@ def write_tiny_qwen35_gguf(path, arch: str = "qwen35", *, n_layer=4, n_embd=256,
                            head_dim=128, n_ff=512, n_k_heads=2, n_v_heads=4, head_k_dim=64, d_conv=4,
                            n_rot=32, interval=4, n_expert=4, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256,
                            nextn=0, context_length=2048, tensor_type="F16", tie_embeddings=True, seed=0,
-                           rope_theta=1e7, router_std=3.0, fused_gate_up=False, name=None) -> Path:
+                           rope_theta=1e7, router_std=3.0, fused_gate_up=False, name=None,
+                           image_tokens: bool = False) -> Path:
     """Write a tiny random-weight qwen35 / qwen35moe GGUF and return its path (tensor_type F32, F16,
     BF16 or Q8_0; other types through gguf_factory.quantize_with_llama). `fused_gate_up`: the experts'
-    gate and up stacks as one `ffn_gate_up_exps` (gate rows first), the same weights otherwise."""
+    gate and up stacks as one `ffn_gate_up_exps` (gate rows first), the same weights otherwise.
+    `image_tokens`: Qwen's image markers (IMAGE_MARKERS) as control tokens after the vocabulary."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} not in {ARCHS}")
     if tensor_type not in gguf_factory._TENSOR_TYPES:
         raise ValueError(f"tensor_type {tensor_type!r} not in {sorted(gguf_factory._TENSOR_TYPES)}")
     if n_v_heads % n_k_heads or n_rot % 2 or n_rot > head_dim:
         raise ValueError("n_v_heads must be a multiple of n_k_heads; n_rot even and <= head_dim")
-    t = _tensors(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+    tok = gguf_factory.tiny_tokenizer_fields("qwen2", pre="qwen35")
+    if image_tokens:
+        tok["tokenizer.ggml.tokens"] = tok["tokenizer.ggml.tokens"] + list(IMAGE_MARKERS)
+        tok["tokenizer.ggml.token_type"] = tok["tokenizer.ggml.token_type"] + [gguf_factory.TOKEN_TYPE_CONTROL] * 2
+    t = _tensors(arch, n_vocab=len(tok["tokenizer.ggml.tokens"]), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+                 n_head_kv=n_head_kv, head_dim=head_dim,
                  n_ff=n_ff, n_k_heads=n_k_heads, n_v_heads=n_v_heads, head_k_dim=head_k_dim, d_conv=d_conv,
                  interval=interval, n_expert=n_expert, n_ff_exp=n_ff_exp, n_ff_shexp=n_ff_shexp, nextn=nextn,
                  tie_embeddings=tie_embeddings, seed=seed, router_std=router_std)
@@ -177,7 +184,6 @@ def write_tiny_qwen35_gguf(path, arch: str = "qwen35", *, n_layer=4, n_embd=256,
         w.add_expert_shared_feed_forward_length(n_ff_shexp)
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tok = gguf_factory.tiny_tokenizer_fields("qwen2", pre="qwen35")
     tok["tokenizer.chat_template"] = CHAT_TEMPLATE
     gguf_factory._add_tokenizer(w, tok)
     if fused_gate_up:

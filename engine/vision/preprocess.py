@@ -71,8 +71,8 @@ def fit_padded(rgb: np.ndarray, width: int, height: int, resample: int) -> np.nd
     if (sw, sh) == (width, height):
         return rgb
     scale = min(np.float32(width) / np.float32(sw), np.float32(height) / np.float32(sh))
-    nw = min(int(math.ceil(np.float32(sw) * scale)), width)
-    nh = min(int(math.ceil(np.float32(sh) * scale)), height)
+    nw = max(1, min(int(math.ceil(np.float32(sw) * scale)), width))
+    nh = max(1, min(int(math.ceil(np.float32(sh) * scale)), height))
     out = np.zeros((height, width, 3), dtype=np.uint8)
     ox, oy = (width - nw) // 2, (height - nh) // 2
     out[oy:oy + nh, ox:ox + nw] = resize_pillow(rgb, nw, nh, resample)

@@ -14,6 +14,7 @@ bytes: an image sent again (another turn, another chat) is not encoded again.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -94,6 +95,8 @@ class Vision:
         self._pending: OrderedDict[int, PreparedImage] = OrderedDict()   # images of recent prompts, not encoded
         self._decoded: OrderedDict[tuple[int, int], DecodedImage] = OrderedDict()
         self._prepared: OrderedDict[str, PreparedImage] = OrderedDict()
+        # image span id -> the text positions it takes (towers with `n_pos`: its grid is not in the ids)
+        self._n_pos: OrderedDict[int, int] = OrderedDict()
 
     @property
     def kind(self) -> str:
@@ -135,11 +138,17 @@ class Vision:
 
     def storable(self, messages: list) -> list:
         """Messages as a held conversation keeps them: image parts as references with their digest
-        and the tokens they take."""
+        and the tokens they take (and, for a tower whose text positions follow the grid, `grid`:
+        [rows, cols], so a reference sent back places the text after it without the pixels)."""
+        grids: dict[str, tuple[int, int]] = {}
+
         def identify(data: bytes) -> tuple[str, int]:
             img = self.decode(data, "an image part")
-            return img.digest, self.prepare(img).n_tokens
-        return storable(messages, identify)
+            prepared = self.prepare(img)
+            grids[img.digest] = prepared.grid
+            return img.digest, prepared.n_tokens
+        out = storable(messages, identify)
+        return _with_grids(out, grids) if self.tower.n_pos is not None else out
 
     def flatten(self, messages: list[dict]) -> tuple[list[dict], list[PromptImage]]:
         """Messages with each list content made text (images as the media marker) and the images in order."""
@@ -164,6 +173,9 @@ class Vision:
 
     def _image_of(self, part: dict, where: str) -> PromptImage:
         if is_image_ref(part):
+            grid = part.get("grid")
+            if isinstance(grid, list) and len(grid) == 2 and all(isinstance(x, int) and x > 0 for x in grid):
+                self._note_grid(image_token(part["digest"], self.salt), (grid[0], grid[1]))
             return PromptImage(part["digest"], None, int(part.get("tokens") or 0))
         data = getattr(part.get("image"), "data", None)
         if data is None:
@@ -195,6 +207,7 @@ class Vision:
             if img.prepared is not None:
                 self._pending[t] = img.prepared
                 self._pending.move_to_end(t)
+                self._note_grid(t, img.prepared.grid)
             ids += tok.encode(begin, add_bos=False) + [t] * self._span_length(img, t) + tok.encode(end, add_bos=False)
             last = i == len(images) - 1 and tail is not None
             ids += (tail(ids, piece) if last else None) or tok.encode(piece, add_bos=False)
@@ -232,6 +245,7 @@ class Vision:
         prepared = held if held is not None else self._pending.get(token)
         hit = self.features.get(token)
         if hit is not None:
+            self._note_grid(token, hit.grid)
             return hit
         if prepared is None:
             raise RequestError("an image's K/V and features are no longer held and its part carries no "
@@ -258,10 +272,56 @@ class Vision:
         """Read a whole token list with image runs into `cache`: text pieces through
         `prefill_text(piece)` (which extends `fed`), each image whole through `feed`."""
         done = 0
-        for start, end in image_runs(tokens) + [(len(tokens), len(tokens))]:
-            if start > done:
-                prefill_text(tokens[done:start])
-            if end > start:
-                self.feed(model, cache, tokens[start:end], fed)
-            done = end
+        with self.text_positions(model, fed):
+            for start, end in image_runs(tokens) + [(len(tokens), len(tokens))]:
+                if start > done:
+                    prefill_text(tokens[done:start])
+                if end > start:
+                    self.feed(model, cache, tokens[start:end], fed)
+                done = end
 
+    def _note_grid(self, token: int, grid: tuple[int, int]) -> None:
+        if self.tower.n_pos is not None:
+            self._n_pos[token] = self.tower.n_pos(grid)
+            self._n_pos.move_to_end(token)
+            while len(self._n_pos) > 4096:
+                self._n_pos.popitem(last=False)
+
+    def shift(self, fed: list[int]) -> int:
+        """The text positions the images in `fed` (a cache's tokens) took less than their tokens (0 for a
+        tower whose images take as many positions as tokens). RequestError when an image's grid is not
+        known (a reference whose pixels and features are both gone)."""
+        if self.tower.n_pos is None:
+            return 0
+        total = 0
+        for a, b in image_runs(fed):
+            n = self._n_pos.get(fed[a])
+            if n is None:
+                hit = self.features.get(fed[a])
+                if hit is None:
+                    raise RequestError("an image's size is no longer known (its pixels and features are gone), and "
+                                       "the text after it is placed by it: send the image again")
+                self._note_grid(fed[a], hit.grid)
+                n = self._n_pos[fed[a]]
+            total += n - (b - a)
+        return total
+
+    def text_positions(self, model, fed: list[int]):
+        """The text model's positions for one turn of a conversation whose cache holds `fed`: the
+        tower's (`Tower.positions`, shifted past the images already in it), or nothing to change."""
+        if self.tower.positions is None:
+            return nullcontext()
+        return self.tower.positions(model, self.shift(fed))
+
+
+def _with_grids(messages: list, grids: dict[str, tuple[int, int]]) -> list:
+    """`messages` with each image reference whose digest `grids` knows given its `grid` [rows, cols]."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            m = {**m, "content": [{**p, "grid": list(grids[p["digest"]])}
+                                  if is_image_ref(p) and p.get("digest") in grids and "grid" not in p else p
+                                  for p in content]}
+        out.append(m)
+    return out

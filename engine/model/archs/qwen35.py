@@ -172,6 +172,15 @@ class Qwen35Args:
     extra: dict = field(default_factory=dict)
 
 
+def _sections(g) -> list[int] | None:
+    """`rope.dimension_sections` (t, h, w), or None when the file has none."""
+    v = g.arch_key("rope.dimension_sections", None)
+    try:
+        return [int(x) for x in list(v)[:3]] if v is not None and len(v) >= 3 else None
+    except (TypeError, ValueError):
+        return None
+
+
 def model_args(g, common: dict, head_dim: int):
     shape = shape_of(g, head_dim)
     moe = _moe_shape(g, shape) if g.architecture == "qwen35moe" else None
@@ -183,7 +192,9 @@ def model_args(g, common: dict, head_dim: int):
         linear_conv_kernel_dim=shape.d_conv, full_attention_interval=shape.full_attention_interval,
         attention_bias=False,
         rope_parameters={"type": "default", "rope_theta": common["rope_theta"],
-                         "partial_rotary_factor": shape.n_rot / head_dim},
+                         "partial_rotary_factor": shape.n_rot / head_dim,
+                         # the image positions' sections (engine/vision/text_mrope.py); text ignores them
+                         "mrope_section": _sections(g)},
     )
     text.pop("rope_theta", None)
     if moe:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:   # typing only: mmproj imports this module
     from engine.vision.mmproj import Projector, VisionSpec
 
 # clip.projector_type -> module under engine/vision/towers/ (add a line per type)
-_MODULES: dict[str, str] = {"gemma3": "gemma3", "gemma4v": "gemma4v"}
+_MODULES: dict[str, str] = {"gemma3": "gemma3", "gemma4v": "gemma4v", "qwen3vl_merger": "qwen3vl"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class Tower:
     encode(projector, prepared) -> (n_tokens, text width) embeddings.
     feed(model, cache, features): the text model reads the image's embeddings into `cache`.
     max_tokens(spec) -> the most tokens one image can take (a restored span longer than it is refused).
+    n_pos(grid) -> the text positions an image of that token grid takes, where a family's text goes on
+        after an image from other than its token count (Qwen's M-RoPE: max(rows, cols)); None: as many
+        as its tokens.
+    positions(model, shift) -> a context manager: the text model's positions shifted by `shift` (the
+        positions the conversation's images so far took less than their tokens) for one turn; `feed`
+        moves the shift on. Set with n_pos.
     """
     name: str
     text_archs: tuple[str, ...]
@@ -66,6 +72,8 @@ class Tower:
     encode: Callable[["Projector", PreparedImage], mx.array]
     feed: Callable[[object, list, ImageFeatures], None]
     max_tokens: Callable[["VisionSpec"], int]
+    n_pos: Callable[[tuple[int, int]], int] | None = None
+    positions: Callable[[object, int], object] | None = None
 
 
 def names() -> tuple[str, ...]:
