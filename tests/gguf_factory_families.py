@@ -97,6 +97,11 @@ FAMILIES: dict[str, Family] = {
     "mistral3": Family("mistral3", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
                                     "[/SYSTEM_PROMPT]"),
                        "tekken", "<s>", "</s>", True, "</s>", MISTRAL3_TEMPLATE),
+    # the same with Mistral's image control tokens, for a pixtral mmproj beside it (its [IMG_BREAK]
+    # row goes into the projector, [IMG_END] follows each image as text)
+    "mistral3-vision": Family("mistral3", ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                           "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"),
+                              "tekken", "<s>", "</s>", True, "</s>", MISTRAL3_TEMPLATE),
     "phi3": Family("phi3", ("<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"),
                    "gpt-4o", "<|endoftext|>", "<|endoftext|>", False, "<|end|>", PHI3_TEMPLATE),
     # Phi-3/3.5-mini: a SentencePiece vocabulary (<unk> <s> </s>, byte fallback, Phi's markers appended),
@@ -255,7 +260,8 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
         head_dim = 2 * n_embd // n_head if arch == "mistral3" else n_embd // n_head
     if tie is None:
         tie = arch in ("granite", "phi3")
-    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE,
+    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "mistral3-vision": MISTRAL3_ROPE,
+                "phi3": PHI3_ROPE,
                 "phi3-spm": PHI3_SPM_ROPE, "olmo3": OLMO3_SWA}.get(family, {})
     unknown = set(hp) - set(defaults)
     if unknown:
