@@ -30,8 +30,7 @@ from gguf_factory_vision import MEAN, STD
 
 
 def pixtral_mmproj_tensors(rng: np.random.Generator, *, n_embd: int, n_ff: int, n_layer: int, patch: int,
-                           merge: int, n_text: int, bias: bool, img_break: np.ndarray | None
-                           ) -> dict[str, np.ndarray]:
+                           merge: int, n_text: int, bias: bool, img_break: np.ndarray) -> dict[str, np.ndarray]:
     """The pixtral projector's tensors by GGUF name (numpy shapes as gguf-py writes them)."""
     def normal(shape, std):
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
@@ -59,19 +58,23 @@ def pixtral_mmproj_tensors(rng: np.random.Generator, *, n_embd: int, n_ff: int, 
     t["mm.2.weight"] = normal((n_text, n_text), 2.0 / np.sqrt(n_text))
     if bias:
         t["mm.1.bias"], t["mm.2.bias"] = normal((n_text,), 0.05), normal((n_text,), 0.05)
-    if img_break is not None:
-        t["v.token_embd.img_break"] = img_break.astype(np.float32)
+    t["v.token_embd.img_break"] = img_break.astype(np.float32)
     return t
 
 
 def write_pixtral_mmproj(path, *, n_text: int = 256, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2,
                          n_head: int = 2, image_size: int = 128, patch: int = 4, merge: int = 2,
                          bias: bool = False, img_break: np.ndarray | None = None, seed: int = 0,
-                         tensor_type: str = "F32", projector_type: str = "pixtral") -> Path:
+                         tensor_type: str = "F32", projector_type: str = "pixtral", act: str = "silu",
+                         drop: tuple[str, ...] = ()) -> Path:
     """A tiny pixtral mmproj for a text model of width `n_text`. `merge` 1 writes no merger and no
     spatial_merge_size key (Pixtral 12B), 2 Mistral Small 3.1's. `img_break`: the [IMG_BREAK] row
-    (None: none, so no break rows between image rows). `tensor_type`: F32 or F16 for 2-D weights."""
+    (None: a random one; llama.cpp refuses a pixtral file without it). `tensor_type`: F32 or F16 for
+    2-D weights. `act`: the gated MLP's activation, "silu" (clip.use_silu), "gelu" (clip.use_gelu) or
+    "quick" (neither key: quick-GELU). `drop`: tensor names left out (files a loader must refuse)."""
     rng = np.random.default_rng(seed + 2000)
+    if img_break is None:
+        img_break = rng.standard_normal(n_text).astype(np.float32) * np.float32(2.0 / np.sqrt(n_text))
     t = pixtral_mmproj_tensors(rng, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, patch=patch, merge=merge,
                                n_text=n_text, bias=bias, img_break=img_break)
     path = Path(path)
@@ -93,10 +96,13 @@ def write_pixtral_mmproj(path, *, n_text: int = 256, n_embd: int = 64, n_ff: int
     w.add_float32(v.Attention.LAYERNORM_EPS, 1e-5)
     w.add_array(v.IMAGE_MEAN, [float(x) for x in MEAN])
     w.add_array(v.IMAGE_STD, [float(x) for x in STD])
-    w.add_bool(v.USE_SILU, True)
+    if act != "quick":
+        w.add_bool(v.USE_SILU if act == "silu" else v.USE_GELU, True)
     if merge > 1:
         w.add_uint32(v.SPATIAL_MERGE_SIZE, merge)
     for name, arr in t.items():
+        if name in drop:
+            continue
         w.add_tensor(name, arr.astype(np.float16 if arr.ndim >= 2 and tensor_type == "F16" else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

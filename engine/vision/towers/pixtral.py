@@ -77,8 +77,9 @@ def target_size(width: int, height: int, spec) -> tuple[int, int]:
     of `align`, then scaled down (floor) past max_pixels or up (ceil) below min_pixels, in float32."""
     f = spec.align
     f32 = np.float32
-    w_bar = max(f, int(np.round(f32(width) / f32(f))) * f)
-    h_bar = max(f, int(np.round(f32(height) / f32(f))) * f)
+    # std::round: halves away from zero (numpy's round goes to even: 250 x 260 got 31 x 32 squares, not 31 x 33)
+    w_bar = max(f, math.floor(float(f32(width) / f32(f)) + 0.5) * f)
+    h_bar = max(f, math.floor(float(f32(height) / f32(f)) + 0.5) * f)
     if h_bar * w_bar > spec.max_pixels:
         beta = np.sqrt(f32(height * width) / f32(spec.max_pixels), dtype=f32)
         h_bar = max(f, int(np.floor(f32(height) / beta / f32(f))) * f)
@@ -90,15 +91,16 @@ def target_size(width: int, height: int, spec) -> tuple[int, int]:
     return w_bar, h_bar
 
 
-def n_tokens(rows: int, cols: int, has_break: bool) -> int:
-    return rows * cols + (rows - 1 if has_break else 0)
+def n_tokens(rows: int, cols: int) -> int:
+    """rows x cols image tokens and an [IMG_BREAK] between two rows."""
+    return rows * cols + rows - 1
 
 
 def prepare(rgb: np.ndarray, spec) -> PreparedImage:
     h, w = rgb.shape[:2]
     tw, th = target_size(w, h, spec)
     rows, cols = th // spec.align, tw // spec.align
-    n = n_tokens(rows, cols, True)
+    n = n_tokens(rows, cols)
     if n > max_tokens(spec):
         raise RequestError(f"a {w}x{h} image would take {n} image tokens (at most {max_tokens(spec)}): "
                            f"its sides are too far apart")
@@ -158,10 +160,8 @@ def merge_patches(x: mx.array, w: dict, s, rows: int, cols: int) -> mx.array:
 
 
 def with_breaks(x: mx.array, w: dict, rows: int, cols: int) -> mx.array:
-    """The `[IMG_BREAK]` row after each row of tokens but the last (none when the file has no row)."""
-    brk = w.get("v.token_embd.img_break")
-    if brk is None:
-        return x
+    """The `[IMG_BREAK]` row after each row of tokens but the last."""
+    brk = w["v.token_embd.img_break"]
     grid = x.reshape(rows, cols, -1)
     grid = mx.concatenate([grid, mx.broadcast_to(brk.astype(x.dtype), (rows, 1, grid.shape[-1]))], axis=1)
     return grid.reshape(rows * (cols + 1), -1)[:-1]
@@ -188,7 +188,8 @@ def feed(model, cache, features: ImageFeatures) -> None:
 
 
 def out_width(weights: dict) -> int:
-    for name in ("mm.2.weight", "v.patch_embd.weight", "v.pre_ln.weight"):
+    # libmtmd refuses a pixtral file without the [IMG_BREAK] row (it has no image layout without it)
+    for name in ("mm.2.weight", "v.patch_embd.weight", "v.pre_ln.weight", "v.token_embd.img_break"):
         if name not in weights:
             raise ModelFileError(f"the projector has no {name}")
     if "mm.patch_merger.weight" in weights and "mm.input_norm.weight" not in weights:
