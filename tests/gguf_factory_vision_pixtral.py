@@ -12,7 +12,8 @@ Tensor names and keys are gguf-py's (MODEL_TENSOR.V_*, Keys.ClipVision); weights
 file's own layout (the converter's q/k row permutation does not matter for random rows).
 
 ``write_pixtral_vision_pair``: the text model (tests/gguf_factory_families.py's ``mistral3-vision``:
-Ministral 3 with ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` in its vocabulary) and an mmproj of its width.
+Ministral 3 with ``[IMG]``, ``[IMG_BREAK]``, ``[IMG_END]`` in its vocabulary; or ``llama-mistral-vision``,
+the GGUF architecture of Mistral Small 3.1/3.2's and Pixtral 12B's text) and an mmproj of its width.
 
 Sizes: 4-pixel patches merged 2 x 2: an image is resized to multiples of 8 pixels within
 8 .. 1024 tokens (llama.cpp's limits for pixtral), so a 128 x 128 image is 16 x 16 tokens plus 15
@@ -111,21 +112,22 @@ def write_pixtral_mmproj(path, *, n_text: int = 256, n_embd: int = 64, n_ff: int
     return path
 
 
-def img_break_row(model: Path) -> np.ndarray:
+def img_break_row(model: Path, family: str = "mistral3-vision") -> np.ndarray:
     """The text model's embedding row of [IMG_BREAK] (what the converter copies into the mmproj)."""
-    toks, _ = gguf_factory_families.family_tokens("mistral3-vision")
+    toks, _ = gguf_factory_families.family_tokens(family)
     r = gguf.GGUFReader(str(model))
     emb = next(t for t in r.tensors if t.name == "token_embd.weight")
     return np.array(emb.data, dtype=np.float32).reshape(-1, int(emb.shape[0]))[toks.index("[IMG_BREAK]")]
 
 
 def write_pixtral_vision_pair(folder, *, seed: int = 0, text_kw: dict | None = None, mmproj_kw: dict | None = None,
-                              mmproj_name: str = "mmproj-tiny-pixtral.gguf") -> tuple[Path, Path]:
-    """(text model, mmproj) side by side in `folder`, as people download them."""
+                              mmproj_name: str = "mmproj-tiny-pixtral.gguf", family: str = "mistral3-vision"
+                              ) -> tuple[Path, Path]:
+    """(text model, mmproj) side by side in `folder`, as people download them. `family`:
+    "mistral3-vision" (Ministral 3) or "llama-mistral-vision" (Mistral Small 3.1's GGUF architecture llama)."""
     folder = Path(folder)
     text_kw = {"n_embd": 256, "tensor_type": "F32", **(text_kw or {})}
-    model = gguf_factory_families.write_family_gguf(folder / "tiny-ministral3-vision.gguf", "mistral3-vision",
-                                                    seed=seed, **text_kw)
-    kw = {"img_break": img_break_row(model), **(mmproj_kw or {})}
+    model = gguf_factory_families.write_family_gguf(folder / f"tiny-{family}.gguf", family, seed=seed, **text_kw)
+    kw = {"img_break": img_break_row(model, family), **(mmproj_kw or {})}
     mmproj = write_pixtral_mmproj(folder / mmproj_name, n_text=text_kw["n_embd"], seed=seed, **kw)
     return model, mmproj
