@@ -27,7 +27,7 @@ from vision_images import CASES, photo, png
 
 from engine.api import EngineOptions, GenerateRequest, ImageInput
 from engine.engine import Engine
-from engine.errors import ModelFileError, RequestError
+from engine.errors import EngineError, ErrorCode, ModelFileError, RequestError
 from engine.generation.generate import prefill
 from engine.sampling import SamplingParams
 from engine.text.image_tokens import image_runs
@@ -291,3 +291,14 @@ def test_a_llama_architecture_model_reads_images_as_llama_cpp(llama_pair):
             assert_greedy_equal(generate(eng, msgs).tokens, ref, logits)
     finally:
         eng.stop()
+
+
+def test_an_image_too_thin_for_its_tokens_is_a_bad_request(engine):
+    """libmtmd would make a 30000 x 1 strip thousands of tokens wide; Strata refuses it by name, in one
+    line, and keeps serving."""
+    strip = ImageInput(png(np.full((1, 30000, 3), 128, np.uint8)), "strip.png")
+    with pytest.raises(EngineError) as e:
+        generate(engine, [user("see ", strip)])
+    assert e.value.code == ErrorCode.BAD_REQUEST and "messages[0].content[1]" in str(e.value)
+    assert "image tokens" in str(e.value) and "\n" not in str(e.value)
+    assert generate(engine, [user("What is in ", image(40, 30, 1), " this picture?")]).tokens

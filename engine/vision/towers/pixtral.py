@@ -123,6 +123,7 @@ def rope_2d(rows: int, cols: int, d_head: int) -> tuple[mx.array, mx.array]:
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """(1, heads, n, d) rotated pairwise (x[2j], x[2j+1]) by the angles of `rope_2d`."""
     b, h, n, d = x.shape
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     pairs = x.reshape(b, h, n, d // 2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(b, h, n, d)
