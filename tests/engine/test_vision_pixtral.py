@@ -25,7 +25,7 @@ from gguf_factory_vision import write_gemma3_mmproj
 from gguf_factory_vision_pixtral import img_break_row, write_pixtral_mmproj, write_pixtral_vision_pair
 from vision_images import CASES, photo, png
 
-from engine.api import EngineOptions, GenerateRequest, ImageInput
+from engine.api import EngineOptions, GenerateRequest, ImageInput, RestoreSession, SaveSession, Status
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode, ModelFileError, RequestError
 from engine.generation.generate import prefill
@@ -302,3 +302,30 @@ def test_an_image_too_thin_for_its_tokens_is_a_bad_request(engine):
     assert e.value.code == ErrorCode.BAD_REQUEST and "messages[0].content[1]" in str(e.value)
     assert "image tokens" in str(e.value) and "\n" not in str(e.value)
     assert generate(engine, [user("What is in ", image(40, 30, 1), " this picture?")]).tokens
+
+
+def test_a_session_file_restores_the_image_span_without_encoding(tmp_path, pair):
+    """A pixtral image's span is as long as its size makes it (here 5 x 6 + 4 = 34 tokens, not a fixed
+    count): saved in a session file and restored in a new engine, the follow-up reads it from the file's
+    K/V, encoding nothing."""
+    a = image(48, 40, 61)
+    history = [user("Here is a photo: ", a, " Describe it.")]
+    first = Engine(EngineOptions(model=str(pair[0]), cache_mib=64)).start()
+    try:
+        r1 = generate(first, history, conversation="saved")
+        history += [{"role": "assistant", "content": r1.text}]
+        first.call(SaveSession(str(tmp_path / "pixtral.strata"), messages=history, conversation="saved"))
+    finally:
+        first.stop()
+    again = Engine(EngineOptions(model=str(pair[0]), cache_mib=64)).start()
+    try:
+        restored = again.call(RestoreSession(str(tmp_path / "pixtral.strata"), conversation="saved"))
+        follow = restored.messages + [user("And the colours?")]
+        tokens = while_held(again, lambda e: e.prompts.prompt_tokens(GenerateRequest(messages=follow)))
+        (start, end), = image_runs(tokens)
+        assert end - start == 34
+        r2 = generate(again, follow, conversation="saved")
+        assert again.call(Status()).vision["images_encoded"] == 0
+        assert r2.cached_tokens >= max(end, 0.9 * (r1.prompt_tokens + len(r1.tokens)))
+    finally:
+        again.stop()
