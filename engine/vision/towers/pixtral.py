@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from PIL import Image
 
+from engine.device import on_gpu
 from engine.errors import ModelFileError, RequestError
 from engine.vision import vit
 from engine.vision.feed import feed_causal
@@ -129,9 +130,23 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(b, h, n, d)
 
 
-def gated(act: str):
-    """clip.cpp's gated FFN ops: swiglu / geglu (tanh form) / geglu-quick, act(gate) * up."""
-    return {"silu": nn.silu, "gelu": nn.gelu_approx, "quick": nn.gelu_fast_approx}[act]
+def _np_act(x: np.ndarray, act: str) -> np.ndarray:
+    with np.errstate(over="ignore"):        # exp(-x) of a very negative x: inf, the activation 0
+        if act == "silu":
+            return x / (np.float32(1) + np.exp(-x))
+        if act == "quick":
+            return x / (np.float32(1) + np.exp(np.float32(-1.702) * x))
+        c = np.float32(math.sqrt(2 / math.pi))
+        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+def gated(gate: mx.array, up: mx.array, act: str) -> mx.array:
+    """clip.cpp's gated FFN ops (swiglu / geglu in the tanh form / geglu-quick): act(gate) * up. On the
+    CPU in numpy for float32: MLX's CPU elementwise took 205-361 ms for a 768 x 4096 SiLU and product
+    where numpy took 54-76 ms (a Mistral Small image's MLP is 3,072 x 4,096 a layer); MLX on a GPU."""
+    if on_gpu() or gate.dtype != mx.float32:
+        return {"silu": nn.silu, "gelu": nn.gelu_approx, "quick": nn.gelu_fast_approx}[act](gate) * up
+    return mx.array(_np_act(np.asarray(gate), act) * np.asarray(up))
 
 
 def block(x: mx.array, w: dict, i: int, s, rope) -> mx.array:
@@ -147,7 +162,7 @@ def block(x: mx.array, w: dict, i: int, s, rope) -> mx.array:
     a = vit.attention(q, k, v, d ** -0.5)
     x = x + vit.linear(a.transpose(0, 2, 1, 3).reshape(n, width), w, p + "attn_out")
     h = mx.fast.rms_norm(x, w[p + "ln2.weight"], s.eps)
-    h = gated(s.act)(vit.linear(h, w, p + "ffn_gate")) * vit.linear(h, w, p + "ffn_up")
+    h = gated(vit.linear(h, w, p + "ffn_gate"), vit.linear(h, w, p + "ffn_up"), s.act)
     return x + vit.linear(h, w, p + "ffn_down")
 
 
