@@ -24,7 +24,7 @@ from engine.vision.mmproj import VisionSpec
 def resize_bilinear(rgb: np.ndarray, width: int, height: int, resample=Image.BILINEAR) -> np.ndarray:
     """(height, width, 3) uint8, resized as llama.cpp's (Pillow-compatible) bilinear filter does;
     `resample` Image.BICUBIC: as its Pillow-compatible bicubic (RESIZE_ALGO_BICUBIC_PILLOW), the same
-    two passes in the same order (Pillow's one-call resize reduced 33x400 to 8x96 in the other order)."""
+    two passes in the same order (Pillow's one-call resize of 33x400 to 8x96 came out 1 off in places)."""
     im = Image.fromarray(np.ascontiguousarray(rgb), "RGB")
     if im.width != width:
         im = im.resize((width, im.height), resample)
