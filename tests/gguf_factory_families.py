@@ -107,9 +107,9 @@ FAMILIES: dict[str, Family] = {
                        "default", "<s>", "<|endoftext|>", False, "<|end|>", PHI3_SPM_TEMPLATE),
 }
 
-# Families with Mistral's image control tokens, for a pixtral mmproj beside them (tests/gguf_factory_vision_pixtral.py:
-# its [IMG_BREAK] row goes into the projector, [IMG_END] follows each image as text). Not in FAMILIES, whose
-# every entry the family tests run with their own tables.
+# Families with Mistral's image control tokens, for a pixtral mmproj beside them
+# (tests/gguf_factory_vision_pixtral.py: its [IMG_BREAK] row goes into the projector, [IMG_END] follows
+# each image as text). Not in FAMILIES, whose every entry the family tests run with their own tables.
 MISTRAL_IMAGE_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                           "[IMG]", "[IMG_BREAK]", "[IMG_END]")
 VISION_FAMILIES: dict[str, Family] = {

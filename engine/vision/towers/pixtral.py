@@ -12,8 +12,10 @@ Preprocessing is libmtmd's dynamic-size one: the target keeps the image's aspect
 patch x merge squares, between 8 and 1024 tokens (before the break rows: llama.cpp's limits for
 pixtral); the image is fitted into it with llama.cpp's Pillow-compatible bicubic filter (its padded
 resize: where the rounding to whole squares changed the aspect, a black column or row). An image takes
-rows x cols + rows - 1 tokens, then the text `[IMG_END]` (no text before it). Its tokens are decoded causally (libmtmd's `mtmd_decode_use_non_causal` is false for
-pixtral) at ordinary positions, so feeding is the text model's own forward pass over embeddings.
+rows x cols + rows - 1 tokens, then the text `[IMG_END]` (no text before it). Its tokens are decoded
+causally (libmtmd's `mtmd_decode_use_non_causal` is false for pixtral) at ordinary positions, so
+feeding is the text model's own forward pass over the embeddings (Ministral 3 or a llama-architecture
+Mistral Small / Pixtral 12B text model).
 """
 from __future__ import annotations
 
