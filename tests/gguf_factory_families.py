@@ -107,6 +107,27 @@ FAMILIES: dict[str, Family] = {
                        "default", "<s>", "<|endoftext|>", False, "<|end|>", PHI3_SPM_TEMPLATE),
 }
 
+# Families with Mistral's image control tokens, for a pixtral mmproj beside them
+# (tests/gguf_factory_vision_pixtral.py: its [IMG_BREAK] row goes into the projector, [IMG_END] follows
+# each image as text). Not in FAMILIES, whose every entry the family tests run with their own tables.
+MISTRAL_IMAGE_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                          "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+VISION_FAMILIES: dict[str, Family] = {
+    "mistral3-vision": Family("mistral3", MISTRAL_IMAGE_SPECIALS, "tekken", "<s>", "</s>", True, "</s>",
+                              MISTRAL3_TEMPLATE),
+    # Mistral Small 3.1/3.2 and Pixtral 12B: their text model converts to GGUF architecture llama
+    "llama-mistral-vision": Family("llama", MISTRAL_IMAGE_SPECIALS, "tekken", "<s>", "</s>", True, "</s>",
+                                   MISTRAL3_TEMPLATE),
+}
+
+
+def family_spec(family: str) -> Family:
+    spec = FAMILIES.get(family) or VISION_FAMILIES.get(family)
+    if spec is None:
+        raise ValueError(f"family {family!r} not in {sorted(FAMILIES) + sorted(VISION_FAMILIES)}")
+    return spec
+
+
 # Family hyperparameters beyond the common ones (tests may override any of them).
 # Not real Granite's (12, 0.22, 1/128, 8): a small embedding scale and strong blocks keep the random
 # model's greedy text varied (with the embedding dominating, greedy repeats one token)
@@ -130,7 +151,7 @@ DIGIT_MERGES = (("1", "2"), ("3", "4"), ("2", "0"))
 
 def family_tokens(family: str) -> tuple[list[str], list[int]]:
     """The family's vocabulary: (tokens in id order, token types)."""
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     if spec.pre == "default":
         return _spm_tokens(spec)[:2]
     tokens, _ = _trained_vocab()
@@ -155,7 +176,7 @@ def _spm_tokens(spec: Family) -> tuple[list[str], list[int], list[float]]:
 
 
 def _add_family_tokenizer(w: gguf.GGUFWriter, family: str) -> int:
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     if spec.pre == "default":
         toks, types, scores = _spm_tokens(spec)
         w.add_tokenizer_model("llama")
@@ -244,10 +265,8 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
     defaults (GRANITE_SCALES, MISTRAL3_ROPE, PHI3_ROPE). F16/Q8_0 here, other types: quantize_with_llama.
     `eot_boost` scales the end-of-turn token's output row (the embedding when tied), so that a random
     model ends its reply with it after a few tokens: the tests of stopping need a reply that ends."""
-    if family not in FAMILIES:
-        raise ValueError(f"family {family!r} not in {sorted(FAMILIES)}")
     qtype, ftype = gguf_factory._TENSOR_TYPES[tensor_type]
-    arch = FAMILIES[family].arch
+    arch = family_spec(family).arch
     if n_layer is None:
         n_layer = 4 if family == "olmo3" else 2
     if head_dim is None:
@@ -255,7 +274,8 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
         head_dim = 2 * n_embd // n_head if arch == "mistral3" else n_embd // n_head
     if tie is None:
         tie = arch in ("granite", "phi3")
-    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "phi3": PHI3_ROPE,
+    defaults = {"granite": GRANITE_SCALES, "mistral3": MISTRAL3_ROPE, "mistral3-vision": MISTRAL3_ROPE,
+                "phi3": PHI3_ROPE,
                 "phi3-spm": PHI3_SPM_ROPE, "olmo3": OLMO3_SWA}.get(family, {})
     unknown = set(hp) - set(defaults)
     if unknown:
@@ -286,7 +306,7 @@ def write_family_gguf(path, family: str, *, n_layer=None, n_embd=256, n_head=4, 
     tensors = _weights(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
                        head_dim=head_dim, n_vocab=n_vocab, tie=tie, seed=seed, fused_qkv=fused_qkv)
     if eot_boost:
-        eot = family_tokens(family)[0].index(FAMILIES[family].end_of_turn)
+        eot = family_tokens(family)[0].index(family_spec(family).end_of_turn)
         tensors["output.weight" if "output.weight" in tensors else "token_embd.weight"][eot] *= eot_boost
 
     if arch == "granite":

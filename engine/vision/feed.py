@@ -86,3 +86,13 @@ def feed_gemma4(model, cache, h: mx.array, both: bool) -> None:
     both ways (and every earlier piece), else causally."""
     for start in range(0, h.shape[1], IMAGE_BATCH):
         _gemma4_pass(model, cache, h[:, start:start + IMAGE_BATCH], both)
+
+
+def feed_causal(model, cache, h: mx.array) -> None:
+    """A text model's own forward pass (mlx-lm's `model.model(inputs, cache, input_embeddings)`) over
+    (1, L, width) input embeddings, causal, at the cache's next L positions, as llama.cpp decodes the
+    image chunks of a family that does not ask for a non-causal pass. Position-dependent parts (RoPE,
+    Ministral 3's attention temperature) take the image tokens' positions there as they do text's;
+    the inputs only give the pass its length. The embeddings are fed as they are (no scaling)."""
+    model.model(mx.zeros(h.shape[:2], dtype=mx.int32), cache=cache, input_embeddings=h)
+    mx.eval(layer_cache.arrays(cache))

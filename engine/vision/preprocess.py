@@ -21,28 +21,10 @@ from PIL import Image
 from engine.vision.mmproj import VisionSpec
 
 
-def resize_bilinear(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
-    """(height, width, 3) uint8, resized as llama.cpp's (Pillow-compatible) bilinear filter does."""
-    im = Image.fromarray(np.ascontiguousarray(rgb), "RGB")
-    if im.width != width:
-        im = im.resize((width, im.height), Image.BILINEAR)
-    if im.height != height:
-        im = im.resize((width, height), Image.BILINEAR)
-    return np.asarray(im)
-
-
 def letterbox(rgb: np.ndarray, size: int) -> np.ndarray:
-    """Fit into a size x size black square, aspect kept (llama.cpp's resize with padding, PAD_CEIL)."""
-    sh, sw = rgb.shape[:2]
-    if (sw, sh) == (size, size):
-        return rgb
-    scale = min(np.float32(size) / np.float32(sw), np.float32(size) / np.float32(sh))
-    nw = max(1, min(int(math.ceil(np.float32(sw) * scale)), size))
-    nh = max(1, min(int(math.ceil(np.float32(sh) * scale)), size))
-    out = np.zeros((size, size, 3), dtype=np.uint8)
-    ox, oy = (size - nw) // 2, (size - nh) // 2
-    out[oy:oy + nh, ox:ox + nw] = resize_bilinear(rgb, nw, nh)
-    return out
+    """Fit into a size x size black square, aspect kept (llama.cpp's resize with padding, PAD_CEIL),
+    with llama.cpp's bilinear filter."""
+    return fit_padded(rgb, size, size, Image.BILINEAR)
 
 
 def normalize(rgb: np.ndarray, spec: VisionSpec) -> np.ndarray:

@@ -181,7 +181,10 @@ class Vision:
         if data is None:
             raise RequestError(f"{where}: an image part needs an ImageInput (or a held image's digest)")
         img = self.decode(data, where)
-        prepared = self.prepare(img)
+        try:
+            prepared = self.prepare(img)
+        except RequestError as e:       # a tower's refusal of the image (a strip too thin for its tokens)
+            raise RequestError(f"{where}: {e}") from None
         return PromptImage(img.digest, prepared, prepared.n_tokens)
 
     def _span_length(self, img: PromptImage, token: int) -> int:

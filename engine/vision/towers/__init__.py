@@ -20,7 +20,7 @@ if TYPE_CHECKING:   # typing only: mmproj imports this module
     from engine.vision.mmproj import Projector, VisionSpec
 
 # clip.projector_type -> module under engine/vision/towers/ (add a line per type)
-_MODULES: dict[str, str] = {"gemma3": "gemma3", "gemma4v": "gemma4v", "qwen3vl_merger": "qwen3vl"}
+_MODULES: dict[str, str] = {"gemma3": "gemma3", "gemma4v": "gemma4v", "pixtral": "pixtral", "qwen3vl_merger": "qwen3vl"}
 
 
 @dataclass(frozen=True)
