@@ -227,11 +227,12 @@ class EngineClient(QObject):
                                    context_limit=context_limit, tools=tools, constraint=constraint)
         return self._submit("generate", make)
 
-    def load_model(self, path: str, steering="keep", mmproj: str | None = None) -> Request:
-        """`mmproj`: the image projector (None: one found beside the model, "": none)."""
+    def load_model(self, path: str, steering="keep", mmproj: str | None = None, image_max_tokens: int = 0) -> Request:
+        """`mmproj`: the image projector (None: one found beside the model, "": none); `image_max_tokens`:
+        the most tokens an image takes with it (0: the projector's own limit)."""
         def make():
             return LoadModel(path, steering=steering if steering == "keep" else _steering_config(steering),
-                             mmproj=mmproj)
+                             mmproj=mmproj, image_max_tokens=image_max_tokens)
         return self._submit("load", make)
 
     def configure(self, cache_mib: int | None = None, cache_slots: int | None = None,

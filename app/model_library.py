@@ -154,6 +154,9 @@ class ModelLibrary(QObject):
     def _on_setting(self, key: str) -> None:
         if key in ("model_folders", "model_libraries"):
             self.refresh()
+        elif key == "image_max_tokens" and self.model_path and self.vision:
+            # the projector reads images within the new budget: loaded again (chats stay as they are)
+            self._load(self.model_path, None, "The image tokens setting was not applied")
         elif key in RELOAD_KEYS and not self._reload_due:
             # One reload for all the steering keys of one change, once they are all in
             self._reload_due = True
@@ -251,6 +254,8 @@ class ModelLibrary(QObject):
         self.bus.busy.emit("load")
         projector = self.choices.projector(path)
         extra = {} if projector is AUTO else {"mmproj": projector}
+        if self.settings.image_max_tokens:
+            extra["image_max_tokens"] = self.settings.image_max_tokens
         if steering is None:
             req = self.client.load_model(path, **extra)
         else:

@@ -73,6 +73,9 @@ class Settings:
     model: str = ""
     model_folders: list[str] = field(default_factory=list)   # walked with their subfolders (model_sources)
     model_libraries: bool = True          # also list LM Studio's, the Hugging Face cache's and Ollama's models
+    # The most tokens one image takes with a dynamic-size image projector (engine LoadModel.image_max_tokens:
+    # within the projector type's range, else the load is refused); 0 = the projector's own limit
+    image_max_tokens: int = 0
     server_enabled: bool = False          # the OpenAI-compatible server (engine.frontends.server) on the app's engine
     server_host: str = "127.0.0.1"
     server_port: int = 8484

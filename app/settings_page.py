@@ -297,6 +297,11 @@ class SettingsPage(QDialog):
                                    checked=s.model_libraries, objectName="modelLibraries")
         self.libraries.setToolTip("Read where those apps keep them (never copied, moved or changed); each "
                                   "model's Source column says where it lives.")
+        self.image_tokens = NumberField(0, 4096, s.image_max_tokens)
+        self.image_tokens.setToolTip("The most tokens one image takes in a chat with a model that reads images "
+                                     "and sizes them (Gemma 4: 70 to 1120, Qwen3.5/3.6: 8 to 4096, Mistral 3: "
+                                     "8 to 1024; a larger picture is scaled down: fewer tokens, less detail). "
+                                     "0: the model's own limit. Gemma 3 always takes 256.")
         add_f = QPushButton("Add folder…", clicked=self._pick_folder)
         rm_f = QPushButton("Remove", clicked=lambda: self.folders.takeItem(self.folders.currentRow()))
         fold = QGroupBox("Model folders")
@@ -308,6 +313,9 @@ class SettingsPage(QDialog):
         row.addWidget(rm_f)
         fl.addLayout(row)
         fl.addWidget(self.libraries)
+        tokens = QFormLayout()
+        tokens.addRow("Image tokens (most per image, 0 = the model's)", self.image_tokens)
+        fl.addLayout(tokens)
         return fold
 
     def _look_group(self, s: Settings) -> QGroupBox:
@@ -402,7 +410,7 @@ class SettingsPage(QDialog):
 
     def number_fields(self) -> dict[str, NumberField]:
         return {"Cap": self.cache_mib, "Slots": self.cache_slots, "On disk": self.disk_mib, "Layers from": self.layer_from,
-                "Layers to": self.layer_to, "Port": self.server_port}
+                "Layers to": self.layer_to, "Port": self.server_port, "Image tokens": self.image_tokens}
 
     def check_fields(self) -> str:
         """Each number field's problem shown next to it; all of them, each named, or ""."""
@@ -425,6 +433,7 @@ class SettingsPage(QDialog):
         s.server_host, s.server_api_key = self.server_host.text().strip() or "127.0.0.1", self.server_key.text().strip()
         s.model_folders = [self.folders.item(i).text() for i in range(self.folders.count())]
         s.model_libraries = self.libraries.isChecked()
+        s.image_max_tokens = self.image_tokens.value()
         s.theme = self.theme.currentData()
         s.overflow = self.overflow.currentData()
         return s

@@ -66,6 +66,10 @@ class EngineOptions:
     # The image projector (an mmproj GGUF) loaded with the start-up model: None looks beside the model
     # for mmproj-*.gguf (engine/vision/find.py), "" loads none. The CLI sets it from --mmproj PATH.
     mmproj: str | None = None
+    # The most tokens one image may take with that projector (a dynamic-size type's budget, within
+    # llama.cpp's range for the type; a larger image is scaled down); 0: the type's default. The CLI
+    # sets it from --image-max-tokens N.
+    image_max_tokens: int = 0
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -109,6 +113,8 @@ class LoadModel:
     mmproj: str | None = None                 # its image projector: a path (one that cannot serve the model
                                               # refuses the load); None: an mmproj-*.gguf found beside it
                                               # (one that cannot serve it is skipped, said in the log); "": none
+    image_max_tokens: int = 0                 # the most tokens an image takes with it (0: the projector type's
+                                              # default; outside the type's range the load is refused)
 
 
 @dataclass

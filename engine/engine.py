@@ -85,7 +85,8 @@ class Engine:
         self.kv_topup = IdleTopUp(lambda: self.conversations.held_bytes(), self.log)
         # The start-up load (options.model): its handle is the starter's, whose result() is the load's.
         self.startup: Handle | None = Handle(LoadModel(self.options.model, self.options.steering,
-                                                       self.options.draft, self.options.mmproj)) \
+                                                       self.options.draft, self.options.mmproj,
+                                                       self.options.image_max_tokens)) \
             if self.options.model else None
         # How requests are served (engine/serving.py): this process alone, or every rank of a distributed
         # group in lockstep (engine/ranks/distributed.py); asked, never told apart.

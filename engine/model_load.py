@@ -43,7 +43,7 @@ class ModelLoad:
         # count in the fit; one that cannot serve this model refuses the load when named.
         found, named = find_projector(path, req.mmproj)
         vplan = plan_projector(found, named, g.architecture, int(g.get(f"{g.architecture}.embedding_length", 0) or 0),
-                               dtype.size)
+                               dtype.size, req.image_max_tokens)
         # Refuse (or shrink the default context) before any tensor is read when it cannot fit.
         n_ctx, memory_line = fit_for_load(path, self.eng.options.context_length, str(dtype).rsplit(".", 1)[-1],
                                           self.eng.guard, gpu_working_set(), extra_bytes=vplan.bytes)
@@ -62,8 +62,11 @@ class ModelLoad:
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
-        vision = Vision(load_projector(vplan.path, g.architecture, info.n_embd, dtype), dtype,
-                        content_hash(vplan.path)) if vplan.path is not None else None
+        # the budget is part of the spans' identity: an image's K/V and features under another budget
+        # (another size, other tokens) are never taken for this one's
+        vision = Vision(load_projector(vplan.path, g.architecture, info.n_embd, dtype, req.image_max_tokens), dtype,
+                        content_hash(vplan.path) + (f"|{req.image_max_tokens}" if req.image_max_tokens else "")) \
+            if vplan.path is not None else None
         model_hash = set_hash(g.files)          # a split model: the whole set
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",

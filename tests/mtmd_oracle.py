@@ -21,13 +21,14 @@ def _rgb(a: np.ndarray) -> tuple[int, int, bytes]:
     return int(a.shape[1]), int(a.shape[0]), a.tobytes()
 
 
-def chunks(model, mmproj, text: str, images: list[np.ndarray]) -> list[tuple[str, object]]:
+def chunks(model, mmproj, text: str, images: list[np.ndarray], max_tokens: int = 0) -> list[tuple[str, object]]:
+    """`max_tokens`: libmtmd's image_max_tokens (0: the projector type's default)."""
     return llama_oracle._request("fn", "mtmd_chunks", (str(model), str(mmproj), text,
-                                                        [_rgb(i) for i in images]), {})
+                                                        [_rgb(i) for i in images], max_tokens), {})
 
 
-def encode(model, mmproj, image: np.ndarray) -> np.ndarray:
-    return llama_oracle._request("fn", "mtmd_encode", (str(model), str(mmproj), _rgb(image)), {})
+def encode(model, mmproj, image: np.ndarray, max_tokens: int = 0) -> np.ndarray:
+    return llama_oracle._request("fn", "mtmd_encode", (str(model), str(mmproj), _rgb(image), max_tokens), {})
 
 
 def greedy(model, mmproj, text: str, images: list[np.ndarray], n: int) -> tuple[list[int], np.ndarray]:
@@ -39,7 +40,7 @@ def greedy(model, mmproj, text: str, images: list[np.ndarray], n: int) -> tuple[
 class _Session:
     """One text model + mmproj loaded in the worker (kept between calls on the same pair)."""
 
-    def __init__(self, model: str, mmproj: str):
+    def __init__(self, model: str, mmproj: str, max_tokens: int = 0):
         import llama_cpp
         from llama_cpp import mtmd_cpp
         self.llama_cpp, self.mtmd = llama_cpp, mtmd_cpp
@@ -51,6 +52,8 @@ class _Session:
         p.n_threads = 2
         p.warmup = False
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED   # f32 attention in the ViT
+        if max_tokens:
+            p.image_max_tokens = max_tokens
         self.ctx = mtmd_cpp.mtmd_init_from_file(mmproj.encode(), self.llm._model.model, p)
         if not self.ctx:
             raise RuntimeError(f"mtmd_init_from_file refused {mmproj}")
@@ -86,18 +89,18 @@ class _Session:
         return out
 
 
-_SESSIONS: dict[tuple[str, str], _Session] = {}
+_SESSIONS: dict[tuple[str, str, int], _Session] = {}
 
 
-def _session(model: str, mmproj: str) -> _Session:
-    key = (model, mmproj)
+def _session(model: str, mmproj: str, max_tokens: int = 0) -> _Session:
+    key = (model, mmproj, max_tokens)
     if key not in _SESSIONS:
-        _SESSIONS[key] = _Session(model, mmproj)
+        _SESSIONS[key] = _Session(model, mmproj, max_tokens)
     return _SESSIONS[key]
 
 
-def _w_chunks(model, mmproj, text, images):
-    s = _session(model, mmproj)
+def _w_chunks(model, mmproj, text, images, max_tokens=0):
+    s = _session(model, mmproj, max_tokens)
     ch = s.tokenize(text, images)
     try:
         return s.describe(ch)
@@ -105,8 +108,8 @@ def _w_chunks(model, mmproj, text, images):
         s.mtmd.mtmd_input_chunks_free(ch)
 
 
-def _w_encode(model, mmproj, image):
-    s = _session(model, mmproj)
+def _w_encode(model, mmproj, image, max_tokens=0):
+    s = _session(model, mmproj, max_tokens)
     m = s.mtmd
     ch = s.tokenize(MARKER, [image])
     try:

@@ -41,6 +41,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="the model's image projector (an mmproj GGUF); default: an mmproj-*.gguf beside the "
                         "model; '' for none")
+    p.add_argument("--image-max-tokens", type=int, default=0, metavar="N",
+                   help="the most tokens one image takes with a dynamic-size projector (Gemma 4: 70..1120, "
+                        "Qwen3.5/3.6: 8..4096, Mistral 3: 8..1024; a larger image is scaled down); "
+                        "default: the projector's own limit (gemma3: always 256)")
     p.add_argument("-v", "--verbose", action="store_true", help="print the engine log to stderr")
     p.add_argument("--max-sequences", type=int, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                    help=f"requests decoded together in one batch, the rest queue (default {DEFAULT_MAX_SEQUENCES}; "
@@ -84,7 +88,7 @@ def engine_options(args):
                          steering=steering, speed_projection=args.speed_projection == "on", dtype=args.dtype,
                          kv_bits=args.kv_bits, disk_mib=args.conversation_disk_mib,
                          max_sequences=args.max_sequences, draft=_draft_of(getattr(args, "spec", None)),
-                         mmproj=getattr(args, "mmproj", None))
+                         mmproj=getattr(args, "mmproj", None), image_max_tokens=getattr(args, "image_max_tokens", 0))
 
 
 def _draft_of(spec: str | None) -> str | None:

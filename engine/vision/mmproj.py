@@ -72,8 +72,28 @@ def _key(g: GGUFFile, key: str, default=None, required: bool = True):
     return v
 
 
-def read_spec(g: GGUFFile, text_arch: str, text_width: int) -> VisionSpec:
-    """The file's VisionSpec, or ModelFileError naming why it cannot serve this text model."""
+class ImageBudgetError(ModelFileError):
+    """An image token budget the projector type cannot take (refused even for a projector found beside
+    the model: the setting is wrong, not the file)."""
+
+
+def with_budget(spec: VisionSpec, max_tokens: int) -> VisionSpec:
+    """The spec whose images take at most `max_tokens` tokens (0: the type's default). A fixed-size
+    type (gemma3: every image 256 tokens) has nothing to set and is left as it is; a budget outside
+    the type's range (llama.cpp's limits) is refused, naming the range."""
+    tower = spec.tower
+    if not max_tokens or tower.token_range is None:
+        return spec
+    lo, hi = tower.token_range
+    if not lo <= max_tokens <= hi:
+        raise ImageBudgetError(f"image max tokens {max_tokens}: a {spec.projector} projector takes {lo}..{hi} "
+                               f"tokens an image")
+    return tower.with_budget(spec, max_tokens)
+
+
+def read_spec(g: GGUFFile, text_arch: str, text_width: int, max_tokens: int = 0) -> VisionSpec:
+    """The file's VisionSpec (images within `max_tokens` tokens: 0, the type's default), or
+    ModelFileError naming why it cannot serve this text model."""
     name = g.path.name
     if g.architecture != "clip":
         raise ModelFileError(f"{name} is not an image projector (general.architecture is "
@@ -100,7 +120,7 @@ def read_spec(g: GGUFFile, text_arch: str, text_width: int) -> VisionSpec:
         pool=int(_key(g, "clip.vision.projector.scale_factor", 0, required=False)),
         text_width=out, gelu=bool(g.get("clip.use_gelu", False)))
     _check_shape(spec, name)
-    return tower.read_spec(g, spec)
+    return with_budget(tower.read_spec(g, spec), max_tokens)
 
 
 def _check_shape(spec: VisionSpec, name: str) -> None:
@@ -123,11 +143,12 @@ def _dense(t, dtype) -> mx.array:
 
 
 def load_projector(path: str | os.PathLike, text_arch: str, text_width: int,
-                   dtype: mx.Dtype = mx.float32) -> Projector:
+                   dtype: mx.Dtype = mx.float32, max_tokens: int = 0) -> Projector:
     """Read and check an mmproj for a text model (`text_arch`, `text_width`); its weights dense in
-    `dtype` (a projector is a few hundred MB at most: no quantized matmuls kept)."""
+    `dtype` (a projector is a few hundred MB at most: no quantized matmuls kept); its images within
+    `max_tokens` tokens (0: the type's default)."""
     g = open_gguf(path)
-    spec = read_spec(g, text_arch, text_width)
+    spec = read_spec(g, text_arch, text_width, max_tokens)
     weights: dict[str, mx.array] = {}
     try:
         for t in g.reader.tensors:
@@ -177,20 +198,23 @@ def activation_bytes(spec: VisionSpec, dtype_bytes: int) -> int:
     return n * n * 4 + 6 * n * max(spec.width, spec.n_ff) * max(4, dtype_bytes)
 
 
-def plan(path: Path | None, named: bool, text_arch: str, text_width: int, dtype_bytes: int) -> ProjectorPlan:
-    """The plan for loading `path` beside a text model (arch, width); ModelFileError when `named` and
-    it cannot serve the model, a skipped plan when it was only found beside it."""
+def plan(path: Path | None, named: bool, text_arch: str, text_width: int, dtype_bytes: int,
+         max_tokens: int = 0) -> ProjectorPlan:
+    """The plan for loading `path` beside a text model (arch, width), its images within `max_tokens`
+    tokens (0: the type's default); ModelFileError when `named` and it cannot serve the model (or
+    the budget is outside the type's range, named or not), a skipped plan when it was only found
+    beside it."""
     if path is None:
         return ProjectorPlan(None)
     try:
         g = open_gguf(path)
-        spec = read_spec(g, text_arch, text_width)
+        spec = read_spec(g, text_arch, text_width, max_tokens)
         if spec.text_width and spec.text_width != text_width:
             raise ModelFileError(f"{g.path.name} projects to width {spec.text_width}; the loaded model's "
                                  f"embeddings are {text_width} wide (a projector of another model size)")
         weights = sum(int(t.n_elements) for t in g.reader.tensors) * dtype_bytes
     except ModelFileError as e:
-        if named:
+        if named or isinstance(e, ImageBudgetError):
             raise
         return ProjectorPlan(None, skipped=f"image projector {path.name} beside the model skipped: {e}")
     return ProjectorPlan(path, spec, weights + activation_bytes(spec, dtype_bytes))

@@ -81,3 +81,29 @@ def test_journey_a_models_projector_is_chosen_kept_and_refused_by_name(qtbot, ap
         assert w.library.vision is None and w.library.choices.projector(str(model)) is AUTO
     finally:
         w.close()
+
+
+def test_the_image_tokens_setting_reloads_the_model_and_is_refused_outside_its_range(qtbot, app_home, tmp_path):
+    from gguf_factory_vision_qwen3vl import write_qwen3vl_vision_pair
+    from app import settings
+    model, mm = write_qwen3vl_vision_pair(app_home / "models")
+    s = settings.load()
+    s.model = str(model)
+    s.image_max_tokens = 24
+    settings.save(s)
+    w = _open(qtbot)
+    try:
+        assert w.library.vision == "qwen3vl_merger"
+        status = w.client.status()
+        qtbot.waitUntil(lambda: status.result is not None, timeout=LOAD_TIMEOUT_MS)
+        assert status.result.vision["tokens_per_image"] == 24
+        with _wait_loaded(qtbot, w):
+            w.settings.set("image_max_tokens", 0)             # the projector's own limit: loaded again
+        status = w.client.status()
+        qtbot.waitUntil(lambda: status.result is not None, timeout=LOAD_TIMEOUT_MS)
+        assert status.result.vision["tokens_per_image"] > 24
+        with qtbot.waitSignal(w.bus.error, timeout=LOAD_TIMEOUT_MS) as told:
+            w.settings.set("image_max_tokens", 5000)
+        assert "takes 8..4096 tokens an image" in told.args[0] and w.library.vision == "qwen3vl_merger"
+    finally:
+        w.close()

@@ -56,6 +56,9 @@ class Tower:
     encode(projector, prepared) -> (n_tokens, text width) embeddings.
     feed(model, cache, features): the text model reads the image's embeddings into `cache`.
     max_tokens(spec) -> the most tokens one image can take (a restored span longer than it is refused).
+    token_range: (fewest, most) tokens an image may be given as its budget (llama.cpp's limits for the
+        type: `--image-max-tokens` within them), None for a fixed-size tower (every image the same).
+    with_budget(spec, n) -> the spec whose images take at most `n` tokens (n within token_range).
     n_pos(grid) -> the text positions an image of that token grid takes, where a family's text goes on
         after an image from other than its token count (Qwen's M-RoPE: max(rows, cols)); None: as many
         as its tokens.
@@ -74,6 +77,8 @@ class Tower:
     max_tokens: Callable[["VisionSpec"], int]
     n_pos: Callable[[tuple[int, int]], int] | None = None
     positions: Callable[[object, int], object] | None = None
+    token_range: tuple[int, int] | None = None
+    with_budget: Callable[["VisionSpec", int], "VisionSpec"] | None = None
 
 
 def names() -> tuple[str, ...]:

@@ -211,4 +211,5 @@ def out_width(weights: dict) -> int:
 
 TOWER = Tower(name="gemma4v", text_archs=("gemma4",), markers=("<|image>", "<image|>"),
               read_spec=read_spec, out_width=out_width, prepare=prepare, encode=encode, feed=feed,
-              max_tokens=max_tokens)
+              max_tokens=max_tokens, token_range=(MIN_TOKENS, MAX_TOKENS),
+              with_budget=lambda spec, n: dataclasses.replace(spec, max_image_tokens=n))

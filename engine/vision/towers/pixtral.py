@@ -32,7 +32,7 @@ from engine.errors import ModelFileError, RequestError
 from engine.vision import vit
 from engine.vision.feed import feed_causal
 from engine.vision.mmproj import VisionSpec
-from engine.vision.preprocess import fit_padded, normalize
+from engine.vision.preprocess import fit_padded, normalize, smart_size
 from engine.vision.towers import ImageFeatures, PreparedImage, Tower
 
 ROPE_THETA = 10000.0        # clip.cpp's for pixtral (not in the file)
@@ -75,25 +75,6 @@ def max_tokens(spec) -> int:
     return 2 * MAX_TOKENS
 
 
-def target_size(width: int, height: int, spec) -> tuple[int, int]:
-    """libmtmd's `calc_size_preserved_ratio` (transformers' "smart_resize"): sides rounded to multiples
-    of `align`, then scaled down (floor) past max_pixels or up (ceil) below min_pixels, in float32."""
-    f = spec.align
-    f32 = np.float32
-    # std::round: halves away from zero (numpy's round goes to even: 250 x 260 got 31 x 32 squares, not 31 x 33)
-    w_bar = max(f, math.floor(float(f32(width) / f32(f)) + 0.5) * f)
-    h_bar = max(f, math.floor(float(f32(height) / f32(f)) + 0.5) * f)
-    if h_bar * w_bar > spec.max_pixels:
-        beta = np.sqrt(f32(height * width) / f32(spec.max_pixels), dtype=f32)
-        h_bar = max(f, int(np.floor(f32(height) / beta / f32(f))) * f)
-        w_bar = max(f, int(np.floor(f32(width) / beta / f32(f))) * f)
-    elif h_bar * w_bar < spec.min_pixels:
-        beta = np.sqrt(f32(spec.min_pixels) / f32(height * width), dtype=f32)
-        h_bar = int(math.ceil(float(f32(height) * beta) / f)) * f
-        w_bar = int(math.ceil(float(f32(width) * beta) / f)) * f
-    return w_bar, h_bar
-
-
 def n_tokens(rows: int, cols: int) -> int:
     """rows x cols image tokens and an [IMG_BREAK] between two rows."""
     return rows * cols + rows - 1
@@ -101,7 +82,7 @@ def n_tokens(rows: int, cols: int) -> int:
 
 def prepare(rgb: np.ndarray, spec) -> PreparedImage:
     h, w = rgb.shape[:2]
-    tw, th = target_size(w, h, spec)
+    tw, th = smart_size(w, h, spec.align, spec.min_pixels, spec.max_pixels)
     rows, cols = th // spec.align, tw // spec.align
     n = n_tokens(rows, cols)
     if n > max_tokens(spec):
@@ -217,4 +198,5 @@ def out_width(weights: dict) -> int:
 
 TOWER = Tower(name="pixtral", text_archs=("mistral3", "llama"), markers=("", "[IMG_END]"),
               read_spec=read_spec, out_width=out_width, prepare=prepare, encode=encode, feed=feed,
-              max_tokens=max_tokens)
+              max_tokens=max_tokens, token_range=(MIN_TOKENS, MAX_TOKENS),
+              with_budget=lambda spec, n: dataclasses.replace(spec, max_pixels=n * spec.align ** 2))

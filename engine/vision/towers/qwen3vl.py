@@ -197,4 +197,5 @@ def n_pos(grid: tuple[int, int]) -> int:
 TOWER = Tower(name="qwen3vl_merger", text_archs=("qwen35", "qwen35moe"),
               markers=("<|vision_start|>", "<|vision_end|>"), read_spec=read_spec, out_width=out_width,
               prepare=prepare, encode=encode, feed=feed, max_tokens=n_tokens_max, n_pos=n_pos,
-              positions=text_mrope.positions)
+              positions=text_mrope.positions, token_range=(MIN_TOKENS, MAX_TOKENS),
+              with_budget=lambda spec, n: dataclasses.replace(spec, max_pixels=n * (spec.patch * MERGE) ** 2))
