@@ -11,6 +11,7 @@ measured 15x slower on Linux); on a GPU everything stays in MLX.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import mlx.core as mx
@@ -70,9 +71,36 @@ def patch_embed(pixels: mx.array, w: dict, patch: int) -> mx.array:
     return out if b is None else out + b
 
 
+_MLX_ACT = {"gelu": nn.gelu_approx, "silu": nn.silu, "gelu_quick": nn.gelu_fast_approx}
+
+
+def np_activation(x: np.ndarray, name: str) -> np.ndarray:
+    """clip.cpp's activations in numpy, float32: "gelu" (the tanh form), "silu", "gelu_quick"."""
+    with np.errstate(over="ignore"):        # exp(-x) of a very negative x: inf, the activation 0
+        if name == "silu":
+            return x / (np.float32(1) + np.exp(-x))
+        if name == "gelu_quick":
+            return x / (np.float32(1) + np.exp(np.float32(-1.702) * x))
+        c = np.float32(math.sqrt(2 / math.pi))
+        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+def activation(name: str) -> Callable[[mx.array], mx.array]:
+    """The MLP's activation by clip.cpp's name ("gelu": tanh form, "silu", "gelu_quick"). On the CPU in
+    numpy for float32: MLX's CPU elementwise took 36.5 ms for GELU over 256 x 4304 where numpy took 4.7
+    (two of them were a third of a 2-layer SigLIP's encode); on a GPU in MLX."""
+    mlx_fn = _MLX_ACT[name]
+
+    def act(x: mx.array) -> mx.array:
+        if on_gpu() or x.dtype != mx.float32:
+            return mlx_fn(x)
+        return mx.array(np_activation(np.asarray(x), name))
+    return act
+
+
 def gelu(tanh_form: bool) -> Callable[[mx.array], mx.array]:
     """clip.cpp's activation: GELU (tanh form) when `clip.use_gelu` is set, else quick-GELU."""
-    return nn.gelu_approx if tanh_form else nn.gelu_fast_approx
+    return activation("gelu" if tanh_form else "gelu_quick")
 
 
 def block(x: mx.array, w: dict, i: int, n_head: int, eps: float, act: Callable[[mx.array], mx.array],

@@ -23,7 +23,6 @@ import dataclasses
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from PIL import Image
 
@@ -186,7 +185,7 @@ def encode(proj, prepared: PreparedImage) -> mx.array:
     x = _positions(vit.patch_embed(pixels.astype(w["v.patch_embd.weight"].dtype), w, s.patch), w, rows, cols)
     idx = np.arange(rows * cols)
     cos, sin = rope_tables(idx % cols, idx // cols, s.width // s.n_head)
-    act = {"gelu": nn.gelu_approx, "silu": nn.silu, "gelu_quick": nn.gelu_fast_approx}[s.ffn]
+    act = vit.activation(s.ffn)
     for i in range(s.n_layer):
         x = block(x, w, i, s, act, cos, sin)
     k = s.pool

@@ -23,7 +23,6 @@ import dataclasses
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from PIL import Image
 
@@ -113,23 +112,13 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(b, h, n, d)
 
 
-def _np_act(x: np.ndarray, act: str) -> np.ndarray:
-    with np.errstate(over="ignore"):        # exp(-x) of a very negative x: inf, the activation 0
-        if act == "silu":
-            return x / (np.float32(1) + np.exp(-x))
-        if act == "quick":
-            return x / (np.float32(1) + np.exp(np.float32(-1.702) * x))
-        c = np.float32(math.sqrt(2 / math.pi))
-        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
-
-
 def gated(gate: mx.array, up: mx.array, act: str) -> mx.array:
     """clip.cpp's gated FFN ops (swiglu / geglu in the tanh form / geglu-quick): act(gate) * up. On the
     CPU in numpy for float32: MLX's CPU elementwise took 205-361 ms for a 768 x 4096 SiLU and product
     where numpy took 54-76 ms (a Mistral Small image's MLP is 3,072 x 4,096 a layer); MLX on a GPU."""
     if on_gpu() or gate.dtype != mx.float32:
-        return {"silu": nn.silu, "gelu": nn.gelu_approx, "quick": nn.gelu_fast_approx}[act](gate) * up
-    return mx.array(_np_act(np.asarray(gate), act) * np.asarray(up))
+        return vit.activation("gelu_quick" if act == "quick" else act)(gate) * up
+    return mx.array(vit.np_activation(np.asarray(gate), "gelu_quick" if act == "quick" else act) * np.asarray(up))
 
 
 def block(x: mx.array, w: dict, i: int, s, rope) -> mx.array:
@@ -177,7 +166,7 @@ def encode(proj, prepared: PreparedImage) -> mx.array:
         x = block(x, w, i, s, rope)
     if "mm.patch_merger.weight" in w:
         x = merge_patches(x, w, s, prow, pcol)
-    x = vit.linear(nn.gelu_approx(vit.linear(x, w, "mm.1")), w, "mm.2")
+    x = vit.linear(vit.activation("gelu")(vit.linear(x, w, "mm.1")), w, "mm.2")
     rows, cols = prepared.grid
     return with_breaks(x, w, rows, cols)
 
