@@ -64,6 +64,7 @@ from engine.cache import layer_cache
 from engine.generation import generate
 from engine.model.memory_estimate import estimate, read_header
 from engine.generation.batch_prefill import GroupPrefill
+from engine.text.image_tokens import has_image_parts
 from engine.generation.generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
 from engine.text.image_tokens import has_images, image_runs
 
@@ -94,8 +95,19 @@ def batchable(engine, item) -> bool:
     if req.constraint is not None or (req.speculative or "off") != "off":
         return False        # the rule: speculation and constrained decoding run alone (between steps)
     # A prompt with images is a row too: its image runs are fed into its own cache before it joins
-    # (BatchLoop._prefill_chunk), so it decodes like any row with reused K/V.
+    # (BatchLoop._prefill_chunk), so it decodes like any row with reused K/V. Not where the family
+    # places the text after an image by the image's grid (Qwen's M-RoPE: the turn's positions are
+    # shifted from the cache's offsets, set on the model for one lone turn, which a shared step cannot).
+    if has_image_parts(req.messages) and not rows_take_images(engine):
+        return False
     return cache_batches(engine)
+
+
+def rows_take_images(engine) -> bool:
+    """Whether a batch row can hold images: the loaded projector's images take as many text positions
+    as tokens (every type but qwen3vl_merger)."""
+    vision = engine.loaded.vision if engine.loaded is not None else None
+    return vision is None or vision.tower.n_pos is None
 
 
 def cache_batches(engine) -> bool:

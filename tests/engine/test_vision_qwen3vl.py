@@ -418,3 +418,27 @@ def test_two_images_logits_equal_llama_cpp(engine, engine_pair):
     _, logits = mtmd_oracle.greedy(model, mm, text, [rgb(a), rgb(b)], 1)
     ours = while_held(engine, lambda e: last_logits(e, tokens))
     assert float(np.abs(ours - logits[0]).max()) < 2e-2
+
+
+def test_qwen_image_chats_run_alone_beside_a_batch_and_equal_their_lone_replies(make_engine):
+    """Qwen's text after an image sits at shifted positions, set on the model for one turn: an image
+    chat (and its follow-up) is never a batch row; it runs alone between the batch's steps while the
+    text chats batch, and every reply equals the one its request gets alone."""
+    a = image(96, 72, 61)
+    hist = [user("Here is a photo: ", a, " Describe it.")]
+    reqs = [GenerateRequest(messages=m, conversation=c, sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN))
+            for m, c in ((hist, "img"), ([{"role": "user", "content": "Tell me about number 7."}], "t1"),
+                         ([{"role": "user", "content": "Count to three, slowly."}], "t2"))]
+    lone = make_engine(max_sequences=1)
+    want = [lone.call(r) for r in reqs]
+    lone.stop()
+    eng = make_engine(max_sequences=4)
+    hold = eng.scheduler.hold()
+    try:
+        handles = [eng.submit(r) for r in reqs]
+    finally:
+        hold.release()
+    got = [h.result(300) for h in handles]
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    c = eng.call(Status()).batch
+    assert c.image_rows == 0 and c.rows >= 2, c
