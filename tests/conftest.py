@@ -22,6 +22,15 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def server_model(tmp_path_factory) -> Path:
+    """The two-layer llama the server and engine API tests share. Seed 5: greedy replies differ from
+    prompt to prompt (several seeds give "\n\n\n..." for all)."""
+    from gguf_factory import write_tiny_gguf
+    return write_tiny_gguf(tmp_path_factory.mktemp("server-model") / "tiny-server.gguf", arch="llama",
+                           n_layer=2, n_embd=64, seed=5, context_length=2048)
+
+
+@pytest.fixture(scope="session")
 def tiny_gguf(tiny_dir) -> Path:
     """A 2-layer llama-architecture GGUF (width 64, real BPE vocab, ChatML template), F32."""
     from gguf_factory import write_tiny_gguf

@@ -59,6 +59,14 @@ def ask(qtbot, view, text: str, tool: str):
     view.send(text)
 
 
+def ask_in_new_tab(qtbot, w, text: str, tool: str):
+    """A new chat asking `text` with the call forced to `tool`; returns its view once the approval shows."""
+    view = w.new_tab()
+    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
+        ask(qtbot, view, text, tool)
+    return view
+
+
 def wait_idle(qtbot, view):
     qtbot.waitUntil(lambda: not view.busy, timeout=REPLY_TIMEOUT_MS)
 
@@ -111,9 +119,7 @@ def test_approve_with_edited_arguments_runs_and_the_model_continues(qtbot, tool_
 
 
 def test_deny_sends_a_declined_result(qtbot, tool_window):
-    view = tool_window.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "Add 1 and 1", "add")
+    view = ask_in_new_tab(qtbot, tool_window, "Add 1 and 1", "add")
     view.tool_panel.deny_btn.click()
     wait_idle(qtbot, view)
     (denied,) = tool_messages(view)
@@ -129,9 +135,7 @@ def test_deny_sends_a_declined_result(qtbot, tool_window):
 
 def test_regenerate_into_a_tool_call_keeps_the_replaced_reply_as_a_branch(qtbot, tool_window):
     from app import branches
-    view = tool_window.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "Add 1 and 1", "add")
+    view = ask_in_new_tab(qtbot, tool_window, "Add 1 and 1", "add")
     view.tool_panel.deny_btn.click()
     wait_idle(qtbot, view)
     first = [dict(m) for m in view.chat.messages[1:]]        # the call, its denied answer, the continuation
@@ -146,9 +150,7 @@ def test_regenerate_into_a_tool_call_keeps_the_replaced_reply_as_a_branch(qtbot,
 
 def test_always_allow_then_revoke(qtbot, tool_window):
     w = tool_window
-    view = w.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "peek", "peek")
+    view = ask_in_new_tab(qtbot, w, "peek", "peek")
     view.tool_panel.always_btn.click()
     wait_idle(qtbot, view)
     assert w.settings.tools_allowed == ["t/peek"]
@@ -174,9 +176,7 @@ def test_always_allow_then_revoke(qtbot, tool_window):
 def test_a_call_past_its_timeout_is_an_error_result(qtbot, tool_window):
     w = tool_window
     w.settings.set("tools_timeout_s", 0.5)
-    view = w.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "wait", "slow")
+    view = ask_in_new_tab(qtbot, w, "wait", "slow")
     view.tool_panel.args.setPlainText('{"seconds": 30}')
     view.tool_panel.run_btn.click()
     wait_idle(qtbot, view)
@@ -187,9 +187,7 @@ def test_a_call_past_its_timeout_is_an_error_result(qtbot, tool_window):
 
 def test_a_server_crash_is_a_result_and_the_chat_goes_on(qtbot, tool_window):
     w = tool_window
-    view = w.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "crash", "crash")
+    view = ask_in_new_tab(qtbot, w, "crash", "crash")
     view.tool_panel.run_btn.click()
     wait_idle(qtbot, view)
     (res,) = tool_messages(view)
@@ -206,9 +204,7 @@ def test_a_server_crash_is_a_result_and_the_chat_goes_on(qtbot, tool_window):
 
 def test_stop_mid_call_ends_the_loop_at_once(qtbot, tool_window):
     w = tool_window
-    view = w.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "wait long", "slow")
+    view = ask_in_new_tab(qtbot, w, "wait long", "slow")
     view.tool_panel.args.setPlainText('{"seconds": 60}')
     view.tool_panel.run_btn.click()
     assert view.tool_turn is not None and view.tool_turn.running is not None
@@ -224,9 +220,7 @@ def test_stop_mid_call_ends_the_loop_at_once(qtbot, tool_window):
 def test_the_step_limit_ends_the_loop_with_a_note(qtbot, tool_window):
     w = tool_window
     w.settings.set("tools_step_limit", 1)
-    view = w.new_tab()
-    with qtbot.waitSignal(view.tool_panel.asked, timeout=REPLY_TIMEOUT_MS):
-        ask(qtbot, view, "add", "add")
+    view = ask_in_new_tab(qtbot, w, "add", "add")
     view.tool_panel.run_btn.click()
     qtbot.waitUntil(lambda: len(tool_messages(view)) == 1, timeout=CALL_MS)
     wait_idle(qtbot, view)

@@ -21,7 +21,7 @@ from engine.api import CountTokens
 from engine.api import BatchCounters
 from engine.engine import Engine, EngineOptions, GenerateRequest, Status
 from engine_reads import prompt_ids, while_held
-from engine.events import Done, Progress, Token
+from engine.events import Progress, Token
 from engine.sampling import SamplingParams
 
 PROMPTS = [

@@ -7,11 +7,12 @@ import anthropic
 import openai
 import pytest
 
-from engine.engine import CountTokens, Engine, EngineOptions, GenerateRequest
+from engine.engine import CountTokens, GenerateRequest
 from engine.errors import EngineError, ErrorCode
 from engine.frontends.server import ServerThread, create_app
 from engine.sampling import SamplingParams
 from engine_reads import while_held
+from engines import running
 
 N_CTX = 256
 MAX_TOKENS = 8
@@ -19,13 +20,9 @@ SYSTEM = {"role": "system", "content": "You answer in a few words."}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from gguf_factory import write_tiny_gguf
-    path = write_tiny_gguf(tmp_path_factory.mktemp("overflow-model") / "tiny-overflow.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path), context_length=N_CTX)).start()
-    yield eng
-    eng.stop()
+def engine(server_model):
+    with running(server_model, context_length=N_CTX) as eng:
+        yield eng
 
 
 def turn(t: int) -> list[dict]:
@@ -127,14 +124,10 @@ ROOMY_CTX = 1024
 
 
 @pytest.fixture(scope="module")
-def roomy(tmp_path_factory):
+def roomy(server_model):
     """A context of many turns: a page (a quarter of it) holds several, as a real chat's does."""
-    from gguf_factory import write_tiny_gguf
-    path = write_tiny_gguf(tmp_path_factory.mktemp("overflow-roomy") / "tiny-roomy.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path), context_length=ROOMY_CTX)).start()
-    yield eng
-    eng.stop()
+    with running(server_model, context_length=ROOMY_CTX) as eng:
+        yield eng
 
 
 def chat_turns(engine, policy: str, n: int) -> tuple[list[dict], list]:
@@ -204,24 +197,24 @@ def test_openai_strata_overflow(server):
     c = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
     msgs = history(12)
     with pytest.raises(openai.BadRequestError) as e:          # off by default: an overflow is a 400
-        c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS)
+        c.chat.completions.create(model="tiny-server", messages=msgs, max_tokens=MAX_TOKENS)
     assert e.value.code == "context_length_exceeded"
-    r = c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+    r = c.chat.completions.create(model="tiny-server", messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
                                   extra_body={"strata_overflow": "rolling"})
     assert r.model_extra["strata"]["dropped_messages"] > 0 and r.usage.prompt_tokens <= N_CTX - MAX_TOKENS
     nxt = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                   {"role": "user", "content": "Thanks."}]
-    r2 = c.chat.completions.create(model="tiny-overflow", messages=nxt, max_tokens=MAX_TOKENS, temperature=0,
+    r2 = c.chat.completions.create(model="tiny-server", messages=nxt, max_tokens=MAX_TOKENS, temperature=0,
                                    extra_body={"strata_overflow": "rolling"})
     assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
-    stream = c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS, stream=True,
+    stream = c.chat.completions.create(model="tiny-server", messages=msgs, max_tokens=MAX_TOKENS, stream=True,
                                        stream_options={"include_usage": True},
                                        extra_body={"strata_overflow": "truncate_middle"})
     chunks = list(stream)
     usage = next(ch.usage for ch in chunks if ch.usage is not None)
     assert usage.completion_tokens > 0 and usage.prompt_tokens + MAX_TOKENS <= N_CTX
     with pytest.raises(openai.BadRequestError) as bad:
-        c.chat.completions.create(model="tiny-overflow", messages=msgs, max_tokens=MAX_TOKENS,
+        c.chat.completions.create(model="tiny-server", messages=msgs, max_tokens=MAX_TOKENS,
                                   extra_body={"strata_overflow": "middle"})
     assert bad.value.body["param"] == "strata_overflow"
     c.close()
@@ -233,19 +226,19 @@ def test_anthropic_strata_overflow(server):
     msgs = history(12)
     system, rest = msgs[0]["content"], msgs[1:]
     with pytest.raises(anthropic.BadRequestError) as e:          # off by default: an overflow is a 400
-        c.messages.create(model="tiny-overflow", system=system, messages=rest, max_tokens=MAX_TOKENS)
+        c.messages.create(model="tiny-server", system=system, messages=rest, max_tokens=MAX_TOKENS)
     assert e.value.body["error"]["type"] == "invalid_request_error" and "context holds 256" in str(e.value)
-    r = c.messages.create(model="tiny-overflow", system=system, messages=rest, max_tokens=MAX_TOKENS,
+    r = c.messages.create(model="tiny-server", system=system, messages=rest, max_tokens=MAX_TOKENS,
                           extra_body={"strata_overflow": "truncate_middle", "temperature": 0})
     assert r.model_extra["strata"]["dropped_messages"] > 0
     sent = r.usage.input_tokens + r.usage.cache_read_input_tokens
     assert sent + MAX_TOKENS <= N_CTX
     nxt = rest + [{"role": "assistant", "content": r.content[0].text}, {"role": "user", "content": "Thanks."}]
-    r2 = c.messages.create(model="tiny-overflow", system=system, messages=nxt, max_tokens=MAX_TOKENS,
+    r2 = c.messages.create(model="tiny-server", system=system, messages=nxt, max_tokens=MAX_TOKENS,
                            extra_body={"strata_overflow": "truncate_middle", "temperature": 0})
     assert r2.model_extra["strata"]["dropped_messages"] == r.model_extra["strata"]["dropped_messages"]
     assert r2.usage.cache_read_input_tokens >= sent - 1, (r.usage, r2.usage)    # the kept history, cached
     with pytest.raises(anthropic.BadRequestError, match="strata_overflow must be one of"):
-        c.messages.create(model="tiny-overflow", messages=rest, max_tokens=MAX_TOKENS,
+        c.messages.create(model="tiny-server", messages=rest, max_tokens=MAX_TOKENS,
                           extra_body={"strata_overflow": 3})
     c.close()

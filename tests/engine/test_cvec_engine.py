@@ -5,7 +5,6 @@ Most tests run a 4-layer tiny model (width 64); the real-model ones are short an
 real_model; the llama.cpp comparisons are marked oracle."""
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import sys

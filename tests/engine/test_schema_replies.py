@@ -15,18 +15,14 @@ N_SCHEMAS, SAMPLES = 24, 2
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    from gguf_factory import write_tiny_gguf
+def base_url(server_model):
+    from engines import running
 
-    from engine.engine import Engine, EngineOptions
     from engine.frontends.server import ServerThread, create_app
-    path = write_tiny_gguf(tmp_path_factory.mktemp("schema-model") / "tiny-schema.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path), cache_mib=16)).start()
-    srv = ServerThread(create_app(eng)).start()
-    yield f"http://127.0.0.1:{srv.port}/v1"
-    srv.stop()
-    eng.stop()
+    with running(server_model, cache_mib=16) as eng:
+        srv = ServerThread(create_app(eng)).start()
+        yield f"http://127.0.0.1:{srv.port}/v1"
+        srv.stop()
 
 
 # ---- generated schemas -----------------------------------------------------------------------------

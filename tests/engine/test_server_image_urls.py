@@ -21,8 +21,8 @@ import openai
 import pytest
 from test_server_images import ClaimsVision, _anthropic, _openai, _png
 
+from engines import running
 from engine.api import ImageInput
-from engine.engine import Engine, EngineOptions
 from engine.frontends.anthropic_api import convert_messages
 from engine.frontends.image_parts import ImageBudget, split_openai, with_images
 from engine.frontends.server import ServerThread, create_app
@@ -108,13 +108,9 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from gguf_factory import write_tiny_gguf
-    path = write_tiny_gguf(tmp_path_factory.mktemp("image-url-model") / "tiny-text.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path))).start()
-    yield eng
-    eng.stop()
+def engine(server_model):
+    with running(server_model) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +126,7 @@ def servers(engine):
 def _oa_refusal(srv, url: str) -> openai.BadRequestError:
     c = _openai(srv)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-text", max_tokens=4, messages=[{"role": "user", "content": [
+        c.chat.completions.create(model="tiny-server", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
     c.close()
     return e.value

@@ -24,6 +24,7 @@ import openai
 import pytest
 from PIL import Image
 
+from engines import running
 from engine.api import ImageInput
 from engine.engine import Engine, EngineOptions
 from engine.frontends.anthropic_api import convert_messages
@@ -74,13 +75,9 @@ class ClaimsVision:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from gguf_factory import write_tiny_gguf
-    path = write_tiny_gguf(tmp_path_factory.mktemp("images-model") / "tiny-text.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path))).start()
-    yield eng
-    eng.stop()
+def engine(server_model):
+    with running(server_model) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +100,7 @@ def _anthropic(srv):
 def _oa_refusal(srv, content, stream=False) -> openai.BadRequestError:
     c = _openai(srv)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-text", max_tokens=4, stream=stream,
+        c.chat.completions.create(model="tiny-server", max_tokens=4, stream=stream,
                                   messages=[{"role": "user", "content": content}])
     c.close()
     return e.value
@@ -113,12 +110,12 @@ def test_a_text_only_model_refuses_images_by_name_and_still_answers_text(servers
     text, _ = servers
     e = _oa_refusal(text, [{"type": "text", "text": "what is this?"}, _oa_image(_png())])
     assert e.body["param"] == "messages[0].content[1]" and e.body["code"] == "model_reads_text_only"
-    assert "tiny-text reads text only" in e.body["message"]
+    assert "tiny-server reads text only" in e.body["message"]
     c = _anthropic(text)
     with pytest.raises(anthropic.BadRequestError) as ae:
         c.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
             _an_image(_png()), {"type": "text", "text": "what is this?"}]}])
-    assert "messages.0.content.0: the model tiny-text reads text only" in ae.value.body["error"]["message"]
+    assert "messages.0.content.0: the model tiny-server reads text only" in ae.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         c.messages.count_tokens(model="m", messages=[{"role": "user", "content": [_an_image(_png())]}])
     r = c.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hello"}])
@@ -161,7 +158,7 @@ def test_urls_bad_data_urls_too_many_images_and_images_outside_user_turns_are_re
     assert e.body["param"] == f"messages[0].content[{MAX_REQUEST_IMAGES}]" and e.body["code"] == "too_many_images"
     c = _openai(vision)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-text", max_tokens=4, messages=[
+        c.chat.completions.create(model="tiny-server", max_tokens=4, messages=[
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": [_oa_image(_png())]}])
     assert e.value.body["param"] == "messages[1].content"
     c.close()

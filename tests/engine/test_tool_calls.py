@@ -243,18 +243,14 @@ def test_validate():
 
 # ---- end to end: the OpenAI API ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from gguf_factory import write_tiny_gguf
+def server(server_model):
+    from engines import running
 
-    from engine.engine import Engine, EngineOptions
     from engine.frontends.server import ServerThread, create_app
-    path = write_tiny_gguf(tmp_path_factory.mktemp("tools-model") / "tiny-tools.gguf", arch="llama",
-                           n_layer=2, n_embd=64, seed=5, context_length=2048)
-    eng = Engine(EngineOptions(model=str(path))).start()
-    srv = ServerThread(create_app(eng)).start()
-    yield srv
-    srv.stop()
-    eng.stop()
+    with running(server_model) as eng:
+        srv = ServerThread(create_app(eng)).start()
+        yield srv
+        srv.stop()
 
 
 @pytest.fixture

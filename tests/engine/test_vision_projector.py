@@ -11,7 +11,6 @@ import mtmd_oracle
 from gguf_factory_vision import write_gemma3_mmproj, write_gemma3_vision_pair
 from vision_images import CASES, photo, png
 
-import mlx.core as mx
 
 from engine.errors import ModelFileError
 from engine.vision.images import decode_image
