@@ -72,32 +72,32 @@ def machine_cache_range() -> CacheRange:
         return cache_range(None)
 
 
+def _whole(value: object, lo: int, hi: int | None, field: str, not_whole: str, out_of_range: str) -> int:
+    """`value` as an int in lo..hi (hi None: no top), else CacheLimitError for `field` with
+    `not_whole` or `out_of_range` (each formatted with the value: {value!r} / {value})."""
+    try:
+        n = int(value)                                     # type: ignore[arg-type]
+        if n != value and not isinstance(value, str):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise CacheLimitError(not_whole.format(value=value), field) from None
+    if n < lo or (hi is not None and n > hi):
+        raise CacheLimitError(out_of_range.format(value=n), field)
+    return n
+
+
 def check_cache_mib(mib: object, limits: CacheRange | None = None, what: str = "the conversation cache") -> int:
     """`mib` as an int if it is in range, else CacheLimitError naming the range."""
     limits = limits or machine_cache_range()
-    try:
-        value = int(mib)                                   # type: ignore[arg-type]
-        if value != mib and not isinstance(mib, str):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number of MiB, {limits.describe()}; got {mib!r}",
-                              "cache_mib") from None
-    if value < 0 or (limits.max_mib is not None and value > limits.max_mib):
-        raise CacheLimitError(f"{what} must be {limits.describe()}; got {value} MiB", "cache_mib")
-    return value
+    r = limits.describe()
+    return _whole(mib, 0, limits.max_mib, "cache_mib", f"{what} must be a whole number of MiB, {r}; got {{value!r}}",
+                  f"{what} must be {r}; got {{value}} MiB")
 
 
 def check_cache_slots(slots: object, what: str = "the conversation cache slots") -> int:
-    try:
-        value = int(slots)                                 # type: ignore[arg-type]
-        if value != slots and not isinstance(slots, str):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {slots!r}",
-                              "cache_slots") from None
-    if not 1 <= value <= SLOTS_MAX:
-        raise CacheLimitError(f"{what} must be 1 to {SLOTS_MAX}; got {value}", "cache_slots")
-    return value
+    return _whole(slots, 1, SLOTS_MAX, "cache_slots",
+                  f"{what} must be a whole number from 1 to {SLOTS_MAX}; got {{value!r}}",
+                  f"{what} must be 1 to {SLOTS_MAX}; got {{value}}")
 
 
 def within_range(mib: object, slots: object, limits: CacheRange) -> tuple[int, int, str | None]:
@@ -119,16 +119,9 @@ def within_range(mib: object, slots: object, limits: CacheRange) -> tuple[int, i
 
 def check_disk_mib(mib: object, what: str = "the conversation disk cache") -> int:
     """The disk tier's cap: a whole number of MiB, 0 (off) to DISK_MIB_MAX; else CacheLimitError."""
-    try:
-        value = int(mib)                                   # type: ignore[arg-type]
-        if value != mib and not isinstance(mib, str):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise CacheLimitError(f"{what} must be a whole number of MiB, 0 (off) to {DISK_MIB_MAX}; got {mib!r}",
-                              "disk_mib") from None
-    if not 0 <= value <= DISK_MIB_MAX:
-        raise CacheLimitError(f"{what} must be 0 (off) to {DISK_MIB_MAX} MiB; got {value} MiB", "disk_mib")
-    return value
+    return _whole(mib, 0, DISK_MIB_MAX, "disk_mib",
+                  f"{what} must be a whole number of MiB, 0 (off) to {DISK_MIB_MAX}; got {{value!r}}",
+                  f"{what} must be 0 (off) to {DISK_MIB_MAX} MiB; got {{value}} MiB")
 
 
 def check_kv_bits(bits: object) -> int:

@@ -6,9 +6,10 @@ A module is imported only when a file of its architecture is loaded (mlx-lm's mo
 imported inside each module's functions)."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from engine import lazy_table
 
 # GGUF general.architecture -> module under engine/model/archs/ (add a line per family)
 _MODULES: dict[str, str] = {
@@ -44,7 +45,4 @@ def names() -> tuple[str, ...]:
 
 
 def find(arch: str | None) -> Architecture | None:
-    mod = _MODULES.get(arch or "")
-    if mod is None:
-        return None
-    return importlib.import_module(f"{__name__}.{mod}").ARCH
+    return lazy_table.entry(__name__, _MODULES, arch, "ARCH")

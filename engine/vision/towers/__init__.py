@@ -8,12 +8,13 @@ type), the encoder itself, the text markers around an image's tokens, and how th
 are fed into the text model (which tokens see which, the positions they take)."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
+
+from engine import lazy_table
 
 if TYPE_CHECKING:   # typing only: mmproj imports this module
     from engine.model.gguf_file import GGUFFile
@@ -86,7 +87,4 @@ def names() -> tuple[str, ...]:
 
 
 def find(projector_type: str | None) -> Tower | None:
-    mod = _MODULES.get(projector_type or "")
-    if mod is None:
-        return None
-    return importlib.import_module(f"{__name__}.{mod}").TOWER
+    return lazy_table.entry(__name__, _MODULES, projector_type, "TOWER")
