@@ -64,9 +64,8 @@ from engine.cache import layer_cache
 from engine.generation import generate
 from engine.model.memory_estimate import estimate, read_header
 from engine.generation.batch_prefill import GroupPrefill
-from engine.text.image_tokens import has_image_parts
 from engine.generation.generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
-from engine.text.image_tokens import has_images, image_runs
+from engine.text.image_tokens import has_image_parts, has_images, image_runs
 
 log = logging.getLogger("strata")
 
