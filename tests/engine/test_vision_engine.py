@@ -4,24 +4,21 @@ greedy reply; and image spans as part of the K/V key (a different image at the s
 reuses K/V, a follow-up reuses the image's, an image sent again is not encoded again)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import llama_oracle
 import mtmd_oracle
 from gguf_factory_gemma import write_tiny_gemma3
 from gguf_factory_vision import write_gemma3_mmproj, write_gemma3_vision_pair
-from vision_images import photo, png
 
-from engine.api import CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel
+from engine.api import CountTokens, EngineOptions, GenerateRequest, LoadModel
 from engine.engine import Engine
 from engine.errors import EngineError, ErrorCode
-from engine.vision.images import decode_image
 from engine.sampling import SamplingParams
 from engine.text.image_tokens import image_runs
 from engine_reads import while_held
+from vision_chat import assert_greedy_equal, image, rgb, user
 
-TIE_MARGIN = 0.6            # as tests/engine/test_oracle.py: a closer race has no single right answer
 N_GEN = 8
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
@@ -40,19 +37,6 @@ def engine(pair):
     eng.stop()
 
 
-def user(*parts) -> dict:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return {"role": "user", "content": content}
-
-
-def image(w: int, h: int, seed: int, mode: str = "RGB") -> ImageInput:
-    return ImageInput(png(photo(w, h, seed=seed), mode), f"{w}x{h}.png")
-
-
-def rgb(img: ImageInput) -> np.ndarray:
-    return decode_image(img.data).rgb
-
-
 def generate(eng, messages, conversation: str = ""):
     return eng.call(GenerateRequest(messages=messages, conversation=conversation,
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
@@ -60,15 +44,6 @@ def generate(eng, messages, conversation: str = ""):
 
 def encodes(eng) -> int:
     return while_held(eng, lambda e: e.loaded.vision.features.encodes)
-
-
-def assert_greedy_equal(ours: list[int], ref: list[int], logits: np.ndarray) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = np.sort(logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]:.3f}"
-            return
-    assert ours and ours == ref[:len(ours)]
 
 
 def test_loaded_with_the_projector_beside_it(engine):

@@ -34,13 +34,13 @@ from engine.text.image_tokens import image_runs
 from engine.vision import mmproj
 from engine.vision.images import decode_image
 from engine_reads import while_held
+from vision_chat import assert_greedy_equal, image, rgb, user
 
 # max |ours - libmtmd| over an image's embeddings, relative to the largest |value|: measured
 # 3.5e-4 - 7.9e-4 on the images (0.0015-0.0049 on values up to 8), 6.6e-4 - 9.1e-4 on the layouts (Pixtral
 # 12B's 0.011-0.012 on values up to 15); ggml's CPU GELU goes through an fp16 table, the rest is float32
 # summation order
 RELATIVE_TOLERANCE = 2e-3
-TIE_MARGIN = 0.6            # as tests/engine/test_oracle.py: a closer race has no single right answer
 N_GEN = 8
 WIDTH = 256
 SIZES = [(128, 128), (203, 97), (61, 173), (517, 389), (1000, 700), (33, 400), (300, 31), (1, 1), (10, 10),
@@ -149,19 +149,6 @@ def engine(pair):
     eng.stop()
 
 
-def user(*parts) -> dict:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return {"role": "user", "content": content}
-
-
-def image(w: int, h: int, seed: int, mode: str = "RGB") -> ImageInput:
-    return ImageInput(png(photo(w, h, seed=seed), mode), f"{w}x{h}.png")
-
-
-def rgb(img: ImageInput) -> np.ndarray:
-    return decode_image(img.data).rgb
-
-
 def turn(text: str) -> str:
     return f"[INST]{text}[/INST]"        # the family's template (BOS from the tokenizer)
 
@@ -173,15 +160,6 @@ def generate(eng, messages, conversation: str = ""):
 
 def encodes(eng) -> int:
     return while_held(eng, lambda e: e.loaded.vision.features.encodes)
-
-
-def assert_greedy_equal(ours: list[int], ref: list[int], logits: np.ndarray) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = np.sort(logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]:.3f}"
-            return
-    assert ours and ours == ref[:len(ours)]
 
 
 def test_loaded_with_the_projector_beside_it(engine):
