@@ -16,3 +16,21 @@ def running(model, **options) -> Iterator[Engine]:
         yield eng
     finally:
         eng.stop()
+
+
+@contextmanager
+def maker(model, **defaults) -> Iterator:
+    """`make(**options)`: an Engine on `model` started (its load done) with `defaults` overlaid by
+    `options`; every engine made is stopped when the block ends."""
+    made: list[Engine] = []
+
+    def make(**options) -> Engine:
+        eng = Engine(EngineOptions(model=str(model), **{**defaults, **options})).start()
+        made.append(eng)
+        eng.startup.result()
+        return eng
+    try:
+        yield make
+    finally:
+        for eng in made:
+            eng.stop()

@@ -19,6 +19,7 @@ from engine.api import ClearDiskCache, ForgetConversation, RestoreSession, SaveS
 from engine.engine import Engine, EngineOptions, GenerateRequest
 from engine.sampling import SamplingParams
 from engine_reads import while_held
+from engines import maker
 
 ROOT = Path(__file__).resolve().parents[2]
 SP = SamplingParams(max_tokens=8, temperature=0)
@@ -50,16 +51,8 @@ def _flush(engine) -> None:
 
 @pytest.fixture
 def make_engine(tiny_gguf):
-    made = []
-
-    def make(**kw):
-        e = Engine(EngineOptions(model=str(tiny_gguf), **{"disk_mib": 64, **kw})).start()
-        e.startup.result()
-        made.append(e)
-        return e
-    yield make
-    for e in made:
-        e.stop()
+    with maker(tiny_gguf, disk_mib=64) as make:
+        yield make
 
 
 # ---- the server journey: a real process, a real HTTP client ----------------------------------------

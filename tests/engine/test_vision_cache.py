@@ -10,7 +10,6 @@ import pytest
 
 import llama_oracle
 from gguf_factory_vision import write_gemma3_vision_pair
-from vision_images import photo, png
 
 from engine.model import memory_estimate as me
 from engine.api import (BatchCounters, CountTokens, EngineOptions, GenerateRequest, ImageInput, LoadModel, RestoreSession,
@@ -24,6 +23,8 @@ from engine.sampling import SamplingParams
 from engine.vision import mmproj
 from engine.text.image_tokens import image_runs
 from engine_reads import while_held
+from vision_chat import encoded, image, user
+from engines import maker
 
 N_GEN = 6
 N_SPEC = 64         # a reply long enough for lookup to find n-grams to draft from
@@ -38,34 +39,13 @@ def pair(tmp_path_factory):
 
 @pytest.fixture
 def make_engine(pair):
-    made = []
-
-    def make(**kw):
-        e = Engine(EngineOptions(model=str(pair[0]), **{"cache_mib": 256, **kw})).start()
-        e.startup.result()
-        made.append(e)
-        return e
-    yield make
-    for e in made:
-        e.stop()
-
-
-def user(*parts) -> dict:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return {"role": "user", "content": content}
-
-
-def image(w: int, h: int, seed: int) -> ImageInput:
-    return ImageInput(png(photo(w, h, seed=seed)), f"{w}x{h}.png")
+    with maker(pair[0], cache_mib=256) as make:
+        yield make
 
 
 def generate(eng, messages, conversation: str):
     return eng.call(GenerateRequest(messages=messages, conversation=conversation,
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-
-
-def encoded(eng) -> int:
-    return eng.call(Status()).vision["images_encoded"]
 
 
 def tokens_of(eng, messages) -> list[int]:

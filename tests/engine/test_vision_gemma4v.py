@@ -23,6 +23,9 @@ from engine.text.image_tokens import image_runs
 from engine.vision import mmproj
 from engine.vision.images import decode_image
 from engine_reads import while_held
+from vision_chat import image, rgb, user
+from vision_chat import assert_greedy_equal as _greedy_equal
+from engines import maker
 
 # max |ours - libmtmd| over an image's embeddings (values up to ~9.5): measured 0.0048-0.0069 on
 # these images (ggml's CPU quick-GELU goes through an fp16 table; the rest is float32 summation order)
@@ -116,31 +119,13 @@ def engine(pair):
     eng.stop()
 
 
-def user(*parts) -> dict:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return {"role": "user", "content": content}
-
-
-def image(w: int, h: int, seed: int, mode: str = "RGB") -> ImageInput:
-    return ImageInput(png(photo(w, h, seed=seed), mode), f"{w}x{h}.png")
-
-
-def rgb(img: ImageInput) -> np.ndarray:
-    return decode_image(img.data).rgb
-
-
 def generate(eng, messages, conversation: str = ""):
     return eng.call(GenerateRequest(messages=messages, conversation=conversation,
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
 
 
 def assert_greedy_equal(got: list[int], ref: list[int], logits: np.ndarray) -> None:
-    for i, (a, b) in enumerate(zip(got, ref)):
-        if a != b:
-            top2 = np.sort(logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]:.3f}"
-            return
-    assert got and got == ref[:len(got)]
+    _greedy_equal(got, ref, logits, TIE_MARGIN)
 
 
 def test_loaded_with_the_projector_beside_it(engine):
@@ -189,16 +174,8 @@ def test_a_follow_up_reuses_the_image_without_encoding_it_again(engine):
 
 @pytest.fixture
 def make_engine(pair):
-    made = []
-
-    def make(**kw):
-        e = Engine(EngineOptions(model=str(pair[0]), **{"cache_mib": 256, **kw})).start()
-        e.startup.result()
-        made.append(e)
-        return e
-    yield make
-    for e in made:
-        e.stop()
+    with maker(pair[0], cache_mib=256) as make:
+        yield make
 
 
 def first_turn(eng, conversation: str, img: ImageInput):

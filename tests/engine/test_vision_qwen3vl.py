@@ -30,6 +30,8 @@ from engine.vision import mmproj
 from engine.sampling import SamplingParams
 from engine.text.image_tokens import image_runs
 from engine.vision.images import decode_image
+from vision_chat import assert_greedy_equal, encoded, image, rgb, user
+from engines import maker
 
 # max |ours - libmtmd| over an image's embeddings (values up to ~6): measured 0.0024-0.0035 on these
 # images (ggml's CPU GELU goes through an fp16 table; the rest is float32 summation order)
@@ -149,7 +151,6 @@ def test_a_gemma3_projector_is_refused_for_qwen35(tmp_path):
 # 128 dims, every 2nd layer full attention): with text after an image placed at its token count, or
 # the image's tokens at plain positions, the first logits differ from llama.cpp's by 0.5-0.9 (measured).
 TEXT_KW = {"rope_theta": 1e4, "interval": 2, "n_rot": 64}
-TIE_MARGIN = 0.6            # as tests/engine/test_vision_engine.py
 N_GEN = 12
 TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
@@ -168,31 +169,9 @@ def engine(engine_pair):
     eng.stop()
 
 
-def user(*parts) -> dict:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return {"role": "user", "content": content}
-
-
-def image(w: int, h: int, seed: int, mode: str = "RGB") -> ImageInput:
-    return ImageInput(png(photo(w, h, seed=seed), mode), f"{w}x{h}.png")
-
-
-def rgb(img: ImageInput) -> np.ndarray:
-    return decode_image(img.data).rgb
-
-
 def generate(eng, messages, conversation: str):
     return eng.call(GenerateRequest(messages=messages, conversation=conversation,
                                     sampling=SamplingParams(temperature=0.0, max_tokens=N_GEN)))
-
-
-def assert_greedy_equal(ours: list[int], ref: list[int], logits: np.ndarray) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = np.sort(logits[i])[-2:]
-            assert top2[1] - top2[0] < TIE_MARGIN, f"step {i}: {a} vs {b}, llama.cpp margin {top2[1] - top2[0]:.3f}"
-            return
-    assert ours and ours == ref[:len(ours)]
 
 
 def test_loaded_with_the_projector_beside_it(engine):
@@ -291,20 +270,8 @@ def test_text_only_conversations_keep_mlx_lms_rope(engine):
 # ------------------------------------------------------------------------- K/V reuse keeps the positions
 @pytest.fixture
 def make_engine(engine_pair):
-    made = []
-
-    def make(**kw):
-        e = Engine(EngineOptions(model=str(engine_pair[0]), **{"cache_mib": 256, **kw})).start()
-        e.startup.result()
-        made.append(e)
-        return e
-    yield make
-    for e in made:
-        e.stop()
-
-
-def encoded(eng) -> int:
-    return eng.call(Status()).vision["images_encoded"]
+    with maker(engine_pair[0], cache_mib=256) as make:
+        yield make
 
 
 def follow_up_equals_llama_cpp(eng, engine_pair, hist: list, r1, img: ImageInput, words: str):

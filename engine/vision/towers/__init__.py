@@ -9,16 +9,16 @@ are fed into the text model (which tokens see which, the positions they take).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from engine import lazy_table
 
-if TYPE_CHECKING:   # typing only: mmproj imports this module
-    from engine.model.gguf_file import GGUFFile
-    from engine.vision.mmproj import Projector, VisionSpec
+# engine/vision/mmproj.py's VisionSpec and Projector, and an open GGUF file: named here, not imported
+# (mmproj imports this module to find a type's tower; the types would make a circle of the two)
+VisionSpec = Projector = GGUFFile = Any
 
 # clip.projector_type -> module under engine/vision/towers/ (add a line per type)
 _MODULES: dict[str, str] = {"gemma3": "gemma3", "gemma4v": "gemma4v", "pixtral": "pixtral", "qwen3vl_merger": "qwen3vl"}
@@ -70,16 +70,16 @@ class Tower:
     name: str
     text_archs: tuple[str, ...]
     markers: tuple[str, str]
-    read_spec: Callable[["GGUFFile", "VisionSpec"], "VisionSpec"]
+    read_spec: Callable[[GGUFFile, VisionSpec], VisionSpec]
     out_width: Callable[[dict], int]
-    prepare: Callable[[np.ndarray, "VisionSpec"], PreparedImage]
-    encode: Callable[["Projector", PreparedImage], mx.array]
+    prepare: Callable[[np.ndarray, VisionSpec], PreparedImage]
+    encode: Callable[[Projector, PreparedImage], mx.array]
     feed: Callable[[object, list, ImageFeatures], None]
-    max_tokens: Callable[["VisionSpec"], int]
+    max_tokens: Callable[[VisionSpec], int]
     n_pos: Callable[[tuple[int, int]], int] | None = None
     positions: Callable[[object, int], object] | None = None
     token_range: tuple[int, int] | None = None
-    with_budget: Callable[["VisionSpec", int], "VisionSpec"] | None = None
+    with_budget: Callable[[VisionSpec, int], VisionSpec] | None = None
 
 
 def names() -> tuple[str, ...]:
