@@ -65,7 +65,7 @@ from engine.generation import generate
 from engine.model.memory_estimate import estimate, read_header
 from engine.generation.batch_prefill import GroupPrefill
 from engine.generation.generate import FIRST_CHUNK, ReplyText, _stream, next_chunk, on_gpu, prefill
-from engine.text.image_tokens import has_image_parts, has_images, image_runs
+from engine.text.image_tokens import has_image_parts, has_images, image_runs, text_only
 
 log = logging.getLogger("strata")
 
@@ -524,7 +524,7 @@ class BatchLoop:
                   todo=new[:len(new) - n_merged], pending=new[len(new) - n_merged:], steered=turn.projection,
                   sampler=seeded_sampler(sp, n_vocab) if seeded else sp.sampler(n_vocab), processors=processors,
                   key=mx.random.key(sp.seed) if seeded else None,
-                  ctx=mx.array(turn.tokens, dtype=mx.int32) if processors else None,
+                  ctx=mx.array(text_only(turn.tokens), dtype=mx.int32) if processors else None,
                   cache=turn.entry.cache)
         if checkpoints:
             row.cuts = sorted({m - turn.reuse for m in marks if 0 < m - turn.reuse < len(row.todo)}

@@ -19,7 +19,7 @@ from engine.cache import layer_cache
 from engine.errors import Cancelled
 from engine.text.markers import partial_suffix
 from engine.text.tokenizer import StreamDecoder
-from engine.text.image_tokens import image_runs
+from engine.text.image_tokens import image_runs, text_only
 
 
 @dataclass
@@ -267,7 +267,7 @@ def _step_parts(model, cache, history: list[int], sampler, processors):
     processors (their context grows by each fed token), and the sample from logits (masked where a
     grammar allows only some tokens)."""
     stream = _stream()
-    ctx = mx.array(history, dtype=mx.int32) if processors else None
+    ctx = mx.array(text_only(history), dtype=mx.int32) if processors else None
     neg_inf = mx.array(-float("inf"), dtype=mx.float32)
 
     def forward(tok: mx.array, first: bool = False) -> mx.array:

@@ -71,6 +71,7 @@ from engine.generation.generate import PrefillPace, prefill
 from engine.model.gguf_file import open_gguf
 from engine.model.model_loader import load_model
 from engine.model.models import resolve_model
+from engine.text.image_tokens import text_only
 
 # Prompt lookup: the longest suffix n-gram (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before
 # proposes the tokens that followed it. n = 1 matches are mostly noise on chat text; longer than 4
@@ -505,10 +506,10 @@ def _verify_logits(model, cache, inputs: list[int], draft: list[int], context: l
         mx.async_eval(logits)
         allowed, _ = constraint.draft_masks(draft, logits.shape[-1], keep_refused=True)
     if processors:
-        rows = []
+        rows, text = [], text_only(context)
         for i in range(len(inputs)):
             row = logits[i:i + 1]
-            ctx = mx.array(context + draft[:i])
+            ctx = mx.array(text + draft[:i])
             for proc in processors:
                 row = proc(ctx, row)
             rows.append(row)

@@ -32,6 +32,13 @@ def has_images(tokens: list[int]) -> bool:
     return bool(tokens) and min(tokens) < 0
 
 
+def text_only(tokens: list[int]) -> list[int]:
+    """`tokens` less their image ids: a repetition penalty's context. An image id is no row of the
+    logits, and MLX's gather does not check bounds: a penalty window reaching back into an image (a
+    short question after it) read and wrote outside the logits and crashed the engine."""
+    return [t for t in tokens if t >= 0] if has_images(tokens) else list(tokens)
+
+
 def whole_image_start(tokens: list[int], n: int) -> int:
     """`n` (a count of leading tokens to keep) moved back to the start of the image run it would cut:
     an image is fed whole (its tokens attend to each other both ways), never resumed halfway."""
