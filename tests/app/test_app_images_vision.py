@@ -70,3 +70,46 @@ def test_journey_an_image_is_read_counted_reused_and_kept_across_a_restart(qtbot
         assert again.prompt_tokens > follow.prompt_tokens and len(view.chat.messages) == 8
     finally:
         w.close()
+
+
+def test_journey_pasted_and_dropped_images_with_a_short_question_then_a_restart(qtbot, app_home, pair, tmp_path):
+    """A new chat: a picture pasted (no file) and a file dropped on the message box, a question of two
+    characters after them with the app's own sampling (its repetition penalty's window reaches back into
+    the images: it crashed the engine at the first decode step before the penalty left image ids out);
+    then a restart and the chat goes on with both images in its prompt."""
+    from PySide6.QtCore import QMimeData, Qt
+    from PySide6.QtGui import QImage
+    from app import settings
+    from test_app_images import _drop, _urls
+    for f in pair:
+        shutil.copyfile(f, app_home / "models" / f.name)
+    s = settings.load()
+    s.model = str(app_home / "models" / pair[0].name)
+    s.sampling.max_tokens = 4
+    settings.save(s)
+    assert s.sampling.repetition_penalty != 1.0       # the app's default: the penalty runs
+    w = _open(qtbot)
+    try:
+        view = w.current_view()
+        pic = QImage(48, 32, QImage.Format.Format_RGB32)
+        pic.fill(Qt.GlobalColor.darkGreen)
+        mime = QMimeData()
+        mime.setImageData(pic)
+        view.input.insertFromMimeData(mime)
+        assert _drop(view.input.viewport(), _urls(_file(tmp_path, "dropped.png", _png(33, 65, seed=5))))
+        assert len(view.images.row.items) == 2
+        first = send_and_wait(qtbot, view, "Hi")
+        assert first.prompt_tokens >= 2 * IMAGE_TOKENS and first.generated_tokens > 0
+        cid, refs = view.chat.id, view.chat.messages[-2]["images"]
+        assert len(refs) == 2
+    finally:
+        w.close()
+
+    w = _open(qtbot)
+    try:
+        view = w.tabs.view_for(cid)
+        assert view is not None and view.chat.messages[-2]["images"] == refs
+        again = send_and_wait(qtbot, view, "Ok?")
+        assert again.prompt_tokens > first.prompt_tokens and again.generated_tokens > 0
+    finally:
+        w.close()
