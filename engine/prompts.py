@@ -16,7 +16,7 @@ from engine.text.context_policy import (POLICIES, OverflowRefused, message_text,
 from engine.cache.conversations import held_run
 from engine.errors import ContextTooLong, RequestError
 from engine.cache.parking import common_prefix
-from engine.text.image_tokens import has_image_parts, has_images, storable, text_chars
+from engine.text.image_tokens import has_image_parts, has_images, joined_text, storable, text_chars
 
 MAX_CHARS_PER_TOKEN = 32
 SIZES_KEPT = 4096                  # message sizes remembered for the overflow pages (then forgotten at once)
@@ -52,7 +52,7 @@ class Prompts:
         """The messages as the model's template renders them, and whether BOS goes before that text."""
         tok = self.eng.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        text = render(self.eng.template, messages, bos_token=bos,
+        text = render(self.eng.template, joined_text(messages), bos_token=bos,
                       eos_token=tok.token_text(min(tok.eos_ids)) if tok.eos_ids else "",
                       name=f"the chat template of {self.eng.model_path.name}" if self.eng.template else "",
                       tools=tools, add_generation_prompt=generation_prompt)

@@ -79,6 +79,19 @@ def text_chars(content) -> int:
     return len(str(content or ""))
 
 
+def joined_text(messages: list) -> list:
+    """Messages whose list content holds text parts only, each with that text joined into one string (as
+    the servers join them): a chat template that does not iterate over parts renders every message."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        out.append(m)
+    return out
+
+
 def image_ref(name: str, nbytes: int, digest: str, tokens: int = 0) -> dict:
     """An image part as a held conversation keeps it (status, the disk tier, session files): its name,
     size, pixel digest and the tokens it takes (0: not known), not its bytes. Sent back in a prompt it

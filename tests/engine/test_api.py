@@ -51,6 +51,18 @@ def test_count_tokens_matches_the_prompt(engine):
     assert isinstance(n, TokenCount) and n.tokens == r.prompt_tokens
 
 
+def test_content_of_text_parts_reads_as_its_joined_text(engine):
+    """A message whose content is a list of text parts (the shape images come in) is its text joined, as
+    the servers join it (a template that does not iterate over parts renders the list otherwise)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a short "},
+                                          {"type": "text", "text": "story about a cat."}]}]
+    assert engine.call(CountTokens(messages=parts)).ids == engine.call(CountTokens(messages=CHAT)).ids
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    a = engine.call(GenerateRequest(messages=parts, conversation="parts", sampling=sp))
+    b = engine.call(GenerateRequest(messages=CHAT, conversation="plain", sampling=sp))
+    assert (a.prompt_tokens, a.tokens) == (b.prompt_tokens, b.tokens)
+
+
 def test_errors_carry_a_code(engine, tmp_path):
     with pytest.raises(EngineError) as e:
         engine.call(GenerateRequest(messages=[{"role": "user", "content": "x" * 10_000_000}]))
