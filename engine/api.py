@@ -265,7 +265,8 @@ class EngineStatus(Result):
     disk: dict | None = None                  # disk_tier.DiskTier.status(): entries, bytes, cap_bytes, folder
     batch: BatchCounters | None = None        # continuous batching's counters (None: no batch yet)
     vision: dict | None = None                # the image projector (vision.spans.VisionStats): projector, path,
-                                              # tokens_per_image, images_encoded, feature_cache_entries/_bytes
+                                              # tokens_per_image, images_encoded, feature_cache_entries/_bytes,
+                                              # images_prepared
 
 
 @dataclass

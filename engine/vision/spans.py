@@ -13,6 +13,7 @@ bytes: an image sent again (another turn, another chat) is not encoded again.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from engine.text.image_tokens import image_runs, image_token, is_image_ref, stor
 MEDIA_MARKER = "<__media__>"        # what an image part becomes in the rendered text (libmtmd's marker)
 FEATURE_CACHE_ENTRIES = 32
 FEATURE_CACHE_BYTES = 256 << 20
+IDENTITIES = 1024                   # image parts' bytes remembered (a digest, a count and a grid each)
 
 
 class FeatureCache:
@@ -61,25 +63,46 @@ class FeatureCache:
 
 
 @dataclass(frozen=True)
-class PromptImage:
-    """An image of a prompt: its pixel digest, and its pixels prepared for the tower when the part
-    carried them (None for a reference: `image_tokens.image_ref`, whose span held K/V or the feature
-    cache must supply), and the tokens it takes (a reference says; 0: it does not)."""
+class Unprepared:
+    """An image part's bytes whose pixels are prepared only if the image must be encoded: a history's
+    image is usually fed from held K/V or the feature cache, and preparing it (decode, resize,
+    normalise) every turn cost a chat with many images that work again on each turn."""
+    data: bytes
+    where: str
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What an image part's bytes come to: its pixel digest, the tokens and the patch grid it takes."""
     digest: str
-    prepared: PreparedImage | None
     n_tokens: int
+    grid: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: its pixel digest, its pixels prepared for the tower, or its bytes to prepare
+    when needed (`Unprepared`), when the part carried them (None for a reference:
+    `image_tokens.image_ref`, whose span held K/V or the feature cache must supply), the tokens it takes
+    (a reference says; 0: it does not) and its grid (None: a reference)."""
+    digest: str
+    prepared: PreparedImage | Unprepared | None
+    n_tokens: int
+    grid: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
 class VisionStats:
     """Status's `vision`: the projector, the most tokens an image takes, the images encoded since the
-    load (a cache hit or a reused span encodes nothing) and the feature cache's fill."""
+    load (a cache hit or a reused span encodes nothing), the feature cache's fill and the image parts
+    decoded and prepared since the load (a part seen before is not, unless it must be encoded)."""
     projector: str
     path: str
     tokens_per_image: int
     images_encoded: int
     feature_cache_entries: int
     feature_cache_bytes: int
+    images_prepared: int
 
 
 class Vision:
@@ -95,6 +118,9 @@ class Vision:
         self._pending: OrderedDict[int, PreparedImage] = OrderedDict()   # images of recent prompts, not encoded
         self._decoded: OrderedDict[tuple[int, int], DecodedImage] = OrderedDict()
         self._prepared: OrderedDict[str, PreparedImage] = OrderedDict()
+        # an image part's bytes (their hash) -> what they came to: a part seen before is not decoded again
+        self._identities: OrderedDict[bytes, Identity] = OrderedDict()
+        self.prepares = 0
         # image span id -> the text positions it takes (towers with `n_pos`: its grid is not in the ids)
         self._n_pos: OrderedDict[int, int] = OrderedDict()
 
@@ -134,7 +160,8 @@ class Vision:
 
     def stats(self) -> VisionStats:
         f = self.features
-        return VisionStats(self.kind, str(self.projector.path), self.max_tokens, f.encodes, len(f), f.nbytes)
+        return VisionStats(self.kind, str(self.projector.path), self.max_tokens, f.encodes, len(f), f.nbytes,
+                           self.prepares)
 
     def storable(self, messages: list) -> list:
         """Messages as a held conversation keeps them: image parts as references with their digest
@@ -143,10 +170,9 @@ class Vision:
         grids: dict[str, tuple[int, int]] = {}
 
         def identify(data: bytes) -> tuple[str, int]:
-            img = self.decode(data, "an image part")
-            prepared = self.prepare(img)
-            grids[img.digest] = prepared.grid
-            return img.digest, prepared.n_tokens
+            known = self.identify(data, "an image part")
+            grids[known.digest] = known.grid
+            return known.digest, known.n_tokens
         out = storable(messages, identify)
         return _with_grids(out, grids) if self.tower.n_pos is not None else out
 
@@ -180,12 +206,33 @@ class Vision:
         data = getattr(part.get("image"), "data", None)
         if data is None:
             raise RequestError(f"{where}: an image part needs an ImageInput (or a held image's digest)")
+        known = self._identities.get(_bytes_key(data))
+        if known is not None:
+            return PromptImage(known.digest, Unprepared(bytes(data), where), known.n_tokens, known.grid)
+        prepared = self._prepare_part(data, where)
+        return PromptImage(self._identities[_bytes_key(data)].digest, prepared, prepared.n_tokens, prepared.grid)
+
+    def identify(self, data: bytes, where: str) -> Identity:
+        """What an image part's bytes come to (decoded and prepared the first time they are seen)."""
+        known = self._identities.get(_bytes_key(data))
+        if known is None:
+            self._prepare_part(data, where)
+            known = self._identities[_bytes_key(data)]
+        return known
+
+    def _prepare_part(self, data: bytes, where: str) -> PreparedImage:
         img = self.decode(data, where)
+        self.prepares += 1
         try:
             prepared = self.prepare(img)
         except RequestError as e:       # a tower's refusal of the image (a strip too thin for its tokens)
             raise RequestError(f"{where}: {e}") from None
-        return PromptImage(img.digest, prepared, prepared.n_tokens)
+        key = _bytes_key(data)
+        self._identities[key] = Identity(img.digest, prepared.n_tokens, prepared.grid)
+        self._identities.move_to_end(key)
+        while len(self._identities) > IDENTITIES:
+            self._identities.popitem(last=False)
+        return prepared
 
     def _span_length(self, img: PromptImage, token: int) -> int:
         """Tokens the image takes: its own count, else (a reference that does not say) its cached
@@ -208,9 +255,10 @@ class Vision:
         for i, (img, piece) in enumerate(zip(images, pieces[1:])):
             t = image_token(img.digest, self.salt)
             if img.prepared is not None:
-                self._pending[t] = img.prepared
+                if not (isinstance(img.prepared, Unprepared) and isinstance(self._pending.get(t), PreparedImage)):
+                    self._pending[t] = img.prepared
                 self._pending.move_to_end(t)
-                self._note_grid(t, img.prepared.grid)
+                self._note_grid(t, img.grid)
             ids += tok.encode(begin, add_bos=False) + [t] * self._span_length(img, t) + tok.encode(end, add_bos=False)
             last = i == len(images) - 1 and tail is not None
             ids += (tail(ids, piece) if last else None) or tok.encode(piece, add_bos=False)
@@ -227,7 +275,7 @@ class Vision:
                 raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                    "pixels: send the image again")
 
-    def hold(self, tokens: list[int]) -> dict[int, ImageFeatures | PreparedImage]:
+    def hold(self, tokens: list[int]) -> dict[int, ImageFeatures | PreparedImage | Unprepared]:
         """What feeding each image span of `tokens` needs (its features when encoded, else its prepared
         pixels), for a caller that feeds it later: a batch row reads its prompt after other prompts
         were rendered and images encoded, which may push it out of the bounded caches here."""
@@ -240,7 +288,7 @@ class Vision:
                 held[t] = got
         return held
 
-    def embeddings(self, token: int, held: ImageFeatures | PreparedImage | None = None) -> ImageFeatures:
+    def embeddings(self, token: int, held: ImageFeatures | PreparedImage | Unprepared | None = None) -> ImageFeatures:
         """The encoded image behind pseudo-token `token`: (n_tokens, text width) embeddings. `held`: what
         `hold` gave for it (the cached features win over held pixels: encoded once)."""
         if isinstance(held, ImageFeatures):
@@ -253,6 +301,8 @@ class Vision:
         if prepared is None:
             raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                "pixels: send the image again")
+        if isinstance(prepared, Unprepared):
+            prepared = self._prepare_part(prepared.data, prepared.where)
         emb = self.tower.encode(self.projector, prepared).astype(self.dtype)
         mx.eval(emb)
         feats = ImageFeatures(emb, prepared.grid)
@@ -315,6 +365,10 @@ class Vision:
         if self.tower.positions is None:
             return nullcontext()
         return self.tower.positions(model, self.shift(fed))
+
+
+def _bytes_key(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _with_grids(messages: list, grids: dict[str, tuple[int, int]]) -> list:

@@ -86,6 +86,22 @@ def test_counts_include_image_tokens(make_engine):
     assert r2.cached_tokens >= r1.prompt_tokens + len(r1.tokens) - 1, (r2.cached_tokens, r1.prompt_tokens)
 
 
+def test_a_history_of_many_images_is_not_decoded_again_each_turn(make_engine):
+    """Six images in a chat (more than the decoded/prepared caches' four): the follow-up sends every one
+    again (as a server client does), and none is decoded, prepared or encoded again: their K/V is held."""
+    eng = make_engine()
+    imgs = [image(40 + 9 * i, 60 - 5 * i, 70 + i) for i in range(6)]
+    history = [user("Six: ", *imgs, " Which is darkest?")]
+    r1 = generate(eng, history, "six")
+    vision = eng.call(Status()).vision
+    assert vision["images_prepared"] == 6 and vision["images_encoded"] == 6
+    follow = history + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And the lightest?"}]
+    r2 = generate(eng, follow, "six")
+    again = eng.call(Status()).vision
+    assert (again["images_prepared"], again["images_encoded"]) == (6, 6), again
+    assert_reused(r1, r2, tokens_of(eng, follow))
+
+
 def test_parked_and_brought_back(make_engine):
     eng = make_engine()
     a, b = image(150, 110, 51), image(110, 150, 52)
