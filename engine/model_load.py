@@ -50,23 +50,13 @@ class ModelLoad:
         progress = lambda d, t: handle.emit(Progress("load", d, t))  # noqa: E731
         model, info = self.eng.serving.load_model(g, dtype, progress)   # distributed: this rank's part
         steer_cfg = self.eng.in_force.steering if req.steering == "keep" else req.steering
-        vector, steering_error = None, None
-        if steer_cfg is not None and getattr(steer_cfg, "files", ()):
-            try:
-                vector = ControlVector.load(steer_cfg, info.n_layer, info.n_embd)
-            except ControlVectorError as e:
-                # A vector made for another model must not cost the user the model: serve without it.
-                steering_error = str(e)
+        vector, steering_error = _control_vector(steer_cfg, info)
         # --kv-bits this head size or this attention cannot take: refused
         kv_format = choose_for(model, self.eng.in_force.kv_bits, info.head_dim)
         # A draft named with the load is built with it, as one unit (mlx-lm's ModelProvider): one that
         # cannot load (no such file, another vocabulary, no memory left) refuses the whole load.
         draft = self.eng.drafts.load(req.draft, path, dtype, n_ctx) if req.draft else None
-        # the budget is part of the spans' identity: an image's K/V and features under another budget
-        # (another size, other tokens) are never taken for this one's
-        vision = Vision(load_projector(vplan.path, g.architecture, info.n_embd, dtype, req.image_max_tokens), dtype,
-                        content_hash(vplan.path) + (f"|{req.image_max_tokens}" if req.image_max_tokens else "")) \
-            if vplan.path is not None else None
+        vision = _vision(vplan.path, g.architecture, info.n_embd, dtype, req.image_max_tokens)
         model_hash = set_hash(g.files)          # a split model: the whole set
         template = g.get("tokenizer.chat_template")
         facts = ModelFacts(model_path=str(path), model_id=model_id(path), name=getattr(info, "name", "") or "",
@@ -81,6 +71,12 @@ class ModelLoad:
             model_hash=model_hash, n_ctx=n_ctx, dtype=dtype, kv_format=kv_format,
             steering=steering.SteeringState(vector, speed_projection=bool(vector) and self.eng.in_force.speed_projection),
             steering_error=steering_error, facts=facts, draft=draft, vision=vision)
+        self._after_swap(vector, dtype)
+        self._log_load(vplan, memory_line, self._touch_kv_memory(info, dtype), handle)
+        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts,
+                           draft=str(draft.path) if draft is not None else None)
+
+    def _after_swap(self, vector, dtype) -> None:
         if vector is not None:
             # Wrapped only when a vector is loaded: without one a decode step pays for no wrapper.
             steering.install(self.eng.model, self.eng.steering)
@@ -89,10 +85,13 @@ class ModelLoad:
             self.eng.log(f"control vector op ({steering.active_backend()}) compiled in {secs * 1e3:.0f} ms")
         self.eng.serving.after_load(self.eng)
         self.eng.conversations.clear()
-        reserved = self._touch_kv_memory(info, dtype)
+
+    def _log_load(self, vplan, memory_line: str, reserved, handle: Handle) -> None:
+        loaded = self.eng.loaded
+        path, info, vision, n_ctx = loaded.path, loaded.info, loaded.vision, loaded.n_ctx
         self.eng.log(f"model: {path.name} ({info.architecture}, {info.n_layer} layers, "
-                  f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {self.eng.n_ctx}, "
-                  f"compute {str(dtype).removeprefix('mlx.core.')}")
+                     f"{info.n_params / 1e6:.0f}M params, {info.file_type}), context {n_ctx}, "
+                     f"compute {str(loaded.dtype).removeprefix('mlx.core.')}")
         self.eng.log(f"weights: {info.load_note}")
         if vision is not None:
             s = vision.projector.spec
@@ -104,21 +103,17 @@ class ModelLoad:
         asked = self.eng.options.context_length
         if asked and asked > n_ctx and info.context_length <= n_ctx:
             # Capped to the model's own context: said on stderr (a warning), not only in the -v log.
-
-            note = (f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: "
-                    f"using {n_ctx}")
+            note = f"context: {asked} tokens asked, but {path.name} holds at most {n_ctx}: using {n_ctx}"
             logging.getLogger("strata").warning(note)
             handle.emit(Log(note))
         self.eng.log(f"K/V: {self.eng.kv_fmt.describe()}")
         self.eng.log(reserved.note)
         if self.eng.serving.describe():
             self.eng.log(self.eng.serving.describe())
-        if vector is not None:
-            self.eng.log(vector.describe())
-        if steering_error:
-            self.eng.log(f"control vector refused: {steering_error}; serving without it")
-        return ModelLoaded(model=str(path), info=info.__dict__, steering_error=steering_error, facts=self.eng.facts,
-                           draft=str(draft.path) if draft is not None else None)
+        if loaded.steering.vector is not None:
+            self.eng.log(loaded.steering.vector.describe())
+        if loaded.steering_error:
+            self.eng.log(f"control vector refused: {loaded.steering_error}; serving without it")
 
     def _touch_kv_memory(self, info, dtype):
         """On the CPU, one context's K/V (capped) allocated and freed at load, as llama.cpp's context
@@ -133,3 +128,24 @@ class ModelLoad:
         # ... and touched again in idle time once restores or prefills have used it (kv_reserve.IdleTopUp)
         self.eng.kv_topup.use(kv_reserve.TopUp.of(reserved, admit=self.eng.guard.admit))
         return reserved
+
+
+def _control_vector(cfg, info) -> tuple[ControlVector | None, str | None]:
+    """The steering configuration's vector for this model, or why not (a vector made for another model
+    must not cost the user the model: it serves without it)."""
+    if cfg is None or not getattr(cfg, "files", ()):
+        return None, None
+    try:
+        return ControlVector.load(cfg, info.n_layer, info.n_embd), None
+    except ControlVectorError as e:
+        return None, str(e)
+
+
+def _vision(path, architecture: str, n_embd: int, dtype, image_max_tokens: int) -> Vision | None:
+    """The projector at `path` (None: none) loaded for this model. The budget is part of the spans'
+    identity: an image's K/V and features under another budget (another size, other tokens) are never
+    taken for this one's."""
+    if path is None:
+        return None
+    salt = content_hash(path) + (f"|{image_max_tokens}" if image_max_tokens else "")
+    return Vision(load_projector(path, architecture, n_embd, dtype, image_max_tokens), dtype, salt)
