@@ -206,33 +206,34 @@ class Vision:
         data = getattr(part.get("image"), "data", None)
         if data is None:
             raise RequestError(f"{where}: an image part needs an ImageInput (or a held image's digest)")
-        known = self._identities.get(_bytes_key(data))
-        if known is not None:
-            return PromptImage(known.digest, Unprepared(bytes(data), where), known.n_tokens, known.grid)
-        prepared = self._prepare_part(data, where)
-        return PromptImage(self._identities[_bytes_key(data)].digest, prepared, prepared.n_tokens, prepared.grid)
+        known, prepared = self._identity(data, where)
+        return PromptImage(known.digest, prepared or Unprepared(bytes(data), where), known.n_tokens, known.grid)
 
     def identify(self, data: bytes, where: str) -> Identity:
         """What an image part's bytes come to (decoded and prepared the first time they are seen)."""
-        known = self._identities.get(_bytes_key(data))
-        if known is None:
-            self._prepare_part(data, where)
-            known = self._identities[_bytes_key(data)]
-        return known
+        return self._identity(data, where)[0]
 
-    def _prepare_part(self, data: bytes, where: str) -> PreparedImage:
+    def _identity(self, data: bytes, where: str) -> tuple[Identity, PreparedImage | None]:
+        """The part's identity, and its prepared pixels when it had to be prepared for that (first seen)."""
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        known = self._identities.get(key)
+        if known is not None:
+            self._identities.move_to_end(key)
+            return known, None
+        prepared, digest = self._prepare_part(data, where)
+        known = self._identities[key] = Identity(digest, prepared.n_tokens, prepared.grid)
+        while len(self._identities) > IDENTITIES:
+            self._identities.popitem(last=False)
+        return known, prepared
+
+    def _prepare_part(self, data: bytes, where: str) -> tuple[PreparedImage, str]:
+        """The part's pixels as the tower reads them, and their digest."""
         img = self.decode(data, where)
         self.prepares += 1
         try:
-            prepared = self.prepare(img)
+            return self.prepare(img), img.digest
         except RequestError as e:       # a tower's refusal of the image (a strip too thin for its tokens)
             raise RequestError(f"{where}: {e}") from None
-        key = _bytes_key(data)
-        self._identities[key] = Identity(img.digest, prepared.n_tokens, prepared.grid)
-        self._identities.move_to_end(key)
-        while len(self._identities) > IDENTITIES:
-            self._identities.popitem(last=False)
-        return prepared
 
     def _span_length(self, img: PromptImage, token: int) -> int:
         """Tokens the image takes: its own count, else (a reference that does not say) its cached
@@ -302,7 +303,7 @@ class Vision:
             raise RequestError("an image's K/V and features are no longer held and its part carries no "
                                "pixels: send the image again")
         if isinstance(prepared, Unprepared):
-            prepared = self._prepare_part(prepared.data, prepared.where)
+            prepared = self._prepare_part(prepared.data, prepared.where)[0]
         emb = self.tower.encode(self.projector, prepared).astype(self.dtype)
         mx.eval(emb)
         feats = ImageFeatures(emb, prepared.grid)
@@ -365,10 +366,6 @@ class Vision:
         if self.tower.positions is None:
             return nullcontext()
         return self.tower.positions(model, self.shift(fed))
-
-
-def _bytes_key(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _with_grids(messages: list, grids: dict[str, tuple[int, int]]) -> list:
