@@ -26,7 +26,7 @@ from .context_meter import POLICY_LABELS, ContextCounter, ContextMeter
 from .markdown_render import insert_message_body, insert_plain, new_block
 from .prefill_eta import PrefillEta
 from .store import Chat
-from .titles import TitleQueue, title_for, title_messages
+from .titles import TitleQueue, images_named, title_for, title_messages
 from .tool_turn import ToolApproval, ToolTurn
 from .tools import loop as tool_loop
 
@@ -925,7 +925,9 @@ class ChatView(QWidget):
     # ---- title -------------------------------------------------------------------------------
     def request_title(self) -> None:
         """Ask for this chat's title once, as the lowest-priority work (app/titles.py's queue)."""
-        first_user = next((m["content"] for m in self.chat.messages if m["role"] == "user"), "")
+        first = next((m for m in self.chat.messages if m["role"] == "user"), {})
+        # a question of images alone is named by its first image ("beach.jpg"), not left "New chat"
+        first_user = first.get("content") or images_named(first.get("images") or [])
         reply = next((m["content"] for m in self.chat.messages if m["role"] == "assistant"), "")
         self._title_asked = self.titles.ask(self, title_messages(first_user, reply), f"title-{self.chat.id}",
                                             lambda text: self._on_title(text, first_user, reply)) or self._title_asked

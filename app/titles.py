@@ -66,6 +66,13 @@ def title_messages(first_user: str, reply: str) -> list[dict]:
                                         f"{TOPIC_ASK}"}]
 
 
+def images_named(refs: list[dict]) -> str:
+    """The text a message of images alone stands for in its title: its first image's name ("beach.jpg"),
+    else "Image"."""
+    names = [str(r.get("name") or "") for r in refs if r.get("name")]
+    return names[0] if names else ("Image" if refs else "")
+
+
 def _phrase(line: str) -> str:
     """A line cut to its first sentence (or what comes before a colon: "The Lone Lighthouse: A tale
     of ..."), without a list marker, markup, quotes and end punctuation."""

@@ -88,6 +88,22 @@ def test_an_attached_image_is_kept_with_the_chat_and_sent_as_an_image_part(qtbot
     assert len(view.chat.messages) == 2 and view.chat.messages[0]["images"] == [ref]
 
 
+def test_a_chat_begun_with_an_image_alone_is_named_by_the_image(qtbot, idle_window, fake_client, tmp_path):
+    """No words sent, only a picture: the title request quotes the image's name for the question, and
+    when the model's title names nothing of the chat, the image's name is the title (not "New chat")."""
+    from engine.api import Generation
+    from test_app_titles_and_stops import replies, titles_asked
+    view = _vision_view(idle_window, fake_client, tmp_path)
+    fake_client.answers["generate"] = replies(Generation(text="Red.", finish_reason="stop"),
+                                              "I'm ready to assist you")
+    assert view.images.attach_files([_file(tmp_path, "beach.png", _png())]) == 1
+    with qtbot.waitSignal(view.title_changed, timeout=5000) as blocker:
+        view.send_input()
+    assert view.chat.messages[0]["content"] == "" and blocker.args[0] == "Beach.png"
+    title_ask = next(a for n, a, kw in fake_client.calls if n == "generate" and kw.get("side"))[0]
+    assert "User: beach.png" in title_ask[-1]["content"] and titles_asked(fake_client) == 1
+
+
 def test_a_stored_reference_never_reaches_out_of_the_chats_folder(idle_window, fake_client, tmp_path):
     """A message dict from a hand-edited database naming '../..' files: only the name inside the chat's
     folder is read, and its absence is said in place (the prompt says so too), nothing else opened."""
