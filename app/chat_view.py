@@ -145,6 +145,7 @@ class ChatView(QWidget):
         self.input.submitted.connect(self.send_input)
         self.input.escaped.connect(self.cancel_edit)
         self.input.images_given.connect(self.images.attach_mime)
+        self.images.take_drops_on(self)
         self.edit_banner = QLabel(visible=False)
         self.send_btn = QPushButton("Send", clicked=self.send_input)
         self.stop_btn = QPushButton("Stop", clicked=self.stop, enabled=False)

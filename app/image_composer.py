@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QUrl, Signal
+from PySide6.QtCore import QEvent, QObject, QUrl, Signal
 from PySide6.QtGui import QImage, QTextCursor, QTextDocument
 from PySide6.QtWidgets import QFileDialog, QPushButton, QWidget
 
@@ -52,8 +52,8 @@ class ImagesPart(QObject):
         self.model_name = ""
         self.row = AttachmentRow()
         self.row.changed.connect(self._show_reason)
-        self.button = QPushButton("Image…", toolTip="Attach images to the message (or paste or drop them "
-                                  "on the message box)", clicked=self.attach_dialog)
+        self.button = QPushButton("Image…", toolTip="Attach images to the message (or paste them, or drop "
+                                  "them on the chat)", clicked=self.attach_dialog)
         self.last_refusal = ""
         self._thumbs: dict[str, QImage] = {}
 
@@ -87,8 +87,23 @@ class ImagesPart(QObject):
             n += self._attach(lambda p=p: attachment_from_file(p))
         return n
 
+    def take_drops_on(self, widget: QWidget) -> None:
+        """Images dropped anywhere on `widget` (the chat: its transcript, not only the message box) are
+        attached; other drops (a session file, a model) go on to the widgets around it."""
+        widget.setAcceptDrops(True)
+        widget.installEventFilter(self)
+
+    def eventFilter(self, obj: QObject, e: QEvent) -> bool:  # noqa: N802
+        t = e.type()
+        if t in (QEvent.Type.DragEnter, QEvent.Type.DragMove, QEvent.Type.Drop) and mime_has_images(e.mimeData()):
+            e.acceptProposedAction()
+            if t == QEvent.Type.Drop:
+                self.attach_mime(e.mimeData())
+            return True
+        return super().eventFilter(obj, e)
+
     def attach_mime(self, mime) -> int:
-        """A paste or a drop on the message box: the image files it names, else its picture."""
+        """A paste or a drop: the image files it names, else its picture."""
         files = mime_image_files(mime)
         if files:
             return self.attach_files(files)

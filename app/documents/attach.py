@@ -1,5 +1,5 @@
 """A chat tab's documents, the Qt side: an Attach button and drops of document files on the message
-box (by file type: text, Markdown, code, CSV, PDF; session files and models still go to the session
+box or anywhere on the chat (by file type: text, Markdown, code, CSV, PDF; session files and models still go to the session
 controller, images to theirs), the extraction in a child process with progress and Cancel, the
 engine's counts that decide whole or by passages, and the passage a citation link shows.
 
@@ -94,7 +94,10 @@ class TabDocuments(QObject):
         view.documents = self
         view.cite_clicked.connect(self.show_source)
         view.changed.connect(self.refresh)       # a question sent takes the whole documents waiting for it
+        # dropped on the message box, or anywhere on the chat (its transcript): other drops go on
         view.input.viewport().installEventFilter(self)
+        view.setAcceptDrops(True)
+        view.installEventFilter(self)
         self.refresh()
 
     def _build_row(self) -> None:
@@ -102,7 +105,7 @@ class TabDocuments(QObject):
         self.bar = QProgressBar(textVisible=True, maximumHeight=16, visible=False)
         self.cancel_btn = QPushButton("Cancel", clicked=self.cancel, visible=False)
         self.attach_btn = QPushButton("Attach…", clicked=self.choose,
-                                      toolTip="Attach a text, Markdown, code, CSV or PDF file (or drop it on the message box)")
+                                      toolTip="Attach a text, Markdown, code, CSV or PDF file (or drop it on the chat)")
         self.row = QWidget()
         lay = QHBoxLayout(self.row)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -320,7 +323,7 @@ class TabDocuments(QObject):
         self.passage_dialog.show()
         self.passage_dialog.raise_()
 
-    # ---- drops on the message box ---------------------------------------------------------------------
+    # ---- drops on the message box or the chat -----------------------------------------------------------------
     def eventFilter(self, obj: QObject, e: QEvent) -> bool:  # noqa: N802
         t = e.type()
         if t in (QEvent.Type.DragEnter, QEvent.Type.DragMove, QEvent.Type.Drop) and document_files(e.mimeData()):

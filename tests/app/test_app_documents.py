@@ -171,7 +171,7 @@ def test_bad_files_are_refused_in_one_line_and_nothing_is_lost(qtbot, window, tm
     refused: list[str] = []
     docs.refused.connect(refused.append)
     zipped, locked, scan = _bad_files(tmp_path)
-    _drop(view.input.viewport(), zipped)                      # dropped, like a good file
+    _drop(view.transcript.viewport(), zipped)                 # dropped on the chat, like a good file
     docs.attach(locked)                                       # queued behind it
     docs.attach(scan)
     qtbot.waitUntil(lambda: len(refused) == 3 and docs.thread is None, timeout=EXTRACT_TIMEOUT_MS)

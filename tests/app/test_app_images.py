@@ -184,6 +184,26 @@ def test_paste_and_drop_attach_images_while_a_session_file_still_restores(qtbot,
     assert [a.name for a in view.images.row.items] == ["copied.jpg", "dropped.png"]
 
 
+def test_images_dropped_on_the_transcript_are_attached_and_a_session_file_still_restores(qtbot, idle_window,
+                                                                                          tmp_path):
+    """The chat's largest area, not only the message box, takes dropped images (as LM Studio's chat does);
+    a session file dropped there still goes to the session controller."""
+    view = idle_window.current_view()
+    before = len(view.images.row.items)
+    assert _drop(view.transcript.viewport(), _urls(_file(tmp_path, "on-transcript.png", _png(seed=4))))
+    assert view.images.row.items[-1].name == "on-transcript.png" and len(view.images.row.items) == before + 1
+    pic = QImage(12, 8, QImage.Format.Format_RGB32)
+    pic.fill(Qt.GlobalColor.blue)
+    mime = QMimeData()
+    mime.setImageData(pic)
+    assert _drop(view.transcript.viewport(), mime)                 # a picture dragged from another app
+    assert (view.images.row.items[-1].width, view.images.row.items[-1].height) == (12, 8)
+    assert _drop(view.transcript.viewport(), _urls(_file(tmp_path, "there.stratasession", b"not yet")))
+    assert any(p.endswith("there.stratasession") for p in idle_window.sessions.pending_files)
+    assert len(view.images.row.items) == before + 2
+    assert not _drop(view.transcript.viewport(), _urls(_file(tmp_path, "data.bin", b"\x00\x01")))   # nobody's
+
+
 def _jpeg() -> bytes:
     buf = io.BytesIO()
     Image.open(io.BytesIO(_png())).save(buf, "JPEG")
