@@ -82,19 +82,22 @@ def ttft(eng, messages, conv: str, gen: int):
 REPLY = "It shows a picture."     # the assistant turn both chats send back (see follow_up)
 
 
-def follow_up(folder: Path, gen: int, reps: int = 3) -> dict:
-    """TTFT of a text follow-up after an image against a text-only chat's follow-up of the same shape,
-    medians of `reps` chats each. Both chats send back the same assistant text: the tiny random model's
+def follow_up(folder: Path, gen: int, reps: int = 3, n_images: int = 1) -> dict:
+    """TTFT of a text follow-up after `n_images` images (320x240 for one; 1280x960 photos, a phone's
+    size, for more: what a follow-up must not decode and prepare again) against a text-only chat's
+    follow-up of the same shape, medians of `reps` chats each. Both chats send back the same assistant text: the tiny random model's
     own replies are partial UTF-8 byte tokens whose text re-tokenizes differently from chat to chat (one
     follow-up read 35 tokens again, the other 17), which is not what is measured."""
     model, _ = write_gemma3_vision_pair(folder / "tiny")
     eng = Engine(EngineOptions(model=str(model), cache_mib=256)).start()
     eng.startup.result()
     try:
-        img = ImageInput(png(photo(320, 240, seed=3)), "photo.png")
+        size = (320, 240) if n_images == 1 else (1280, 960)
+        imgs = [{"type": "image", "image": ImageInput(png(photo(*size, seed=3 + k)), f"photo{k}.png")}
+                for k in range(n_images)]
         q = "Describe what you see in detail, please."
-        first = [{"role": "user", "content": [{"type": "text", "text": q}, {"type": "image", "image": img}]}]
-        text = [{"role": "user", "content": q + " word" * 258}]     # about the image's length in text
+        first = [{"role": "user", "content": [{"type": "text", "text": q}, *imgs]}]
+        text = [{"role": "user", "content": q + " word" * (258 * n_images)}]     # about the images' length in text
         after = [{"role": "assistant", "content": REPLY}, {"role": "user", "content": "And the colours?"}]
         firsts, follows, texts, encoded = [], [], [], 0
         for i in range(reps):
@@ -123,12 +126,16 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--full", action="store_true", help="Gemma 3's SigLIP: 27 layers, 896 pixels")
     ap.add_argument("--gen", type=int, default=4)
+    ap.add_argument("--images", type=int, default=1, help="images in the follow-up's chat (1: 320x240; more: 1280x960)")
+    ap.add_argument("--follow-up-only", action="store_true", help="part 2 alone")
     ap.add_argument("--no-llama", action="store_true", help="Strata's encode alone (no libmtmd, no follow-up)")
     add_args(ap)
     args = ap.parse_args()
     llama_oracle.require = lambda: None if llama_oracle.available() else sys.exit("llama-cpp-python is not installed")
     run = Run(out=args.out)
     with tempfile.TemporaryDirectory() as d:
+        if args.follow_up_only:
+            return record_follow_up(run, follow_up(Path(d), args.gen, n_images=args.images), args.images)
         ours, theirs, shape = encode_times(Path(d), args)
         mo = statistics.median(ours)
         run.record("encode_ms", round(mo * 1e3, 1), "ms", spread=[min(ours) * 1e3, mo * 1e3, max(ours) * 1e3],
@@ -142,16 +149,19 @@ def main() -> None:
         run.record("encode_ratio", round(mt / mo, 2), "x", peer="libmtmd", rounds=args.rounds, **shape,
                    line=f"encode ({shape}): Strata {mo * 1e3:.1f} ms, libmtmd {mt * 1e3:.1f} ms, "
                         f"libmtmd/Strata {mt / mo:.2f}x")
-        f = follow_up(Path(d), args.gen)
-        run.record("follow_up_ttft_ms", round(f["follow_ms"], 1), "ms", encoded_again=f["encoded_again"],
-                   cached=f["cached"], prompt_tokens=f["prompt"])
-        run.record("follow_up_vs_text_follow_up", round(f["follow_ms"] / f["text_follow_ms"], 2), "x",
-                   peer="text-only follow-up",
-                   line=f"first turn with the image {f['first_ms']:.0f} ms; follow-up {f['follow_ms']:.0f} ms "
-                        f"(cached {f['cached']} of {f['prompt']}, images encoded again: {f['encoded_again']}); "
-                        f"text-only follow-up {f['text_follow_ms']:.0f} ms (cached {f['text_cached']} of "
-                        f"{f['text_prompt']}), medians of 3 chats: "
-                        f"{f['follow_ms'] / f['text_follow_ms']:.2f}x")
+        record_follow_up(run, follow_up(Path(d), args.gen, n_images=args.images), args.images)
+
+
+def record_follow_up(run: Run, f: dict, n_images: int) -> None:
+    run.record("follow_up_ttft_ms", round(f["follow_ms"], 1), "ms", encoded_again=f["encoded_again"],
+               cached=f["cached"], prompt_tokens=f["prompt"], images=n_images)
+    run.record("follow_up_vs_text_follow_up", round(f["follow_ms"] / f["text_follow_ms"], 2), "x",
+               peer="text-only follow-up", images=n_images,
+               line=f"first turn with {n_images} image(s) {f['first_ms']:.0f} ms; follow-up {f['follow_ms']:.0f} ms "
+                    f"(cached {f['cached']} of {f['prompt']}, images encoded again: {f['encoded_again']}); "
+                    f"text-only follow-up {f['text_follow_ms']:.0f} ms (cached {f['text_cached']} of "
+                    f"{f['text_prompt']}), medians of 3 chats: "
+                    f"{f['follow_ms'] / f['text_follow_ms']:.2f}x")
 
 
 if __name__ == "__main__":
