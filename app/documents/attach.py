@@ -1,7 +1,8 @@
 """A chat tab's documents, the Qt side: an Attach button and drops of document files on the message
 box or anywhere on the chat (by file type: text, Markdown, code, CSV, PDF; session files and models
-still go to the session controller, images to theirs), the extraction in a child process with progress and Cancel, the
-engine's counts that decide whole or by passages, and the passage a citation link shows.
+still go to the session controller, images to theirs), the extraction in a child process with
+progress and Cancel, the engine's counts that decide whole or by passages, and the passage a
+citation link shows.
 
 Whole or by passages: the engine counts the prompt as the next question would send it with the
 document whole (its template and tokenizer, CountTokens) against the context (the chat config's
