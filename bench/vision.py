@@ -88,7 +88,7 @@ def follow_up(folder: Path, gen: int, reps: int = 3, n_images: int = 1) -> dict:
     follow-up of the same shape, medians of `reps` chats each. Both chats send back the same assistant text: the tiny random model's
     own replies are partial UTF-8 byte tokens whose text re-tokenizes differently from chat to chat (one
     follow-up read 35 tokens again, the other 17), which is not what is measured."""
-    model, _ = write_gemma3_vision_pair(folder / "tiny")
+    model, _ = write_gemma3_vision_pair(folder / "tiny", text_kw={"context_length": 8192})
     eng = Engine(EngineOptions(model=str(model), cache_mib=256)).start()
     eng.startup.result()
     try:

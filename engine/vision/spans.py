@@ -13,7 +13,6 @@ bytes: an image sent again (another turn, another chat) is not encoded again.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -119,7 +118,7 @@ class Vision:
         self._decoded: OrderedDict[tuple[int, int], DecodedImage] = OrderedDict()
         self._prepared: OrderedDict[str, PreparedImage] = OrderedDict()
         # an image part's bytes (their hash) -> what they came to: a part seen before is not decoded again
-        self._identities: OrderedDict[bytes, Identity] = OrderedDict()
+        self._identities: OrderedDict[tuple[int, int], Identity] = OrderedDict()
         self.prepares = 0
         # image span id -> the text positions it takes (towers with `n_pos`: its grid is not in the ids)
         self._n_pos: OrderedDict[int, int] = OrderedDict()
@@ -215,7 +214,10 @@ class Vision:
 
     def _identity(self, data: bytes, where: str) -> tuple[Identity, PreparedImage | None]:
         """The part's identity, and its prepared pixels when it had to be prepared for that (first seen)."""
-        key = hashlib.blake2b(data, digest_size=16).digest()
+        # Python's hash of a bytes object (SipHash, keyed per process) is kept in the object: a request
+        # renders its prompt more than once, and each sighting of the same bytes costs nothing again
+        data = bytes(data)
+        key = (len(data), hash(data))
         known = self._identities.get(key)
         if known is not None:
             self._identities.move_to_end(key)
