@@ -212,7 +212,7 @@ def _llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndar
 
 
 def tiny_hf_weights(arch: str = "llama", *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
-                    head_dim=None, tie_embeddings=True, seed=0) -> dict[str, np.ndarray]:
+                    head_dim=None, tie_embeddings=True, seed=0, embedding_rows=None) -> dict[str, np.ndarray]:
     """The random weights of the tiny model, in HF naming and layout (float32)."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} not in {ARCHS}")
@@ -224,7 +224,7 @@ def tiny_hf_weights(arch: str = "llama", *, n_layer=2, n_embd=64, n_head=4, n_he
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
     if n_head % n_head_kv:
         raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
-    n_vocab = tiny_vocab_size()
+    n_vocab = embedding_rows or tiny_vocab_size()
     rng = np.random.default_rng(seed)
 
     def normal(shape, std):
@@ -333,8 +333,11 @@ def _add_tokenizer(w, tok: dict) -> None:
 
 def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                     head_dim=None, context_length=2048, tensor_type="F32", tie_embeddings=True,
-                    seed=0, rope_theta=10000.0, tokenizer_pre=None, name=None) -> Path:
+                    seed=0, rope_theta=10000.0, tokenizer_pre=None, name=None, embedding_rows=None) -> Path:
     """Write a tiny random-weight GGUF model and return its path.
+
+    ``embedding_rows``: the embedding's (and ``llama.vocab_size``'s) rows, when not the tokenizer's
+    token count (a hostile file's: fewer rows than tokens).
 
     ``tensor_type`` is one of F32, F16, BF16, Q8_0 (others: quantize_with_llama).
     ``tokenizer_pre`` overrides the tokenizer.ggml.pre name (default per arch,
@@ -345,7 +348,8 @@ def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_hea
                          "use quantize_with_llama for other types")
     explicit_head_dim = head_dim is not None or arch == "qwen3"
     hf = tiny_hf_weights(arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                         n_ff=n_ff, head_dim=head_dim, tie_embeddings=tie_embeddings, seed=seed)
+                         n_ff=n_ff, head_dim=head_dim, tie_embeddings=tie_embeddings, seed=seed,
+                         embedding_rows=embedding_rows)
     if head_dim is None:
         head_dim = n_embd // n_head
     qtype, ftype = _TENSOR_TYPES[tensor_type]
@@ -370,7 +374,7 @@ def write_tiny_gguf(path, arch="llama", *, n_layer=2, n_embd=64, n_head=4, n_hea
         w.add_value_length(head_dim)
     w.add_file_type(ftype)
     if arch == "llama":
-        w.add_vocab_size(tiny_vocab_size())
+        w.add_vocab_size(embedding_rows or tiny_vocab_size())
         w.add_rope_dimension_count(head_dim)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

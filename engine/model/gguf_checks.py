@@ -99,6 +99,10 @@ def check_hyperparameters(g) -> Hyperparameters:
     n_vocab = n_tokens
     if g.arch_key("vocab_size") is not None:
         n_vocab = _int(g, "vocab_size", hi=MAX_VOCAB)
+        if n_vocab < n_tokens:
+            # the embeddings would be read past their end at a token of the tokenizer's (MLX's gather
+            # does not check bounds); llama.cpp's loader refuses such a file at the embedding's shape
+            raise bad(f"'{g.architecture}.vocab_size' is {n_vocab}, fewer than the tokenizer's {n_tokens} tokens")
     for key in ("bos_token_id", "eos_token_id", "eot_token_id", "unknown_token_id", "padding_token_id"):
         tid = g.get(f"tokenizer.ggml.{key}")
         if tid is not None and not 0 <= int(tid) < n_tokens:

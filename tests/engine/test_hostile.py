@@ -81,6 +81,16 @@ def test_every_targeted_gguf_mutant_is_refused(worker, tiny_gguf, tmp_path):
     assert worker.peak_rss < 512 << 20
 
 
+def test_fewer_embedding_rows_than_tokens_is_refused_in_one_line(worker, tmp_path):
+    """A file whose vocab_size and embeddings are consistent but hold fewer rows than the tokenizer has
+    tokens: a token past them would be read outside the embeddings (MLX's gather checks no bounds)."""
+    from gguf_factory import tiny_vocab_size, write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "short.gguf", embedding_rows=tiny_vocab_size() - 40)
+    out = worker.run({"kind": "gguf", "path": str(path)}, timeout=60)
+    assert out["outcome"] == "refused", out
+    assert f"fewer than the tokenizer's {tiny_vocab_size()} tokens" in out["detail"] and "\n" not in out["detail"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_valid_models_still_load(worker, tmp_path, arch):
     from gguf_factory import write_tiny_gguf
