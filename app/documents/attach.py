@@ -324,7 +324,7 @@ class TabDocuments(QObject):
         self.passage_dialog.show()
         self.passage_dialog.raise_()
 
-    # ---- drops on the message box or the chat -----------------------------------------------------------------
+    # ---- drops on the message box or the chat --------------------------------------------------------
     def eventFilter(self, obj: QObject, e: QEvent) -> bool:  # noqa: N802
         t = e.type()
         if t in (QEvent.Type.DragEnter, QEvent.Type.DragMove, QEvent.Type.Drop) and document_files(e.mimeData()):
